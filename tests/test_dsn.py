@@ -1,0 +1,350 @@
+"""Tests for transportd.dsn: DSN construction (RFC 3464 / RFC 6522)."""
+
+import email
+import email.policy
+import re
+from datetime import UTC, datetime
+
+import pytest
+
+from transportd.dsn import RecipientReport, build_dsn, status_from_reply
+
+ARRIVAL = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
+NOW = datetime(2024, 5, 1, 12, 30, 0, tzinfo=UTC)
+LAST = datetime(2024, 5, 1, 12, 29, 0, tzinfo=UTC)
+
+ORIGINAL = (
+    b"From: Alice <alice@example.org>\r\n"
+    b"To: bob@example.net, carol@example.com\r\n"
+    b"Subject: Quarterly report\r\n"
+    b"Message-ID: <orig-1@example.org>\r\n"
+    b"Date: Wed, 01 May 2024 11:59:00 +0000\r\n"
+    b"\r\n"
+    b"Hello Bob,\r\n"
+    b"the numbers are attached.\r\n"
+)
+
+TWO_RECIPIENTS = [
+    RecipientReport(
+        address="bob@example.net",
+        action="failed",
+        status="5.1.1",
+        diagnostic="550 5.1.1 <bob@example.net>: user unknown",
+        remote_mta="mx1.example.net",
+        last_attempt=LAST,
+    ),
+    RecipientReport(
+        address="carol@example.com",
+        action="failed",
+        status="5.2.2",
+        diagnostic="552 5.2.2 mailbox full",
+        remote_mta="mx.example.com",
+    ),
+]
+
+
+def _build(**overrides) -> bytes:
+    kwargs = {
+        "reporting_mta": "mta1.example.org",
+        "original_sender": "alice@example.org",
+        "original_message": ORIGINAL,
+        "recipients": TWO_RECIPIENTS,
+        "arrival_date": ARRIVAL,
+        "now": NOW,
+    }
+    kwargs.update(overrides)
+    return build_dsn(**kwargs)
+
+
+def _parse(raw: bytes) -> email.message.EmailMessage:
+    return email.message_from_bytes(raw, policy=email.policy.default)
+
+
+def _assert_wire_safe(raw: bytes, *, seven_bit: bool = True) -> None:
+    assert re.search(rb"(?<!\r)\n", raw) is None, "bare LF in output"
+    assert re.search(rb"\r(?!\n)", raw) is None, "bare CR in output"
+    assert raw.endswith(b"\r\n")
+    assert all(len(line) <= 998 for line in raw.split(b"\r\n"))
+    if seven_bit:
+        assert re.search(rb"[\x00\x80-\xff]", raw) is None, "output is not 7-bit clean"
+
+
+def _status_blocks(msg: email.message.EmailMessage) -> list:
+    report = msg.get_payload()[1]
+    assert report.get_content_type() == "message/delivery-status"
+    return report.get_payload()
+
+
+def test_structure_and_top_level_headers() -> None:
+    raw = _build()
+    _assert_wire_safe(raw)
+    msg = _parse(raw)
+
+    assert msg.get_content_type() == "multipart/report"
+    assert msg.get_param("report-type") == "delivery-status"
+    assert b"\r\nTo: <alice@example.org>\r\n" in raw
+    assert msg["To"].addresses[0].addr_spec == "alice@example.org"
+    assert msg["From"].addresses[0].addr_spec == "MAILER-DAEMON@mta1.example.org"
+    assert msg["Subject"] == "Undeliverable: Quarterly report"
+    assert msg["Auto-Submitted"] == "auto-replied"
+    assert msg["MIME-Version"] == "1.0"
+    assert msg["Date"].datetime == NOW
+    assert re.fullmatch(r"<[^<>@\s]+@mta1\.example\.org>", msg["Message-ID"])
+    assert not msg.defects
+
+    parts = msg.get_payload()
+    assert [p.get_content_type() for p in parts] == [
+        "text/plain",
+        "message/delivery-status",
+        "text/rfc822-headers",
+    ]
+    text = parts[0].get_content()
+    assert "bob@example.net" in text and "user unknown" in text
+    assert "carol@example.com" in text and "mailbox full" in text
+
+
+def test_delivery_status_fields_per_recipient() -> None:
+    msg = _parse(_build(original_envelope_id="ENV-42"))
+    blocks = _status_blocks(msg)
+    assert len(blocks) == 3  # per-message block + one per recipient
+
+    per_message = blocks[0]
+    assert per_message["Reporting-MTA"] == "dns; mta1.example.org"
+    assert per_message["Original-Envelope-Id"] == "ENV-42"
+    assert email.utils.parsedate_to_datetime(per_message["Arrival-Date"]) == ARRIVAL
+
+    bob, carol = blocks[1], blocks[2]
+    assert bob["Final-Recipient"] == "rfc822; bob@example.net"
+    assert bob["Action"] == "failed"
+    assert bob["Status"] == "5.1.1"
+    assert bob["Remote-MTA"] == "dns; mx1.example.net"
+    assert bob["Diagnostic-Code"] == "smtp; 550 5.1.1 <bob@example.net>: user unknown"
+    assert email.utils.parsedate_to_datetime(bob["Last-Attempt-Date"]) == LAST
+
+    assert carol["Final-Recipient"] == "rfc822; carol@example.com"
+    assert carol["Action"] == "failed"
+    assert carol["Status"] == "5.2.2"
+    assert carol["Remote-MTA"] == "dns; mx.example.com"
+    assert carol["Diagnostic-Code"] == "smtp; 552 5.2.2 mailbox full"
+    assert carol["Last-Attempt-Date"] is None
+
+
+def test_optional_fields_omitted_when_unknown() -> None:
+    msg = _parse(_build(recipients=[RecipientReport(address="<dave@example.net>")]))
+    blocks = _status_blocks(msg)
+    assert blocks[0]["Original-Envelope-Id"] is None
+    rcpt = blocks[1]
+    assert rcpt["Final-Recipient"] == "rfc822; dave@example.net"
+    assert (rcpt["Action"], rcpt["Status"]) == ("failed", "5.0.0")
+    for absent in ("Remote-MTA", "Diagnostic-Code", "Last-Attempt-Date", "Original-Recipient"):
+        assert rcpt[absent] is None
+
+
+def test_original_headers_returned_in_part_three() -> None:
+    part3 = _parse(_build()).get_payload()[2]
+    headers = part3.get_content()
+    assert "Subject: Quarterly report" in headers
+    assert "Message-ID: <orig-1@example.org>" in headers
+    assert "From: Alice <alice@example.org>" in headers
+    assert "the numbers are attached" not in headers
+
+
+def test_include_body_returns_whole_message() -> None:
+    raw = _build(include_body=True)
+    _assert_wire_safe(raw)
+    part3 = _parse(raw).get_payload()[2]
+    assert part3.get_content_type() == "message/rfc822"
+    inner = part3.get_content()
+    assert inner["Subject"] == "Quarterly report"
+    assert "the numbers are attached." in inner.get_content()
+
+
+@pytest.mark.parametrize("sender", ["", "<>", "  <>  ", " "])
+def test_null_sender_is_refused(sender: str) -> None:
+    with pytest.raises(ValueError):
+        _build(original_sender=sender)
+
+
+def test_empty_recipients_is_refused() -> None:
+    with pytest.raises(ValueError):
+        _build(recipients=[])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        RecipientReport(address="x@example.net", action="bounced"),
+        RecipientReport(address="x@example.net", status="550"),
+        RecipientReport(address="x@example.net\r\nBcc: victim@example.com"),
+        RecipientReport(address=""),
+    ],
+)
+def test_invalid_recipient_is_refused(bad: RecipientReport) -> None:
+    with pytest.raises(ValueError):
+        _build(recipients=[bad])
+
+
+def test_header_injection_via_sender_is_refused() -> None:
+    with pytest.raises(ValueError):
+        _build(original_sender="alice@example.org\r\nBcc: victim@example.com")
+
+
+def test_sender_with_angle_brackets() -> None:
+    raw = _build(original_sender=" <alice@example.org> ")
+    assert b"\r\nTo: <alice@example.org>\r\n" in raw
+    assert _parse(raw)["To"].addresses[0].addr_spec == "alice@example.org"
+
+
+MALFORMED_ORIGINALS = [
+    b"",
+    b"\r\n\r\nbody only",
+    b"no header block at all, just text with no blank line",
+    b"Subject: caf\xe9 latin-1\nX-Bin: \x00\x01\xff\xfe\n\nbody \xff\r\n",
+    b"Subject: =?utf-8?q?broken\r\nFrom \xff\xff\r\n: \r\n\r\n",
+    b"Subject: " + b"A" * 5000 + b"\r\nX: " + b"\xc3\xa9" * 3000 + b"\r\n\r\nbody",
+    b"Subject: =?x-unknown-charset?q?foo?=\r\n\r\n",
+    b"Subject: =?utf-8?b?!!!not-base64!!!?=\r\n\r\n",
+    b"\xff\xfe\x00garbage\rmixed\nline\r\nendings\n\r\n\r\n",
+    b'Content-Type: multipart/mixed; boundary="=_dsn_"\r\n\r\n--=_dsn_\r\n',
+]
+
+
+@pytest.mark.parametrize("original", MALFORMED_ORIGINALS)
+@pytest.mark.parametrize("include_body", [False, True])
+def test_malformed_original_does_not_raise(original: bytes, include_body: bool) -> None:
+    raw = _build(original_message=original, include_body=include_body)
+    _assert_wire_safe(raw)
+    msg = _parse(raw)
+    assert msg.get_content_type() == "multipart/report"
+    parts = msg.get_payload()
+    assert len(parts) == 3
+    assert parts[2].get_content_type() in ("text/rfc822-headers", "message/rfc822")
+    assert _status_blocks(msg)[1]["Final-Recipient"] == "rfc822; bob@example.net"
+    parts[0].get_content()
+    parts[2].get_content()
+
+
+def test_eight_bit_headers_are_kept_exactly_via_quoted_printable() -> None:
+    original = b"Subject: caf\xc3\xa9\r\nX-Raw: \xff\xfe\r\n\r\nbody \xff\r\n"
+    raw = _build(original_message=original, include_body=True)
+    _assert_wire_safe(raw)
+    part3 = _parse(raw).get_payload()[2]
+    # message/rfc822 cannot be encoded, so an 8-bit original falls back to headers.
+    assert part3.get_content_type() == "text/rfc822-headers"
+    assert part3["Content-Transfer-Encoding"] == "quoted-printable"
+    assert part3.get_payload(decode=True) == b"Subject: caf\xc3\xa9\r\nX-Raw: \xff\xfe\r\n"
+    assert "not 7-bit clean" in _parse(raw).get_payload()[0].get_content()
+
+
+def test_bare_lf_original_is_normalised() -> None:
+    original = ORIGINAL.replace(b"\r\n", b"\n")
+    for include_body in (False, True):
+        raw = _build(original_message=original, include_body=include_body)
+        _assert_wire_safe(raw)
+    part3 = _parse(_build(original_message=original)).get_payload()[2]
+    assert "Subject: Quarterly report" in part3.get_content()
+
+
+@pytest.mark.parametrize(
+    ("original", "expected"),
+    [
+        (b"Subject: =?utf-8?q?R=C3=A9sum=C3=A9?=\r\n\r\n", "Undeliverable: Résumé"),
+        (b"Subject: =?iso-8859-1?b?Y2Fm6Q==?=\r\n\r\n", "Undeliverable: café"),
+        (b"Subject:\r\n\r\nbody", "Undeliverable: (no subject)"),
+        (b"Subject: \r\n\r\n", "Undeliverable: (no subject)"),
+        (b"From: a@b\r\n\r\nno subject", "Undeliverable: (no subject)"),
+        (b"Subject: raw utf-8 \xc3\xa9t\xc3\xa9\r\n\r\n", "Undeliverable: raw utf-8 été"),
+        (b"Subject: folded\r\n  over two lines\r\n\r\n", "Undeliverable: folded over two lines"),
+    ],
+)
+def test_subject_survives_encoded_empty_missing(original: bytes, expected: str) -> None:
+    raw = _build(original_message=original)
+    _assert_wire_safe(raw)
+    assert _parse(raw)["Subject"] == expected
+
+
+def test_long_subject_is_folded_and_truncated() -> None:
+    original = b"Subject: " + b"word " * 400 + b"\r\n\r\n"
+    raw = _build(original_message=original)
+    _assert_wire_safe(raw)
+    subject = _parse(raw)["Subject"]
+    assert subject.startswith("Undeliverable: word word")
+    assert len(subject) < 250
+
+
+def test_delayed_subject_only_when_every_recipient_is_delayed() -> None:
+    delayed = RecipientReport(
+        address="bob@example.net",
+        action="delayed",
+        status="4.4.7",
+        diagnostic="451 4.4.7 try later",
+    )
+    msg = _parse(_build(recipients=[delayed]))
+    assert msg["Subject"] == "Delivery delayed: Quarterly report"
+    blocks = _status_blocks(msg)
+    assert (blocks[1]["Action"], blocks[1]["Status"]) == ("delayed", "4.4.7")
+    assert "delayed" in msg.get_payload()[0].get_content()
+
+    mixed = _parse(_build(recipients=[delayed, TWO_RECIPIENTS[1]]))
+    assert mixed["Subject"] == "Undeliverable: Quarterly report"
+
+
+def test_postmaster_and_message_id_domain() -> None:
+    msg = _parse(_build(postmaster="postmaster@example.org", message_id_domain="ids.example.org"))
+    assert msg["From"].addresses[0].addr_spec == "postmaster@example.org"
+    assert msg["From"].addresses[0].display_name == "Mail Delivery System"
+    assert msg["Message-ID"].endswith("@ids.example.org>")
+
+
+def test_message_ids_are_unique() -> None:
+    assert _parse(_build())["Message-ID"] != _parse(_build())["Message-ID"]
+
+
+def test_multiline_and_long_diagnostic_is_unfolded_and_wrapped() -> None:
+    diagnostic = "550-5.7.1 first line\r\n550 5.7.1 " + "policy " * 60 + "end"
+    raw = _build(recipients=[RecipientReport(address="bob@example.net", diagnostic=diagnostic)])
+    _assert_wire_safe(raw)
+    code = _status_blocks(_parse(raw))[1]["Diagnostic-Code"]
+    assert code.startswith("smtp; 550-5.7.1 first line 550 5.7.1 policy policy")
+    assert code.endswith("policy end")
+
+
+def test_original_recipient_and_utf8_final_recipient() -> None:
+    rcpt = RecipientReport(
+        address="jörg+x@example.de",
+        original_recipient="rfc822;Jorg@Example.DE",
+    )
+    raw = _build(recipients=[rcpt])
+    _assert_wire_safe(raw)
+    block = _status_blocks(_parse(raw))[1]
+    assert block["Original-Recipient"] == "rfc822; Jorg@Example.DE"
+    assert block["Final-Recipient"] == "utf-8; j\\x{F6}rg\\x{2B}x@example.de"
+    assert "jörg+x@example.de" in _parse(raw).get_payload()[0].get_content()
+
+
+def test_naive_datetimes_are_utc() -> None:
+    msg = _parse(_build(now=NOW.replace(tzinfo=None), arrival_date=ARRIVAL.replace(tzinfo=None)))
+    assert msg["Date"].datetime == NOW
+
+
+@pytest.mark.parametrize(
+    ("code", "text", "expected"),
+    [
+        (550, "5.1.1 user unknown", "5.1.1"),
+        (550, "<x@y>: Recipient address rejected: 5.1.1 nope", "5.1.1"),
+        (550, "550-5.7.1 policy\r\n550 5.7.1 more", "5.7.1"),
+        (452, "4.2.2 mailbox full", "4.2.2"),
+        (250, "2.0.0 Ok: queued as ABC", "2.0.0"),
+        (550, "user unknown", "5.0.0"),
+        (554, "", "5.0.0"),
+        (421, "service not available", "4.0.0"),
+        (451, "5.4.7 class disagrees with the reply code", "4.4.7"),
+        (550, "5.1.1000 too many digits", "5.0.0"),
+        (550, "5.1.1: trailing punctuation", "5.0.0"),
+        (550, "6.1.1 not a class", "5.0.0"),
+        (550, "x 5.123.456", "5.123.456"),
+        (0, "no reply", "4.0.0"),
+    ],
+)
+def test_status_from_reply(code: int, text: str, expected: str) -> None:
+    assert status_from_reply(code, text) == expected

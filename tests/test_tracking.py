@@ -1,0 +1,762 @@
+"""Tests for transportd.tracking: the MSGTRK writer's bytes on disk, rolling, and the reader."""
+
+from __future__ import annotations
+
+import csv
+import io
+import threading
+import uuid
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+import transportd
+from transportd import tracking
+from transportd.tracking import (
+    FIELDS_2010,
+    FIELDS_2013,
+    FIELDS_2016,
+    TrackingLog,
+    format_datetime,
+    iter_log_files,
+    parse_datetime,
+    parse_log_file,
+    search,
+)
+
+BOM = b"\xef\xbb\xbf"
+SPEC_FIELDS_LINE = (
+    "date-time,client-ip,client-hostname,server-ip,server-hostname,source-context,connector-id,"
+    "source,event-id,internal-message-id,message-id,network-message-id,recipient-address,"
+    "recipient-status,total-bytes,recipient-count,related-recipient-address,reference,"
+    "message-subject,sender-address,return-path,message-info,directionality,tenant-id,"
+    "original-client-ip,original-server-ip,custom-data,transport-traffic-type,log-id,"
+    "schema-version"
+)
+T0 = datetime(2026, 11, 22, 3, 6, 13, 123456, tzinfo=UTC)
+
+
+class Clock:
+    def __init__(self, now: datetime = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, **kwargs: float) -> None:
+        self.now += timedelta(**kwargs)
+
+
+def make_log(directory: Path, clock: Clock | None = None, **kwargs) -> TrackingLog:
+    kwargs.setdefault("server_ip", "10.0.0.5")
+    return TrackingLog(directory, "node1.example.net", clock=clock or Clock(), **kwargs)
+
+
+def expected_header(when: str, version: str = transportd.__version__) -> bytes:
+    return (
+        BOM
+        + (
+            "#Software: transportd\r\n"
+            f"#Version: {version}\r\n"
+            "#Log-type: Message Tracking Log\r\n"
+            f"#Date: {when}\r\n"
+            f"#Fields: {SPEC_FIELDS_LINE}\r\n"
+        ).encode()
+    )
+
+
+def data_lines(raw: bytes) -> list[bytes]:
+    """Physical data lines of a file whose rows hold no CR/LF."""
+    return [line for line in raw.split(b"\r\n") if line and not line.lstrip(BOM).startswith(b"#")]
+
+
+# -- field lists ---------------------------------------------------------------------------
+
+
+def test_field_lists_match_spec():
+    assert ",".join(FIELDS_2016) == SPEC_FIELDS_LINE
+    assert len(FIELDS_2016) == 30
+    assert len(FIELDS_2013) == 27
+    assert len(FIELDS_2010) == 26
+    assert FIELDS_2013 == FIELDS_2016[:27]
+    assert FIELDS_2013[-1] == "custom-data"
+    assert "network-message-id" in FIELDS_2013
+    assert "network-message-id" not in FIELDS_2010
+    assert FIELDS_2010 == tuple(f for f in FIELDS_2013 if f != "network-message-id")
+    assert FIELDS_2010[10:12] == ("message-id", "recipient-address")
+
+
+# -- writer: bytes on disk ------------------------------------------------------------------
+
+
+def test_header_bom_and_crlf_exact(tmp_path):
+    log = make_log(tmp_path / "logs" / "node1")  # directory is created
+    log.write("RECEIVE", "SMTP", internal_message_id=7, message_id="<a@b>")
+    log.close()
+    files = list((tmp_path / "logs" / "node1").iterdir())
+    assert [f.name for f in files] == ["MSGTRK20261122-1.LOG"]
+    raw = files[0].read_bytes()
+    header = expected_header("2026-11-22T03:06:13.123Z")
+    assert raw.startswith(header)
+    assert raw.count(BOM) == 1
+    assert raw.endswith(b"\r\n")
+    assert b"\n" not in raw.replace(b"\r\n", b"")
+    assert b"\r" not in raw.replace(b"\r\n", b"")
+    assert len(data_lines(raw)) == 1
+
+
+def test_row_values(tmp_path):
+    log = make_log(tmp_path, software_version="9.8.7")
+    log.write(
+        "SENDEXTERNAL",
+        "SMTP",
+        internal_message_id=42,
+        message_id="<m1@example.com>",
+        network_message_id="6f1c0d5e-0000-4000-8000-000000000001",
+        recipients=["a@x.org", "b@y.org"],
+        recipient_status=["250 2.0.0 OK", "250 2.0.0 OK"],
+        total_bytes=1234,
+        sender_address="s@example.com",
+        return_path="bounce@example.com",
+        directionality="Originating",
+        client_ip="192.0.2.1",
+        client_hostname="client.example.com",
+        connector_id="Outbound",
+        source_context="mx.x.org",
+        custom_data="S:x=y",
+    )
+    log.close()
+    (line,) = data_lines(next(tmp_path.iterdir()).read_bytes())
+    values = next(csv.reader(io.StringIO(line.decode())))
+    assert len(values) == 30
+    row = dict(zip(FIELDS_2016, values))
+    assert row["date-time"] == "2026-11-22T03:06:13.123Z"
+    assert row["server-hostname"] == "node1.example.net"
+    assert row["server-ip"] == "10.0.0.5"
+    assert row["event-id"] == "SENDEXTERNAL"
+    assert row["source"] == "SMTP"
+    assert row["internal-message-id"] == "42"
+    assert row["recipient-address"] == "a@x.org;b@y.org"
+    assert row["recipient-status"] == "250 2.0.0 OK;250 2.0.0 OK"
+    assert row["recipient-count"] == "2"
+    assert row["total-bytes"] == "1234"
+    assert row["tenant-id"] == ""
+    assert row["transport-traffic-type"] == "Email"
+    assert row["schema-version"] == "9.8.7"
+    assert uuid.UUID(row["log-id"])
+    assert row["custom-data"] == "S:x=y"
+    assert row["connector-id"] == "Outbound"
+    assert row["directionality"] == "Originating"
+
+
+def test_row_defaults_and_overrides(tmp_path):
+    log = make_log(tmp_path)
+    log.write("DROP", "ADMIN")
+    log.write("DELIVER", "STOREDRIVER", recipients="one@x.org", server_ip="10.9.9.9")
+    log.write(
+        "RECEIVE",
+        "SMTP",
+        recipients=["a@x", "b@x"],
+        recipient_count=5,
+        date_time=datetime(2026, 1, 2, 4, 5, 6, 789000, tzinfo=timezone(timedelta(hours=2))),
+    )
+    log.close()
+    rows = list(parse_log_file(next(tmp_path.iterdir())))
+    assert rows[0]["recipient-count"] == ""
+    assert rows[0]["internal-message-id"] == ""
+    assert rows[0]["total-bytes"] == ""
+    assert rows[0]["server-ip"] == "10.0.0.5"
+    assert rows[1]["recipient-address"] == "one@x.org"  # a bare string is one recipient
+    assert rows[1]["recipient-count"] == "1"
+    assert rows[1]["server-ip"] == "10.9.9.9"
+    assert rows[2]["recipient-count"] == "5"
+    assert rows[2]["date-time"] == "2026-01-02T02:05:06.789Z"
+    assert rows[0]["log-id"] != rows[1]["log-id"]
+
+
+def test_quoting_exact_bytes(tmp_path):
+    assert tracking._csv_field("plain text; a@b") == "plain text; a@b"
+    assert tracking._csv_field("") == ""
+    assert tracking._csv_field(" lead and trail ") == " lead and trail "
+    assert tracking._csv_field("a,b") == '"a,b"'
+    assert tracking._csv_field('say "hi"') == '"say ""hi"""'
+    assert tracking._csv_field("x\ry") == '"x\ry"'
+    assert tracking._csv_field("x\ny") == '"x\ny"'
+    assert tracking._csv_field("x'y\t") == "x'y\t"
+
+    log = make_log(tmp_path)
+    log.write("RECEIVE", "SMTP", message_subject='Re: "budget", Q3', custom_data="a=1")
+    log.close()
+    raw = next(tmp_path.iterdir()).read_bytes()
+    assert b',"Re: ""budget"", Q3",' in raw
+    assert b",a=1,Email," in raw
+
+
+@pytest.mark.parametrize(
+    "subject",
+    [
+        "commas, here, and there",
+        'quotes "inside" and "" doubled',
+        "crlf\r\nin the middle",
+        "bare lf\nand bare cr\rtoo",
+        '"starts and ends with a quote"',
+        'mixed, "all",\r\nof them\n',
+        "unicode: Grüße, 日本語",
+    ],
+)
+def test_quoting_round_trips(tmp_path, subject):
+    log = make_log(tmp_path)
+    log.write("RECEIVE", "SMTP", message_subject=subject, sender_address="s@x", custom_data="1")
+    log.write("SEND", "SMTP", message_subject="after", custom_data="2")
+    log.close()
+    errors: list = []
+    rows = list(parse_log_file(next(tmp_path.iterdir()), errors))
+    assert errors == []
+    assert [r["message-subject"] for r in rows] == [subject, "after"]
+    assert rows[0]["sender-address"] == "s@x"
+    assert [r["custom-data"] for r in rows] == ["1", "2"]
+
+
+def test_every_row_has_30_fields(tmp_path):
+    log = make_log(tmp_path)
+    for i in range(5):
+        log.write("RECEIVE", "SMTP", internal_message_id=i, message_subject=f"s{i}, x")
+    log.close()
+    raw = next(tmp_path.iterdir()).read_bytes()
+    lines = data_lines(raw)
+    assert len(lines) == 5
+    for line in lines:
+        assert len(next(csv.reader(io.StringIO(line.decode())))) == 30
+
+
+# -- writer: rolling and restart ------------------------------------------------------------
+
+
+def test_roll_by_size(tmp_path):
+    header_len = len(expected_header("2026-11-22T03:06:13.123Z"))
+    log = make_log(tmp_path, max_file_size=header_len + 700)
+    for i in range(10):
+        log.write("RECEIVE", "SMTP", custom_data=f"row{i}", message_subject="x" * 100)
+    log.close()
+    files = iter_log_files(tmp_path)
+    assert len(files) > 2
+    assert [f.name for f in files] == [f"MSGTRK20261122-{n}.LOG" for n in range(1, len(files) + 1)]
+    for f in files:
+        raw = f.read_bytes()
+        assert raw.startswith(expected_header("2026-11-22T03:06:13.123Z"))
+        assert raw.count(b"#Software:") == 1
+        assert len(raw) <= header_len + 700
+        assert data_lines(raw)  # no header-only files
+    assert [r["custom-data"] for r in search(tmp_path)] == [f"row{i}" for i in range(10)]
+
+
+def test_row_larger_than_limit_gets_its_own_file(tmp_path):
+    log = make_log(tmp_path, max_file_size=600)
+    log.write("RECEIVE", "SMTP", custom_data="small")
+    log.write("RECEIVE", "SMTP", custom_data="big", message_subject="y" * 2000)
+    log.write("RECEIVE", "SMTP", custom_data="small2")
+    log.close()
+    files = iter_log_files(tmp_path)
+    per_file = [[r["custom-data"] for r in parse_log_file(f)] for f in files]
+    assert per_file == [["small"], ["big"], ["small2"]]
+
+
+def test_roll_by_day(tmp_path):
+    clock = Clock(datetime(2026, 11, 22, 23, 59, 59, 999000, tzinfo=UTC))
+    log = make_log(tmp_path, clock)
+    log.write("RECEIVE", "SMTP", custom_data="before")
+    clock.advance(milliseconds=1)
+    log.write("SEND", "SMTP", custom_data="after")
+    clock.advance(hours=1)
+    log.write("SEND", "SMTP", custom_data="later")
+    log.close()
+    names = [f.name for f in iter_log_files(tmp_path)]
+    assert names == ["MSGTRK20261122-1.LOG", "MSGTRK20261123-1.LOG"]
+    day2 = (tmp_path / "MSGTRK20261123-1.LOG").read_bytes()
+    assert day2.startswith(expected_header("2026-11-23T00:00:00.000Z"))
+    assert [r["custom-data"] for r in parse_log_file(tmp_path / names[0])] == ["before"]
+    rows = list(parse_log_file(tmp_path / names[1]))
+    assert [r["custom-data"] for r in rows] == ["after", "later"]
+    assert rows[0]["date-time"] == "2026-11-23T00:00:00.000Z"
+
+
+def test_day_follows_utc_not_local_offset(tmp_path):
+    # 2026-11-23 01:30 at +05:00 is 2026-11-22 20:30 UTC.
+    clock = Clock(datetime(2026, 11, 23, 1, 30, tzinfo=timezone(timedelta(hours=5))))
+    log = make_log(tmp_path, clock)
+    log.write("RECEIVE", "SMTP")
+    log.close()
+    assert [f.name for f in tmp_path.iterdir()] == ["MSGTRK20261122-1.LOG"]
+    assert next(parse_log_file(tmp_path / "MSGTRK20261122-1.LOG"))["date-time"] == (
+        "2026-11-22T20:30:00.000Z"
+    )
+
+
+def test_restart_appends_without_second_header(tmp_path):
+    clock = Clock()
+    log = make_log(tmp_path, clock)
+    log.write("RECEIVE", "SMTP", custom_data="1")
+    log.write("SEND", "SMTP", custom_data="2")
+    log.close()
+    clock.advance(hours=1)
+    log = make_log(tmp_path, clock)
+    log.write("DELIVER", "STOREDRIVER", custom_data="3")
+    log.close()
+    files = list(tmp_path.iterdir())
+    assert [f.name for f in files] == ["MSGTRK20261122-1.LOG"]
+    raw = files[0].read_bytes()
+    assert raw.count(BOM) == 1
+    assert raw.count(b"#Software:") == 1
+    assert raw.count(b"#Fields:") == 1
+    assert raw.startswith(expected_header("2026-11-22T03:06:13.123Z"))
+    assert [r["custom-data"] for r in parse_log_file(files[0])] == ["1", "2", "3"]
+
+
+def test_restart_picks_highest_number_and_respects_limit(tmp_path):
+    clock = Clock()
+    log = make_log(tmp_path, clock, max_file_size=700)
+    for i in range(4):
+        log.write("RECEIVE", "SMTP", custom_data=str(i), message_subject="z" * 150)
+    log.close()
+    names = sorted(f.name for f in tmp_path.iterdir())
+    highest = max(int(n.split("-")[1].split(".")[0]) for n in names)
+    assert highest >= 2
+    last = tmp_path / f"MSGTRK20261122-{highest}.LOG"
+    size_before = last.stat().st_size
+
+    # Under the limit: append to the highest-numbered file.
+    log = make_log(tmp_path, clock, max_file_size=10_000)
+    log.write("SEND", "SMTP", custom_data="appended")
+    log.close()
+    assert last.stat().st_size > size_before
+    assert last.read_bytes().count(b"#Fields:") == 1
+    assert [r["custom-data"] for r in parse_log_file(last)][-1] == "appended"
+
+    # At or over the limit: start the next number.
+    log = make_log(tmp_path, clock, max_file_size=last.stat().st_size)
+    log.write("SEND", "SMTP", custom_data="next")
+    log.close()
+    nxt = tmp_path / f"MSGTRK20261122-{highest + 1}.LOG"
+    assert nxt.read_bytes().startswith(BOM + b"#Software: transportd\r\n")
+    assert [r["custom-data"] for r in parse_log_file(nxt)] == ["next"]
+
+
+def test_restart_on_a_new_day_starts_at_one(tmp_path):
+    clock = Clock()
+    make_log(tmp_path, clock).write("RECEIVE", "SMTP")
+    clock.advance(days=1)
+    log = make_log(tmp_path, clock)
+    log.write("RECEIVE", "SMTP")
+    log.close()
+    assert sorted(f.name for f in tmp_path.iterdir()) == [
+        "MSGTRK20261122-1.LOG",
+        "MSGTRK20261123-1.LOG",
+    ]
+
+
+def test_restart_after_torn_row(tmp_path):
+    log = make_log(tmp_path)
+    log.write("RECEIVE", "SMTP", custom_data="whole")
+    log.close()
+    path = tmp_path / "MSGTRK20261122-1.LOG"
+    with open(path, "ab") as f:
+        f.write(b"2026-11-22T03:06:14.000Z,1.2.3.4,torn")  # crash mid-row
+    log = make_log(tmp_path)
+    log.write("SEND", "SMTP", custom_data="new")
+    log.close()
+    errors: list = []
+    rows = list(parse_log_file(path, errors))
+    assert [r["custom-data"] for r in rows] == ["whole", "new"]
+    assert len(errors) == 1
+    assert errors[0][:2] == (path, 7)
+
+
+def test_empty_existing_file_gets_header(tmp_path):
+    (tmp_path / "MSGTRK20261122-1.LOG").write_bytes(b"")
+    log = make_log(tmp_path)
+    log.write("RECEIVE", "SMTP")
+    log.close()
+    raw = (tmp_path / "MSGTRK20261122-1.LOG").read_bytes()
+    assert raw.startswith(expected_header("2026-11-22T03:06:13.123Z"))
+
+
+def test_write_after_close_raises_and_close_is_idempotent(tmp_path):
+    log = make_log(tmp_path)
+    log.close()
+    log.close()
+    with pytest.raises(ValueError):
+        log.write("RECEIVE", "SMTP")
+
+
+def test_context_manager(tmp_path):
+    with make_log(tmp_path) as log:
+        log.write("RECEIVE", "SMTP")
+        assert log.current_path == tmp_path / "MSGTRK20261122-1.LOG"
+    assert log.current_path is None
+
+
+class FailingFile:
+    def write(self, data):
+        raise OSError(28, "No space left on device")
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_io_error_is_raised_and_next_write_reopens(tmp_path):
+    log = make_log(tmp_path)
+    log.write("RECEIVE", "SMTP", custom_data="1")
+    real = log._file
+    log._file = FailingFile()
+    real.close()
+    with pytest.raises(OSError):
+        log.write("SEND", "SMTP", custom_data="lost")
+    assert log.current_path is None  # no half-open handle kept
+    log.write("SEND", "SMTP", custom_data="2")
+    log.close()
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1
+    assert files[0].read_bytes().count(b"#Fields:") == 1
+    assert [r["custom-data"] for r in parse_log_file(files[0])] == ["1", "2"]
+
+
+def test_threads_do_not_interleave_rows(tmp_path):
+    log = make_log(tmp_path, max_file_size=20_000)
+
+    def worker(n: int) -> None:
+        for i in range(150):
+            log.write("RECEIVE", "SMTP", custom_data=f"{n}:{i}", message_subject="a, b " * 5)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    log.close()
+    errors: list = []
+    rows = [r for f in iter_log_files(tmp_path) for r in parse_log_file(f, errors)]
+    assert errors == []
+    assert len(rows) == 8 * 150
+    assert {r["custom-data"] for r in rows} == {f"{n}:{i}" for n in range(8) for i in range(150)}
+    for n in range(8):  # each thread's rows are in its own order
+        mine = [int(r["custom-data"].split(":")[1]) for r in rows if r["custom-data"][0] == str(n)]
+        assert mine == list(range(150))
+    for f in iter_log_files(tmp_path):
+        assert f.read_bytes().count(b"#Fields:") == 1
+
+
+# -- reading --------------------------------------------------------------------------------
+
+
+def exchange_row(fields: tuple[str, ...], **values: str) -> list[str]:
+    return [values.get(name.replace("-", "_"), "") for name in fields]
+
+
+def test_read_2010_headerless_lf_no_bom(tmp_path):
+    rows = [
+        exchange_row(
+            FIELDS_2010,
+            date_time="2012-03-04T05:06:07.890Z",
+            event_id="RECEIVE",
+            source="SMTP",
+            internal_message_id="123",
+            message_id="<old@ex2010>",
+            recipient_address="a@x;b@x",
+            message_subject="Hello, world",
+            custom_data="last",
+        ),
+        exchange_row(FIELDS_2010, event_id="DELIVER", source="STOREDRIVER", custom_data="2nd"),
+    ]
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(rows)
+    path = tmp_path / "excerpt.log"
+    path.write_bytes(buf.getvalue().encode())
+    assert not path.read_bytes().startswith(BOM)
+    errors: list = []
+    parsed = list(parse_log_file(path, errors))
+    assert errors == []
+    assert len(parsed) == 2
+    assert set(parsed[0]) == set(FIELDS_2016)
+    assert parsed[0]["date-time"] == "2012-03-04T05:06:07.890Z"
+    assert parsed[0]["message-subject"] == "Hello, world"
+    assert parsed[0]["recipient-address"] == "a@x;b@x"
+    assert parsed[0]["internal-message-id"] == "123"
+    assert parsed[0]["custom-data"] == "last"
+    assert parsed[0]["network-message-id"] == ""
+    assert parsed[0]["log-id"] == ""
+    assert parsed[1]["event-id"] == "DELIVER"
+    assert parsed[1]["custom-data"] == "2nd"
+
+
+def test_read_2013_with_header_bom_crlf(tmp_path):
+    header = (
+        "#Software: Microsoft Exchange Server\r\n"
+        "#Version: 15.00.1497.002\r\n"
+        "#Log-type: Message Tracking Log\r\n"
+        "#Date: 2019-05-06T00:00:01.234Z\r\n"
+        "#Fields: " + ",".join(FIELDS_2013) + "\r\n"
+    )
+    row = exchange_row(
+        FIELDS_2013,
+        date_time="2019-05-06T07:08:09.010Z",
+        event_id="SEND",
+        network_message_id="0b5f3c3e-aaaa-bbbb-cccc-0123456789ab",
+        message_subject='Re: "x", y\r\nz',
+        custom_data="S:DeliveryPriority=Normal",
+    )
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\r\n").writerow(row)
+    path = tmp_path / "MSGTRK2019050600-1.LOG"
+    path.write_bytes(BOM + (header + buf.getvalue()).encode())
+    errors: list = []
+    (parsed,) = list(parse_log_file(path, errors))
+    assert errors == []
+    assert parsed["network-message-id"] == "0b5f3c3e-aaaa-bbbb-cccc-0123456789ab"
+    assert parsed["message-subject"] == 'Re: "x", y\r\nz'
+    assert parsed["custom-data"] == "S:DeliveryPriority=Normal"
+    assert parsed["date-time"] == "2019-05-06T07:08:09.010Z"  # BOM not glued to a field
+    assert parsed["schema-version"] == ""
+
+
+def test_read_2016_headerless_and_header_field_order(tmp_path):
+    # Headerless 30 fields.
+    row = exchange_row(FIELDS_2016, event_id="SEND", log_id="L1", schema_version="15.1")
+    path = tmp_path / "a.log"
+    path.write_text(",".join(row) + "\n")
+    (parsed,) = parse_log_file(path)
+    assert parsed["log-id"] == "L1"
+    assert parsed["schema-version"] == "15.1"
+    # A #Fields header decides the order, whatever the count.
+    path = tmp_path / "b.log"
+    path.write_text("#Fields: event-id,date-time,custom-data\nRECEIVE,2026-01-01T00:00:00Z,c\n")
+    (parsed,) = parse_log_file(path)
+    assert parsed["event-id"] == "RECEIVE"
+    assert parsed["custom-data"] == "c"
+    assert parsed["date-time"] == "2026-01-01T00:00:00Z"
+    assert parsed["source"] == ""
+
+
+def test_malformed_rows_are_counted_not_fatal(tmp_path):
+    good = ",".join(exchange_row(FIELDS_2016, event_id="RECEIVE", custom_data="ok"))
+    lines = [
+        "#Software: transportd",  # 1
+        "#Fields: " + SPEC_FIELDS_LINE,  # 2
+        good,  # 3
+        "too,few,fields",  # 4
+        "",  # 5 blank: ignored, not an error
+        good.replace("ok", "ok2"),  # 6
+        good[:-1] + ',"',  # 7 one field too many, and a stray quote
+        good.replace("ok", "ok3"),  # 8
+        good.replace("ok", "ok4"),  # 9
+        ",".join(["x"] * 31),  # 10
+    ]
+    path = tmp_path / "MSGTRK20261122-1.LOG"
+    path.write_bytes(BOM + "\r\n".join(lines).encode() + b"\r\n")
+    errors: list = []
+    rows = list(parse_log_file(path, errors))
+    assert [r["custom-data"] for r in rows] == ["ok", "ok2", "ok3", "ok4"]
+    assert [(p, n) for p, n, _ in errors] == [(path, 4), (path, 7), (path, 10)]
+    assert "30" in errors[0][2] and "3" in errors[0][2]
+    assert "unterminated" in errors[1][2]
+    # Without an errors list the same file still reads.
+    assert len(list(parse_log_file(path))) == 4
+
+
+def test_headerless_unknown_field_count_is_malformed(tmp_path):
+    path = tmp_path / "x.log"
+    path.write_text(",".join(["a"] * 12) + "\n" + ",".join(["b"] * 27) + "\n")
+    errors: list = []
+    rows = list(parse_log_file(path, errors))
+    assert len(rows) == 1 and rows[0]["date-time"] == "b"
+    assert errors == [(path, 1, errors[0][2])]
+    assert "12" in errors[0][2]
+
+
+def test_stray_quote_far_from_eof_costs_one_row(tmp_path):
+    good = ",".join(exchange_row(FIELDS_2016, event_id="RECEIVE"))
+    lines = [good.replace("RECEIVE", 'BAD"')] + [
+        good.replace("RECEIVE", f"E{i}") for i in range(300)
+    ]
+    path = tmp_path / "y.log"
+    path.write_text("\n".join(lines) + "\n")
+    errors: list = []
+    rows = list(parse_log_file(path, errors))
+    assert [r["event-id"] for r in rows] == [f"E{i}" for i in range(300)]
+    assert [(n, reason) for _, n, reason in errors] == [(1, "unterminated quoted field")]
+
+
+# -- files and search -----------------------------------------------------------------------
+
+
+def test_iter_log_files_order(tmp_path):
+    names = [
+        "MSGTRK20261122-10.LOG",
+        "MSGTRK20261122-2.LOG",
+        "MSGTRK20261122-1.LOG",
+        "MSGTRK20261121-3.LOG",
+        "MSGTRK20261123-1.log",
+        "notes.txt",
+        "MSGTRK-copy.LOG",
+        "RECV20261122-1.LOG",
+    ]
+    for name in names:
+        (tmp_path / name).write_text("")
+    (tmp_path / "MSGTRK20261124-1.LOG").mkdir()
+    assert [p.name for p in iter_log_files(tmp_path)] == [
+        "MSGTRK20261121-3.LOG",
+        "MSGTRK20261122-1.LOG",
+        "MSGTRK20261122-2.LOG",
+        "MSGTRK20261122-10.LOG",
+        "MSGTRK20261123-1.log",
+    ]
+
+
+@pytest.fixture
+def populated(tmp_path):
+    clock = Clock(datetime(2026, 11, 22, 10, 0, tzinfo=UTC))
+    log = make_log(tmp_path, clock, max_file_size=1000)
+    nmid1 = "AAAAAAAA-0000-4000-8000-000000000001"
+    nmid2 = "bbbbbbbb-0000-4000-8000-000000000002"
+    log.write(
+        "RECEIVE",
+        "SMTP",
+        internal_message_id=1,
+        message_id="<one@x>",
+        network_message_id=nmid1,
+        sender_address="Alice@Example.com",
+        recipients=["bob@x.org", "Carol@Y.org"],
+        custom_data="r1",
+    )
+    clock.advance(minutes=1)
+    log.write(
+        "SEND",
+        "SMTP",
+        internal_message_id=1,
+        message_id="<one@x>",
+        network_message_id=nmid1,
+        sender_address="alice@example.com",
+        recipients=["bob@x.org"],
+        custom_data="s1",
+    )
+    clock.advance(minutes=1)
+    log.write(
+        "RECEIVE",
+        "SMTP",
+        internal_message_id=2,
+        message_id="<two@x>",
+        network_message_id=nmid2,
+        sender_address="dave@example.com",
+        recipients=["carol@y.org"],
+        custom_data="r2",
+    )
+    clock.advance(days=1)
+    log.write(
+        "DELIVER",
+        "STOREDRIVER",
+        internal_message_id=12,
+        message_id="<two@x>",
+        network_message_id=nmid2,
+        sender_address="dave@example.com",
+        recipients=["carol@y.org"],
+        custom_data="d2",
+    )
+    log.close()
+    assert len(iter_log_files(tmp_path)) >= 3  # rows spread over size- and day-rolled files
+    return tmp_path
+
+
+def tags(rows) -> list[str]:
+    return [r["custom-data"] for r in rows]
+
+
+def test_search_no_filter_in_file_order(populated):
+    assert tags(search(populated)) == ["r1", "s1", "r2", "d2"]
+
+
+def test_search_message_id_with_or_without_brackets(populated):
+    assert tags(search(populated, message_id="<one@x>")) == ["r1", "s1"]
+    assert tags(search(populated, message_id="two@x")) == ["r2", "d2"]
+    assert tags(search(populated, message_id="ONE@x")) == []
+
+
+def test_search_network_and_internal_id(populated):
+    assert tags(search(populated, network_message_id="aaaaaaaa-0000-4000-8000-000000000001")) == [
+        "r1",
+        "s1",
+    ]
+    assert tags(search(populated, network_message_id="BBBBBBBB-0000-4000-8000-000000000002")) == [
+        "r2",
+        "d2",
+    ]
+    assert tags(search(populated, internal_message_id=1)) == ["r1", "s1"]
+    assert tags(search(populated, internal_message_id="2")) == ["r2"]  # not 12
+
+
+def test_search_addresses_and_event(populated):
+    assert tags(search(populated, sender="ALICE@example.COM")) == ["r1", "s1"]
+    assert tags(search(populated, sender="alice")) == []
+    assert tags(search(populated, recipient="carol@y.org")) == ["r1", "r2", "d2"]
+    assert tags(search(populated, recipient="BOB@X.ORG")) == ["r1", "s1"]
+    assert tags(search(populated, recipient="x.org")) == []
+    assert tags(search(populated, event_id="receive")) == ["r1", "r2"]
+    assert tags(search(populated, event_id="receive", sender="dave@example.com")) == ["r2"]
+
+
+def test_search_time_window_inclusive(populated):
+    t = datetime(2026, 11, 22, 10, 0, tzinfo=UTC)
+    assert tags(search(populated, start=t + timedelta(minutes=1))) == ["s1", "r2", "d2"]
+    assert tags(search(populated, end=t + timedelta(minutes=1))) == ["r1", "s1"]
+    assert tags(
+        search(populated, start=t + timedelta(minutes=1), end=t + timedelta(minutes=2))
+    ) == ["s1", "r2"]
+    # naive means UTC; other offsets are converted
+    assert tags(search(populated, start=datetime(2026, 11, 23))) == ["d2"]
+    plus2 = timezone(timedelta(hours=2))
+    assert tags(search(populated, end=datetime(2026, 11, 22, 12, 0, tzinfo=plus2))) == ["r1"]
+
+
+def test_search_skips_unparseable_dates_only_with_time_filter(tmp_path):
+    row = exchange_row(FIELDS_2016, date_time="not a date", event_id="RECEIVE", custom_data="bad")
+    row2 = exchange_row(
+        FIELDS_2016, date_time="2026-11-22T10:00:00.000Z", event_id="RECEIVE", custom_data="ok"
+    )
+    (tmp_path / "MSGTRK20261122-1.LOG").write_text(",".join(row) + "\n" + ",".join(row2) + "\n")
+    assert tags(search(tmp_path)) == ["bad", "ok"]
+    assert tags(search(tmp_path, start=datetime(2026, 1, 1, tzinfo=UTC))) == ["ok"]
+    assert tags(search(tmp_path, end=datetime(2027, 1, 1, tzinfo=UTC))) == ["ok"]
+
+
+def test_search_reports_malformed_rows(tmp_path):
+    (tmp_path / "MSGTRK20261122-1.LOG").write_text("a,b,c\n")
+    errors: list = []
+    assert list(search(tmp_path, errors=errors)) == []
+    assert [(p.name, n) for p, n, _ in errors] == [("MSGTRK20261122-1.LOG", 1)]
+
+
+# -- date-times -----------------------------------------------------------------------------
+
+
+def test_format_datetime():
+    assert format_datetime(T0) == "2026-11-22T03:06:13.123Z"
+    assert format_datetime(datetime(2026, 1, 2, 3, 4, 5)) == "2026-01-02T03:04:05.000Z"
+    local = datetime(2026, 1, 2, 3, 4, 5, 999999, tzinfo=timezone(timedelta(hours=-5)))
+    assert format_datetime(local) == "2026-01-02T08:04:05.999Z"
+
+
+def test_parse_datetime():
+    assert parse_datetime("2026-11-22T03:06:13.123Z") == datetime(
+        2026, 11, 22, 3, 6, 13, 123000, tzinfo=UTC
+    )
+    parsed = parse_datetime("2026-11-22T03:06:13.1234567Z")
+    assert parsed.tzinfo is UTC and parsed.microsecond == 123456
+    assert parse_datetime("2026-11-22T05:06:13+02:00") == datetime(
+        2026, 11, 22, 3, 6, 13, tzinfo=UTC
+    )
+    assert parse_datetime("2026-11-22T03:06:13").tzinfo is UTC
+    assert parse_datetime(format_datetime(T0)) == T0.replace(microsecond=123000)
+    with pytest.raises(ValueError):
+        parse_datetime("22/11/2026 03:06")

@@ -1,0 +1,494 @@
+"""The ``transportd`` command line: serve, config, queue, message, tracking.
+
+Read commands open the queue database directly (read-only use), so they work
+whether the daemon runs or not; operator actions are small durable
+transactions on the same database, which a running daemon picks up at its next
+scan (``delivery.queue_poll_interval``, 0.5 s by default). Tables by default,
+JSON lines with ``--json``. A bad config or argument is one line on stderr and
+exit code 2; a missing or unreadable queue database is one line and exit 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import click
+
+from . import __version__
+from . import config as config_mod
+from . import mailqueue as mq
+from .config import Config, ConfigError
+from .store import QueueStore, StoreError, meta
+
+
+class CliError(click.ClickException):
+    exit_code = 1
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"transportd: error: {self.message}", err=True)
+
+
+class ConfigCliError(CliError):
+    exit_code = 2
+
+
+def load_config(config: str | None, data_dir: str | None) -> Config:
+    try:
+        if config:
+            cfg = config_mod.load(config)
+            if data_dir:
+                cfg.node.data_dir = str(Path(data_dir).resolve())
+            return cfg
+        if data_dir:
+            return config_mod.default_for_data_dir(data_dir)
+    except ConfigError as exc:
+        raise ConfigCliError(str(exc)) from None
+    env = os.environ.get("TRANSPORTD_CONFIG")
+    if env:
+        return load_config(env, None)
+    raise ConfigCliError("give --config FILE or --data-dir DIR (or set TRANSPORTD_CONFIG)")
+
+
+def node_options(fn: Callable) -> Callable:
+    @click.option("--config", "-c", "config", type=click.Path(dir_okay=False), default=None,
+                  help="node config file (TOML)")
+    @click.option("--data-dir", "-d", "data_dir", type=click.Path(file_okay=False), default=None,
+                  help="node data directory (instead of --config)")
+    @functools.wraps(fn)
+    def wrapper(*args: Any, config: str | None, data_dir: str | None, **kwargs: Any) -> Any:
+        cfg = load_config(config, data_dir)
+        return fn(cfg, *args, **kwargs)
+    return wrapper
+
+
+def open_store(cfg: Config) -> QueueStore:
+    if not cfg.db_path.exists():
+        raise CliError(f"no queue database at {cfg.db_path} (wrong --data-dir, or the node never ran)")
+    try:
+        return QueueStore.open(cfg.db_path, create=False, repair=False)
+    except StoreError as exc:
+        raise CliError(f"queue database {cfg.db_path}: {exc}") from None
+
+
+def json_default(o: Any) -> Any:
+    if isinstance(o, bytes):
+        return o.decode("utf-8", "replace")
+    if isinstance(o, datetime):
+        return o.isoformat()
+    return str(o)
+
+
+def emit_json(rows: Iterable[dict]) -> None:
+    for r in rows:
+        click.echo(json.dumps(r, default=json_default, ensure_ascii=False))
+
+
+def fmt_time(ts: float | None) -> str:
+    if not ts:
+        return ""
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def iso(ts: float | None) -> str | None:
+    if not ts:
+        return None
+    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], max_width: int = 60) -> str:
+    cells = [[("" if v is None else str(v))[:max_width] for v in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
+           "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    return "\n".join(out)
+
+
+def tracking_log_for(cfg: Config, store: QueueStore):
+    from .tracking import TrackingLog
+    if not cfg.tracking.message_tracking_log_enabled:
+        return None
+    name = store.read(lambda c: c.execute(
+        meta.select().where(meta.c.key == "node_name")).mappings().first())
+    node_name = (name["value"] if name and name["value"] else cfg.node.name)
+    return TrackingLog(cfg.tracking_dir, node_name, max_file_size=cfg.tracking.message_tracking_log_max_file_size)
+
+
+# ---------------------------------------------------------------------------- root
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="transportd")
+def cli() -> None:
+    """transportd: an SMTP transport daemon that never loses an acknowledged message."""
+
+
+@cli.command()
+@click.option("--config", "-c", "config", type=click.Path(dir_okay=False), required=True,
+              help="node config file (TOML)")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default=None,
+              help="operational log format (overrides node.log_format)")
+def serve(config: str, log_format: str | None) -> None:
+    """Run a node: frontend receive connector, queues and delivery."""
+    from .daemon import serve as run, setup_logging
+    cfg = load_config(config, None)
+    setup_logging(cfg.node.log_level, log_format or cfg.node.log_format)
+    sys.exit(run(cfg))
+
+
+# ---------------------------------------------------------------------------- config
+
+@cli.group("config")
+def config_group() -> None:
+    """Inspect configuration."""
+
+
+@config_group.command("show")
+@node_options
+@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+def config_show(cfg: Config, as_json: bool) -> None:
+    """Print every key's effective value, with its Exchange name and meaning."""
+    rows = []
+    for key, value in cfg.effective():
+        rows.append({"key": key.dotted, "value": config_mod.format_value(key, value),
+                     "exchange_name": key.exchange, "meaning": key.meaning})
+    if as_json:
+        emit_json(rows)
+        return
+    click.echo(f"# {cfg.path or 'defaults'}; data dir {cfg.data_dir}")
+    click.echo(table(["key", "value", "exchange name", "meaning"],
+                     [(r["key"], r["value"], r["exchange_name"], r["meaning"]) for r in rows], max_width=90))
+
+
+# ---------------------------------------------------------------------------- queue
+
+@cli.group("queue")
+def queue_group() -> None:
+    """Delivery queues (like Exchange's Get-Queue, Retry-Queue, Suspend-Queue, Resume-Queue)."""
+
+
+def queue_rows(cfg: Config) -> list[dict]:
+    store = open_store(cfg)
+    try:
+        now = time.time()
+        rows = store.read(lambda c: mq.list_queues(c, now))
+        for r in rows:
+            r["next_retry_at"] = iso(r["next_retry_at"])
+        return rows
+    finally:
+        store.close()
+
+
+def render_queues(rows: list[dict]) -> str:
+    return table(["identity", "delivery type", "state", "messages", "next retry", "last error"],
+                 [(r["identity"], r["delivery_type"], r["state"], r["message_count"],
+                   r["next_retry_at"] or "", r["last_error"]) for r in rows], max_width=70)
+
+
+@queue_group.command("list")
+@node_options
+@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+@click.option("--watch", "watch", is_flag=True, help="refresh in place until Ctrl-C")
+@click.option("--interval", type=float, default=1.0, show_default=True, help="--watch refresh seconds")
+def queue_list(cfg: Config, as_json: bool, watch: bool, interval: float) -> None:
+    """List delivery queues: identity, delivery type, state, message count, next retry, last error."""
+    if not watch:
+        rows = queue_rows(cfg)
+        if as_json:
+            emit_json(rows)
+        else:
+            click.echo(render_queues(rows))
+        return
+    try:
+        while True:
+            rows = queue_rows(cfg)
+            out = "\n".join(json.dumps(r, default=json_default) for r in rows) if as_json else render_queues(rows)
+            click.echo("\x1b[H\x1b[2J" + f"transportd queue list  {fmt_time(time.time())} UTC  (Ctrl-C stops)\n\n"
+                       + out, nl=True)
+            time.sleep(max(0.1, interval))
+    except KeyboardInterrupt:
+        pass
+
+
+def queue_action(cfg: Config, name: str, action: Callable[[Any, int], Any]) -> dict:
+    store = open_store(cfg)
+    try:
+        def job(conn):
+            q = mq.resolve_queue(conn, name)
+            if q is None:
+                return None
+            action(conn, q["id"])
+            return q
+        q = store.transaction(job)
+    finally:
+        store.close()
+    if q is None:
+        raise CliError(f"no queue {name!r} (see 'transportd queue list')")
+    return q
+
+
+@queue_group.command("suspend")
+@node_options
+@click.argument("queue")
+def queue_suspend(cfg: Config, queue: str) -> None:
+    """Stop delivery from a queue (messages stay queued)."""
+    q = queue_action(cfg, queue, lambda c, qid: mq.set_queue_suspended(c, qid, True))
+    click.echo(f"queue {q['identity']} suspended")
+
+
+@queue_group.command("resume")
+@node_options
+@click.argument("queue")
+def queue_resume(cfg: Config, queue: str) -> None:
+    """Resume delivery from a suspended queue."""
+    q = queue_action(cfg, queue, lambda c, qid: mq.set_queue_suspended(c, qid, False))
+    click.echo(f"queue {q['identity']} resumed")
+
+
+@queue_group.command("retry")
+@node_options
+@click.argument("queue")
+def queue_retry(cfg: Config, queue: str) -> None:
+    """Retry a queue now, ignoring its back-off."""
+    q = queue_action(cfg, queue, mq.retry_queue_now)
+    click.echo(f"queue {q['identity']} will be retried now")
+
+
+# ---------------------------------------------------------------------------- message
+
+@cli.group("message")
+def message_group() -> None:
+    """Messages in the queues (like Get-Message, Suspend-Message, Resume-Message, Remove-Message)."""
+
+
+@message_group.command("list")
+@node_options
+@click.option("--queue", "queue", default=None, help="only messages in this queue (identity or id)")
+@click.option("--all", "include_done", is_flag=True, help="include Safety Net and removed messages")
+@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+def message_list(cfg: Config, queue: str | None, include_done: bool, as_json: bool) -> None:
+    """List queued messages."""
+    store = open_store(cfg)
+    try:
+        def job(conn):
+            qid = None
+            if queue is not None:
+                q = mq.resolve_queue(conn, queue)
+                if q is None:
+                    return None
+                qid = q["id"]
+            return mq.list_messages(conn, qid, include_done=include_done)
+        rows = store.read(job)
+    finally:
+        store.close()
+    if rows is None:
+        raise CliError(f"no queue {queue!r} (see 'transportd queue list')")
+    for r in rows:
+        for k in ("received_at", "expires_at", "next_retry_at"):
+            r[k] = iso(r[k])
+    if as_json:
+        emit_json(rows)
+        return
+    click.echo(table(["id", "from", "subject", "size", "status", "queue", "received", "last error"],
+                     [(r["id"], r["from"] or "<>", r["subject"], r["size"], r["status"], ",".join(r["queues"]),
+                       r["received_at"], r["last_error"]) for r in rows], max_width=50))
+
+
+def get_message(cfg: Config, message_id: int) -> dict:
+    store = open_store(cfg)
+    try:
+        m = store.read(lambda c: mq.message_detail(c, message_id))
+        body = store.read(lambda c: mq.body(c, message_id)) if m else None
+    finally:
+        store.close()
+    if m is None:
+        raise CliError(f"no message {message_id} in {cfg.db_path}")
+    m["body"] = body
+    return m
+
+
+@message_group.command("show")
+@node_options
+@click.argument("message_id", type=int)
+@click.option("--json", "as_json", is_flag=True, help="one JSON object")
+def message_show(cfg: Config, message_id: int, as_json: bool) -> None:
+    """Envelope, headers, per-recipient status and tracking events of one message."""
+    from .receive import split_headers
+    from .tracking import search
+    m = get_message(cfg, message_id)
+    body = m.pop("body")
+    headers = split_headers(body)[0].decode("utf-8", "replace").rstrip() if body else ""
+    events = list(search(cfg.tracking_dir, network_message_id=m["network_message_id"])) \
+        if cfg.tracking_dir.is_dir() else []
+    for k in ("received_at", "expires_at", "completed_at", "safety_net_until"):
+        m[k] = iso(m[k])
+    for r in m["recipients"]:
+        for k in ("next_retry_at", "last_attempt_at", "completed_at"):
+            r[k] = iso(r[k])
+    if as_json:
+        m["headers"] = headers
+        m["tracking"] = events
+        click.echo(json.dumps(m, default=json_default, ensure_ascii=False))
+        return
+    click.echo(f"Message {m['id']}  status {m['status']}  ({m['role']}, {m['state']})")
+    for label, key in (("Network message id", "network_message_id"), ("Message-ID", "message_id"),
+                       ("From", "sender"), ("Subject", "subject"), ("Size", "size"),
+                       ("Received", "received_at"), ("Expires", "expires_at"), ("Client", "client_ip"),
+                       ("Origin", "origin"), ("Redundancy", "redundancy")):
+        click.echo(f"  {label + ':':20} {m[key] if m[key] not in (None, '') else '-'}")
+    click.echo("\nRecipients:")
+    click.echo(table(["address", "queue", "status", "attempts", "next retry", "last error"],
+                     [(r["address"], r["queue"], r["status"], r["attempts"],
+                       r["next_retry_at"] if r["status"] == mq.RETRY else "", r["last_error"] or "")
+                      for r in m["recipients"]], max_width=70))
+    click.echo("\nHeaders:")
+    click.echo("\n".join("  " + line for line in headers.splitlines()))
+    click.echo("\nTracking events:")
+    click.echo(table(["date-time", "event", "source", "recipients", "status / context"],
+                     [(e["date-time"], e["event-id"], e["source"], e["recipient-address"],
+                       e["recipient-status"] or e["source-context"]) for e in events], max_width=70))
+
+
+def message_action(cfg: Config, message_id: int, fn: Callable[[Any], Any]) -> Any:
+    store = open_store(cfg)
+    try:
+        return store.transaction(fn)
+    finally:
+        store.close()
+
+
+@message_group.command("suspend")
+@node_options
+@click.argument("message_id", type=int)
+def message_suspend(cfg: Config, message_id: int) -> None:
+    """Hold a message: no delivery attempts until resumed."""
+    if not message_action(cfg, message_id, lambda c: mq.set_message_suspended(c, message_id, True)):
+        raise CliError(f"no queued message {message_id}")
+    click.echo(f"message {message_id} suspended")
+
+
+@message_group.command("resume")
+@node_options
+@click.argument("message_id", type=int)
+def message_resume(cfg: Config, message_id: int) -> None:
+    """Release a suspended message."""
+    if not message_action(cfg, message_id, lambda c: mq.set_message_suspended(c, message_id, False)):
+        raise CliError(f"no queued message {message_id}")
+    click.echo(f"message {message_id} resumed")
+
+
+@message_group.command("remove")
+@node_options
+@click.argument("message_id", type=int)
+@click.option("--ndr", is_flag=True, help="send a non-delivery report to the sender")
+def message_remove(cfg: Config, message_id: int, ndr: bool) -> None:
+    """Remove a message from the queues (logged as DROP), optionally with an NDR."""
+    from .delivery import dsn_message
+    from .dsn import RecipientReport
+    store = open_store(cfg)
+    reply = "550 5.2.0 Message deleted by an administrator"
+    now = time.time()
+    try:
+        def job(conn):
+            row = mq.message_row(conn, message_id)
+            if row is None or row["state"] != mq.QUEUED:
+                return None
+            body = mq.body(conn, message_id)
+            removed = mq.remove_message(conn, message_id, now)
+            created = None
+            if ndr and body is not None and removed:
+                dsn = dsn_message(cfg, row, body, [RecipientReport(r["address"], "failed", "5.2.0", reply)
+                                                   for r in removed], now)
+                if dsn is not None:
+                    created = (mq.enqueue(conn, dsn), dsn)
+            return row, removed, created
+        result = store.transaction(job)
+        if result is None:
+            raise CliError(f"no queued message {message_id}")
+        row, removed, created = result
+        trk = tracking_log_for(cfg, store)
+    finally:
+        store.close()
+    if trk is not None:
+        try:
+            trk.write("DROP", "ADMIN", internal_message_id=row["id"], message_id=row["message_id"],
+                      network_message_id=row["network_message_id"], recipients=[r["address"] for r in removed],
+                      recipient_status=[reply] * len(removed), sender_address=row["sender"],
+                      message_subject=row["subject"], total_bytes=row["size"], source_context="transportd message remove")
+            if created:
+                dsn_id, dsn = created
+                trk.write("DSN", "DSN", internal_message_id=dsn_id, message_id=dsn.message_id,
+                          network_message_id=dsn.network_message_id, recipients=[row["sender"]],
+                          reference=row["message_id"], related_recipient_address=row["sender"],
+                          source_context=f"original internal id {row['id']}; network id {row['network_message_id']}")
+        finally:
+            trk.close()
+    click.echo(f"message {message_id} removed" + (" (NDR queued to the sender)" if created else ""))
+
+
+# ---------------------------------------------------------------------------- tracking
+
+def parse_when(value: str | None, name: str) -> datetime | None:
+    if value is None:
+        return None
+    from .tracking import parse_datetime
+    try:
+        return parse_datetime(value)
+    except ValueError:
+        raise click.BadParameter(f"expected an ISO time like 2026-11-22T10:00:00Z, got {value!r}",
+                                 param_hint=name) from None
+
+
+@cli.group("tracking")
+def tracking_group() -> None:
+    """Message tracking logs (like Get-MessageTrackingLog)."""
+
+
+@tracking_group.command("search")
+@node_options
+@click.option("--message-id", default=None, help="Message-ID header (with or without <>)")
+@click.option("--network-message-id", default=None)
+@click.option("--internal-message-id", default=None)
+@click.option("--sender", default=None)
+@click.option("--recipient", default=None)
+@click.option("--event-id", default=None, help="RECEIVE, DELIVER, SENDEXTERNAL, DEFER, FAIL, DSN, ...")
+@click.option("--start", default=None, help="from this time (ISO 8601, UTC by default)")
+@click.option("--end", default=None, help="up to this time (ISO 8601)")
+@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+def tracking_search(cfg: Config, message_id: str | None, network_message_id: str | None,
+                    internal_message_id: str | None, sender: str | None, recipient: str | None,
+                    event_id: str | None, start: str | None, end: str | None, as_json: bool) -> None:
+    """Search this node's MSGTRK files."""
+    from .tracking import search
+    s, e = parse_when(start, "--start"), parse_when(end, "--end")
+    if not cfg.tracking_dir.is_dir():
+        raise CliError(f"no tracking logs at {cfg.tracking_dir}")
+    rows = search(cfg.tracking_dir, message_id=message_id, network_message_id=network_message_id,
+                  internal_message_id=internal_message_id, sender=sender, recipient=recipient,
+                  event_id=event_id, start=s, end=e)
+    if as_json:
+        emit_json(rows)
+        return
+    rows = list(rows)
+    click.echo(table(["date-time", "event", "source", "internal id", "sender", "recipients", "message-id",
+                      "status / context"],
+                     [(r["date-time"], r["event-id"], r["source"], r["internal-message-id"], r["sender-address"],
+                       r["recipient-address"], r["message-id"], r["recipient-status"] or r["source-context"])
+                      for r in rows], max_width=48))
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=True)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

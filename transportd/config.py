@@ -1,0 +1,468 @@
+"""Node configuration: one TOML file per node, every key in one registry.
+
+This module owns the list of configuration keys (section, name, Exchange name,
+default, meaning), the parsing of durations and sizes, and validation. A bad
+file raises ConfigError with one line naming the key and the problem; the CLI
+turns that into exit code 2. It never touches the network or the queue.
+
+Durations accept a number of seconds (``90``, ``0.5``), a unit string
+(``"90s"``, ``"5m"``, ``"2h"``, ``"2d"``, ``"1h30m"``) or Exchange's TimeSpan
+text (``"02:00:00"``, ``"2.00:00:00"``). Sizes accept bytes or ``"36MB"``,
+``"10KB"``, ``"1GiB"``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import re
+import socket
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+
+class ConfigError(Exception):
+    """A configuration problem, with the key it concerns in the message."""
+
+
+# --------------------------------------------------------------------------- parsers
+
+_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)", re.IGNORECASE)
+_TIMESPAN_RE = re.compile(r"^(?:(\d+)\.)?(\d{1,2}):(\d{2}):(\d{2}(?:\.\d+)?)$")
+_SIZE_UNITS = {
+    "b": 1, "kb": 1024, "kib": 1024, "mb": 1024**2, "mib": 1024**2,
+    "gb": 1024**3, "gib": 1024**3,
+}
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from an int/float, a unit string ('5m', '1h30m') or a TimeSpan ('02:00:00')."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration, got a boolean")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        m = _TIMESPAN_RE.match(text)
+        if m:
+            days, hours, minutes, secs = m.groups()
+            seconds = int(days or 0) * 86400 + int(hours) * 3600 + int(minutes) * 60 + float(secs)
+        else:
+            try:
+                seconds = float(text)
+            except ValueError:
+                pos, seconds = 0, 0.0
+                for part in _DURATION_RE.finditer(text):
+                    if text[pos:part.start()].strip():
+                        break
+                    seconds += float(part.group(1)) * _UNIT_SECONDS[part.group(2).lower()]
+                    pos = part.end()
+                if pos == 0 or text[pos:].strip():
+                    raise ValueError(
+                        f"expected a duration like 30, '90s', '5m', '2h', '2d' or '02:00:00', "
+                        f"got {value!r}"
+                    ) from None
+    else:
+        raise ValueError(f"expected a duration, got {type(value).__name__}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"a duration must be a finite number >= 0, got {value!r}")
+    return seconds
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string like '36MB', '10KB', '1GiB'."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size, got a boolean")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+        unit = (m.group(2) or "b").lower() if m else None
+        if not m or unit not in _SIZE_UNITS:
+            raise ValueError(f"expected a size like 1048576, '10KB' or '36MB', got {value!r}")
+        size = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    else:
+        raise ValueError(f"expected a size, got {type(value).__name__}")
+    if size < 0:
+        raise ValueError(f"a size must be >= 0, got {value!r}")
+    return size
+
+
+def parse_hostport(value: Any, default_port: int | None = None) -> tuple[str, int]:
+    """('127.0.0.1', 2525) from '127.0.0.1:2525' or '[::1]:25'."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected 'host:port', got {value!r}")
+    text = value.strip()
+    m = re.fullmatch(r"\[([^\]]+)\](?::(\d+))?|([^:\s]+)(?::(\d+))?", text)
+    if not m:
+        raise ValueError(f"expected 'host:port', got {value!r}")
+    host = m.group(1) or m.group(3)
+    port_text = m.group(2) or m.group(4)
+    if port_text is None:
+        if default_port is None:
+            raise ValueError(f"expected 'host:port' with a port, got {value!r}")
+        port = default_port
+    else:
+        port = int(port_text)
+    if not 0 < port < 65536:
+        raise ValueError(f"port must be 1-65535, got {port}")
+    return host, port
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _int(minimum: int = 0) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"expected an integer, got {value!r}")
+        if value < minimum:
+            raise ValueError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _str_list(value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"expected a list of strings, got {value!r}")
+    return list(value)
+
+
+def _domains(value: Any) -> list[str]:
+    domains = [d.strip().lower().rstrip(".") for d in _str_list(value)]
+    for d in domains:
+        if not re.fullmatch(r"(\*\.)?[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*", d):
+            raise ValueError(f"not a domain name: {d!r}")
+    return domains
+
+
+def _networks(value: Any) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    nets = []
+    for item in _str_list(value):
+        try:
+            nets.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise ValueError(f"not an IP network: {item!r}") from None
+    return nets
+
+
+def _enum(*choices: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        for c in choices:
+            if isinstance(value, str) and value.lower() == c.lower():
+                return c
+        raise ValueError(f"expected one of {', '.join(choices)}, got {value!r}")
+    return parse
+
+
+def _optional_hostport(value: Any) -> str:
+    if value == "":
+        return ""
+    host, port = parse_hostport(value, default_port=25)
+    return f"{host}:{port}"
+
+
+def _hostport_str(value: Any) -> str:
+    host, port = parse_hostport(value)
+    return f"{host}:{port}"
+
+
+def _credentials(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise ValueError("expected a table of user = \"password\" strings")
+    return dict(value)
+
+
+def _duplicate_window(value: Any) -> float:
+    # Exchange: at most 49 days; a larger value falls back to 24 hours.
+    seconds = parse_duration(value)
+    return 86400.0 if seconds > 49 * 86400 else seconds
+
+
+# --------------------------------------------------------------------------- registry
+
+@dataclass(frozen=True)
+class Key:
+    section: str
+    name: str
+    default: Any
+    parse: Callable[[Any], Any]
+    meaning: str
+    exchange: str = ""
+    kind: str = ""
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.section}.{self.name}"
+
+
+DUR, SIZE = "duration", "size"
+
+KEYS: tuple[Key, ...] = (
+    # node
+    Key("node", "name", "", _str, "this node's FQDN, used in EHLO, Received, tracking logs and by peers"),
+    Key("node", "site", "default-site", _str, "the site (Active Directory site) this node belongs to"),
+    Key("node", "data_dir", "./data", _str,
+        "folder for the queue database, mailbox store and tracking logs (relative to the config file)"),
+    Key("node", "log_level", "info", _enum("debug", "info", "warning", "error"), "operational log level"),
+    Key("node", "log_format", "text", _enum("text", "json"), "operational log lines: readable text or JSON"),
+    # frontend receive connector
+    Key("frontend", "listen", "127.0.0.1:2525", _hostport_str, "address:port of the frontend receive connector"),
+    Key("frontend", "max_message_size", 36 * 1024**2, parse_size,
+        "largest message accepted (bytes); larger gets 552 5.3.4", "MaxMessageSize", SIZE),
+    Key("frontend", "max_recipients_per_message", 200, _int(1),
+        "recipients accepted per message; more get 452 4.5.3", "MaxRecipientsPerMessage"),
+    Key("frontend", "max_line_length", 1000, _int(80),
+        "longest line (octets without CRLF) in commands and message data (RFC 5321: 1000)"),
+    Key("frontend", "max_inbound_connection", 5000, _int(1),
+        "concurrent connections to this connector", "MaxInboundConnection"),
+    Key("frontend", "max_inbound_connection_per_source", 20, _int(1),
+        "concurrent connections from one IP address", "MaxInboundConnectionPerSource"),
+    Key("frontend", "connection_timeout", 600.0, parse_duration,
+        "absolute limit on a session's length", "ConnectionTimeout", DUR),
+    Key("frontend", "connection_inactivity_timeout", 300.0, parse_duration,
+        "idle time after which a session is closed", "ConnectionInactivityTimeout", DUR),
+    Key("frontend", "tls_certificate", "", _str, "PEM certificate chain; when set, STARTTLS is offered"),
+    Key("frontend", "tls_key", "", _str, "PEM private key for tls_certificate"),
+    Key("frontend", "require_tls", False, _bool, "refuse mail transactions before STARTTLS", "RequireTLS"),
+    Key("frontend", "auth_users", {}, _credentials,
+        "user = \"password\" pairs for AUTH PLAIN/LOGIN (offered only after STARTTLS); "
+        "authenticated clients may relay"),
+    # routing
+    Key("routing", "accepted_domains", [], _domains,
+        "domains whose recipients are delivered to the local mailbox store ('*.example.test' allowed)",
+        "AcceptedDomain"),
+    Key("routing", "trusted_networks", [], _networks,
+        "client networks allowed to relay to any domain without AUTH (CIDR list); empty = no relay"),
+    Key("routing", "smart_host", "", _optional_hostport,
+        "next hop for every non-accepted domain ('host:port'); empty = MX lookup", "SmartHosts"),
+    Key("routing", "mailbox_database", "local", _str,
+        "name of this node's mailbox database (the queue for local delivery is 'mailbox:<name>')"),
+    # delivery (send connector and queues)
+    Key("delivery", "message_expiration_timeout", 2 * 86400.0, parse_duration,
+        "how long a message may stay queued before it fails with a DSN", "MessageExpirationTimeout", DUR),
+    Key("delivery", "transient_failure_retry_interval", 300.0, parse_duration,
+        "wait between the first retries after a transient failure", "TransientFailureRetryInterval", DUR),
+    Key("delivery", "transient_failure_retry_count", 6, _int(0),
+        "retries at transient_failure_retry_interval before the longer interval applies",
+        "TransientFailureRetryCount"),
+    Key("delivery", "outbound_connection_failure_retry_interval", 600.0, parse_duration,
+        "wait between later retries to a failing next hop", "OutboundConnectionFailureRetryInterval", DUR),
+    Key("delivery", "send_connection_inactivity_timeout", 600.0, parse_duration,
+        "send connector: idle time before an outbound session is dropped",
+        "ConnectionInactivityTimeOut", DUR),
+    Key("delivery", "send_connect_timeout", 30.0, parse_duration,
+        "send connector: time allowed to open a connection and read the greeting", "", DUR),
+    Key("delivery", "max_per_domain_outbound_connections", 20, _int(1),
+        "concurrent outbound sessions per next hop", "MaxPerDomainOutboundConnections"),
+    Key("delivery", "max_outbound_connections", 1000, _int(1),
+        "concurrent outbound sessions in all", "MaxOutboundConnections"),
+    Key("delivery", "max_messages_per_connection", 20, _int(1),
+        "messages sent over one outbound session before it is closed", "MaxMessagesPerConnection"),
+    Key("delivery", "queue_poll_interval", 0.5, parse_duration,
+        "how often the queue database is scanned for due work and operator changes", "", DUR),
+    Key("delivery", "mx_port", 25, _int(1), "port used for next hops found by MX lookup"),
+    # mailbox store
+    Key("mailbox", "duplicate_detection_window", 3600.0, _duplicate_window,
+        "DeliveredTo tracking window; at most 49 days, a larger value falls back to 24 hours",
+        "Track Duplicates (in hours)", DUR),
+    # shadow redundancy
+    Key("shadow_redundancy", "shadow_redundancy_enabled", True, _bool,
+        "make a shadow copy on a peer before acknowledging", "ShadowRedundancyEnabled"),
+    Key("shadow_redundancy", "shadow_message_preference_setting", "PreferRemote",
+        _enum("PreferRemote", "LocalOnly", "RemoteOnly"),
+        "where shadows are placed", "ShadowMessagePreferenceSetting"),
+    Key("shadow_redundancy", "max_retries_for_remote_site_shadow", 4, _int(0),
+        "attempts to shadow to another site", "MaxRetriesForRemoteSiteShadow"),
+    Key("shadow_redundancy", "max_retries_for_local_site_shadow", 2, _int(0),
+        "attempts to shadow within the site", "MaxRetriesForLocalSiteShadow"),
+    Key("shadow_redundancy", "reject_message_on_shadow_failure", False, _bool,
+        "answer 451 4.4.0 when no shadow can be made", "RejectMessageOnShadowFailure"),
+    Key("shadow_redundancy", "shadow_heartbeat_frequency", 120.0, parse_duration,
+        "how often a shadow polls its primary with XQDISCARD", "ShadowHeartbeatFrequency", DUR),
+    Key("shadow_redundancy", "shadow_resubmit_time_span", 3 * 3600.0, parse_duration,
+        "failed heartbeats for this long promote the shadows", "ShadowResubmitTimeSpan", DUR),
+    Key("shadow_redundancy", "shadow_message_auto_discard_interval", 2 * 86400.0, parse_duration,
+        "discard events nobody asked for are dropped after this", "ShadowMessageAutoDiscardInterval", DUR),
+    # safety net
+    Key("safety_net", "safety_net_hold_time", 2 * 86400.0, parse_duration,
+        "how long processed messages are kept for resubmission", "SafetyNetHoldTime", DUR),
+    Key("safety_net", "primary_safety_net_unreachable_time", 12 * 3600.0, parse_duration,
+        "after this, resubmit requests go to the Shadow Safety Nets", "", DUR),
+    # message tracking
+    Key("tracking", "message_tracking_log_enabled", True, _bool,
+        "write MSGTRK message tracking logs", "MessageTrackingLogEnabled"),
+    Key("tracking", "message_tracking_log_path", "", _str,
+        "folder of the MSGTRK files; empty = <data_dir>/msgtrk", "MessageTrackingLogPath"),
+    Key("tracking", "message_tracking_log_max_file_size", 10 * 1024**2, parse_size,
+        "roll to a new file past this size", "MessageTrackingLogMaxFileSize", SIZE),
+)
+
+SECTIONS = tuple(dict.fromkeys(k.section for k in KEYS))
+
+
+# --------------------------------------------------------------------------- loaded config
+
+class Config(SimpleNamespace):
+    """Effective configuration: ``cfg.frontend.max_message_size`` etc., plus ``cfg.path``."""
+
+    path: Path | None
+    base_dir: Path
+
+    @property
+    def data_dir(self) -> Path:
+        p = Path(self.node.data_dir)
+        return p if p.is_absolute() else (self.base_dir / p)
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "queue.db"
+
+    @property
+    def tracking_dir(self) -> Path:
+        p = self.tracking.message_tracking_log_path
+        if not p:
+            return self.data_dir / "msgtrk"
+        pp = Path(p)
+        return pp if pp.is_absolute() else (self.base_dir / pp)
+
+    @property
+    def mailbox_dir(self) -> Path:
+        return self.data_dir / "mailboxes"
+
+    def effective(self) -> list[tuple[Key, Any]]:
+        return [(k, getattr(getattr(self, k.section), k.name)) for k in KEYS]
+
+
+def _section_of(raw: dict, section: str, source: str) -> dict:
+    value = raw.get(section, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: [{section}] must be a table")
+    return value
+
+
+def load_dict(raw: dict, source: str = "<config>", base_dir: Path | None = None,
+              extra_sections: tuple[str, ...] = ("peers",)) -> Config:
+    """Validate a parsed TOML document; ConfigError names the first bad key."""
+    by_section: dict[str, dict[str, Key]] = {}
+    for k in KEYS:
+        by_section.setdefault(k.section, {})[k.name] = k
+    for name in raw:
+        if name not in by_section and name not in extra_sections:
+            raise ConfigError(f"{source}: unknown section [{name}] (known: {', '.join(SECTIONS)})")
+    cfg = Config(path=None, base_dir=base_dir or Path.cwd())
+    for section, keys in by_section.items():
+        table = _section_of(raw, section, source)
+        for name in table:
+            if name not in keys:
+                raise ConfigError(f"{source}: {section}.{name}: unknown key")
+        values = {}
+        for name, key in keys.items():
+            if name in table:
+                try:
+                    values[name] = key.parse(table[name])
+                except ValueError as exc:
+                    raise ConfigError(f"{source}: {section}.{name}: {exc}") from None
+            else:
+                values[name] = key.parse(key.default) if key.default != "" else key.default
+        setattr(cfg, section, SimpleNamespace(**values))
+    if not cfg.node.name:
+        cfg.node.name = socket.getfqdn() or "localhost"
+    cfg.raw = raw
+    _cross_checks(cfg, source)
+    return cfg
+
+
+def _cross_checks(cfg: Config, source: str) -> None:
+    fe = cfg.frontend
+    if bool(fe.tls_certificate) != bool(fe.tls_key):
+        raise ConfigError(f"{source}: frontend.tls_key: tls_certificate and tls_key must be set together")
+    for key in ("tls_certificate", "tls_key"):
+        value = getattr(fe, key)
+        if value:
+            p = Path(value) if Path(value).is_absolute() else cfg.base_dir / value
+            if not p.is_file():
+                raise ConfigError(f"{source}: frontend.{key}: no such file: {p}")
+            setattr(fe, key, str(p))
+    if fe.require_tls and not fe.tls_certificate:
+        raise ConfigError(f"{source}: frontend.require_tls: needs tls_certificate and tls_key")
+    if fe.auth_users and not fe.tls_certificate:
+        raise ConfigError(f"{source}: frontend.auth_users: AUTH is offered only after STARTTLS; "
+                          "set tls_certificate and tls_key")
+    if fe.connection_inactivity_timeout <= 0 or fe.connection_timeout <= 0:
+        raise ConfigError(f"{source}: frontend.connection_timeout: timeouts must be > 0")
+    if cfg.delivery.queue_poll_interval <= 0:
+        raise ConfigError(f"{source}: delivery.queue_poll_interval: must be > 0")
+    if cfg.shadow_redundancy.shadow_heartbeat_frequency <= 0:
+        raise ConfigError(f"{source}: shadow_redundancy.shadow_heartbeat_frequency: must be > 0")
+
+
+def load(path: str | Path) -> Config:
+    """Read and validate a TOML file; ConfigError (one line) on any problem."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror}") from None
+    try:
+        raw = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: TOML syntax error: {exc}") from None
+    cfg = load_dict(raw, source=str(p), base_dir=p.resolve().parent)
+    cfg.path = p
+    return cfg
+
+
+def default_for_data_dir(data_dir: str | Path) -> Config:
+    """A config with defaults whose data_dir is given (for CLI commands run with --data-dir)."""
+    return load_dict({"node": {"data_dir": str(Path(data_dir).resolve())}}, source="--data-dir")
+
+
+def format_value(key: Key, value: Any) -> str:
+    if key.kind == DUR:
+        return format_duration(value)
+    if key.kind == SIZE:
+        return format_size(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = ***" for k in value) + "}"
+    return str(value)
+
+
+def format_duration(seconds: float) -> str:
+    if seconds and seconds % 86400 == 0:
+        return f"{int(seconds // 86400)}d"
+    if seconds and seconds % 3600 == 0:
+        return f"{int(seconds // 3600)}h"
+    if seconds and seconds % 60 == 0:
+        return f"{int(seconds // 60)}m"
+    return f"{seconds:g}s"
+
+
+def format_size(size: int) -> str:
+    for unit, factor in (("GB", 1024**3), ("MB", 1024**2), ("KB", 1024)):
+        if size and size % factor == 0:
+            return f"{size // factor}{unit}"
+    return f"{size}B"

@@ -1,0 +1,246 @@
+"""The node: one process, one event loop, wiring receive, the queue database, delivery and logs.
+
+It owns start-up (open or repair the queue database, crash recovery of
+messages left Active, the listeners), the accept path behind the frontend's
+DATA (prepare headers, bifurcate, durable commit, RECEIVE), and shutdown on
+SIGTERM/SIGINT. Tracking-log failures are reported on the operational log and
+never turn an acknowledged message into an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import ssl
+import sys
+import time
+from typing import Any
+
+from aiosmtpd.smtp import Envelope, Session
+
+from . import __version__
+from . import mailqueue as mq
+from .config import Config
+from .delivery import DeliveryAgent
+from .mailbox import MailboxStore
+from .mailqueue import NewMessage
+from .receive import (ConnectionCounter, FrontendHandler, MessageRejected, new_network_message_id,
+                      prepare_message, smtp_factory)
+from .replies import S451_STORE_UNAVAILABLE, S554_NO_VALID_RECIPIENTS
+from .routing import bifurcate
+from .store import QueueStore, StoreError
+from .tracking import TrackingLog
+
+log = logging.getLogger("transportd")
+
+
+class NullTrackingLog:
+    def write(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Node:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.store: QueueStore | None = None
+        self.tracking: Any = NullTrackingLog()
+        self.mailboxes = MailboxStore(cfg.mailbox_dir, cfg.node.name)
+        self.delivery: DeliveryAgent | None = None
+        self.servers: list[asyncio.AbstractServer] = []
+        self._tasks: list[asyncio.Task] = []
+        self._stopped = asyncio.Event()
+        self.started_at = time.time()
+
+    # ------------------------------------------------------------------ start and stop
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = QueueStore.open(cfg.db_path, create=True, repair=True, node_name=cfg.node.name)
+        self.store.start_writer()
+        recovered = await self.store.write(mq.recover_after_restart)
+        if recovered:
+            log.info("crash recovery: %d recipient(s) left Active are Ready again", recovered)
+        if cfg.tracking.message_tracking_log_enabled:
+            host, _, _ = cfg.frontend.listen.rpartition(":")
+            self.tracking = TrackingLog(cfg.tracking_dir, cfg.node.name, server_ip=host.strip("[]"),
+                                        max_file_size=cfg.tracking.message_tracking_log_max_file_size,
+                                        software_version=__version__)
+        self.delivery = DeliveryAgent(self)
+        self._tasks.append(asyncio.ensure_future(self.delivery.run()))
+        tls_context = None
+        if cfg.frontend.tls_certificate:
+            tls_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            tls_context.load_cert_chain(cfg.frontend.tls_certificate, cfg.frontend.tls_key)
+        counter = ConnectionCounter(cfg.frontend.max_inbound_connection,
+                                    cfg.frontend.max_inbound_connection_per_source)
+        handler = FrontendHandler(cfg, self.accept, "frontend")
+        host, _, port = cfg.frontend.listen.rpartition(":")
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(smtp_factory(cfg, handler, counter, tls_context),
+                                          host=host.strip("[]"), port=int(port), reuse_address=True)
+        self.servers.append(server)
+        log.info("transportd %s node %s (site %s) serving frontend on %s; queue database %s (ID %s)",
+                 __version__, cfg.node.name, cfg.node.site, cfg.frontend.listen, cfg.db_path,
+                 self.store.queue_database_id)
+
+    async def stop(self) -> None:
+        for s in self.servers:
+            s.close()
+        for s in self.servers:
+            try:
+                await asyncio.wait_for(s.wait_closed(), 2)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001
+                pass
+        if self.delivery is not None:
+            await self.delivery.stop()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.store is not None:
+            self.store.close()
+        self.tracking.close()
+        self._stopped.set()
+        log.info("node %s stopped", self.cfg.node.name)
+
+    # ------------------------------------------------------------------ accept path
+
+    async def accept(self, envelope: Envelope, session: Session, connector: str) -> int:
+        """Make the message durable and return its internal id (the 250 follows)."""
+        assert self.store is not None
+        cfg = self.cfg
+        now = time.time()
+        if not envelope.rcpt_tos:
+            raise MessageRejected(S554_NO_VALID_RECIPIENTS)
+        peer = session.peer or ("", 0)
+        client_ip = str(peer[0])
+        netid = new_network_message_id()
+        data = envelope.original_content or b""
+        prepared = prepare_message(data, node_name=cfg.node.name, client_ip=client_ip,
+                                   helo=session.host_name or "", network_message_id=netid, now=now,
+                                   connector=connector, tls=session.ssl is not None)
+        msg = NewMessage(
+            network_message_id=netid, sender=envelope.mail_from or "", data=prepared.data,
+            recipients=bifurcate(envelope.rcpt_tos, cfg), received_at=now,
+            expires_at=now + cfg.delivery.message_expiration_timeout,
+            message_id=prepared.message_id, submit_time=prepared.submit_time, subject=prepared.subject,
+            client_ip=client_ip, client_hostname=session.host_name or "", origin="smtp",
+        )
+        try:
+            internal_id = await self.store.write(lambda conn: mq.enqueue(conn, msg))
+        except StoreError as exc:
+            log.error("queue database unavailable, answering 451: %s", exc)
+            raise MessageRejected(S451_STORE_UNAVAILABLE) from None
+        row = {"id": internal_id, "network_message_id": netid, "message_id": prepared.message_id,
+               "sender": msg.sender, "subject": prepared.subject, "size": len(msg.data),
+               "client_ip": client_ip, "client_hostname": msg.client_hostname}
+        self.track("RECEIVE", "SMTP", row, recipients=list(dict.fromkeys(
+            a for addrs in msg.recipients.values() for a in addrs)),
+            source_context=f"{connector}", connector_id=f"{cfg.node.name}\\{connector}",
+            directionality="Incoming", client_ip=client_ip, client_hostname=msg.client_hostname)
+        log.info("queued message %d (network id %s) from <%s> for %d recipient(s)",
+                 internal_id, netid, msg.sender, sum(len(v) for v in msg.recipients.values()),
+                 extra={"internal_message_id": internal_id, "network_message_id": netid})
+        if self.delivery is not None:
+            self.delivery.wake()
+        return internal_id
+
+    # ------------------------------------------------------------------ tracking helpers
+
+    def track(self, event_id: str, source: str, row: dict, *, recipients: list[str] | None = None,
+              **fields: Any) -> None:
+        """Write one tracking row for a message row; never raises."""
+        try:
+            self.tracking.write(
+                event_id, source,
+                internal_message_id=row.get("id"), message_id=row.get("message_id") or "",
+                network_message_id=row.get("network_message_id") or "",
+                recipients=recipients or [], total_bytes=row.get("size"),
+                message_subject=row.get("subject") or "", sender_address=row.get("sender") or "",
+                return_path=row.get("sender") or "", **fields)
+        except Exception as exc:  # noqa: BLE001 - logging must not fail mail
+            log.error("cannot write tracking log (%s %s): %s", event_id, row.get("id"), exc)
+
+    def log_dsn(self, original: dict, dsn_id: int, dsn: NewMessage) -> None:
+        self.track("DSN", "DSN", {"id": dsn_id, "network_message_id": dsn.network_message_id,
+                                  "message_id": dsn.message_id, "sender": "", "subject": dsn.subject,
+                                  "size": len(dsn.data)},
+                   recipients=[a for v in dsn.recipients.values() for a in v],
+                   reference=original.get("message_id") or "",
+                   related_recipient_address=original.get("sender") or "",
+                   source_context=f"original internal id {original.get('id')}; "
+                                  f"network id {original.get('network_message_id')}")
+
+
+# ---------------------------------------------------------------------- logging set-up
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+               "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
+        for key in ("internal_message_id", "network_message_id", "node"):
+            if hasattr(record, key):
+                out[key] = getattr(record, key)
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        ids = [f"{k}={getattr(record, k)}" for k in ("internal_message_id", "network_message_id")
+               if hasattr(record, k)]
+        return line + (" [" + " ".join(ids) + "]" if ids else "")
+
+
+def setup_logging(level: str = "info", fmt: str = "text", name: str = "") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        prefix = f"{name} " if name else ""
+        handler.setFormatter(TextFormatter(f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    for noisy in ("mail.log", "aiosmtpd", "aiosmtplib"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def serve(cfg: Config) -> int:
+    """Run the node until SIGTERM/SIGINT. Returns the process exit code."""
+    try:
+        import uvloop  # noqa: F401
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+    return asyncio.run(_serve(cfg))
+
+
+async def _serve(cfg: Config) -> int:
+    node = Node(cfg)
+    try:
+        await node.start()
+    except OSError as exc:
+        log.error("cannot start: %s", exc)
+        if node.store is not None:
+            node.store.close()
+        return 1
+    except StoreError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"transportd: {cfg.node.name} ready on {cfg.frontend.listen}", file=sys.stderr, flush=True)
+    await stop.wait()
+    log.info("shutting down")
+    await node.stop()
+    return 0

@@ -1,0 +1,539 @@
+"""Delivery status notifications (RFC 3464 / RFC 3461 / RFC 6522).
+
+This module owns *building* DSN messages: given the facts about a message that
+failed or was delayed (reporting MTA, envelope sender, per-recipient outcome,
+the original message bytes), :func:`build_dsn` returns a complete
+``multipart/report; report-type=delivery-status`` message as CRLF bytes, ready to
+be queued for delivery to the original envelope sender. It never sends anything
+and never decides *whether* a DSN is due (NOTIFY=, RET=, ENVID= policy is the
+caller's); in particular the caller must never queue a DSN for a message whose
+envelope sender was the null sender ``<>``, and :func:`build_dsn` refuses to
+build one (``ValueError``). Transfer-encoding choice: the DSN is always 7-bit
+clean (no ``8bit`` parts, lines <= 998 octets), so it can be relayed to any
+server, with or without 8BITMIME. Content that cannot be sent as 7bit is made
+so as follows: the human-readable part is ``quoted-printable`` UTF-8 when it is
+not pure ASCII; the returned header block (``text/rfc822-headers``) is
+``quoted-printable`` when it holds 8-bit octets, NULs or over-long lines (its
+bytes are thus kept exactly); and because ``message/rfc822`` may not be
+base64/QP encoded (RFC 2046), a ``include_body=True`` request for an original
+that is not 7-bit clean falls back to returning only its headers (the
+notification text says so). Non-ASCII *recipient* addresses are written with
+the RFC 6533 ``utf-8`` address type in its 7-bit ``\\x{HEX}`` form. The one
+exception to 7-bit cleanliness is a non-ASCII (SMTPUTF8) envelope sender or
+postmaster address, which appears as UTF-8 in the ``To:``/``From:`` header:
+such a DSN can only be relayed with SMTPUTF8 anyway, because its envelope
+recipient is non-ASCII too.
+"""
+
+import binascii
+import email.header
+import email.policy
+import email.utils
+import re
+import secrets
+import unicodedata
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+__all__ = ["RecipientReport", "build_dsn", "status_from_reply"]
+
+#: RFC 3464 action values. ``failed`` and ``delayed`` are the ones transportd emits;
+#: the success-type values are accepted for NOTIFY=SUCCESS reports.
+ACTIONS = frozenset({"failed", "delayed", "delivered", "relayed", "expanded"})
+
+_STATUS_RE = re.compile(r"[245]\.[0-9]{1,3}\.[0-9]{1,3}", re.ASCII)
+_REPLY_PREFIX_RE = re.compile(r"^[0-9]{3}(?:[ -]|$)", re.ASCII)
+_EOL_RE = re.compile(rb"\r\n|\r|\n")
+_NOT_7BIT_RE = re.compile(rb"[\x00\x80-\xff]")
+_SUBJECT_RE = re.compile(rb"subject[ \t]*:", re.IGNORECASE)
+
+_MAX_LINE = 998  # RFC 5322 2.1.1, excluding CRLF
+_FOLD_WIDTH = 78
+_MAX_SUBJECT_CHARS = 200
+_SMTP_POLICY = email.policy.SMTP  # utf8=False: RFC 2047-encodes non-ASCII, CRLF line ends
+
+
+@dataclass(frozen=True)
+class RecipientReport:
+    """The outcome for one recipient, rendered as one per-recipient DSN block."""
+
+    address: str  # final recipient (rfc822;addr); surrounding <> are tolerated
+    action: str = "failed"  # "failed" or "delayed" (any RFC 3464 action is accepted)
+    status: str = "5.0.0"  # enhanced status code, e.g. "5.1.1", "4.4.7"
+    diagnostic: str = ""  # the remote reply, e.g. "550 5.1.1 <x@y>: user unknown"; "" if none
+    remote_mta: str = ""  # host name of the next hop that answered, "" when none
+    last_attempt: datetime | None = None
+    # RFC 3461 ORCPT value, already xtext-decoded, as "type;address" (e.g. "rfc822;a@b");
+    # None when the client gave no ORCPT. Rendered as Original-Recipient.
+    original_recipient: str | None = None
+
+
+def status_from_reply(code: int, text: str) -> str:
+    """Return the enhanced status code (RFC 3463) for an SMTP reply.
+
+    ``text`` is the reply text, with or without the leading reply code on each
+    line (``"5.1.1 user unknown"``, ``"550-5.1.1 user unknown"``). The first
+    whitespace-separated token matching ``^[245]\\.\\d{1,3}\\.\\d{1,3}$`` wins;
+    if its class disagrees with the basic reply code (e.g. ``450`` with
+    ``"5.2.2"``) the reply code's class is kept (``"4.2.2"``), since the basic code
+    is what the client acts on. Without an enhanced code the class is derived
+    from ``code``: 5xx -> ``"5.0.0"``, 2xx -> ``"2.0.0"``, anything else
+    (4xx, or a code outside 2xx/4xx/5xx such as 0 for "no reply") -> ``"4.0.0"``.
+    """
+    klass = code // 100 if 100 <= code <= 599 else 0
+    for line in text.splitlines():
+        line = _REPLY_PREFIX_RE.sub("", line.strip(), count=1)
+        for token in line.split():
+            if _STATUS_RE.fullmatch(token):
+                if klass in (2, 4, 5) and int(token[0]) != klass:
+                    return f"{klass}{token[1:]}"
+                return token
+    if klass == 5:
+        return "5.0.0"
+    if klass == 2:
+        return "2.0.0"
+    return "4.0.0"
+
+
+def build_dsn(
+    *,
+    reporting_mta: str,
+    original_sender: str,
+    original_message: bytes,
+    recipients: Sequence[RecipientReport],
+    arrival_date: datetime,
+    now: datetime,
+    original_envelope_id: str | None = None,
+    postmaster: str | None = None,
+    include_body: bool = False,
+    message_id_domain: str | None = None,
+) -> bytes:
+    """Build a complete DSN message (RFC 5322 bytes, CRLF line endings).
+
+    ``original_sender`` is the envelope sender (``MAIL FROM``) of the message
+    being reported on, with or without angle brackets; the DSN goes to it.
+    ``original_message`` is the message as queued; it may be malformed or
+    8-bit and is never a reason to raise. ``original_envelope_id`` is the
+    ENVID, already xtext-decoded. ``include_body`` is RET=FULL (see the module
+    docstring for the 7-bit fallback). Naive datetimes are taken as UTC.
+
+    Raises ``ValueError`` for the null sender (``""``/``"<>"``), for an empty
+    ``recipients``, for an unknown action or malformed status code, and for
+    CR/LF/NUL in any value that ends up in a header or DSN field (the
+    diagnostic text may be multi-line; it is unfolded).
+    """
+    sender = _bare_address(original_sender, "original_sender")
+    if not sender:
+        raise ValueError("refusing to build a DSN for the null sender <>")
+    if not recipients:
+        raise ValueError("a DSN needs at least one recipient")
+    mta = _hostname(reporting_mta, "reporting_mta")
+    for rcpt in recipients:
+        _validate_recipient(rcpt)
+
+    from_addr = f"MAILER-DAEMON@{mta}"
+    if postmaster is not None:
+        pm = _single_line(postmaster, "postmaster").strip()
+        if "<" in pm:  # "Name <addr>" form: keep only the address
+            pm = email.utils.parseaddr(pm)[1]
+        pm = _bare_address(pm, "postmaster")
+        if pm:
+            from_addr = pm
+    msgid_domain = mta
+    if message_id_domain is not None and message_id_domain.strip():
+        msgid_domain = _hostname(message_id_domain, "message_id_domain")
+    envid = None
+    if original_envelope_id is not None:
+        envid = _field_text(_single_line(original_envelope_id, "original_envelope_id"))
+
+    full_lf = _EOL_RE.sub(b"\n", bytes(original_message))
+    headers_lf = _header_block(full_lf)
+    subject = _original_subject(headers_lf)
+
+    actions = {r.action for r in recipients}
+    if actions == {"delayed"}:
+        subject_prefix = "Delivery delayed: "
+    elif "failed" in actions:
+        subject_prefix = "Undeliverable: "
+    else:
+        subject_prefix = "Delivery status notification: "
+
+    return_full = include_body and not _needs_encoding(full_lf)
+    body_dropped = include_body and not return_full
+
+    # Part 1: human-readable explanation.
+    text = _human_text(mta, recipients, subject, arrival_date, return_full, body_dropped)
+    text_ct, text_cte, text_body = _encode_text_part(text.encode("utf-8"))
+    part1 = (
+        f"Content-Type: {text_ct}\r\n"
+        f"Content-Transfer-Encoding: {text_cte}\r\n"
+        "Content-Description: Notification\r\n"
+    ).encode("ascii")
+
+    # Part 2: machine-readable delivery status.
+    status_lines = [f"Reporting-MTA: dns; {_field_text(mta)}\r\n"]
+    if envid:
+        status_lines.append(_fold_field("Original-Envelope-Id", envid))
+    status_lines.append(f"Arrival-Date: {_rfc5322_date(arrival_date)}\r\n")
+    for rcpt in recipients:
+        status_lines.append("\r\n")
+        status_lines.extend(_recipient_block(rcpt))
+    part2 = (
+        "Content-Type: message/delivery-status\r\n"
+        "Content-Transfer-Encoding: 7bit\r\n"
+        "Content-Description: Delivery report\r\n"
+    ).encode("ascii")
+    status_body = "".join(status_lines).encode("ascii")
+
+    # Part 3: the original (headers, or the whole message for RET=FULL).
+    if return_full:
+        part3 = (
+            "Content-Type: message/rfc822\r\n"
+            "Content-Transfer-Encoding: 7bit\r\n"
+            "Content-Description: Undelivered message\r\n"
+        ).encode("ascii")
+        original_body = full_lf.replace(b"\n", b"\r\n")
+    else:
+        if _needs_encoding(headers_lf):
+            charset = "; charset=utf-8" if _is_utf8(headers_lf) else ""
+            cte = "quoted-printable"
+            original_body = _qp_crlf(headers_lf)
+        else:
+            charset = ""
+            cte = "7bit"
+            original_body = headers_lf.replace(b"\n", b"\r\n")
+        part3 = (
+            f"Content-Type: text/rfc822-headers{charset}\r\n"
+            f"Content-Transfer-Encoding: {cte}\r\n"
+            "Content-Description: Undelivered message headers\r\n"
+        ).encode("ascii")
+
+    parts = [(part1, text_body), (part2, status_body), (part3, original_body)]
+    boundary = _pick_boundary([body for _, body in parts])
+
+    head = b"".join(
+        [
+            _address_header("From", "Mail Delivery System", from_addr),
+            _address_header("To", None, sender),
+            _subject_header(subject_prefix + (subject or "(no subject)")),
+            f"Date: {_rfc5322_date(now)}\r\n".encode("ascii"),
+            f"Message-ID: <{_date_utc(now):%Y%m%d%H%M%S}.{secrets.token_hex(8)}"
+            f"@{msgid_domain}>\r\n".encode("ascii"),
+            b"Auto-Submitted: auto-replied\r\n",
+            b"MIME-Version: 1.0\r\n",
+            f"Content-Type: multipart/report; report-type=delivery-status;\r\n"
+            f' boundary="{boundary}"\r\n'.encode("ascii"),
+            b"\r\n",
+            b"This is a MIME-encapsulated delivery status notification.\r\n",
+        ]
+    )
+    out = [head]
+    delimiter = f"\r\n--{boundary}\r\n".encode("ascii")
+    for part_head, part_body in parts:
+        out.append(delimiter)
+        out.append(part_head)
+        out.append(b"\r\n")
+        out.append(part_body)
+    out.append(f"\r\n--{boundary}--\r\n".encode("ascii"))
+    return b"".join(out)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _single_line(value: str, what: str) -> str:
+    if any(c in value for c in "\r\n\0"):
+        raise ValueError(f"{what} must not contain CR, LF or NUL: {value!r}")
+    return value
+
+
+def _hostname(value: str, what: str) -> str:
+    """A domain for our own headers: ASCII (IDNA-encoded if needed), no spaces."""
+    host = _single_line(value, what).strip().rstrip(".")
+    if not host.isascii():
+        try:
+            host = host.encode("idna").decode("ascii")
+        except UnicodeError as exc:
+            raise ValueError(f"{what} is not a valid domain: {value!r}") from exc
+    if not host or any(c in host for c in ' \t<>@()"\\,;') or not host.isprintable():
+        raise ValueError(f"{what} is not a valid domain: {value!r}")
+    return host
+
+
+def _bare_address(value: str, what: str) -> str:
+    addr = _single_line(value, what).strip()
+    if addr.startswith("<") and addr.endswith(">"):
+        addr = addr[1:-1].strip()
+    return addr
+
+
+def _validate_recipient(rcpt: RecipientReport) -> None:
+    if not _bare_address(rcpt.address, "recipient address"):
+        raise ValueError("recipient address must not be empty")
+    if rcpt.action not in ACTIONS:
+        raise ValueError(f"unknown DSN action {rcpt.action!r}; expected one of {sorted(ACTIONS)}")
+    if not _STATUS_RE.fullmatch(rcpt.status):
+        raise ValueError(f"malformed enhanced status code {rcpt.status!r}")
+    _single_line(rcpt.remote_mta, "remote_mta")
+    if rcpt.original_recipient is not None:
+        _single_line(rcpt.original_recipient, "original_recipient")
+    if "\0" in rcpt.diagnostic:
+        raise ValueError("diagnostic must not contain NUL")
+
+
+def _date_utc(dt: datetime) -> datetime:
+    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt
+
+
+def _rfc5322_date(dt: datetime) -> str:
+    return email.utils.format_datetime(_date_utc(dt))
+
+
+def _field_text(value: str) -> str:
+    """One line of printable ASCII: controls become spaces, whitespace runs collapse,
+    non-ASCII characters become RFC 6533-style ``\\x{HEX}`` escapes."""
+    out = []
+    for ch in value:
+        o = ord(ch)
+        if o < 0x20 or o == 0x7F:
+            out.append(" ")
+        elif o > 0x7E:
+            out.append(f"\\x{{{o:X}}}")
+        else:
+            out.append(ch)
+    return " ".join("".join(out).split())
+
+
+def _fold_field(name: str, value: str) -> str:
+    """``name: value`` folded at spaces to ~78 columns, never a line over 998 octets."""
+    words: list[str] = []
+    for word in value.split(" "):
+        words.extend(word[i : i + 900] for i in range(0, len(word), 900))
+    lines: list[str] = []
+    current = f"{name}:"
+    has_word = False
+    for word in words:
+        if has_word and len(current) + 1 + len(word) > _FOLD_WIDTH:
+            lines.append(current)
+            current = " " + word
+        else:
+            current += " " + word
+        has_word = True
+    lines.append(current)
+    return "\r\n".join(lines) + "\r\n"
+
+
+def _address_field(value: str) -> str:
+    """``rfc822; addr`` for ASCII, RFC 6533 ``utf-8; <utf-8-addr-xtext>`` otherwise."""
+    if value.isascii():
+        return f"rfc822; {_field_text(value)}"
+    xtext = "".join(
+        ch if 0x21 <= ord(ch) <= 0x7E and ch not in "+=\\" else f"\\x{{{ord(ch):X}}}"
+        for ch in value
+    )
+    return f"utf-8; {xtext}"
+
+
+def _recipient_block(rcpt: RecipientReport) -> list[str]:
+    lines = []
+    if rcpt.original_recipient:
+        orcpt = rcpt.original_recipient.strip()
+        addr_type, sep, addr = orcpt.partition(";")
+        if sep and addr_type.strip() and addr.strip():
+            value = f"{_field_text(addr_type)}; {_field_text(addr.strip())}"
+        else:
+            value = _address_field(orcpt)
+        lines.append(_fold_field("Original-Recipient", value))
+    lines.append(_fold_field("Final-Recipient", _address_field(_bare_address(rcpt.address, ""))))
+    lines.append(f"Action: {rcpt.action}\r\n")
+    lines.append(f"Status: {rcpt.status}\r\n")
+    remote = _field_text(rcpt.remote_mta)
+    if remote:
+        lines.append(_fold_field("Remote-MTA", f"dns; {remote}"))
+    diagnostic = _field_text(rcpt.diagnostic)
+    if diagnostic:
+        lines.append(_fold_field("Diagnostic-Code", f"smtp; {diagnostic}"))
+    if rcpt.last_attempt is not None:
+        lines.append(f"Last-Attempt-Date: {_rfc5322_date(rcpt.last_attempt)}\r\n")
+    return lines
+
+
+def _header_block(full_lf: bytes) -> bytes:
+    """Everything up to the first blank line (LF line ends, terminated by LF);
+    the whole input when there is no blank line."""
+    if full_lf.startswith(b"\n"):
+        return b""
+    end = full_lf.find(b"\n\n")
+    block = full_lf if end < 0 else full_lf[: end + 1]
+    if block and not block.endswith(b"\n"):
+        block += b"\n"
+    return block
+
+
+def _needs_encoding(data_lf: bytes) -> bool:
+    """True unless ``data_lf`` is valid 7bit data (RFC 2045 2.7) as it stands."""
+    if _NOT_7BIT_RE.search(data_lf):
+        return True
+    return any(len(line) > _MAX_LINE for line in data_lf.split(b"\n"))
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _qp_crlf(data_lf: bytes) -> bytes:
+    encoded = binascii.b2a_qp(data_lf, istext=True)
+    return encoded.replace(b"\n", b"\r\n")
+
+
+def _encode_text_part(text_lf: bytes) -> tuple[str, str, bytes]:
+    if not _needs_encoding(text_lf):
+        return "text/plain; charset=us-ascii", "7bit", text_lf.replace(b"\n", b"\r\n")
+    return "text/plain; charset=utf-8", "quoted-printable", _qp_crlf(text_lf)
+
+
+def _original_subject(headers_lf: bytes) -> str:
+    """The decoded Subject of the original, cleaned to one line; "" when none/unusable."""
+    lines = headers_lf.split(b"\n")
+    raw: bytes | None = None
+    for i, line in enumerate(lines):
+        match = _SUBJECT_RE.match(line)
+        if match:
+            pieces = [line[match.end() :]]
+            for cont in lines[i + 1 :]:
+                if cont[:1] not in (b" ", b"\t"):
+                    break
+                pieces.append(cont)
+            raw = b"".join(pieces)
+            break
+    if raw is None:
+        return ""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = raw.decode("latin-1")
+    try:
+        decoded = str(email.policy.default.header_factory("Subject", text))
+    except Exception:  # noqa: BLE001 - the email package has crashed on hostile input
+        decoded = text
+    subject = _display_text(decoded)
+    if len(subject) > _MAX_SUBJECT_CHARS:
+        subject = subject[:_MAX_SUBJECT_CHARS].rstrip() + "..."
+    return subject
+
+
+def _display_text(value: str) -> str:
+    """One line of human-readable Unicode: controls become spaces, whitespace runs
+    collapse, lone surrogates (from surrogateescape-decoded input) become U+FFFD."""
+    cleaned = []
+    for ch in value:
+        if 0xD800 <= ord(ch) <= 0xDFFF:
+            cleaned.append("\ufffd")
+        elif unicodedata.category(ch) in ("Cc", "Zl", "Zp"):
+            cleaned.append(" ")
+        else:
+            cleaned.append(ch)
+    return " ".join("".join(cleaned).split())
+
+
+def _subject_header(subject: str) -> bytes:
+    """``Subject:`` line(s), RFC 2047-encoded where needed, 7-bit, CRLF-folded."""
+    # The folder of the modern email API has had bugs on odd input; its output is
+    # checked, and the compat32 encoder and finally an ASCII-escaped subject back it up.
+    encoders = (
+        lambda: _SMTP_POLICY.header_factory("Subject", subject).fold(policy=_SMTP_POLICY),
+        lambda: (
+            "Subject: "
+            + email.header.Header(subject, "utf-8", header_name="Subject").encode(linesep="\r\n")
+            + "\r\n"
+        ),
+    )
+    for encode in encoders:
+        try:
+            folded = encode()
+        except Exception:  # noqa: BLE001, S112 - try the next, more conservative encoder
+            continue
+        lines = folded.split("\r\n")
+        if folded.isascii() and lines[-1] == "" and all(len(x) <= _MAX_LINE for x in lines):
+            return folded.encode("ascii")
+    return f"Subject: {_field_text(subject)[:900]}\r\n".encode("ascii")
+
+
+def _address_header(name: str, display: str | None, addr: str) -> bytes:
+    value = f"{display} <{addr}>" if display else f"<{addr}>"
+    return f"{name}: {value}\r\n".encode("utf-8", "surrogateescape")
+
+
+def _human_text(
+    mta: str,
+    recipients: Sequence[RecipientReport],
+    subject: str,
+    arrival_date: datetime,
+    return_full: bool,
+    body_dropped: bool,
+) -> str:
+    groups = [
+        (
+            [r for r in recipients if r.action == "failed"],
+            (
+                "Your message could not be delivered to the following recipient(s).\n"
+                "The mail system has given up; it will not try again."
+            ),
+        ),
+        (
+            [r for r in recipients if r.action == "delayed"],
+            (
+                "Delivery of your message to the following recipient(s) has been delayed.\n"
+                "The mail system will keep trying; you do not need to send the message again."
+            ),
+        ),
+        (
+            [r for r in recipients if r.action not in ("failed", "delayed")],
+            "Delivery status for the following recipient(s):",
+        ),
+    ]
+    out = [f"This is the mail system at host {mta}.", ""]
+    for members, intro in groups:
+        if not members:
+            continue
+        out.append(intro)
+        out.append("")
+        for rcpt in members:
+            out.append(f"  <{_display_text(_bare_address(rcpt.address, ''))}>")
+            out.append(f"    Action: {rcpt.action}, status {rcpt.status}")
+            remote = _display_text(rcpt.remote_mta)
+            if remote:
+                out.append(f"    Remote server: {remote}")
+            diagnostic = _display_text(rcpt.diagnostic)
+            if diagnostic:
+                out.append(f"    Server reply: {diagnostic}")
+            if rcpt.last_attempt is not None:
+                out.append(f"    Last attempt: {_rfc5322_date(rcpt.last_attempt)}")
+            out.append("")
+    out.append(f"Original message received: {_rfc5322_date(arrival_date)}")
+    out.append(f"Original subject: {subject or '(no subject)'}")
+    out.append("")
+    if return_full:
+        out.append("The delivery report and your original message are attached.")
+    else:
+        out.append("The delivery report and the headers of your original message are attached.")
+    if body_dropped:
+        out.append(
+            "The message body is not returned because it is not 7-bit clean and"
+            " cannot be attached unaltered."
+        )
+    return "\n".join(out) + "\n"
+
+
+def _pick_boundary(bodies: Sequence[bytes]) -> str:
+    # "=_" can never occur in quoted-printable output; we still check every body.
+    while True:
+        boundary = f"=_dsn_{secrets.token_hex(16)}"
+        marker = b"--" + boundary.encode("ascii")
+        if not any(marker in body for body in bodies):
+            return boundary

@@ -1,0 +1,426 @@
+"""Queue operations on the queue database: enqueue, due work, outcomes, operator actions, views.
+
+Each function takes an open SQLAlchemy connection inside a transaction and a
+``now`` (epoch seconds) where time matters, so the daemon's group-commit writer
+and the CLI share the same code, and tests can pin the clock. Nothing here
+talks SMTP or writes tracking logs: callers log after the commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from sqlalchemy import and_, delete, func, insert, or_, select, update
+from sqlalchemy.engine import Connection
+
+from .routing import NextHop
+from .store import delivered_to, discard_events, message_bodies, message_shadows, messages, queues, recipients
+
+# recipient statuses
+READY, RETRY, ACTIVE, DELIVERED, FAILED, REMOVED = "Ready", "Retry", "Active", "Delivered", "Failed", "Removed"
+PENDING = (READY, RETRY)
+TERMINAL = (DELIVERED, FAILED, REMOVED)
+# message states
+QUEUED, SAFETY_NET, MSG_REMOVED = "Queued", "SafetyNet", "Removed"
+
+
+@dataclass
+class NewMessage:
+    network_message_id: str
+    sender: str
+    data: bytes
+    recipients: dict[NextHop, list[str]]
+    received_at: float
+    expires_at: float
+    message_id: str = ""
+    submit_time: str = ""
+    subject: str = ""
+    client_ip: str = ""
+    client_hostname: str = ""
+    origin: str = "smtp"
+    suppress_dsn: bool = False
+    role: str = "primary"
+    redundancy: str = "none"
+    shadow_guid: str | None = None
+    primary_node: str | None = None
+    primary_internal_id: int | None = None
+
+
+@dataclass
+class Outcome:
+    """The result of one delivery attempt for one recipient row."""
+    recipient_id: int
+    status: str  # DELIVERED | RETRY | FAILED
+    reply: str = ""
+    duplicate: bool = False
+
+
+@dataclass
+class WorkItem:
+    queue_id: int
+    queue_identity: str
+    delivery_type: str
+    next_hop: str
+    message_id: int
+    recipient_ids: list[int] = field(default_factory=list)
+    addresses: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- queues
+
+def queue_id_for(conn: Connection, hop: NextHop, now: float) -> int:
+    qid = conn.execute(select(queues.c.id).where(queues.c.identity == hop.identity)).scalar()
+    if qid is None:
+        qid = conn.execute(insert(queues).values(
+            identity=hop.identity, delivery_type=hop.delivery_type, next_hop=hop.next_hop,
+            suspended=0, retry_count=0, created_at=now)).inserted_primary_key[0]
+    return qid
+
+
+def resolve_queue(conn: Connection, name: str) -> dict | None:
+    """A queue by identity or numeric id."""
+    cond = queues.c.identity == name
+    if name.isdigit():
+        cond = or_(cond, queues.c.id == int(name))
+    row = conn.execute(select(queues).where(cond)).mappings().first()
+    return dict(row) if row else None
+
+
+# --------------------------------------------------------------------------- enqueue
+
+def enqueue(conn: Connection, msg: NewMessage) -> int:
+    """Insert a message, its body and one recipient row per (recipient, next hop)."""
+    mid = conn.execute(insert(messages).values(
+        network_message_id=msg.network_message_id, message_id=msg.message_id,
+        submit_time=msg.submit_time, sender=msg.sender, subject=msg.subject[:500],
+        size=len(msg.data), received_at=msg.received_at, expires_at=msg.expires_at,
+        client_ip=msg.client_ip, client_hostname=msg.client_hostname, origin=msg.origin,
+        role=msg.role, state=QUEUED, suspended=0, suppress_dsn=int(msg.suppress_dsn),
+        shadow_guid=msg.shadow_guid, primary_node=msg.primary_node,
+        primary_internal_id=msg.primary_internal_id, redundancy=msg.redundancy,
+    )).inserted_primary_key[0]
+    conn.execute(insert(message_bodies).values(message_id=mid, data=msg.data))
+    rows = []
+    for hop, addrs in msg.recipients.items():
+        qid = queue_id_for(conn, hop, msg.received_at)
+        for a in addrs:
+            rows.append({"message_id": mid, "address": a, "queue_id": qid, "status": READY,
+                         "attempts": 0, "next_retry_at": 0.0})
+    if rows:
+        conn.execute(insert(recipients), rows)
+    return mid
+
+
+def body(conn: Connection, message_id: int) -> bytes | None:
+    return conn.execute(select(message_bodies.c.data).where(message_bodies.c.message_id == message_id)).scalar()
+
+
+def message_row(conn: Connection, message_id: int) -> dict | None:
+    row = conn.execute(select(messages).where(messages.c.id == message_id)).mappings().first()
+    return dict(row) if row else None
+
+
+# --------------------------------------------------------------------------- crash recovery
+
+def recover_after_restart(conn: Connection) -> int:
+    """Recipients left Active by a crash become Ready again; returns how many."""
+    return conn.execute(update(recipients).where(recipients.c.status == ACTIVE)
+                        .values(status=READY, next_retry_at=0.0)).rowcount
+
+
+# --------------------------------------------------------------------------- scheduling
+
+def due_work(conn: Connection, now: float, limit: int = 500,
+             exclude: Iterable[int] = ()) -> list[WorkItem]:
+    """Pending recipients whose retry time has come, in unsuspended messages and queues.
+
+    Grouped per (queue, message), oldest first.
+    """
+    stmt = (
+        select(recipients.c.id, recipients.c.address, recipients.c.message_id,
+               queues.c.id.label("qid"), queues.c.identity, queues.c.delivery_type, queues.c.next_hop)
+        .join(messages, messages.c.id == recipients.c.message_id)
+        .join(queues, queues.c.id == recipients.c.queue_id)
+        .where(recipients.c.status.in_(PENDING), recipients.c.next_retry_at <= now,
+               messages.c.suspended == 0, messages.c.state == QUEUED, messages.c.role == "primary",
+               queues.c.suspended == 0,
+               or_(queues.c.next_retry_at.is_(None), queues.c.next_retry_at <= now))
+        .order_by(recipients.c.message_id, recipients.c.id)
+        .limit(limit)
+    )
+    excluded = set(exclude)
+    items: dict[tuple[int, int], WorkItem] = {}
+    for r in conn.execute(stmt).mappings():
+        if r["id"] in excluded:
+            continue
+        key = (r["qid"], r["message_id"])
+        item = items.get(key)
+        if item is None:
+            item = items[key] = WorkItem(r["qid"], r["identity"], r["delivery_type"], r["next_hop"],
+                                         r["message_id"])
+        item.recipient_ids.append(r["id"])
+        item.addresses.append(r["address"])
+    return list(items.values())
+
+
+def mark_active(conn: Connection, recipient_ids: Sequence[int], now: float) -> list[int]:
+    """Claim pending recipients for sending; returns the ids actually claimed."""
+    if not recipient_ids:
+        return []
+    claimed = conn.execute(select(recipients.c.id).where(
+        recipients.c.id.in_(recipient_ids), recipients.c.status.in_(PENDING))).scalars().all()
+    if claimed:
+        conn.execute(update(recipients).where(recipients.c.id.in_(claimed))
+                     .values(status=ACTIVE, last_attempt_at=now))
+    return list(claimed)
+
+
+def expired_recipients(conn: Connection, now: float) -> list[dict]:
+    stmt = (select(recipients.c.id, recipients.c.address, recipients.c.message_id,
+                   recipients.c.last_error)
+            .join(messages, messages.c.id == recipients.c.message_id)
+            .where(recipients.c.status.in_(PENDING), messages.c.expires_at <= now,
+                   messages.c.state == QUEUED, messages.c.role == "primary"))
+    return [dict(r) for r in conn.execute(stmt).mappings()]
+
+
+def retry_delay(attempt: int, interval: float, count: int, long_interval: float) -> float:
+    """Exchange's schedule: ``count`` retries ``interval`` apart, then ``long_interval``."""
+    return interval if attempt <= count else long_interval
+
+
+def record_outcomes(conn: Connection, outcomes: Sequence[Outcome], now: float, *,
+                    retry_interval: float, retry_count: int, long_interval: float) -> None:
+    """Write each recipient's result; a recipient no longer Active (removed meanwhile) is left alone."""
+    for o in outcomes:
+        row = conn.execute(select(recipients.c.status, recipients.c.attempts)
+                           .where(recipients.c.id == o.recipient_id)).first()
+        if row is None or row.status != ACTIVE:
+            continue
+        attempts = row.attempts + 1
+        if o.status == RETRY:
+            delay = retry_delay(attempts, retry_interval, retry_count, long_interval)
+            values = dict(status=RETRY, attempts=attempts, next_retry_at=now + delay, last_error=o.reply)
+        elif o.status == DELIVERED:
+            values = dict(status=DELIVERED, attempts=attempts, completed_at=now, last_error=None)
+        else:
+            values = dict(status=FAILED, attempts=attempts, completed_at=now, last_error=o.reply)
+        conn.execute(update(recipients).where(recipients.c.id == o.recipient_id).values(**values))
+
+
+def queue_attempt_result(conn: Connection, queue_id: int, now: float, *, error: str | None,
+                         retry_interval: float, retry_count: int, long_interval: float) -> float | None:
+    """Record a connection-level result on the queue; returns the next retry time on failure."""
+    if error is None:
+        conn.execute(update(queues).where(queues.c.id == queue_id).values(
+            retry_count=0, next_retry_at=None, last_error=None, last_attempt_at=now))
+        return None
+    count = (conn.execute(select(queues.c.retry_count).where(queues.c.id == queue_id)).scalar() or 0) + 1
+    nxt = now + retry_delay(count, retry_interval, retry_count, long_interval)
+    conn.execute(update(queues).where(queues.c.id == queue_id).values(
+        retry_count=count, next_retry_at=nxt, last_error=error[:1000], last_attempt_at=now))
+    return nxt
+
+
+def finish_if_done(conn: Connection, message_id: int, now: float, safety_net_hold: float) -> bool:
+    """A message with every recipient terminal moves to the Primary Safety Net (or is dropped)."""
+    pending = conn.execute(select(func.count()).select_from(recipients).where(
+        recipients.c.message_id == message_id, recipients.c.status.not_in(TERMINAL))).scalar()
+    if pending:
+        return False
+    state = conn.execute(select(messages.c.state).where(messages.c.id == message_id)).scalar()
+    if state != QUEUED:
+        return False
+    if safety_net_hold > 0:
+        conn.execute(update(messages).where(messages.c.id == message_id).values(
+            state=SAFETY_NET, completed_at=now, safety_net_until=now + safety_net_hold))
+    else:
+        conn.execute(update(messages).where(messages.c.id == message_id).values(
+            state=MSG_REMOVED, completed_at=now))
+        conn.execute(delete(message_bodies).where(message_bodies.c.message_id == message_id))
+    return True
+
+
+def purge_expired(conn: Connection, now: float, duplicate_window: float) -> tuple[int, int]:
+    """Drop Safety Net copies past their hold time and DeliveredTo rows past the window."""
+    ids = conn.execute(select(messages.c.id).where(
+        or_(and_(messages.c.state == SAFETY_NET, messages.c.safety_net_until <= now),
+            messages.c.state == MSG_REMOVED)).limit(1000)).scalars().all()
+    if ids:
+        conn.execute(delete(message_shadows).where(message_shadows.c.message_id.in_(ids)))
+        conn.execute(delete(recipients).where(recipients.c.message_id.in_(ids)))
+        conn.execute(delete(message_bodies).where(message_bodies.c.message_id.in_(ids)))
+        conn.execute(delete(messages).where(messages.c.id.in_(ids)))
+    n_dup = conn.execute(delete(delivered_to).where(
+        delivered_to.c.delivered_at < now - duplicate_window)).rowcount
+    return len(ids), n_dup
+
+
+# --------------------------------------------------------------------------- duplicate detection
+
+def already_delivered(conn: Connection, recipient: str, message_id: str, submit_time: str,
+                      now: float, window: float) -> bool:
+    if not message_id:
+        return False
+    return conn.execute(select(func.count()).select_from(delivered_to).where(
+        delivered_to.c.recipient == recipient.lower(), delivered_to.c.message_id == message_id,
+        delivered_to.c.submit_time == submit_time,
+        delivered_to.c.delivered_at > now - window)).scalar() > 0
+
+
+def remember_delivery(conn: Connection, recipient: str, message_id: str, submit_time: str,
+                      now: float) -> None:
+    if not message_id:
+        return
+    conn.execute(delete(delivered_to).where(
+        delivered_to.c.recipient == recipient.lower(), delivered_to.c.message_id == message_id,
+        delivered_to.c.submit_time == submit_time))
+    conn.execute(insert(delivered_to).values(recipient=recipient.lower(), message_id=message_id,
+                                             submit_time=submit_time, delivered_at=now))
+
+
+# --------------------------------------------------------------------------- operator actions
+
+def set_queue_suspended(conn: Connection, queue_id: int, suspended: bool) -> None:
+    conn.execute(update(queues).where(queues.c.id == queue_id).values(suspended=int(suspended)))
+
+
+def retry_queue_now(conn: Connection, queue_id: int) -> int:
+    """Retry-Queue: forget the queue's back-off and make its pending recipients due now."""
+    conn.execute(update(queues).where(queues.c.id == queue_id).values(next_retry_at=None))
+    return conn.execute(update(recipients).where(
+        recipients.c.queue_id == queue_id, recipients.c.status.in_(PENDING)).values(next_retry_at=0.0)).rowcount
+
+
+def set_message_suspended(conn: Connection, message_id: int, suspended: bool) -> bool:
+    return conn.execute(update(messages).where(messages.c.id == message_id, messages.c.state == QUEUED)
+                        .values(suspended=int(suspended))).rowcount > 0
+
+
+def remove_message(conn: Connection, message_id: int, now: float) -> list[dict]:
+    """Remove-Message: pending recipients become Removed; returns them (for the NDR and DROP)."""
+    pending = conn.execute(select(recipients.c.id, recipients.c.address).where(
+        recipients.c.message_id == message_id, recipients.c.status.not_in(TERMINAL))).mappings().all()
+    conn.execute(update(recipients).where(recipients.c.message_id == message_id,
+                                          recipients.c.status.not_in(TERMINAL))
+                 .values(status=REMOVED, completed_at=now, last_error="Removed by administrator"))
+    conn.execute(update(messages).where(messages.c.id == message_id).values(
+        state=MSG_REMOVED, completed_at=now))
+    conn.execute(delete(message_bodies).where(message_bodies.c.message_id == message_id))
+    return [dict(r) for r in pending]
+
+
+# --------------------------------------------------------------------------- views (CLI)
+
+def queue_state(q: dict[str, Any], active: int, now: float) -> str:
+    if q["suspended"]:
+        return "Suspended"
+    if active:
+        return "Active"
+    if q["next_retry_at"] and q["next_retry_at"] > now:
+        return "Retry"
+    return "Ready"
+
+
+def list_queues(conn: Connection, now: float) -> list[dict]:
+    counts: dict[int, dict[str, int]] = {}
+    stmt = (select(recipients.c.queue_id, recipients.c.status, func.count(func.distinct(recipients.c.message_id)))
+            .join(messages, messages.c.id == recipients.c.message_id)
+            .where(recipients.c.status.not_in(TERMINAL), messages.c.role == "primary")
+            .group_by(recipients.c.queue_id, recipients.c.status))
+    for qid, status, n in conn.execute(stmt):
+        counts.setdefault(qid, {})[status] = n
+    msg_counts = dict(conn.execute(
+        select(recipients.c.queue_id, func.count(func.distinct(recipients.c.message_id)))
+        .join(messages, messages.c.id == recipients.c.message_id)
+        .where(recipients.c.status.not_in(TERMINAL), messages.c.role == "primary")
+        .group_by(recipients.c.queue_id)).all())
+    out = []
+    for q in conn.execute(select(queues).order_by(queues.c.id)).mappings():
+        c = counts.get(q["id"], {})
+        out.append({
+            "identity": q["identity"], "id": q["id"], "delivery_type": q["delivery_type"],
+            "next_hop": q["next_hop"], "state": queue_state(dict(q), c.get(ACTIVE, 0), now),
+            "message_count": msg_counts.get(q["id"], 0),
+            "next_retry_at": q["next_retry_at"] if q["next_retry_at"] and q["next_retry_at"] > now else None,
+            "last_error": q["last_error"] or "",
+            "retry_count": q["retry_count"],
+        })
+    return out
+
+
+def message_status(rcpt_statuses: Sequence[str], suspended: bool, state: str) -> str:
+    if state == SAFETY_NET:
+        return "SafetyNet"
+    if state == MSG_REMOVED:
+        return "Removed"
+    if suspended:
+        return "Suspended"
+    pending = [s for s in rcpt_statuses if s not in TERMINAL]
+    if not pending:
+        return "Delivered" if DELIVERED in rcpt_statuses else (FAILED if FAILED in rcpt_statuses else "Removed")
+    for s in (ACTIVE, RETRY, READY):
+        if s in pending:
+            return s
+    return pending[0]
+
+
+def list_messages(conn: Connection, queue_id: int | None = None, include_done: bool = False,
+                  role: str = "primary", limit: int = 1000) -> list[dict]:
+    stmt = select(messages).where(messages.c.role == role).order_by(messages.c.id).limit(limit)
+    if not include_done:
+        stmt = stmt.where(messages.c.state == QUEUED)
+    if queue_id is not None:
+        stmt = stmt.where(messages.c.id.in_(select(recipients.c.message_id).where(
+            recipients.c.queue_id == queue_id)))
+    rows = [dict(r) for r in conn.execute(stmt).mappings()]
+    if not rows:
+        return []
+    ids = [r["id"] for r in rows]
+    per: dict[int, list[dict]] = {}
+    rstmt = (select(recipients, queues.c.identity.label("queue"))
+             .join(queues, queues.c.id == recipients.c.queue_id)
+             .where(recipients.c.message_id.in_(ids)).order_by(recipients.c.id))
+    for r in conn.execute(rstmt).mappings():
+        per.setdefault(r["message_id"], []).append(dict(r))
+    out = []
+    for m in rows:
+        rc = per.get(m["id"], [])
+        if queue_id is not None:
+            rc_q = [r for r in rc if r["queue_id"] == queue_id]
+        else:
+            rc_q = rc
+        errors = [r["last_error"] for r in rc_q if r["last_error"]]
+        retries = [r["next_retry_at"] for r in rc_q if r["status"] == RETRY and r["next_retry_at"]]
+        out.append({
+            "id": m["id"], "network_message_id": m["network_message_id"], "message_id": m["message_id"],
+            "from": m["sender"], "subject": m["subject"], "size": m["size"],
+            "received_at": m["received_at"], "expires_at": m["expires_at"],
+            "status": message_status([r["status"] for r in rc_q], bool(m["suspended"]), m["state"]),
+            "queues": sorted({r["queue"] for r in rc_q}),
+            "recipient_count": len(rc_q),
+            "next_retry_at": min(retries) if retries else None,
+            "last_error": errors[-1] if errors else "",
+            "origin": m["origin"], "redundancy": m["redundancy"],
+        })
+    return out
+
+
+def message_detail(conn: Connection, message_id: int) -> dict | None:
+    m = message_row(conn, message_id)
+    if m is None:
+        return None
+    rstmt = (select(recipients, queues.c.identity.label("queue"))
+             .join(queues, queues.c.id == recipients.c.queue_id)
+             .where(recipients.c.message_id == message_id).order_by(recipients.c.id))
+    m["recipients"] = [dict(r) for r in conn.execute(rstmt).mappings()]
+    m["shadows"] = [dict(r) for r in conn.execute(
+        select(message_shadows).where(message_shadows.c.message_id == message_id)).mappings()]
+    m["status"] = message_status([r["status"] for r in m["recipients"]], bool(m["suspended"]), m["state"])
+    return m
+
+
+def pending_discards(conn: Connection, shadow_node: str) -> int:
+    return conn.execute(select(func.count()).select_from(discard_events).where(
+        discard_events.c.shadow_node == shadow_node)).scalar()

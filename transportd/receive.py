@@ -1,0 +1,309 @@
+"""The frontend receive connector: aiosmtpd at the edge, our rules inside.
+
+It owns the SMTP session rules a client sees: EHLO keywords, relay control,
+limits (size, recipients, line length, connections per connector and per
+source, absolute and inactivity timeouts), reply wording with enhanced status
+codes, and the mapping of every internal error to ``451 4.3.0``. It never
+writes the queue itself: ``handle_DATA`` hands the envelope to the node's
+``accept`` coroutine, shielded so a client that disconnects cannot cancel a
+commit half-way, and answers 250 only when that returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from email.parser import BytesHeaderParser
+from email.policy import compat32
+from typing import Any, Awaitable, Callable
+
+from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session
+
+from . import replies
+from .routing import domain_of, is_accepted, relay_allowed, valid_address
+
+log = logging.getLogger("transportd.receive")
+
+
+class MessageRejected(Exception):
+    """Raised by the accept path with the SMTP reply to send (4xx or 5xx)."""
+
+    def __init__(self, reply: str):
+        super().__init__(reply)
+        self.reply = reply
+
+
+@dataclass
+class PreparedMessage:
+    data: bytes
+    message_id: str
+    submit_time: str
+    subject: str
+
+
+_HEADER_END = re.compile(rb"\r?\n\r?\n")
+
+
+def split_headers(data: bytes) -> tuple[bytes, bytes]:
+    m = _HEADER_END.search(data)
+    if not m:
+        return data, b""
+    return data[:m.end()], data[m.end():]
+
+
+def prepare_message(data: bytes, *, node_name: str, client_ip: str, helo: str, network_message_id: str,
+                    now: float, connector: str = "frontend", tls: bool = False) -> PreparedMessage:
+    """Add Received (always), Message-ID and Date (when missing); read Subject. Pure."""
+    head, _ = split_headers(data)
+    parsed = BytesHeaderParser(policy=compat32).parsebytes(head)
+    message_id = (parsed.get("Message-ID") or "").strip()
+    submit_time = (parsed.get("Date") or "").strip()
+    subject = str(parsed.get("Subject") or "").strip()
+    extra: list[str] = []
+    date_text = email.utils.formatdate(now, usegmt=True)
+    helo_safe = re.sub(r"[^\x21-\x7e]", "?", helo or "unknown")[:255]
+    proto = "ESMTPS" if tls else "ESMTP"
+    extra.append(f"Received: from {helo_safe} ([{client_ip}])\r\n\tby {node_name} ({connector}) with {proto}"
+                 f" id {network_message_id};\r\n\t{date_text}")
+    if not message_id:
+        message_id = f"<{network_message_id}@{node_name}>"
+        extra.append(f"Message-ID: {message_id}")
+    if not submit_time:
+        submit_time = date_text
+        extra.append(f"Date: {date_text}")
+    prefix = ("\r\n".join(extra) + "\r\n").encode("ascii", "replace")
+    return PreparedMessage(prefix + data, message_id[:998], submit_time[:200], subject)
+
+
+class ConnectionCounter:
+    def __init__(self, limit: int, per_source: int):
+        self.limit = limit
+        self.per_source = per_source
+        self.total = 0
+        self.by_source: dict[str, int] = {}
+
+    def acquire(self, ip: str) -> str | None:
+        """Count a new connection; returns the refusal reply if over a limit."""
+        if self.total >= self.limit:
+            return replies.S421_TOO_MANY_CONNECTIONS
+        if self.by_source.get(ip, 0) >= self.per_source:
+            return replies.S421_TOO_MANY_FROM_SOURCE
+        self.total += 1
+        self.by_source[ip] = self.by_source.get(ip, 0) + 1
+        return None
+
+    def release(self, ip: str) -> None:
+        self.total -= 1
+        n = self.by_source.get(ip, 1) - 1
+        if n <= 0:
+            self.by_source.pop(ip, None)
+        else:
+            self.by_source[ip] = n
+
+
+class LimitedSMTP(SMTP):
+    """aiosmtpd's SMTP with connection limits, an absolute timeout and our reply wording."""
+
+    def __init__(self, handler: Any, *, counter: ConnectionCounter, connection_timeout: float,
+                 max_line_length: int, **kwargs: Any):
+        # The StreamReader's limit is set from line_length_limit inside SMTP.__init__.
+        self.line_length_limit = max_line_length + 2
+        super().__init__(handler, **kwargs)
+        self.command_size_limit = max(512, min(self.line_length_limit, 4096))
+        self.command_size_limits = _CommandLimits(self.command_size_limit)
+        self._counter = counter
+        self._connection_timeout = connection_timeout
+        self._refusal: str | None = None
+        self._counted_ip: str | None = None
+        self._absolute_handle: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        first = self.transport is None
+        if first:
+            peer = transport.get_extra_info("peername") or ("", 0)
+            ip = str(peer[0])
+            self._refusal = self._counter.acquire(ip)
+            if self._refusal is None:
+                self._counted_ip = ip
+            self._absolute_handle = self.loop.call_later(self._connection_timeout, self._absolute_timeout)
+        super().connection_made(transport)
+
+    def connection_lost(self, error: Exception | None) -> None:
+        if self._counted_ip is not None:
+            self._counter.release(self._counted_ip)
+            self._counted_ip = None
+        if self._absolute_handle is not None:
+            self._absolute_handle.cancel()
+            self._absolute_handle = None
+        super().connection_lost(error)
+
+    async def _handle_client(self) -> None:
+        if self._refusal is not None:
+            log.warning("refused connection from %s: %s", self.session.peer, self._refusal)
+            await self.push(self._refusal)
+            self.transport.close()
+            return
+        await super()._handle_client()
+
+    def _say_and_close(self, reply: str) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            try:
+                self._writer.write(reply.encode("ascii") + b"\r\n")
+            except Exception:  # noqa: BLE001 - the connection is going away anyway
+                pass
+
+    def _timeout_cb(self) -> None:
+        log.info("%r inactivity timeout", self.session.peer if self.session else None)
+        self._say_and_close(replies.S421_TIMEOUT.format(host=self.hostname))
+        super()._timeout_cb()
+
+    def _absolute_timeout(self) -> None:
+        self._absolute_handle = None
+        if self.transport is None:
+            return
+        log.info("%r connection timeout (absolute)", self.session.peer if self.session else None)
+        self._say_and_close(replies.S421_TIMEOUT.format(host=self.hostname))
+        self.transport.close()
+
+    async def push(self, status: Any) -> None:
+        if isinstance(status, str):
+            status = replies.translate(status)
+        await super().push(status)
+
+
+class _CommandLimits(dict):
+    """aiosmtpd's per-command size limits, per instance (the class-level dict is shared)."""
+
+    def __init__(self, default: int):
+        super().__init__()
+        self.default = default
+
+    def __missing__(self, key: str) -> int:
+        # MAIL/RCPT carry ESMTP parameters (and XSHADOW= later): allow more than the base limit.
+        return self.default + (512 if key in ("MAIL", "RCPT") else 0)
+
+
+AcceptFn = Callable[[Envelope, Session, str], Awaitable[int]]
+
+
+class FrontendHandler:
+    """aiosmtpd handler hooks: relay policy, limits, and DATA into the node's accept path."""
+
+    def __init__(self, cfg: Any, accept: AcceptFn, connector: str = "frontend"):
+        self.cfg = cfg
+        self.accept = accept
+        self.connector = connector
+
+    async def handle_EHLO(self, server: SMTP, session: Session, envelope: Envelope, hostname: str,
+                          responses: list[str]) -> list[str]:
+        session.host_name = hostname
+        out = [r for r in responses if not r.startswith("250 HELP")]
+        out.append("250-PIPELINING")
+        out.append("250-ENHANCEDSTATUSCODES")
+        out.append("250 HELP")
+        return out
+
+    async def handle_MAIL(self, server: SMTP, session: Session, envelope: Envelope, address: str,
+                          mail_options: list[str]) -> str:
+        if address and not valid_address(address):
+            return replies.S501_BAD_SENDER
+        envelope.mail_from = address
+        envelope.mail_options.extend(mail_options)
+        return replies.S250_SENDER_OK
+
+    async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope, address: str,
+                          rcpt_options: list[str]) -> str:
+        if not valid_address(address):
+            return replies.S501_BAD_ADDRESS
+        if len(envelope.rcpt_tos) >= self.cfg.frontend.max_recipients_per_message:
+            return replies.S452_TOO_MANY_RECIPIENTS
+        if not is_accepted(domain_of(address), self.cfg.routing.accepted_domains):
+            peer = session.peer[0] if session.peer else ""
+            if not (session.authenticated or relay_allowed(str(peer), self.cfg.routing.trusted_networks)):
+                log.info("relay denied: %s -> %s", peer, address)
+                return replies.S550_RELAY_DENIED
+        envelope.rcpt_tos.append(address)
+        envelope.rcpt_options.extend(rcpt_options)
+        return replies.S250_RECIPIENT_OK
+
+    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        task = asyncio.ensure_future(self.accept(envelope, session, self.connector))
+        task.add_done_callback(_log_orphan_failure)
+        try:
+            internal_id = await asyncio.shield(task)
+        except MessageRejected as exc:
+            return exc.reply
+        except asyncio.CancelledError:
+            # The client went away; the shielded accept finishes on its own (the sender retries).
+            raise
+        except Exception:  # noqa: BLE001 - never a 5xx for our own failure
+            log.exception("accepting a message from %s failed", session.peer)
+            return replies.S451_INTERNAL
+        return replies.S250_QUEUED.format(id=internal_id)
+
+    async def handle_exception(self, error: Exception) -> str:
+        log.exception("SMTP session error: %s", error)
+        return replies.S451_INTERNAL
+
+
+def _log_orphan_failure(task: asyncio.Future) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None and not isinstance(exc, MessageRejected):
+        log.debug("accept failed: %r", exc)
+
+
+def make_authenticator(users: dict[str, str]) -> Callable[..., AuthResult]:
+    def authenticator(server: SMTP, session: Session, envelope: Envelope, mechanism: str,
+                      auth_data: Any) -> AuthResult:
+        if isinstance(auth_data, LoginPassword):
+            user = auth_data.login.decode("utf-8", "replace")
+            password = auth_data.password.decode("utf-8", "replace")
+            if user in users and _consteq(users[user], password):
+                return AuthResult(success=True, auth_data=user)
+        log.warning("authentication failed from %s (%s)", session.peer, mechanism)
+        return AuthResult(success=False, handled=False)
+    return authenticator
+
+
+def _consteq(a: str, b: str) -> bool:
+    import hmac
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
+def new_network_message_id() -> str:
+    return str(uuid.uuid4())
+
+
+def smtp_factory(cfg: Any, handler: FrontendHandler, counter: ConnectionCounter,
+                 tls_context: Any = None) -> Callable[[], LimitedSMTP]:
+    fe = cfg.frontend
+    auth_kwargs: dict[str, Any] = {}
+    if fe.auth_users:
+        auth_kwargs = dict(authenticator=make_authenticator(fe.auth_users), auth_require_tls=True,
+                           auth_exclude_mechanism=["CRAM-MD5"])
+    else:
+        auth_kwargs = dict(auth_require_tls=True)
+
+    def factory() -> LimitedSMTP:
+        return LimitedSMTP(
+            handler, counter=counter, connection_timeout=fe.connection_timeout,
+            max_line_length=fe.max_line_length,
+            hostname=cfg.node.name, ident="ESMTP transportd", data_size_limit=fe.max_message_size,
+            enable_SMTPUTF8=True, decode_data=False, timeout=fe.connection_inactivity_timeout,
+            tls_context=tls_context, require_starttls=fe.require_tls,
+            command_call_limit={"*": 1_000_000, "EHLO": 20, "HELO": 20, "NOOP": 100, "VRFY": 20,
+                                "EXPN": 20, "HELP": 20, "STARTTLS": 3, "AUTH": 10, "RSET": 10_000},
+            **auth_kwargs,
+        )
+    return factory
+
+
+def now() -> float:
+    return time.time()

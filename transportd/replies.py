@@ -1,0 +1,92 @@
+"""Every SMTP reply the daemon sends, named by code and meaning.
+
+The receive path uses these constants only; `enhance()` adds an RFC 3463
+enhanced status code to a reply that lacks one (aiosmtpd's own replies), and
+`translate()` rewrites aiosmtpd's built-in wording into ours. Nothing here does
+I/O.
+"""
+
+from __future__ import annotations
+
+import re
+
+S220_GREETING = "220 {host} ESMTP transportd ready"
+S221_BYE = "221 2.0.0 Bye"
+S250_OK = "250 2.0.0 OK"
+S250_SENDER_OK = "250 2.1.0 Sender OK"
+S250_RECIPIENT_OK = "250 2.1.5 Recipient OK"
+S250_QUEUED = "250 2.0.0 Ok: queued as {id}"
+S354_START = "354 End data with <CR><LF>.<CR><LF>"
+S421_TOO_MANY_CONNECTIONS = "421 4.3.2 Too many connections, try again later"
+S421_TOO_MANY_FROM_SOURCE = "421 4.7.0 Too many connections from your address, try again later"
+S421_TIMEOUT = "421 4.4.2 {host} Connection timed out"
+S421_SHUTTING_DOWN = "421 4.3.2 Service shutting down"
+S451_INTERNAL = "451 4.3.0 Internal error, message not accepted; try again later"
+S451_STORE_UNAVAILABLE = "451 4.3.0 Queue database unavailable; try again later"
+S452_TOO_MANY_RECIPIENTS = "452 4.5.3 Too many recipients"
+S500_LINE_TOO_LONG = "500 5.5.2 Line too long (RFC 5321 4.5.3.1.6)"
+S500_COMMAND_TOO_LONG = "500 5.5.2 Command line too long"
+S500_UNRECOGNIZED = '500 5.5.1 Command unrecognized: "{command}"'
+S500_BAD_SYNTAX = "500 5.5.2 Syntax error"
+S501_BAD_ADDRESS = "501 5.1.3 Bad recipient address syntax"
+S501_BAD_SENDER = "501 5.1.7 Bad sender address syntax"
+S502_NOT_IMPLEMENTED = "502 5.3.3 Command not implemented"
+S503_NEED_RCPT = "503 5.5.1 Bad sequence of commands: need RCPT"
+S530_TLS_REQUIRED = "530 5.7.0 Must issue a STARTTLS command first"
+S550_RELAY_DENIED = "550 5.7.1 Relaying denied"
+S550_NOT_AUTHORIZED = "550 5.7.1 Not authorized"
+S552_MESSAGE_TOO_BIG = "552 5.3.4 Message size exceeds fixed maximum message size"
+S554_NO_VALID_RECIPIENTS = "554 5.5.1 No valid recipients"
+
+# aiosmtpd's wording -> ours (exact text, or a prefix when it ends with '*').
+_AIOSMTPD = {
+    "552 Error: Too much mail data": S552_MESSAGE_TOO_BIG,
+    "552 Error: message size exceeds fixed maximum message size": S552_MESSAGE_TOO_BIG,
+    "500 Line too long (see RFC5321 4.5.3.1.6)": S500_LINE_TOO_LONG,
+    "500 Command line too long": S500_COMMAND_TOO_LONG,
+    "500 Error: bad syntax": S500_BAD_SYNTAX,
+    "503 Error: need RCPT command": S503_NEED_RCPT,
+    "530 Must issue a STARTTLS command first": S530_TLS_REQUIRED,
+    "221 Bye": S221_BYE,
+    "250 OK": S250_OK,
+}
+_UNRECOGNIZED = re.compile(r'^500 Error: command "(.*)" not recognized$')
+_HAS_ENHANCED = re.compile(r"^\d{3}[ -][245]\.\d{1,3}\.\d{1,3}(\s|$)")
+_DEFAULT_DETAIL = {"2": "2.0.0", "4": "4.0.0", "5": "5.5.0"}
+_SYNTAX_DETAIL = {"500": "5.5.2", "501": "5.5.4", "502": "5.5.1", "503": "5.5.1", "504": "5.5.4"}
+
+
+def translate(reply: str) -> str:
+    """Rewrite a built-in aiosmtpd reply into our wording with an enhanced code."""
+    if reply in _AIOSMTPD:
+        return _AIOSMTPD[reply]
+    m = _UNRECOGNIZED.match(reply)
+    if m:
+        return S500_UNRECOGNIZED.format(command=m.group(1)[:40])
+    return enhance(reply)
+
+
+def enhance(reply: str) -> str:
+    """Add an enhanced status code (RFC 2034) to a single-line final reply lacking one.
+
+    The greeting (220), EHLO continuation lines, 354 and 334 are left alone.
+    """
+    if len(reply) < 4 or reply[3] != " " or not reply[:3].isdigit():
+        return reply
+    code = reply[:3]
+    if code in ("220", "354", "334") or _HAS_ENHANCED.match(reply):
+        return reply
+    detail = _SYNTAX_DETAIL.get(code) or _DEFAULT_DETAIL.get(code[0])
+    if detail is None:
+        return reply
+    text = reply[4:]
+    text = re.sub(r"^Error:\s*", "", text)
+    return f"{code} {detail} {text}"
+
+
+def is_permanent(code: int) -> bool:
+    return 500 <= code <= 599
+
+
+def is_transient(code: int) -> bool:
+    return 400 <= code <= 499

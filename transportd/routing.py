@@ -1,0 +1,103 @@
+"""Routing: which next hop (delivery queue) a recipient goes to, and who may relay.
+
+Pure functions over the configuration: no I/O, no clock. A recipient in an
+accepted domain goes to the local mailbox store (queue ``mailbox:<database>``);
+any other recipient goes to the smart host (``smarthost:host:port``) or, with
+none configured, to the domain's MX hosts (``dns:<domain>``, resolved at
+delivery time). A message whose recipients have different next hops is split
+per next hop (bifurcation): one recipient row per (recipient, queue).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+MAILBOX = "SmtpDeliveryToMailbox"
+SMART_HOST = "SmartHostConnectorDelivery"
+DNS = "DnsConnectorDelivery"
+
+
+@dataclass(frozen=True)
+class NextHop:
+    identity: str  # the queue's name, e.g. "smarthost:127.0.0.1:2500"
+    delivery_type: str
+    next_hop: str  # host:port, mailbox database name or domain
+
+    @property
+    def is_local(self) -> bool:
+        return self.delivery_type == MAILBOX
+
+
+def domain_of(address: str) -> str:
+    return address.rpartition("@")[2].lower().rstrip(".")
+
+
+def is_accepted(domain: str, accepted_domains: Iterable[str]) -> bool:
+    d = domain.lower().rstrip(".")
+    for accepted in accepted_domains:
+        if accepted.startswith("*."):
+            base = accepted[2:]
+            if d == base or d.endswith("." + base):
+                return True
+        elif d == accepted:
+            return True
+    return False
+
+
+def route(address: str, *, accepted_domains: Sequence[str], smart_host: str,
+          mailbox_database: str = "local") -> NextHop:
+    domain = domain_of(address)
+    if is_accepted(domain, accepted_domains):
+        return NextHop(f"mailbox:{mailbox_database}", MAILBOX, mailbox_database)
+    if smart_host:
+        return NextHop(f"smarthost:{smart_host}", SMART_HOST, smart_host)
+    return NextHop(f"dns:{domain}", DNS, domain)
+
+
+def route_config(address: str, cfg) -> NextHop:
+    return route(address, accepted_domains=cfg.routing.accepted_domains,
+                 smart_host=cfg.routing.smart_host, mailbox_database=cfg.routing.mailbox_database)
+
+
+def bifurcate(recipients: Sequence[str], cfg) -> dict[NextHop, list[str]]:
+    """Group recipients by next hop, keeping their order; duplicates (case-insensitive) once."""
+    out: dict[NextHop, list[str]] = {}
+    seen: set[str] = set()
+    for rcpt in recipients:
+        key = rcpt.lower()
+        if key in seen:
+            continue
+        seen.add(key)
+        out.setdefault(route_config(rcpt, cfg), []).append(rcpt)
+    return out
+
+
+def relay_allowed(client_ip: str, networks: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> bool:
+    try:
+        ip = ipaddress.ip_address(client_ip.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return any(ip in net for net in networks)
+
+
+_LOCAL_PART = re.compile(r"^[A-Za-z0-9!#$%&'*+/=?^_`{|}~.\-\u0080-\U0010ffff]+$")
+_DOMAIN = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9\u0080-\U0010ffff]([A-Za-z0-9\-\u0080-\U0010ffff]*"
+                     r"[A-Za-z0-9\u0080-\U0010ffff])?(\.[A-Za-z0-9\u0080-\U0010ffff]([A-Za-z0-9\-"
+                     r"\u0080-\U0010ffff]*[A-Za-z0-9\u0080-\U0010ffff])?)*)$")
+
+
+def valid_address(address: str) -> bool:
+    """A forward-path we can route: local@domain, no quoting games, at most 254 octets."""
+    if not address or len(address.encode("utf-8", "surrogateescape")) > 254:
+        return False
+    local, at, domain = address.rpartition("@")
+    if not at or not local or not domain or len(local) > 64:
+        return False
+    if local.startswith(".") or local.endswith(".") or ".." in local:
+        return False
+    return bool(_LOCAL_PART.match(local)) and bool(_DOMAIN.match(domain))

@@ -1,0 +1,437 @@
+"""The queue database: the single source of truth of a node (SQLAlchemy 2 Core over SQLite).
+
+It owns the schema and its migrations, opening (and moving aside a corrupt
+file), the queue database ID, and the group-commit writer through which the
+daemon makes every change durable (WAL, synchronous=FULL: a commit returns
+only after fsync). Receive, delivery and the Shadow Redundancy Manager meet
+here and nowhere else. It never speaks SMTP and never writes tracking logs.
+
+Schema (version in ``PRAGMA user_version``):
+- ``meta``: queue_database_id (GUID, made once when the file is created), created_at, node_name.
+- ``queues``: one delivery queue per next hop (identity such as ``smarthost:127.0.0.1:2500``,
+  ``mailbox:local``, ``dns:example.org``, later ``peer:<node>``); suspended flag, retry state.
+- ``messages`` + ``message_bodies``: every message the node holds. ``role`` is ``primary`` or
+  ``shadow``; ``state`` is ``Queued``, ``SafetyNet`` (processed, held for resubmission until
+  ``safety_net_until``) or ``Removed``. Shadow copies (issue 3) live in the same table.
+- ``recipients``: per recipient and next hop: Ready / Retry / Active / Delivered / Failed / Removed.
+- ``delivered_to``: duplicate detection at final delivery (PROTOCOL.md section 6).
+- ``shadow_contexts``, ``message_shadows``, ``discard_events``: shadow redundancy (issue 3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue as queue_mod
+import sqlite3
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from sqlalchemy import (
+    BLOB, Column, Float, ForeignKey, Index, Integer, MetaData, String, Table, Text,
+    UniqueConstraint, create_engine, event, select, text,
+)
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DatabaseError, OperationalError
+
+log = logging.getLogger("transportd.store")
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+
+metadata = MetaData()
+
+meta = Table(
+    "meta", metadata,
+    Column("key", String, primary_key=True),
+    Column("value", String, nullable=False),
+)
+
+queues = Table(
+    "queues", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("identity", String, nullable=False, unique=True),
+    Column("delivery_type", String, nullable=False),
+    Column("next_hop", String, nullable=False),
+    Column("suspended", Integer, nullable=False, default=0),
+    Column("retry_count", Integer, nullable=False, default=0),
+    Column("next_retry_at", Float),
+    Column("last_error", Text),
+    Column("last_attempt_at", Float),
+    Column("created_at", Float, nullable=False),
+    sqlite_autoincrement=True,
+)
+
+messages = Table(
+    "messages", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),  # internal-message-id
+    Column("network_message_id", String, nullable=False),
+    Column("message_id", String, nullable=False, default=""),
+    Column("submit_time", String, nullable=False, default=""),  # Date header, for duplicate detection
+    Column("sender", String, nullable=False, default=""),
+    Column("subject", String, nullable=False, default=""),
+    Column("size", Integer, nullable=False),
+    Column("received_at", Float, nullable=False),
+    Column("expires_at", Float, nullable=False),
+    Column("client_ip", String, nullable=False, default=""),
+    Column("client_hostname", String, nullable=False, default=""),
+    Column("origin", String, nullable=False, default="smtp"),  # smtp | dsn | peer | promoted | resubmit
+    Column("role", String, nullable=False, default="primary"),  # primary | shadow
+    Column("state", String, nullable=False, default="Queued"),  # Queued | SafetyNet | Removed
+    Column("suspended", Integer, nullable=False, default=0),
+    Column("suppress_dsn", Integer, nullable=False, default=0),
+    Column("completed_at", Float),
+    Column("safety_net_until", Float),
+    # shadow redundancy (issue 3): the shadow-message GUID and, on a shadow, its primary
+    Column("shadow_guid", String),
+    Column("primary_node", String),
+    Column("primary_internal_id", Integer),
+    Column("redundancy", String, nullable=False, default="none"),  # none | shadowed | unprotected
+    sqlite_autoincrement=True,
+)
+Index("ix_messages_state", messages.c.state, messages.c.role)
+Index("ix_messages_network_id", messages.c.network_message_id)
+Index("ix_messages_shadow", messages.c.primary_node, messages.c.shadow_guid)
+
+message_bodies = Table(
+    "message_bodies", metadata,
+    Column("message_id", Integer, ForeignKey("messages.id", ondelete="CASCADE"), primary_key=True),
+    Column("data", BLOB, nullable=False),
+)
+
+recipients = Table(
+    "recipients", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("message_id", Integer, ForeignKey("messages.id", ondelete="CASCADE"), nullable=False),
+    Column("address", String, nullable=False),
+    Column("queue_id", Integer, ForeignKey("queues.id"), nullable=False),
+    Column("status", String, nullable=False, default="Ready"),
+    Column("attempts", Integer, nullable=False, default=0),
+    Column("next_retry_at", Float, nullable=False, default=0.0),
+    Column("last_error", Text),
+    Column("last_attempt_at", Float),
+    Column("completed_at", Float),
+)
+Index("ix_recipients_due", recipients.c.status, recipients.c.next_retry_at)
+Index("ix_recipients_message", recipients.c.message_id)
+Index("ix_recipients_queue", recipients.c.queue_id, recipients.c.status)
+
+delivered_to = Table(
+    "delivered_to", metadata,
+    Column("recipient", String, nullable=False),
+    Column("message_id", String, nullable=False),
+    Column("submit_time", String, nullable=False),
+    Column("delivered_at", Float, nullable=False),
+    UniqueConstraint("recipient", "message_id", "submit_time", name="uq_delivered_to"),
+)
+Index("ix_delivered_to_at", delivered_to.c.delivered_at)
+
+shadow_contexts = Table(
+    "shadow_contexts", metadata,
+    Column("peer", String, primary_key=True),  # the primary's FQDN (we hold shadows for it)
+    Column("queue_database_id", String),  # recorded DB ID of that primary
+    Column("last_heartbeat_at", Float),
+    Column("consecutive_failures", Integer, nullable=False, default=0),
+    Column("last_error", Text),
+)
+
+message_shadows = Table(
+    "message_shadows", metadata,
+    Column("message_id", Integer, ForeignKey("messages.id", ondelete="CASCADE"), nullable=False),
+    Column("shadow_node", String, nullable=False),
+    Column("shadow_guid", String, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+Index("ix_message_shadows_msg", message_shadows.c.message_id)
+
+discard_events = Table(
+    "discard_events", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("shadow_node", String, nullable=False),
+    Column("shadow_guid", String, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+Index("ix_discard_events_node", discard_events.c.shadow_node, discard_events.c.id)
+
+
+# Each migration takes a connection inside a transaction. Index = version it produces - 1.
+def _migration_1(conn: Connection) -> None:
+    metadata.create_all(conn)
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_migration_1]
+
+
+class StoreError(Exception):
+    """The queue database cannot be used (the receive path answers 451 4.3.0)."""
+
+
+class CorruptDatabase(StoreError):
+    """The file is not a usable queue database."""
+
+
+def _make_engine(path: Path, immediate: bool) -> Engine:
+    engine = create_engine(
+        f"sqlite:///{path}",
+        connect_args={"timeout": 30, "check_same_thread": False},
+        pool_pre_ping=False,
+    )
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # we emit BEGIN ourselves (savepoints work)
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA busy_timeout = 30000")
+        cur.execute("PRAGMA journal_mode = WAL")
+        cur.execute("PRAGMA synchronous = FULL")
+        cur.execute("PRAGMA foreign_keys = ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+    return engine
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def move_aside(path: Path, reason: str) -> Path:
+    """Rename a bad database file (and its -wal/-shm) out of the way; never delete it."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+    os.rename(path, target)
+    for suffix in ("-wal", "-shm"):
+        side = path.with_name(path.name + suffix)
+        if side.exists():
+            os.rename(side, target.with_name(target.name + suffix))
+    _fsync_dir(path.parent)
+    log.error("queue database %s %s; moved aside to %s; a new database will be created",
+              path, reason, target)
+    return target
+
+
+class QueueStore:
+    """An open queue database. Read with ``reader``; change with ``transaction()`` or ``writer``."""
+
+    def __init__(self, path: Path, write_engine: Engine, read_engine: Engine, dbid: str):
+        self.path = path
+        self.write_engine = write_engine
+        self.read_engine = read_engine
+        self.queue_database_id = dbid
+        self.writer: GroupCommitWriter | None = None
+
+    # -- opening ---------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str | Path, *, create: bool = True, repair: bool = False,
+             node_name: str = "") -> "QueueStore":
+        """Open (or create) the queue database at ``path``.
+
+        ``repair`` (the daemon): a file that cannot be opened or fails the integrity check is
+        moved aside and a fresh one, with a new queue database ID, is created.
+        Without ``repair`` (the CLI) such a file raises CorruptDatabase.
+        """
+        p = Path(path)
+        if not p.exists():
+            if not create:
+                raise StoreError(f"no queue database at {p}")
+            p.parent.mkdir(parents=True, exist_ok=True)
+        elif p.is_dir():
+            raise StoreError(f"{p} is a directory, not a queue database")
+        try:
+            return cls._open(p, create=create, node_name=node_name)
+        except CorruptDatabase as exc:
+            if not repair:
+                raise
+            move_aside(p, str(exc))
+            return cls._open(p, create=True, node_name=node_name)
+
+    @classmethod
+    def _open(cls, p: Path, *, create: bool, node_name: str) -> "QueueStore":
+        existed = p.exists() and p.stat().st_size > 0
+        write_engine = _make_engine(p, immediate=True)
+        read_engine = _make_engine(p, immediate=False)
+        try:
+            if existed:
+                with read_engine.connect() as conn:
+                    result = conn.exec_driver_sql("PRAGMA quick_check").scalar()
+                    if result != "ok":
+                        raise CorruptDatabase(f"failed its integrity check ({result})")
+            with write_engine.begin() as conn:
+                version = conn.exec_driver_sql("PRAGMA user_version").scalar() or 0
+                if existed and version == 0:
+                    tables = conn.exec_driver_sql(
+                        "SELECT count(*) FROM sqlite_master WHERE type='table'").scalar()
+                    if tables:
+                        raise CorruptDatabase("is not a transportd queue database (no schema version)")
+                if version > SCHEMA_VERSION:
+                    raise StoreError(f"{p} has schema version {version}, newer than this "
+                                     f"transportd ({SCHEMA_VERSION}); upgrade transportd")
+                for v in range(version, SCHEMA_VERSION):
+                    MIGRATIONS[v](conn)
+                    conn.exec_driver_sql(f"PRAGMA user_version = {v + 1}")
+                    if v > 0:
+                        log.info("queue database %s migrated to schema version %d", p, v + 1)
+                dbid = conn.execute(select(meta.c.value).where(meta.c.key == "queue_database_id")).scalar()
+                if dbid is None:
+                    if existed and version > 0:
+                        raise CorruptDatabase("has no queue database ID")
+                    dbid = str(uuid.uuid4())
+                    conn.execute(meta.insert(), [
+                        {"key": "queue_database_id", "value": dbid},
+                        {"key": "created_at", "value": repr(time.time())},
+                        {"key": "node_name", "value": node_name},
+                    ])
+                    log.info("created queue database %s with queue database ID %s", p, dbid)
+        except (DatabaseError, sqlite3.DatabaseError) as exc:
+            write_engine.dispose()
+            read_engine.dispose()
+            orig = getattr(exc, "orig", exc)
+            if isinstance(exc, OperationalError) and "locked" in str(orig):
+                raise StoreError(f"{p} is locked by another process") from None
+            raise CorruptDatabase(f"cannot be opened ({orig})") from None
+        except CorruptDatabase:
+            write_engine.dispose()
+            read_engine.dispose()
+            raise
+        return cls(p, write_engine, read_engine, dbid)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.stop()
+            self.writer = None
+        self.write_engine.dispose()
+        self.read_engine.dispose()
+
+    # -- reading and writing -----------------------------------------------------------------
+
+    def read(self, fn: Callable[[Connection], T]) -> T:
+        with self.read_engine.connect() as conn:
+            with conn.begin():
+                return fn(conn)
+
+    def transaction(self, fn: Callable[[Connection], T]) -> T:
+        """Run ``fn`` in one durable write transaction (BEGIN IMMEDIATE ... COMMIT + fsync)."""
+        with self.write_engine.begin() as conn:
+            return fn(conn)
+
+    def start_writer(self, max_batch: int = 256) -> "GroupCommitWriter":
+        self.writer = GroupCommitWriter(self.write_engine, max_batch=max_batch)
+        return self.writer
+
+    async def write(self, fn: Callable[[Connection], T]) -> T:
+        """Run ``fn`` in the group-commit writer; returns after its commit is on disk."""
+        if self.writer is None:
+            return await asyncio.to_thread(self.transaction, fn)
+        return await asyncio.wrap_future(self.writer.submit(fn))
+
+    async def aread(self, fn: Callable[[Connection], T]) -> T:
+        return await asyncio.to_thread(self.read, fn)
+
+
+class GroupCommitWriter:
+    """One writer thread: many jobs per transaction, one fsync, each job in its own savepoint.
+
+    A job that raises is rolled back alone (its savepoint) and its future gets the error; the
+    others commit. If the commit itself fails, every job of the batch gets the error, so no
+    caller ever believes an uncommitted change is durable.
+    """
+
+    def __init__(self, engine: Engine, max_batch: int = 256):
+        self.engine = engine
+        self.max_batch = max_batch
+        self._jobs: queue_mod.Queue[tuple[Callable[[Connection], Any], Future] | None] = queue_mod.Queue()
+        self._thread = threading.Thread(target=self._run, name="queue-db-writer", daemon=True)
+        self._stopped = False
+        self.batches = 0
+        self.jobs_done = 0
+        self._thread.start()
+
+    def submit(self, fn: Callable[[Connection], T]) -> "Future[T]":
+        fut: Future = Future()
+        if self._stopped:
+            fut.set_exception(StoreError("queue database writer stopped"))
+            return fut
+        self._jobs.put((fn, fut))
+        return fut
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if not self._stopped:
+            self._stopped = True
+            self._jobs.put(None)
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            batch = [item]
+            stop_after = False
+            while len(batch) < self.max_batch:
+                try:
+                    nxt = self._jobs.get_nowait()
+                except queue_mod.Empty:
+                    break
+                if nxt is None:
+                    stop_after = True
+                    break
+                batch.append(nxt)
+            self._run_batch(batch)
+            if stop_after:
+                return
+
+    def _run_batch(self, batch: list[tuple[Callable[[Connection], Any], Future]]) -> None:
+        results: list[tuple[Future, bool, Any]] = []
+        try:
+            with self.engine.begin() as conn:
+                for fn, fut in batch:
+                    if not fut.set_running_or_notify_cancel():
+                        continue
+                    sp = conn.begin_nested()
+                    try:
+                        value = fn(conn)
+                    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                        sp.rollback()
+                        results.append((fut, False, exc))
+                    else:
+                        sp.commit()
+                        results.append((fut, True, value))
+        except BaseException as exc:  # commit failed: nothing of this batch is durable
+            log.error("queue database commit failed: %s", exc)
+            err = StoreError(f"commit failed: {exc}")
+            for fn, fut in batch:
+                if not fut.done():
+                    fut.set_exception(err)
+            return
+        self.batches += 1
+        for fut, ok, value in results:
+            self.jobs_done += 1
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
+
+
+def now() -> float:
+    return time.time()

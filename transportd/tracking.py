@@ -1,0 +1,565 @@
+"""Message tracking log (MSGTRK) in the Exchange 2016/2019 format: writing and reading.
+
+This module owns the node's on-disk tracking log, as specified in TRACKING_LOG.md (the
+contract): ``TrackingLog`` appends one CSV row per message event to ``MSGTRK<yyyymmdd>-<n>.LOG``
+files (UTF-8 with BOM, CRLF, ``#`` header, rolled by UTC day and by size) and flushes each row
+as it is written; ``parse_log_file``, ``iter_log_files`` and ``search`` read our files and
+Exchange's (2010: 26 fields, 2013: 27, 2016/2019: 30; BOM or not, header or not, CRLF or LF).
+It must never swallow a write error (the caller decides what a failed log write means), never
+keep writing after a failed write without reopening the file from disk, and never let one
+malformed row stop a reader: bad rows are skipped and reported.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import threading
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import UTC, date, datetime
+from pathlib import Path
+from typing import BinaryIO, Self
+
+import transportd
+
+__all__ = [
+    "FIELDS_2010",
+    "FIELDS_2013",
+    "FIELDS_2016",
+    "TrackingLog",
+    "format_datetime",
+    "iter_log_files",
+    "parse_datetime",
+    "parse_log_file",
+    "search",
+    "utc_now",
+]
+
+FIELDS_2016: tuple[str, ...] = (
+    "date-time",
+    "client-ip",
+    "client-hostname",
+    "server-ip",
+    "server-hostname",
+    "source-context",
+    "connector-id",
+    "source",
+    "event-id",
+    "internal-message-id",
+    "message-id",
+    "network-message-id",
+    "recipient-address",
+    "recipient-status",
+    "total-bytes",
+    "recipient-count",
+    "related-recipient-address",
+    "reference",
+    "message-subject",
+    "sender-address",
+    "return-path",
+    "message-info",
+    "directionality",
+    "tenant-id",
+    "original-client-ip",
+    "original-server-ip",
+    "custom-data",
+    "transport-traffic-type",
+    "log-id",
+    "schema-version",
+)
+"""The 30 fields of Exchange 2016/2019 logs, in ``#Fields:`` order; the ones we write."""
+
+FIELDS_2013: tuple[str, ...] = FIELDS_2016[:-3]
+"""Exchange 2013: 27 fields, the 2016 list without transport-traffic-type, log-id, schema-version."""
+
+FIELDS_2010: tuple[str, ...] = tuple(f for f in FIELDS_2013 if f != "network-message-id")
+"""Exchange 2010: 26 fields, the 2013 list without network-message-id."""
+
+_FIELDS_BY_COUNT: dict[int, tuple[str, ...]] = {
+    len(FIELDS_2010): FIELDS_2010,
+    len(FIELDS_2013): FIELDS_2013,
+    len(FIELDS_2016): FIELDS_2016,
+}
+
+_BOM = b"\xef\xbb\xbf"
+_CRLF = "\r\n"
+_MUST_QUOTE = re.compile(r'[,"\r\n]')
+# Our own file names, used by the writer to find today's files after a restart.
+_OWN_NAME = re.compile(r"^MSGTRK(\d{8})-(\d+)\.LOG$")
+# Any MSGTRK log, ours or Exchange's (MSGTRKyyyymmdd-n, MSGTRKyyyymmddhh-n, MSGTRKMD..., .log).
+_ANY_NAME = re.compile(r"^MSGTRK([A-Z]*)(\d{8})(\d{2})?-(\d+)\.LOG$", re.IGNORECASE)
+# A quoted record longer than this many physical lines is taken to be a stray quote: the
+# reader reports its first line as malformed and resumes at the next line.
+_MAX_RECORD_LINES = 100
+
+
+def utc_now() -> datetime:
+    """The current time as an aware UTC datetime (the default clock)."""
+    return datetime.now(UTC)
+
+
+def _as_utc(value: datetime) -> datetime:
+    """Aware UTC datetime; a naive datetime is taken to be UTC already."""
+    if value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value.astimezone(UTC)
+
+
+def format_datetime(value: datetime) -> str:
+    """Format as the log's ``yyyy-MM-ddTHH:mm:ss.fffZ`` (UTC, milliseconds; naive means UTC)."""
+    value = _as_utc(value)
+    return f"{value:%Y-%m-%dT%H:%M:%S}.{value.microsecond // 1000:03d}Z"
+
+
+def parse_datetime(text: str) -> datetime:
+    """Parse a date-time field (``2026-11-22T03:06:13.123Z``, any ISO 8601 form) as aware UTC.
+
+    A value without an offset is taken to be UTC. Raises ValueError if it is not a date-time.
+    """
+    return _as_utc(datetime.fromisoformat(text.strip()))
+
+
+def _csv_field(value: str) -> str:
+    if _MUST_QUOTE.search(value):
+        return '"' + value.replace('"', '""') + '"'
+    return value
+
+
+def _csv_line(values: Iterable[str]) -> str:
+    return ",".join(_csv_field(v) for v in values) + _CRLF
+
+
+def _join_list(values: Sequence[str]) -> str:
+    if isinstance(values, str):  # one address passed bare, not a one-item list
+        return values
+    return ";".join(values)
+
+
+class TrackingLog:
+    """The message tracking log writer of one node (thread-safe; one instance per directory).
+
+    The current file is chosen on construction: today's highest-numbered file is appended to
+    if it is under ``max_file_size``, else the next number is started. Each ``write`` may roll
+    to a new file: on a new UTC day (per ``clock``) or when the row would take the file over
+    ``max_file_size`` (a row larger than the limit still goes into a file of its own).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        server_hostname: str,
+        server_ip: str = "",
+        max_file_size: int = 10 * 1024 * 1024,
+        software_version: str = transportd.__version__,
+        clock: Callable[[], datetime] = utc_now,
+    ) -> None:
+        self.directory = Path(directory)
+        self.server_hostname = server_hostname
+        self.server_ip = server_ip
+        self.max_file_size = max_file_size
+        self.software_version = software_version
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._file: BinaryIO | None = None
+        self._path: Path | None = None
+        self._day: date | None = None
+        self._number = 0
+        self._size = 0
+        self._has_rows = False
+        self._closed = False
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            try:
+                self._open_for_day(self._now())
+            except BaseException:
+                self._abandon_file()
+                raise
+
+    @property
+    def current_path(self) -> Path | None:
+        """The file rows are being written to (None once closed or after a failed write)."""
+        return self._path if self._file is not None else None
+
+    def write(
+        self,
+        event_id: str,
+        source: str,
+        *,
+        internal_message_id: int | str | None = None,
+        message_id: str = "",
+        network_message_id: str = "",
+        recipients: Sequence[str] = (),
+        recipient_status: Sequence[str] = (),
+        total_bytes: int | None = None,
+        recipient_count: int | None = None,
+        related_recipient_address: str = "",
+        reference: str = "",
+        message_subject: str = "",
+        sender_address: str = "",
+        return_path: str = "",
+        message_info: str = "",
+        directionality: str = "",
+        client_ip: str = "",
+        client_hostname: str = "",
+        server_ip: str | None = None,
+        source_context: str = "",
+        connector_id: str = "",
+        original_client_ip: str = "",
+        original_server_ip: str = "",
+        custom_data: str = "",
+        date_time: datetime | None = None,
+    ) -> None:
+        """Append one row and flush it. I/O errors are raised; the next write reopens the file.
+
+        ``date_time`` defaults to ``clock()``; the file (day) is always chosen by ``clock()``.
+        ``recipient_count`` defaults to ``len(recipients)`` when recipients are given.
+        """
+        if recipient_count is None and recipients:
+            recipient_count = 1 if isinstance(recipients, str) else len(recipients)
+        with self._lock:
+            if self._closed:
+                raise ValueError("tracking log is closed")
+            now = self._now()
+            values = {
+                "date-time": format_datetime(date_time if date_time is not None else now),
+                "client-ip": client_ip,
+                "client-hostname": client_hostname,
+                "server-ip": self.server_ip if server_ip is None else server_ip,
+                "server-hostname": self.server_hostname,
+                "source-context": source_context,
+                "connector-id": connector_id,
+                "source": source,
+                "event-id": event_id,
+                "internal-message-id": "" if internal_message_id is None else internal_message_id,
+                "message-id": message_id,
+                "network-message-id": network_message_id,
+                "recipient-address": _join_list(recipients),
+                "recipient-status": _join_list(recipient_status),
+                "total-bytes": "" if total_bytes is None else total_bytes,
+                "recipient-count": "" if recipient_count is None else recipient_count,
+                "related-recipient-address": related_recipient_address,
+                "reference": reference,
+                "message-subject": message_subject,
+                "sender-address": sender_address,
+                "return-path": return_path,
+                "message-info": message_info,
+                "directionality": directionality,
+                "tenant-id": "",
+                "original-client-ip": original_client_ip,
+                "original-server-ip": original_server_ip,
+                "custom-data": custom_data,
+                "transport-traffic-type": "Email",
+                "log-id": str(uuid.uuid4()),
+                "schema-version": self.software_version,
+            }
+            data = _csv_line(str(values[name]) for name in FIELDS_2016).encode("utf-8")
+            try:
+                if self._file is None or now.date() != self._day:
+                    self._close_file()
+                    self._open_for_day(now)
+                if self._has_rows and self._size + len(data) > self.max_file_size:
+                    self._close_file()
+                    self._open_new(now, self._number + 1)
+                assert self._file is not None
+                self._file.write(data)
+                self._file.flush()
+            except BaseException:
+                self._abandon_file()
+                raise
+            self._size += len(data)
+            self._has_rows = True
+
+    def close(self) -> None:
+        """Close the current file; later writes raise ValueError. Safe to call twice."""
+        with self._lock:
+            self._closed = True
+            self._close_file()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals; all called with self._lock held ---------------------------------------
+
+    def _now(self) -> datetime:
+        return _as_utc(self._clock())
+
+    def _header(self, now: datetime) -> bytes:
+        lines = (
+            "#Software: transportd",
+            f"#Version: {self.software_version}",
+            "#Log-type: Message Tracking Log",
+            f"#Date: {format_datetime(now)}",
+            "#Fields: " + ",".join(FIELDS_2016),
+        )
+        return _BOM + "".join(line + _CRLF for line in lines).encode("utf-8")
+
+    def _path_for(self, day: date, number: int) -> Path:
+        return self.directory / f"MSGTRK{day:%Y%m%d}-{number}.LOG"
+
+    def _open_for_day(self, now: datetime) -> None:
+        """Open today's file: append to the highest-numbered one if under the limit."""
+        day = now.date()
+        stamp = f"{day:%Y%m%d}"
+        highest = 0
+        for entry in self.directory.iterdir():
+            match = _OWN_NAME.match(entry.name)
+            if match and match.group(1) == stamp:
+                highest = max(highest, int(match.group(2)))
+        if highest:
+            path = self._path_for(day, highest)
+            size = path.stat().st_size
+            if size < self.max_file_size:
+                self._append_existing(path, day, highest, now)
+                return
+        self._open_new(now, highest + 1)
+
+    def _append_existing(self, path: Path, day: date, number: int, now: datetime) -> None:
+        file = open(path, "r+b")  # noqa: SIM115 (kept open across writes)
+        self._file, self._path, self._day, self._number = file, path, day, number
+        size = file.seek(0, os.SEEK_END)
+        if size == 0:
+            file.write(self._header(now))
+            self._has_rows = False
+        else:
+            file.seek(size - 1)
+            last = file.read(1)
+            file.seek(0, os.SEEK_END)
+            if last != b"\n":
+                # The previous process died mid-row: end that row so ours starts on a new
+                # line; readers will report the partial row as malformed.
+                file.write(_CRLF.encode())
+            self._has_rows = True
+        file.flush()
+        self._size = file.tell()
+
+    def _open_new(self, now: datetime, number: int) -> None:
+        day = now.date()
+        while True:
+            path = self._path_for(day, number)
+            try:
+                file = open(path, "xb")  # noqa: SIM115 (kept open across writes)
+            except FileExistsError:
+                number += 1
+                continue
+            break
+        self._file, self._path, self._day, self._number = file, path, day, number
+        header = self._header(now)
+        file.write(header)
+        file.flush()
+        self._size = len(header)
+        self._has_rows = False
+
+    def _close_file(self) -> None:
+        file, self._file = self._file, None
+        if file is not None:
+            file.close()
+
+    def _abandon_file(self) -> None:
+        """After a failed write: drop the handle so the next write reopens from disk."""
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError:
+                pass
+
+
+# -- reading --------------------------------------------------------------------------------
+
+
+def _iter_records(lines: Iterator[tuple[int, str]]) -> Iterator[tuple[int, list[str] | None, str]]:
+    """Group physical lines into records: yields (first line number, record lines, header).
+
+    A record is a run of lines with balanced double quotes (a quoted field may hold CR/LF).
+    A line starting with ``#`` at a record boundary is a header line: yielded with
+    ``record`` None. A record still open after ``_MAX_RECORD_LINES`` lines or at end of file
+    is yielded with ``header`` set to the reason and ``record`` empty, and its lines after the
+    first are read again, so one stray quote costs one row, not the rest of the file.
+    """
+    replay: deque[tuple[int, str]] = deque()
+    record: list[tuple[int, str]] = []
+    in_quotes = False
+    while True:
+        if replay:
+            item: tuple[int, str] | None = replay.popleft()
+        else:
+            item = next(lines, None)
+        if item is None:
+            if not record:
+                return
+            yield record[0][0], [], "unterminated quoted field"
+            replay.extend(record[1:])
+            record, in_quotes = [], False
+            continue
+        number, text = item
+        if not record:
+            text = text.lstrip("\ufeff")
+            if not text.strip():
+                continue
+            if text.startswith("#"):
+                yield number, None, text.rstrip("\r\n")
+                continue
+        record.append((number, text))
+        if text.count('"') % 2:
+            in_quotes = not in_quotes
+        if not in_quotes:
+            yield record[0][0], [t for _, t in record], ""
+            record = []
+        elif len(record) >= _MAX_RECORD_LINES:
+            yield record[0][0], [], "unterminated quoted field"
+            replay.extendleft(reversed(record[1:]))
+            record, in_quotes = [], False
+
+
+def parse_log_file(
+    path: str | os.PathLike[str],
+    errors: list[tuple[Path, int, str]] | None = None,
+) -> Iterator[dict[str, str]]:
+    """Yield the rows of one tracking log file as dicts keyed by field name.
+
+    Takes our files and Exchange's: BOM or not, CRLF or LF, with or without the ``#`` header
+    (without one, the field list is inferred from the count: 26, 27 or 30). Every dict has
+    all ``FIELDS_2016`` keys (absent fields are ``""``) plus any other ``#Fields:`` names.
+    A malformed row is skipped; if ``errors`` is given, ``(path, line_number, reason)`` is
+    appended to it (line numbers are 1-based physical lines; the row's first line).
+    """
+    path = Path(path)
+    fields: tuple[str, ...] | None = None
+    with open(path, encoding="utf-8-sig", errors="replace", newline="\n") as file:
+        numbered = enumerate(file, start=1)
+        for number, record, note in _iter_records(numbered):
+            if record is None:
+                if note[:8].lower() == "#fields:":
+                    names = tuple(name.strip() for name in note[8:].split(","))
+                    fields = names if any(names) else None
+                continue
+            if note:
+                _report(errors, path, number, note)
+                continue
+            try:
+                rows = list(csv.reader(record))
+            except csv.Error as exc:
+                _report(errors, path, number, f"bad CSV: {exc}")
+                continue
+            if len(rows) != 1:
+                _report(errors, path, number, f"bad CSV: {len(rows)} rows in one record")
+                continue
+            row = rows[0]
+            if fields is not None:
+                names = fields
+                if len(row) != len(names):
+                    reason = f"expected {len(names)} fields (per #Fields), got {len(row)}"
+                    _report(errors, path, number, reason)
+                    continue
+            else:
+                found = _FIELDS_BY_COUNT.get(len(row))
+                if found is None:
+                    reason = f"{len(row)} fields and no #Fields header (expected 26, 27 or 30)"
+                    _report(errors, path, number, reason)
+                    continue
+                names = found
+            result = dict.fromkeys(FIELDS_2016, "")
+            result.update(zip(names, row))
+            yield result
+
+
+def _report(errors: list[tuple[Path, int, str]] | None, path: Path, line: int, reason: str) -> None:
+    if errors is not None:
+        errors.append((path, line, reason))
+
+
+def iter_log_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """The MSGTRK*.LOG files in ``directory``, sorted by date (and hour) then number.
+
+    Matches ours (``MSGTRKyyyymmdd-n.LOG``) and Exchange's (``MSGTRKyyyymmddhh-n.LOG``, the
+    ``MSGTRKMA/MD/MS`` prefixes, any case). Files whose name does not parse are left out.
+    """
+    found: list[tuple[tuple[str, str, int, str], Path]] = []
+    for entry in Path(directory).iterdir():
+        match = _ANY_NAME.match(entry.name)
+        if match is None or not entry.is_file():
+            continue
+        prefix, day, hour, number = match.groups()
+        found.append(((day, hour or "", int(number), prefix.upper()), entry))
+    found.sort(key=lambda pair: pair[0])
+    return [path for _, path in found]
+
+
+def _strip_brackets(message_id: str) -> str:
+    message_id = message_id.strip()
+    if message_id.startswith("<") and message_id.endswith(">"):
+        message_id = message_id[1:-1].strip()
+    return message_id
+
+
+def search(
+    directory: str | os.PathLike[str],
+    *,
+    message_id: str | None = None,
+    network_message_id: str | None = None,
+    internal_message_id: str | int | None = None,
+    sender: str | None = None,
+    recipient: str | None = None,
+    event_id: str | None = None,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    errors: list[tuple[Path, int, str]] | None = None,
+) -> Iterator[dict[str, str]]:
+    """Yield the rows of every log in ``directory`` that match all the given filters.
+
+    Addresses, event-id and network-message-id compare case-insensitively (``recipient``
+    matches any entry of the ``;`` list); ``message_id`` compares exactly, with or without
+    angle brackets. ``start``/``end`` are inclusive (naive means UTC); with either given,
+    rows whose date-time does not parse are skipped. Rows come in file order; malformed rows
+    are skipped and reported into ``errors`` as in ``parse_log_file``.
+    """
+    want_message_id = None if message_id is None else _strip_brackets(message_id)
+    want_network_id = None if network_message_id is None else network_message_id.strip().lower()
+    want_internal_id = None if internal_message_id is None else str(internal_message_id).strip()
+    want_sender = None if sender is None else sender.strip().casefold()
+    want_recipient = None if recipient is None else recipient.strip().casefold()
+    want_event = None if event_id is None else event_id.strip().casefold()
+    start_utc = None if start is None else _as_utc(start)
+    end_utc = None if end is None else _as_utc(end)
+
+    for path in iter_log_files(directory):
+        for row in parse_log_file(path, errors):
+            if want_event is not None and row["event-id"].strip().casefold() != want_event:
+                continue
+            if (
+                want_message_id is not None
+                and _strip_brackets(row["message-id"]) != want_message_id
+            ):
+                continue
+            if (
+                want_network_id is not None
+                and row["network-message-id"].strip().lower() != want_network_id
+            ):
+                continue
+            if (
+                want_internal_id is not None
+                and row["internal-message-id"].strip() != want_internal_id
+            ):
+                continue
+            if want_sender is not None and row["sender-address"].strip().casefold() != want_sender:
+                continue
+            if want_recipient is not None and want_recipient not in {
+                address.strip().casefold() for address in row["recipient-address"].split(";")
+            }:
+                continue
+            if start_utc is not None or end_utc is not None:
+                try:
+                    when = parse_datetime(row["date-time"])
+                except ValueError:
+                    continue
+                if start_utc is not None and when < start_utc:
+                    continue
+                if end_utc is not None and when > end_utc:
+                    continue
+            yield row
