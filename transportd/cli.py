@@ -142,6 +142,24 @@ def serve(config: str, log_format: str | None) -> None:
     sys.exit(run(cfg))
 
 
+@cli.command()
+@click.option("--listen", default="127.0.0.1:2500", show_default=True, help="address:port to listen on")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default="./data/sink", show_default=True,
+              help="Maildir where every received message is stored")
+def sink(listen: str, directory: str) -> None:
+    """Run a development sink: an SMTP server outside the boundary that stores all it receives."""
+    import asyncio
+    from .sink import run_sink
+    try:
+        host, port = config_mod.parse_hostport(listen)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--listen") from None
+    try:
+        asyncio.run(run_sink(host, port, Path(directory).resolve()))
+    except OSError as exc:
+        raise CliError(f"sink cannot listen on {listen}: {exc.strerror or exc}") from None
+
+
 # ---------------------------------------------------------------------------- config
 
 @cli.group("config")

@@ -1,0 +1,19 @@
+# transportd: the README's two commands are `make run` and `bash .ci/run`.
+PY ?= python3
+
+.PHONY: install run test bench lint
+
+install:
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+
+run: install
+	bash scripts/run-local.sh
+
+test:
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) benchmarks/accept_throughput.py
+
+lint:
+	ruff check transportd tests benchmarks

@@ -1,0 +1,263 @@
+"""Shared fixtures: real transportd node processes, Postfix's smtp-sink, swaks.
+
+Everything listens on 127.0.0.1 with ports picked free at run time. Every
+process a test starts is tracked by PID and ended (SIGTERM, then SIGKILL) when
+the test ends, whatever happened.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SMTP_SINK = shutil.which("smtp-sink") or "/usr/sbin/smtp-sink"
+SWAKS = shutil.which("swaks") or "/usr/bin/swaks"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_port(host: str, port: int, timeout: float = 15.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection((host, port), timeout=0.5) as s:
+                s.recv(100)
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
+
+
+def wait_for(predicate, timeout: float = 15.0, interval: float = 0.1, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(v)
+
+
+def write_toml(path: Path, sections: dict[str, dict[str, Any]]) -> None:
+    lines = []
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
+class ProcessRegistry:
+    """Every process started by a test, ended by PID at teardown."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def add(self, proc: subprocess.Popen) -> subprocess.Popen:
+        self.procs.append(proc)
+        return proc
+
+    def cleanup(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+
+
+class Node:
+    """A transportd node process with its own config and data dir."""
+
+    def __init__(self, registry: ProcessRegistry, base: Path, name: str = "node1", *,
+                 smart_host: str = "", overrides: dict[str, dict[str, Any]] | None = None):
+        self.registry = registry
+        self.dir = base / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.name = f"{name}.transportd.test"
+        self.port = free_port()
+        self.data_dir = self.dir / "data"
+        self.config_path = self.dir / "node.toml"
+        self.log_path = self.dir / "node.log"
+        sections: dict[str, dict[str, Any]] = {
+            "node": {"name": self.name, "site": "site-a", "data_dir": str(self.data_dir), "log_level": "debug"},
+            "frontend": {"listen": f"127.0.0.1:{self.port}"},
+            "routing": {"accepted_domains": ["example.test"], "trusted_networks": ["127.0.0.1/32"],
+                        "smart_host": smart_host},
+            "delivery": {"transient_failure_retry_interval": 1, "outbound_connection_failure_retry_interval": 1,
+                         "queue_poll_interval": 0.2, "send_connect_timeout": 3},
+            "shadow_redundancy": {"shadow_redundancy_enabled": False},
+        }
+        for section, values in (overrides or {}).items():
+            sections.setdefault(section, {}).update(values)
+        self.sections = sections
+        write_toml(self.config_path, sections)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, wait: bool = True) -> "Node":
+        log = open(self.log_path, "ab")
+        self.proc = self.registry.add(subprocess.Popen(
+            [sys.executable, "-m", "transportd", "serve", "--config", str(self.config_path)],
+            stdout=log, stderr=subprocess.STDOUT, cwd=str(self.dir)))
+        log.close()
+        if wait:
+            wait_port("127.0.0.1", self.port, proc=self.proc)
+        return self
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=15)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def cli(self, *args: str, check: bool = True, use_data_dir: bool = False, timeout: float = 60) -> subprocess.CompletedProcess:
+        where = ["--data-dir", str(self.data_dir)] if use_data_dir else ["--config", str(self.config_path)]
+        # Insert the node option after the sub-command words (before any option/argument).
+        words = list(args)
+        cmd = [sys.executable, "-m", "transportd"] + words + where
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if check and res.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)} exited {res.returncode}:\n{res.stdout}\n{res.stderr}")
+        return res
+
+    def cli_json(self, *args: str, **kw: Any) -> list[dict]:
+        import json
+        res = self.cli(*args, "--json", **kw)
+        return [json.loads(line) for line in res.stdout.splitlines() if line.strip()]
+
+    def tracking(self, **filters: str) -> list[dict]:
+        args = ["tracking", "search"]
+        for k, v in filters.items():
+            args += [f"--{k.replace('_', '-')}", v]
+        return self.cli_json(*args)
+
+    def maildir_files(self, address: str) -> list[Path]:
+        from transportd.mailbox import MailboxStore
+        return MailboxStore(self.data_dir / "mailboxes").list(address)
+
+
+class Sink:
+    """Postfix's smtp-sink on loopback, storing each message as a file (-d)."""
+
+    def __init__(self, registry: ProcessRegistry, extra_args: tuple[str, ...] = ()):
+        self.registry = registry
+        self.port = free_port()
+        # smtp-sink drops privileges to nobody when run as root: the folder must be reachable.
+        self.dir = Path(tempfile.mkdtemp(prefix="transportd-sink-"))
+        os.chmod(self.dir, 0o777)
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, extra_args: tuple[str, ...] | None = None) -> "Sink":
+        if extra_args is not None:
+            self.extra_args = extra_args
+        cmd = [SMTP_SINK]
+        if os.geteuid() == 0:
+            cmd += ["-u", "nobody"]
+        cmd += ["-d", str(self.dir) + "/%Y%m%d%H%M%S.", *self.extra_args, self.address, "64"]
+        self.proc = self.registry.add(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        wait_port("127.0.0.1", self.port, proc=self.proc)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=5)
+
+    def messages(self) -> list[bytes]:
+        return [p.read_bytes() for p in sorted(self.dir.iterdir()) if p.is_file()]
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def swaks(port: int, *args: str, timeout: float = 30, server: str = "127.0.0.1") -> subprocess.CompletedProcess:
+    cmd = [SWAKS, "--server", f"{server}:{port}", "--timeout", "20", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def queued_id(result: subprocess.CompletedProcess) -> int:
+    m = re.search(r"250 2\.0\.0 Ok: queued as (\d+)", result.stdout)
+    assert m, f"no 250 queued reply in swaks output:\n{result.stdout}\n{result.stderr}"
+    return int(m.group(1))
+
+
+@pytest.fixture
+def procs():
+    registry = ProcessRegistry()
+    try:
+        yield registry
+    finally:
+        registry.cleanup()
+
+
+@pytest.fixture
+def sink(procs):
+    s = Sink(procs)
+    try:
+        yield s
+    finally:
+        s.stop()
+        s.cleanup()
+
+
+@pytest.fixture
+def make_node(procs, tmp_path):
+    def factory(name: str = "node1", **kw: Any) -> Node:
+        return Node(procs, tmp_path, name, **kw)
+    return factory

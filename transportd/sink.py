@@ -1,0 +1,60 @@
+"""A development sink: an SMTP server outside the boundary that stores what it receives.
+
+It stands in for "the internet" in local clusters and demos: every message is
+written durably as a Maildir file under ``DIR/new`` with ``X-Sink-Mail-From``
+and ``X-Sink-Rcpt-To`` lines prepended, and answered 250. It has no relay
+rules, queues nothing and delivers nothing; never expose it beyond loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+import uuid
+from pathlib import Path
+
+from aiosmtpd.smtp import SMTP, Envelope, Session
+
+
+class SinkHandler:
+    def __init__(self, directory: Path):
+        self.directory = directory
+        for sub in ("tmp", "new", "cur"):
+            (directory / sub).mkdir(parents=True, exist_ok=True)
+        self.count = 0
+
+    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        head = (f"X-Sink-Mail-From: <{envelope.mail_from}>\r\n"
+                f"X-Sink-Rcpt-To: {', '.join('<' + r + '>' for r in envelope.rcpt_tos)}\r\n")
+        data = head.encode("utf-8", "surrogateescape") + (envelope.original_content or b"")
+        name = f"{int(time.time())}.{uuid.uuid4().hex}.{socket.gethostname()}"
+        await asyncio.to_thread(_store, self.directory, name, data)
+        self.count += 1
+        return "250 2.0.0 Ok: stored"
+
+
+def _store(directory: Path, name: str, data: bytes) -> None:
+    tmp = directory / "tmp" / name
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, directory / "new" / name)
+
+
+async def run_sink(host: str, port: int, directory: Path) -> None:
+    handler = SinkHandler(directory)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(
+        lambda: SMTP(handler, hostname="sink.transportd.test", ident="transportd sink",
+                     enable_SMTPUTF8=True, decode_data=False), host=host, port=port, reuse_address=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"transportd sink: listening on {host}:{port}, storing mail in {directory}/new", flush=True)
+    await stop.wait()
+    server.close()
+    await server.wait_closed()
