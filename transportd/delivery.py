@@ -98,6 +98,7 @@ class DeliveryAgent:
         self._tasks: set[asyncio.Task] = set()
         self._mailbox_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._last_housekeeping = 0.0
+        self._last_expiry = 0.0
         self._stopping = False
 
     def wake(self) -> None:
@@ -130,7 +131,9 @@ class DeliveryAgent:
 
     async def tick(self) -> None:
         now = time.time()
-        await self.expire(now)
+        if now - self._last_expiry >= 1.0:
+            self._last_expiry = now
+            await self.expire(now)
         if now - self._last_housekeeping >= min(10.0, self.cfg.delivery.queue_poll_interval * 10):
             self._last_housekeeping = now
             await self.housekeeping(now)
@@ -360,7 +363,7 @@ class DeliveryAgent:
                 return [Outcome(r, mq.FAILED, "550 5.6.7 next hop does not support SMTPUTF8")
                         for r in it.recipient_ids]
             options.append("SMTPUTF8")
-        if any(b > 127 for b in body[:65536]) or any(b > 127 for b in body[65536:]):
+        if not body.isascii():
             if client.supports_extension("8bitmime"):
                 options.append("BODY=8BITMIME")
         if client.supports_extension("size"):

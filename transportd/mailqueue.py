@@ -372,8 +372,12 @@ def list_messages(conn: Connection, queue_id: int | None = None, include_done: b
     if not include_done:
         stmt = stmt.where(messages.c.state == QUEUED)
     if queue_id is not None:
-        stmt = stmt.where(messages.c.id.in_(select(recipients.c.message_id).where(
-            recipients.c.queue_id == queue_id)))
+        # Without --all, a message is "in" a queue only while it has a recipient pending there
+        # (a bifurcated message whose local copy was delivered has left the mailbox queue).
+        in_queue = recipients.c.queue_id == queue_id
+        if not include_done:
+            in_queue = and_(in_queue, recipients.c.status.not_in(TERMINAL))
+        stmt = stmt.where(messages.c.id.in_(select(recipients.c.message_id).where(in_queue)))
     rows = [dict(r) for r in conn.execute(stmt).mappings()]
     if not rows:
         return []

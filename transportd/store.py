@@ -200,6 +200,23 @@ def _make_engine(path: Path, immediate: bool) -> Engine:
     return engine
 
 
+def _is_foreign_database(path: Path) -> bool:
+    """True only for a readable SQLite file with tables and no schema version (another
+    program's database). Opened read-only, so the file is not changed; any doubt -> False."""
+    try:
+        conn = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=30)
+    except (sqlite3.Error, ValueError):
+        return False
+    try:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = conn.execute("SELECT count(*) FROM sqlite_master WHERE type='table'").fetchone()[0]
+        return version == 0 and tables > 0
+    except sqlite3.Error:
+        return False
+    finally:
+        conn.close()
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -269,6 +286,10 @@ class QueueStore:
     @classmethod
     def _open(cls, p: Path, *, create: bool, node_name: str) -> "QueueStore":
         existed = p.exists() and p.stat().st_size > 0
+        if existed and _is_foreign_database(p):
+            # Checked read-only first: our connections switch the file to WAL, which would
+            # change another program's database before we refuse (or move aside) it.
+            raise CorruptDatabase("is not a transportd queue database (no schema version)")
         write_engine = _make_engine(p, immediate=True)
         read_engine = _make_engine(p, immediate=False)
         try:

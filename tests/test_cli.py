@@ -1,0 +1,537 @@
+"""The operator command line against real nodes: queue, message, tracking, config.
+
+Every read command is checked against a running daemon and again after the
+daemon stopped, with ``--config`` and with ``--data-dir``. Operator actions
+(suspend, resume, retry, remove) are checked to reach a running daemon within
+about a second, and to be picked up by a stopped one when it starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from conftest import queued_id, swaks, wait_for
+from transportd import config as config_mod
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED_CONFIG = REPO / "config" / "single-node.toml"
+LONG_RETRY = {"delivery": {"transient_failure_retry_interval": 300,
+                           "outbound_connection_failure_retry_interval": 300}}
+BOTH = (False, True)  # use_data_dir
+
+
+# ------------------------------------------------------------------------------ helpers
+
+def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "transportd", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def send(node, to: str, sender: str = "bob@remote.test", *extra: str) -> int:
+    return queued_id(swaks(node.port, "--to", to, "--from", sender, *extra))
+
+
+def smarthost(sink) -> str:
+    return f"smarthost:{sink.address}"
+
+
+def queue_by_identity(node, identity: str, use_data_dir: bool = False) -> dict | None:
+    for q in node.cli_json("queue", "list", use_data_dir=use_data_dir):
+        if q["identity"] == identity:
+            return q
+    return None
+
+
+def message_ids(node, *args: str, use_data_dir: bool = False) -> list[int]:
+    return [m["id"] for m in node.cli_json("message", "list", *args, use_data_dir=use_data_dir)]
+
+
+def in_retry(node, identity: str, count: int):
+    def check():
+        q = queue_by_identity(node, identity)
+        return q if q and q["state"] == "Retry" and q["message_count"] == count else None
+    return check
+
+
+def parse_iso(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def table_line(output: str, *needles: str) -> str | None:
+    """The first line of a table holding every needle."""
+    for line in output.splitlines():
+        if all(n in line for n in needles):
+            return line
+    return None
+
+
+def assert_one_error_line(res: subprocess.CompletedProcess, code: int, *needles: str) -> str:
+    assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected exactly one stderr line, got:\n{res.stderr}"
+    assert "Traceback" not in res.stderr
+    for n in needles:
+        assert n in lines[0], f"{n!r} not in {lines[0]!r}"
+    assert res.stdout == ""
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------ 1. queue list
+
+def test_queue_list_shows_retry_queue_running_and_stopped(make_node, sink):
+    node = make_node(smart_host=sink.address, overrides=LONG_RETRY).start()  # sink never started
+    ident = smarthost(sink)
+    send(node, "carol@foreign.test")
+    wait_for(in_retry(node, ident, 1), timeout=10, what="smart host queue in Retry")
+    send(node, "dave@foreign.test")
+    wait_for(in_retry(node, ident, 2), timeout=10, what="two messages in the Retry queue")
+
+    for phase in ("running", "stopped"):
+        if phase == "stopped":
+            assert node.stop() == 0
+        for use_data_dir in BOTH:
+            q = queue_by_identity(node, ident, use_data_dir=use_data_dir)
+            assert q is not None, phase
+            assert q["delivery_type"] == "SmartHostConnectorDelivery"
+            assert q["state"] == "Retry" and q["message_count"] == 2, q
+            nxt = parse_iso(q["next_retry_at"])
+            assert nxt > datetime.now(timezone.utc) + timedelta(seconds=200), q
+            assert q["last_error"].startswith("451 4.4.0") and sink.address in q["last_error"], q
+
+            out = node.cli("queue", "list", use_data_dir=use_data_dir).stdout
+            assert out.splitlines()[0].split()[:3] == ["identity", "delivery", "type"], out
+            line = table_line(out, ident, "Retry")
+            assert line is not None, out
+            assert "SmartHostConnectorDelivery" in line and " 2 " in line and "451 4.4.0" in line, line
+            assert not out.lstrip().startswith("{"), "table output expected without --json"
+
+
+# ------------------------------------------------------------------------------ 2. message list/show
+
+def test_message_list_and_show(make_node, sink):
+    node = make_node(smart_host=sink.address, overrides=LONG_RETRY).start()  # sink never started
+    ident = smarthost(sink)
+    m1 = send(node, "carol@foreign.test", "bob@remote.test", "--header", "Subject: first cli message")
+    wait_for(in_retry(node, ident, 1), timeout=10, what="first message deferred")
+    m2 = send(node, "dave@foreign.test", "eve@remote.test", "--header", "Subject: second cli message")
+    # A bifurcated message: the local copy is delivered, the foreign one waits.
+    m3 = send(node, "alice@example.test,frank@foreign.test", "bob@remote.test")
+    wait_for(lambda: node.maildir_files("alice@example.test"), what="local copy of the bifurcated message")
+    wait_for(lambda: node.tracking(event_id="DEFER"), what="DEFER logged")
+
+    for phase in ("running", "stopped"):
+        if phase == "stopped":
+            assert node.stop() == 0
+        for use_data_dir in BOTH:
+            rows = node.cli_json("message", "list", use_data_dir=use_data_dir)
+            by_id = {r["id"]: r for r in rows}
+            assert set(by_id) == {m1, m2, m3}, rows
+            assert by_id[m1]["from"] == "bob@remote.test" and by_id[m1]["subject"] == "first cli message"
+            assert by_id[m2]["from"] == "eve@remote.test"
+            assert by_id[m1]["queues"] == [ident]
+            assert "451 4.4.0" in by_id[m1]["last_error"]
+            assert message_ids(node, "--queue", ident, use_data_dir=use_data_dir) == [m1, m2, m3]
+            # The queue's message count and the per-queue message list agree.
+            for q in node.cli_json("queue", "list", use_data_dir=use_data_dir):
+                listed = message_ids(node, "--queue", q["identity"], use_data_dir=use_data_dir)
+                assert len(listed) == q["message_count"], (q, listed)
+            out = node.cli("message", "list", use_data_dir=use_data_dir).stdout
+            assert table_line(out, str(m1), "bob@remote.test", "first cli message") is not None, out
+
+            shown = node.cli_json("message", "show", str(m1), use_data_dir=use_data_dir)
+            assert len(shown) == 1
+            m = shown[0]
+            assert m["id"] == m1 and m["sender"] == "bob@remote.test"
+            assert [r["address"] for r in m["recipients"]] == ["carol@foreign.test"]
+            r = m["recipients"][0]
+            assert r["queue"] == ident and r["status"] == "Retry" and r["attempts"] >= 1
+            assert r["last_error"].startswith("451 4.4.0") and r["next_retry_at"]
+            assert "Subject: first cli message" in m["headers"]
+            assert "body" not in m and "data" not in m
+            events = [e["event-id"] for e in m["tracking"]]
+            assert events[0] == "RECEIVE" and "DEFER" in events, events
+            assert all(e["internal-message-id"] == str(m1) for e in m["tracking"])
+
+            m = node.cli_json("message", "show", str(m3), use_data_dir=use_data_dir)[0]
+            status = {r["address"]: (r["queue"], r["status"]) for r in m["recipients"]}
+            assert status == {"alice@example.test": ("mailbox:local", "Delivered"),
+                              "frank@foreign.test": (ident, "Ready")} or \
+                status == {"alice@example.test": ("mailbox:local", "Delivered"),
+                           "frank@foreign.test": (ident, "Retry")}, status
+            assert {"RECEIVE", "DELIVER"} <= {e["event-id"] for e in m["tracking"]}
+
+            out = node.cli("message", "show", str(m1), use_data_dir=use_data_dir).stdout
+            for needle in ("bob@remote.test", "Recipients:", "Headers:", "Subject: first cli message",
+                           "Tracking events:"):
+                assert needle in out, (needle, out)
+            assert table_line(out, "carol@foreign.test", ident, "Retry") is not None, out
+            assert table_line(out, "RECEIVE") and table_line(out, "DEFER"), out
+
+
+# ------------------------------------------------------------------------------ 3. suspend/resume
+
+def test_suspend_and_resume_queue_and_message(make_node, sink):
+    sink.start()
+    node = make_node(smart_host=sink.address).start()
+    ident = smarthost(sink)
+    send(node, "carol@foreign.test")
+    wait_for(lambda: len(sink.messages()) == 1, what="first message at the sink")
+
+    res = node.cli("queue", "suspend", ident)
+    assert "suspended" in res.stdout
+    time.sleep(0.5)  # the daemon's next scan (0.2 s)
+    held = send(node, "dave@foreign.test")
+    time.sleep(2)
+    assert len(sink.messages()) == 1, "a suspended queue delivered"
+    q = queue_by_identity(node, ident, use_data_dir=True)
+    assert q["state"] == "Suspended" and q["message_count"] == 1, q
+    assert message_ids(node) == [held]
+    node.cli("queue", "resume", ident, use_data_dir=True)
+    wait_for(lambda: len(sink.messages()) == 2, timeout=2.5, what="delivery after queue resume")
+    wait_for(lambda: message_ids(node) == [], timeout=2, what="queue empty")
+    assert queue_by_identity(node, ident)["state"] == "Ready"
+
+    # One message: hold it while its queue is suspended, then release the queue.
+    node.cli("queue", "suspend", ident)
+    time.sleep(0.5)
+    one = send(node, "erin@foreign.test")
+    res = node.cli("message", "suspend", str(one), use_data_dir=True)
+    assert f"message {one} suspended" in res.stdout
+    node.cli("queue", "resume", ident)
+    time.sleep(2)
+    assert len(sink.messages()) == 2, "a suspended message was delivered"
+    rows = node.cli_json("message", "list")
+    assert [(r["id"], r["status"]) for r in rows] == [(one, "Suspended")], rows
+    assert node.cli_json("message", "show", str(one))[0]["status"] == "Suspended"
+    node.cli("message", "resume", str(one))
+    wait_for(lambda: len(sink.messages()) == 3, timeout=2.5, what="delivery after message resume")
+    assert b"erin@foreign.test" in sink.messages()[-1]
+
+
+def test_suspend_while_stopped_is_honoured_on_start(make_node, sink):
+    sink.start()
+    node = make_node(smart_host=sink.address).start()
+    ident = smarthost(sink)
+    send(node, "carol@foreign.test")
+    wait_for(lambda: len(sink.messages()) == 1, what="first message at the sink")
+    node.cli("queue", "suspend", ident)
+    time.sleep(0.5)
+    held = send(node, "dave@foreign.test")
+    assert node.stop() == 0
+    node.cli("queue", "resume", ident, use_data_dir=True)
+    node.cli("message", "suspend", str(held), use_data_dir=True)
+    node.start()
+    time.sleep(1.5)
+    assert len(sink.messages()) == 1, "a message suspended while the daemon was down was delivered"
+    node.cli("message", "resume", str(held))
+    wait_for(lambda: len(sink.messages()) == 2, timeout=2.5, what="delivery after message resume")
+
+
+# ------------------------------------------------------------------------------ 4. retry
+
+def test_queue_retry_reaches_running_daemon(make_node, sink):
+    node = make_node(smart_host=sink.address, overrides=LONG_RETRY).start()
+    ident = smarthost(sink)
+    send(node, "carol@foreign.test")
+    wait_for(in_retry(node, ident, 1), timeout=10, what="queue in Retry")
+    sink.start()
+    time.sleep(1.5)
+    assert sink.messages() == [], "delivered before its retry time: the test proves nothing"
+    res = node.cli("queue", "retry", ident)
+    assert ident in res.stdout
+    wait_for(lambda: sink.messages(), timeout=2.5, what="delivery after queue retry")
+    wait_for(lambda: queue_by_identity(node, ident)["message_count"] == 0, timeout=2, what="queue empty")
+
+
+def test_queue_retry_while_stopped(make_node, sink):
+    node = make_node(smart_host=sink.address, overrides=LONG_RETRY).start()
+    ident = smarthost(sink)
+    send(node, "carol@foreign.test")
+    wait_for(in_retry(node, ident, 1), timeout=10, what="queue in Retry")
+    assert node.stop() == 0
+    node.cli("queue", "retry", ident, use_data_dir=True)
+    q = queue_by_identity(node, ident, use_data_dir=True)
+    assert q["state"] == "Ready" and q["next_retry_at"] is None and q["message_count"] == 1, q
+    sink.start()
+    node.start()
+    wait_for(lambda: sink.messages(), timeout=3, what="delivery after restart")
+
+
+# ------------------------------------------------------------------------------ 5. remove
+
+def dsn_events_for(node, original_id: int) -> list[dict]:
+    return [e for e in node.tracking(event_id="DSN")
+            if f"original internal id {original_id};" in e["source-context"]]
+
+
+def test_message_remove_and_ndr_running(make_node, sink):
+    node = make_node(smart_host=sink.address, overrides=LONG_RETRY).start()  # sink never started
+    ident = smarthost(sink)
+    m1 = send(node, "carol@foreign.test", "zed@remote.test")
+    m2 = send(node, "dave@foreign.test", "bob@example.test", "--header", "Subject: to be removed")
+    wait_for(in_retry(node, ident, 2), timeout=10, what="two messages queued")
+
+    res = node.cli("message", "remove", str(m1))
+    assert f"message {m1} removed" in res.stdout
+    assert message_ids(node) == [m2]
+    assert node.cli_json("message", "show", str(m1))[0]["status"] == "Removed"
+    # The daemon keeps writing tracking rows after the CLI's DROP: the DROP must survive.
+    m3 = send(node, "alice@example.test", "yan@remote.test")
+    wait_for(lambda: node.maildir_files("alice@example.test"), what="local delivery")
+    wait_for(lambda: node.tracking(event_id="DELIVER", internal_message_id=str(m3)), what="DELIVER logged")
+    drops = node.tracking(event_id="DROP")
+    assert [d["internal-message-id"] for d in drops] == [str(m1)], drops
+    assert drops[0]["recipient-address"] == "carol@foreign.test"
+    assert drops[0]["sender-address"] == "zed@remote.test"
+    assert node.tracking(event_id="RECEIVE", internal_message_id=str(m3))
+    assert not dsn_events_for(node, m1), "an NDR without --ndr"
+    time.sleep(0.5)
+    assert node.maildir_files("zed@remote.test") == []
+
+    res = node.cli("message", "remove", str(m2), "--ndr")
+    assert "NDR" in res.stdout
+    files = wait_for(lambda: node.maildir_files("bob@example.test"), timeout=3, what="NDR in bob's Maildir")
+    ndr = files[0].read_bytes()
+    assert b"dave@foreign.test" in ndr and b"5.2.0" in ndr, ndr[:2000]
+    assert b"to be removed" in ndr
+    assert message_ids(node) == []
+    dsn = dsn_events_for(node, m2)
+    assert len(dsn) == 1 and dsn[0]["recipient-address"] == "bob@example.test", dsn
+    assert [d["internal-message-id"] for d in node.tracking(event_id="DROP")] == [str(m1), str(m2)]
+    wait_for(lambda: node.tracking(event_id="DELIVER", recipient="bob@example.test"), what="NDR DELIVER logged")
+
+
+@pytest.mark.parametrize("use_data_dir", BOTH, ids=["config", "data-dir"])
+def test_message_remove_and_ndr_stopped(make_node, sink, use_data_dir):
+    node = make_node(smart_host=sink.address, overrides=LONG_RETRY).start()  # sink never started
+    ident = smarthost(sink)
+    m1 = send(node, "carol@foreign.test", "zed@remote.test")
+    m2 = send(node, "dave@foreign.test", "bob@example.test")
+    wait_for(in_retry(node, ident, 2), timeout=10, what="two messages queued")
+    assert node.stop() == 0
+
+    node.cli("message", "remove", str(m1), use_data_dir=use_data_dir)
+    res = node.cli("message", "remove", str(m2), "--ndr", use_data_dir=use_data_dir)
+    assert "NDR" in res.stdout
+    queued = node.cli_json("message", "list", use_data_dir=use_data_dir)
+    assert len(queued) == 1 and queued[0]["from"] is not None and queued[0]["from"] == "", queued
+    assert queued[0]["queues"] == ["mailbox:local"], queued
+    assert [d["internal-message-id"] for d in node.tracking(event_id="DROP")] == [str(m1), str(m2)]
+    assert len(dsn_events_for(node, m2)) == 1 and not dsn_events_for(node, m1)
+
+    node.start()
+    files = wait_for(lambda: node.maildir_files("bob@example.test"), timeout=3, what="NDR in bob's Maildir")
+    assert b"dave@foreign.test" in files[0].read_bytes()
+    wait_for(lambda: message_ids(node) == [], timeout=3, what="NDR delivered")
+    assert node.maildir_files("zed@remote.test") == []
+
+
+# ------------------------------------------------------------------------------ 6. tracking search
+
+def test_tracking_search_filters(make_node, sink):
+    sink.start()
+    node = make_node(smart_host=sink.address).start()
+    a = send(node, "alice@example.test", "bob@remote.test", "--header", "Message-Id: <cli-track-1@remote.test>")
+    b = send(node, "carol@foreign.test", "zed@remote.test", "--header", "Message-Id: <cli-track-2@remote.test>")
+    wait_for(lambda: node.maildir_files("alice@example.test") and sink.messages(), what="both delivered")
+    wait_for(lambda: node.tracking(event_id="SENDEXTERNAL"), what="SENDEXTERNAL logged")
+
+    for phase in ("running", "stopped"):
+        if phase == "stopped":
+            assert node.stop() == 0
+        for use_data_dir in BOTH:
+            def search(*args: str) -> list[dict]:
+                return node.cli_json("tracking", "search", *args, use_data_dir=use_data_dir)
+
+            everything = search()
+            assert {e["internal-message-id"] for e in everything} == {str(a), str(b)}
+
+            for mid in ("<cli-track-1@remote.test>", "cli-track-1@remote.test"):
+                rows = search("--message-id", mid)
+                assert rows and {r["internal-message-id"] for r in rows} == {str(a)}, rows
+                assert {"RECEIVE", "DELIVER"} <= {r["event-id"] for r in rows}
+
+            rows = search("--sender", "ZED@remote.test")
+            assert rows and {r["sender-address"] for r in rows} == {"zed@remote.test"}
+            assert {r["event-id"] for r in rows} == {"RECEIVE", "SENDEXTERNAL"}
+
+            rows = search("--recipient", "alice@example.test")
+            assert rows and all("alice@example.test" in r["recipient-address"] for r in rows)
+            assert {r["internal-message-id"] for r in rows} == {str(a)}
+
+            rows = search("--event-id", "deliver")
+            assert [(r["event-id"], r["internal-message-id"]) for r in rows] == [("DELIVER", str(a))]
+
+            times = sorted(parse_iso(e["date-time"]) for e in everything)
+            first, last = times[0], times[-1]
+
+            def fmt(t: datetime) -> str:
+                return t.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+            assert search("--end", fmt(first - timedelta(seconds=1))) == []
+            assert search("--start", fmt(last + timedelta(seconds=1))) == []
+            assert len(search("--start", fmt(first), "--end", fmt(last))) == len(everything)
+            assert len(search("--start", fmt(first - timedelta(hours=1)))) == len(everything)
+            # Combined filters are ANDed.
+            assert search("--sender", "zed@remote.test", "--event-id", "DELIVER") == []
+
+            out = node.cli("tracking", "search", "--event-id", "SENDEXTERNAL", use_data_dir=use_data_dir).stdout
+            assert out.splitlines()[0].startswith("date-time")
+            assert table_line(out, "SENDEXTERNAL", str(b), "zed@remote.test") is not None, out
+
+            for opt in ("--start", "--end"):
+                res = node.cli("tracking", "search", opt, "yesterday", check=False, use_data_dir=use_data_dir)
+                assert res.returncode == 2, (res.stdout, res.stderr)
+                assert opt in res.stderr and "yesterday" in res.stderr and "ISO" in res.stderr, res.stderr
+                assert "Traceback" not in res.stderr and res.stdout == ""
+
+
+# ------------------------------------------------------------------------------ 7. config
+
+def test_config_show_shipped_file():
+    data_dir = (SHIPPED_CONFIG.parent / "../data/single-node").resolve()
+    existed = data_dir.exists()
+    res = run_cli("config", "show", "--config", str(SHIPPED_CONFIG))
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    for key in config_mod.KEYS:
+        line = next((ln for ln in lines if ln.startswith(key.dotted + " ")), None)
+        assert line is not None, f"{key.dotted} missing from config show"
+        if key.exchange:
+            assert key.exchange in line, (key.dotted, line)
+    assert table_line(res.stdout, "delivery.transient_failure_retry_interval", "5m",
+                      "TransientFailureRetryInterval") is not None
+    assert table_line(res.stdout, "frontend.max_message_size", "36MB", "MaxMessageSize") is not None
+    assert table_line(res.stdout, "routing.smart_host", "127.0.0.1:2500", "SmartHosts") is not None
+
+    rows = [json.loads(ln) for ln in run_cli("config", "show", "--config", str(SHIPPED_CONFIG),
+                                             "--json").stdout.splitlines()]
+    assert [r["key"] for r in rows] == [k.dotted for k in config_mod.KEYS]
+    by_key = {r["key"]: r for r in rows}
+    for key in config_mod.KEYS:
+        assert by_key[key.dotted]["exchange_name"] == key.exchange
+        assert by_key[key.dotted]["meaning"]
+    assert by_key["delivery.message_expiration_timeout"]["value"] == "2d"
+    assert by_key["shadow_redundancy.shadow_redundancy_enabled"]["value"] == "false"
+    assert by_key["node.name"]["value"] == "node1.transportd.test"
+    assert data_dir.exists() == existed, "config show created the data directory"
+
+
+BAD_CONFIGS = {
+    "bad-duration": ('[delivery]\nmessage_expiration_timeout = "soon"\n',
+                     ("delivery.message_expiration_timeout", "soon")),
+    "unknown-key": ("[delivery]\nretry_sometimes = 3\n", ("delivery.retry_sometimes", "unknown key")),
+    "unknown-section": ("[deliveries]\nx = 1\n", ("[deliveries]", "unknown section")),
+    "bad-size": ('[frontend]\nmax_message_size = "huge"\n', ("frontend.max_message_size", "huge")),
+    "toml-syntax": ("[delivery\nmessage_expiration_timeout = 1\n", ("TOML",)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_bad_config_is_one_line_and_exit_2(tmp_path, case):
+    text, needles = BAD_CONFIGS[case]
+    path = tmp_path / "bad.toml"
+    path.write_text(f'[node]\ndata_dir = "{tmp_path / "data"}"\n' + text)
+    for cmd in (["config", "show"], ["queue", "list"], ["message", "list", "--json"],
+                ["tracking", "search"], ["serve"]):
+        res = run_cli(*cmd, "--config", str(path))
+        line = assert_one_error_line(res, 2, *needles)
+        assert str(path) in line, line
+    assert not (tmp_path / "data").exists(), "a bad config created the data directory"
+
+
+def test_missing_config_file(tmp_path):
+    missing = tmp_path / "nope.toml"
+    for cmd in (["config", "show"], ["queue", "list"], ["serve"]):
+        res = run_cli(*cmd, "--config", str(missing))
+        assert_one_error_line(res, 2, str(missing), "no such config file")
+    assert not missing.exists()
+
+
+def test_no_config_or_data_dir(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRANSPORTD_CONFIG"}
+    res = subprocess.run([sys.executable, "-m", "transportd", "queue", "list"], capture_output=True,
+                         text=True, timeout=30, env=env, cwd=tmp_path)
+    assert_one_error_line(res, 2, "--config", "--data-dir")
+
+
+# ------------------------------------------------------------------------------ 8. missing database
+
+def test_missing_database(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    absent = tmp_path / "absent"
+    cfg = tmp_path / "node.toml"
+    cfg.write_text(f'[node]\ndata_dir = "{absent}"\n')
+    commands = (["queue", "list"], ["queue", "list", "--json"], ["message", "list"], ["message", "show", "1"],
+                ["queue", "retry", "smarthost:x"], ["queue", "suspend", "1"], ["message", "suspend", "1"],
+                ["message", "remove", "1", "--ndr"])
+    for where in (["--data-dir", str(empty)], ["--data-dir", str(absent)], ["--config", str(cfg)]):
+        for cmd in commands:
+            res = run_cli(*cmd, *where)
+            assert res.returncode != 0 and res.returncode != 2, (cmd, where, res.returncode, res.stderr)
+            assert "no queue database" in res.stderr, (cmd, res.stderr)
+            assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert list(empty.iterdir()) == [], "the CLI created files in an empty data dir"
+    assert not absent.exists(), "the CLI created a missing data dir"
+
+
+# ------------------------------------------------------------------------------ 9. unknown names
+
+def test_unknown_queue_and_message(make_node, sink):
+    node = make_node(smart_host=sink.address, overrides=LONG_RETRY).start()
+    ident = smarthost(sink)
+    mid = send(node, "carol@foreign.test")
+    wait_for(in_retry(node, ident, 1), timeout=10, what="queue in Retry")
+    for phase in ("running", "stopped"):
+        if phase == "stopped":
+            assert node.stop() == 0
+        for use_data_dir in BOTH:
+            for cmd in (["queue", "suspend", "smarthost:nowhere:25"], ["queue", "resume", "nosuch"],
+                        ["queue", "retry", "9999"], ["message", "list", "--queue", "nosuch"]):
+                res = node.cli(*cmd, check=False, use_data_dir=use_data_dir)
+                assert res.returncode == 1, (cmd, res.returncode, res.stderr)
+                assert "no queue" in res.stderr and cmd[-1] in res.stderr, res.stderr
+                assert "Traceback" not in res.stderr
+            for cmd in (["message", "show", "9999"], ["message", "suspend", "9999"],
+                        ["message", "resume", "9999"], ["message", "remove", "9999"],
+                        ["message", "remove", "9999", "--ndr"]):
+                res = node.cli(*cmd, check=False, use_data_dir=use_data_dir)
+                assert res.returncode == 1, (cmd, res.returncode, res.stderr)
+                assert "no " in res.stderr and "message 9999" in res.stderr, res.stderr
+                assert "Traceback" not in res.stderr
+            res = node.cli("message", "show", "abc", check=False, use_data_dir=use_data_dir)
+            assert res.returncode == 2 and "abc" in res.stderr
+        # The real ones are untouched by all that.
+        assert message_ids(node) == [mid]
+        assert queue_by_identity(node, ident)["state"] == "Retry"
+
+
+# ------------------------------------------------------------------------------ 10. --watch
+
+def test_queue_list_watch(make_node, sink):
+    node = make_node(smart_host=sink.address, overrides=LONG_RETRY).start()
+    ident = smarthost(sink)
+    send(node, "carol@foreign.test")
+    wait_for(in_retry(node, ident, 1), timeout=10, what="queue in Retry")
+    proc = subprocess.Popen([sys.executable, "-m", "transportd", "queue", "list", "--watch", "--interval", "0.2",
+                             "--data-dir", str(node.data_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    node.registry.add(proc)
+    time.sleep(1.5)
+    assert proc.poll() is None, proc.stderr.read()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=10)
+    text = out.decode()
+    assert text.count("\x1b[H\x1b[2J") >= 2, text
+    assert ident in text and "Retry" in text
+    assert proc.returncode in (0, 130), (proc.returncode, err)
+    assert b"Traceback" not in err, err

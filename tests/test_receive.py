@@ -1,0 +1,688 @@
+"""The frontend receive connector seen from the wire.
+
+Real daemon processes on 127.0.0.1, real peers (swaks, smtplib, raw sockets):
+EHLO keywords, relay control, size / line / recipient / connection limits,
+timeouts, garbage input, STARTTLS and AUTH, clients that vanish mid-DATA, bad
+configuration, and (in-process) the rule that our own failures are 451 4.3.0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import smtplib
+import socket
+import ssl
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import queued_id, swaks, wait_for, write_toml
+
+NODE_NAME = "node1.transportd.test"
+ENHANCED = re.compile(r"^\d{3} [245]\.\d{1,3}\.\d{1,3} ")
+LEAK = re.compile(r"Error|Exception|Traceback|\(\w+Error\)|\w+Error\b|\w+Exception\b")
+
+
+# --------------------------------------------------------------------------- helpers
+
+class Raw:
+    """A byte-level SMTP client on a real socket."""
+
+    def __init__(self, port: int, source: str = "127.0.0.1", timeout: float = 5.0):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout,
+                                             source_address=(source, 0))
+        self.buf = b""
+        self.greeting = self.reply()
+
+    def send(self, data: bytes | str) -> None:
+        self.sock.sendall(data.encode() if isinstance(data, str) else data)
+
+    def _line(self) -> bytes:
+        while b"\r\n" not in self.buf:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise EOFError(f"connection closed; unread {self.buf!r}")
+            self.buf += chunk
+        line, _, self.buf = self.buf.partition(b"\r\n")
+        return line
+
+    def reply(self) -> list[str]:
+        """One (possibly multi-line) reply; every line must be clean printable ASCII."""
+        lines = []
+        while True:
+            raw = self._line()
+            assert re.fullmatch(rb"\d{3}[ -][\x20-\x7e]*", raw), f"malformed reply line {raw!r}"
+            lines.append(raw.decode("ascii"))
+            if raw[3:4] == b" ":
+                return lines
+
+    def cmd(self, line: bytes | str) -> str:
+        """Send one command line, return the final line of its reply."""
+        self.send((line.encode() if isinstance(line, str) else line) + b"\r\n")
+        return self.reply()[-1]
+
+    def closed_by_peer(self, timeout: float = 5.0) -> bool:
+        """True when the server closes the connection (EOF) within timeout."""
+        self.sock.settimeout(timeout)
+        try:
+            while True:
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    return True
+                self.buf += chunk
+        except (socket.timeout, TimeoutError):
+            return False
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def abort(self) -> None:
+        """Close with RST (SO_LINGER 0) instead of FIN."""
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.sock.close()
+
+
+def assert_reply(reply: str, code: int, enhanced: str) -> None:
+    assert reply.startswith(f"{code} {enhanced} "), f"expected {code} {enhanced}, got {reply!r}"
+
+
+def messages(node) -> list[dict]:
+    """Every primary message the node holds, queued or already delivered."""
+    return node.cli_json("message", "list", "--all")
+
+
+def send_one(c: Raw, sender: str, rcpts: list[str], body: bytes) -> str:
+    assert_reply(c.cmd(f"MAIL FROM:<{sender}>"), 250, "2.1.0")
+    for r in rcpts:
+        assert_reply(c.cmd(f"RCPT TO:<{r}>"), 250, "2.1.5")
+    assert c.cmd("DATA").startswith("354 ")
+    c.send(body + b".\r\n")
+    return c.reply()[-1]
+
+
+def body_of(size: int, subject: str = "x") -> bytes:
+    """A dot-terminated-ready message of exactly `size` octets (as counted by the server)."""
+    head = f"From: a@remote.test\r\nSubject: {subject}\r\n\r\n".encode()
+    lines, n = [], size - len(head)
+    while n > 0:
+        take = min(n, 78)
+        if take < 3:  # never leave a line too short to hold its CRLF
+            lines[-1] = lines[-1][:-2] + b"y" * take + b"\r\n"
+            break
+        lines.append(b"y" * (take - 2) + b"\r\n")
+        n -= take
+    data = head + b"".join(lines)
+    assert len(data) == size
+    return data
+
+
+def ehlo(c: Raw, name: str = "client.test") -> list[str]:
+    c.send(f"EHLO {name}\r\n")
+    lines = c.reply()
+    assert lines[-1].startswith("250 "), lines
+    return lines
+
+
+# --------------------------------------------------------------------------- 1. EHLO / HELO
+
+def test_ehlo_advertises_extensions_without_tls_or_auth(make_node):
+    node = make_node(overrides={"frontend": {"max_message_size": 123456}}).start()
+    c = Raw(node.port)
+    assert c.greeting[0].startswith(f"220 {NODE_NAME} ")
+    lines = ehlo(c)
+    assert lines == [f"250-{NODE_NAME}", "250-SIZE 123456", "250-8BITMIME", "250-SMTPUTF8",
+                     "250-PIPELINING", "250-ENHANCEDSTATUSCODES", "250 HELP"]
+    keywords = {l[4:].split()[0].upper() for l in lines[1:]}
+    assert not keywords & {"STARTTLS", "AUTH"}
+    # Without a certificate neither STARTTLS nor AUTH can be used.
+    assert c.cmd("STARTTLS")[:5] == "454 4"
+    r = c.cmd("AUTH PLAIN AGFsaWNlAHMzY3JldA==")
+    assert r[0] == "5" and ENHANCED.match(r), r
+    # HELO: a plain 250 naming the server (no enhanced code in HELO/EHLO replies, RFC 2034).
+    assert c.cmd("HELO client.test") == f"250 {NODE_NAME}"
+    assert_reply(c.cmd("QUIT"), 221, "2.0.0")
+    assert c.closed_by_peer()
+
+    # A real client library sees the same.
+    with smtplib.SMTP("127.0.0.1", node.port, timeout=10) as s:
+        code, _ = s.ehlo("client.test")
+        assert code == 250
+        assert s.esmtp_features["size"] == "123456"
+        for ext in ("8bitmime", "smtputf8", "pipelining", "enhancedstatuscodes"):
+            assert s.has_extn(ext), ext
+        assert not s.has_extn("starttls") and not s.has_extn("auth")
+
+
+# --------------------------------------------------------------------------- 2. relay control
+
+def test_relay_denied_for_untrusted_client(make_node, sink):
+    sink.start()
+    node = make_node(smart_host=sink.address).start()
+
+    r = swaks(node.port, "--local-interface", "127.0.0.2", "--from", "refused@remote.test",
+              "--to", "carol@foreign.test")
+    assert "<** 550 5.7.1 Relaying denied" in r.stdout, r.stdout
+    assert r.returncode != 0
+    assert " queued as " not in r.stdout
+
+    r = swaks(node.port, "--local-interface", "127.0.0.2", "--from", "outsider@remote.test",
+              "--to", "alice@example.test")
+    inbound = queued_id(r)
+
+    r = swaks(node.port, "--from", "insider@example.test", "--to", "carol@foreign.test")
+    relayed = queued_id(r)
+
+    rows = {m["id"]: m for m in messages(node)}
+    assert set(rows) == {inbound, relayed}
+    assert rows[inbound]["from"] == "outsider@remote.test"
+    assert rows[relayed]["from"] == "insider@example.test"
+    assert all(m["from"] != "refused@remote.test" for m in rows.values())
+    # The trusted client's relayed message really leaves through the smart host.
+    wait_for(lambda: sink.messages(), timeout=10, what="relayed message at the sink")
+
+    # A refused recipient does not spoil the transaction for the accepted one.
+    c = Raw(node.port, source="127.0.0.2")
+    ehlo(c)
+    assert_reply(c.cmd("MAIL FROM:<mixed@remote.test>"), 250, "2.1.0")
+    assert_reply(c.cmd("RCPT TO:<x@foreign.test>"), 550, "5.7.1")
+    assert_reply(c.cmd("RCPT TO:<alice@example.test>"), 250, "2.1.5")
+    assert c.cmd("DATA").startswith("354 ")
+    c.send(b"Subject: mixed\r\n\r\nhi\r\n.\r\n")
+    mixed = int(re.match(r"250 2\.0\.0 Ok: queued as (\d+)$", c.reply()[-1]).group(1))
+    c.close()
+    row = {m["id"]: m for m in messages(node)}[mixed]
+    assert row["recipient_count"] == 1 and row["queues"] == ["mailbox:local"]
+
+
+# --------------------------------------------------------------------------- 3. message size
+
+def test_oversize_message_refused_and_session_goes_on(make_node):
+    node = make_node(overrides={"frontend": {"max_message_size": 2000}}).start()
+    c = Raw(node.port)
+    ehlo(c)
+    # Declared size over the limit: refused at MAIL.
+    assert_reply(c.cmd("MAIL FROM:<a@remote.test> SIZE=999999"), 552, "5.3.4")
+    # Undeclared, sent anyway: refused at the end of DATA.
+    r = send_one(c, "a@remote.test", ["alice@example.test"], body_of(2001, "too-big"))
+    assert_reply(r, 552, "5.3.4")
+    r = send_one(c, "a@remote.test", ["alice@example.test"], body_of(5000, "way-too-big"))
+    assert_reply(r, 552, "5.3.4")
+    # A declared size at the limit is fine, and a message of exactly the limit goes through.
+    assert_reply(c.cmd("MAIL FROM:<a@remote.test> SIZE=2000"), 250, "2.1.0")
+    assert_reply(c.cmd("RSET"), 250, "2.0.0")
+    r = send_one(c, "a@remote.test", ["alice@example.test"], body_of(2000, "exact"))
+    assert re.fullmatch(r"250 2\.0\.0 Ok: queued as \d+", r), r
+    r = send_one(c, "a@remote.test", ["alice@example.test"], b"Subject: small\r\n\r\nhello\r\n")
+    assert re.fullmatch(r"250 2\.0\.0 Ok: queued as \d+", r), r
+    assert_reply(c.cmd("QUIT"), 221, "2.0.0")
+    assert sorted(m["subject"] for m in messages(node)) == ["exact", "small"]
+    assert node.alive
+
+
+# --------------------------------------------------------------------------- 4. line length
+
+def test_over_long_lines(make_node):
+    node = make_node().start()  # max_line_length = 1000 (octets without CRLF)
+    c = Raw(node.port)
+    ehlo(c)
+    assert_reply(c.cmd("NOOP " + "x" * 995), 250, "2.0.0")           # 1000 octets: fine
+    assert_reply(c.cmd("NOOP " + "x" * 996), 500, "5.5.2")           # 1001 octets
+    assert_reply(c.cmd("NOOP " + "x" * 5000), 500, "5.5.2")
+    assert_reply(c.cmd(b"X" * 70000), 500, "5.5.2")
+    assert_reply(c.cmd("NOOP"), 250, "2.0.0")  # the stream is back in step
+
+    ok_line = b"z" * 1000 + b"\r\n"
+    r = send_one(c, "a@remote.test", ["alice@example.test"],
+                 b"Subject: long-line\r\n\r\nstart\r\n" + b"z" * 1001 + b"\r\nend\r\n")
+    assert_reply(r, 500, "5.5.2")
+    r = send_one(c, "a@remote.test", ["alice@example.test"],
+                 b"Subject: huge-line\r\n\r\n" + b"z" * 200000 + b"\r\n")
+    assert_reply(r, 500, "5.5.2")
+    r = send_one(c, "a@remote.test", ["alice@example.test"], b"Subject: max-line\r\n\r\n" + ok_line)
+    assert re.fullmatch(r"250 2\.0\.0 Ok: queued as \d+", r), r
+    assert_reply(c.cmd("QUIT"), 221, "2.0.0")
+    assert [m["subject"] for m in messages(node)] == ["max-line"]
+
+
+# --------------------------------------------------------------------------- 5. recipients
+
+def test_too_many_recipients(make_node):
+    node = make_node(overrides={"frontend": {"max_recipients_per_message": 2}}).start()
+    c = Raw(node.port)
+    ehlo(c)
+    assert_reply(c.cmd("MAIL FROM:<a@remote.test>"), 250, "2.1.0")
+    assert_reply(c.cmd("RCPT TO:<r1@example.test>"), 250, "2.1.5")
+    assert_reply(c.cmd("RCPT TO:<r2@example.test>"), 250, "2.1.5")
+    assert_reply(c.cmd("RCPT TO:<r3@example.test>"), 452, "4.5.3")
+    assert_reply(c.cmd("RCPT TO:<r4@example.test>"), 452, "4.5.3")
+    assert c.cmd("DATA").startswith("354 ")
+    c.send(b"Subject: two\r\n\r\nhi\r\n.\r\n")
+    r = c.reply()[-1]
+    mid = int(re.fullmatch(r"250 2\.0\.0 Ok: queued as (\d+)", r).group(1))
+    # The limit is per message: the next transaction starts from zero.
+    r = send_one(c, "a@remote.test", ["r3@example.test", "r4@example.test"], b"Subject: next\r\n\r\nhi\r\n")
+    assert r.startswith("250 2.0.0 Ok: queued as ")
+    c.close()
+    rows = {m["id"]: m for m in messages(node)}
+    assert rows[mid]["recipient_count"] == 2
+    assert len(rows) == 2
+
+
+# --------------------------------------------------------------------------- 6. garbage
+
+def test_garbage_gets_clean_errors_and_daemon_stays_up(make_node):
+    node = make_node().start()
+    c = Raw(node.port)
+    assert c.cmd("MAIL FROM:<a@remote.test>")[:9] == "503 5.5.1"  # before EHLO
+    ehlo(c)
+    junk = [
+        (b"FROB", "500 5.5.1"),
+        (b"GET / HTTP/1.1", "500 5.5.1"),
+        (b"\xff\xfe\x00\x01binary", "500 5.5.2"),
+        (b"", "500 5.5.2"),
+        (b"   ", "500 5.5.2"),
+        (b"MAIL FROM:<bad address>", "501 5.1.7"),
+        (b"MAIL FROM:<\xff\xfe@remote.test>", "501 5.1.7"),
+        (b"MAIL", "501 5.5.4"),
+        (b"RCPT TO:<alice@example.test>", "503 5.5.1"),  # RCPT before MAIL
+        (b"DATA", "503 5.5.1"),                         # DATA before MAIL
+        (b"MAIL FROM:<a@remote.test> BODY=BINARYMIME", "501 5.5.4"),
+        (b"MAIL FROM:<a@remote.test> SIZE=lots", "501 5.5.4"),
+        (b"MAIL FROM:<a@remote.test>", "250 2.1.0"),
+        (b"MAIL FROM:<b@remote.test>", "503 5.5.1"),    # nested MAIL
+        (b"DATA", "503 5.5.1"),                         # DATA before RCPT
+        (b"RCPT TO:<not an address>", "501 5.1.3"),
+        (b"RCPT TO:<x\xff@example.test>", "501 5.1.3"),
+        (b"RCPT TO:<alice@example.test> FOO=BAR", "555 5."),
+        (b"RCPT alice@example.test", "501 5.5.4"),
+        (b"XYZZY\rinjected", "500 5.5.1"),
+        (b"NOOP\x00", "500 5.5.1"),
+        (b"RSET", "250 2.0.0"),
+    ]
+    c.send(b"".join(line + b"\r\n" for line, _ in junk))  # all pipelined in one write
+    for line, expected in junk:
+        r = c.reply()
+        assert len(r) == 1, (line, r)
+        assert r[0].startswith(expected + " ") or (expected.endswith(".") and r[0].startswith(expected)), \
+            (line, r[0], expected)
+        assert ENHANCED.match(r[0]), (line, r[0])
+        assert not LEAK.search(r[0][10:]), (line, r[0])
+    # A proper message on the same session, then from a real client.
+    r = send_one(c, "a@remote.test", ["alice@example.test"], b"Subject: after-junk\r\n\r\nhi\r\n")
+    assert r.startswith("250 2.0.0 Ok: queued as ")
+    assert_reply(c.cmd("QUIT"), 221, "2.0.0")
+    queued_id(swaks(node.port, "--to", "alice@example.test", "--from", "b@remote.test",
+                    "--header", "Subject: swaks-after-junk"))
+    assert node.alive
+    assert sorted(m["subject"] for m in messages(node)) == ["after-junk", "swaks-after-junk"]
+
+
+def test_too_many_unknown_commands_closes(make_node):
+    node = make_node().start()
+    c = Raw(node.port)
+    ehlo(c)
+    c.send(b"".join(b"BOGUS%d\r\n" % i for i in range(8)))
+    replies = []
+    while True:
+        try:
+            replies.append(c.reply()[-1])
+        except EOFError:
+            break
+    assert all(r.startswith("500 5.5.1 ") for r in replies[:-1]), replies
+    assert replies[-1].startswith("502 5.5.1 "), replies
+    assert len(replies) == 5
+    assert node.alive
+    c2 = Raw(node.port)
+    assert ehlo(c2)[0] == f"250-{NODE_NAME}"
+    c2.close()
+
+
+# --------------------------------------------------------------------------- 7. connection limits
+
+def test_connections_per_source_limit(make_node):
+    node = make_node(overrides={"frontend": {"max_inbound_connection_per_source": 2}}).start()
+    time.sleep(0.3)  # let the start-up probe connection be released
+    a, b = Raw(node.port), Raw(node.port)
+    assert a.greeting[0].startswith("220 ") and b.greeting[0].startswith("220 ")
+    third = Raw(node.port)
+    assert_reply(third.greeting[-1], 421, "4.7.0")
+    assert third.closed_by_peer(3)
+    other = Raw(node.port, source="127.0.0.2")
+    assert other.greeting[0].startswith("220 ")
+    ehlo(other)
+    # The refused connection was not counted, and a closed one frees its slot.
+    a.cmd("QUIT")
+    a.close()
+
+    def slot_free():
+        c = Raw(node.port)
+        if c.greeting[0].startswith("220 "):
+            return c
+        c.close()
+        return None
+
+    fourth = wait_for(slot_free, timeout=5, what="a freed per-source slot")
+    r = send_one(fourth, "a@remote.test", ["alice@example.test"], b"Subject: slot\r\n\r\nhi\r\n")
+    assert r.startswith("250 2.0.0 Ok: queued as ")
+    for x in (b, other, fourth):
+        x.close()
+
+
+def test_total_connection_limit(make_node):
+    node = make_node(overrides={"frontend": {"max_inbound_connection": 3}}).start()
+    time.sleep(0.3)
+    held = [Raw(node.port), Raw(node.port, source="127.0.0.2"), Raw(node.port, source="127.0.0.3")]
+    assert all(h.greeting[0].startswith("220 ") for h in held)
+    for src in ("127.0.0.1", "127.0.0.4"):
+        extra = Raw(node.port, source=src)
+        assert_reply(extra.greeting[-1], 421, "4.3.2")
+        assert extra.closed_by_peer(3)
+    held.pop().close()
+
+    def slot_free():
+        c = Raw(node.port, source="127.0.0.4")
+        if c.greeting[0].startswith("220 "):
+            return c
+        c.close()
+        return None
+
+    c = wait_for(slot_free, timeout=5, what="a freed connection slot")
+    ehlo(c)
+    for h in held + [c]:
+        h.close()
+    assert node.alive
+
+
+# --------------------------------------------------------------------------- 8. timeouts
+
+def test_inactivity_timeout(make_node):
+    node = make_node(overrides={"frontend": {"connection_inactivity_timeout": 1.5}}).start()
+    c = Raw(node.port)
+    ehlo(c)
+    t0 = time.monotonic()
+    assert c.reply() == [f"421 4.4.2 {NODE_NAME} Connection timed out"]
+    elapsed = time.monotonic() - t0
+    assert c.closed_by_peer(2)
+    assert 1.2 <= elapsed <= 3.0, elapsed
+
+
+def test_inactivity_timer_counts_data_lines_as_activity(make_node):
+    """A client steadily sending a long message is not idle."""
+    node = make_node(overrides={"frontend": {"connection_inactivity_timeout": 1.0}}).start()
+    c = Raw(node.port)
+    ehlo(c)
+    assert_reply(c.cmd("MAIL FROM:<a@remote.test>"), 250, "2.1.0")
+    assert_reply(c.cmd("RCPT TO:<alice@example.test>"), 250, "2.1.5")
+    assert c.cmd("DATA").startswith("354 ")
+    c.send(b"Subject: slow\r\n\r\n")
+    for i in range(10):  # 2.5 s in all, never more than 0.25 s without a byte
+        time.sleep(0.25)
+        c.send(b"line %d\r\n" % i)
+    c.send(b".\r\n")
+    r = c.reply()[-1]
+    assert r.startswith("250 2.0.0 Ok: queued as "), r
+    c.close()
+    assert [m["subject"] for m in messages(node)] == ["slow"]
+
+
+def test_absolute_connection_timeout(make_node):
+    node = make_node(overrides={"frontend": {"connection_timeout": 2, "connection_inactivity_timeout": 1.5}}).start()
+    c = Raw(node.port)
+    t0 = time.monotonic()
+    ehlo(c)
+    noops = 0
+    timed_out = None
+    while time.monotonic() - t0 < 6:
+        time.sleep(0.3)
+        try:
+            r = c.cmd("NOOP")
+        except (EOFError, ConnectionResetError, BrokenPipeError):
+            break
+        if r.startswith("421 "):
+            timed_out = r
+            break
+        assert_reply(r, 250, "2.0.0")
+        noops += 1
+    elapsed = time.monotonic() - t0
+    assert timed_out == f"421 4.4.2 {NODE_NAME} Connection timed out", timed_out
+    assert c.closed_by_peer(2)
+    assert noops >= 4  # the inactivity timer (1.5 s) never fired: the NOOPs kept it alive
+    assert 1.7 <= elapsed <= 3.0, elapsed
+
+
+# --------------------------------------------------------------------------- 9. STARTTLS and AUTH
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    cert = ca.issue_cert(NODE_NAME, "127.0.0.1")
+    d = tmp_path_factory.mktemp("tls")
+    cert.private_key_pem.write_to_path(str(d / "key.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(d / "cert.pem"))
+    for pem in cert.cert_chain_pems[1:]:
+        pem.write_to_path(str(d / "cert.pem"), append=True)
+    ctx = ssl.create_default_context()
+    ca.configure_trust(ctx)
+    return {"cert": str(d / "cert.pem"), "key": str(d / "key.pem"), "client_ctx": ctx}
+
+
+def tls_node(make_node, tls_files, sink=None, **frontend):
+    fe = {"tls_certificate": tls_files["cert"], "tls_key": tls_files["key"],
+          "auth_users": {"alice": "s3cret"}, **frontend}
+    return make_node(smart_host=sink.address if sink else "", overrides={"frontend": fe}).start()
+
+
+def test_starttls_then_auth_allows_relay(make_node, sink, tls_files):
+    sink.start()
+    node = tls_node(make_node, tls_files, sink)
+    s = smtplib.SMTP("127.0.0.1", node.port, timeout=10, source_address=("127.0.0.2", 0))
+    try:
+        s.ehlo("client.test")
+        assert s.has_extn("starttls")
+        assert not s.has_extn("auth")
+        code, msg = s.docmd("AUTH", "PLAIN AGFsaWNlAHMzY3JldA==")
+        assert code == 538 and msg.startswith(b"5.7.11"), (code, msg)
+        code, msg = s.starttls(context=tls_files["client_ctx"])
+        assert code == 220
+        s.ehlo("client.test")
+        assert not s.has_extn("starttls")
+        assert set(s.esmtp_features["auth"].split()) == {"PLAIN", "LOGIN"}
+        # Not authenticated yet: still no relay.
+        assert s.docmd("MAIL", "FROM:<alice@remote.test>")[0] == 250
+        code, msg = s.docmd("RCPT", "TO:<bob@foreign.test>")
+        assert (code, msg) == (550, b"5.7.1 Relaying denied")
+        s.rset()
+        with pytest.raises(smtplib.SMTPAuthenticationError) as err:
+            s.login("alice", "wrong")
+        assert err.value.smtp_code == 535 and err.value.smtp_error.startswith(b"5.7.8")
+        with pytest.raises(smtplib.SMTPAuthenticationError) as err:
+            s.login("mallory", "s3cret")
+        assert err.value.smtp_code == 535
+        code, msg = s.login("alice", "s3cret")
+        assert code == 235 and msg.startswith(b"2.7.0")
+        refused = s.sendmail("alice@remote.test", ["bob@foreign.test"], b"Subject: authed-relay\r\n\r\nhi\r\n")
+        assert refused == {}
+    finally:
+        s.close()
+
+    r = swaks(node.port, "--tls", "--auth", "PLAIN", "--auth-user", "alice", "--auth-password", "s3cret",
+              "--local-interface", "127.0.0.2", "--from", "alice@remote.test", "--to", "carol@foreign.test",
+              "--header", "Subject: swaks-authed")
+    queued_id(r)
+    r = swaks(node.port, "--tls", "--auth", "PLAIN", "--auth-user", "alice", "--auth-password", "nope",
+              "--local-interface", "127.0.0.2", "--from", "alice@remote.test", "--to", "carol@foreign.test",
+              "--header", "Subject: swaks-bad-password")
+    assert "<** 535 5.7.8" in r.stdout, r.stdout
+    assert r.returncode != 0
+    assert sorted(m["subject"] for m in messages(node)) == ["authed-relay", "swaks-authed"]
+    wait_for(lambda: len(sink.messages()) == 2, timeout=10, what="both relayed messages at the sink")
+
+
+def test_require_tls(make_node, tls_files):
+    node = tls_node(make_node, tls_files, require_tls=True)
+    s = smtplib.SMTP("127.0.0.1", node.port, timeout=10)
+    try:
+        s.ehlo("client.test")
+        assert s.has_extn("starttls")
+        code, msg = s.docmd("MAIL", "FROM:<a@remote.test>")
+        assert (code, msg[:6]) == (530, b"5.7.0 "), (code, msg)
+        code, msg = s.docmd("RCPT", "TO:<alice@example.test>")
+        assert code == 530
+        s.starttls(context=tls_files["client_ctx"])
+        s.ehlo("client.test")
+        assert s.sendmail("a@remote.test", ["alice@example.test"], b"Subject: over-tls\r\n\r\nhi\r\n") == {}
+    finally:
+        s.close()
+    assert [m["subject"] for m in messages(node)] == ["over-tls"]
+
+
+# --------------------------------------------------------------------------- 10. vanishing clients
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+def test_client_gone_mid_data_stores_nothing(make_node, how):
+    node = make_node().start()
+    c = Raw(node.port)
+    ehlo(c)
+    assert_reply(c.cmd("MAIL FROM:<a@remote.test>"), 250, "2.1.0")
+    assert_reply(c.cmd("RCPT TO:<alice@example.test>"), 250, "2.1.5")
+    assert c.cmd("DATA").startswith("354 ")
+    c.send(b"Subject: half\r\n\r\nfirst half of the body\r\nsecond li")
+    time.sleep(0.2)
+    c.close() if how == "close" else c.abort()
+    time.sleep(0.5)
+    assert node.alive
+    assert messages(node) == []
+    r = swaks(node.port, "--to", "alice@example.test", "--from", "b@remote.test", "--header", "Subject: whole")
+    queued_id(r)
+    assert [m["subject"] for m in messages(node)] == ["whole"]
+
+
+# --------------------------------------------------------------------------- 11. bad configuration
+
+@pytest.mark.parametrize("frontend, key", [
+    ({"max_message_size": "lots"}, "frontend.max_message_size"),
+    ({"max_mesage_size": 1000}, "frontend.max_mesage_size"),
+    ({"max_line_length": 10}, "frontend.max_line_length"),
+    ({"connection_inactivity_timeout": "soon"}, "frontend.connection_inactivity_timeout"),
+])
+def test_bad_config_exits_2_naming_the_key(tmp_path, frontend, key):
+    cfg = tmp_path / "bad.toml"
+    write_toml(cfg, {"node": {"name": NODE_NAME, "data_dir": str(tmp_path / "data")},
+                     "frontend": {"listen": "127.0.0.1:1", **frontend}})
+    res = subprocess.run([sys.executable, "-m", "transportd", "serve", "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert key in lines[0], lines[0]
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "data").exists()
+
+
+# --------------------------------------------------------------------------- 12. internal errors (in process)
+
+async def _start_frontend(tmp_path, accept, **frontend):
+    from transportd.config import load_dict
+    from transportd.receive import ConnectionCounter, FrontendHandler, smtp_factory
+    cfg = load_dict({"node": {"name": NODE_NAME, "data_dir": str(tmp_path / "data")},
+                     "frontend": {"listen": "127.0.0.1:2525", **frontend},
+                     "routing": {"accepted_domains": ["example.test"], "trusted_networks": ["127.0.0.1/32"]}},
+                    base_dir=tmp_path)
+    handler = FrontendHandler(cfg, accept)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(smtp_factory(cfg, handler, ConnectionCounter(10, 10)),
+                                      host="127.0.0.1", port=0)
+    return cfg, server, server.sockets[0].getsockname()[1]
+
+
+async def test_internal_errors_are_451_never_5xx(tmp_path):
+    import aiosmtplib
+    from transportd.receive import MessageRejected
+
+    mode = {"v": "crash"}
+
+    async def accept(envelope, session, connector):
+        if mode["v"] == "crash":
+            raise RuntimeError("disk on fire (KeyError: 'x')")
+        if mode["v"] == "reject":
+            raise MessageRejected("554 5.6.0 Policy says no")
+        return 42
+
+    cfg, server, port = await _start_frontend(tmp_path, accept)
+    try:
+        client = aiosmtplib.SMTP(hostname="127.0.0.1", port=port, timeout=10, start_tls=False)
+        await client.connect()
+        await client.ehlo("client.test")
+        await client.mail("a@remote.test")
+        await client.rcpt("alice@example.test")
+        with pytest.raises(aiosmtplib.SMTPDataError) as err:
+            await client.data(b"Subject: x\r\n\r\nhi\r\n")
+        assert err.value.code == 451
+        assert err.value.message.startswith("4.3.0 "), err.value.message
+        assert "RuntimeError" not in err.value.message and "fire" not in err.value.message
+
+        # The handler's own rejection is passed through as given.
+        mode["v"] = "reject"
+        await client.mail("a@remote.test")
+        await client.rcpt("alice@example.test")
+        with pytest.raises(aiosmtplib.SMTPDataError) as err:
+            await client.data(b"Subject: x\r\n\r\nhi\r\n")
+        assert (err.value.code, err.value.message) == (554, "5.6.0 Policy says no")
+
+        # An exception inside a session hook (here RCPT) is 451 4.3.0 too, and the session lives on.
+        mode["v"] = "ok"
+        good_domains = cfg.routing.accepted_domains
+        cfg.routing.accepted_domains = None  # makes is_accepted() raise TypeError
+        await client.mail("a@remote.test")
+        with pytest.raises(aiosmtplib.SMTPRecipientRefused) as err:
+            await client.rcpt("bob@elsewhere.test")
+        assert err.value.code == 451 and err.value.message.startswith("4.3.0 "), err.value
+        assert "TypeError" not in err.value.message
+        cfg.routing.accepted_domains = good_domains
+        await client.rset()
+        await client.mail("a@remote.test")
+        await client.rcpt("alice@example.test")
+        code, msg = await client.data(b"Subject: x\r\n\r\nhi\r\n")
+        assert (code, msg) == (250, "2.0.0 Ok: queued as 42")
+        await client.quit()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_accept_is_not_cancelled_when_client_vanishes(tmp_path):
+    """The commit behind DATA runs to its end even if the client is gone meanwhile."""
+    started, finished = asyncio.Event(), asyncio.Event()
+    seen: list[bytes] = []
+
+    async def accept(envelope, session, connector):
+        started.set()
+        await asyncio.sleep(0.5)
+        seen.append(envelope.original_content)
+        finished.set()
+        return 7
+
+    _, server, port = await _start_frontend(tmp_path, accept)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await reader.readline()
+        writer.write(b"EHLO c.test\r\nMAIL FROM:<a@remote.test>\r\nRCPT TO:<alice@example.test>\r\nDATA\r\n")
+        for _ in range(9):  # 7 EHLO lines + 250 + 250; 354 below
+            await reader.readline()
+        assert (await reader.readline()).startswith(b"354 ")
+        writer.write(b"Subject: vanish\r\n\r\nbody\r\n.\r\n")
+        await asyncio.wait_for(started.wait(), 5)
+        writer.transport.abort()
+        await asyncio.wait_for(finished.wait(), 5)
+        assert seen == [b"Subject: vanish\r\n\r\nbody\r\n"]
+    finally:
+        server.close()
+        await server.wait_closed()

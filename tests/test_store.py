@@ -1,0 +1,420 @@
+"""The queue database: creation, its ID, pragmas, corrupt files, schema versions, group commit.
+
+Unit tests on temporary files, plus one real daemon started on a garbage queue.db.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from conftest import queued_id, swaks, wait_for
+from transportd import store as store_mod
+from transportd.store import SCHEMA_VERSION, CorruptDatabase, QueueStore, StoreError, meta
+
+GARBAGE = os.urandom(64) + b"this is not a database" + os.urandom(4000)
+
+
+def _db_id_raw(path: Path) -> str:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return conn.execute("SELECT value FROM meta WHERE key = 'queue_database_id'").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def _corrupt_files(folder: Path, name: str = "queue.db") -> list[Path]:
+    return sorted(p for p in folder.iterdir()
+                  if p.name.startswith(f"{name}.corrupt-") and not p.name.endswith(("-wal", "-shm")))
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "queue.db"
+
+
+def _populated(path: Path, rows: int = 40) -> str:
+    """A transportd DB with some data, closed cleanly; returns its ID."""
+    s = QueueStore.open(path)
+    try:
+        s.transaction(lambda c: c.execute(meta.insert(), [
+            {"key": f"filler{i}", "value": "x" * 3000} for i in range(rows)]))
+        return s.queue_database_id
+    finally:
+        s.close()
+
+
+# --------------------------------------------------------------------------- creation and ID
+
+def test_new_database_gets_a_guid_stored_inside(db_path: Path) -> None:
+    s = QueueStore.open(db_path, node_name="n1.test")
+    try:
+        dbid = s.queue_database_id
+        assert str(uuid.UUID(dbid)) == dbid
+        stored = s.read(lambda c: dict(c.execute(select(meta.c.key, meta.c.value)).all()))
+        assert stored["queue_database_id"] == dbid
+        assert stored["node_name"] == "n1.test"
+        assert float(stored["created_at"]) > 0
+    finally:
+        s.close()
+    assert _db_id_raw(db_path) == dbid
+    again = QueueStore.open(db_path, create=False)
+    try:
+        assert again.queue_database_id == dbid
+    finally:
+        again.close()
+
+
+def test_two_new_databases_have_different_ids(tmp_path: Path) -> None:
+    a = QueueStore.open(tmp_path / "a" / "queue.db")  # parent folder is created
+    b = QueueStore.open(tmp_path / "b" / "queue.db")
+    try:
+        assert a.queue_database_id != b.queue_database_id
+    finally:
+        a.close()
+        b.close()
+
+
+def test_connections_use_wal_full_sync_and_foreign_keys(db_path: Path) -> None:
+    s = QueueStore.open(db_path)
+    try:
+        for engine in (s.write_engine, s.read_engine):
+            with engine.connect() as conn:
+                assert conn.exec_driver_sql("PRAGMA journal_mode").scalar().lower() == "wal"
+                assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
+                assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+        assert s.read(lambda c: c.exec_driver_sql("PRAGMA user_version").scalar()) == SCHEMA_VERSION
+    finally:
+        s.close()
+    assert SCHEMA_VERSION == len(store_mod.MIGRATIONS)
+    raw = sqlite3.connect(db_path)
+    try:
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"  # persistent in the file
+    finally:
+        raw.close()
+
+
+def test_missing_file_without_create_raises_store_error(db_path: Path) -> None:
+    with pytest.raises(StoreError, match="no queue database"):
+        QueueStore.open(db_path, create=False)
+    assert not db_path.exists()
+
+
+def test_directory_instead_of_file_is_refused_and_kept(db_path: Path) -> None:
+    db_path.mkdir()
+    with pytest.raises(StoreError, match="directory"):
+        QueueStore.open(db_path, repair=True)
+    assert db_path.is_dir()
+
+
+def test_empty_file_becomes_a_new_database(db_path: Path) -> None:
+    db_path.write_bytes(b"")
+    s = QueueStore.open(db_path)
+    try:
+        uuid.UUID(s.queue_database_id)
+    finally:
+        s.close()
+
+
+# --------------------------------------------------------------------------- corrupt files
+
+def _foreign_sqlite(path: Path) -> bytes:
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE notes (id INTEGER PRIMARY KEY, body TEXT)")
+    conn.execute("INSERT INTO notes (body) VALUES ('somebody else''s data')")
+    conn.commit()
+    conn.close()
+    return path.read_bytes()
+
+
+def _truncated(path: Path) -> bytes:
+    _populated(path)
+    data = path.read_bytes()
+    assert len(data) > 40_000
+    path.write_bytes(data[: len(data) // 2])
+    return path.read_bytes()
+
+
+def _garbage(path: Path) -> bytes:
+    path.write_bytes(GARBAGE)
+    return GARBAGE
+
+
+BAD_FILES = {"random-bytes": _garbage, "foreign-sqlite": _foreign_sqlite, "truncated": _truncated}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_FILES))
+def test_bad_file_without_repair_raises_and_is_left_alone(db_path: Path, kind: str) -> None:
+    original = BAD_FILES[kind](db_path)
+    with pytest.raises(CorruptDatabase):
+        QueueStore.open(db_path, repair=False)
+    assert db_path.read_bytes() == original
+    assert _corrupt_files(db_path.parent) == []
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_FILES))
+def test_bad_file_with_repair_is_moved_aside_and_replaced(db_path: Path, kind: str, caplog) -> None:
+    prior_id = _populated(db_path.with_name("other.db"))  # an unrelated ID, to compare against
+    original = BAD_FILES[kind](db_path)
+    with caplog.at_level("ERROR", logger="transportd.store"):
+        s = QueueStore.open(db_path, repair=True)
+    try:
+        new_id = s.queue_database_id
+        uuid.UUID(new_id)
+        assert new_id != prior_id
+        assert s.read(lambda c: c.exec_driver_sql("PRAGMA user_version").scalar()) == SCHEMA_VERSION
+    finally:
+        s.close()
+    moved = _corrupt_files(db_path.parent)
+    assert len(moved) == 1, list(db_path.parent.iterdir())
+    assert moved[0].read_bytes() == original  # never deleted, never changed
+    assert "moved aside" in caplog.text and moved[0].name in caplog.text
+    assert _db_id_raw(db_path) == new_id
+
+
+def test_truncated_database_gets_a_new_id(db_path: Path) -> None:
+    old_id = _populated(db_path)
+    data = db_path.read_bytes()
+    db_path.write_bytes(data[: len(data) // 3])
+    s = QueueStore.open(db_path, repair=True)
+    try:
+        assert s.queue_database_id != old_id
+    finally:
+        s.close()
+
+
+def test_repeated_repairs_keep_every_bad_file(db_path: Path) -> None:
+    contents = []
+    for i in range(3):
+        data = f"garbage number {i} ".encode() * 300
+        db_path.write_bytes(data)
+        contents.append(data)
+        QueueStore.open(db_path, repair=True).close()
+    moved = _corrupt_files(db_path.parent)
+    assert sorted(p.read_bytes() for p in moved) == sorted(contents)
+
+
+def test_database_without_id_is_corrupt(db_path: Path) -> None:
+    _populated(db_path)
+    raw = sqlite3.connect(db_path)
+    raw.execute("DELETE FROM meta WHERE key = 'queue_database_id'")
+    raw.commit()
+    raw.close()
+    with pytest.raises(CorruptDatabase, match="no queue database ID"):
+        QueueStore.open(db_path)
+    assert db_path.exists()
+
+
+def test_crash_before_checkpoint_keeps_database_and_id(db_path: Path) -> None:
+    # The main file of a fresh database still says user_version 0 after a crash: all its
+    # content is in the -wal. Reopening (even with repair) must find it, not move it aside.
+    code = ("import os, sys\n"
+            "from transportd.store import QueueStore, meta\n"
+            "s = QueueStore.open(sys.argv[1])\n"
+            "s.transaction(lambda c: c.execute(meta.insert().values(key='k', value='v')))\n"
+            "print(s.queue_database_id, flush=True)\n"
+            "os._exit(0)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(db_path)], capture_output=True, text=True, timeout=60)
+    dbid = r.stdout.strip()
+    assert r.returncode == 0 and dbid, r.stderr
+    assert db_path.with_name("queue.db-wal").stat().st_size > 0
+    s = QueueStore.open(db_path, repair=True)
+    try:
+        assert s.queue_database_id == dbid
+        assert s.read(lambda c: c.execute(select(meta.c.value).where(meta.c.key == "k")).scalar()) == "v"
+    finally:
+        s.close()
+    assert _corrupt_files(db_path.parent) == []
+
+
+def test_newer_schema_version_raises_store_error_and_is_not_moved(db_path: Path) -> None:
+    dbid = _populated(db_path)
+    raw = sqlite3.connect(db_path)
+    raw.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 5}")
+    raw.commit()
+    raw.close()
+    for repair in (False, True):
+        with pytest.raises(StoreError) as info:
+            QueueStore.open(db_path, repair=repair)
+        assert not isinstance(info.value, CorruptDatabase)
+        msg = str(info.value)
+        assert f"schema version {SCHEMA_VERSION + 5}" in msg and "newer" in msg and "upgrade" in msg
+    assert _corrupt_files(db_path.parent) == []
+    assert _db_id_raw(db_path) == dbid
+
+
+# --------------------------------------------------------------------------- group commit
+
+def _kv(conn, key: str, value: str = "v") -> None:
+    conn.execute(meta.insert().values(key=key, value=value))
+
+
+def test_group_commit_batches_and_returns_each_result(db_path: Path) -> None:
+    s = QueueStore.open(db_path)
+    writer = s.start_writer()
+    started, release = threading.Event(), threading.Event()
+
+    def blocker(conn):
+        started.set()
+        assert release.wait(10)
+        _kv(conn, "blocker")
+        return "blocker-result"
+
+    try:
+        first = writer.submit(blocker)
+        assert started.wait(10)
+        futures = [writer.submit(lambda conn, i=i: (_kv(conn, f"job{i}"), i * 10)[1]) for i in range(50)]
+        release.set()
+        assert first.result(10) == "blocker-result"
+        assert [f.result(10) for f in futures] == [i * 10 for i in range(50)]
+        assert writer.jobs_done == 51
+        assert writer.batches <= 3  # 51 jobs, at most a handful of commits
+    finally:
+        s.close()
+    again = QueueStore.open(db_path, create=False)
+    try:
+        keys = set(again.read(lambda c: c.execute(select(meta.c.key)).scalars().all()))
+        assert {f"job{i}" for i in range(50)} | {"blocker"} <= keys
+    finally:
+        again.close()
+
+
+def test_failing_job_is_rolled_back_alone(db_path: Path) -> None:
+    s = QueueStore.open(db_path)
+    writer = s.start_writer()
+    started, release = threading.Event(), threading.Event()
+
+    def blocker(conn):
+        started.set()
+        assert release.wait(10)
+        return None
+
+    def bad(conn):
+        _kv(conn, "bad-row")
+        raise RuntimeError("job failed on purpose")
+
+    try:
+        writer.submit(blocker)
+        assert started.wait(10)
+        before = writer.submit(lambda c: (_kv(c, "before"), "b")[1])
+        failing = writer.submit(bad)
+        dup = writer.submit(lambda c: _kv(c, "before"))  # unique key violation: also fails alone
+        after = writer.submit(lambda c: (_kv(c, "after"), "a")[1])
+        release.set()
+        assert before.result(10) == "b"
+        assert after.result(10) == "a"
+        with pytest.raises(RuntimeError, match="on purpose"):
+            failing.result(10)
+        with pytest.raises(Exception):
+            dup.result(10)
+        assert writer.batches == 2  # the four jobs shared one commit
+    finally:
+        s.close()
+    again = QueueStore.open(db_path, create=False)
+    try:
+        keys = set(again.read(lambda c: c.execute(select(meta.c.key)).scalars().all()))
+        assert {"before", "after"} <= keys
+        assert "bad-row" not in keys
+    finally:
+        again.close()
+
+
+def test_failed_commit_fails_every_job_of_the_batch(db_path: Path) -> None:
+    s = QueueStore.open(db_path)
+    writer = s.start_writer()
+    started, release = threading.Event(), threading.Event()
+
+    def blocker(conn):
+        started.set()
+        assert release.wait(10)
+
+    def breaks_commit(conn):
+        # A deferred foreign-key violation passes the savepoint and fails the COMMIT.
+        conn.exec_driver_sql("PRAGMA defer_foreign_keys = ON")
+        conn.exec_driver_sql("INSERT INTO message_bodies (message_id, data) VALUES (999999, x'00')")
+        return "looks fine"
+
+    try:
+        writer.submit(blocker)
+        assert started.wait(10)
+        innocent = writer.submit(lambda c: (_kv(c, "innocent"), 1)[1])
+        culprit = writer.submit(breaks_commit)
+        release.set()
+        for fut in (innocent, culprit):
+            with pytest.raises(StoreError, match="commit failed"):
+                fut.result(10)
+        # the writer keeps working afterwards
+        assert writer.submit(lambda c: (_kv(c, "later"), "ok")[1]).result(10) == "ok"
+    finally:
+        s.close()
+    again = QueueStore.open(db_path, create=False)
+    try:
+        keys = set(again.read(lambda c: c.execute(select(meta.c.key)).scalars().all()))
+        assert "later" in keys and "innocent" not in keys
+        assert again.read(lambda c: c.exec_driver_sql("SELECT count(*) FROM message_bodies").scalar()) == 0
+    finally:
+        again.close()
+
+
+def test_async_write_through_writer_and_without(db_path: Path) -> None:
+    s = QueueStore.open(db_path)
+
+    async def run() -> list:
+        out = [await s.write(lambda c: (_kv(c, "no-writer"), 1)[1])]
+        s.start_writer()
+        out += await asyncio.gather(*(s.write(lambda c, i=i: (_kv(c, f"w{i}"), i)[1]) for i in range(20)))
+        out.append(await s.aread(lambda c: c.execute(select(meta.c.value).where(meta.c.key == "w7")).scalar()))
+        return out
+
+    try:
+        result = asyncio.run(run())
+        assert result == [1, *range(20), "v"]
+    finally:
+        s.close()
+
+
+def test_stopped_writer_refuses_jobs(db_path: Path) -> None:
+    s = QueueStore.open(db_path)
+    writer = s.start_writer()
+    s.close()
+    with pytest.raises(StoreError, match="stopped"):
+        writer.submit(lambda c: None).result(5)
+
+
+# --------------------------------------------------------------------------- real daemon
+
+def test_daemon_moves_garbage_database_aside_and_serves(make_node) -> None:
+    node = make_node()
+    node.data_dir.mkdir(parents=True)
+    db = node.data_dir / "queue.db"
+    old_id = _populated(db)
+    db.write_bytes(GARBAGE)
+    node.start()
+    r = swaks(node.port, "--to", "alice@example.test", "--from", "bob@remote.test",
+              "--header", "Subject: after-repair")
+    queued_id(r)
+    files = wait_for(lambda: node.maildir_files("alice@example.test"), what="maildir file")
+    assert b"Subject: after-repair" in files[0].read_bytes()
+    assert "moved aside" in node.log()
+    moved = _corrupt_files(node.data_dir)
+    assert len(moved) == 1 and moved[0].read_bytes() == GARBAGE
+    assert moved[0].name in node.log()
+    assert node.stop() == 0
+    s = QueueStore.open(db, create=False)
+    try:
+        assert s.queue_database_id != old_id
+        uuid.UUID(s.queue_database_id)
+        assert s.queue_database_id in node.log()
+    finally:
+        s.close()
+

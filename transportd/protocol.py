@@ -1,0 +1,197 @@
+"""The shadow redundancy wire protocol (PROTOCOL.md) as pure functions: parse, format, decide.
+
+It owns the text of XSHADOWREQUEST, XSHADOW, XQDISCARD and MAIL ``XSHADOW=``,
+the encodings of queue database IDs and FQDNs, shadow placement
+(*ShadowMessagePreferenceSetting* with its retry counts), and the heartbeat
+rule that decides promotion. No sockets, no clock: callers pass ``now``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Sequence
+
+
+class ProtocolError(ValueError):
+    """A malformed X-verb argument or reply (a contract violation)."""
+
+
+# ------------------------------------------------------------------------- encodings
+
+def encode_dbid(dbid: str) -> str:
+    """Base64 of the 16 bytes of a queue database ID GUID (24 characters)."""
+    return base64.b64encode(uuid.UUID(dbid).bytes).decode("ascii")
+
+
+def decode_dbid(text: str) -> str:
+    try:
+        raw = base64.b64decode(text.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise ProtocolError(f"not base64: {text!r}") from None
+    if len(raw) != 16:
+        raise ProtocolError(f"a queue database ID has 16 bytes, got {len(raw)}")
+    return str(uuid.UUID(bytes=raw))
+
+
+_FQDN = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*$")
+
+
+def encode_fqdn(fqdn: str) -> str:
+    return base64.b64encode(fqdn.encode("ascii")).decode("ascii")
+
+
+def decode_fqdn(text: str) -> str:
+    try:
+        name = base64.b64decode(text.strip(), validate=True).decode("ascii")
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        raise ProtocolError(f"not a base64 host name: {text!r}") from None
+    if not name or len(name) > 255 or not _FQDN.match(name):
+        raise ProtocolError(f"not a host name: {name!r}")
+    return name.lower()
+
+
+def parse_guid(text: str) -> str:
+    """A canonical 8-4-4-4-12 GUID (lower case), else ProtocolError."""
+    t = text.strip()
+    if not re.fullmatch(r"[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}", t):
+        raise ProtocolError(f"not a GUID: {text!r}")
+    return t.lower()
+
+
+# ------------------------------------------------------------------------- verbs
+
+@dataclass(frozen=True)
+class ShadowRequest:
+    primary_fqdn: str
+    primary_dbid: str
+
+
+def parse_xshadowrequest(arg: str | None) -> ShadowRequest:
+    """``XSHADOWREQUEST <fqdn> <b64 dbid>``."""
+    parts = (arg or "").split()
+    if len(parts) != 2:
+        raise ProtocolError("XSHADOWREQUEST needs <fqdn> <base64 queue database ID>")
+    fqdn = parts[0].lower()
+    if not _FQDN.match(fqdn):
+        raise ProtocolError(f"not a host name: {parts[0]!r}")
+    return ShadowRequest(fqdn, decode_dbid(parts[1]))
+
+
+def format_xshadowrequest(fqdn: str, dbid: str) -> str:
+    return f"XSHADOWREQUEST {fqdn} {encode_dbid(dbid)}"
+
+
+def parse_xshadow(arg: str | None) -> str:
+    """``XSHADOW <b64 fqdn>`` -> the peer's FQDN."""
+    parts = (arg or "").split()
+    if len(parts) != 1:
+        raise ProtocolError("XSHADOW needs <base64 of the sender's FQDN>")
+    return decode_fqdn(parts[0])
+
+
+def parse_xqdiscard(arg: str | None, maximum: int = 1000) -> int:
+    text = (arg or "").strip()
+    if not text.isdigit() or int(text) <= 0:
+        raise ProtocolError("XQDISCARD needs a batch size > 0")
+    return min(int(text), maximum)
+
+
+def format_discard_reply(guids: Sequence[str]) -> list[str]:
+    """The reply lines for XQDISCARD (without CRLF): ``250-<guid>`` ... ``250 <guid>`` or 251."""
+    if not guids:
+        return ["251 OK, no discard events"]
+    return [f"250-{g}" for g in guids[:-1]] + [f"250 {guids[-1]}"]
+
+
+def parse_discard_reply(code: int, lines: Sequence[str]) -> list[str]:
+    """GUIDs from an XQDISCARD reply; ProtocolError on any malformed id (keep every shadow then)."""
+    if code == 251:
+        return []
+    if code != 250:
+        raise ProtocolError(f"XQDISCARD answered {code}")
+    return [parse_guid(line) for line in lines if line.strip()]
+
+
+def split_xshadow_param(arg: str) -> tuple[str, str | None]:
+    """Remove ``XSHADOW=<guid>`` from a MAIL FROM argument; returns (rest, guid or None)."""
+    guid = None
+    kept = []
+    for i, token in enumerate(arg.split(" ")):
+        if i > 0 and token.upper().startswith("XSHADOW="):
+            if guid is not None:
+                raise ProtocolError("XSHADOW= given twice")
+            guid = parse_guid(token.split("=", 1)[1])
+        else:
+            kept.append(token)
+    return " ".join(kept), guid
+
+
+def redundancy_reply(message_id: str, internal_id: int, fqdn: str) -> str:
+    mid = message_id if message_id else "<>"
+    return f"250 2.6.0 {mid} [InternalId={internal_id}, Hostname={fqdn}] Queued mail for redundancy"
+
+
+# ------------------------------------------------------------------------- placement
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    site: str
+    transport: str  # host:port of its transport connector
+
+
+def shadow_attempts(peers: Sequence[Peer], my_site: str, preference: str,
+                    remote_retries: int, local_retries: int, rotate: int = 0) -> list[Peer]:
+    """The ordered list of shadow attempts (a peer may appear several times, as retries).
+
+    PreferRemote: peers in other sites up to ``remote_retries`` attempts, then local-site peers up
+    to ``local_retries``. With one site only the local-site count applies. LocalOnly / RemoteOnly
+    keep to one kind. ``rotate`` spreads load over peers of equal standing.
+    """
+    local = [p for p in peers if p.site == my_site]
+    remote = [p for p in peers if p.site != my_site]
+
+    def cycle(group: list[Peer], n: int) -> list[Peer]:
+        if not group or n <= 0:
+            return []
+        start = rotate % len(group)
+        ordered = group[start:] + group[:start]
+        return [ordered[i % len(ordered)] for i in range(n)]
+
+    if preference == "LocalOnly":
+        return cycle(local, local_retries)
+    if preference == "RemoteOnly":
+        return cycle(remote, remote_retries)
+    return cycle(remote, remote_retries) + cycle(local, local_retries)
+
+
+# ------------------------------------------------------------------------- heartbeat
+
+def failures_to_promote(resubmit_time_span: float, heartbeat_frequency: float) -> int:
+    """``ceil(ShadowResubmitTimeSpan / ShadowHeartbeatFrequency)`` failures in a row, at least 1."""
+    return max(1, math.ceil(resubmit_time_span / heartbeat_frequency))
+
+
+@dataclass(frozen=True)
+class HeartbeatDecision:
+    promote: bool
+    reason: str = ""  # "ShadowHeartbeatFailure" or "ShadowStateChange"
+
+
+def after_heartbeat(*, ok: bool, consecutive_failures: int, recorded_dbid: str | None,
+                    answered_dbid: str | None, resubmit_time_span: float,
+                    heartbeat_frequency: float) -> HeartbeatDecision:
+    """Decide promotion after one heartbeat exchange.
+
+    ``consecutive_failures`` counts failures including this one when ``ok`` is False.
+    """
+    if ok and recorded_dbid and answered_dbid and recorded_dbid != answered_dbid:
+        return HeartbeatDecision(True, "ShadowStateChange")
+    if not ok and consecutive_failures >= failures_to_promote(resubmit_time_span, heartbeat_frequency):
+        return HeartbeatDecision(True, "ShadowHeartbeatFailure")
+    return HeartbeatDecision(False)
