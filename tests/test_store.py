@@ -237,6 +237,26 @@ def test_crash_before_checkpoint_keeps_database_and_id(db_path: Path) -> None:
     assert _corrupt_files(db_path.parent) == []
 
 
+def test_environment_error_is_not_corruption(db_path: Path) -> None:
+    # A healthy database that cannot be written (here: its -shm is a directory, so SQLite
+    # reports "readonly") must not be moved aside and replaced by an empty one.
+    dbid = _populated(db_path)
+    original = db_path.read_bytes()
+    shm = db_path.with_name("queue.db-shm")
+    shm.mkdir()
+    with pytest.raises(StoreError) as info:
+        QueueStore.open(db_path, repair=True)
+    assert not isinstance(info.value, CorruptDatabase)
+    assert "readonly" in str(info.value)
+    assert _corrupt_files(db_path.parent) == [] and db_path.read_bytes() == original
+    shm.rmdir()
+    s = QueueStore.open(db_path, repair=True)
+    try:
+        assert s.queue_database_id == dbid
+    finally:
+        s.close()
+
+
 def test_newer_schema_version_raises_store_error_and_is_not_moved(db_path: Path) -> None:
     dbid = _populated(db_path)
     raw = sqlite3.connect(db_path)
@@ -379,6 +399,21 @@ def test_async_write_through_writer_and_without(db_path: Path) -> None:
     try:
         result = asyncio.run(run())
         assert result == [1, *range(20), "v"]
+    finally:
+        s.close()
+
+
+def test_transaction_is_all_or_nothing(db_path: Path) -> None:
+    s = QueueStore.open(db_path)
+    try:
+        def half(conn):
+            _kv(conn, "half")
+            raise ValueError("boom")
+        with pytest.raises(ValueError):
+            s.transaction(half)
+        assert s.transaction(lambda c: (_kv(c, "whole"), 7)[1]) == 7
+        keys = set(s.read(lambda c: c.execute(select(meta.c.key)).scalars().all()))
+        assert "whole" in keys and "half" not in keys
     finally:
         s.close()
 

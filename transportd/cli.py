@@ -47,13 +47,39 @@ def load_config(config: str | None, data_dir: str | None) -> Config:
                 cfg.node.data_dir = str(Path(data_dir).resolve())
             return cfg
         if data_dir:
-            return config_mod.default_for_data_dir(data_dir)
+            return config_for_data_dir(data_dir)
     except ConfigError as exc:
         raise ConfigCliError(str(exc)) from None
     env = os.environ.get("TRANSPORTD_CONFIG")
     if env:
         return load_config(env, None)
     raise ConfigCliError("give --config FILE or --data-dir DIR (or set TRANSPORTD_CONFIG)")
+
+
+def config_for_data_dir(data_dir: str) -> Config:
+    """For --data-dir alone: the config file the node's daemon last ran with (recorded in the
+    queue database), so routing (NDRs) and the tracking path match the node; else defaults."""
+    cfg = config_mod.default_for_data_dir(data_dir)
+    recorded = None
+    if cfg.db_path.is_file():
+        import sqlite3
+        try:
+            con = sqlite3.connect(f"file:{cfg.db_path}?mode=ro", uri=True, timeout=5)
+            try:
+                row = con.execute("SELECT value FROM meta WHERE key = 'config_path'").fetchone()
+            finally:
+                con.close()
+            recorded = row[0] if row else None
+        except sqlite3.Error:
+            recorded = None
+    if not recorded or not Path(recorded).is_file():
+        return cfg
+    try:
+        node_cfg = config_mod.load(recorded)
+    except ConfigError:
+        return cfg
+    node_cfg.node.data_dir = str(Path(data_dir).resolve())
+    return node_cfg
 
 
 def node_options(fn: Callable) -> Callable:

@@ -44,7 +44,7 @@ def parse_duration(value: Any) -> float:
     if isinstance(value, bool):
         raise ValueError("expected a duration, got a boolean")
     if isinstance(value, (int, float)):
-        seconds = float(value)
+        seconds = float(value) if not isinstance(value, int) or abs(value) < 10**300 else math.inf
     elif isinstance(value, str):
         text = value.strip()
         m = _TIMESPAN_RE.match(text)
@@ -84,7 +84,10 @@ def parse_size(value: Any) -> int:
         unit = (m.group(2) or "b").lower() if m else None
         if not m or unit not in _SIZE_UNITS:
             raise ValueError(f"expected a size like 1048576, '10KB' or '36MB', got {value!r}")
-        size = int(float(m.group(1)) * _SIZE_UNITS[unit])
+        number = float(m.group(1)) * _SIZE_UNITS[unit]
+        if not math.isfinite(number):
+            raise ValueError(f"a size must be a finite number, got {value!r}")
+        size = int(number)
     else:
         raise ValueError(f"expected a size, got {type(value).__name__}")
     if size < 0:
@@ -180,6 +183,12 @@ def _hostport_str(value: Any) -> str:
     return f"{host}:{port}"
 
 
+def _optional_listen(value: Any) -> str:
+    if value == "":
+        return ""
+    return _hostport_str(value)
+
+
 def _credentials(value: Any) -> dict[str, str]:
     if not isinstance(value, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in value.items()
@@ -221,6 +230,14 @@ KEYS: tuple[Key, ...] = (
         "folder for the queue database, mailbox store and tracking logs (relative to the config file)"),
     Key("node", "log_level", "info", _enum("debug", "info", "warning", "error"), "operational log level"),
     Key("node", "log_format", "text", _enum("text", "json"), "operational log lines: readable text or JSON"),
+    # transport receive connector (boundary peers) and cluster membership
+    Key("transport", "listen", "", _optional_listen,
+        "address:port of the transport receive connector for boundary peers; empty = none"),
+    Key("transport", "tls_certificate", "", _str,
+        "PEM certificate for STARTTLS on the transport connector; when set, peers must use TLS"),
+    Key("transport", "tls_key", "", _str, "PEM private key for transport.tls_certificate"),
+    Key("cluster", "secret", "", _str,
+        "the cluster credential: peers authenticate with AUTH PLAIN (user = their FQDN, password = this)"),
     # frontend receive connector
     Key("frontend", "listen", "127.0.0.1:2525", _hostport_str, "address:port of the frontend receive connector"),
     Key("frontend", "max_message_size", 36 * 1024**2, parse_size,
@@ -233,6 +250,8 @@ KEYS: tuple[Key, ...] = (
         "concurrent connections to this connector", "MaxInboundConnection"),
     Key("frontend", "max_inbound_connection_per_source", 20, _int(1),
         "concurrent connections from one IP address", "MaxInboundConnectionPerSource"),
+    Key("frontend", "max_hop_count", 60, _int(1),
+        "Received headers allowed before a message is refused as a loop (554 5.4.14)", "MaxHopCount"),
     Key("frontend", "connection_timeout", 600.0, parse_duration,
         "absolute limit on a session's length", "ConnectionTimeout", DUR),
     Key("frontend", "connection_inactivity_timeout", 300.0, parse_duration,
@@ -384,11 +403,61 @@ def load_dict(raw: dict, source: str = "<config>", base_dir: Path | None = None,
     if not cfg.node.name:
         cfg.node.name = socket.getfqdn() or "localhost"
     cfg.raw = raw
+    cfg.peers = _peers(raw.get("peers", []), source, cfg.node.name)
     _cross_checks(cfg, source)
     return cfg
 
 
+@dataclass(frozen=True)
+class PeerConfig:
+    name: str
+    site: str
+    transport: str  # host:port of the peer's transport connector
+
+
+def _peers(value: Any, source: str, me: str) -> list[PeerConfig]:
+    """``[[peers]]`` tables: name (FQDN), site, transport (host:port)."""
+    if not isinstance(value, list):
+        raise ConfigError(f"{source}: peers: expected [[peers]] tables")
+    out: list[PeerConfig] = []
+    for i, item in enumerate(value):
+        where = f"{source}: peers[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError(f"{where}: expected a table with name, site and transport")
+        unknown = set(item) - {"name", "site", "transport"}
+        if unknown:
+            raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown key")
+        for key in ("name", "site", "transport"):
+            if not isinstance(item.get(key), str) or not item[key].strip():
+                raise ConfigError(f"{where}.{key}: required, a non-empty string")
+        try:
+            host, port = parse_hostport(item["transport"])
+        except ValueError as exc:
+            raise ConfigError(f"{where}.transport: {exc}") from None
+        name = item["name"].strip().lower()
+        if name == me.lower():
+            raise ConfigError(f"{where}.name: {name} is this node itself")
+        if any(p.name == name for p in out):
+            raise ConfigError(f"{where}.name: {name} is listed twice")
+        out.append(PeerConfig(name, item["site"].strip(), f"{host}:{port}"))
+    return out
+
+
 def _cross_checks(cfg: Config, source: str) -> None:
+    if cfg.peers and not cfg.cluster.secret:
+        raise ConfigError(f"{source}: cluster.secret: required when [[peers]] are configured")
+    if cfg.peers and not cfg.transport.listen:
+        raise ConfigError(f"{source}: transport.listen: required when [[peers]] are configured")
+    tr = cfg.transport
+    if bool(tr.tls_certificate) != bool(tr.tls_key):
+        raise ConfigError(f"{source}: transport.tls_key: tls_certificate and tls_key must be set together")
+    for key in ("tls_certificate", "tls_key"):
+        value = getattr(tr, key)
+        if value:
+            p = Path(value) if Path(value).is_absolute() else cfg.base_dir / value
+            if not p.is_file():
+                raise ConfigError(f"{source}: transport.{key}: no such file: {p}")
+            setattr(tr, key, str(p))
     fe = cfg.frontend
     if bool(fe.tls_certificate) != bool(fe.tls_key):
         raise ConfigError(f"{source}: frontend.tls_key: tls_certificate and tls_key must be set together")

@@ -16,6 +16,8 @@ import signal
 import ssl
 import sys
 import time
+import uuid
+from pathlib import Path
 from typing import Any
 
 from aiosmtpd.smtp import Envelope, Session
@@ -28,12 +30,19 @@ from .mailbox import MailboxStore
 from .mailqueue import NewMessage
 from .receive import (ConnectionCounter, FrontendHandler, MessageRejected, new_network_message_id,
                       prepare_message, smtp_factory)
-from .replies import S451_STORE_UNAVAILABLE, S554_NO_VALID_RECIPIENTS
+from .replies import S451_NOT_REDUNDANT, S451_STORE_UNAVAILABLE, S554_HOP_COUNT, S554_NO_VALID_RECIPIENTS
+from .shadow import ShadowManager, record_shadow_job
+from .transport import TransportHandler, TransportSMTP, make_peer_authenticator
 from .routing import bifurcate
-from .store import QueueStore, StoreError
+from .store import QueueStore, StoreError, meta
 from .tracking import TrackingLog
 
 log = logging.getLogger("transportd")
+
+
+def remember_config_path(conn: Any, path: str) -> None:
+    conn.execute(meta.delete().where(meta.c.key == "config_path"))
+    conn.execute(meta.insert().values(key="config_path", value=path))
 
 
 class NullTrackingLog:
@@ -51,6 +60,7 @@ class Node:
         self.tracking: Any = NullTrackingLog()
         self.mailboxes = MailboxStore(cfg.mailbox_dir, cfg.node.name)
         self.delivery: DeliveryAgent | None = None
+        self.shadow: ShadowManager | None = None
         self.servers: list[asyncio.AbstractServer] = []
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
@@ -63,6 +73,9 @@ class Node:
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = QueueStore.open(cfg.db_path, create=True, repair=True, node_name=cfg.node.name)
         self.store.start_writer()
+        if cfg.path is not None:
+            # The CLI run with only --data-dir reads this node's config (routing, tracking path) from here.
+            await self.store.write(lambda c: remember_config_path(c, str(Path(cfg.path).resolve())))
         recovered = await self.store.write(mq.recover_after_restart)
         if recovered:
             log.info("crash recovery: %d recipient(s) left Active are Ready again", recovered)
@@ -85,11 +98,36 @@ class Node:
         server = await loop.create_server(smtp_factory(cfg, handler, counter, tls_context),
                                           host=host.strip("[]"), port=int(port), reuse_address=True)
         self.servers.append(server)
+        self.shadow = ShadowManager(self)
+        if cfg.transport.listen:
+            await self._start_transport(loop)
+        self.shadow.start()
         log.info("transportd %s node %s (site %s) serving frontend on %s; queue database %s (ID %s)",
                  __version__, cfg.node.name, cfg.node.site, cfg.frontend.listen, cfg.db_path,
                  self.store.queue_database_id)
 
+    async def _start_transport(self, loop: asyncio.AbstractEventLoop) -> None:
+        cfg = self.cfg
+        tls_context = None
+        if cfg.transport.tls_certificate:
+            tls_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            tls_context.load_cert_chain(cfg.transport.tls_certificate, cfg.transport.tls_key)
+        counter = ConnectionCounter(cfg.frontend.max_inbound_connection,
+                                    max(cfg.frontend.max_inbound_connection_per_source, 100))
+        handler = TransportHandler(cfg, self.accept, self.shadow)
+        authenticator = make_peer_authenticator({p.name for p in cfg.peers}, cfg.cluster.secret)
+        factory = smtp_factory(cfg, handler, counter, tls_context, smtp_class=TransportSMTP,
+                               authenticator=authenticator, auth_require_tls=tls_context is not None,
+                               require_tls=tls_context is not None)
+        host, _, port = cfg.transport.listen.rpartition(":")
+        server = await loop.create_server(factory, host=host.strip("[]"), port=int(port), reuse_address=True)
+        self.servers.append(server)
+        log.info("transport connector for %d peer(s) on %s%s", len(cfg.peers), cfg.transport.listen,
+                 " (STARTTLS required)" if tls_context else "")
+
     async def stop(self) -> None:
+        if self.shadow is not None:
+            self.shadow.accepting = False
         for s in self.servers:
             s.close()
         for s in self.servers:
@@ -97,6 +135,8 @@ class Node:
                 await asyncio.wait_for(s.wait_closed(), 2)
             except (asyncio.TimeoutError, Exception):  # noqa: BLE001
                 pass
+        if self.shadow is not None:
+            await self.shadow.stop()
         if self.delivery is not None:
             await self.delivery.stop()
         for t in self._tasks:
@@ -125,30 +165,93 @@ class Node:
                                    helo=session.host_name or "", network_message_id=netid, now=now,
                                    connector=connector, tls=session.ssl is not None)
         msg = NewMessage(
-            network_message_id=netid, sender=envelope.mail_from or "", data=prepared.data,
+            network_message_id=netid, data=prepared.data,
+            sender="" if envelope.mail_from in (None, "<>") else envelope.mail_from,
             recipients=bifurcate(envelope.rcpt_tos, cfg), received_at=now,
             expires_at=now + cfg.delivery.message_expiration_timeout,
             message_id=prepared.message_id, submit_time=prepared.submit_time, subject=prepared.subject,
             client_ip=client_ip, client_hostname=session.host_name or "", origin="smtp",
         )
+        hops = prepared.data[:65536].count(b"\nReceived:") + prepared.data[:9].lower().startswith(b"received:")
+        if hops > cfg.frontend.max_hop_count:
+            log.warning("message from %s looped (%d Received headers): refused", client_ip, hops)
+            raise MessageRejected(S554_HOP_COUNT)
+        hop_shadow = getattr(envelope, "xshadow_guid", None) and getattr(session, "xshadow_peer", None)
+        if hop_shadow:
+            # Hop-by-hop (PROTOCOL.md section 3): the sending peer keeps the shadow; we are primary.
+            shadow_plan = [(session.xshadow_peer, envelope.xshadow_guid)]
+            msg.redundancy = "shadowed"
+        elif self.shadow is not None and self.shadow.enabled:
+            shadow_plan = []
+            msg.redundancy = "pending"
+        else:
+            shadow_plan = []
+        guid = str(uuid.uuid4())
+        recipients = list(dict.fromkeys(a for addrs in msg.recipients.values() for a in addrs))
+
+        def commit(conn):
+            mid = mq.enqueue(conn, msg)
+            for node, g in shadow_plan:
+                record_shadow_job(mid, node, g, now)(conn)
+            return mid
+
+        local = asyncio.ensure_future(self.store.write(commit))
+        remote = None
+        if msg.redundancy == "pending":
+            remote = asyncio.ensure_future(self.shadow.make_shadow(msg, guid, recipients))
         try:
-            internal_id = await self.store.write(lambda conn: mq.enqueue(conn, msg))
+            internal_id = await local
         except StoreError as exc:
             log.error("queue database unavailable, answering 451: %s", exc)
+            if remote is not None:
+                remote.add_done_callback(lambda t: None)
             raise MessageRejected(S451_STORE_UNAVAILABLE) from None
+        shadow_result = await remote if remote is not None else None
+        if shadow_result is not None:
+            await self._settle_redundancy(internal_id, msg, shadow_result, guid, now)
         row = {"id": internal_id, "network_message_id": netid, "message_id": prepared.message_id,
                "sender": msg.sender, "subject": prepared.subject, "size": len(msg.data),
                "client_ip": client_ip, "client_hostname": msg.client_hostname}
-        self.track("RECEIVE", "SMTP", row, recipients=list(dict.fromkeys(
-            a for addrs in msg.recipients.values() for a in addrs)),
-            source_context=f"{connector}", connector_id=f"{cfg.node.name}\\{connector}",
-            directionality="Incoming", client_ip=client_ip, client_hostname=msg.client_hostname)
+        self.track("RECEIVE", "SMTP", row, recipients=recipients,
+                   source_context=f"{connector}", connector_id=f"{cfg.node.name}\\{connector}",
+                   directionality="Incoming", client_ip=client_ip, client_hostname=msg.client_hostname)
+        if shadow_result is not None:
+            if shadow_result.peer:
+                self.track("HAREDIRECT", "SMTP", row, recipients=recipients,
+                           source_context=f"{shadow_result.peer}={shadow_result.reply}")
+            else:
+                self.track("HAREDIRECTFAIL", "SMTP", row, recipients=recipients,
+                           source_context=shadow_result.reply)
         log.info("queued message %d (network id %s) from <%s> for %d recipient(s)",
                  internal_id, netid, msg.sender, sum(len(v) for v in msg.recipients.values()),
                  extra={"internal_message_id": internal_id, "network_message_id": netid})
         if self.delivery is not None:
             self.delivery.wake()
         return internal_id
+
+    async def _settle_redundancy(self, internal_id: int, msg: NewMessage, result: Any, guid: str,
+                                 now: float) -> None:
+        """Record where the shadow went; with no shadow, accept unprotected or reject (451 4.4.0)."""
+        from sqlalchemy import delete, update
+        from .store import message_bodies, messages, recipients as recipients_t
+        if result.peer:
+            def ok(conn):
+                record_shadow_job(internal_id, result.peer, guid, now)(conn)
+                conn.execute(update(messages).where(messages.c.id == internal_id).values(redundancy="shadowed"))
+            await self.store.write(ok)
+        elif self.cfg.shadow_redundancy.reject_message_on_shadow_failure:
+            def drop(conn):
+                conn.execute(delete(recipients_t).where(recipients_t.c.message_id == internal_id))
+                conn.execute(delete(message_bodies).where(message_bodies.c.message_id == internal_id))
+                conn.execute(delete(messages).where(messages.c.id == internal_id))
+            await self.store.write(drop)
+            log.warning("no shadow could be made (%s): message refused with 451 4.4.0", result.reply)
+            raise MessageRejected(S451_NOT_REDUNDANT)
+        else:
+            await self.store.write(lambda conn: conn.execute(
+                update(messages).where(messages.c.id == internal_id).values(redundancy="unprotected")))
+        if self.delivery is not None:
+            self.delivery.wake()
 
     # ------------------------------------------------------------------ tracking helpers
 

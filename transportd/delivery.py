@@ -274,7 +274,6 @@ class DeliveryAgent:
                 await self._commit([it], {it.message_id: outs}, now)
                 continue
             outs: list[Outcome] = []
-            remembered: list[str] = []
             for rid, address in zip(it.recipient_ids, it.addresses):
                 async with self._mailbox_locks[address.lower()]:
                     dup = await self.store.aread(lambda c, a=address: mq.already_delivered(
@@ -290,10 +289,10 @@ class DeliveryAgent:
                         outs.append(Outcome(rid, mq.RETRY, f"451 4.3.0 mailbox store error: {exc.strerror}"))
                         continue
                     outs.append(Outcome(rid, mq.DELIVERED, "250 2.0.0 delivered", duplicate=not stored))
-                    remembered.append(address)
-            if remembered:
-                await self.store.write(lambda c, addrs=remembered: [
-                    mq.remember_delivery(c, a, row["message_id"], row["submit_time"], now) for a in addrs])
+                    # Remembered before the mailbox lock is released, so that a copy of the same
+                    # message in a concurrent batch sees this delivery and is dropped as a duplicate.
+                    await self.store.write(lambda c, a=address: mq.remember_delivery(
+                        c, a, row["message_id"], row["submit_time"], now))
             await self._commit([it], {it.message_id: outs}, now)
 
     # -------------------------------------------------------------------- SMTP send connector
@@ -334,6 +333,7 @@ class DeliveryAgent:
                                        for it in batch}, now, queue_error=reply)
             return
         remote = target.host
+        progressed = False  # anything delivered or failed in this session
         try:
             for i, it in enumerate(batch):
                 try:
@@ -344,7 +344,12 @@ class DeliveryAgent:
                     await self._commit(rest, {x.message_id: [Outcome(r, mq.RETRY, reply) for r in x.recipient_ids]
                                               for x in rest}, time.time(), queue_error=reply, remote=remote)
                     return
-                await self._commit([it], {it.message_id: outs}, time.time(), remote=remote)
+                progressed = progressed or any(o.status != mq.RETRY for o in outs)
+                # A session in which the next hop deferred everything puts the queue in Retry,
+                # with the reply as its last error, as a failed connection does.
+                queue_error = outs[-1].reply if outs and not progressed and i == len(batch) - 1 else None
+                await self._commit([it], {it.message_id: outs}, time.time(), queue_error=queue_error,
+                                   remote=remote)
         finally:
             try:
                 await asyncio.wait_for(client.quit(), 5)

@@ -124,7 +124,12 @@ def message_row(conn: Connection, message_id: int) -> dict | None:
 # --------------------------------------------------------------------------- crash recovery
 
 def recover_after_restart(conn: Connection) -> int:
-    """Recipients left Active by a crash become Ready again; returns how many."""
+    """Recipients left Active by a crash become Ready again; returns how many.
+
+    A message whose shadow outcome was never recorded (a crash between the commit and the
+    peer's answer) is delivered: whether its 250 went out is unknown, so it must not be lost.
+    """
+    conn.execute(update(messages).where(messages.c.redundancy == "pending").values(redundancy="unknown"))
     return conn.execute(update(recipients).where(recipients.c.status == ACTIVE)
                         .values(status=READY, next_retry_at=0.0)).rowcount
 
@@ -144,6 +149,7 @@ def due_work(conn: Connection, now: float, limit: int = 500,
         .join(queues, queues.c.id == recipients.c.queue_id)
         .where(recipients.c.status.in_(PENDING), recipients.c.next_retry_at <= now,
                messages.c.suspended == 0, messages.c.state == QUEUED, messages.c.role == "primary",
+               messages.c.redundancy != "pending",
                queues.c.suspended == 0,
                or_(queues.c.next_retry_at.is_(None), queues.c.next_retry_at <= now))
         .order_by(recipients.c.message_id, recipients.c.id)
@@ -232,6 +238,11 @@ def finish_if_done(conn: Connection, message_id: int, now: float, safety_net_hol
     state = conn.execute(select(messages.c.state).where(messages.c.id == message_id)).scalar()
     if state != QUEUED:
         return False
+    # The message is processed: one discard event per shadow context (PROTOCOL.md section 4).
+    for sh in conn.execute(select(message_shadows.c.shadow_node, message_shadows.c.shadow_guid)
+                           .where(message_shadows.c.message_id == message_id)).all():
+        conn.execute(insert(discard_events).values(shadow_node=sh.shadow_node, shadow_guid=sh.shadow_guid,
+                                                   created_at=now))
     if safety_net_hold > 0:
         conn.execute(update(messages).where(messages.c.id == message_id).values(
             state=SAFETY_NET, completed_at=now, safety_net_until=now + safety_net_hold))

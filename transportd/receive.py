@@ -114,13 +114,14 @@ class LimitedSMTP(SMTP):
         # The StreamReader's limit is set from line_length_limit inside SMTP.__init__.
         self.line_length_limit = max_line_length + 2
         super().__init__(handler, **kwargs)
-        self.command_size_limit = max(512, min(self.line_length_limit, 4096))
+        self.command_size_limit = max(512, min(max_line_length, 4096))
         self.command_size_limits = _CommandLimits(self.command_size_limit)
         self._counter = counter
         self._connection_timeout = connection_timeout
         self._refusal: str | None = None
         self._counted_ip: str | None = None
         self._absolute_handle: asyncio.TimerHandle | None = None
+        self._plain_250 = False  # HELO/EHLO replies carry no enhanced status code (RFC 2034)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         first = self.transport is None
@@ -170,8 +171,38 @@ class LimitedSMTP(SMTP):
         self._say_and_close(replies.S421_TIMEOUT.format(host=self.hostname))
         self.transport.close()
 
+    def data_received(self, data: bytes) -> None:
+        # Any bytes from the client are activity, DATA lines included (aiosmtpd counts commands only).
+        if self.transport is not None and self._timeout_handle is not None:
+            self._reset_timeout()
+        super().data_received(data)
+
+    async def smtp_HELO(self, hostname: str) -> None:
+        self._plain_250 = True
+        try:
+            await super().smtp_HELO(hostname)
+        finally:
+            self._plain_250 = False
+
+    async def smtp_EHLO(self, hostname: str) -> None:
+        self._plain_250 = True
+        try:
+            await super().smtp_EHLO(hostname)
+        finally:
+            self._plain_250 = False
+
+    # The shadow redundancy verbs exist only on the transport connector (PROTOCOL.md section 1).
+    async def smtp_XSHADOWREQUEST(self, arg: str | None) -> None:
+        await self.push(replies.S502_NOT_IMPLEMENTED)
+
+    async def smtp_XSHADOW(self, arg: str | None) -> None:
+        await self.push(replies.S502_NOT_IMPLEMENTED)
+
+    async def smtp_XQDISCARD(self, arg: str | None) -> None:
+        await self.push(replies.S502_NOT_IMPLEMENTED)
+
     async def push(self, status: Any) -> None:
-        if isinstance(status, str):
+        if isinstance(status, str) and not (self._plain_250 and status.startswith("250")):
             status = replies.translate(status)
         await super().push(status)
 
@@ -210,7 +241,9 @@ class FrontendHandler:
 
     async def handle_MAIL(self, server: SMTP, session: Session, envelope: Envelope, address: str,
                           mail_options: list[str]) -> str:
-        if address and not valid_address(address):
+        # aiosmtpd hands the null sender over as "<>" (and needs a non-empty mail_from for RCPT):
+        # keep it as "<>" in the envelope; the accept path stores it as "".
+        if address and address != "<>" and not valid_address(address):
             return replies.S501_BAD_SENDER
         envelope.mail_from = address
         envelope.mail_options.extend(mail_options)
@@ -282,22 +315,27 @@ def new_network_message_id() -> str:
 
 
 def smtp_factory(cfg: Any, handler: FrontendHandler, counter: ConnectionCounter,
-                 tls_context: Any = None) -> Callable[[], LimitedSMTP]:
+                 tls_context: Any = None, *, smtp_class: type = None, authenticator: Any = None,
+                 auth_require_tls: bool = True, require_tls: bool | None = None) -> Callable[[], LimitedSMTP]:
     fe = cfg.frontend
     auth_kwargs: dict[str, Any] = {}
-    if fe.auth_users:
-        auth_kwargs = dict(authenticator=make_authenticator(fe.auth_users), auth_require_tls=True,
+    if authenticator is None and fe.auth_users and smtp_class is None:
+        authenticator = make_authenticator(fe.auth_users)
+    if authenticator is not None:
+        auth_kwargs = dict(authenticator=authenticator, auth_require_tls=auth_require_tls,
                            auth_exclude_mechanism=["CRAM-MD5"])
     else:
         auth_kwargs = dict(auth_require_tls=True)
+    cls = smtp_class or LimitedSMTP
+    starttls_required = fe.require_tls if require_tls is None else require_tls
 
     def factory() -> LimitedSMTP:
-        return LimitedSMTP(
+        return cls(
             handler, counter=counter, connection_timeout=fe.connection_timeout,
             max_line_length=fe.max_line_length,
             hostname=cfg.node.name, ident="ESMTP transportd", data_size_limit=fe.max_message_size,
             enable_SMTPUTF8=True, decode_data=False, timeout=fe.connection_inactivity_timeout,
-            tls_context=tls_context, require_starttls=fe.require_tls,
+            tls_context=tls_context, require_starttls=starttls_required,
             command_call_limit={"*": 1_000_000, "EHLO": 20, "HELO": 20, "NOOP": 100, "VRFY": 20,
                                 "EXPN": 20, "HELP": 20, "STARTTLS": 3, "AUTH": 10, "RSET": 10_000},
             **auth_kwargs,

@@ -22,6 +22,8 @@ S421_TOO_MANY_FROM_SOURCE = "421 4.7.0 Too many connections from your address, t
 S421_TIMEOUT = "421 4.4.2 {host} Connection timed out"
 S421_SHUTTING_DOWN = "421 4.3.2 Service shutting down"
 S451_INTERNAL = "451 4.3.0 Internal error, message not accepted; try again later"
+S451_NOT_REDUNDANT = "451 4.4.0 Message failed to be made redundant"
+S554_HOP_COUNT = "554 5.4.14 Hop count exceeded - possible mail loop"
 S451_STORE_UNAVAILABLE = "451 4.3.0 Queue database unavailable; try again later"
 S452_TOO_MANY_RECIPIENTS = "452 4.5.3 Too many recipients"
 S500_LINE_TOO_LONG = "500 5.5.2 Line too long (RFC 5321 4.5.3.1.6)"
@@ -53,7 +55,7 @@ _AIOSMTPD = {
 _UNRECOGNIZED = re.compile(r'^500 Error: command "(.*)" not recognized$')
 _HAS_ENHANCED = re.compile(r"^\d{3}[ -][245]\.\d{1,3}\.\d{1,3}(\s|$)")
 _DEFAULT_DETAIL = {"2": "2.0.0", "4": "4.0.0", "5": "5.5.0"}
-_SYNTAX_DETAIL = {"500": "5.5.2", "501": "5.5.4", "502": "5.5.1", "503": "5.5.1", "504": "5.5.4"}
+_SYNTAX_DETAIL = {"500": "5.5.2", "501": "5.5.4", "502": "5.5.1", "503": "5.5.1", "504": "5.5.4", "555": "5.5.4"}
 
 
 def translate(reply: str) -> str:
@@ -62,7 +64,8 @@ def translate(reply: str) -> str:
         return _AIOSMTPD[reply]
     m = _UNRECOGNIZED.match(reply)
     if m:
-        return S500_UNRECOGNIZED.format(command=m.group(1)[:40])
+        # The client's bytes are echoed: no CR, NUL or other control character may reach the wire.
+        return S500_UNRECOGNIZED.format(command=re.sub(r"[^\x20-\x7e]", "?", m.group(1)[:40]))
     return enhance(reply)
 
 

@@ -95,6 +95,8 @@ def valid_address(address: str) -> bool:
     """A forward-path we can route: local@domain, no quoting games, at most 254 octets."""
     if not address or len(address.encode("utf-8", "surrogateescape")) > 254:
         return False
+    if re.search(r"[\ud800-\udfff]", address):  # undecodable bytes (surrogateescape): not UTF-8
+        return False
     local, at, domain = address.rpartition("@")
     if not at or not local or not domain or len(local) > 64:
         return False

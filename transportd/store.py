@@ -176,6 +176,14 @@ class CorruptDatabase(StoreError):
     """The file is not a usable queue database."""
 
 
+# SQLite primary result codes that describe the environment, not the file's content.
+_ENVIRONMENT_ERRORS = frozenset({
+    sqlite3.SQLITE_PERM, sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_NOMEM,
+    sqlite3.SQLITE_READONLY, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_FULL, sqlite3.SQLITE_CANTOPEN,
+    sqlite3.SQLITE_PROTOCOL,
+})
+
+
 def _make_engine(path: Path, immediate: bool) -> Engine:
     engine = create_engine(
         f"sqlite:///{path}",
@@ -286,6 +294,11 @@ class QueueStore:
     @classmethod
     def _open(cls, p: Path, *, create: bool, node_name: str) -> "QueueStore":
         existed = p.exists() and p.stat().st_size > 0
+        if existed:
+            with open(p, "rb") as f:
+                header = f.read(16)
+            if header != b"SQLite format 3\x00":
+                raise CorruptDatabase("is not an SQLite database (bad file header)")
         if existed and _is_foreign_database(p):
             # Checked read-only first: our connections switch the file to WAL, which would
             # change another program's database before we refuse (or move aside) it.
@@ -330,6 +343,10 @@ class QueueStore:
             orig = getattr(exc, "orig", exc)
             if isinstance(exc, OperationalError) and "locked" in str(orig):
                 raise StoreError(f"{p} is locked by another process") from None
+            if ((getattr(orig, "sqlite_errorcode", 0) or 0) & 0xFF) in _ENVIRONMENT_ERRORS:
+                # Read-only, I/O error, disk full, cannot open...: the file may be fine; never
+                # move a healthy queue aside (and start empty) because of the environment.
+                raise StoreError(f"{p} cannot be used ({orig})") from None
             raise CorruptDatabase(f"cannot be opened ({orig})") from None
         except CorruptDatabase:
             write_engine.dispose()

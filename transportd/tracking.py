@@ -138,6 +138,11 @@ def _join_list(values: Sequence[str]) -> str:
     return ";".join(values)
 
 
+def _exclusive(path: str, flags: int) -> int:
+    """Opener for a new file in append mode that fails if the file exists (like "xb")."""
+    return os.open(path, flags | os.O_EXCL, 0o666)
+
+
 class TrackingLog:
     """The message tracking log writer of one node (thread-safe; one instance per directory).
 
@@ -320,7 +325,9 @@ class TrackingLog:
         self._open_new(now, highest + 1)
 
     def _append_existing(self, path: Path, day: date, number: int, now: datetime) -> None:
-        file = open(path, "r+b")  # noqa: SIM115 (kept open across writes)
+        # Append mode (O_APPEND): the CLI (message remove) writes to the file the daemon has
+        # open; every row must land at the current end, never over another process's row.
+        file = open(path, "a+b")  # noqa: SIM115 (kept open across writes)
         self._file, self._path, self._day, self._number = file, path, day, number
         size = file.seek(0, os.SEEK_END)
         if size == 0:
@@ -343,7 +350,7 @@ class TrackingLog:
         while True:
             path = self._path_for(day, number)
             try:
-                file = open(path, "xb")  # noqa: SIM115 (kept open across writes)
+                file = open(path, "ab", opener=_exclusive)  # noqa: SIM115 (kept open across writes)
             except FileExistsError:
                 number += 1
                 continue

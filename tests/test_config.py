@@ -1,0 +1,323 @@
+"""Configuration: duration/size/host:port parsing, the key registry, validation, the shipped file."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+import pytest
+
+from transportd import config as cfgmod
+from transportd.config import (
+    KEYS, ConfigError, format_duration, format_size, format_value, load, load_dict, parse_duration,
+    parse_hostport, parse_size,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------- parse_duration
+
+@pytest.mark.parametrize("value, seconds", [
+    (0, 0.0), (30, 30.0), (0.5, 0.5), (2.25, 2.25),
+    ("90", 90.0), ("0.5", 0.5), ("90s", 90.0), ("5m", 300.0), ("2h", 7200.0), ("2d", 172800.0),
+    ("1w", 604800.0), ("250ms", 0.25), ("1h30m", 5400.0), ("1h 30m", 5400.0), ("1d2h3m4s", 93784.0),
+    ("1.5h", 5400.0), ("5M", 300.0), (" 5m ", 300.0),
+    ("02:00:00", 7200.0), ("00:05:30", 330.0), ("2.00:00:00", 172800.0), ("1.02:03:04", 93784.0),
+    ("00:00:01.5", 1.5),
+])
+def test_parse_duration_accepts(value, seconds) -> None:
+    assert parse_duration(value) == pytest.approx(seconds)
+    assert isinstance(parse_duration(value), float)
+
+
+@pytest.mark.parametrize("value", [
+    "", " ", "abc", "5x", "m5", "5m3", "1h30", "h", "-5", "-5m", "nan", "inf", "1:2", "02:00",
+    "5 minutes", "1h,30m", True, False, None, [5], {"s": 5}, -1, float("nan"), float("inf"),
+    pytest.param(10 ** 400, id="huge-int"),
+])
+def test_parse_duration_rejects_with_value_error(value) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(value)
+
+
+@pytest.mark.parametrize("seconds", [1, 59, 60, 90, 3600, 5400, 86400, 172800, 0.5])
+def test_format_duration_round_trips(seconds) -> None:
+    assert parse_duration(format_duration(seconds)) == seconds
+
+
+# --------------------------------------------------------------------------- parse_size
+
+@pytest.mark.parametrize("value, size", [
+    (0, 0), (1048576, 1048576), ("100", 100), ("100B", 100), ("10KB", 10240), ("10kb", 10240),
+    ("36MB", 36 * 1024 ** 2), ("1GiB", 1024 ** 3), ("1 MiB", 1024 ** 2), ("1.5KB", 1536),
+])
+def test_parse_size_accepts(value, size) -> None:
+    assert parse_size(value) == size
+
+
+@pytest.mark.parametrize("value", [
+    "", "abc", "10XB", "KB", "-1", "-1KB", "1e3", -1, 1.5, True, None, [1],
+    pytest.param("9" * 400 + "GB", id="huge-string"),
+])
+def test_parse_size_rejects_with_value_error(value) -> None:
+    with pytest.raises(ValueError):
+        parse_size(value)
+
+
+@pytest.mark.parametrize("size", [1, 1000, 1024, 10240, 36 * 1024 ** 2, 1024 ** 3])
+def test_format_size_round_trips(size) -> None:
+    assert parse_size(format_size(size)) == size
+
+
+# --------------------------------------------------------------------------- parse_hostport
+
+@pytest.mark.parametrize("value, expected", [
+    ("127.0.0.1:2525", ("127.0.0.1", 2525)), (" mail.example.test:25 ", ("mail.example.test", 25)),
+    ("[::1]:2525", ("::1", 2525)), ("localhost:65535", ("localhost", 65535)), ("h:1", ("h", 1)),
+])
+def test_parse_hostport_accepts(value, expected) -> None:
+    assert parse_hostport(value) == expected
+
+
+def test_parse_hostport_default_port() -> None:
+    assert parse_hostport("smtp.example.test", default_port=25) == ("smtp.example.test", 25)
+    assert parse_hostport("[::1]", default_port=587) == ("::1", 587)
+    with pytest.raises(ValueError, match="with a port"):
+        parse_hostport("smtp.example.test")
+
+
+@pytest.mark.parametrize("value", [
+    "", "   ", "host:0", "host:65536", "host:abc", "::1:25", "a b:25", "host:25:26", ":25", 2525, None,
+])
+def test_parse_hostport_rejects(value) -> None:
+    with pytest.raises(ValueError):
+        parse_hostport(value)
+
+
+# --------------------------------------------------------------------------- registry
+
+@pytest.mark.parametrize("key", KEYS, ids=lambda k: k.dotted)
+def test_every_key_has_a_default_that_parses(key) -> None:
+    assert key.meaning
+    parsed = key.parse(key.default)
+    if key.kind == cfgmod.DUR:
+        assert isinstance(parsed, float) and parsed >= 0
+        assert key.parse(format_value(key, parsed)) == parsed
+    if key.kind == cfgmod.SIZE:
+        assert isinstance(parsed, int) and parsed > 0
+        assert key.parse(format_value(key, parsed)) == parsed
+
+
+def test_keys_are_unique_and_defaults_are_effective(tmp_path: Path) -> None:
+    dotted = [k.dotted for k in KEYS]
+    assert len(dotted) == len(set(dotted))
+    cfg = load_dict({}, base_dir=tmp_path)
+    for key, value in cfg.effective():
+        expected = key.parse(key.default) if key.default != "" else key.default
+        if key.dotted == "node.name":
+            assert value  # filled from the host name
+        else:
+            assert value == expected, key.dotted
+    assert cfg.frontend.max_message_size == 36 * 1024 ** 2
+    assert cfg.delivery.message_expiration_timeout == 2 * 86400
+    assert cfg.mailbox.duplicate_detection_window == 3600
+    assert cfg.data_dir == tmp_path / "data"
+    assert cfg.db_path == tmp_path / "data" / "queue.db"
+    assert cfg.tracking_dir == tmp_path / "data" / "msgtrk"
+    assert cfg.mailbox_dir == tmp_path / "data" / "mailboxes"
+
+
+def test_defaults_are_not_shared_between_configs() -> None:
+    a = load_dict({})
+    b = load_dict({})
+    a.routing.accepted_domains.append("x.test")
+    a.frontend.auth_users["u"] = "p"
+    assert b.routing.accepted_domains == [] and b.frontend.auth_users == {}
+    assert load_dict({}).routing.accepted_domains == []
+
+
+# --------------------------------------------------------------------------- load_dict errors
+
+@pytest.mark.parametrize("raw, where", [
+    ({"frontend": {"max_recipients_per_message": "many"}}, "frontend.max_recipients_per_message: expected an integer"),
+    ({"frontend": {"max_recipients_per_message": 0}}, "frontend.max_recipients_per_message: must be >= 1"),
+    ({"frontend": {"max_recipients_per_message": True}}, "frontend.max_recipients_per_message:"),
+    ({"frontend": {"require_tls": "yes"}}, "frontend.require_tls: expected true or false"),
+    ({"frontend": {"listen": "127.0.0.1"}}, "frontend.listen:"),
+    ({"frontend": {"max_message_size": "big"}}, "frontend.max_message_size:"),
+    ({"frontend": {"connection_timeout": "soon"}}, "frontend.connection_timeout:"),
+    ({"frontend": {"connection_timeout": 0}}, "frontend.connection_timeout: timeouts must be > 0"),
+    ({"frontend": {"auth_users": {"u": 5}}}, "frontend.auth_users:"),
+    ({"node": {"name": 5}}, "node.name: expected a string"),
+    ({"node": {"log_level": "loud"}}, "node.log_level: expected one of debug, info, warning, error"),
+    ({"node": {"log_format": "xml"}}, "node.log_format:"),
+    ({"node": {"bogus": 1}}, "node.bogus: unknown key"),
+    ({"frontend": {"max_message_sise": 1}}, "frontend.max_message_sise: unknown key"),
+    ({"bogus": {"x": 1}}, "unknown section [bogus]"),
+    ({"node": "x"}, "[node] must be a table"),
+    ({"routing": {"trusted_networks": ["10.0.0.0/33"]}}, "routing.trusted_networks: not an IP network: '10.0.0.0/33'"),
+    ({"routing": {"trusted_networks": ["not-a-net"]}}, "routing.trusted_networks:"),
+    ({"routing": {"trusted_networks": "127.0.0.1/32"}}, "routing.trusted_networks: expected a list of strings"),
+    ({"routing": {"accepted_domains": ["exa mple.test"]}}, "routing.accepted_domains: not a domain name"),
+    ({"routing": {"accepted_domains": ["ex*ample.test"]}}, "routing.accepted_domains:"),
+    ({"routing": {"smart_host": "h:0"}}, "routing.smart_host:"),
+    ({"delivery": {"transient_failure_retry_count": -1}}, "delivery.transient_failure_retry_count: must be >= 0"),
+    ({"delivery": {"queue_poll_interval": 0}}, "delivery.queue_poll_interval: must be > 0"),
+    ({"delivery": {"message_expiration_timeout": 10 ** 400}}, "delivery.message_expiration_timeout:"),
+    ({"shadow_redundancy": {"shadow_message_preference_setting": "Anywhere"}},
+     "shadow_redundancy.shadow_message_preference_setting: expected one of PreferRemote"),
+    ({"shadow_redundancy": {"shadow_heartbeat_frequency": 0}}, "shadow_redundancy.shadow_heartbeat_frequency:"),
+    ({"tracking": {"message_tracking_log_max_file_size": "9" * 400 + "GB"}},
+     "tracking.message_tracking_log_max_file_size:"),
+])
+def test_load_dict_errors_name_the_key(raw, where) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_dict(raw, source="node.toml")
+    msg = str(info.value)
+    assert msg.startswith("node.toml: ")
+    assert where in msg
+    assert "\n" not in msg
+
+
+def test_enum_is_case_insensitive_and_canonical() -> None:
+    cfg = load_dict({"node": {"log_level": "DEBUG"},
+                     "shadow_redundancy": {"shadow_message_preference_setting": "localonly"}})
+    assert cfg.node.log_level == "debug"
+    assert cfg.shadow_redundancy.shadow_message_preference_setting == "LocalOnly"
+
+
+def test_values_are_normalised() -> None:
+    cfg = load_dict({
+        "routing": {"accepted_domains": ["Example.TEST.", "*.Sub.Example.test"],
+                    "trusted_networks": ["10.1.2.3/8", "::1/128"], "smart_host": "relay.test"},
+        "frontend": {"listen": "[::1]:2525", "max_message_size": "10MB"},
+        "delivery": {"message_expiration_timeout": "1.00:00:00"},
+    })
+    assert cfg.routing.accepted_domains == ["example.test", "*.sub.example.test"]
+    assert cfg.routing.trusted_networks == [ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("::1/128")]
+    assert cfg.routing.smart_host == "relay.test:25"
+    assert cfg.frontend.listen == "::1:2525"
+    assert cfg.frontend.max_message_size == 10 * 1024 ** 2
+    assert cfg.delivery.message_expiration_timeout == 86400.0
+
+
+def test_peers_are_parsed_and_checked() -> None:
+    raw = {"node": {"name": "node1.t"}, "transport": {"listen": "127.0.0.11:2526"}, "cluster": {"secret": "s"},
+           "peers": [{"name": "Node2.T", "site": "site-b", "transport": "127.0.0.12:2526"}]}
+    cfg = load_dict(raw)
+    assert [(p.name, p.site, p.transport) for p in cfg.peers] == [("node2.t", "site-b", "127.0.0.12:2526")]
+    with pytest.raises(ConfigError, match=r"peers: expected \[\[peers\]\] tables"):
+        load_dict({"peers": {"node2": "127.0.0.1:2526"}})
+    with pytest.raises(ConfigError, match=r"cluster.secret"):
+        load_dict({**raw, "cluster": {}})
+    with pytest.raises(ConfigError, match=r"peers\[0\].site"):
+        load_dict({**raw, "peers": [{"name": "n2.t", "transport": "127.0.0.1:1"}]})
+    with pytest.raises(ConfigError, match=r"is this node itself"):
+        load_dict({**raw, "peers": [{"name": "node1.t", "site": "a", "transport": "127.0.0.1:1"}]})
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("1h", 3600.0), ("49d", 49 * 86400.0), ("49.00:00:00", 49 * 86400.0),
+    ("50d", 86400.0), (49 * 86400 + 1, 86400.0), ("365d", 86400.0), (0, 0.0),
+])
+def test_duplicate_detection_window_over_49_days_falls_back_to_a_day(value, expected) -> None:
+    cfg = load_dict({"mailbox": {"duplicate_detection_window": value}})
+    assert cfg.mailbox.duplicate_detection_window == expected
+
+
+# --------------------------------------------------------------------------- TLS cross-checks
+
+def test_tls_certificate_without_key(tmp_path: Path) -> None:
+    cert = tmp_path / "cert.pem"
+    cert.write_text("x")
+    with pytest.raises(ConfigError, match=r"frontend\.tls_key: tls_certificate and tls_key must be set together"):
+        load_dict({"frontend": {"tls_certificate": str(cert)}}, base_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"frontend\.tls_key:"):
+        load_dict({"frontend": {"tls_key": str(cert)}}, base_dir=tmp_path)
+
+
+def test_tls_files_resolve_against_the_config_folder(tmp_path: Path) -> None:
+    (tmp_path / "cert.pem").write_text("c")
+    (tmp_path / "key.pem").write_text("k")
+    cfg = load_dict({"frontend": {"tls_certificate": "cert.pem", "tls_key": "key.pem", "require_tls": True}},
+                    base_dir=tmp_path)
+    assert cfg.frontend.tls_certificate == str(tmp_path / "cert.pem")
+    assert cfg.frontend.tls_key == str(tmp_path / "key.pem")
+    with pytest.raises(ConfigError, match=r"frontend\.tls_key: no such file"):
+        load_dict({"frontend": {"tls_certificate": "cert.pem", "tls_key": "missing.pem"}}, base_dir=tmp_path)
+
+
+def test_require_tls_and_auth_need_a_certificate() -> None:
+    with pytest.raises(ConfigError, match=r"frontend\.require_tls:"):
+        load_dict({"frontend": {"require_tls": True}})
+    with pytest.raises(ConfigError, match=r"frontend\.auth_users:"):
+        load_dict({"frontend": {"auth_users": {"u": "p"}}})
+
+
+# --------------------------------------------------------------------------- files
+
+def test_relative_data_dir_resolves_against_the_config_folder(tmp_path: Path, monkeypatch) -> None:
+    conf_dir = tmp_path / "etc"
+    conf_dir.mkdir()
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    (conf_dir / "node.toml").write_text(
+        '[node]\ndata_dir = "../var/data"\n[tracking]\nmessage_tracking_log_path = "logs/trk"\n')
+    monkeypatch.chdir(elsewhere)
+    cfg = load(Path("..") / "etc" / "node.toml")
+    assert cfg.data_dir.resolve() == (tmp_path / "var" / "data").resolve()
+    assert cfg.db_path.resolve() == (tmp_path / "var" / "data" / "queue.db").resolve()
+    assert cfg.tracking_dir.resolve() == (conf_dir / "logs" / "trk").resolve()
+    assert cfg.path == Path("..") / "etc" / "node.toml"
+
+
+def test_absolute_data_dir_is_kept(tmp_path: Path) -> None:
+    target = tmp_path / "abs"
+    (tmp_path / "n.toml").write_text(f'[node]\ndata_dir = "{target}"\n')
+    assert load(tmp_path / "n.toml").data_dir == target
+
+
+def test_load_file_errors_are_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        load(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[node\nname = 1\n")
+    with pytest.raises(ConfigError, match="TOML syntax error"):
+        load(bad)
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b'[node]\nname = "caf\xe9"\n')
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load(latin)
+    typed = tmp_path / "typed.toml"
+    typed.write_text('[frontend]\nmax_message_size = "huge"\n')
+    with pytest.raises(ConfigError) as info:
+        load(typed)
+    assert str(info.value).startswith(f"{typed}: frontend.max_message_size:")
+
+
+def test_shipped_single_node_config_loads() -> None:
+    path = REPO / "config" / "single-node.toml"
+    cfg = load(path)
+    assert cfg.frontend.listen == "127.0.0.1:2525"
+    assert parse_hostport(cfg.frontend.listen) == ("127.0.0.1", 2525)
+    assert cfg.routing.accepted_domains == ["example.test"]
+    assert cfg.routing.smart_host == "127.0.0.1:2500"
+    assert cfg.routing.trusted_networks == [ipaddress.ip_network("127.0.0.1/32")]
+    assert cfg.node.name == "node1.transportd.test"
+    assert cfg.shadow_redundancy.shadow_redundancy_enabled is False
+    assert cfg.data_dir.resolve() == (REPO / "data" / "single-node").resolve()
+    assert cfg.frontend.max_message_size == 36 * 1024 ** 2
+    assert cfg.delivery.transient_failure_retry_interval == 300.0
+
+
+def test_default_for_data_dir(tmp_path: Path) -> None:
+    cfg = cfgmod.default_for_data_dir(tmp_path / "d")
+    assert cfg.data_dir == (tmp_path / "d").resolve()
+    assert cfg.db_path == (tmp_path / "d").resolve() / "queue.db"
+
+
+def test_format_value_hides_passwords() -> None:
+    key = next(k for k in KEYS if k.dotted == "frontend.auth_users")
+    assert "secret" not in format_value(key, {"user": "secret"})
+    assert format_value(next(k for k in KEYS if k.dotted == "frontend.require_tls"), False) == "false"

@@ -1,0 +1,449 @@
+"""Queue operations on a real (temporary) queue database with a pinned clock, and the mailbox store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select, update
+
+from transportd import mailqueue as mq
+from transportd.mailbox import MailboxStore, mailbox_name
+from transportd.routing import DNS, MAILBOX, SMART_HOST, NextHop
+from transportd.store import QueueStore, delivered_to, message_bodies, messages, queues, recipients
+
+T0 = 1_700_000_000.0
+LOCAL = NextHop("mailbox:local", MAILBOX, "local")
+SMART = NextHop("smarthost:127.0.0.1:2500", SMART_HOST, "127.0.0.1:2500")
+DNSHOP = NextHop("dns:remote.test", DNS, "remote.test")
+RETRY_KW = dict(retry_interval=300.0, retry_count=3, long_interval=600.0)
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = QueueStore.open(tmp_path / "queue.db")
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def tx(store, fn):
+    return store.transaction(fn)
+
+
+def new(recips=None, *, nid="net-1", data=b"Subject: t\r\n\r\nbody\r\n", received=T0, expires=None, **kw):
+    return mq.NewMessage(network_message_id=nid, sender="s@sender.test", data=data,
+                         recipients=recips if recips is not None else {LOCAL: ["a@example.test"]},
+                         received_at=received, expires_at=expires if expires is not None else received + 86400,
+                         **kw)
+
+
+def rows(store, table, *where):
+    return store.read(lambda c: [dict(r) for r in c.execute(select(table).where(*where)).mappings()])
+
+
+def rcpt_ids(store, mid):
+    return [r["id"] for r in rows(store, recipients, recipients.c.message_id == mid)]
+
+
+def enqueue(store, *a, **kw) -> int:
+    msg = new(*a, **kw)
+    return tx(store, lambda c: mq.enqueue(c, msg))
+
+
+# --------------------------------------------------------------------------- enqueue
+
+def test_enqueue_creates_message_body_and_a_row_per_recipient_and_hop(store) -> None:
+    data = b"Subject: bifurcated\r\n\r\n" + bytes(range(256))
+    mid = enqueue(store, {LOCAL: ["a@example.test", "b@example.test"], SMART: ["x@remote.test"]},
+                  data=data, message_id="<m1@s>", submit_time="Mon", subject="bifurcated",
+                  client_ip="127.0.0.1")
+    m = rows(store, messages, messages.c.id == mid)[0]
+    assert (m["network_message_id"], m["state"], m["role"], m["size"], m["message_id"], m["subject"]) == \
+        ("net-1", "Queued", "primary", len(data), "<m1@s>", "bifurcated")
+    assert m["received_at"] == T0 and m["expires_at"] == T0 + 86400
+    assert store.read(lambda c: mq.body(c, mid)) == data
+    qs = {q["identity"]: q for q in rows(store, queues)}
+    assert set(qs) == {"mailbox:local", "smarthost:127.0.0.1:2500"}
+    assert qs["mailbox:local"]["delivery_type"] == MAILBOX and qs["mailbox:local"]["next_hop"] == "local"
+    rc = rows(store, recipients, recipients.c.message_id == mid)
+    assert sorted((r["address"], r["queue_id"]) for r in rc) == sorted([
+        ("a@example.test", qs["mailbox:local"]["id"]), ("b@example.test", qs["mailbox:local"]["id"]),
+        ("x@remote.test", qs["smarthost:127.0.0.1:2500"]["id"])])
+    assert all(r["status"] == "Ready" and r["attempts"] == 0 and r["next_retry_at"] == 0.0 for r in rc)
+
+
+def test_queues_are_reused_across_messages(store) -> None:
+    enqueue(store, {LOCAL: ["a@example.test"]}, nid="n1")
+    enqueue(store, {LOCAL: ["b@example.test"], DNSHOP: ["r@remote.test"]}, nid="n2")
+    assert sorted(q["identity"] for q in rows(store, queues)) == ["dns:remote.test", "mailbox:local"]
+    assert store.read(lambda c: mq.resolve_queue(c, "mailbox:local"))["delivery_type"] == MAILBOX
+    qid = store.read(lambda c: mq.resolve_queue(c, "dns:remote.test"))["id"]
+    assert store.read(lambda c: mq.resolve_queue(c, str(qid)))["identity"] == "dns:remote.test"
+    assert store.read(lambda c: mq.resolve_queue(c, "nope")) is None
+
+
+# --------------------------------------------------------------------------- due work
+
+def test_due_work_groups_per_queue_and_message(store) -> None:
+    m1 = enqueue(store, {LOCAL: ["a@example.test", "b@example.test"], SMART: ["x@remote.test"]}, nid="n1")
+    m2 = enqueue(store, {LOCAL: ["c@example.test"]}, nid="n2")
+    work = store.read(lambda c: mq.due_work(c, T0))
+    summary = [(w.queue_identity, w.message_id, w.addresses) for w in work]
+    assert sorted(summary) == sorted([
+        ("mailbox:local", m1, ["a@example.test", "b@example.test"]),
+        ("smarthost:127.0.0.1:2500", m1, ["x@remote.test"]),
+        ("mailbox:local", m2, ["c@example.test"]),
+    ])
+    smart = next(w for w in work if w.queue_identity.startswith("smarthost"))
+    assert (smart.delivery_type, smart.next_hop) == (SMART_HOST, "127.0.0.1:2500")
+    excluded = store.read(lambda c: mq.due_work(c, T0, exclude=rcpt_ids(store, m1)))
+    assert [w.message_id for w in excluded] == [m2]
+    assert len(store.read(lambda c: mq.due_work(c, T0, limit=1))) == 1
+
+
+def test_due_work_respects_next_retry_at(store) -> None:
+    mid = enqueue(store)
+    rid = rcpt_ids(store, mid)[0]
+    tx(store, lambda c: c.execute(update(recipients).where(recipients.c.id == rid)
+                                  .values(status="Retry", next_retry_at=T0 + 300)))
+    assert store.read(lambda c: mq.due_work(c, T0 + 299.9)) == []
+    assert [w.recipient_ids for w in store.read(lambda c: mq.due_work(c, T0 + 300))] == [[rid]]
+
+
+def test_due_work_respects_queue_back_off(store) -> None:
+    mid = enqueue(store)
+    qid = rows(store, recipients, recipients.c.message_id == mid)[0]["queue_id"]
+    nxt = tx(store, lambda c: mq.queue_attempt_result(c, qid, T0, error="connection refused", **RETRY_KW))
+    assert nxt == T0 + 300
+    q = rows(store, queues, queues.c.id == qid)[0]
+    assert (q["retry_count"], q["next_retry_at"], q["last_error"]) == (1, T0 + 300, "connection refused")
+    assert store.read(lambda c: mq.due_work(c, T0 + 10)) == []
+    assert len(store.read(lambda c: mq.due_work(c, T0 + 300))) == 1
+    tx(store, lambda c: mq.queue_attempt_result(c, qid, T0 + 300, error=None, **RETRY_KW))
+    q = rows(store, queues, queues.c.id == qid)[0]
+    assert (q["retry_count"], q["next_retry_at"], q["last_error"]) == (0, None, None)
+
+
+def test_due_work_skips_suspended_queue_and_message(store) -> None:
+    m1 = enqueue(store, {LOCAL: ["a@example.test"]}, nid="n1")
+    m2 = enqueue(store, {SMART: ["x@remote.test"]}, nid="n2")
+    smart_qid = store.read(lambda c: mq.resolve_queue(c, SMART.identity))["id"]
+    tx(store, lambda c: mq.set_queue_suspended(c, smart_qid, True))
+    assert [w.message_id for w in store.read(lambda c: mq.due_work(c, T0))] == [m1]
+    assert tx(store, lambda c: mq.set_message_suspended(c, m1, True))
+    assert store.read(lambda c: mq.due_work(c, T0)) == []
+    tx(store, lambda c: mq.set_queue_suspended(c, smart_qid, False))
+    tx(store, lambda c: mq.set_message_suspended(c, m1, False))
+    assert sorted(w.message_id for w in store.read(lambda c: mq.due_work(c, T0))) == [m1, m2]
+
+
+def test_due_work_skips_shadows_and_finished_messages(store) -> None:
+    enqueue(store, nid="shadow", role="shadow", shadow_guid="g1", primary_node="n2.test")
+    mid = enqueue(store, nid="done")
+    tx(store, lambda c: c.execute(update(messages).where(messages.c.id == mid).values(state="SafetyNet")))
+    assert store.read(lambda c: mq.due_work(c, T0)) == []
+
+
+def test_mark_active_claims_only_pending(store) -> None:
+    mid = enqueue(store, {LOCAL: ["a@example.test", "b@example.test", "c@example.test"]})
+    a, b, c3 = rcpt_ids(store, mid)
+    tx(store, lambda c: c.execute(update(recipients).where(recipients.c.id == b).values(status="Retry")))
+    tx(store, lambda c: c.execute(update(recipients).where(recipients.c.id == c3).values(status="Delivered")))
+    assert sorted(tx(store, lambda c: mq.mark_active(c, [a, b, c3], T0))) == [a, b]
+    assert tx(store, lambda c: mq.mark_active(c, [a, b, c3], T0)) == []  # already Active
+    assert tx(store, lambda c: mq.mark_active(c, [], T0)) == []
+    st = {r["id"]: (r["status"], r["last_attempt_at"]) for r in rows(store, recipients)}
+    assert st == {a: ("Active", T0), b: ("Active", T0), c3: ("Delivered", None)}
+    assert store.read(lambda c: mq.due_work(c, T0 + 10_000)) == []
+
+
+# --------------------------------------------------------------------------- outcomes and retries
+
+@pytest.mark.parametrize("attempt, delay", [(1, 300.0), (2, 300.0), (3, 300.0), (4, 600.0), (10, 600.0)])
+def test_retry_delay_schedule(attempt, delay) -> None:
+    assert mq.retry_delay(attempt, **{"interval": 300.0, "count": 3, "long_interval": 600.0}) == delay
+
+
+def test_retry_delay_with_zero_count_goes_long_at_once() -> None:
+    assert mq.retry_delay(1, 300.0, 0, 600.0) == 600.0
+
+
+def test_record_outcomes(store) -> None:
+    mid = enqueue(store, {LOCAL: ["ok@example.test"], SMART: ["later@remote.test", "bad@remote.test"]})
+    ids = dict(store.read(lambda c: c.execute(select(recipients.c.address, recipients.c.id)).all()))
+    tx(store, lambda c: mq.mark_active(c, list(ids.values()), T0))
+    tx(store, lambda c: mq.record_outcomes(c, [
+        mq.Outcome(ids["ok@example.test"], mq.DELIVERED, "250 2.0.0 OK"),
+        mq.Outcome(ids["later@remote.test"], mq.RETRY, "451 4.3.0 later"),
+        mq.Outcome(ids["bad@remote.test"], mq.FAILED, "550 5.1.1 no such user"),
+    ], T0 + 5, **RETRY_KW))
+    r = {x["address"]: x for x in rows(store, recipients, recipients.c.message_id == mid)}
+    assert (r["ok@example.test"]["status"], r["ok@example.test"]["attempts"],
+            r["ok@example.test"]["completed_at"], r["ok@example.test"]["last_error"]) == ("Delivered", 1, T0 + 5, None)
+    assert (r["later@remote.test"]["status"], r["later@remote.test"]["next_retry_at"],
+            r["later@remote.test"]["last_error"], r["later@remote.test"]["completed_at"]) == \
+        ("Retry", T0 + 5 + 300, "451 4.3.0 later", None)
+    assert (r["bad@remote.test"]["status"], r["bad@remote.test"]["completed_at"],
+            r["bad@remote.test"]["last_error"]) == ("Failed", T0 + 5, "550 5.1.1 no such user")
+    assert not tx(store, lambda c: mq.finish_if_done(c, mid, T0 + 5, 3600))  # one still pending
+
+
+def test_retry_schedule_over_attempts(store) -> None:
+    mid = enqueue(store)
+    rid = rcpt_ids(store, mid)[0]
+    now = T0
+    delays = []
+    for _ in range(6):
+        assert tx(store, lambda c: mq.mark_active(c, [rid], now)) == [rid]
+        tx(store, lambda c: mq.record_outcomes(c, [mq.Outcome(rid, mq.RETRY, "451 try later")], now, **RETRY_KW))
+        row = rows(store, recipients, recipients.c.id == rid)[0]
+        delays.append(row["next_retry_at"] - now)
+        assert store.read(lambda c: mq.due_work(c, row["next_retry_at"] - 1)) == []
+        now = row["next_retry_at"]
+        assert len(store.read(lambda c: mq.due_work(c, now))) == 1
+    assert delays == [300.0, 300.0, 300.0, 600.0, 600.0, 600.0]
+    assert rows(store, recipients, recipients.c.id == rid)[0]["attempts"] == 6
+
+
+def test_outcome_for_a_recipient_no_longer_active_is_ignored(store) -> None:
+    mid = enqueue(store)
+    rid = rcpt_ids(store, mid)[0]
+    tx(store, lambda c: mq.mark_active(c, [rid], T0))
+    removed = tx(store, lambda c: mq.remove_message(c, mid, T0 + 1))
+    assert removed == [{"id": rid, "address": "a@example.test"}]
+    tx(store, lambda c: mq.record_outcomes(c, [mq.Outcome(rid, mq.DELIVERED)], T0 + 2, **RETRY_KW))
+    tx(store, lambda c: mq.record_outcomes(c, [mq.Outcome(999_999, mq.DELIVERED)], T0 + 2, **RETRY_KW))
+    r = rows(store, recipients, recipients.c.id == rid)[0]
+    assert (r["status"], r["attempts"]) == ("Removed", 0)
+
+
+def test_queue_connection_failures_follow_the_schedule(store) -> None:
+    enqueue(store, {SMART: ["x@remote.test"]})
+    qid = store.read(lambda c: mq.resolve_queue(c, SMART.identity))["id"]
+    got = [tx(store, lambda c, t=t: mq.queue_attempt_result(c, qid, t, error="refused", **RETRY_KW)) - t
+           for t in (T0, T0 + 1000, T0 + 2000, T0 + 3000, T0 + 4000)]
+    assert got == [300.0, 300.0, 300.0, 600.0, 600.0]
+    assert tx(store, lambda c: mq.retry_queue_now(c, qid)) == 1
+    assert rows(store, queues, queues.c.id == qid)[0]["next_retry_at"] is None
+
+
+def test_expired_recipients(store) -> None:
+    old = enqueue(store, {LOCAL: ["a@example.test"], SMART: ["x@remote.test"]}, nid="old", expires=T0 + 100)
+    enqueue(store, nid="young", expires=T0 + 10_000)
+    enqueue(store, nid="shadow", expires=T0 + 100, role="shadow")
+    a, x = rcpt_ids(store, old)
+    tx(store, lambda c: mq.mark_active(c, [a], T0))  # in flight: not expired under the sender's feet
+    assert store.read(lambda c: mq.expired_recipients(c, T0 + 99)) == []
+    got = store.read(lambda c: mq.expired_recipients(c, T0 + 100))
+    assert [(r["id"], r["address"], r["message_id"]) for r in got] == [(x, "x@remote.test", old)]
+
+
+# --------------------------------------------------------------------------- completion, Safety Net, purge
+
+def _deliver_all(store, mid, now):
+    ids = rcpt_ids(store, mid)
+    tx(store, lambda c: mq.mark_active(c, ids, now))
+    tx(store, lambda c: mq.record_outcomes(c, [mq.Outcome(i, mq.DELIVERED) for i in ids], now, **RETRY_KW))
+
+
+def test_finish_if_done_moves_to_safety_net(store) -> None:
+    mid = enqueue(store)
+    assert not tx(store, lambda c: mq.finish_if_done(c, mid, T0, 7200))  # still Ready
+    _deliver_all(store, mid, T0 + 10)
+    assert tx(store, lambda c: mq.finish_if_done(c, mid, T0 + 10, 7200))
+    m = rows(store, messages, messages.c.id == mid)[0]
+    assert (m["state"], m["completed_at"], m["safety_net_until"]) == ("SafetyNet", T0 + 10, T0 + 10 + 7200)
+    assert store.read(lambda c: mq.body(c, mid)) is not None  # kept for resubmission
+    assert not tx(store, lambda c: mq.finish_if_done(c, mid, T0 + 20, 7200))  # only once
+    assert store.read(lambda c: mq.list_messages(c)) == []
+    listed = store.read(lambda c: mq.list_messages(c, include_done=True))
+    assert [x["status"] for x in listed] == ["SafetyNet"]
+
+
+def test_finish_with_zero_hold_removes_the_body(store) -> None:
+    mid = enqueue(store)
+    _deliver_all(store, mid, T0)
+    assert tx(store, lambda c: mq.finish_if_done(c, mid, T0, 0))
+    m = rows(store, messages, messages.c.id == mid)[0]
+    assert m["state"] == "Removed" and m["safety_net_until"] is None
+    assert store.read(lambda c: mq.body(c, mid)) is None
+
+
+def test_purge_expired(store) -> None:
+    keep = enqueue(store, nid="keep")
+    held = enqueue(store, nid="held")
+    gone = enqueue(store, nid="gone")
+    removed = enqueue(store, nid="removed")
+    _deliver_all(store, held, T0)
+    _deliver_all(store, gone, T0)
+    tx(store, lambda c: mq.finish_if_done(c, held, T0, 7200))
+    tx(store, lambda c: mq.finish_if_done(c, gone, T0, 3600))
+    tx(store, lambda c: mq.remove_message(c, removed, T0))
+    for i, at in enumerate((T0 + 3600 - 1800 - 1, T0 + 3600 - 1800 + 1, T0 + 3600)):
+        tx(store, lambda c, i=i, at=at: mq.remember_delivery(c, f"r{i}@example.test", f"<m{i}>", "d", at))
+
+    n_msgs, n_dup = tx(store, lambda c: mq.purge_expired(c, T0 + 3600, duplicate_window=1800))
+    assert (n_msgs, n_dup) == (2, 1)
+    left = {m["network_message_id"]: m["state"] for m in rows(store, messages)}
+    assert left == {"keep": "Queued", "held": "SafetyNet"}
+    assert {r["message_id"] for r in rows(store, recipients)} == {keep, held}
+    assert {b["message_id"] for b in rows(store, message_bodies)} == {keep, held}
+    assert sorted(d["recipient"] for d in rows(store, delivered_to)) == ["r1@example.test", "r2@example.test"]
+
+    assert tx(store, lambda c: mq.purge_expired(c, T0 + 7199, 1800))[0] == 0
+    assert tx(store, lambda c: mq.purge_expired(c, T0 + 7200, 1800))[0] == 1
+    assert [m["network_message_id"] for m in rows(store, messages)] == ["keep"]
+
+
+# --------------------------------------------------------------------------- duplicate detection
+
+def test_already_delivered_honours_the_window(store) -> None:
+    args = ("Alice@Example.Test", "<m1@s>", "Mon, 06 Jan 2025 10:00:00 +0000")
+    assert not store.read(lambda c: mq.already_delivered(c, *args, T0, 3600))
+    tx(store, lambda c: mq.remember_delivery(c, *args, T0))
+    assert store.read(lambda c: mq.already_delivered(c, "alice@example.test", *args[1:], T0 + 10, 3600))
+    assert store.read(lambda c: mq.already_delivered(c, *args, T0 + 3599, 3600))
+    assert not store.read(lambda c: mq.already_delivered(c, *args, T0 + 3600, 3600))  # window over
+    assert not store.read(lambda c: mq.already_delivered(c, "bob@example.test", *args[1:], T0, 3600))
+    assert not store.read(lambda c: mq.already_delivered(c, args[0], "<other@s>", args[2], T0, 3600))
+    assert not store.read(lambda c: mq.already_delivered(c, args[0], args[1], "Tue", T0, 3600))
+    # remembering again refreshes the row instead of failing on the unique constraint
+    tx(store, lambda c: mq.remember_delivery(c, *args, T0 + 5000))
+    assert store.read(lambda c: mq.already_delivered(c, *args, T0 + 5000 + 3599, 3600))
+    assert store.read(lambda c: c.execute(select(func.count()).select_from(delivered_to)).scalar()) == 1
+
+
+def test_messages_without_message_id_are_never_duplicates(store) -> None:
+    tx(store, lambda c: mq.remember_delivery(c, "a@example.test", "", "d", T0))
+    assert store.read(lambda c: c.execute(select(func.count()).select_from(delivered_to)).scalar()) == 0
+    assert not store.read(lambda c: mq.already_delivered(c, "a@example.test", "", "d", T0, 3600))
+
+
+# --------------------------------------------------------------------------- restart, removal, views
+
+def test_recover_after_restart_resets_active_to_ready(store) -> None:
+    mid = enqueue(store, {LOCAL: ["a@example.test", "b@example.test", "c@example.test"]})
+    a, b, c3 = rcpt_ids(store, mid)
+    tx(store, lambda c: mq.mark_active(c, [a, b], T0))
+    tx(store, lambda c: mq.record_outcomes(c, [mq.Outcome(b, mq.DELIVERED)], T0, **RETRY_KW))
+    assert tx(store, mq.recover_after_restart) == 1
+    st = {r["id"]: (r["status"], r["next_retry_at"]) for r in rows(store, recipients)}
+    assert st == {a: ("Ready", 0.0), b: ("Delivered", 0.0), c3: ("Ready", 0.0)}
+    assert tx(store, mq.recover_after_restart) == 0
+    assert sorted(store.read(lambda c: mq.due_work(c, T0))[0].recipient_ids) == [a, c3]
+
+
+def test_remove_message(store) -> None:
+    mid = enqueue(store, {LOCAL: ["done@example.test", "p@example.test"], SMART: ["x@remote.test"]})
+    done = rcpt_ids(store, mid)[0]
+    tx(store, lambda c: mq.mark_active(c, [done], T0))
+    tx(store, lambda c: mq.record_outcomes(c, [mq.Outcome(done, mq.DELIVERED)], T0, **RETRY_KW))
+    pending = tx(store, lambda c: mq.remove_message(c, mid, T0 + 1))
+    assert sorted(p["address"] for p in pending) == ["p@example.test", "x@remote.test"]
+    st = {r["address"]: (r["status"], r["last_error"]) for r in rows(store, recipients)}
+    assert st == {"done@example.test": ("Delivered", None),
+                  "p@example.test": ("Removed", "Removed by administrator"),
+                  "x@remote.test": ("Removed", "Removed by administrator")}
+    m = rows(store, messages, messages.c.id == mid)[0]
+    assert (m["state"], m["completed_at"]) == ("Removed", T0 + 1)
+    assert store.read(lambda c: mq.body(c, mid)) is None
+    assert store.read(lambda c: mq.due_work(c, T0 + 10)) == []
+    assert not tx(store, lambda c: mq.set_message_suspended(c, mid, True))  # not Queued any more
+
+
+def test_list_queues_states(store) -> None:
+    enqueue(store, {LOCAL: ["a@example.test"], SMART: ["x@remote.test"], DNSHOP: ["r@remote.test"]}, nid="n1")
+    m2 = enqueue(store, {LOCAL: ["b@example.test"], SMART: ["y@remote.test"]}, nid="n2")
+    q = {x["identity"]: x for x in store.read(lambda c: mq.list_queues(c, T0))}
+    assert {k: (v["state"], v["message_count"]) for k, v in q.items()} == {
+        "mailbox:local": ("Ready", 2), SMART.identity: ("Ready", 2), "dns:remote.test": ("Ready", 1)}
+
+    smart_id, dns_id = q[SMART.identity]["id"], q["dns:remote.test"]["id"]
+    tx(store, lambda c: mq.queue_attempt_result(c, smart_id, T0, error="421 busy", **RETRY_KW))
+    tx(store, lambda c: mq.set_queue_suspended(c, dns_id, True))
+    local_ids = [r["id"] for r in rows(store, recipients, recipients.c.message_id == m2,
+                                       recipients.c.address == "b@example.test")]
+    tx(store, lambda c: mq.mark_active(c, local_ids, T0))
+
+    q = {x["identity"]: x for x in store.read(lambda c: mq.list_queues(c, T0 + 1))}
+    assert q["mailbox:local"]["state"] == "Active"
+    assert q[SMART.identity]["state"] == "Retry"
+    assert q[SMART.identity]["next_retry_at"] == T0 + 300
+    assert q[SMART.identity]["last_error"] == "421 busy" and q[SMART.identity]["retry_count"] == 1
+    assert q["dns:remote.test"]["state"] == "Suspended"
+    # the injected clock decides Retry vs Ready
+    later = {x["identity"]: x for x in store.read(lambda c: mq.list_queues(c, T0 + 300))}
+    assert later[SMART.identity]["state"] == "Ready" and later[SMART.identity]["next_retry_at"] is None
+
+    # finished recipients no longer count
+    tx(store, lambda c: mq.record_outcomes(c, [mq.Outcome(i, mq.DELIVERED) for i in local_ids], T0, **RETRY_KW))
+    q = {x["identity"]: x for x in store.read(lambda c: mq.list_queues(c, T0 + 300))}
+    assert q["mailbox:local"]["state"] == "Ready" and q["mailbox:local"]["message_count"] == 1
+
+
+def test_message_status_view(store) -> None:
+    assert mq.message_status(["Ready", "Active"], False, "Queued") == "Active"
+    assert mq.message_status(["Ready", "Retry"], False, "Queued") == "Retry"
+    assert mq.message_status(["Ready"], True, "Queued") == "Suspended"
+    assert mq.message_status(["Delivered", "Failed"], False, "Queued") == "Delivered"
+    assert mq.message_status(["Failed"], False, "Queued") == "Failed"
+    assert mq.message_status(["Delivered"], False, "SafetyNet") == "SafetyNet"
+    mid = enqueue(store)
+    detail = store.read(lambda c: mq.message_detail(c, mid))
+    assert detail["status"] == "Ready" and [r["queue"] for r in detail["recipients"]] == ["mailbox:local"]
+    assert store.read(lambda c: mq.message_detail(c, 424242)) is None
+
+
+# --------------------------------------------------------------------------- mailbox store
+
+def test_mailbox_deliver_writes_exact_bytes_once(tmp_path: Path) -> None:
+    mb = MailboxStore(tmp_path / "mailboxes", hostname="host/with:odd")
+    data = b"Received: x\r\n\r\n" + bytes(range(256)) * 10 + b"\r\n.\r\n"
+    path, stored = mb.deliver("Alice@Example.Test", "net-1", data, received_at=T0)
+    assert stored
+    assert path.parent == tmp_path / "mailboxes" / "alice@example.test" / "new"
+    assert path.read_bytes() == data
+    assert path.name == f"{int(T0)}.net-1.host_with_odd,S={len(data)}"
+    assert list((path.parent.parent / "tmp").iterdir()) == []
+    again, stored_again = mb.deliver("alice@example.test", "net-1", b"other bytes", received_at=T0 + 9)
+    assert (again, stored_again) == (path, False)
+    assert mb.list("alice@example.test") == [path]
+    assert path.read_bytes() == data
+    assert mb.has("ALICE@example.test", "net-1") and not mb.has("alice@example.test", "net-2")
+    second, ok = mb.deliver("alice@example.test", "net-2", b"two", received_at=T0)
+    assert ok and len(mb.list("alice@example.test")) == 2 and second.read_bytes() == b"two"
+
+
+def test_mailbox_finds_a_copy_moved_to_cur(tmp_path: Path) -> None:
+    mb = MailboxStore(tmp_path, hostname="h")
+    path, _ = mb.deliver("a@example.test", "net-9", b"x", received_at=T0)
+    moved = path.parent.parent / "cur" / (path.name + ":2,S")
+    path.rename(moved)
+    assert mb.deliver("a@example.test", "net-9", b"x") == (moved, False)
+
+
+@pytest.mark.parametrize("address", [
+    "../x@y", "../../etc/passwd", "/abs@y", "a/b@y", "..", ".", "...", ".hidden@y", "a\\b@y",
+    "a\x00b@y", "ü@y", "a..b@y", "%2E%2E", " ", "x@y/../..", "....//..@y",
+])
+def test_mailbox_name_stays_under_root(tmp_path: Path, address: str) -> None:
+    name = mailbox_name(address)
+    assert name and "/" not in name and "\x00" not in name and "\\" not in name
+    assert name not in (".", "..")
+    assert not name.startswith(".") and ".." not in name
+    root = tmp_path / "mailboxes"
+    mb = MailboxStore(root, hostname="h")
+    folder = mb.maildir(address)
+    assert folder.parent == root
+    path, stored = mb.deliver(address, "net-1", b"data", received_at=T0)
+    assert stored and path.resolve().is_relative_to(root.resolve())
+    assert [p.name for p in root.iterdir()] == [name]
+
+
+def test_mailbox_names_are_distinct() -> None:
+    addresses = ["a/b@y", "a%2Fb@y", "a_b@y", "a..b@y", "a.%2Eb@y", ".a@y", "%2Ea@y", "ü@y", "%C3%BC@y"]
+    names = [mailbox_name(a) for a in addresses]
+    assert len(set(names)) == len(names), dict(zip(addresses, names))
+    assert mailbox_name("Alice@Example.Test") == mailbox_name("alice@example.test") == "alice@example.test"

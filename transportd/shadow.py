@@ -1,0 +1,395 @@
+"""The Shadow Redundancy Manager: shadows before acknowledgement, discards, heartbeats, promotion.
+
+Primary side: ``make_shadow`` copies a message to a peer's transport connector
+(XSHADOWREQUEST once per reused session, then ``MAIL FROM:<..> XSHADOW=<guid>``)
+and returns the peer's ``250 2.6.0`` reply; ``take_discard_events`` answers a
+shadow's XQDISCARD from the persisted discard events.
+Shadow side: ``store_shadow`` keeps a copy in the shadow queue of its primary;
+the heartbeat loop polls every primary we hold shadows for (XSHADOW +
+XQDISCARD), moves discarded copies to the Shadow Safety Net (HADISCARD), and
+promotes all shadows of a primary after *ShadowResubmitTimeSpan* of failed
+heartbeats or at once when its queue database ID changed. All state lives in
+the queue database; the rules themselves are pure functions in protocol.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiosmtplib
+from sqlalchemy import delete, func, insert, select, update
+
+from . import mailqueue as mq
+from .mailqueue import NewMessage
+from .protocol import (Peer, ProtocolError, after_heartbeat, decode_dbid, encode_dbid, encode_fqdn,
+                       format_xshadowrequest, parse_discard_reply, shadow_attempts)
+from .receive import MessageRejected, new_network_message_id, prepare_message
+from .routing import bifurcate
+from .store import discard_events, message_shadows, messages, shadow_contexts
+
+log = logging.getLogger("transportd.shadow")
+
+DISCARD_BATCH = 50
+
+
+@dataclass
+class ShadowResult:
+    peer: str | None
+    reply: str  # the peer's DATA reply, or the reasons no shadow could be made
+
+
+class PeerSession:
+    """One authenticated session to a peer's transport connector."""
+
+    def __init__(self, client: aiosmtplib.SMTP, peer: Peer):
+        self.client = client
+        self.peer = peer
+        self.shadow_requested = False
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class ShadowManager:
+    def __init__(self, node: Any):
+        self.node = node
+        self.cfg = node.cfg
+        self.sr = node.cfg.shadow_redundancy
+        self.peers = [Peer(p.name, p.site, p.transport) for p in node.cfg.peers]
+        self.by_name = {p.name: p for p in self.peers}
+        self.accepting = True
+        self._idle: dict[str, list[PeerSession]] = {}
+        self._rotate = 0
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+
+    @property
+    def node_name(self) -> str:
+        return self.cfg.node.name.lower()
+
+    @property
+    def queue_database_id(self) -> str:
+        return self.node.store.queue_database_id
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.sr.shadow_redundancy_enabled and self.peers)
+
+    def start(self) -> None:
+        if self.peers:
+            self._task = asyncio.ensure_future(self._heartbeat_loop())
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self.accepting = False
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for sessions in self._idle.values():
+            for s in sessions:
+                s.close()
+        self._idle.clear()
+
+    # ================================================================== sessions to peers
+
+    async def _open(self, peer: Peer) -> PeerSession:
+        host, _, port = peer.transport.rpartition(":")
+        tls = bool(self.cfg.transport.tls_certificate)
+        client = aiosmtplib.SMTP(hostname=host, port=int(port), local_hostname=self.node_name,
+                                 timeout=max(5.0, min(30.0, self.sr.shadow_heartbeat_frequency)),
+                                 start_tls=tls, validate_certs=False)
+        await client.connect()
+        try:
+            if not client.supports_extension("xshadowrequest"):
+                raise ProtocolError(f"{peer.name} does not advertise XSHADOWREQUEST")
+            await client.auth_plain(self.node_name, self.cfg.cluster.secret)
+        except BaseException:
+            client.close()
+            raise
+        return PeerSession(client, peer)
+
+    async def _session(self, peer: Peer) -> PeerSession:
+        idle = self._idle.setdefault(peer.name, [])
+        while idle:
+            s = idle.pop()
+            if s.client.is_connected:
+                return s
+            s.close()
+        return await self._open(peer)
+
+    def _release(self, s: PeerSession, ok: bool) -> None:
+        if ok and s.client.is_connected and not self._stopping:
+            idle = self._idle.setdefault(s.peer.name, [])
+            if len(idle) < 16:
+                idle.append(s)
+                return
+        s.close()
+
+    # ================================================================== primary side
+
+    def attempts(self) -> list[Peer]:
+        self._rotate += 1
+        return shadow_attempts(self.peers, self.cfg.node.site, self.sr.shadow_message_preference_setting,
+                               self.sr.max_retries_for_remote_site_shadow,
+                               self.sr.max_retries_for_local_site_shadow, rotate=self._rotate)
+
+    async def make_shadow(self, msg: NewMessage, guid: str, recipients: list[str]) -> ShadowResult:
+        """Copy ``msg`` to a peer before the sender gets its 250; tries peers as configured."""
+        reasons: list[str] = []
+        candidates = self.attempts()
+        if not candidates:
+            return ShadowResult(None, "No suitable shadow servers")
+        for peer in candidates:
+            s: PeerSession | None = None
+            ok = False
+            try:
+                s = await self._session(peer)
+                if not s.shadow_requested:
+                    resp = await s.client.execute_command(
+                        *format_xshadowrequest(self.node_name, self.queue_database_id).encode("ascii").split(b" "))
+                    if resp.code != 250:
+                        raise ProtocolError(f"XSHADOWREQUEST answered {resp.code} {resp.message}")
+                    s.shadow_requested = True
+                await s.client.mail(msg.sender, options=[f"XSHADOW={guid}"])
+                for r in recipients:
+                    await s.client.rcpt(r)
+                resp = await s.client.data(msg.data)
+                reply = f"{resp.code} {resp.message}"
+                if resp.code == 250 and "2.6.0" in resp.message:
+                    ok = True
+                    return ShadowResult(peer.name, reply)
+                reasons.append(f"{peer.name}: {reply}")
+            except aiosmtplib.SMTPResponseException as exc:
+                reasons.append(f"{peer.name}: {exc.code} {exc.message}")
+                if s is not None:
+                    try:
+                        await s.client.rset()
+                        ok = True  # the session itself is fine
+                    except Exception:  # noqa: BLE001
+                        ok = False
+            except (aiosmtplib.SMTPException, OSError, ProtocolError, asyncio.TimeoutError) as exc:
+                reasons.append(f"{peer.name}: {str(exc) or exc.__class__.__name__}")
+            finally:
+                if s is not None:
+                    self._release(s, ok)
+        return ShadowResult(None, "; ".join(dict.fromkeys(reasons)) or "No suitable shadow servers")
+
+    async def take_discard_events(self, shadow_node: str, n: int) -> list[str]:
+        def job(conn):
+            rows = conn.execute(select(discard_events.c.id, discard_events.c.shadow_guid)
+                                .where(discard_events.c.shadow_node == shadow_node)
+                                .order_by(discard_events.c.id).limit(n)).all()
+            if rows:
+                conn.execute(delete(discard_events).where(discard_events.c.id.in_([r.id for r in rows])))
+            return [r.shadow_guid for r in rows]
+        return await self.node.store.write(job)
+
+    # ================================================================== shadow side
+
+    async def primary_seen(self, primary: str, dbid: str) -> None:
+        """A primary announced its queue database ID (XSHADOWREQUEST): promote at once on a change."""
+        recorded = await self.node.store.aread(lambda c: c.execute(
+            select(shadow_contexts.c.queue_database_id).where(shadow_contexts.c.peer == primary)).scalar())
+        if recorded and recorded != dbid:
+            log.warning("primary %s has a new queue database ID (%s, was %s): promoting its shadows",
+                        primary, dbid, recorded)
+            await self.promote(primary, "ShadowStateChange")
+        if recorded != dbid:
+            await self._upsert_context(primary, queue_database_id=dbid)
+
+    async def _upsert_context(self, primary: str, **values: Any) -> None:
+        def job(conn):
+            exists = conn.execute(select(func.count()).select_from(shadow_contexts)
+                                  .where(shadow_contexts.c.peer == primary)).scalar()
+            if exists:
+                conn.execute(update(shadow_contexts).where(shadow_contexts.c.peer == primary).values(**values))
+            else:
+                conn.execute(insert(shadow_contexts).values(peer=primary, consecutive_failures=0, **values))
+        await self.node.store.write(job)
+
+    async def store_shadow(self, envelope: Any, session: Any, request: Any, guid: str) -> tuple[int, str]:
+        """Keep a shadow copy for ``request.primary_fqdn`` durably; returns (internal id, Message-ID)."""
+        now = time.time()
+        data = envelope.original_content or b""
+        from .receive import split_headers
+        from email.parser import BytesHeaderParser
+        from email.policy import compat32
+        head = BytesHeaderParser(policy=compat32).parsebytes(split_headers(data)[0])
+        network_id = _network_id_from(data) or new_network_message_id()
+        msg = NewMessage(
+            network_message_id=network_id, sender=envelope.mail_from or "", data=data,
+            recipients=bifurcate(envelope.rcpt_tos, self.cfg), received_at=now,
+            expires_at=now + self.cfg.delivery.message_expiration_timeout,
+            message_id=(head.get("Message-ID") or "").strip(), submit_time=(head.get("Date") or "").strip(),
+            subject=str(head.get("Subject") or "").strip(), client_ip=str((session.peer or ("",))[0]),
+            client_hostname=request.primary_fqdn, origin="shadow", role="shadow", redundancy="shadow",
+            shadow_guid=guid, primary_node=request.primary_fqdn,
+        )
+        internal_id = await self.node.store.write(lambda c: mq.enqueue(c, msg))
+        row = {"id": internal_id, "network_message_id": network_id, "message_id": msg.message_id,
+               "sender": msg.sender, "subject": msg.subject, "size": len(data)}
+        self.node.track("HARECEIVE", "SMTP", row, recipients=list(envelope.rcpt_tos), source_context=guid,
+                        client_hostname=request.primary_fqdn, client_ip=msg.client_ip)
+        return internal_id, msg.message_id
+
+    async def _heartbeat_loop(self) -> None:
+        freq = self.sr.shadow_heartbeat_frequency
+        while not self._stopping:
+            await asyncio.sleep(freq)
+            try:
+                await self.housekeeping(time.time())
+                for primary in await self.primaries_to_poll():
+                    await self.heartbeat(primary)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the loop must survive
+                log.exception("shadow heartbeat round failed")
+
+    async def primaries_to_poll(self) -> list[str]:
+        def q(conn):
+            held = conn.execute(select(messages.c.primary_node).where(
+                messages.c.role == "shadow", messages.c.state == mq.QUEUED).distinct()).scalars().all()
+            return sorted({p for p in held if p})
+        return await self.node.store.aread(q)
+
+    async def heartbeat(self, primary: str) -> bool:
+        """One XSHADOW + XQDISCARD exchange with ``primary``; returns True on success."""
+        peer = self.by_name.get(primary)
+        now = time.time()
+        ctx = await self.node.store.aread(lambda c: c.execute(
+            select(shadow_contexts).where(shadow_contexts.c.peer == primary)).mappings().first())
+        recorded = ctx["queue_database_id"] if ctx else None
+        failures = ctx["consecutive_failures"] if ctx else 0
+        answered: str | None = None
+        discarded: list[str] = []
+        error = ""
+        ok = False
+        if peer is None:
+            error = f"{primary} is not a configured peer"
+        else:
+            s: PeerSession | None = None
+            try:
+                s = await self._session(peer)
+                resp = await s.client.execute_command(b"XSHADOW", encode_fqdn(self.node_name).encode("ascii"))
+                if resp.code != 250:
+                    raise ProtocolError(f"XSHADOW answered {resp.code} {resp.message}")
+                answered = decode_dbid(resp.message.strip())
+                if recorded and answered != recorded:
+                    ok = True  # the exchange worked; the state changed
+                else:
+                    while True:
+                        resp = await s.client.execute_command(b"XQDISCARD", str(DISCARD_BATCH).encode())
+                        batch = parse_discard_reply(resp.code, resp.message.splitlines())
+                        discarded.extend(batch)
+                        if len(batch) < DISCARD_BATCH:
+                            break
+                    ok = True
+            except ProtocolError as exc:
+                error = f"protocol violation: {exc}"
+                log.error("heartbeat to %s: %s; keeping every shadow of it", primary, exc)
+            except (aiosmtplib.SMTPException, OSError, asyncio.TimeoutError) as exc:
+                error = str(exc) or exc.__class__.__name__
+            finally:
+                if s is not None:
+                    s.close()  # heartbeat sessions are not reused for XSHADOWREQUEST
+        if discarded:
+            await self.discard(primary, discarded, now)
+        failures = 0 if ok else failures + 1
+        decision = after_heartbeat(ok=ok, consecutive_failures=failures, recorded_dbid=recorded,
+                                   answered_dbid=answered,
+                                   resubmit_time_span=self.sr.shadow_resubmit_time_span,
+                                   heartbeat_frequency=self.sr.shadow_heartbeat_frequency)
+        values: dict[str, Any] = {"consecutive_failures": failures, "last_error": error or None}
+        if ok:
+            values["last_heartbeat_at"] = now
+            if answered:
+                values["queue_database_id"] = answered
+        await self._upsert_context(primary, **values)
+        if not ok:
+            log.warning("heartbeat to primary %s failed (%d in a row): %s", primary, failures, error)
+        if decision.promote:
+            await self.promote(primary, decision.reason)
+            if decision.reason == "ShadowHeartbeatFailure":
+                await self._upsert_context(primary, consecutive_failures=0)
+        return ok
+
+    async def discard(self, primary: str, guids: list[str], now: float) -> int:
+        hold = self.cfg.safety_net.safety_net_hold_time
+
+        def job(conn):
+            rows = conn.execute(select(messages).where(
+                messages.c.role == "shadow", messages.c.primary_node == primary,
+                messages.c.state == mq.QUEUED, messages.c.shadow_guid.in_(guids))).mappings().all()
+            ids = [r["id"] for r in rows]
+            if ids:
+                conn.execute(update(messages).where(messages.c.id.in_(ids)).values(
+                    state=mq.SAFETY_NET, completed_at=now, safety_net_until=now + hold))
+            return [dict(r) for r in rows]
+        rows = await self.node.store.write(job)
+        for r in rows:
+            self.node.track("HADISCARD", "SMTP", r, source_context=f"ExplicitlyDiscarded;{r['shadow_guid']}",
+                            client_hostname=primary)
+        return len(rows)
+
+    async def promote(self, primary: str, reason: str) -> int:
+        """Make every shadow of ``primary`` a primary message of ours and deliver it."""
+        now = time.time()
+
+        def job(conn):
+            rows = conn.execute(select(messages).where(
+                messages.c.role == "shadow", messages.c.primary_node == primary,
+                messages.c.state == mq.QUEUED)).mappings().all()
+            ids = [r["id"] for r in rows]
+            if ids:
+                conn.execute(update(messages).where(messages.c.id.in_(ids)).values(
+                    role="primary", origin="promoted", redundancy="unprotected"))
+            return [dict(r) for r in rows]
+        rows = await self.node.store.write(job)
+        for r in rows:
+            self.node.track("RESUBMIT", "REDUNDANCY", r, source_context=f"{primary} ({reason})",
+                            reference=str(r.get("primary_internal_id") or r.get("shadow_guid") or ""))
+        if rows:
+            log.warning("promoted %d shadow(s) of %s (%s)", len(rows), primary, reason)
+            if self.node.delivery is not None:
+                self.node.delivery.wake()
+        return len(rows)
+
+    async def housekeeping(self, now: float) -> None:
+        """Drop discard events nobody asked for; expire shadows never acknowledged."""
+        auto = self.sr.shadow_message_auto_discard_interval
+        limit = self.cfg.safety_net.safety_net_hold_time + self.cfg.delivery.message_expiration_timeout
+
+        def job(conn):
+            conn.execute(delete(discard_events).where(discard_events.c.created_at < now - auto))
+            rows = conn.execute(select(messages).where(
+                messages.c.role == "shadow", messages.c.state == mq.QUEUED,
+                messages.c.received_at < now - limit)).mappings().all()
+            ids = [r["id"] for r in rows]
+            if ids:
+                conn.execute(update(messages).where(messages.c.id.in_(ids)).values(
+                    state=mq.MSG_REMOVED, completed_at=now))
+            return [dict(r) for r in rows]
+        for r in await self.node.store.write(job):
+            self.node.track("HADISCARD", "SMTP", r, source_context="Expired")
+
+
+def record_shadow_job(message_id: int, shadow_node: str, guid: str, now: float):
+    def job(conn):
+        conn.execute(insert(message_shadows).values(message_id=message_id, shadow_node=shadow_node,
+                                                    shadow_guid=guid, created_at=now))
+    return job
+
+
+def _network_id_from(data: bytes) -> str | None:
+    """The primary's network-message-id, carried in its Received header ('with ESMTP id <guid>')."""
+    import re
+    m = re.search(rb"\) with ESMTPS? id ([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12});",
+                  data[:4096])
+    return m.group(1).decode("ascii") if m else None

@@ -1,0 +1,187 @@
+"""The transport receive connector: where boundary peers speak the shadow redundancy verbs.
+
+It owns peer authentication (AUTH PLAIN with the node's FQDN as user and the
+cluster secret as password; over STARTTLS when the connector has a
+certificate), and the server side of XSHADOWREQUEST, XSHADOW, XQDISCARD and
+MAIL ``XSHADOW=`` (PROTOCOL.md sections 2-4). Every X-verb from a session that
+has not proven membership gets ``550 5.7.1 Not authorized``. It decides nothing
+about promotion or storage itself: it calls the node's shadow manager.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Any, Callable
+
+from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session, syntax
+
+from . import replies
+from .protocol import (ProtocolError, encode_dbid, encode_fqdn, format_discard_reply, parse_xqdiscard,
+                       parse_xshadow, parse_xshadowrequest, redundancy_reply, split_xshadow_param)
+from .receive import FrontendHandler, LimitedSMTP, MessageRejected
+
+log = logging.getLogger("transportd.transport")
+
+S501_INVALID_ARGUMENTS = "501 5.5.4 Invalid arguments"
+S503_BAD_SEQUENCE = "503 5.5.1 Bad sequence of commands"
+S421_NOT_AVAILABLE = "421 4.3.2 Service not available"
+
+
+def peer_name(session: Session) -> str | None:
+    """The authenticated boundary peer of a session, or None."""
+    if getattr(session, "authenticated", False) and isinstance(getattr(session, "auth_data", None), str):
+        return session.auth_data
+    return None
+
+
+def make_peer_authenticator(peers: set[str], secret: str) -> Callable[..., AuthResult]:
+    def authenticator(server: SMTP, session: Session, envelope: Envelope, mechanism: str,
+                      auth_data: Any) -> AuthResult:
+        if isinstance(auth_data, LoginPassword) and secret:
+            user = auth_data.login.decode("utf-8", "replace").lower()
+            if user in peers and hmac.compare_digest(auth_data.password, secret.encode("utf-8")):
+                log.info("peer %s authenticated from %s", user, session.peer)
+                return AuthResult(success=True, auth_data=user)
+        log.warning("peer authentication failed from %s (%s)", session.peer, mechanism)
+        return AuthResult(success=False, handled=False)
+    return authenticator
+
+
+class TransportSMTP(LimitedSMTP):
+    """LimitedSMTP plus the X-verbs, for the transport connector."""
+
+    def __init__(self, handler: "TransportHandler", **kwargs: Any):
+        super().__init__(handler, **kwargs)
+        self.manager = handler.manager
+
+    # -- helpers --------------------------------------------------------------------
+
+    async def _authorized(self) -> str | None:
+        name = peer_name(self.session)
+        if name is None:
+            log.warning("X-verb from unauthenticated session %s refused", self.session.peer)
+            await self.push(replies.S550_NOT_AUTHORIZED)
+        return name
+
+    # -- verbs ----------------------------------------------------------------------
+
+    @syntax("XSHADOWREQUEST fqdn base64-queue-database-id")
+    async def smtp_XSHADOWREQUEST(self, arg: str | None) -> None:
+        if await self._authorized() is None:
+            return
+        if self.envelope.mail_from is not None:
+            await self.push(S503_BAD_SEQUENCE)
+            return
+        try:
+            request = parse_xshadowrequest(arg)
+        except ProtocolError as exc:
+            log.warning("XSHADOWREQUEST from %s: %s", self.session.peer, exc)
+            await self.push(S501_INVALID_ARGUMENTS)
+            return
+        if not self.manager.accepting:
+            await self.push(S421_NOT_AVAILABLE)
+            return
+        if request.primary_fqdn != peer_name(self.session):
+            log.warning("XSHADOWREQUEST: peer %s claims to be %s", peer_name(self.session), request.primary_fqdn)
+            await self.push(replies.S550_NOT_AUTHORIZED)
+            return
+        await self.manager.primary_seen(request.primary_fqdn, request.primary_dbid)
+        self.session.shadow_request = request
+        await self.push(f"250 {encode_fqdn(self.manager.node_name)}")
+
+    @syntax("XSHADOW base64-fqdn")
+    async def smtp_XSHADOW(self, arg: str | None) -> None:
+        name = await self._authorized()
+        if name is None:
+            return
+        if self.envelope.mail_from is not None:
+            await self.push(S503_BAD_SEQUENCE)
+            return
+        try:
+            fqdn = parse_xshadow(arg)
+        except ProtocolError as exc:
+            log.warning("XSHADOW from %s: %s", self.session.peer, exc)
+            await self.push(S501_INVALID_ARGUMENTS)
+            return
+        if fqdn != name:
+            log.warning("XSHADOW: peer %s claims to be %s", name, fqdn)
+            await self.push(replies.S550_NOT_AUTHORIZED)
+            return
+        self.session.xshadow_peer = fqdn
+        await self.push(f"250 {encode_dbid(self.manager.queue_database_id)}")
+
+    @syntax("XQDISCARD max-count")
+    async def smtp_XQDISCARD(self, arg: str | None) -> None:
+        if await self._authorized() is None:
+            return
+        peer = getattr(self.session, "xshadow_peer", None)
+        if peer is None:
+            await self.push(S503_BAD_SEQUENCE)
+            return
+        try:
+            n = parse_xqdiscard(arg)
+        except ProtocolError:
+            await self.push(S501_INVALID_ARGUMENTS)
+            return
+        guids = await self.manager.take_discard_events(peer, n)
+        for line in format_discard_reply(guids):
+            self._writer.write(line.encode("ascii") + b"\r\n")
+        await self._writer.drain()
+
+    async def smtp_MAIL(self, arg: str | None) -> None:
+        if arg and "XSHADOW=" in arg.upper():
+            if await self._authorized() is None:
+                return
+            if not (getattr(self.session, "shadow_request", None) or getattr(self.session, "xshadow_peer", None)):
+                await self.push(S503_BAD_SEQUENCE)
+                return
+            try:
+                rest, guid = split_xshadow_param(arg)
+            except ProtocolError:
+                await self.push(S501_INVALID_ARGUMENTS)
+                return
+            await super().smtp_MAIL(rest)
+            if self.envelope.mail_from is not None:
+                self.envelope.xshadow_guid = guid
+            return
+        await super().smtp_MAIL(arg)
+
+
+class TransportHandler(FrontendHandler):
+    """DATA on the transport connector: a shadow copy, a hop-by-hop primary, or plain submission."""
+
+    def __init__(self, cfg: Any, accept: Any, manager: Any):
+        super().__init__(cfg, accept, "transport")
+        self.manager = manager
+
+    async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope, address: str,
+                          rcpt_options: list[str]) -> str:
+        if peer_name(session) is not None:
+            # A boundary peer relays for the whole boundary: no relay check, no recipient limit
+            # beyond its own (the primary already applied them).
+            from .routing import valid_address
+            if not valid_address(address):
+                return replies.S501_BAD_ADDRESS
+            envelope.rcpt_tos.append(address)
+            envelope.rcpt_options.extend(rcpt_options)
+            return replies.S250_RECIPIENT_OK
+        return await super().handle_RCPT(server, session, envelope, address, rcpt_options)
+
+    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        guid = getattr(envelope, "xshadow_guid", None)
+        request = getattr(session, "shadow_request", None)
+        if guid and request is not None:
+            import asyncio
+            task = asyncio.ensure_future(self.manager.store_shadow(envelope, session, request, guid))
+            try:
+                internal_id, message_id = await asyncio.shield(task)
+            except MessageRejected as exc:
+                return exc.reply
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001
+                log.exception("storing a shadow copy for %s failed", request.primary_fqdn)
+                return replies.S451_INTERNAL
+            return redundancy_reply(message_id, internal_id, self.manager.node_name)
+        return await super().handle_DATA(server, session, envelope)
