@@ -26,10 +26,19 @@ SMTP_SINK = shutil.which("smtp-sink") or "/usr/sbin/smtp-sink"
 SWAKS = shutil.which("swaks") or "/usr/bin/swaks"
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A free port never handed out before in this test run (a sink not yet started must not
+    have its port picked again for a node)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def wait_port(host: str, port: int, timeout: float = 15.0, proc: subprocess.Popen | None = None) -> None:
