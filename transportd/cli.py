@@ -476,6 +476,213 @@ def message_remove(cfg: Config, message_id: int, ndr: bool) -> None:
     click.echo(f"message {message_id} removed" + (" (NDR queued to the sender)" if created else ""))
 
 
+# ---------------------------------------------------------------------------- shadow
+
+@cli.group("shadow")
+def shadow_group() -> None:
+    """Shadow queues this node holds for its primaries (Shadow Redundancy Manager)."""
+
+
+def shadow_rows(cfg: Config) -> list[dict]:
+    from sqlalchemy import func, select
+    from .store import messages, shadow_contexts
+    store = open_store(cfg)
+    try:
+        def q(conn):
+            held = dict(conn.execute(select(messages.c.primary_node, func.count()).where(
+                messages.c.role == "shadow", messages.c.state == mq.QUEUED).group_by(messages.c.primary_node)).all())
+            safety = dict(conn.execute(select(messages.c.primary_node, func.count()).where(
+                messages.c.role == "shadow", messages.c.state == mq.SAFETY_NET).group_by(messages.c.primary_node)).all())
+            ctx = {r["peer"]: dict(r) for r in conn.execute(select(shadow_contexts)).mappings()}
+            out = []
+            for primary in sorted(set(held) | set(safety) | set(ctx)):
+                c = ctx.get(primary, {})
+                out.append({"primary": primary, "shadows": held.get(primary, 0),
+                            "shadow_safety_net": safety.get(primary, 0),
+                            "last_heartbeat_at": iso(c.get("last_heartbeat_at")),
+                            "consecutive_failures": c.get("consecutive_failures", 0),
+                            "queue_database_id": c.get("queue_database_id"),
+                            "last_error": c.get("last_error") or ""})
+            return out
+        return store.read(q)
+    finally:
+        store.close()
+
+
+@shadow_group.command("list")
+@node_options
+@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+def shadow_list(cfg: Config, as_json: bool) -> None:
+    """Per primary: shadows held, last successful heartbeat, consecutive failures, recorded DB ID."""
+    rows = shadow_rows(cfg)
+    if as_json:
+        emit_json(rows)
+        return
+    click.echo(table(["primary", "shadows", "safety net", "last heartbeat", "failures", "queue database id",
+                      "last error"],
+                     [(r["primary"], r["shadows"], r["shadow_safety_net"], r["last_heartbeat_at"] or "",
+                       r["consecutive_failures"], r["queue_database_id"] or "", r["last_error"]) for r in rows]))
+
+
+@shadow_group.command("show")
+@node_options
+@click.argument("primary")
+@click.option("--all", "include_done", is_flag=True, help="include copies in the Shadow Safety Net")
+@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+def shadow_show(cfg: Config, primary: str, include_done: bool, as_json: bool) -> None:
+    """The shadow copies held for one primary."""
+    from sqlalchemy import select
+    from .store import messages
+    store = open_store(cfg)
+    try:
+        def q(conn):
+            stmt = select(messages).where(messages.c.role == "shadow",
+                                          messages.c.primary_node == primary.lower()).order_by(messages.c.id)
+            if not include_done:
+                stmt = stmt.where(messages.c.state == mq.QUEUED)
+            return [dict(r) for r in conn.execute(stmt).mappings()]
+        rows = store.read(q)
+    finally:
+        store.close()
+    out = [{"id": r["id"], "network_message_id": r["network_message_id"], "shadow_guid": r["shadow_guid"],
+            "message_id": r["message_id"], "from": r["sender"], "size": r["size"],
+            "received_at": iso(r["received_at"]), "state": "Shadow" if r["state"] == mq.QUEUED else r["state"]}
+           for r in rows]
+    if as_json:
+        emit_json(out)
+        return
+    click.echo(table(["id", "shadow guid", "from", "size", "received", "state"],
+                     [(r["id"], r["shadow_guid"], r["from"] or "<>", r["size"], r["received_at"], r["state"])
+                      for r in out]))
+
+
+# ---------------------------------------------------------------------------- cluster
+
+@cli.group("cluster")
+def cluster_group() -> None:
+    """A local multi-node cluster on loopback (127.0.0.x addresses)."""
+
+
+def _cluster_options(fn: Callable) -> Callable:
+    options = [
+        click.option("--nodes", default=3, show_default=True, type=click.IntRange(1, 200)),
+        click.option("--sites", default=2, show_default=True, type=click.IntRange(1, 200)),
+        click.option("--ip-base", default=11, show_default=True, type=click.IntRange(2, 254),
+                     help="node N listens on 127.0.0.(ip-base + N - 1)"),
+        click.option("--frontend-port", default=2525, show_default=True, type=click.IntRange(1, 65535)),
+        click.option("--transport-port", default=2526, show_default=True, type=click.IntRange(1, 65535)),
+        click.option("--sink", "sink_address", default="127.0.0.10:2500", show_default=True,
+                     help="address of the external sink (outside the boundary)"),
+        click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
+                     help="a config value for every node, e.g. --set shadow_redundancy.shadow_heartbeat_frequency=2"),
+    ]
+    for opt in reversed(options):
+        fn = opt(fn)
+    return fn
+
+
+def _generate(directory: Path, nodes: int, sites: int, ip_base: int, frontend_port: int, transport_port: int,
+              sink_address: str, overrides: tuple[str, ...], secret: str | None = None):
+    from .cluster import generate, parse_overrides
+    if sites > nodes:
+        raise click.BadParameter(f"{sites} sites need at least {sites} nodes", param_hint="--sites")
+    try:
+        host, _ = config_mod.parse_hostport(sink_address)
+        extra = parse_overrides(overrides)
+        specs = generate(directory, nodes=nodes, sites=sites, ip_base=ip_base, frontend_port=frontend_port,
+                         transport_port=transport_port, sink_address=sink_address, overrides=extra,
+                         secret=secret)
+    except ValueError as exc:
+        raise ConfigCliError(str(exc)) from None
+    if not host.startswith("127."):
+        raise ConfigCliError("--sink: the local cluster stays on loopback (127.0.0.0/8)")
+    for spec in specs:
+        load_config(spec.config, None)  # a bad --set fails here, naming the key
+    return specs
+
+
+@cluster_group.command("config")
+@click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="folder for the node configs")
+@_cluster_options
+def cluster_config(out: str, nodes: int, sites: int, ip_base: int, frontend_port: int, transport_port: int,
+                   sink_address: str, overrides: tuple[str, ...]) -> None:
+    """Write the node configs of a local cluster without starting it."""
+    specs = _generate(Path(out), nodes, sites, ip_base, frontend_port, transport_port, sink_address, overrides)
+    for s in specs:
+        click.echo(f"{s.config}  {s.name}  {s.site}  frontend {s.frontend}  transport {s.transport}")
+
+
+@cluster_group.command("up")
+@click.option("--data-dir", "data_dir", type=click.Path(file_okay=False), default="./data/cluster",
+              show_default=True, help="folder for configs, node data, the sink and cluster.json")
+@_cluster_options
+def cluster_up(data_dir: str, nodes: int, sites: int, ip_base: int, frontend_port: int, transport_port: int,
+               sink_address: str, overrides: tuple[str, ...]) -> None:
+    """Start the cluster in the foreground (Ctrl-C or SIGTERM stops every process)."""
+    from .cluster import Cluster
+    directory = Path(data_dir).resolve()
+    secret = None
+    old = directory / "node1.toml"
+    if old.exists():  # keep the secret of an existing cluster so its data dirs stay usable
+        import tomllib
+        try:
+            secret = tomllib.loads(old.read_text()).get("cluster", {}).get("secret")
+        except (tomllib.TOMLDecodeError, OSError):
+            secret = None
+    specs = _generate(directory, nodes, sites, ip_base, frontend_port, transport_port, sink_address,
+                      overrides, secret=secret)
+    cluster = Cluster(directory, specs, sink_address)
+    cluster.start()
+    first = specs[0]
+    host, _, port = first.frontend.rpartition(":")
+    click.echo(f"[cluster] {len(specs)} nodes in {sites} site(s), sink on {sink_address} "
+               f"storing mail in {directory / 'sink' / 'new'}; cluster.json in {directory}")
+    click.echo(f"[cluster] try: swaks --server {host}:{port} --to someone@elsewhere.test  "
+               f"(or --to alice@example.test for a local mailbox)")
+    click.echo(f"[cluster]      transportd shadow list --config {specs[1].config if len(specs) > 1 else first.config}")
+    sys.exit(cluster.wait())
+
+
+@cluster_group.command("status")
+@click.option("--data-dir", "data_dir", type=click.Path(file_okay=False), default="./data/cluster",
+              show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+def cluster_status(data_dir: str, as_json: bool) -> None:
+    """Each node alive or not, with its queue and shadow counts."""
+    import socket as socket_mod
+    from .cluster import load_cluster_json, pid_alive
+    try:
+        doc = load_cluster_json(Path(data_dir).resolve())
+    except FileNotFoundError as exc:
+        raise CliError(str(exc)) from None
+    rows = []
+    for n in doc["nodes"]:
+        host, _, port = n["frontend"].rpartition(":")
+        listening = False
+        try:
+            with socket_mod.create_connection((host, int(port)), timeout=0.5):
+                listening = True
+        except OSError:
+            pass
+        queued = shadows = None
+        cfg = load_config(n["config"], None)
+        if cfg.db_path.exists():
+            try:
+                queued = sum(q["message_count"] for q in queue_rows(cfg))
+                shadows = sum(r["shadows"] for r in shadow_rows(cfg))
+            except CliError:
+                pass
+        rows.append({"name": n["name"], "site": n["site"], "frontend": n["frontend"], "transport": n["transport"],
+                     "pid": n.get("pid"), "alive": pid_alive(n.get("pid")) and listening,
+                     "queued": queued, "shadows": shadows})
+    if as_json:
+        emit_json(rows)
+        return
+    click.echo(table(["node", "site", "frontend", "transport", "pid", "alive", "queued", "shadows held"],
+                     [(r["name"], r["site"], r["frontend"], r["transport"], r["pid"], "yes" if r["alive"] else "NO",
+                       r["queued"], r["shadows"]) for r in rows]))
+
+
 # ---------------------------------------------------------------------------- tracking
 
 def parse_when(value: str | None, name: str) -> datetime | None:

@@ -507,6 +507,8 @@ def default_for_data_dir(data_dir: str | Path) -> Config:
 
 
 def format_value(key: Key, value: Any) -> str:
+    if key.name == "secret":
+        return "*** (set)" if value else '"" (not set)'
     if key.kind == DUR:
         return format_duration(value)
     if key.kind == SIZE:

@@ -312,8 +312,9 @@ def setup_logging(level: str = "info", fmt: str = "text", name: str = "") -> Non
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
-    for noisy in ("mail.log", "aiosmtpd", "aiosmtplib"):
+    for noisy in ("aiosmtpd", "aiosmtplib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("mail.log").setLevel(logging.ERROR)  # aiosmtpd's per-line chatter and deprecations
 
 
 def serve(cfg: Config) -> int:

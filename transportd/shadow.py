@@ -107,6 +107,7 @@ class ShadowManager:
                                  start_tls=tls, validate_certs=False)
         await client.connect()
         try:
+            await client.ehlo()
             if not client.supports_extension("xshadowrequest"):
                 raise ProtocolError(f"{peer.name} does not advertise XSHADOWREQUEST")
             await client.auth_plain(self.node_name, self.cfg.cluster.secret)

@@ -64,6 +64,11 @@ class TransportSMTP(LimitedSMTP):
             await self.push(replies.S550_NOT_AUTHORIZED)
         return name
 
+    async def _push_raw(self, line: str) -> None:
+        """A reply exactly as PROTOCOL.md writes it (no enhanced status code added)."""
+        self._writer.write(line.encode("ascii") + b"\r\n")
+        await self._writer.drain()
+
     # -- verbs ----------------------------------------------------------------------
 
     @syntax("XSHADOWREQUEST fqdn base64-queue-database-id")
@@ -88,7 +93,7 @@ class TransportSMTP(LimitedSMTP):
             return
         await self.manager.primary_seen(request.primary_fqdn, request.primary_dbid)
         self.session.shadow_request = request
-        await self.push(f"250 {encode_fqdn(self.manager.node_name)}")
+        await self._push_raw(f"250 {encode_fqdn(self.manager.node_name)}")
 
     @syntax("XSHADOW base64-fqdn")
     async def smtp_XSHADOW(self, arg: str | None) -> None:
@@ -109,7 +114,7 @@ class TransportSMTP(LimitedSMTP):
             await self.push(replies.S550_NOT_AUTHORIZED)
             return
         self.session.xshadow_peer = fqdn
-        await self.push(f"250 {encode_dbid(self.manager.queue_database_id)}")
+        await self._push_raw(f"250 {encode_dbid(self.manager.queue_database_id)}")
 
     @syntax("XQDISCARD max-count")
     async def smtp_XQDISCARD(self, arg: str | None) -> None:
@@ -154,6 +159,11 @@ class TransportHandler(FrontendHandler):
     def __init__(self, cfg: Any, accept: Any, manager: Any):
         super().__init__(cfg, accept, "transport")
         self.manager = manager
+
+    async def handle_EHLO(self, server: SMTP, session: Session, envelope: Envelope, hostname: str,
+                          responses: list[str]) -> list[str]:
+        out = await super().handle_EHLO(server, session, envelope, hostname, responses)
+        return out[:-1] + ["250-XSHADOWREQUEST", out[-1]]
 
     async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope, address: str,
                           rcpt_options: list[str]) -> str:
