@@ -111,7 +111,11 @@ def generate(directory: Path, *, nodes: int = 3, sites: int = 2, ip_base: int = 
             "transport": {"listen": spec.transport},
             "cluster": {"secret": secret},
             "routing": {"accepted_domains": ["example.test"], "trusted_networks": ["127.0.0.1/32"],
-                        "smart_host": sink_address},
+                        "smart_host": sink_address, "mailbox_database": "MDB01"},
+            # One mailbox database per node; example.test lives in MDB01 (on node1) unless a
+            # routing.mailbox_database_rules entry says otherwise: mail for it received elsewhere
+            # travels to node1 hop by hop (XSHADOW).
+            "mailbox_databases": {f"MDB{j + 1:02d}": o.name for j, o in enumerate(specs)},
             "shadow_redundancy": {"shadow_redundancy_enabled": True,
                                   "shadow_heartbeat_frequency": "10s", "shadow_resubmit_time_span": "60s"},
         }

@@ -270,6 +270,9 @@ KEYS: tuple[Key, ...] = (
         "client networks allowed to relay to any domain without AUTH (CIDR list); empty = no relay"),
     Key("routing", "smart_host", "", _optional_hostport,
         "next hop for every non-accepted domain ('host:port'); empty = MX lookup", "SmartHosts"),
+    Key("routing", "mailbox_database_rules", [], _str_list,
+        "'pattern=DATABASE' entries mapping recipients to mailbox databases ('alice@example.test=MDB02', "
+        "'*@sales.example.test=MDB03'); the first match wins, else routing.mailbox_database"),
     Key("routing", "mailbox_database", "local", _str,
         "name of this node's mailbox database (the queue for local delivery is 'mailbox:<name>')"),
     # delivery (send connector and queues)
@@ -376,7 +379,7 @@ def _section_of(raw: dict, section: str, source: str) -> dict:
 
 
 def load_dict(raw: dict, source: str = "<config>", base_dir: Path | None = None,
-              extra_sections: tuple[str, ...] = ("peers",)) -> Config:
+              extra_sections: tuple[str, ...] = ("peers", "mailbox_databases")) -> Config:
     """Validate a parsed TOML document; ConfigError names the first bad key."""
     by_section: dict[str, dict[str, Key]] = {}
     for k in KEYS:
@@ -404,6 +407,7 @@ def load_dict(raw: dict, source: str = "<config>", base_dir: Path | None = None,
         cfg.node.name = socket.getfqdn() or "localhost"
     cfg.raw = raw
     cfg.peers = _peers(raw.get("peers", []), source, cfg.node.name)
+    cfg.mailbox_databases = _mailbox_databases(raw.get("mailbox_databases", {}), source)
     _cross_checks(cfg, source)
     return cfg
 
@@ -443,7 +447,27 @@ def _peers(value: Any, source: str, me: str) -> list[PeerConfig]:
     return out
 
 
+def _mailbox_databases(value: Any, source: str) -> dict[str, str]:
+    """``[mailbox_databases]``: DATABASE = "node FQDN" (the node holding it)."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: [mailbox_databases] must be a table of DATABASE = \"node FQDN\"")
+    out = {}
+    for db, node in value.items():
+        if not isinstance(node, str) or not node.strip():
+            raise ConfigError(f"{source}: mailbox_databases.{db}: expected the FQDN of the node holding it")
+        out[db] = node.strip().lower()
+    return out
+
+
 def _cross_checks(cfg: Config, source: str) -> None:
+    for rule in cfg.routing.mailbox_database_rules:
+        pattern, eq, db = rule.partition("=")
+        if not eq or not pattern.strip() or not db.strip():
+            raise ConfigError(f"{source}: routing.mailbox_database_rules: expected 'pattern=DATABASE', got {rule!r}")
+    known = {cfg.node.name.lower()} | {p.name for p in cfg.peers}
+    for db, node in cfg.mailbox_databases.items():
+        if node not in known:
+            raise ConfigError(f"{source}: mailbox_databases.{db}: {node} is neither this node nor a configured peer")
     if cfg.peers and not cfg.cluster.secret:
         raise ConfigError(f"{source}: cluster.secret: required when [[peers]] are configured")
     if cfg.peers and not cfg.transport.listen:

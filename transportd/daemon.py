@@ -31,7 +31,7 @@ from .mailqueue import NewMessage
 from .receive import (ConnectionCounter, FrontendHandler, MessageRejected, new_network_message_id,
                       prepare_message, smtp_factory)
 from .replies import S451_NOT_REDUNDANT, S451_STORE_UNAVAILABLE, S554_HOP_COUNT, S554_NO_VALID_RECIPIENTS
-from .shadow import ShadowManager, record_shadow_job
+from .shadow import ShadowManager, _network_id_from, record_shadow_job
 from .transport import TransportHandler, TransportSMTP, make_peer_authenticator
 from .routing import bifurcate
 from .store import QueueStore, StoreError, meta
@@ -159,8 +159,9 @@ class Node:
             raise MessageRejected(S554_NO_VALID_RECIPIENTS)
         peer = session.peer or ("", 0)
         client_ip = str(peer[0])
-        netid = new_network_message_id()
         data = envelope.original_content or b""
+        from .transport import peer_name
+        netid = (peer_name(session) and _network_id_from(data)) or new_network_message_id()
         prepared = prepare_message(data, node_name=cfg.node.name, client_ip=client_ip,
                                    helo=session.host_name or "", network_message_id=netid, now=now,
                                    connector=connector, tls=session.ssl is not None)

@@ -22,12 +22,15 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import aiosmtplib
+from sqlalchemy import insert
 
 from . import mailqueue as mq
 from .dsn import RecipientReport, build_dsn, status_from_reply
 from .mailqueue import NewMessage, Outcome, WorkItem
 from .receive import split_headers
-from .routing import DNS, MAILBOX, bifurcate
+from .protocol import ProtocolError
+from .routing import DNS, MAILBOX, PEER, bifurcate
+from .store import shadow_forks
 
 log = logging.getLogger("transportd.delivery")
 
@@ -190,7 +193,8 @@ class DeliveryAgent:
     # -------------------------------------------------------------------- outcomes
 
     async def _commit(self, batch: list[WorkItem], outcomes: dict[int, list[Outcome]], now: float,
-                      queue_error: str | None = None, remote: str = "") -> None:
+                      queue_error: str | None = None, remote: str = "",
+                      forks: Sequence[tuple[int, str, str, int]] = ()) -> None:
         """Write outcomes (and DSNs) durably, then log the tracking events."""
         d = self.cfg.delivery
         hold = self.cfg.safety_net.safety_net_hold_time
@@ -224,6 +228,11 @@ class DeliveryAgent:
                     dsn = dsn_message(self.cfg, row, body, reports, now)
                     if dsn is not None:
                         dsn_id = (mq.enqueue(conn, dsn), dsn)
+                for message_id, primary, guid, queue_id in forks:
+                    if message_id == it.message_id:
+                        conn.execute(insert(shadow_forks).values(message_id=message_id, primary_node=primary,
+                                                                 shadow_guid=guid, queue_id=queue_id,
+                                                                 created_at=now))
                 mq.finish_if_done(conn, it.message_id, now, hold)
                 result[it.message_id] = dsn_id
             return result
@@ -250,6 +259,9 @@ class DeliveryAgent:
                     self.node.track(event, "STOREDRIVER", row, recipients=rcpts,
                                     recipient_status=["250 2.0.0 " + ("duplicate dropped" if dup else "delivered")]
                                     * len(rcpts), source_context=f"MDB:{it.next_hop}")
+                elif it.delivery_type == PEER:
+                    self.node.track("SEND", "SMTP", row, recipients=rcpts, recipient_status=[reply] * len(rcpts),
+                                    source_context=reply, connector_id=it.queue_identity, server_ip=remote)
                 else:
                     self.node.track("SENDEXTERNAL", "SMTP", row, recipients=rcpts,
                                     recipient_status=[reply] * len(rcpts), source_context=reply,
@@ -298,12 +310,19 @@ class DeliveryAgent:
     # -------------------------------------------------------------------- SMTP send connector
 
     async def targets(self, item: WorkItem) -> list[SmtpTarget]:
+        if item.delivery_type == PEER:
+            peer = self.node.shadow.by_name.get(item.next_hop) if self.node.shadow else None
+            if peer is None:
+                raise NextHopUnavailable(f"{item.next_hop} is not a configured peer")
+            host, _, port = peer.transport.rpartition(":")
+            return [SmtpTarget(host, int(port))]
         if item.delivery_type == DNS:
             return await resolve_mx(item.next_hop, self.cfg.delivery.mx_port)
         host, _, port = item.next_hop.rpartition(":")
         return [SmtpTarget(host.strip("[]"), int(port))]
 
-    async def _connect(self, targets: list[SmtpTarget]) -> tuple[aiosmtplib.SMTP, SmtpTarget]:
+    async def _connect(self, targets: list[SmtpTarget], peer: str | None = None
+                       ) -> tuple[aiosmtplib.SMTP, SmtpTarget]:
         d = self.cfg.delivery
         errors = []
         for t in targets:
@@ -313,8 +332,10 @@ class DeliveryAgent:
             try:
                 await asyncio.wait_for(client.connect(timeout=d.send_connect_timeout), d.send_connect_timeout + 1)
                 await client.ehlo()
+                if peer is not None:
+                    await self.node.shadow.hop_session_start(client, peer)
                 return client, t
-            except (aiosmtplib.SMTPException, OSError, asyncio.TimeoutError) as exc:
+            except (aiosmtplib.SMTPException, OSError, asyncio.TimeoutError, ProtocolError) as exc:
                 errors.append(f"{t.host}:{t.port}: {_describe(exc)}")
                 try:
                     client.close()
@@ -324,9 +345,10 @@ class DeliveryAgent:
 
     async def deliver_smtp(self, batch: list[WorkItem]) -> None:
         now = time.time()
+        peer = batch[0].next_hop if batch[0].delivery_type == PEER else None
         try:
             targets = await self.targets(batch[0])
-            client, target = await self._connect(targets)
+            client, target = await self._connect(targets, peer)
         except NextHopUnavailable as exc:
             reply = f"451 4.4.0 Unable to connect to {batch[0].next_hop}: {exc}"
             await self._commit(batch, {it.message_id: [Outcome(r, mq.RETRY, reply) for r in it.recipient_ids]
@@ -336,8 +358,9 @@ class DeliveryAgent:
         progressed = False  # anything delivered or failed in this session
         try:
             for i, it in enumerate(batch):
+                guid = str(uuid.uuid4()) if peer else None
                 try:
-                    outs = await self._send_one(client, it)
+                    outs = await self._send_one(client, it, xshadow=guid)
                 except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError, OSError) as exc:
                     reply = f"451 4.4.2 Connection to {target.host}:{target.port} lost: {_describe(exc)}"
                     rest = batch[i:]
@@ -348,15 +371,17 @@ class DeliveryAgent:
                 # A session in which the next hop deferred everything puts the queue in Retry,
                 # with the reply as its last error, as a failed connection does.
                 queue_error = outs[-1].reply if outs and not progressed and i == len(batch) - 1 else None
+                forks = [(it.message_id, peer, guid, it.queue_id)] if peer and any(
+                    o.status == mq.DELIVERED for o in outs) else []
                 await self._commit([it], {it.message_id: outs}, time.time(), queue_error=queue_error,
-                                   remote=remote)
+                                   remote=remote, forks=forks)
         finally:
             try:
                 await asyncio.wait_for(client.quit(), 5)
             except Exception:  # noqa: BLE001
                 client.close()
 
-    async def _send_one(self, client: aiosmtplib.SMTP, it: WorkItem) -> list[Outcome]:
+    async def _send_one(self, client: aiosmtplib.SMTP, it: WorkItem, xshadow: str | None = None) -> list[Outcome]:
         row, body = await self.store.aread(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
         if row is None or body is None:
             return [Outcome(r, mq.FAILED, "550 5.3.0 message body missing from the queue database")
@@ -373,6 +398,8 @@ class DeliveryAgent:
                 options.append("BODY=8BITMIME")
         if client.supports_extension("size"):
             options.append(f"SIZE={len(body)}")
+        if xshadow:
+            options.append(f"XSHADOW={xshadow}")
         try:
             await client.mail(row["sender"], options=options)
         except aiosmtplib.SMTPResponseException as exc:

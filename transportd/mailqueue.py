@@ -15,7 +15,8 @@ from sqlalchemy import and_, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 
 from .routing import NextHop
-from .store import delivered_to, discard_events, message_bodies, message_shadows, messages, queues, recipients
+from .store import (delivered_to, discard_events, message_bodies, message_shadows, messages, queues,
+                    recipients, shadow_forks)
 
 # recipient statuses
 READY, RETRY, ACTIVE, DELIVERED, FAILED, REMOVED = "Ready", "Retry", "Active", "Delivered", "Failed", "Removed"
@@ -235,6 +236,10 @@ def finish_if_done(conn: Connection, message_id: int, now: float, safety_net_hol
         recipients.c.message_id == message_id, recipients.c.status.not_in(TERMINAL))).scalar()
     if pending:
         return False
+    forks = conn.execute(select(func.count()).select_from(shadow_forks).where(
+        shadow_forks.c.message_id == message_id)).scalar()
+    if forks:
+        return False  # a peer holds a fork as primary: we keep our copy until its discard
     state = conn.execute(select(messages.c.state).where(messages.c.id == message_id)).scalar()
     if state != QUEUED:
         return False

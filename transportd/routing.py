@@ -10,14 +10,16 @@ per next hop (bifurcation): one recipient row per (recipient, queue).
 
 from __future__ import annotations
 
+import fnmatch
 import ipaddress
 import re
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 MAILBOX = "SmtpDeliveryToMailbox"
 SMART_HOST = "SmartHostConnectorDelivery"
 DNS = "DnsConnectorDelivery"
+PEER = "SmtpRelayToMailboxDeliveryGroup"
 
 
 @dataclass(frozen=True)
@@ -47,11 +49,27 @@ def is_accepted(domain: str, accepted_domains: Iterable[str]) -> bool:
     return False
 
 
+def mailbox_database_for(address: str, rules: Sequence[str], default: str) -> str:
+    """The mailbox database of a recipient: first matching 'pattern=DATABASE' rule, else default."""
+    addr = address.lower()
+    for rule in rules:
+        pattern, _, db = rule.partition("=")
+        if fnmatch.fnmatchcase(addr, pattern.strip().lower()):
+            return db.strip()
+    return default
+
+
 def route(address: str, *, accepted_domains: Sequence[str], smart_host: str,
-          mailbox_database: str = "local") -> NextHop:
+          mailbox_database: str = "local", rules: Sequence[str] = (),
+          database_owners: Mapping[str, str] | None = None, this_node: str = "") -> NextHop:
     domain = domain_of(address)
     if is_accepted(domain, accepted_domains):
-        return NextHop(f"mailbox:{mailbox_database}", MAILBOX, mailbox_database)
+        db = mailbox_database_for(address, rules, mailbox_database)
+        owner = (database_owners or {}).get(db)
+        if owner and owner != this_node.lower():
+            # The database lives on another node of the boundary: hop-by-hop over XSHADOW.
+            return NextHop(f"peer:{owner}", PEER, owner)
+        return NextHop(f"mailbox:{db}", MAILBOX, db)
     if smart_host:
         return NextHop(f"smarthost:{smart_host}", SMART_HOST, smart_host)
     return NextHop(f"dns:{domain}", DNS, domain)
@@ -59,7 +77,9 @@ def route(address: str, *, accepted_domains: Sequence[str], smart_host: str,
 
 def route_config(address: str, cfg) -> NextHop:
     return route(address, accepted_domains=cfg.routing.accepted_domains,
-                 smart_host=cfg.routing.smart_host, mailbox_database=cfg.routing.mailbox_database)
+                 smart_host=cfg.routing.smart_host, mailbox_database=cfg.routing.mailbox_database,
+                 rules=cfg.routing.mailbox_database_rules,
+                 database_owners=getattr(cfg, "mailbox_databases", None), this_node=cfg.node.name)
 
 
 def bifurcate(recipients: Sequence[str], cfg) -> dict[NextHop, list[str]]:

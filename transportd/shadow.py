@@ -29,7 +29,7 @@ from .protocol import (Peer, ProtocolError, after_heartbeat, decode_dbid, encode
                        format_xshadowrequest, parse_discard_reply, shadow_attempts)
 from .receive import MessageRejected, new_network_message_id, prepare_message
 from .routing import bifurcate
-from .store import discard_events, message_shadows, messages, shadow_contexts
+from .store import discard_events, message_shadows, messages, recipients, shadow_contexts, shadow_forks
 
 log = logging.getLogger("transportd.shadow")
 
@@ -182,6 +182,21 @@ class ShadowManager:
                     self._release(s, ok)
         return ShadowResult(None, "; ".join(dict.fromkeys(reasons)) or "No suitable shadow servers")
 
+    async def hop_session_start(self, client: aiosmtplib.SMTP, peer_name: str) -> str:
+        """Authenticate and announce ourselves with XSHADOW on a hop-by-hop delivery session.
+
+        Returns the peer's queue database ID; a changed ID promotes what we hold for it at once.
+        """
+        if not client.supports_extension("xshadowrequest"):
+            raise ProtocolError(f"{peer_name} does not advertise XSHADOWREQUEST")
+        await client.auth_plain(self.node_name, self.cfg.cluster.secret)
+        resp = await client.execute_command(b"XSHADOW", encode_fqdn(self.node_name).encode("ascii"))
+        if resp.code != 250:
+            raise ProtocolError(f"XSHADOW answered {resp.code} {resp.message}")
+        dbid = decode_dbid(resp.message.strip())
+        await self.primary_seen(peer_name, dbid)
+        return dbid
+
     async def take_discard_events(self, shadow_node: str, n: int) -> list[str]:
         def job(conn):
             rows = conn.execute(select(discard_events.c.id, discard_events.c.shadow_guid)
@@ -257,7 +272,8 @@ class ShadowManager:
         def q(conn):
             held = conn.execute(select(messages.c.primary_node).where(
                 messages.c.role == "shadow", messages.c.state == mq.QUEUED).distinct()).scalars().all()
-            return sorted({p for p in held if p})
+            forks = conn.execute(select(shadow_forks.c.primary_node).distinct()).scalars().all()
+            return sorted({p for p in list(held) + list(forks) if p})
         return await self.node.store.aread(q)
 
     async def heartbeat(self, primary: str) -> bool:
@@ -337,7 +353,25 @@ class ShadowManager:
         for r in rows:
             self.node.track("HADISCARD", "SMTP", r, source_context=f"ExplicitlyDiscarded;{r['shadow_guid']}",
                             client_hostname=primary)
-        return len(rows)
+
+        def forks_job(conn):
+            found = conn.execute(select(shadow_forks.c.message_id, shadow_forks.c.shadow_guid).where(
+                shadow_forks.c.primary_node == primary, shadow_forks.c.shadow_guid.in_(guids))).all()
+            if not found:
+                return []
+            conn.execute(delete(shadow_forks).where(shadow_forks.c.primary_node == primary,
+                                                    shadow_forks.c.shadow_guid.in_(guids)))
+            out = []
+            for message_id, guid in found:
+                mq.finish_if_done(conn, message_id, now, hold)
+                row = mq.message_row(conn, message_id) or {"id": message_id}
+                out.append((row, guid))
+            return out
+        released = await self.node.store.write(forks_job)
+        for row, guid in released:
+            self.node.track("HADISCARD", "SMTP", row, source_context=f"ExplicitlyDiscarded;{guid}",
+                            client_hostname=primary)
+        return len(rows) + len(released)
 
     async def promote(self, primary: str, reason: str) -> int:
         """Make every shadow of ``primary`` a primary message of ours and deliver it."""
@@ -353,9 +387,22 @@ class ShadowManager:
                     role="primary", origin="promoted", redundancy="unprotected"))
             return [dict(r) for r in rows]
         rows = await self.node.store.write(job)
+
+        def forks_job(conn):
+            # Forks we handed to that peer: deliver them again (the receiving store drops duplicates).
+            found = conn.execute(select(shadow_forks.c.message_id, shadow_forks.c.queue_id).where(
+                shadow_forks.c.primary_node == primary)).all()
+            for message_id, queue_id in found:
+                conn.execute(update(recipients).where(
+                    recipients.c.message_id == message_id, recipients.c.queue_id == queue_id,
+                    recipients.c.status == mq.DELIVERED).values(status=mq.READY, next_retry_at=0.0,
+                                                                 completed_at=None))
+            conn.execute(delete(shadow_forks).where(shadow_forks.c.primary_node == primary))
+            return [mq.message_row(conn, m) or {"id": m} for m, _ in found]
+        rows += await self.node.store.write(forks_job)
         for r in rows:
             self.node.track("RESUBMIT", "REDUNDANCY", r, source_context=f"{primary} ({reason})",
-                            reference=str(r.get("primary_internal_id") or r.get("shadow_guid") or ""))
+                            reference=str(r.get("primary_internal_id") or r.get("shadow_guid") or r.get("id")))
         if rows:
             log.warning("promoted %d shadow(s) of %s (%s)", len(rows), primary, reason)
             if self.node.delivery is not None:

@@ -43,7 +43,7 @@ log = logging.getLogger("transportd.store")
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 metadata = MetaData()
 
@@ -160,12 +160,32 @@ discard_events = Table(
 Index("ix_discard_events_node", discard_events.c.shadow_node, discard_events.c.id)
 
 
+# Hop-by-hop shadows (PROTOCOL.md section 3): after a peer took a message (or one fork of it) as
+# primary, the sender keeps its copy until that peer's discard. Added in schema version 2.
+shadow_forks = Table(
+    "shadow_forks", metadata,
+    Column("message_id", Integer, ForeignKey("messages.id", ondelete="CASCADE"), nullable=False),
+    Column("primary_node", String, nullable=False),  # the peer that became primary
+    Column("shadow_guid", String, nullable=False),
+    Column("queue_id", Integer, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+Index("ix_shadow_forks_primary", shadow_forks.c.primary_node, shadow_forks.c.shadow_guid)
+Index("ix_shadow_forks_message", shadow_forks.c.message_id)
+
+
 # Each migration takes a connection inside a transaction. Index = version it produces - 1.
 def _migration_1(conn: Connection) -> None:
     metadata.create_all(conn)
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_migration_1]
+def _migration_2(conn: Connection) -> None:
+    shadow_forks.create(conn, checkfirst=True)
+    for ix in shadow_forks.indexes:
+        ix.create(conn, checkfirst=True)
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_migration_1, _migration_2]
 
 
 class StoreError(Exception):
