@@ -1,19 +1,8 @@
 #!/usr/bin/env bash
-# The README's main job: a transportd node on 127.0.0.1:2525 with a sink on 127.0.0.1:2500
-# standing in for the internet. Ctrl-C stops both.
+# The README's main job: a 3-node, 2-site transportd cluster on loopback plus an external sink.
+#   node1 127.0.0.11:2525 (site-a), node2 127.0.0.12:2525 (site-a), node3 127.0.0.13:2525 (site-b),
+#   sink 127.0.0.10:2500 (outside the boundary, stores mail in data/cluster/sink/new).
+# Ctrl-C stops every process. Extra arguments go to `transportd cluster up`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mkdir -p data
-transportd sink --listen 127.0.0.1:2500 --dir data/sink &
-SINK_PID=$!
-trap 'kill "$SINK_PID" 2>/dev/null || true; wait "$SINK_PID" 2>/dev/null || true' EXIT
-cat <<'MSG'
-
-  transportd is starting on 127.0.0.1:2525. Try, in another terminal:
-    swaks --server 127.0.0.1:2525 --to alice@example.test        # local mailbox: data/single-node/mailboxes/
-    swaks --server 127.0.0.1:2525 --to someone@elsewhere.test    # relayed to the sink: data/sink/new/
-    transportd queue list --config config/single-node.toml
-    transportd tracking search --config config/single-node.toml
-
-MSG
-transportd serve --config config/single-node.toml
+exec transportd cluster up --data-dir data/cluster "$@"

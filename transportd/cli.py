@@ -476,6 +476,38 @@ def message_remove(cfg: Config, message_id: int, ndr: bool) -> None:
     click.echo(f"message {message_id} removed" + (" (NDR queued to the sender)" if created else ""))
 
 
+@cli.command("redirect")
+@node_options
+@click.option("--target", required=True, help="the peer (FQDN) that takes over this node's queued messages")
+def redirect(cfg: Config, target: str) -> None:
+    """Drain this node's queues to a peer before maintenance (Exchange's Redirect-Message).
+
+    Every queued message goes to the peer hop by hop with XSHADOW: the peer becomes primary and
+    this node keeps a shadow until the peer's discard. A running daemon starts within a second;
+    a stopped one at its next start.
+    """
+    target = target.strip().lower()
+    if target not in {p.name for p in cfg.peers}:
+        known = ", ".join(p.name for p in cfg.peers) or "none configured"
+        raise ConfigCliError(f"--target: {target} is not a peer of {cfg.node.name} (peers: {known})")
+    store = open_store(cfg)
+    try:
+        moved = store.transaction(lambda c: mq.redirect_to_peer(c, target, time.time()))
+        trk = tracking_log_for(cfg, store)
+    finally:
+        store.close()
+    if trk is not None:
+        try:
+            for row in moved:
+                trk.write("REDIRECT", "ADMIN", internal_message_id=row["id"], message_id=row["message_id"],
+                          network_message_id=row["network_message_id"], sender_address=row["sender"],
+                          message_subject=row["subject"], total_bytes=row["size"],
+                          source_context=f"transportd redirect --target {target}")
+        finally:
+            trk.close()
+    click.echo(f"{len(moved)} message(s) redirected to {target} (queue peer:{target})")
+
+
 # ---------------------------------------------------------------------------- shadow
 
 @cli.group("shadow")

@@ -104,9 +104,11 @@ def generate(directory: Path, *, nodes: int = 3, sites: int = 2, ip_base: int = 
             name=f"{short}.{DOMAIN}", short=short, site=site_of(i, nodes, sites),
             frontend=f"{ip}:{frontend_port}", transport=f"{ip}:{transport_port}",
             data_dir=str((data_root / short).resolve()), config=str((directory / f"{short}.toml").resolve())))
+    # Configs name their data dir relative to their own folder, so a generated set can be moved.
+    rel = {spec.short: os.path.relpath(spec.data_dir, directory.resolve()) for spec in specs}
     for spec in specs:
         sections: dict[str, dict[str, Any]] = {
-            "node": {"name": spec.name, "site": spec.site, "data_dir": spec.data_dir},
+            "node": {"name": spec.name, "site": spec.site, "data_dir": rel[spec.short]},
             "frontend": {"listen": spec.frontend},
             "transport": {"listen": spec.transport},
             "cluster": {"secret": secret},
