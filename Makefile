@@ -7,7 +7,7 @@ install:
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 
 run: install
-	bash scripts/run-local.sh
+	bash scripts/run-local.sh $(ARGS)
 
 test:
 	$(PY) -m pytest -q

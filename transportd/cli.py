@@ -508,6 +508,52 @@ def redirect(cfg: Config, target: str) -> None:
     click.echo(f"{len(moved)} message(s) redirected to {target} (queue peer:{target})")
 
 
+@cli.group("safetynet")
+def safetynet_group() -> None:
+    """Safety Net: copies kept after processing, for resubmission (Exchange's Safety Net)."""
+
+
+@safetynet_group.command("resubmit")
+@node_options
+@click.option("--destination", required=True,
+              help="a mailbox database (MDB01) or a queue identity (smarthost:127.0.0.1:2500)")
+@click.option("--start", required=True, help="window start (ISO 8601)")
+@click.option("--end", default=None, help="window end (ISO 8601; default now)")
+@click.option("--from", "source", type=click.Choice(["primary", "shadow", "both"]), default="both",
+              show_default=True, help="which Safety Net of this node to resubmit from")
+def safetynet_resubmit(cfg: Config, destination: str, start: str, end: str | None, source: str) -> None:
+    """Queue again what this node's Safety Net holds for DESTINATION in a time window."""
+    from .safetynet import database_created_at, resubmit
+    s = parse_when(start, "--start").timestamp()
+    e = parse_when(end, "--end").timestamp() if end else time.time()
+    if e < s:
+        raise click.BadParameter("the window ends before it starts", param_hint="--end")
+    sources = ("primary", "shadow") if source == "both" else (source,)
+    store = open_store(cfg)
+    try:
+        done = store.transaction(lambda c: resubmit(c, cfg, destination=destination, start=s, end=e, sources=sources))
+        created = store.read(database_created_at)
+        trk = tracking_log_for(cfg, store)
+    finally:
+        store.close()
+    if trk is not None:
+        try:
+            for r in done:
+                trk.write("RESUBMIT", "SAFETYNET", internal_message_id=r.new_id, network_message_id=r.network_message_id,
+                          recipients=r.recipients, reference=str(r.original_id),
+                          source_context=f"{destination};MessageResubmit")
+        finally:
+            trk.close()
+    click.echo(f"{len(done)} message(s) resubmitted to {destination} from this node's Safety Net")
+    if created > s and "primary" in sources:
+        gap_end = fmt_time(min(created, e))
+        peers = ", ".join(p.name for p in cfg.peers) or "no peers configured"
+        click.echo(f"note: this queue database was created at {fmt_time(created)} UTC; the window before "
+                   f"{gap_end} UTC is not covered by its Primary Safety Net. Resubmit that part from the "
+                   f"peers' Shadow Safety Nets: transportd safetynet resubmit --from shadow ... on {peers}",
+                   err=True)
+
+
 # ---------------------------------------------------------------------------- shadow
 
 @cli.group("shadow")

@@ -1,0 +1,77 @@
+"""Safety Net resubmission (PROTOCOL.md section 5): copies kept after processing, replayed on request.
+
+It owns choosing, from this node's Primary or Shadow Safety Net, the messages of a
+time window that went (or would go) to one destination (a mailbox database or a
+queue identity), and queueing them again as new copies: the same
+network-message-id, origin ``resubmit``, DSNs suppressed. Duplicate detection at
+the mailbox store keeps users from seeing copies twice. Expiry of the Safety Net
+itself is the delivery agent's housekeeping.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, select
+from sqlalchemy.engine import Connection
+
+from . import mailqueue as mq
+from .routing import bifurcate
+from .store import meta, messages, recipients
+
+
+@dataclass
+class Resubmitted:
+    original_id: int
+    new_id: int
+    network_message_id: str
+    recipients: list[str]
+    source: str  # "primary" or "shadow"
+
+
+def destination_matches(hop_identity: str, destination: str) -> bool:
+    """A destination is a mailbox database name (MDB01) or a queue identity (smarthost:h:p)."""
+    if hop_identity == destination:
+        return True
+    return hop_identity == f"mailbox:{destination}" or hop_identity.startswith("peer:") and destination == hop_identity[5:]
+
+
+def database_created_at(conn: Connection) -> float:
+    value = conn.execute(select(meta.c.value).where(meta.c.key == "created_at")).scalar()
+    return float(value) if value else 0.0
+
+
+def resubmit(conn: Connection, cfg: Any, *, destination: str, start: float, end: float,
+             sources: tuple[str, ...] = ("primary", "shadow"), now: float | None = None) -> list[Resubmitted]:
+    now = time.time() if now is None else now
+    out: list[Resubmitted] = []
+    roles = [r for r in sources if r in ("primary", "shadow")]
+    rows = conn.execute(select(messages).where(
+        messages.c.state == mq.SAFETY_NET, messages.c.role.in_(roles),
+        and_(messages.c.received_at >= start, messages.c.received_at <= end)).order_by(messages.c.id)).mappings().all()
+    for m in rows:
+        body = mq.body(conn, m["id"])
+        if body is None:
+            continue
+        # A primary copy resubmits the recipients it delivered; a shadow copy never delivered
+        # anything itself, so all of its recipients count.
+        cond = recipients.c.message_id == m["id"]
+        if m["role"] == "primary":
+            cond = and_(cond, recipients.c.status == mq.DELIVERED)
+        addrs = list(conn.execute(select(recipients.c.address).where(cond)).scalars())
+        routed = bifurcate(addrs, cfg)
+        chosen = {hop: a for hop, a in routed.items() if destination_matches(hop.identity, destination)}
+        if not chosen:
+            continue
+        copy = mq.NewMessage(
+            network_message_id=m["network_message_id"], sender=m["sender"], data=body, recipients=chosen,
+            received_at=now, expires_at=now + cfg.delivery.message_expiration_timeout,
+            message_id=m["message_id"], submit_time=m["submit_time"], subject=m["subject"],
+            client_ip=m["client_ip"], client_hostname=m["client_hostname"], origin="resubmit",
+            suppress_dsn=True, redundancy="unprotected")
+        new_id = mq.enqueue(conn, copy)
+        out.append(Resubmitted(m["id"], new_id, m["network_message_id"],
+                               [a for v in chosen.values() for a in v], m["role"]))
+    return out
