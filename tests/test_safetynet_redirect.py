@@ -1,0 +1,140 @@
+"""Safety Net resubmission (unit, on a real queue database) and `transportd redirect` (real nodes)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from sqlalchemy import select, update
+
+from conftest import free_port, queued_id, swaks, wait_for, wait_port
+from transportd import mailqueue as mq
+from transportd.cluster import generate
+from transportd.config import load_dict
+from transportd.routing import bifurcate
+from transportd.safetynet import resubmit
+from transportd.store import QueueStore, messages, recipients
+
+
+def _cfg(tmp_path):
+    return load_dict({"node": {"name": "n1.t", "data_dir": str(tmp_path)},
+                      "routing": {"accepted_domains": ["example.test"], "mailbox_database": "MDB01",
+                                  "smart_host": "127.0.0.1:2500"}})
+
+
+def _processed(conn, cfg, rcpts, received_at, role="primary"):
+    """A message that went through delivery and sits in the Safety Net."""
+    m = mq.NewMessage(str(uuid.uuid4()), "a@b.test", b"Subject: s\r\n\r\nbody\r\n", bifurcate(rcpts, cfg),
+                      received_at, received_at + 1000, message_id=f"<{uuid.uuid4()}@t>", role=role,
+                      primary_node="n2.t" if role == "shadow" else None)
+    mid = mq.enqueue(conn, m)
+    if role == "primary":
+        conn.execute(update(recipients).where(recipients.c.message_id == mid).values(status=mq.ACTIVE))
+        ids = conn.execute(select(recipients.c.id).where(recipients.c.message_id == mid)).scalars().all()
+        mq.record_outcomes(conn, [mq.Outcome(r, mq.DELIVERED) for r in ids], received_at + 1,
+                           retry_interval=1, retry_count=1, long_interval=1)
+        mq.finish_if_done(conn, mid, received_at + 1, 3600)
+    else:
+        conn.execute(update(messages).where(messages.c.id == mid).values(state=mq.SAFETY_NET))
+    return mid, m.network_message_id
+
+
+def test_resubmit_picks_destination_window_and_safety_net(tmp_path):
+    cfg = _cfg(tmp_path)
+    store = QueueStore.open(tmp_path / "queue.db")
+    try:
+        now = 1_800_000_000.0
+        inside, netid = store.transaction(lambda c: _processed(c, cfg, ["alice@example.test", "x@far.test"], now - 50))
+        store.transaction(lambda c: _processed(c, cfg, ["bob@example.test"], now - 5000))  # before the window
+        store.transaction(lambda c: _processed(c, cfg, ["y@far.test"], now - 40))  # other destination
+        shadow, _ = store.transaction(lambda c: _processed(c, cfg, ["carol@example.test"], now - 30, role="shadow"))
+
+        done = store.transaction(lambda c: resubmit(c, cfg, destination="MDB01", start=now - 100, end=now,
+                                                    sources=("primary",), now=now))
+        assert [(r.original_id, r.recipients) for r in done] == [(inside, ["alice@example.test"])]
+        new = store.read(lambda c: mq.message_row(c, done[0].new_id))
+        assert new["network_message_id"] == netid and new["origin"] == "resubmit" and new["suppress_dsn"] == 1
+        assert store.read(lambda c: mq.body(c, done[0].new_id)) == b"Subject: s\r\n\r\nbody\r\n"
+
+        from_shadow = store.transaction(lambda c: resubmit(c, cfg, destination="MDB01", start=now - 100, end=now,
+                                                           sources=("shadow",), now=now))
+        assert [(r.original_id, r.recipients, r.source) for r in from_shadow] == [
+            (shadow, ["carol@example.test"], "shadow")]
+        by_queue = store.transaction(lambda c: resubmit(c, cfg, destination="smarthost:127.0.0.1:2500",
+                                                        start=now - 100, end=now, now=now))
+        assert sorted(r.recipients[0] for r in by_queue) == ["x@far.test", "y@far.test"]
+    finally:
+        store.close()
+
+
+def _cli(config, *args):
+    return subprocess.run([sys.executable, "-m", "transportd", *args, "--config", config],
+                          capture_output=True, text=True, timeout=60)
+
+
+def _events(config, **flt):
+    args = ["tracking", "search", "--json"]
+    for k, v in flt.items():
+        args += [f"--{k.replace('_', '-')}", v]
+    res = _cli(config, *args)
+    assert res.returncode == 0, res.stderr
+    return [json.loads(line) for line in res.stdout.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def two_nodes(tmp_path, procs, sink):
+    base = random.randint(20, 200)
+    specs = generate(tmp_path / "cluster", nodes=2, sites=1, ip_base=base, frontend_port=free_port(),
+                     transport_port=free_port(), sink_address=sink.address,
+                     overrides={"shadow_redundancy": {"shadow_heartbeat_frequency": 0.5,
+                                                      "shadow_resubmit_time_span": 60},
+                                "delivery": {"queue_poll_interval": 0.2, "transient_failure_retry_interval": 1,
+                                             "outbound_connection_failure_retry_interval": 1,
+                                             "send_connect_timeout": 2}})
+    for spec in specs:
+        log = open(tmp_path / f"{spec.short}.log", "wb")
+        proc = procs.add(subprocess.Popen([sys.executable, "-m", "transportd", "serve", "--config", spec.config],
+                                          stdout=log, stderr=subprocess.STDOUT))
+        host, _, port = spec.frontend.rpartition(":")
+        wait_port(host, int(port), proc=proc)
+    return specs
+
+
+def test_redirect_drains_a_node_to_its_peer_protected(two_nodes, sink):
+    node1, node2 = two_nodes
+    host, _, port = node1.frontend.rpartition(":")
+    # The sink is down: node1 keeps the message queued (shadowed on node2).
+    qid = queued_id(swaks(int(port), "--to", "carol@elsewhere.test", "--from", "bob@example.test", server=host))
+    wait_for(lambda: _events(node1.config, event_id="DEFER"), what="a DEFER on node1")
+
+    res = _cli(node1.config, "redirect", "--target", node2.name)
+    assert res.returncode == 0, res.stderr
+    assert "1 message(s) redirected" in res.stdout
+    assert [e["internal-message-id"] for e in _events(node1.config, event_id="REDIRECT")] == [str(qid)]
+
+    # node2 becomes primary over XSHADOW; node1 keeps its copy as a hop-by-hop shadow until node2's discard.
+    sends = wait_for(lambda: _events(node1.config, event_id="SEND"), what="SEND from node1 to node2")
+    netid = sends[0]["network-message-id"]
+    received = wait_for(lambda: [e for e in _events(node2.config, event_id="RECEIVE")
+                                 if e["network-message-id"] == netid], what="node2 RECEIVE")
+    assert received[0]["source-context"] == "transport"
+    sink.start()
+    wait_for(lambda: len(sink.messages()) >= 1, timeout=20, what="delivery by node2")
+    ext = _events(node2.config, event_id="SENDEXTERNAL")
+    assert [e["network-message-id"] for e in ext] == [netid]
+    wait_for(lambda: any(e["network-message-id"] == netid for e in _events(node1.config, event_id="HADISCARD")),
+             timeout=15, what="node1 releasing its copy after node2's discard")
+    time.sleep(1)
+    assert len(sink.messages()) == 1
+    assert _events(node1.config, event_id="SENDEXTERNAL") == []
+
+
+def test_redirect_refuses_an_unknown_target(two_nodes):
+    res = _cli(two_nodes[0].config, "redirect", "--target", "nobody.transportd.test")
+    assert res.returncode == 2
+    assert "is not a peer" in res.stderr and len(res.stderr.strip().splitlines()) == 1
