@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,10 +142,11 @@ class ShadowManager:
                                self.sr.max_retries_for_remote_site_shadow,
                                self.sr.max_retries_for_local_site_shadow, rotate=self._rotate)
 
-    async def make_shadow(self, msg: NewMessage, guid: str, recipients: list[str]) -> ShadowResult:
+    async def make_shadow(self, msg: NewMessage, guid: str, recipients: list[str],
+                          exclude: str | None = None) -> ShadowResult:
         """Copy ``msg`` to a peer before the sender gets its 250; tries peers as configured."""
         reasons: list[str] = []
-        candidates = self.attempts()
+        candidates = [p for p in self.attempts() if p.name != exclude]
         if not candidates:
             return ShadowResult(None, "No suitable shadow servers")
         for peer in candidates:
@@ -383,10 +385,12 @@ class ShadowManager:
                 messages.c.state == mq.QUEUED)).mappings().all()
             ids = [r["id"] for r in rows]
             if ids:
+                # "pending" keeps delivery off them until they are made redundant again.
                 conn.execute(update(messages).where(messages.c.id.in_(ids)).values(
-                    role="primary", origin="promoted", redundancy="unprotected"))
+                    role="primary", origin="promoted", redundancy="pending"))
             return [dict(r) for r in rows]
         rows = await self.node.store.write(job)
+        promoted = list(rows)
 
         def forks_job(conn):
             # Forks we handed to that peer: deliver them again (the receiving store drops duplicates).
@@ -403,11 +407,39 @@ class ShadowManager:
         for r in rows:
             self.node.track("RESUBMIT", "REDUNDANCY", r, source_context=f"{primary} ({reason})",
                             reference=str(r.get("primary_internal_id") or r.get("shadow_guid") or r.get("id")))
+        for r in promoted:
+            await self._reshadow(r, exclude=primary)
         if rows:
             log.warning("promoted %d shadow(s) of %s (%s)", len(rows), primary, reason)
             if self.node.delivery is not None:
                 self.node.delivery.wake()
         return len(rows)
+
+    async def _reshadow(self, row: dict, exclude: str) -> None:
+        """Make a promoted copy redundant again on another peer (or mark it unprotected)."""
+        now = time.time()
+        mid = row["id"]
+        body, addrs = await self.node.store.aread(lambda c: (mq.body(c, mid), list(c.execute(
+            select(recipients.c.address).where(recipients.c.message_id == mid,
+                                               recipients.c.status.in_(mq.PENDING))).scalars())))
+        result = ShadowResult(None, "No suitable shadow servers")
+        if self.enabled and body is not None and addrs:
+            msg = NewMessage(network_message_id=row["network_message_id"], sender=row["sender"], data=body,
+                             recipients={}, received_at=now, expires_at=now)
+            guid = str(uuid.uuid4())
+            result = await self.make_shadow(msg, guid, addrs, exclude=exclude)
+
+        def settle(conn):
+            if result.peer:
+                record_shadow_job(mid, result.peer, guid, now)(conn)
+            conn.execute(update(messages).where(messages.c.id == mid).values(
+                redundancy="shadowed" if result.peer else "unprotected"))
+        await self.node.store.write(settle)
+        if result.peer:
+            self.node.track("HAREDIRECT", "SMTP", row, recipients=addrs,
+                            source_context=f"{result.peer}={result.reply}")
+        else:
+            self.node.track("HAREDIRECTFAIL", "SMTP", row, recipients=addrs, source_context=result.reply)
 
     async def housekeeping(self, now: float) -> None:
         """Drop discard events nobody asked for; expire shadows never acknowledged."""

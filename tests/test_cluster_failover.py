@@ -1,0 +1,353 @@
+"""Shadow redundancy failover on a real 3-node, 2-site cluster (PROTOCOL.md sections 2-4).
+
+node1 and node2 are in site-a, node3 in site-b, so with PreferRemote every shadow made by node1
+or node2 lands on node3. Each test kills or restarts a primary at a chosen moment and checks, from
+the tracking logs (``transportd tracking search --json``), the smtp-sink's files and the Maildirs,
+what the shadow does about it:
+
+1. primary killed (-9) with the message queued: promotion after ShadowResubmitTimeSpan
+   (ShadowHeartbeatFailure) and exactly one delivery;
+2. primary restarted with a fresh queue database: promotion at once (ShadowStateChange);
+3. primary comes back with its database after the shadow was promoted: the mailbox store drops
+   the second copy (DUPLICATEDELIVER), one file in the Maildir;
+4. discard events are persisted: a primary restarted after delivery still answers XQDISCARD;
+5. primary killed after delivering but before the shadow heard of it: the promoted copy is sent
+   again (at-least-once, as Exchange documents).
+
+Where a test needs the shadow not to poll the primary during some window, it stops the shadow
+node (its shadow state lives in its queue database) instead of relying on heartbeat timing.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import free_port, queued_id, swaks, wait_for, wait_port
+from transportd import cluster as cluster_mod
+from transportd import config as config_mod
+from transportd.mailbox import MailboxStore
+from transportd.tracking import search as tracking_search
+
+FAST_DELIVERY = {"queue_poll_interval": 0.2, "transient_failure_retry_interval": 1,
+                 "outbound_connection_failure_retry_interval": 1, "send_connect_timeout": 2}
+
+
+class ClusterNode:
+    def __init__(self, spec: cluster_mod.NodeSpec, procs: Any, log_dir: Path):
+        self.spec = spec
+        self.procs = procs
+        self.name = spec.name
+        self.log_path = log_dir / f"{spec.short}.log"
+        self.proc: subprocess.Popen | None = None
+        host, _, port = spec.frontend.rpartition(":")
+        self.host, self.port = host, int(port)
+        self.cfg = config_mod.load(spec.config)
+
+    # -- process control ------------------------------------------------------------------
+
+    def start(self) -> "ClusterNode":
+        with open(self.log_path, "ab") as log:
+            self.proc = self.procs.add(subprocess.Popen(
+                [sys.executable, "-m", "transportd", "serve", "--config", self.spec.config],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+        wait_port(self.host, self.port, timeout=20, proc=self.proc)
+        return self
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=15)
+
+    # -- inspection -----------------------------------------------------------------------
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "transportd", *args, "--config", self.spec.config]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        if res.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)} exited {res.returncode}:\n{res.stdout}\n{res.stderr}")
+        return res
+
+    def cli_json(self, *args: str) -> list[dict]:
+        return [json.loads(line) for line in self.cli(*args, "--json").stdout.splitlines() if line.strip()]
+
+    def tracking(self, **filters: str) -> list[dict]:
+        """``transportd tracking search --json`` (a real CLI process)."""
+        args = ["tracking", "search"]
+        for k, v in filters.items():
+            args += [f"--{k.replace('_', '-')}", v]
+        return self.cli_json(*args)
+
+    def events(self, event_id: str, network_message_id: str | None = None) -> list[dict]:
+        """The same search in this process (cheap enough to poll)."""
+        if not self.cfg.tracking_dir.is_dir():
+            return []
+        return list(tracking_search(self.cfg.tracking_dir, event_id=event_id,
+                                    network_message_id=network_message_id))
+
+    def wait_event(self, event_id: str, network_message_id: str | None = None, timeout: float = 20,
+                   n: int = 1) -> list[dict]:
+        return wait_for(lambda: (lambda rows: rows if len(rows) >= n else None)(
+            self.events(event_id, network_message_id)), timeout=timeout, interval=0.1,
+            what=f"{n} {event_id} on {self.spec.short} for {network_message_id}")
+
+    def shadow_list(self) -> dict[str, dict]:
+        return {r["primary"]: r for r in self.cli_json("shadow", "list")}
+
+    def maildir(self, address: str) -> list[Path]:
+        return MailboxStore(Path(self.spec.data_dir) / "mailboxes").list(address)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+class LocalCluster:
+    def __init__(self, procs: Any, sink: Any, base: Path, overrides: dict[str, dict[str, Any]]):
+        self.sink = sink
+        merged = {"delivery": dict(FAST_DELIVERY), "node": {"log_level": "debug"}}
+        for section, values in overrides.items():
+            merged.setdefault(section, {}).update(values)
+        self.specs = cluster_mod.generate(
+            base / "cfg", nodes=3, sites=2, ip_base=random.randint(20, 200),
+            frontend_port=free_port(), transport_port=free_port(),
+            sink_address=sink.address, overrides=merged)
+        self.nodes = {s.short: ClusterNode(s, procs, base) for s in self.specs}
+
+    def __getitem__(self, short: str) -> ClusterNode:
+        return self.nodes[short]
+
+    def start(self, *shorts: str) -> None:
+        for short in shorts or tuple(self.nodes):
+            self.nodes[short].start()
+
+
+@pytest.fixture
+def make_cluster(procs, sink, tmp_path):
+    made: list[LocalCluster] = []
+
+    def factory(heartbeat: float, resubmit: float) -> LocalCluster:
+        c = LocalCluster(procs, sink, tmp_path, {"shadow_redundancy": {
+            "shadow_heartbeat_frequency": heartbeat, "shadow_resubmit_time_span": resubmit}})
+        made.append(c)
+        return c
+    yield factory
+    # Shown by pytest only when the test failed.
+    for c in made:
+        for n in c.nodes.values():
+            print(f"===== {n.spec.short} log (last 60 lines) =====")
+            print("\n".join(n.log().splitlines()[-60:]))
+
+
+def send(node: ClusterNode, to: str, sender: str = "zed@example.test", *extra: str) -> int:
+    return queued_id(swaks(node.port, "--to", to, "--from", sender, *extra, server=node.host))
+
+
+def accepted_with_shadow(primary: ClusterNode, shadow: ClusterNode, internal_id: int) -> str:
+    """The network-message-id of ``internal_id``, after checking HAREDIRECT to ``shadow`` and its HARECEIVE."""
+    redirect = [r for r in primary.wait_event("HAREDIRECT") if r["internal-message-id"] == str(internal_id)]
+    assert len(redirect) == 1, redirect
+    assert redirect[0]["source-context"].startswith(f"{shadow.name}=250 2.6.0 "), redirect[0]
+    netid = redirect[0]["network-message-id"]
+    assert netid
+    shadow.wait_event("HARECEIVE", netid)
+    return netid
+
+
+def shadow_guid(shadow: ClusterNode, primary: ClusterNode, netid: str) -> str:
+    rows = [r for r in shadow.cli_json("shadow", "show", primary.name, "--all") if r["network_message_id"] == netid]
+    assert len(rows) == 1, rows
+    return rows[0]["shadow_guid"]
+
+
+def sink_copies(sink: Any, netid: str) -> list[bytes]:
+    return [m for m in sink.messages() if netid.encode() in m]
+
+
+# ------------------------------------------------------------------------------ 1
+
+def test_primary_killed_with_message_queued_shadow_promotes_after_resubmit_span(make_cluster, sink):
+    c = make_cluster(heartbeat=0.5, resubmit=3)  # ceil(3 / 0.5) = 6 failed heartbeats
+    c.start()
+    n1, n3 = c["node1"], c["node3"]
+    mid = send(n1, "carol@foreign.test")
+    netid = accepted_with_shadow(n1, n3, mid)
+    # The smart host (sink) is down: node1 keeps the message queued.
+    n1.wait_event("DEFER", netid)
+    assert n3.shadow_list()[n1.name]["shadows"] == 1
+
+    n1.kill9()
+    killed = time.monotonic()
+    sink.start()
+    resubmit = n3.wait_event("RESUBMIT", netid, timeout=20)
+    promoted_after = time.monotonic() - killed
+    # Six failures in a row 0.5 s apart: not at the first failed heartbeat.
+    assert promoted_after >= 2.0, f"promoted {promoted_after:.1f}s after the primary died"
+
+    wait_for(lambda: sink_copies(sink, netid), timeout=20, what="promoted copy at the sink")
+    rows = n3.tracking(event_id="RESUBMIT", network_message_id=netid)
+    assert len(rows) == 1, rows
+    assert rows[0]["source"] == "REDUNDANCY"
+    assert rows[0]["source-context"] == f"{n1.name} (ShadowHeartbeatFailure)"
+    original = n1.tracking(event_id="HAREDIRECT", network_message_id=netid)
+    assert len(original) == 1 and original[0]["network-message-id"] == rows[0]["network-message-id"]
+    sent = n3.tracking(event_id="SENDEXTERNAL", network_message_id=netid)
+    assert len(sent) == 1 and sent[0]["recipient-address"] == "carol@foreign.test", sent
+    assert not n1.tracking(event_id="SENDEXTERNAL", network_message_id=netid)
+    assert n3.shadow_list()[n1.name]["shadows"] == 0
+
+    time.sleep(1.5)  # node1 stays dead: nothing else may arrive
+    assert len(sink_copies(sink, netid)) == 1
+    assert len(sink.messages()) == 1
+
+
+# ------------------------------------------------------------------------------ 2
+
+def test_primary_restarted_with_new_database_promotes_at_once(make_cluster, sink):
+    # A resubmit span of 60 s: only a changed queue database ID can explain a promotion.
+    c = make_cluster(heartbeat=0.5, resubmit=60)
+    c.start()
+    n1, n3 = c["node1"], c["node3"]
+    mid = send(n1, "carol@foreign.test")
+    netid = accepted_with_shadow(n1, n3, mid)
+    n1.wait_event("DEFER", netid)
+    old_dbid = wait_for(lambda: n3.shadow_list().get(n1.name, {}).get("queue_database_id"),
+                        what="node3 recorded node1's queue database ID")
+
+    n1.kill9()
+    shutil.rmtree(n1.spec.data_dir)
+    n1.start()
+    restarted = time.monotonic()
+    n3.wait_event("RESUBMIT", netid, timeout=15)
+    assert time.monotonic() - restarted < 15
+
+    rows = n3.tracking(event_id="RESUBMIT", network_message_id=netid)
+    assert len(rows) == 1, rows
+    assert rows[0]["source"] == "REDUNDANCY"
+    assert rows[0]["source-context"] == f"{n1.name} (ShadowStateChange)"
+    ctx = n3.shadow_list()[n1.name]
+    assert ctx["queue_database_id"] and ctx["queue_database_id"] != old_dbid
+    assert ctx["shadows"] == 0
+
+    sink.start()
+    wait_for(lambda: sink_copies(sink, netid), timeout=20, what="promoted copy at the sink")
+    sent = n3.tracking(event_id="SENDEXTERNAL", network_message_id=netid)
+    assert len(sent) == 1, sent
+    time.sleep(1.5)
+    assert len(sink_copies(sink, netid)) == 1  # the new node1 knows nothing of it
+    assert not n1.tracking(network_message_id=netid)
+
+
+# ------------------------------------------------------------------------------ 3
+
+def test_primary_back_with_same_database_after_promotion_mailbox_keeps_one_copy(make_cluster):
+    c = make_cluster(heartbeat=0.5, resubmit=3)
+    c.start()
+    n1, n2, n3 = c["node1"], c["node2"], c["node3"]
+    queue = f"peer:{n1.name}"
+
+    # Warm-up: creates node2's queue to node1 (a queue exists only once a message used it), and
+    # lets the whole hop-by-hop chain settle so only alice's message is in flight later.
+    warm = accepted_with_shadow(n2, n3, send(n2, "bob@example.test"))
+    n1.wait_event("DELIVER", warm)
+    n3.wait_event("HADISCARD", warm)
+    n2.cli("queue", "suspend", queue)
+
+    mid = send(n2, "alice@example.test")
+    netid = accepted_with_shadow(n2, n3, mid)
+    q = wait_for(lambda: [r for r in n2.cli_json("queue", "list") if r["identity"] == queue
+                          and r["message_count"] >= 1], what="alice's message in node2's suspended queue")
+    assert "suspend" in q[0]["state"].lower(), q
+    time.sleep(0.5)
+    assert not n1.events("DELIVER", netid) and not n1.maildir("alice@example.test")
+
+    n2.kill9()
+    rows = n3.wait_event("RESUBMIT", netid, timeout=20)
+    assert rows[0]["source-context"] == f"{n2.name} (ShadowHeartbeatFailure)"
+    delivered = n1.wait_event("DELIVER", netid, timeout=20)
+    assert delivered[0]["recipient-address"] == "alice@example.test"
+    assert len(n1.maildir("alice@example.test")) == 1
+
+    n2.start()  # same queue database: the queue is still suspended
+    n2.cli("queue", "resume", queue)
+    n1.wait_event("DUPLICATEDELIVER", netid, timeout=20)
+    n2.wait_event("SEND", netid, timeout=10)
+
+    dup = n1.tracking(event_id="DUPLICATEDELIVER", network_message_id=netid)
+    assert len(dup) == 1 and dup[0]["recipient-address"] == "alice@example.test", dup
+    assert len(n1.tracking(event_id="DELIVER", network_message_id=netid)) == 1
+    resubmit = n3.tracking(event_id="RESUBMIT", network_message_id=netid)
+    assert len(resubmit) == 1 and resubmit[0]["source"] == "REDUNDANCY", resubmit
+    files = n1.maildir("alice@example.test")
+    assert len(files) == 1, files
+    assert netid in files[0].name
+
+
+# ------------------------------------------------------------------------------ 4
+
+def test_discard_events_survive_a_primary_restart(make_cluster, sink):
+    c = make_cluster(heartbeat=0.5, resubmit=60)
+    c.start()
+    n1, n3 = c["node1"], c["node3"]
+    mid = send(n1, "carol@foreign.test")
+    netid = accepted_with_shadow(n1, n3, mid)
+    guid = shadow_guid(n3, n1, netid)
+    n1.wait_event("DEFER", netid)
+
+    # node3 is down while node1 delivers and restarts: only the restarted node1 can tell it.
+    assert n3.stop() == 0
+    sink.start()
+    n1.wait_event("SENDEXTERNAL", netid, timeout=15)
+    assert n1.stop() == 0
+    n1.start()
+    n3.start()
+
+    n3.wait_event("HADISCARD", netid, timeout=15)
+    rows = n3.tracking(event_id="HADISCARD", network_message_id=netid)
+    assert len(rows) == 1, rows
+    assert rows[0]["source-context"] == f"ExplicitlyDiscarded;{guid}"
+    assert not n3.tracking(event_id="RESUBMIT", network_message_id=netid)
+    ctx = n3.shadow_list()[n1.name]
+    assert ctx["shadows"] == 0 and ctx["shadow_safety_net"] == 1, ctx
+    time.sleep(1.0)
+    assert len(sink_copies(sink, netid)) == 1
+
+
+# ------------------------------------------------------------------------------ 5
+
+def test_primary_killed_after_delivery_before_discard_is_delivered_again(make_cluster, sink):
+    """At-least-once: the shadow cannot know the primary delivered; a foreign recipient gets two copies."""
+    c = make_cluster(heartbeat=0.5, resubmit=2)
+    c.start()
+    n1, n3 = c["node1"], c["node3"]
+    mid = send(n1, "carol@foreign.test")
+    netid = accepted_with_shadow(n1, n3, mid)
+    n1.wait_event("DEFER", netid)
+
+    assert n3.stop() == 0  # it must not fetch the discard before node1 dies
+    sink.start()
+    n1.wait_event("SENDEXTERNAL", netid, timeout=15)
+    n1.kill9()
+    n3.start()
+
+    rows = n3.wait_event("RESUBMIT", netid, timeout=20)
+    assert rows[0]["source-context"] == f"{n1.name} (ShadowHeartbeatFailure)"
+    wait_for(lambda: len(sink_copies(sink, netid)) == 2, timeout=20, what="second copy at the sink")
+    first = n1.tracking(event_id="SENDEXTERNAL", network_message_id=netid)
+    second = n3.tracking(event_id="SENDEXTERNAL", network_message_id=netid)
+    assert len(first) == 1 and len(second) == 1, (first, second)
+    assert first[0]["network-message-id"] == second[0]["network-message-id"] == netid
+    assert not n3.tracking(event_id="HADISCARD", network_message_id=netid)
