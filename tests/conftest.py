@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from transportd.cluster import toml_value
+
 REPO = Path(__file__).resolve().parent.parent
 SMTP_SINK = shutil.which("smtp-sink") or "/usr/sbin/smtp-sink"
 SWAKS = shutil.which("swaks") or "/usr/bin/swaks"
@@ -64,20 +66,6 @@ def wait_for(predicate, timeout: float = 15.0, interval: float = 0.1, what: str 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
-
-
-def toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + "}"
-    raise TypeError(v)
 
 
 def write_toml(path: Path, sections: dict[str, dict[str, Any]]) -> None:

@@ -459,6 +459,20 @@ def _mailbox_databases(value: Any, source: str) -> dict[str, str]:
     return out
 
 
+def _check_tls_files(cfg: Config, section: str, source: str) -> None:
+    """tls_certificate and tls_key of a connector: both or neither, existing files, made absolute."""
+    values = getattr(cfg, section)
+    if bool(values.tls_certificate) != bool(values.tls_key):
+        raise ConfigError(f"{source}: {section}.tls_key: tls_certificate and tls_key must be set together")
+    for key in ("tls_certificate", "tls_key"):
+        value = getattr(values, key)
+        if value:
+            p = Path(value) if Path(value).is_absolute() else cfg.base_dir / value
+            if not p.is_file():
+                raise ConfigError(f"{source}: {section}.{key}: no such file: {p}")
+            setattr(values, key, str(p))
+
+
 def _cross_checks(cfg: Config, source: str) -> None:
     for rule in cfg.routing.mailbox_database_rules:
         pattern, eq, db = rule.partition("=")
@@ -472,26 +486,9 @@ def _cross_checks(cfg: Config, source: str) -> None:
         raise ConfigError(f"{source}: cluster.secret: required when [[peers]] are configured")
     if cfg.peers and not cfg.transport.listen:
         raise ConfigError(f"{source}: transport.listen: required when [[peers]] are configured")
-    tr = cfg.transport
-    if bool(tr.tls_certificate) != bool(tr.tls_key):
-        raise ConfigError(f"{source}: transport.tls_key: tls_certificate and tls_key must be set together")
-    for key in ("tls_certificate", "tls_key"):
-        value = getattr(tr, key)
-        if value:
-            p = Path(value) if Path(value).is_absolute() else cfg.base_dir / value
-            if not p.is_file():
-                raise ConfigError(f"{source}: transport.{key}: no such file: {p}")
-            setattr(tr, key, str(p))
+    _check_tls_files(cfg, "transport", source)
+    _check_tls_files(cfg, "frontend", source)
     fe = cfg.frontend
-    if bool(fe.tls_certificate) != bool(fe.tls_key):
-        raise ConfigError(f"{source}: frontend.tls_key: tls_certificate and tls_key must be set together")
-    for key in ("tls_certificate", "tls_key"):
-        value = getattr(fe, key)
-        if value:
-            p = Path(value) if Path(value).is_absolute() else cfg.base_dir / value
-            if not p.is_file():
-                raise ConfigError(f"{source}: frontend.{key}: no such file: {p}")
-            setattr(fe, key, str(p))
     if fe.require_tls and not fe.tls_certificate:
         raise ConfigError(f"{source}: frontend.require_tls: needs tls_certificate and tls_key")
     if fe.auth_users and not fe.tls_certificate:

@@ -16,6 +16,8 @@ import socket
 import time
 from pathlib import Path
 
+from .store import fsync_dir as _fsync_dir
+
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+@=-]")
 
 
@@ -89,13 +91,3 @@ class MailboxStore:
                 out.extend(sorted(d.iterdir()))
         return out
 
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

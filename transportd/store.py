@@ -245,7 +245,8 @@ def _is_foreign_database(path: Path) -> bool:
         conn.close()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a folder so a rename or create in it is durable."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -269,7 +270,7 @@ def move_aside(path: Path, reason: str) -> Path:
         side = path.with_name(path.name + suffix)
         if side.exists():
             os.rename(side, target.with_name(target.name + suffix))
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     log.error("queue database %s %s; moved aside to %s; a new database will be created",
               path, reason, target)
     return target
