@@ -31,7 +31,7 @@ from .mailqueue import NewMessage
 from .receive import (ConnectionCounter, FrontendHandler, MessageRejected, new_network_message_id,
                       prepare_message, smtp_factory)
 from .replies import S451_NOT_REDUNDANT, S451_STORE_UNAVAILABLE, S554_HOP_COUNT, S554_NO_VALID_RECIPIENTS
-from .shadow import ShadowManager, _network_id_from, record_shadow_job
+from .shadow import ShadowManager, _network_id_from, discard_uncertain_job, record_shadow_job
 from .transport import TransportHandler, TransportSMTP, make_peer_authenticator
 from .routing import bifurcate
 from .store import QueueStore, StoreError, meta
@@ -205,7 +205,15 @@ class Node:
         except StoreError as exc:
             log.error("queue database unavailable, answering 451: %s", exc)
             if remote is not None:
-                remote.add_done_callback(lambda t: None)
+                # The peer may now hold a copy nobody will discard: ask it to, if the store lets us.
+                result = await remote
+                peers = tuple(p for p in (result.peer, *result.uncertain) if p)
+                if peers:
+                    try:
+                        await self.store.write(discard_uncertain_job(peers, guid, now))
+                    except StoreError:
+                        log.error("could not queue a discard for shadow %s on %s; it expires on its own",
+                                  guid, ", ".join(peers))
             raise MessageRejected(S451_STORE_UNAVAILABLE) from None
         shadow_result = await remote if remote is not None else None
         if shadow_result is not None:
@@ -235,6 +243,8 @@ class Node:
         """Record where the shadow went; with no shadow, accept unprotected or reject (451 4.4.0)."""
         from sqlalchemy import delete, update
         from .store import message_bodies, messages, recipients as recipients_t
+        if result.uncertain:
+            await self.store.write(discard_uncertain_job(result.uncertain, guid, now))
         if result.peer:
             def ok(conn):
                 record_shadow_job(internal_id, result.peer, guid, now)(conn)

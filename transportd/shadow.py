@@ -41,6 +41,9 @@ DISCARD_BATCH = 50
 class ShadowResult:
     peer: str | None
     reply: str  # the peer's DATA reply, or the reasons no shadow could be made
+    # Peers that may hold a copy although we do not count it (the session broke after DATA):
+    # they get a discard event for the GUID, so no copy is left behind forever.
+    uncertain: tuple[str, ...] = ()
 
 
 class PeerSession:
@@ -149,9 +152,11 @@ class ShadowManager:
         candidates = [p for p in self.attempts() if p.name != exclude]
         if not candidates:
             return ShadowResult(None, "No suitable shadow servers")
+        uncertain: list[str] = []
         for peer in candidates:
             s: PeerSession | None = None
             ok = False
+            sent_data = False
             try:
                 s = await self._session(peer)
                 if not s.shadow_requested:
@@ -163,11 +168,12 @@ class ShadowManager:
                 await s.client.mail(msg.sender, options=[f"XSHADOW={guid}"])
                 for r in recipients:
                     await s.client.rcpt(r)
+                sent_data = True
                 resp = await s.client.data(msg.data)
                 reply = f"{resp.code} {resp.message}"
                 if resp.code == 250 and "2.6.0" in resp.message:
                     ok = True
-                    return ShadowResult(peer.name, reply)
+                    return ShadowResult(peer.name, reply, tuple(u for u in uncertain if u != peer.name))
                 reasons.append(f"{peer.name}: {reply}")
             except aiosmtplib.SMTPResponseException as exc:
                 reasons.append(f"{peer.name}: {exc.code} {exc.message}")
@@ -179,10 +185,13 @@ class ShadowManager:
                         ok = False
             except (aiosmtplib.SMTPException, OSError, ProtocolError, asyncio.TimeoutError) as exc:
                 reasons.append(f"{peer.name}: {str(exc) or exc.__class__.__name__}")
+                if sent_data and peer.name not in uncertain:
+                    uncertain.append(peer.name)
             finally:
                 if s is not None:
                     self._release(s, ok)
-        return ShadowResult(None, "; ".join(dict.fromkeys(reasons)) or "No suitable shadow servers")
+        return ShadowResult(None, "; ".join(dict.fromkeys(reasons)) or "No suitable shadow servers",
+                            tuple(uncertain))
 
     async def hop_session_start(self, client: aiosmtplib.SMTP, peer_name: str) -> str:
         """Authenticate and announce ourselves with XSHADOW on a hop-by-hop delivery session.
@@ -423,13 +432,15 @@ class ShadowManager:
             select(recipients.c.address).where(recipients.c.message_id == mid,
                                                recipients.c.status.in_(mq.PENDING))).scalars())))
         result = ShadowResult(None, "No suitable shadow servers")
+        guid = str(uuid.uuid4())
         if self.enabled and body is not None and addrs:
             msg = NewMessage(network_message_id=row["network_message_id"], sender=row["sender"], data=body,
                              recipients={}, received_at=now, expires_at=now)
-            guid = str(uuid.uuid4())
             result = await self.make_shadow(msg, guid, addrs, exclude=exclude)
 
         def settle(conn):
+            if result.uncertain:
+                discard_uncertain_job(result.uncertain, guid, now)(conn)
             if result.peer:
                 record_shadow_job(mid, result.peer, guid, now)(conn)
             conn.execute(update(messages).where(messages.c.id == mid).values(
@@ -458,6 +469,14 @@ class ShadowManager:
             return [dict(r) for r in rows]
         for r in await self.node.store.write(job):
             self.node.track("HADISCARD", "SMTP", r, source_context="Expired")
+
+
+def discard_uncertain_job(peers: tuple[str, ...], guid: str, now: float):
+    """Discard events for copies a peer may hold that no message of ours refers to."""
+    def job(conn):
+        for peer in peers:
+            conn.execute(insert(discard_events).values(shadow_node=peer, shadow_guid=guid, created_at=now))
+    return job
 
 
 def record_shadow_job(message_id: int, shadow_node: str, guid: str, now: float):
