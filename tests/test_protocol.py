@@ -1,0 +1,126 @@
+"""The wire protocol's pure rules (PROTOCOL.md): encodings, verb arguments, placement, promotion."""
+
+from __future__ import annotations
+
+import base64
+import uuid
+
+import pytest
+
+from transportd.protocol import (Peer, ProtocolError, after_heartbeat, decode_dbid, decode_fqdn, encode_dbid,
+                                 encode_fqdn, failures_to_promote, format_discard_reply, parse_discard_reply,
+                                 parse_guid, parse_xqdiscard, parse_xshadow, parse_xshadowrequest,
+                                 redundancy_reply, shadow_attempts, split_xshadow_param)
+
+DBID = "0f8fad5b-d9cb-469f-a165-70867728950e"
+
+
+def test_dbid_is_base64_of_the_16_guid_bytes():
+    text = encode_dbid(DBID)
+    assert len(text) == 24
+    assert base64.b64decode(text) == uuid.UUID(DBID).bytes
+    assert decode_dbid(text) == DBID
+
+
+@pytest.mark.parametrize("bad", ["", "not base64!", base64.b64encode(b"short").decode(), "AAAA" * 8])
+def test_bad_dbid_is_a_protocol_error(bad):
+    with pytest.raises(ProtocolError):
+        decode_dbid(bad)
+
+
+def test_fqdn_round_trip_and_rejects():
+    assert decode_fqdn(encode_fqdn("Node1.Transportd.Test")) == "node1.transportd.test"
+    for bad in [base64.b64encode(b"has space.test").decode(), base64.b64encode(b"").decode(), "@@@"]:
+        with pytest.raises(ProtocolError):
+            decode_fqdn(bad)
+
+
+def test_xshadowrequest_arguments():
+    req = parse_xshadowrequest(f"node1.transportd.test {encode_dbid(DBID)}")
+    assert (req.primary_fqdn, req.primary_dbid) == ("node1.transportd.test", DBID)
+    for bad in [None, "", "node1.transportd.test", f"bad_name! {encode_dbid(DBID)}", "a.test b.test c"]:
+        with pytest.raises(ProtocolError):
+            parse_xshadowrequest(bad)
+
+
+def test_xshadow_and_xqdiscard_arguments():
+    assert parse_xshadow(encode_fqdn("node2.t")) == "node2.t"
+    with pytest.raises(ProtocolError):
+        parse_xshadow(None)
+    assert parse_xqdiscard("50") == 50
+    assert parse_xqdiscard("100000") == 1000  # capped
+    for bad in [None, "0", "-1", "ten", "5 6"]:
+        with pytest.raises(ProtocolError):
+            parse_xqdiscard(bad)
+
+
+def test_discard_reply_format_and_parse():
+    g1, g2 = str(uuid.uuid4()), str(uuid.uuid4())
+    assert format_discard_reply([]) == ["251 OK, no discard events"]
+    assert format_discard_reply([g1, g2]) == [f"250-{g1}", f"250 {g2}"]
+    assert parse_discard_reply(250, [g1, g2]) == [g1, g2]
+    assert parse_discard_reply(251, ["OK, no discard events"]) == []
+    with pytest.raises(ProtocolError):
+        parse_discard_reply(250, [g1, "not-a-guid"])  # one bad id: keep every shadow
+    with pytest.raises(ProtocolError):
+        parse_discard_reply(503, ["5.5.1 Bad sequence of commands"])
+
+
+def test_mail_xshadow_parameter_is_split_off():
+    g = str(uuid.uuid4())
+    assert split_xshadow_param(f"FROM:<a@b.test> SIZE=10 XSHADOW={g.upper()}") == ("FROM:<a@b.test> SIZE=10", g)
+    assert split_xshadow_param("FROM:<a@b.test>") == ("FROM:<a@b.test>", None)
+    with pytest.raises(ProtocolError):
+        split_xshadow_param("FROM:<a@b.test> XSHADOW=nope")
+    with pytest.raises(ProtocolError):
+        split_xshadow_param(f"FROM:<a@b.test> XSHADOW={g} XSHADOW={g}")
+    with pytest.raises(ProtocolError):
+        parse_guid("{" + g + "}")
+
+
+def test_redundancy_reply_text():
+    assert redundancy_reply("<m@x>", 7, "n3.t") == \
+        "250 2.6.0 <m@x> [InternalId=7, Hostname=n3.t] Queued mail for redundancy"
+
+
+PEERS = [Peer("n2", "a", "h:2"), Peer("n3", "b", "h:3"), Peer("n4", "b", "h:4")]
+
+
+def test_prefer_remote_tries_other_sites_first_then_local():
+    order = [p.name for p in shadow_attempts(PEERS, "a", "PreferRemote", 4, 2)]
+    assert order == ["n3", "n4", "n3", "n4", "n2", "n2"]
+
+
+def test_local_only_and_remote_only():
+    assert [p.name for p in shadow_attempts(PEERS, "a", "LocalOnly", 4, 2)] == ["n2", "n2"]
+    assert [p.name for p in shadow_attempts(PEERS, "a", "RemoteOnly", 3, 2)] == ["n3", "n4", "n3"]
+    assert shadow_attempts([Peer("n2", "a", "h:2")], "a", "RemoteOnly", 4, 2) == []
+
+
+def test_single_site_uses_only_the_local_count():
+    one_site = [Peer("n2", "a", "h:2"), Peer("n3", "a", "h:3")]
+    assert [p.name for p in shadow_attempts(one_site, "a", "PreferRemote", 4, 2)] == ["n2", "n3"]
+
+
+def test_rotation_spreads_equal_peers():
+    firsts = {shadow_attempts(PEERS, "a", "PreferRemote", 4, 2, rotate=r)[0].name for r in range(4)}
+    assert firsts == {"n3", "n4"}
+
+
+def test_failures_to_promote_is_the_ceiling():
+    assert failures_to_promote(3 * 3600, 120) == 90
+    assert failures_to_promote(3, 0.5) == 6
+    assert failures_to_promote(10, 3) == 4
+    assert failures_to_promote(1, 5) == 1
+
+
+def test_heartbeat_decisions():
+    kw = dict(resubmit_time_span=3, heartbeat_frequency=1)
+    assert not after_heartbeat(ok=False, consecutive_failures=2, recorded_dbid=DBID, answered_dbid=None, **kw).promote
+    d = after_heartbeat(ok=False, consecutive_failures=3, recorded_dbid=DBID, answered_dbid=None, **kw)
+    assert (d.promote, d.reason) == (True, "ShadowHeartbeatFailure")
+    other = str(uuid.uuid4())
+    d = after_heartbeat(ok=True, consecutive_failures=0, recorded_dbid=DBID, answered_dbid=other, **kw)
+    assert (d.promote, d.reason) == (True, "ShadowStateChange")
+    assert not after_heartbeat(ok=True, consecutive_failures=0, recorded_dbid=DBID, answered_dbid=DBID, **kw).promote
+    assert not after_heartbeat(ok=True, consecutive_failures=0, recorded_dbid=None, answered_dbid=other, **kw).promote
