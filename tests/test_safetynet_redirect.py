@@ -138,3 +138,43 @@ def test_redirect_refuses_an_unknown_target(two_nodes):
     res = _cli(two_nodes[0].config, "redirect", "--target", "nobody.transportd.test")
     assert res.returncode == 2
     assert "is not a peer" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_resubmit_gap_is_filled_from_the_peers_shadow_safety_net(two_nodes, procs, tmp_path):
+    """node1 loses its whole data dir (queue database and mailboxes); the window before its new queue
+    database is resubmitted from node2's Shadow Safety Net, and alice gets her message back."""
+    import shutil
+    import signal
+    from datetime import datetime, timezone
+    from transportd.mailbox import MailboxStore
+
+    node1, node2 = two_nodes
+    host, _, port = node1.frontend.rpartition(":")
+    start = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    time.sleep(1.1)
+    queued_id(swaks(int(port), "--to", "alice@example.test", "--from", "bob@remote.test",
+                    "--header", "Subject: safety net me", server=host))
+    alice = lambda: MailboxStore(__import__("pathlib").Path(node1.data_dir) / "mailboxes").list("alice@example.test")
+    wait_for(alice, what="delivery to alice on node1")
+    wait_for(lambda: _events(node2.config, event_id="HADISCARD"), timeout=15, what="node2 moving its shadow to its Shadow Safety Net")
+
+    # node1 dies and comes back with nothing: a new queue database ID, an empty mailbox store.
+    proc1 = next(p for p in procs.procs if node1.config in p.args)
+    proc1.send_signal(signal.SIGKILL)
+    proc1.wait()
+    shutil.rmtree(node1.data_dir)
+    time.sleep(1.1)
+    restarted = procs.add(subprocess.Popen([sys.executable, "-m", "transportd", "serve", "--config", node1.config],
+                                           stdout=open(tmp_path / "node1-restarted.log", "wb"), stderr=subprocess.STDOUT))
+    wait_port(host, int(port), proc=restarted)
+    assert alice() == []
+
+    res = _cli(node1.config, "safetynet", "resubmit", "--destination", "MDB01", "--start", start)
+    assert res.returncode == 0, res.stderr
+    assert "0 message(s) resubmitted" in res.stdout  # node1's own Primary Safety Net is empty
+    assert f"{node2.name}: 250 2.0.0 1 message(s) resubmitted from the Shadow Safety Net" in res.stdout
+
+    resub = _events(node2.config, event_id="RESUBMIT")
+    assert [(e["source"], e["source-context"]) for e in resub] == [("SAFETYNET", "MDB01;MessageResubmit")]
+    files = wait_for(alice, timeout=20, what="the resubmitted copy in alice's Maildir")
+    assert len(files) == 1 and b"Subject: safety net me" in files[0].read_bytes()

@@ -546,12 +546,41 @@ def safetynet_resubmit(cfg: Config, destination: str, start: str, end: str | Non
             trk.close()
     click.echo(f"{len(done)} message(s) resubmitted to {destination} from this node's Safety Net")
     if created > s and "primary" in sources:
-        gap_end = fmt_time(min(created, e))
-        peers = ", ".join(p.name for p in cfg.peers) or "no peers configured"
-        click.echo(f"note: this queue database was created at {fmt_time(created)} UTC; the window before "
-                   f"{gap_end} UTC is not covered by its Primary Safety Net. Resubmit that part from the "
-                   f"peers' Shadow Safety Nets: transportd safetynet resubmit --from shadow ... on {peers}",
-                   err=True)
+        gap_end = min(created, e)
+        if not cfg.peers:
+            click.echo(f"note: this queue database was created at {fmt_time(created)} UTC; nothing here covers "
+                       f"the window before that, and no peers are configured to ask", err=True)
+        else:
+            click.echo(f"this queue database was created at {fmt_time(created)} UTC: asking the peers' Shadow "
+                       f"Safety Nets for {fmt_time(s)} - {fmt_time(gap_end)} UTC")
+            for peer, answer in ask_peers_to_resubmit(cfg, destination, s, gap_end):
+                click.echo(f"  {peer}: {answer}")
+
+
+def ask_peers_to_resubmit(cfg: Config, destination: str, start: float, end: float) -> list[tuple[str, str]]:
+    """XRESUBMIT to every peer's transport connector (authenticated with the cluster secret)."""
+    import asyncio
+    import aiosmtplib
+
+    async def one(peer) -> tuple[str, str]:
+        host, _, port = peer.transport.rpartition(":")
+        client = aiosmtplib.SMTP(hostname=host, port=int(port), local_hostname=cfg.node.name, timeout=30,
+                                 start_tls=bool(cfg.transport.tls_certificate), validate_certs=False)
+        try:
+            await client.connect()
+            await client.ehlo()
+            await client.auth_plain(cfg.node.name.lower(), cfg.cluster.secret)
+            resp = await client.execute_command(b"XRESUBMIT", destination.encode("utf-8"),
+                                                f"{start:.3f}".encode(), f"{end:.3f}".encode())
+            return peer.name, f"{resp.code} {resp.message}"
+        except (aiosmtplib.SMTPException, OSError, asyncio.TimeoutError) as exc:
+            return peer.name, f"unreachable: {exc or exc.__class__.__name__}"
+        finally:
+            client.close()
+
+    async def run() -> list[tuple[str, str]]:
+        return list(await asyncio.gather(*(one(p) for p in cfg.peers)))
+    return asyncio.run(run())
 
 
 # ---------------------------------------------------------------------------- shadow

@@ -201,6 +201,9 @@ class LimitedSMTP(SMTP):
     async def smtp_XQDISCARD(self, arg: str | None) -> None:
         await self.push(replies.S502_NOT_IMPLEMENTED)
 
+    async def smtp_XRESUBMIT(self, arg: str | None) -> None:
+        await self.push(replies.S502_NOT_IMPLEMENTED)
+
     async def push(self, status: Any) -> None:
         if isinstance(status, str) and not (self._plain_250 and status.startswith("250")):
             status = replies.translate(status)

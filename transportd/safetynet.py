@@ -18,7 +18,7 @@ from sqlalchemy import and_, select
 from sqlalchemy.engine import Connection
 
 from . import mailqueue as mq
-from .routing import bifurcate
+from .routing import bifurcate, domain_of, is_accepted, mailbox_database_for
 from .store import meta, messages, recipients
 
 
@@ -38,19 +38,28 @@ def destination_matches(hop_identity: str, destination: str) -> bool:
     return hop_identity == f"mailbox:{destination}" or hop_identity.startswith("peer:") and destination == hop_identity[5:]
 
 
+def database_of(address: str, cfg: Any) -> str | None:
+    """The mailbox database of an accepted-domain recipient (wherever it lives), else None."""
+    if not is_accepted(domain_of(address), cfg.routing.accepted_domains):
+        return None
+    return mailbox_database_for(address, cfg.routing.mailbox_database_rules, cfg.routing.mailbox_database)
+
+
 def database_created_at(conn: Connection) -> float:
     value = conn.execute(select(meta.c.value).where(meta.c.key == "created_at")).scalar()
     return float(value) if value else 0.0
 
 
 def resubmit(conn: Connection, cfg: Any, *, destination: str, start: float, end: float,
-             sources: tuple[str, ...] = ("primary", "shadow"), now: float | None = None) -> list[Resubmitted]:
+             sources: tuple[str, ...] = ("primary", "shadow"), now: float | None = None,
+             for_primary: str | None = None) -> list[Resubmitted]:
     now = time.time() if now is None else now
     out: list[Resubmitted] = []
     roles = [r for r in sources if r in ("primary", "shadow")]
     rows = conn.execute(select(messages).where(
         messages.c.state == mq.SAFETY_NET, messages.c.role.in_(roles),
-        and_(messages.c.received_at >= start, messages.c.received_at <= end)).order_by(messages.c.id)).mappings().all()
+        and_(messages.c.received_at >= start, messages.c.received_at <= end),
+        *( [messages.c.primary_node == for_primary] if for_primary else [] )).order_by(messages.c.id)).mappings().all()
     for m in rows:
         body = mq.body(conn, m["id"])
         if body is None:
@@ -61,8 +70,12 @@ def resubmit(conn: Connection, cfg: Any, *, destination: str, start: float, end:
         if m["role"] == "primary":
             cond = and_(cond, recipients.c.status == mq.DELIVERED)
         addrs = list(conn.execute(select(recipients.c.address).where(cond)).scalars())
-        routed = bifurcate(addrs, cfg)
-        chosen = {hop: a for hop, a in routed.items() if destination_matches(hop.identity, destination)}
+        chosen = {hop: a for hop, a in bifurcate(addrs, cfg).items()
+                  if destination_matches(hop.identity, destination)}
+        chosen_addrs = {x for v in chosen.values() for x in v}
+        in_db = [x for x in addrs if x not in chosen_addrs and database_of(x, cfg) == destination]
+        for hop, a in bifurcate(in_db, cfg).items():
+            chosen.setdefault(hop, []).extend(a)
         if not chosen:
             continue
         copy = mq.NewMessage(
@@ -75,3 +88,14 @@ def resubmit(conn: Connection, cfg: Any, *, destination: str, start: float, end:
         out.append(Resubmitted(m["id"], new_id, m["network_message_id"],
                                [a for v in chosen.values() for a in v], m["role"]))
     return out
+
+
+def parse_resubmit_arg(arg: str | None) -> tuple[str, float, float]:
+    """``XRESUBMIT <destination> <start epoch> <end epoch>`` arguments; ValueError when malformed."""
+    parts = (arg or "").split()
+    if len(parts) != 3:
+        raise ValueError("XRESUBMIT needs <destination> <start> <end>")
+    start, end = float(parts[1]), float(parts[2])
+    if not (start == start and end == end) or end < start:  # NaN or reversed
+        raise ValueError("bad time window")
+    return parts[0], start, end

@@ -452,6 +452,21 @@ class ShadowManager:
         else:
             self.node.track("HAREDIRECTFAIL", "SMTP", row, recipients=addrs, source_context=result.reply)
 
+    async def resubmit_for(self, primary: str, destination: str, start: float, end: float) -> int:
+        """Resubmit our Shadow Safety Net copies of ``primary`` for a destination and window."""
+        from .safetynet import resubmit
+        done = await self.node.store.write(lambda c: resubmit(
+            c, self.cfg, destination=destination, start=start, end=end, sources=("shadow",),
+            for_primary=primary))
+        for r in done:
+            self.node.track("RESUBMIT", "SAFETYNET", {"id": r.new_id, "network_message_id": r.network_message_id},
+                            recipients=r.recipients, reference=str(r.original_id),
+                            source_context=f"{destination};MessageResubmit")
+        if done and self.node.delivery is not None:
+            self.node.delivery.wake()
+        log.info("resubmitted %d Shadow Safety Net copies of %s for %s", len(done), primary, destination)
+        return len(done)
+
     async def housekeeping(self, now: float) -> None:
         """Drop discard events nobody asked for; expire shadows never acknowledged."""
         auto = self.sr.shadow_message_auto_discard_interval

@@ -134,6 +134,24 @@ class TransportSMTP(LimitedSMTP):
             self._writer.write(line.encode("ascii") + b"\r\n")
         await self._writer.drain()
 
+    @syntax("XRESUBMIT destination start-epoch end-epoch")
+    async def smtp_XRESUBMIT(self, arg: str | None) -> None:
+        """Safety Net: the asking primary could not cover a window; resubmit our shadow copies of it."""
+        name = await self._authorized()
+        if name is None:
+            return
+        if self.envelope.mail_from is not None:
+            await self.push(S503_BAD_SEQUENCE)
+            return
+        from .safetynet import parse_resubmit_arg
+        try:
+            destination, start, end = parse_resubmit_arg(arg)
+        except ValueError:
+            await self.push(S501_INVALID_ARGUMENTS)
+            return
+        n = await self.manager.resubmit_for(name, destination, start, end)
+        await self.push(f"250 2.0.0 {n} message(s) resubmitted from the Shadow Safety Net")
+
     async def smtp_MAIL(self, arg: str | None) -> None:
         if arg and "XSHADOW=" in arg.upper():
             if await self._authorized() is None:

@@ -1,0 +1,791 @@
+"""Shadow redundancy across real node processes: a 3-node, 2-site cluster on loopback.
+
+``transportd.cluster.generate`` writes the configs (node1 + node2 in site-a, node3 in
+site-b, each on its own 127.0.0.x address, mailbox database MDB01 on node1); each node runs
+as ``python -m transportd serve`` and is ended by PID at teardown. Mail that leaves the
+boundary goes to Postfix's smtp-sink (the conftest ``sink``), started only when a test
+wants delivery to happen. Timers are short (heartbeat 0.5 s, retries 1 s) so the whole
+file runs in well under two minutes.
+
+What is checked is PROTOCOL.md, from the outside: the shadow exists when the client gets
+its 250 (section 2), placement (PreferRemote / LocalOnly / RemoteOnly), what happens when
+no shadow can be made, who may speak the X-verbs on which connector (section 1), discard
+by heartbeat into the Shadow Safety Net (sections 4 and 5), a malformed discard id keeping
+every shadow (a fake primary), hop-by-hop delivery with XSHADOW (section 3), and
+``transportd cluster up`` itself.
+
+Read commands (``shadow list``, ``tracking search`` ...) run in this process through
+click's CliRunner: the same code on the same files as ``python -m transportd``, without
+the interpreter start-up per poll. ``cluster up``/``cluster status`` run as real processes.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import signal
+import smtplib
+import socketserver
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import free_port, queued_id, swaks, wait_for, wait_port
+from transportd import cluster as cluster_mod
+from transportd import config as config_mod
+from transportd.cli import cli as transportd_cli
+from transportd.mailbox import MailboxStore
+
+HEARTBEAT = 0.5
+FAST: dict[str, dict[str, Any]] = {
+    "shadow_redundancy": {"shadow_heartbeat_frequency": HEARTBEAT, "shadow_resubmit_time_span": 3},
+    "delivery": {"queue_poll_interval": 0.2, "transient_failure_retry_interval": 1,
+                 "outbound_connection_failure_retry_interval": 1, "send_connect_timeout": 2},
+    "node": {"log_level": "debug"},
+}
+FOREIGN = "bob@elsewhere.test"   # routed to the smart host (the sink), outside the boundary
+LOCAL = "alice@example.test"     # example.test lives in MDB01, on node1
+DOMAIN = cluster_mod.DOMAIN
+
+
+def fqdn(short: str) -> str:
+    return f"{short}.{DOMAIN}"
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode("ascii")).decode("ascii")
+
+
+def b64_dbid(dbid: str) -> str:
+    return base64.b64encode(uuid.UUID(dbid).bytes).decode("ascii")
+
+
+def merge(*dicts: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for d in dicts:
+        for section, values in (d or {}).items():
+            out.setdefault(section, {}).update(values)
+    return out
+
+
+# ------------------------------------------------------------------------------ CLI in process
+
+def invoke(*args: str, ok_codes: tuple[int, ...] = (0,)) -> Any:
+    r = CliRunner().invoke(transportd_cli, list(args), catch_exceptions=False)
+    if r.exit_code not in ok_codes:
+        raise AssertionError(f"transportd {' '.join(args)} exited {r.exit_code}:\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    """The real ``python -m transportd`` (used where the process itself is what is tested)."""
+    return subprocess.run([sys.executable, "-m", "transportd", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# ------------------------------------------------------------------------------ cluster fixture
+
+def write_node_config(path: Path, sections: dict[str, dict[str, Any]], peers: list[dict[str, str]]) -> None:
+    path.write_text(cluster_mod.render_toml(sections, peers))
+
+
+class ClusterNode:
+    """One generated node: its config file, its process, and read access to its state."""
+
+    def __init__(self, spec: cluster_mod.NodeSpec, registry: Any):
+        self.spec = spec
+        self.registry = registry
+        self.short = spec.short
+        self.name = spec.name
+        self.config = spec.config
+        self.host, _, port = spec.frontend.rpartition(":")
+        self.frontend_port = int(port)
+        self.transport_host, _, tport = spec.transport.rpartition(":")
+        self.transport_port = int(tport)
+        self.log_path = Path(spec.config).with_suffix(".log")
+        self.proc: subprocess.Popen | None = None
+
+    # -- config and process -------------------------------------------------------
+
+    def load_toml(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, str]]]:
+        raw = tomllib.loads(Path(self.config).read_text())
+        peers = raw.pop("peers", [])
+        return raw, peers
+
+    def set(self, section: str, key: str, value: Any) -> None:
+        """Change one key in this node's config only (before it starts)."""
+        sections, peers = self.load_toml()
+        sections.setdefault(section, {})[key] = value
+        write_node_config(Path(self.config), sections, peers)
+
+    @property
+    def cfg(self) -> Any:
+        return config_mod.load(self.config)
+
+    def spawn(self) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = self.registry.add(subprocess.Popen(
+            [sys.executable, "-m", "transportd", "serve", "--config", self.config],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+        log.close()
+
+    def wait_listening(self) -> None:
+        wait_port(self.host, self.frontend_port, proc=self.proc)
+        wait_port(self.transport_host, self.transport_port, proc=self.proc)
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=15)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    # -- reading its state --------------------------------------------------------
+
+    def cli_json(self, *args: str) -> list[dict]:
+        return json_lines(invoke(*args, "--config", self.config, "--json").stdout)
+
+    def tracking(self, **filters: str) -> list[dict]:
+        args = ["tracking", "search", "--config", self.config, "--json"]
+        for k, v in filters.items():
+            args += [f"--{k.replace('_', '-')}", v]
+        r = invoke(*args, ok_codes=(0, 1))
+        if r.exit_code == 1:
+            assert "no tracking logs" in r.stderr, r.stderr
+            return []
+        return json_lines(r.stdout)
+
+    def events(self, netid: str) -> list[str]:
+        return [r["event-id"] for r in self.tracking(network_message_id=netid)]
+
+    def shadow_list(self) -> dict[str, dict]:
+        return {r["primary"]: r for r in self.cli_json("shadow", "list")}
+
+    def shadow_row(self, primary: str) -> dict:
+        """This node's ``shadow list`` row for ``primary`` (zeros when it holds nothing for it)."""
+        return self.shadow_list().get(primary, {"primary": primary, "shadows": 0, "shadow_safety_net": 0})
+
+    def messages(self, include_done: bool = True) -> list[dict]:
+        return self.cli_json("message", "list", *(["--all"] if include_done else []))
+
+    def queue_database_id(self) -> str:
+        con = sqlite3.connect(f"file:{self.cfg.db_path}?mode=ro", uri=True, timeout=5)
+        try:
+            return con.execute("SELECT value FROM meta WHERE key = 'queue_database_id'").fetchone()[0]
+        finally:
+            con.close()
+
+    def maildir(self, address: str) -> list[Path]:
+        return MailboxStore(self.cfg.mailbox_dir).list(address)
+
+    def swaks(self, to: str, *extra: str) -> subprocess.CompletedProcess:
+        return swaks(self.frontend_port, "--from", "carol@example.test", "--to", to, *extra, server=self.host)
+
+
+class Cluster:
+    def __init__(self, directory: Path, specs: list[cluster_mod.NodeSpec], registry: Any):
+        self.directory = directory
+        self.nodes = {s.short: ClusterNode(s, registry) for s in specs}
+        self.secret = tomllib.loads(Path(specs[0].config).read_text())["cluster"]["secret"]
+
+    def __getitem__(self, short: str) -> ClusterNode:
+        return self.nodes[short]
+
+    def start(self, *shorts: str) -> "Cluster":
+        """Start the named nodes (all by default) in parallel and wait for both their listeners."""
+        chosen = [self.nodes[s] for s in (shorts or self.nodes)]
+        for n in chosen:
+            n.spawn()
+        for n in chosen:
+            n.wait_listening()
+        return self
+
+    def logs(self) -> str:
+        return "\n".join(f"===== {n.short}\n{n.log()[-6000:]}" for n in self.nodes.values())
+
+
+@pytest.fixture
+def cluster(procs, sink, tmp_path):
+    """A factory: ``cluster(overrides=...)`` writes a 3-node, 2-site config set (not started)."""
+    made: list[Cluster] = []
+
+    def factory(*, overrides: dict[str, dict[str, Any]] | None = None, nodes: int = 3, sites: int = 2) -> Cluster:
+        directory = tmp_path / f"cluster{len(made) + 1}"
+        specs = cluster_mod.generate(
+            directory, nodes=nodes, sites=sites, ip_base=random.randint(20, 200),
+            frontend_port=free_port(), transport_port=free_port(), sink_address=sink.address,
+            overrides=merge(FAST, overrides))
+        c = Cluster(directory, specs, procs)
+        made.append(c)
+        return c
+
+    yield factory
+    # On failure, the node logs are the first thing anyone needs.
+    for c in made:
+        sys.stderr.write(c.logs()[-20000:] + "\n")
+
+
+def netid_of(node: ClusterNode, qid: int) -> str:
+    rows = node.tracking(event_id="RECEIVE", internal_message_id=str(qid))
+    assert len(rows) == 1, rows
+    return rows[0]["network-message-id"]
+
+
+def one(rows: list[dict], what: str = "") -> dict:
+    assert len(rows) == 1, f"expected exactly one {what}, got {rows}"
+    return rows[0]
+
+
+# ------------------------------------------------------------------------------ 1. shadow before the 250
+
+def test_shadow_exists_on_remote_site_when_client_gets_250(cluster):
+    """PROTOCOL.md 2: the copy is on the shadow (another site, PreferRemote) before the sender's 250.
+
+    The sink is down, so node1 cannot deliver and nothing can discard the shadow: whatever the
+    shadow node holds right after swaks returns is what it held when the 250 went out.
+    """
+    c = cluster().start()
+    node1, node2, node3 = c["node1"], c["node2"], c["node3"]
+    qid = queued_id(node1.swaks(FOREIGN))
+
+    held = node3.shadow_row(node1.name)
+    assert held["shadows"] == 1 and held["shadow_safety_net"] == 0, held
+    assert node2.shadow_row(node1.name)["shadows"] == 0, "PreferRemote put the shadow in the local site"
+
+    receive = one(node1.tracking(event_id="RECEIVE"), "RECEIVE on node1")
+    assert receive["internal-message-id"] == str(qid)
+    netid = receive["network-message-id"]
+    shadow = one(node3.cli_json("shadow", "show", node1.name), "shadow of node1 on node3")
+    assert shadow["network_message_id"] == netid
+    assert shadow["state"] == "Shadow"
+
+    redirect = one(node1.tracking(event_id="HAREDIRECT"), "HAREDIRECT on node1")
+    assert redirect["network-message-id"] == netid
+    assert redirect["source-context"].startswith(f"{node3.name}=250 2.6.0"), redirect["source-context"]
+    # The shadow's reply names its own local id and FQDN (PROTOCOL.md 2).
+    assert f"InternalId={shadow['id']}" in redirect["source-context"]
+    assert f"Hostname={node3.name}" in redirect["source-context"]
+
+    hareceive = one(node3.tracking(event_id="HARECEIVE"), "HARECEIVE on node3")
+    assert hareceive["client-hostname"] == node1.name
+    assert hareceive["network-message-id"] == netid
+    assert hareceive["source-context"] == shadow["shadow_guid"]
+    assert not node2.tracking(event_id="HARECEIVE")
+
+    primary = one([m for m in node1.messages() if m["id"] == qid], "primary message on node1")
+    assert primary["redundancy"] == "shadowed"
+
+
+# ------------------------------------------------------------------------------ 2. discard into the Shadow Safety Net
+
+def test_delivery_discards_shadow_into_shadow_safety_net(cluster, sink):
+    """PROTOCOL.md 4-5: once node1 delivered, node3's next heartbeat discards its copy."""
+    sink.start()
+    c = cluster().start()
+    node1, node3 = c["node1"], c["node3"]
+    qid = queued_id(node1.swaks(FOREIGN))
+    netid = netid_of(node1, qid)
+
+    wait_for(lambda: len(sink.messages()) == 1, timeout=10, what="delivery to the sink")
+    delivered_at = time.monotonic()
+    row = wait_for(lambda: (r := node3.shadow_row(node1.name))["shadow_safety_net"] == 1 and r,
+                   timeout=HEARTBEAT + 3, interval=0.05, what="the shadow to reach the Shadow Safety Net")
+    discarded_after = time.monotonic() - delivered_at
+    assert row["shadows"] == 0, row
+    assert discarded_after < HEARTBEAT + 2.5, discarded_after
+    assert row["consecutive_failures"] == 0 and row["last_heartbeat_at"], row
+    assert row["queue_database_id"] == node1.queue_database_id()
+
+    # One network-message-id across the nodes' logs.
+    assert one(node1.tracking(event_id="HAREDIRECT"))["network-message-id"] == netid
+    assert one(node1.tracking(event_id="SENDEXTERNAL"))["network-message-id"] == netid
+    assert one(node3.tracking(event_id="HARECEIVE"))["network-message-id"] == netid
+    hadiscard = one(node3.tracking(event_id="HADISCARD"), "HADISCARD on node3")
+    assert hadiscard["network-message-id"] == netid
+    shadow = one(node3.cli_json("shadow", "show", node1.name, "--all"))
+    assert shadow["state"] == "SafetyNet"
+    assert hadiscard["source-context"] == f"ExplicitlyDiscarded;{shadow['shadow_guid']}"
+    assert not c["node2"].tracking(network_message_id=netid)
+
+    primary = one([m for m in node1.messages() if m["id"] == qid])
+    assert primary["status"] == "SafetyNet", primary  # Primary Safety Net
+
+
+# ------------------------------------------------------------------------------ 3. placement
+
+@pytest.mark.parametrize("preference, down, expected", [
+    ("LocalOnly", None, "node2"),
+    ("PreferRemote", None, "node3"),
+    ("PreferRemote", "node3", "node2"),  # remote attempts fail: fall back to the local site
+    ("RemoteOnly", "node3", None),       # the only remote peer is down: no shadow at all
+])
+def test_shadow_placement(cluster, preference, down, expected):
+    c = cluster()
+    node1 = c["node1"]
+    node1.set("shadow_redundancy", "shadow_message_preference_setting", preference)
+    c.start(*[s for s in c.nodes if s != down])
+    r = node1.swaks(FOREIGN)
+    qid = queued_id(r)  # RejectMessageOnShadowFailure = false: accepted either way
+    netid = netid_of(node1, qid)
+
+    for short in ("node2", "node3"):
+        if short == down:
+            continue
+        held = c[short].shadow_row(node1.name)["shadows"]
+        assert held == (1 if short == expected else 0), (short, held)
+    if expected:
+        redirect = one(node1.tracking(event_id="HAREDIRECT"))
+        assert redirect["network-message-id"] == netid
+        assert redirect["source-context"].startswith(f"{fqdn(expected)}=250 2.6.0"), redirect
+        assert not node1.tracking(event_id="HAREDIRECTFAIL")
+    else:
+        fail = one(node1.tracking(event_id="HAREDIRECTFAIL"))
+        assert fail["network-message-id"] == netid
+        assert fqdn("node3") in fail["source-context"], fail["source-context"]
+        assert fqdn("node2") not in fail["source-context"], "RemoteOnly tried a local-site peer"
+        assert not node1.tracking(event_id="HAREDIRECT")
+        assert one([m for m in node1.messages() if m["id"] == qid])["redundancy"] == "unprotected"
+
+
+# ------------------------------------------------------------------------------ 4. no peer reachable
+
+def test_all_peers_down_accepts_unprotected_by_default(cluster):
+    c = cluster()
+    node1 = c["node1"]
+    c.start("node1")
+    qid = queued_id(node1.swaks(FOREIGN))
+    fail = one(node1.tracking(event_id="HAREDIRECTFAIL"))
+    assert fail["network-message-id"] == netid_of(node1, qid)
+    assert fail["source-context"], "HAREDIRECTFAIL should say why"
+    msg = one(node1.messages(include_done=False))
+    assert msg["id"] == qid and msg["redundancy"] == "unprotected"
+
+
+def test_all_peers_down_rejects_when_configured(cluster):
+    c = cluster(overrides={"shadow_redundancy": {"reject_message_on_shadow_failure": True}})
+    node1 = c["node1"]
+    c.start("node1")
+    r = node1.swaks(FOREIGN)
+    assert "451 4.4.0" in r.stdout, r.stdout
+    assert "queued as" not in r.stdout
+    assert node1.messages(include_done=True) == [], "a refused message must leave nothing behind"
+    assert not node1.tracking(event_id="RECEIVE")
+    # Still up and still refusing (not a one-off).
+    assert "451 4.4.0" in node1.swaks(FOREIGN).stdout
+
+
+# ------------------------------------------------------------------------------ 5. who may speak the X-verbs
+
+def smtp(host: str, port: int, helo: str = "client.example") -> smtplib.SMTP:
+    s = smtplib.SMTP(host, port, local_hostname=helo, timeout=10)
+    s.ehlo(helo)
+    return s
+
+
+def reply(s: smtplib.SMTP, line: str) -> tuple[int, str]:
+    verb, _, arg = line.partition(" ")
+    code, msg = s.docmd(verb, arg)
+    return code, msg.decode("utf-8", "replace")
+
+
+def auth_plain(s: smtplib.SMTP, user: str, password: str) -> tuple[int, str]:
+    token = base64.b64encode(f"\0{user}\0{password}".encode()).decode("ascii")
+    return reply(s, f"AUTH PLAIN {token}")
+
+
+def x_verbs(dbid: str) -> list[str]:
+    return [f"XSHADOWREQUEST {fqdn('node2')} {b64_dbid(dbid)}", f"XSHADOW {b64(fqdn('node2'))}", "XQDISCARD 5",
+            f"MAIL FROM:<a@b.test> XSHADOW={uuid.uuid4()}"]
+
+
+def assert_all_refused(s: smtplib.SMTP, dbid: str, expected: str) -> None:
+    for line in x_verbs(dbid):
+        code, msg = reply(s, line)
+        assert f"{code} {msg}".startswith(expected), (line, code, msg)
+
+
+def test_transport_connector_security(cluster):
+    c = cluster()
+    node1 = c["node1"]
+    c.start("node1")
+    dbid = node1.queue_database_id()
+    host, tport = node1.transport_host, node1.transport_port
+
+    # Unauthenticated on the transport connector: 550 5.7.1 for every X-verb.
+    s = smtp(host, tport)
+    assert s.has_extn("xshadowrequest") and "PLAIN" in s.esmtp_features.get("auth", "").upper()
+    assert_all_refused(s, dbid, "550 5.7.1")
+    assert reply(s, "MAIL FROM:<a@b.test>")[0] == 250, "the refused MAIL XSHADOW= must not open a transaction"
+    s.quit()
+
+    # The frontend does not know them at all.
+    s = smtp(node1.host, node1.frontend_port)
+    assert not s.has_extn("xshadowrequest")
+    for line in x_verbs(dbid)[:3]:
+        code, msg = reply(s, line)
+        assert (code, msg) == (502, "5.3.3 Command not implemented"), (line, code, msg)
+    code, _ = reply(s, f"MAIL FROM:<a@b.test> XSHADOW={uuid.uuid4()}")
+    assert code >= 500, "the frontend accepted MAIL ... XSHADOW="
+    s.quit()
+
+    # A wrong secret, and the right secret for a name that is not a peer.
+    for user, password in ((fqdn("node2"), c.secret + "x"), (fqdn("node2"), ""),
+                           ("intruder.transportd.test", c.secret), (fqdn("node1"), c.secret)):
+        s = smtp(host, tport)
+        code, msg = auth_plain(s, user, password)
+        assert code == 535, (user, code, msg)
+        assert_all_refused(s, dbid, "550 5.7.1")
+        s.quit()
+
+    # An authenticated peer: argument and sequence errors, then the real exchange.
+    s = smtp(host, tport, helo=fqdn("node2"))
+    assert auth_plain(s, fqdn("node2"), c.secret)[0] == 235
+    assert reply(s, "XSHADOWREQUEST") == (501, "5.5.4 Invalid arguments")
+    assert reply(s, f"XSHADOWREQUEST {fqdn('node2')}") == (501, "5.5.4 Invalid arguments")
+    assert reply(s, f"XSHADOWREQUEST {fqdn('node2')} not-base64!") == (501, "5.5.4 Invalid arguments")
+    assert reply(s, "MAIL FROM:<a@b.test>")[0] == 250
+    assert reply(s, f"XSHADOWREQUEST {fqdn('node2')} {b64_dbid(str(uuid.uuid4()))}") == \
+        (503, "5.5.1 Bad sequence of commands")
+    assert reply(s, f"XSHADOW {b64(fqdn('node2'))}") == (503, "5.5.1 Bad sequence of commands")
+    assert reply(s, "RSET")[0] == 250
+    assert reply(s, "XQDISCARD 5") == (503, "5.5.1 Bad sequence of commands")  # before XSHADOW
+    assert reply(s, "XSHADOW") == (501, "5.5.4 Invalid arguments")
+    code, _ = reply(s, f"XSHADOW {b64(fqdn('node3'))}")  # claiming to be another peer
+    assert code >= 500
+    assert reply(s, "XQDISCARD 5") == (503, "5.5.1 Bad sequence of commands")
+
+    code, msg = reply(s, f"XSHADOW {b64(fqdn('node2'))}")
+    assert code == 250, msg
+    raw = base64.b64decode(msg.strip(), validate=True)
+    assert len(raw) == 16 and str(uuid.UUID(bytes=raw)) == dbid
+    assert reply(s, "XQDISCARD 0") == (501, "5.5.4 Invalid arguments")
+    assert reply(s, "XQDISCARD -3") == (501, "5.5.4 Invalid arguments")
+    assert reply(s, "XQDISCARD") == (501, "5.5.4 Invalid arguments")
+    assert reply(s, "XQDISCARD 5") == (251, "OK, no discard events")
+    s.quit()
+    assert node1.proc.poll() is None
+
+
+# ------------------------------------------------------------------------------ 6. a malformed discard id
+
+class FakePrimary(socketserver.ThreadingTCPServer):
+    """Just enough of a primary for a shadow's heartbeat: EHLO, AUTH, XSHADOW, XQDISCARD."""
+
+    allow_reuse_address = True
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], name: str, dbid: str):
+        self.name = name
+        self.dbid = dbid
+        self.commands: list[str] = []
+        self.next_discards: list[list[str]] = []  # one-shot XQDISCARD answers, in order
+        self.default_discard: list[str] = ["not-a-guid"]
+        self.lock = threading.Lock()
+        super().__init__(address, FakePrimaryHandler)
+
+    def count(self, verb: str) -> int:
+        with self.lock:
+            return sum(1 for c in self.commands if c.split(" ", 1)[0].upper() == verb)
+
+    def discard_lines(self) -> list[str]:
+        with self.lock:
+            return self.next_discards.pop(0) if self.next_discards else list(self.default_discard)
+
+
+class FakePrimaryHandler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        srv: FakePrimary = self.server  # type: ignore[assignment]
+        out = self.wfile
+        out.write(b"220 " + srv.name.encode() + b" ESMTP fake primary\r\n")
+        for raw in self.rfile:
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            verb = line.split(" ", 1)[0].upper()
+            if verb == "XQDISCARD":
+                lines = srv.discard_lines()
+            with srv.lock:
+                srv.commands.append(line)
+            if verb in ("EHLO", "HELO"):
+                out.write(f"250-{srv.name}\r\n250-AUTH PLAIN\r\n250-ENHANCEDSTATUSCODES\r\n"
+                          f"250 XSHADOWREQUEST\r\n".encode())
+            elif verb == "AUTH":
+                out.write(b"235 2.7.0 Authentication successful\r\n")
+            elif verb == "XSHADOW":
+                out.write(f"250 {b64_dbid(srv.dbid)}\r\n".encode())
+            elif verb == "XQDISCARD":
+                if not lines:
+                    out.write(b"251 OK, no discard events\r\n")
+                else:
+                    body = [f"250-{x}" for x in lines[:-1]] + [f"250 {lines[-1]}"]
+                    out.write(("\r\n".join(body) + "\r\n").encode())
+            elif verb == "QUIT":
+                out.write(b"221 2.0.0 Bye\r\n")
+                return
+            else:
+                out.write(b"250 2.0.0 OK\r\n")
+            out.flush()
+
+
+def test_malformed_discard_id_keeps_every_shadow(procs, sink, tmp_path):
+    """PROTOCOL.md 4: a malformed id in an XQDISCARD reply is a contract violation: keep every shadow.
+
+    A fake primary answers the heartbeat; the node under test holds two shadows for it, given
+    over its transport connector exactly as a primary would (XSHADOWREQUEST + MAIL XSHADOW=).
+    """
+    base = random.randint(20, 200)
+    node_ip, fake_ip = f"127.0.0.{base}", f"127.0.0.{base + 1}"
+    secret = "s3cret-" + uuid.uuid4().hex
+    fake_name, node_name = "fake.transportd.test", "shadow.transportd.test"
+    fake_dbid = str(uuid.uuid4())
+    fake = FakePrimary((fake_ip, free_port()), fake_name, fake_dbid)
+    threading.Thread(target=fake.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        frontend_port, transport_port = free_port(), free_port()
+        config = tmp_path / "shadow.toml"
+        sections = merge(FAST, {
+            "node": {"name": node_name, "site": "site-a", "data_dir": str(tmp_path / "data")},
+            "frontend": {"listen": f"{node_ip}:{frontend_port}"},
+            "transport": {"listen": f"{node_ip}:{transport_port}"},
+            "cluster": {"secret": secret},
+            "routing": {"accepted_domains": ["example.test"], "trusted_networks": ["127.0.0.1/32"],
+                        "smart_host": sink.address},
+            # Long enough that failed heartbeats never promote during the test.
+            "shadow_redundancy": {"shadow_redundancy_enabled": True, "shadow_resubmit_time_span": 3600},
+        })
+        write_node_config(config, sections, [{"name": fake_name, "site": "site-b",
+                                              "transport": f"{fake_ip}:{fake.server_address[1]}"}])
+        log_path = tmp_path / "shadow.log"
+        with open(log_path, "ab") as log:
+            proc = procs.add(subprocess.Popen([sys.executable, "-m", "transportd", "serve", "--config", str(config)],
+                                              stdout=log, stderr=subprocess.STDOUT))
+        wait_port(node_ip, transport_port, proc=proc)
+
+        # Act as the fake primary: make two shadows on the node.
+        guids = [str(uuid.uuid4()), str(uuid.uuid4())]
+        s = smtp(node_ip, transport_port, helo=fake_name)
+        assert auth_plain(s, fake_name, secret)[0] == 235
+        code, msg = reply(s, f"XSHADOWREQUEST {fake_name} {b64_dbid(fake_dbid)}")
+        assert (code, base64.b64decode(msg.strip()).decode()) == (250, node_name)
+        for i, guid in enumerate(guids):
+            assert reply(s, f"MAIL FROM:<a@example.test> XSHADOW={guid}")[0] == 250
+            assert reply(s, f"RCPT TO:<{FOREIGN}>")[0] == 250
+            code, msg = s.data(f"From: a@example.test\r\nTo: {FOREIGN}\r\nSubject: shadow {i}\r\n"
+                               f"Message-ID: <{guid}@fake>\r\n\r\nbody {i}\r\n".encode())
+            assert code == 250 and msg.decode().startswith("2.6.0"), (code, msg)
+        s.quit()
+
+        def shadow_row() -> dict:
+            rows = {r["primary"]: r for r in json_lines(invoke("shadow", "list", "--config", str(config),
+                                                               "--json").stdout)}
+            return rows.get(fake_name, {"shadows": 0, "shadow_safety_net": 0})
+
+        def tracked(event: str) -> list[dict]:
+            r = invoke("tracking", "search", "--config", str(config), "--json", "--event-id", event,
+                       ok_codes=(0, 1))
+            return json_lines(r.stdout) if r.exit_code == 0 else []
+
+        assert shadow_row()["shadows"] == 2
+        assert len(tracked("HARECEIVE")) == 2
+
+        def heartbeats(n: int) -> None:
+            start = fake.count("XQDISCARD")
+            wait_for(lambda: fake.count("XQDISCARD") >= start + n, timeout=n * HEARTBEAT + 8,
+                     what=f"{n} heartbeats (XQDISCARD) from the shadow node")
+
+        # Only a malformed id: nothing discarded, the violation logged.
+        heartbeats(3)
+        assert fake.count("XSHADOW") >= 3 and fake.count("AUTH") >= 3
+        row = shadow_row()
+        assert (row["shadows"], row["shadow_safety_net"]) == (2, 0), row
+        assert "protocol violation" in row["last_error"], row
+        assert not tracked("HADISCARD")
+        log_text = log_path.read_text(errors="replace")
+        assert "protocol violation" in log_text and "not-a-guid" in log_text, log_text[-3000:]
+
+        # A good id next to a malformed one: still nothing discarded (never discard on bad data).
+        with fake.lock:
+            fake.default_discard = [guids[0], "not-a-guid"]
+        heartbeats(3)
+        row = shadow_row()
+        assert (row["shadows"], row["shadow_safety_net"]) == (2, 0), row
+        assert not tracked("HADISCARD")
+
+        # Control: a well-formed reply does discard (so the checks above could have failed).
+        with fake.lock:
+            fake.default_discard = []
+            fake.next_discards = [[guids[0]]]
+        wait_for(lambda: shadow_row()["shadow_safety_net"] == 1, timeout=HEARTBEAT + 8,
+                 what="the well-formed discard to take effect")
+        row = shadow_row()
+        assert (row["shadows"], row["shadow_safety_net"]) == (1, 1), row
+        assert row["last_error"] == ""
+        hadiscard = one(tracked("HADISCARD"))
+        assert hadiscard["source-context"] == f"ExplicitlyDiscarded;{guids[0]}"
+        assert proc.poll() is None
+    finally:
+        fake.shutdown()
+        fake.server_close()
+
+
+# ------------------------------------------------------------------------------ 7. hop by hop
+
+def test_hop_by_hop_delivery_to_mailbox_database_on_peer(cluster, sink):
+    """PROTOCOL.md 3: node3 hands alice's message to node1 (MDB01) with XSHADOW and keeps it until
+    node1's discard. node1's mailbox queue is suspended for a while so that "keeps it" is observed,
+    not guessed."""
+    sink.start()
+    c = cluster().start()
+    node1, node3 = c["node1"], c["node3"]
+
+    # A first message straight to node1 creates its mailbox:MDB01 queue; then hold that queue.
+    queued_id(node1.swaks(LOCAL))
+    wait_for(lambda: len(node1.maildir(LOCAL)) == 1, timeout=10, what="the first delivery on node1")
+    invoke("queue", "suspend", "mailbox:MDB01", "--config", node1.config)
+
+    qid3 = queued_id(node3.swaks(LOCAL, "--header", "Subject: hop by hop"))
+    netid = netid_of(node3, qid3)
+    send = wait_for(lambda: node3.tracking(event_id="SEND", network_message_id=netid), timeout=10,
+                    what="node3 to send to node1")
+    assert one(send)["recipient-address"] == LOCAL
+    received = one(wait_for(lambda: node1.tracking(event_id="RECEIVE", network_message_id=netid), timeout=5,
+                            what="node1 RECEIVE"))
+    assert received["source-context"] == "transport"
+    assert received["network-message-id"] == netid  # the same id on both nodes
+
+    # node1 has not processed it: several heartbeats later, node3 still holds its copy.
+    time.sleep(4 * HEARTBEAT)
+    assert "HADISCARD" not in node3.events(netid)
+    held = one([m for m in node3.messages() if m["network_message_id"] == netid], "node3's copy")
+    assert held["status"] != "SafetyNet", held
+    assert "DELIVER" not in node1.events(netid)
+
+    invoke("queue", "resume", "mailbox:MDB01", "--config", node1.config)
+    deliver = one(wait_for(lambda: node1.tracking(event_id="DELIVER", network_message_id=netid), timeout=5,
+                           what="node1 DELIVER"))
+    assert deliver["recipient-address"] == LOCAL
+    files = [p for p in node1.maildir(LOCAL) if f".{netid}." in p.name]
+    assert len(files) == 1 and b"Subject: hop by hop" in files[0].read_bytes()
+
+    hadiscard = one(wait_for(lambda: node3.tracking(event_id="HADISCARD", network_message_id=netid),
+                             timeout=HEARTBEAT + 5, what="node3 HADISCARD after node1's discard"))
+    assert hadiscard["source-context"].startswith("ExplicitlyDiscarded;")
+    assert hadiscard["client-hostname"] == node1.name
+    assert hadiscard["date-time"] >= deliver["date-time"]
+    assert one([m for m in node3.messages() if m["network_message_id"] == netid])["status"] == "SafetyNet"
+    assert not sink.messages(), "alice's mail left the boundary"
+
+    # node3 also shadowed the message it received from the client (in the other site: node1 or
+    # node2); once node3 processed it, that shadow is discarded too. One id on every node.
+    holder = one([n for n in (c["node1"], c["node2"]) if "HARECEIVE" in n.events(netid)], "node3's shadow holder")
+    wait_for(lambda: "HADISCARD" in holder.events(netid), timeout=HEARTBEAT + 5,
+             what=f"{holder.short} to discard node3's shadow")
+    assert {"RECEIVE", "HAREDIRECT", "SEND", "HADISCARD"} <= set(node3.events(netid))
+    assert {"RECEIVE", "DELIVER"} <= set(node1.events(netid))
+    assert not node1.tracking(event_id="HAREDIRECTFAIL", network_message_id=netid)
+    assert not node1.tracking(event_id="HAREDIRECT", network_message_id=netid), \
+        "a message from a boundary peer needs no new shadow"
+
+
+# ------------------------------------------------------------------------------ 8. transportd cluster up
+
+def running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not running
+        return " Z " not in Path(f"/proc/{pid}/stat").read_text().split(")", 1)[1][:4]
+    except OSError:
+        return False
+
+
+def test_cluster_up_runs_a_working_cluster_and_stops_it(procs, tmp_path):
+    base = random.randint(20, 200)
+    data = tmp_path / "cl"
+    fport, tport, sport = free_port(), free_port(), free_port()
+    sink_addr = f"127.0.0.{base + 3}:{sport}"
+    out = open(tmp_path / "cluster.out", "wb")
+    proc = procs.add(subprocess.Popen(
+        [sys.executable, "-m", "transportd", "cluster", "up", "--data-dir", str(data), "--ip-base", str(base),
+         "--frontend-port", str(fport), "--transport-port", str(tport), "--sink", sink_addr,
+         "--set", f"shadow_redundancy.shadow_heartbeat_frequency={HEARTBEAT}",
+         "--set", "delivery.queue_poll_interval=0.2"],
+        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+    out.close()
+
+    def output() -> str:
+        return (tmp_path / "cluster.out").read_text(errors="replace")
+
+    try:
+        doc = wait_for(lambda: (data / "cluster.json").exists() and json.loads((data / "cluster.json").read_text()),
+                       timeout=15, what="cluster.json")
+        assert [n["name"] for n in doc["nodes"]] == [fqdn(f"node{i}") for i in (1, 2, 3)]
+        assert [n["site"] for n in doc["nodes"]] == ["site-a", "site-a", "site-b"]
+        for n in doc["nodes"]:
+            host, _, port = n["frontend"].rpartition(":")
+            assert host.startswith("127.") and int(port) == fport
+            wait_port(host, int(port), proc=proc)
+            thost, _, tp = n["transport"].rpartition(":")
+            wait_port(thost, int(tp), proc=proc)
+        wait_port(f"127.0.0.{base + 3}", sport, proc=proc)
+        sink_new = Path(doc["sink"]["mail_dir"])
+        assert sink_new == (data / "sink" / "new").resolve()
+        node1_host = doc["nodes"][0]["frontend"].rpartition(":")[0]
+        node1_cfg, node3_cfg = doc["nodes"][0]["config"], str(data / "node3.toml")
+
+        def node3_shadows() -> dict:
+            r = run_cli("shadow", "list", "--config", node3_cfg, "--json")
+            assert r.returncode == 0, r.stderr
+            rows = {x["primary"]: x for x in json_lines(r.stdout)}
+            return rows.get(fqdn("node1"), {"shadows": 0, "shadow_safety_net": 0})
+
+        r = swaks(fport, "--from", "carol@example.test", "--to", FOREIGN, server=node1_host)
+        queued_id(r)
+        wait_for(lambda: len(list(sink_new.iterdir())) == 1, timeout=10, what="the message in the sink")
+        status = run_cli("cluster", "status", "--data-dir", str(data), "--json")
+        assert status.returncode == 0, status.stderr
+        rows = json_lines(status.stdout)
+        assert [r["name"] for r in rows] == [fqdn(f"node{i}") for i in (1, 2, 3)]
+        assert all(r["alive"] for r in rows), rows
+        wait_for(lambda: node3_shadows()["shadow_safety_net"] == 1, timeout=10,
+                 what="node3's shadow of the first message to be discarded")
+
+        # Hold node1's smart-host queue: the next shadow stays on node3 until the queue resumes.
+        queue = f"smarthost:{sink_addr}"
+        assert run_cli("queue", "suspend", queue, "--config", node1_cfg).returncode == 0
+        queued_id(swaks(fport, "--from", "carol@example.test", "--to", FOREIGN, server=node1_host))
+        held = node3_shadows()
+        assert (held["shadows"], held["shadow_safety_net"]) == (1, 1), held
+        assert run_cli("queue", "resume", queue, "--config", node1_cfg).returncode == 0
+        wait_for(lambda: len(list(sink_new.iterdir())) == 2, timeout=10, what="the second message in the sink")
+        wait_for(lambda: (x := node3_shadows())["shadows"] == 0 and x["shadow_safety_net"] == 2, timeout=10,
+                 what="node3's second shadow to be discarded")
+        assert "[node1]" in output() and "[node3]" in output()
+    except BaseException:
+        sys.stderr.write(output()[-20000:])
+        raise
+
+    pids = [n["pid"] for n in doc["nodes"]] + [doc["sink"]["pid"]]
+    assert all(pids) and all(running(p) for p in pids)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0, output()[-5000:]
+    assert time.monotonic() - started < 15
+    left = [p for p in pids if running(p)]
+    assert not left, f"processes still running after the cluster stopped: {left}"
+    assert "[cluster] stopping" in output()
