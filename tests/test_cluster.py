@@ -363,6 +363,19 @@ def test_shadow_placement(cluster, preference, down, expected):
         assert one([m for m in node1.messages() if m["id"] == qid])["redundancy"] == "unprotected"
 
 
+def test_no_suitable_shadow_server(cluster):
+    """node3 is alone in site-b: LocalOnly leaves no candidate at all."""
+    c = cluster()
+    node3 = c["node3"]
+    node3.set("shadow_redundancy", "shadow_message_preference_setting", "LocalOnly")
+    c.start()
+    qid = queued_id(node3.swaks(FOREIGN))
+    fail = one(node3.tracking(event_id="HAREDIRECTFAIL"))
+    assert fail["network-message-id"] == netid_of(node3, qid)
+    assert fail["source-context"] == "No suitable shadow servers"
+    assert all(not c[s].tracking(event_id="HARECEIVE") for s in ("node1", "node2"))
+
+
 # ------------------------------------------------------------------------------ 4. no peer reachable
 
 def test_all_peers_down_accepts_unprotected_by_default(cluster):
@@ -372,7 +385,8 @@ def test_all_peers_down_accepts_unprotected_by_default(cluster):
     qid = queued_id(node1.swaks(FOREIGN))
     fail = one(node1.tracking(event_id="HAREDIRECTFAIL"))
     assert fail["network-message-id"] == netid_of(node1, qid)
-    assert fail["source-context"], "HAREDIRECTFAIL should say why"
+    # The peers' replies (here: no connection), both sites tried.
+    assert fqdn("node2") in fail["source-context"] and fqdn("node3") in fail["source-context"], fail
     msg = one(node1.messages(include_done=False))
     assert msg["id"] == qid and msg["redundancy"] == "unprotected"
 
@@ -478,6 +492,15 @@ def test_transport_connector_security(cluster):
     assert reply(s, "XQDISCARD -3") == (501, "5.5.4 Invalid arguments")
     assert reply(s, "XQDISCARD") == (501, "5.5.4 Invalid arguments")
     assert reply(s, "XQDISCARD 5") == (251, "OK, no discard events")
+    s.quit()
+
+    # XSHADOWREQUEST: only for the authenticated name; the answer is our own FQDN in base64.
+    s = smtp(host, tport, helo=fqdn("node2"))
+    assert auth_plain(s, fqdn("node2"), c.secret)[0] == 235
+    code, _ = reply(s, f"XSHADOWREQUEST {fqdn('node3')} {b64_dbid(str(uuid.uuid4()))}")
+    assert code >= 500, "a peer may not ask for shadows in another peer's name"
+    code, msg = reply(s, f"XSHADOWREQUEST {fqdn('node2')} {b64_dbid(str(uuid.uuid4()))}")
+    assert (code, base64.b64decode(msg.strip(), validate=True).decode()) == (250, node1.name)
     s.quit()
     assert node1.proc.poll() is None
 
@@ -701,6 +724,59 @@ def test_hop_by_hop_delivery_to_mailbox_database_on_peer(cluster, sink):
         "a message from a boundary peer needs no new shadow"
 
 
+def test_bifurcated_message_released_only_when_every_fork_is_processed(cluster, sink):
+    """PROTOCOL.md 3: alice's fork goes to node1 (hop by hop), bob's to the sink. node1's discard
+    of alice's fork is not enough for node3 to let go of the message while bob's fork is pending
+    (sink down); when bob is delivered too, node3's copy and its own shadow are released."""
+    c = cluster().start()
+    node1, node3 = c["node1"], c["node3"]
+    netid = netid_of(node3, queued_id(node3.swaks(f"{LOCAL},{FOREIGN}")))
+
+    wait_for(lambda: node1.tracking(event_id="DELIVER", network_message_id=netid), timeout=10,
+             what="node1 to deliver alice's fork")
+    # Several heartbeats: node3 has surely asked node1 for discards by now.
+    wait_for(lambda: "DEFER" in node3.events(netid), timeout=10, what="bob's fork to be deferred")
+    time.sleep(4 * HEARTBEAT)
+    msg = one([m for m in node3.messages() if m["network_message_id"] == netid])
+    assert msg["status"] not in ("SafetyNet", "Removed"), msg
+    holder = one([n for n in (c["node1"], c["node2"]) if "HARECEIVE" in n.events(netid)], "node3's shadow holder")
+    assert "HADISCARD" not in holder.events(netid), "node3's shadow was released with a fork still pending"
+    assert holder.shadow_row(node3.name)["shadows"] == 1
+
+    sink.start()
+    wait_for(lambda: "SENDEXTERNAL" in node3.events(netid), timeout=10, what="bob's fork to reach the sink")
+    wait_for(lambda: one([m for m in node3.messages() if m["network_message_id"] == netid])["status"]
+             == "SafetyNet", timeout=5, what="node3's copy to reach the Primary Safety Net")
+    wait_for(lambda: "HADISCARD" in holder.events(netid), timeout=HEARTBEAT + 5,
+             what=f"{holder.short} to discard node3's shadow")
+    assert len(sink.messages()) == 1
+    assert [p for p in node1.maildir(LOCAL) if f".{netid}." in p.name]
+
+
+def test_every_session_to_the_primary_asks_for_discards(cluster, sink):
+    """PROTOCOL.md 4: the shadow runs XQDISCARD "on every session it opens to the primary for any
+    reason", not only on its heartbeat. node3's heartbeat is a minute here, so only the hop-by-hop
+    session of a second message can bring back the discard of the first."""
+    sink.start()
+    c = cluster()
+    node1, node3 = c["node1"], c["node3"]
+    node3.set("shadow_redundancy", "shadow_heartbeat_frequency", 60)
+    c.start()
+
+    first = netid_of(node3, queued_id(node3.swaks(LOCAL)))
+    wait_for(lambda: node1.tracking(event_id="DELIVER", network_message_id=first), timeout=10,
+             what="node1 to deliver the first message")
+    time.sleep(4 * HEARTBEAT)  # no heartbeat from node3 in this time
+    assert "HADISCARD" not in node3.events(first)
+
+    second = netid_of(node3, queued_id(node3.swaks(LOCAL)))
+    wait_for(lambda: node3.tracking(event_id="SEND", network_message_id=second), timeout=10,
+             what="node3 to hand the second message to node1")
+    hadiscard = one(wait_for(lambda: node3.tracking(event_id="HADISCARD", network_message_id=first),
+                             timeout=5, what="the hop session to bring back the first discard"))
+    assert hadiscard["source-context"].startswith("ExplicitlyDiscarded;")
+
+
 # ------------------------------------------------------------------------------ 8. transportd cluster up
 
 def running(pid: int) -> bool:
@@ -782,6 +858,13 @@ def test_cluster_up_runs_a_working_cluster_and_stops_it(procs, tmp_path):
 
     pids = [n["pid"] for n in doc["nodes"]] + [doc["sink"]["pid"]]
     assert all(pids) and all(running(p) for p in pids)
+
+    # A node that dies shows as not alive (status is not a copy of cluster.json).
+    os.kill(doc["nodes"][1]["pid"], signal.SIGKILL)
+    wait_for(lambda: "[cluster] node2 exited with code -9" in output(), timeout=5, what="the cluster to notice")
+    rows = json_lines(run_cli("cluster", "status", "--data-dir", str(data), "--json").stdout)
+    assert [r["alive"] for r in rows] == [True, False, True], rows
+    pids.remove(doc["nodes"][1]["pid"])
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 0, output()[-5000:]

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import free_port, queued_id, swaks, wait_for, wait_port
+
 from transportd import cluster as cluster_mod
 from transportd import config as config_mod
 from transportd.mailbox import MailboxStore
@@ -55,7 +55,7 @@ class ClusterNode:
 
     # -- process control ------------------------------------------------------------------
 
-    def start(self) -> "ClusterNode":
+    def start(self) -> ClusterNode:
         with open(self.log_path, "ab") as log:
             self.proc = self.procs.add(subprocess.Popen(
                 [sys.executable, "-m", "transportd", "serve", "--config", self.spec.config],
@@ -77,7 +77,7 @@ class ClusterNode:
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "transportd", *args, "--config", self.spec.config]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
         if res.returncode != 0:
             raise AssertionError(f"{' '.join(cmd)} exited {res.returncode}:\n{res.stdout}\n{res.stderr}")
         return res
@@ -101,9 +101,11 @@ class ClusterNode:
 
     def wait_event(self, event_id: str, network_message_id: str | None = None, timeout: float = 20,
                    n: int = 1) -> list[dict]:
-        return wait_for(lambda: (lambda rows: rows if len(rows) >= n else None)(
-            self.events(event_id, network_message_id)), timeout=timeout, interval=0.1,
-            what=f"{n} {event_id} on {self.spec.short} for {network_message_id}")
+        def found() -> list[dict] | None:
+            rows = self.events(event_id, network_message_id)
+            return rows if len(rows) >= n else None
+        return wait_for(found, timeout=timeout, interval=0.1,
+                        what=f"{n} {event_id} on {self.spec.short} for {network_message_id}")
 
     def shadow_list(self) -> dict[str, dict]:
         return {r["primary"]: r for r in self.cli_json("shadow", "list")}
@@ -192,7 +194,7 @@ def test_primary_killed_with_message_queued_shadow_promotes_after_resubmit_span(
     n1.kill9()
     killed = time.monotonic()
     sink.start()
-    resubmit = n3.wait_event("RESUBMIT", netid, timeout=20)
+    n3.wait_event("RESUBMIT", netid, timeout=20)
     promoted_after = time.monotonic() - killed
     # Six failures in a row 0.5 s apart: not at the first failed heartbeat.
     assert promoted_after >= 2.0, f"promoted {promoted_after:.1f}s after the primary died"

@@ -194,7 +194,7 @@ class DeliveryAgent:
 
     async def _commit(self, batch: list[WorkItem], outcomes: dict[int, list[Outcome]], now: float,
                       queue_error: str | None = None, remote: str = "",
-                      forks: Sequence[tuple[int, str, str, int]] = ()) -> None:
+                      forks: Sequence[tuple[int, str, str, int, str | None]] = ()) -> None:
         """Write outcomes (and DSNs) durably, then log the tracking events."""
         d = self.cfg.delivery
         hold = self.cfg.safety_net.safety_net_hold_time
@@ -228,11 +228,11 @@ class DeliveryAgent:
                     dsn = dsn_message(self.cfg, row, body, reports, now)
                     if dsn is not None:
                         dsn_id = (mq.enqueue(conn, dsn), dsn)
-                for message_id, primary, guid, queue_id in forks:
+                for message_id, primary, guid, queue_id, primary_dbid in forks:
                     if message_id == it.message_id:
                         conn.execute(insert(shadow_forks).values(message_id=message_id, primary_node=primary,
                                                                  shadow_guid=guid, queue_id=queue_id,
-                                                                 created_at=now))
+                                                                 created_at=now, primary_dbid=primary_dbid))
                 mq.finish_if_done(conn, it.message_id, now, hold)
                 result[it.message_id] = dsn_id
             return result
@@ -371,7 +371,7 @@ class DeliveryAgent:
                 # A session in which the next hop deferred everything puts the queue in Retry,
                 # with the reply as its last error, as a failed connection does.
                 queue_error = outs[-1].reply if outs and not progressed and i == len(batch) - 1 else None
-                forks = [(it.message_id, peer, guid, it.queue_id)] if peer and any(
+                forks = [(it.message_id, peer, guid, it.queue_id, getattr(client, "peer_dbid", None))] if peer and any(
                     o.status == mq.DELIVERED for o in outs) else []
                 await self._commit([it], {it.message_id: outs}, time.time(), queue_error=queue_error,
                                    remote=remote, forks=forks)

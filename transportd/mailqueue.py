@@ -46,6 +46,7 @@ class NewMessage:
     shadow_guid: str | None = None
     primary_node: str | None = None
     primary_internal_id: int | None = None
+    primary_dbid: str | None = None
 
 
 @dataclass
@@ -100,6 +101,7 @@ def enqueue(conn: Connection, msg: NewMessage) -> int:
         role=msg.role, state=QUEUED, suspended=0, suppress_dsn=int(msg.suppress_dsn),
         shadow_guid=msg.shadow_guid, primary_node=msg.primary_node,
         primary_internal_id=msg.primary_internal_id, redundancy=msg.redundancy,
+        primary_dbid=msg.primary_dbid,
     )).inserted_primary_key[0]
     conn.execute(insert(message_bodies).values(message_id=mid, data=msg.data))
     rows = []

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiosmtplib
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import delete, func, insert, or_, select, update
 
 from . import mailqueue as mq
 from .mailqueue import NewMessage
@@ -206,6 +206,22 @@ class ShadowManager:
             raise ProtocolError(f"XSHADOW answered {resp.code} {resp.message}")
         dbid = decode_dbid(resp.message.strip())
         await self.primary_seen(peer_name, dbid)
+        client.peer_dbid = dbid  # the forks sent on this session belong to that queue database
+        # PROTOCOL.md 4: the discard exchange runs on every session to the primary, not only the heartbeat.
+        discarded: list[str] = []
+        try:
+            while True:
+                resp = await client.execute_command(b"XQDISCARD", str(DISCARD_BATCH).encode())
+                batch = parse_discard_reply(resp.code, resp.message.splitlines())
+                discarded.extend(batch)
+                if len(batch) < DISCARD_BATCH:
+                    break
+        except ProtocolError as exc:
+            log.error("XQDISCARD on a session to %s: protocol violation: %s; keeping every shadow of it",
+                      peer_name, exc)
+            discarded = []
+        if discarded:
+            await self.discard(peer_name, discarded, time.time())
         return dbid
 
     async def take_discard_events(self, shadow_node: str, n: int) -> list[str]:
@@ -227,7 +243,7 @@ class ShadowManager:
         if recorded and recorded != dbid:
             log.warning("primary %s has a new queue database ID (%s, was %s): promoting its shadows",
                         primary, dbid, recorded)
-            await self.promote(primary, "ShadowStateChange")
+            await self.promote(primary, "ShadowStateChange", keep_dbid=dbid)
         if recorded != dbid:
             await self._upsert_context(primary, queue_database_id=dbid)
 
@@ -257,7 +273,7 @@ class ShadowManager:
             message_id=(head.get("Message-ID") or "").strip(), submit_time=(head.get("Date") or "").strip(),
             subject=str(head.get("Subject") or "").strip(), client_ip=str((session.peer or ("",))[0]),
             client_hostname=request.primary_fqdn, origin="shadow", role="shadow", redundancy="shadow",
-            shadow_guid=guid, primary_node=request.primary_fqdn,
+            shadow_guid=guid, primary_node=request.primary_fqdn, primary_dbid=request.primary_dbid,
         )
         internal_id = await self.node.store.write(lambda c: mq.enqueue(c, msg))
         row = {"id": internal_id, "network_message_id": network_id, "message_id": msg.message_id,
@@ -343,7 +359,8 @@ class ShadowManager:
         if not ok:
             log.warning("heartbeat to primary %s failed (%d in a row): %s", primary, failures, error)
         if decision.promote:
-            await self.promote(primary, decision.reason)
+            await self.promote(primary, decision.reason,
+                               keep_dbid=answered if decision.reason == "ShadowStateChange" else None)
             if decision.reason == "ShadowHeartbeatFailure":
                 await self._upsert_context(primary, consecutive_failures=0)
         return ok
@@ -384,14 +401,21 @@ class ShadowManager:
                             client_hostname=primary)
         return len(rows) + len(released)
 
-    async def promote(self, primary: str, reason: str) -> int:
-        """Make every shadow of ``primary`` a primary message of ours and deliver it."""
+    async def promote(self, primary: str, reason: str, keep_dbid: str | None = None) -> int:
+        """Make the shadows of ``primary`` primary messages of ours and deliver them.
+
+        ``keep_dbid`` (a state change): shadows made from that queue database, i.e. after the
+        primary came back with it, are current and stay shadows; only older ones are promoted.
+        """
         now = time.time()
+
+        def older(column):
+            return [] if keep_dbid is None else [or_(column.is_(None), column != keep_dbid)]
 
         def job(conn):
             rows = conn.execute(select(messages).where(
                 messages.c.role == "shadow", messages.c.primary_node == primary,
-                messages.c.state == mq.QUEUED)).mappings().all()
+                messages.c.state == mq.QUEUED, *older(messages.c.primary_dbid))).mappings().all()
             ids = [r["id"] for r in rows]
             if ids:
                 # "pending" keeps delivery off them until they are made redundant again.
@@ -404,13 +428,14 @@ class ShadowManager:
         def forks_job(conn):
             # Forks we handed to that peer: deliver them again (the receiving store drops duplicates).
             found = conn.execute(select(shadow_forks.c.message_id, shadow_forks.c.queue_id).where(
-                shadow_forks.c.primary_node == primary)).all()
+                shadow_forks.c.primary_node == primary, *older(shadow_forks.c.primary_dbid))).all()
             for message_id, queue_id in found:
                 conn.execute(update(recipients).where(
                     recipients.c.message_id == message_id, recipients.c.queue_id == queue_id,
                     recipients.c.status == mq.DELIVERED).values(status=mq.READY, next_retry_at=0.0,
                                                                  completed_at=None))
-            conn.execute(delete(shadow_forks).where(shadow_forks.c.primary_node == primary))
+            conn.execute(delete(shadow_forks).where(shadow_forks.c.primary_node == primary,
+                                                    *older(shadow_forks.c.primary_dbid)))
             return [mq.message_row(conn, m) or {"id": m} for m, _ in found]
         rows += await self.node.store.write(forks_job)
         for r in rows:

@@ -92,6 +92,7 @@ messages = Table(
     Column("shadow_guid", String),
     Column("primary_node", String),
     Column("primary_internal_id", Integer),
+    Column("primary_dbid", String),  # on a shadow: the primary's queue database ID when it was made
     Column("redundancy", String, nullable=False, default="none"),  # none | shadowed | unprotected
     sqlite_autoincrement=True,
 )
@@ -169,6 +170,7 @@ shadow_forks = Table(
     Column("shadow_guid", String, nullable=False),
     Column("queue_id", Integer, nullable=False),
     Column("created_at", Float, nullable=False),
+    Column("primary_dbid", String),  # that peer's queue database ID when it took the fork
 )
 Index("ix_shadow_forks_primary", shadow_forks.c.primary_node, shadow_forks.c.shadow_guid)
 Index("ix_shadow_forks_message", shadow_forks.c.message_id)
@@ -180,6 +182,9 @@ def _migration_1(conn: Connection) -> None:
 
 
 def _migration_2(conn: Connection) -> None:
+    columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(messages)")}
+    if "primary_dbid" not in columns:
+        conn.exec_driver_sql("ALTER TABLE messages ADD COLUMN primary_dbid VARCHAR")
     shadow_forks.create(conn, checkfirst=True)
     for ix in shadow_forks.indexes:
         ix.create(conn, checkfirst=True)
