@@ -178,3 +178,54 @@ def test_resubmit_gap_is_filled_from_the_peers_shadow_safety_net(two_nodes, proc
     assert [(e["source"], e["source-context"]) for e in resub] == [("SAFETYNET", "MDB01;MessageResubmit")]
     files = wait_for(alice, timeout=20, what="the resubmitted copy in alice's Maildir")
     assert len(files) == 1 and b"Subject: safety net me" in files[0].read_bytes()
+
+
+def test_discard_events_are_kept_until_the_shadow_quits(two_nodes, procs, sink):
+    """XQDISCARD ids handed out on a session that breaks are handed out again; a clean QUIT
+    (the shadow applied them) removes them."""
+    import base64
+    import signal
+    import smtplib
+    import tomllib
+
+    node1, node2 = two_nodes
+    host, _, port = node1.frontend.rpartition(":")
+    t_host, _, t_port = node1.transport.rpartition(":")
+    secret = tomllib.loads(open(node1.config).read())["cluster"]["secret"]
+    # node2 keeps the shadow, then stops, so nobody asks node1 for the discard but us.
+    queued_id(swaks(int(port), "--to", "carol@elsewhere.test", server=host))
+    proc2 = next(p for p in procs.procs if node2.config in p.args)
+    proc2.send_signal(signal.SIGTERM)
+    proc2.wait(timeout=15)
+    sink.start()
+    wait_for(lambda: sink.messages(), timeout=20, what="delivery by node1")
+
+    def session():
+        s = smtplib.SMTP(t_host, int(t_port), timeout=10)
+        s.ehlo("node2.transportd.test")
+        s.login("node2.transportd.test", secret)
+        code, reply = s.docmd("XSHADOW", base64.b64encode(b"node2.transportd.test").decode())
+        assert code == 250, reply
+        return s
+
+    s = session()
+    code, reply = s.docmd("XQDISCARD", "5")
+    assert code == 250
+    guid = reply.decode().strip()
+    uuid.UUID(guid)
+    s.close()  # broken: the connection ends without QUIT
+
+    def again():
+        s2 = session()
+        c, r = s2.docmd("XQDISCARD", "5")
+        if c == 250:
+            return s2, r.decode().strip()
+        s2.close()
+        return None
+    s2, guid2 = wait_for(again, timeout=5, what="the discard handed out again")
+    assert guid2 == guid
+    s2.quit()  # acknowledged
+
+    s3 = session()
+    assert s3.docmd("XQDISCARD", "5")[0] == 251
+    s3.quit()

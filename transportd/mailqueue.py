@@ -133,6 +133,8 @@ def recover_after_restart(conn: Connection) -> int:
     peer's answer) is delivered: whether its 250 went out is unknown, so it must not be lost.
     """
     conn.execute(update(messages).where(messages.c.redundancy == "pending").values(redundancy="unknown"))
+    # Discard events handed out on sessions that never reached QUIT are handed out again.
+    conn.execute(update(discard_events).where(discard_events.c.sent_token.is_not(None)).values(sent_token=None))
     return conn.execute(update(recipients).where(recipients.c.status == ACTIVE)
                         .values(status=READY, next_retry_at=0.0)).rowcount
 

@@ -224,15 +224,31 @@ class ShadowManager:
             await self.discard(peer_name, discarded, time.time())
         return dbid
 
-    async def take_discard_events(self, shadow_node: str, n: int) -> list[str]:
+    async def take_discard_events(self, shadow_node: str, n: int, token: str) -> list[str]:
+        """Up to ``n`` discard ids for a shadow, marked as handed out on session ``token``.
+
+        They are deleted when that session ends with QUIT (the shadow applied them first) and
+        handed out again if it breaks: a discard is never lost to a dropped connection.
+        """
         def job(conn):
             rows = conn.execute(select(discard_events.c.id, discard_events.c.shadow_guid)
-                                .where(discard_events.c.shadow_node == shadow_node)
+                                .where(discard_events.c.shadow_node == shadow_node,
+                                       discard_events.c.sent_token.is_(None))
                                 .order_by(discard_events.c.id).limit(n)).all()
             if rows:
-                conn.execute(delete(discard_events).where(discard_events.c.id.in_([r.id for r in rows])))
+                conn.execute(update(discard_events).where(discard_events.c.id.in_([r.id for r in rows]))
+                             .values(sent_token=token))
             return [r.shadow_guid for r in rows]
         return await self.node.store.write(job)
+
+    async def settle_discard_events(self, token: str, acknowledged: bool) -> None:
+        def job(conn):
+            cond = discard_events.c.sent_token == token
+            if acknowledged:
+                conn.execute(delete(discard_events).where(cond))
+            else:
+                conn.execute(update(discard_events).where(cond).values(sent_token=None))
+        await self.node.store.write(job)
 
     # ================================================================== shadow side
 
@@ -335,16 +351,18 @@ class ShadowManager:
                         if len(batch) < DISCARD_BATCH:
                             break
                     ok = True
+                    if discarded:
+                        await self.discard(primary, discarded, now)
+                    await s.client.quit()  # acknowledges the discards we just applied
             except ProtocolError as exc:
                 error = f"protocol violation: {exc}"
                 log.error("heartbeat to %s: %s; keeping every shadow of it", primary, exc)
             except (aiosmtplib.SMTPException, OSError, asyncio.TimeoutError) as exc:
-                error = str(exc) or exc.__class__.__name__
+                if not ok:
+                    error = str(exc) or exc.__class__.__name__
             finally:
                 if s is not None:
                     s.close()  # heartbeat sessions are not reused for XSHADOWREQUEST
-        if discarded:
-            await self.discard(primary, discarded, now)
         failures = 0 if ok else failures + 1
         decision = after_heartbeat(ok=ok, consecutive_failures=failures, recorded_dbid=recorded,
                                    answered_dbid=answered,

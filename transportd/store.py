@@ -157,6 +157,8 @@ discard_events = Table(
     Column("shadow_node", String, nullable=False),
     Column("shadow_guid", String, nullable=False),
     Column("created_at", Float, nullable=False),
+    # Handed out on this session and not yet acknowledged by the shadow's QUIT (schema 2).
+    Column("sent_token", String),
 )
 Index("ix_discard_events_node", discard_events.c.shadow_node, discard_events.c.id)
 
@@ -185,6 +187,9 @@ def _migration_2(conn: Connection) -> None:
     columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(messages)")}
     if "primary_dbid" not in columns:
         conn.exec_driver_sql("ALTER TABLE messages ADD COLUMN primary_dbid VARCHAR")
+    columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(discard_events)")}
+    if "sent_token" not in columns:
+        conn.exec_driver_sql("ALTER TABLE discard_events ADD COLUMN sent_token VARCHAR")
     shadow_forks.create(conn, checkfirst=True)
     for ix in shadow_forks.indexes:
         ix.create(conn, checkfirst=True)

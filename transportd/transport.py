@@ -10,8 +10,10 @@ about promotion or storage itself: it calls the node's shadow manager.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
+import uuid
 from typing import Any, Callable
 
 from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session, syntax
@@ -54,6 +56,24 @@ class TransportSMTP(LimitedSMTP):
     def __init__(self, handler: "TransportHandler", **kwargs: Any):
         super().__init__(handler, **kwargs)
         self.manager = handler.manager
+        self._discard_token = uuid.uuid4().hex
+        self._discards_out = False  # discard ids handed out on this session, not yet acknowledged
+
+    async def smtp_QUIT(self, arg: str | None) -> None:
+        if self._discards_out:
+            # A clean QUIT after XQDISCARD: the shadow has applied the ids; forget them.
+            self._discards_out = False
+            await self.manager.settle_discard_events(self._discard_token, acknowledged=True)
+        await super().smtp_QUIT(arg)
+
+    def connection_lost(self, error: Exception | None) -> None:
+        if self._discards_out:
+            # The session broke: hand those ids out again on the shadow's next exchange.
+            self._discards_out = False
+            task = asyncio.ensure_future(
+                self.manager.settle_discard_events(self._discard_token, acknowledged=False))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        super().connection_lost(error)
 
     # -- helpers --------------------------------------------------------------------
 
@@ -129,7 +149,9 @@ class TransportSMTP(LimitedSMTP):
         except ProtocolError:
             await self.push(S501_INVALID_ARGUMENTS)
             return
-        guids = await self.manager.take_discard_events(peer, n)
+        guids = await self.manager.take_discard_events(peer, n, self._discard_token)
+        if guids:
+            self._discards_out = True
         for line in format_discard_reply(guids):
             self._writer.write(line.encode("ascii") + b"\r\n")
         await self._writer.drain()
