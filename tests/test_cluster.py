@@ -309,7 +309,10 @@ def test_delivery_discards_shadow_into_shadow_safety_net(cluster, sink):
     discarded_after = time.monotonic() - delivered_at
     assert row["shadows"] == 0, row
     assert discarded_after < HEARTBEAT + 2.5, discarded_after
-    assert row["consecutive_failures"] == 0 and row["last_heartbeat_at"], row
+    # The heartbeat's bookkeeping is written just after the discard itself.
+    row = wait_for(lambda: (r := node3.shadow_row(node1.name))["last_heartbeat_at"] and r, timeout=2,
+                   what="the heartbeat to be recorded")
+    assert row["consecutive_failures"] == 0 and row["last_error"] == "", row
     assert row["queue_database_id"] == node1.queue_database_id()
 
     # One network-message-id across the nodes' logs.
@@ -656,7 +659,8 @@ def test_malformed_discard_id_keeps_every_shadow(procs, sink, tmp_path):
                  what="the well-formed discard to take effect")
         row = shadow_row()
         assert (row["shadows"], row["shadow_safety_net"]) == (1, 1), row
-        assert row["last_error"] == ""
+        # Recorded just after the discard: the exchange worked, the violation is history.
+        wait_for(lambda: shadow_row()["last_error"] == "", timeout=2, what="a clean heartbeat to be recorded")
         hadiscard = one(tracked("HADISCARD"))
         assert hadiscard["source-context"] == f"ExplicitlyDiscarded;{guids[0]}"
         assert proc.poll() is None

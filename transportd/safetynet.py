@@ -10,6 +10,7 @@ itself is the delivery agent's housekeeping.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +97,6 @@ def parse_resubmit_arg(arg: str | None) -> tuple[str, float, float]:
     if len(parts) != 3:
         raise ValueError("XRESUBMIT needs <destination> <start> <end>")
     start, end = float(parts[1]), float(parts[2])
-    if not (start == start and end == end) or end < start:  # NaN or reversed
+    if not (math.isfinite(start) and math.isfinite(end)) or end < start:
         raise ValueError("bad time window")
     return parts[0], start, end

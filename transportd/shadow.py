@@ -26,9 +26,9 @@ from sqlalchemy import delete, func, insert, or_, select, update
 
 from . import mailqueue as mq
 from .mailqueue import NewMessage
-from .protocol import (Peer, ProtocolError, after_heartbeat, decode_dbid, encode_dbid, encode_fqdn,
+from .protocol import (Peer, ProtocolError, after_heartbeat, decode_dbid, encode_fqdn,
                        format_xshadowrequest, parse_discard_reply, shadow_attempts)
-from .receive import MessageRejected, new_network_message_id, prepare_message
+from .receive import new_network_message_id
 from .routing import bifurcate
 from .store import discard_events, message_shadows, messages, recipients, shadow_contexts, shadow_forks
 
@@ -425,8 +425,6 @@ class ShadowManager:
         ``keep_dbid`` (a state change): shadows made from that queue database, i.e. after the
         primary came back with it, are current and stay shadows; only older ones are promoted.
         """
-        now = time.time()
-
         def older(column):
             return [] if keep_dbid is None else [or_(column.is_(None), column != keep_dbid)]
 

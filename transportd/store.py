@@ -34,7 +34,7 @@ from typing import Any, Callable, TypeVar
 
 from sqlalchemy import (
     BLOB, Column, Float, ForeignKey, Index, Integer, MetaData, String, Table, Text,
-    UniqueConstraint, create_engine, event, select, text,
+    UniqueConstraint, create_engine, event, select,
 )
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DatabaseError, OperationalError
