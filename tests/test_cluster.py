@@ -40,8 +40,8 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-
 from conftest import free_port, queued_id, swaks, wait_for, wait_port
+
 from transportd import cluster as cluster_mod
 from transportd import config as config_mod
 from transportd.cli import cli as transportd_cli
@@ -95,7 +95,7 @@ def json_lines(text: str) -> list[dict]:
 def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     """The real ``python -m transportd`` (used where the process itself is what is tested)."""
     return subprocess.run([sys.executable, "-m", "transportd", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, check=False)
 
 
 # ------------------------------------------------------------------------------ cluster fixture
@@ -138,11 +138,10 @@ class ClusterNode:
         return config_mod.load(self.config)
 
     def spawn(self) -> None:
-        log = open(self.log_path, "ab")
-        self.proc = self.registry.add(subprocess.Popen(
-            [sys.executable, "-m", "transportd", "serve", "--config", self.config],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-        log.close()
+        with open(self.log_path, "ab") as log:
+            self.proc = self.registry.add(subprocess.Popen(
+                [sys.executable, "-m", "transportd", "serve", "--config", self.config],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
 
     def wait_listening(self) -> None:
         wait_port(self.host, self.frontend_port, proc=self.proc)
@@ -207,7 +206,7 @@ class Cluster:
     def __getitem__(self, short: str) -> ClusterNode:
         return self.nodes[short]
 
-    def start(self, *shorts: str) -> "Cluster":
+    def start(self, *shorts: str) -> Cluster:
         """Start the named nodes (all by default) in parallel and wait for both their listeners."""
         chosen = [self.nodes[s] for s in (shorts or self.nodes)]
         for n in chosen:
@@ -799,14 +798,13 @@ def test_cluster_up_runs_a_working_cluster_and_stops_it(procs, tmp_path):
     data = tmp_path / "cl"
     fport, tport, sport = free_port(), free_port(), free_port()
     sink_addr = f"127.0.0.{base + 3}:{sport}"
-    out = open(tmp_path / "cluster.out", "wb")
-    proc = procs.add(subprocess.Popen(
-        [sys.executable, "-m", "transportd", "cluster", "up", "--data-dir", str(data), "--ip-base", str(base),
-         "--frontend-port", str(fport), "--transport-port", str(tport), "--sink", sink_addr,
-         "--set", f"shadow_redundancy.shadow_heartbeat_frequency={HEARTBEAT}",
-         "--set", "delivery.queue_poll_interval=0.2"],
-        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-    out.close()
+    with open(tmp_path / "cluster.out", "wb") as out:
+        proc = procs.add(subprocess.Popen(
+            [sys.executable, "-m", "transportd", "cluster", "up", "--data-dir", str(data), "--ip-base", str(base),
+             "--frontend-port", str(fport), "--transport-port", str(tport), "--sink", sink_addr,
+             "--set", f"shadow_redundancy.shadow_heartbeat_frequency={HEARTBEAT}",
+             "--set", "delivery.queue_poll_interval=0.2"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
 
     def output() -> str:
         return (tmp_path / "cluster.out").read_text(errors="replace")

@@ -376,10 +376,13 @@ class DeliveryAgent:
                 await self._commit([it], {it.message_id: outs}, time.time(), queue_error=queue_error,
                                    remote=remote, forks=forks)
         finally:
-            try:
-                await asyncio.wait_for(client.quit(), 5)
-            except Exception:  # noqa: BLE001
+            if getattr(client, "discards_unapplied", False):
                 client.close()
+            else:
+                try:
+                    await asyncio.wait_for(client.quit(), 5)
+                except Exception:  # noqa: BLE001
+                    client.close()
 
     async def _send_one(self, client: aiosmtplib.SMTP, it: WorkItem, xshadow: str | None = None) -> list[Outcome]:
         row, body = await self.store.aread(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))

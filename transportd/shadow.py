@@ -220,6 +220,8 @@ class ShadowManager:
             log.error("XQDISCARD on a session to %s: protocol violation: %s; keeping every shadow of it",
                       peer_name, exc)
             discarded = []
+            # End this session without QUIT: a QUIT would acknowledge ids we did not apply.
+            client.discards_unapplied = True
         if discarded:
             await self.discard(peer_name, discarded, time.time())
         return dbid
