@@ -315,6 +315,9 @@ KEYS: tuple[Key, ...] = (
         "attempts to shadow within the site", "MaxRetriesForLocalSiteShadow"),
     Key("shadow_redundancy", "reject_message_on_shadow_failure", False, _bool,
         "answer 451 4.4.0 when no shadow can be made", "RejectMessageOnShadowFailure"),
+    Key("shadow_redundancy", "shadow_copy_timeout", 30.0, parse_duration,
+        "the longest a shadow copy may hold up the sender's 250 (all peers tried); then as if no shadow "
+        "could be made", "", DUR),
     Key("shadow_redundancy", "shadow_heartbeat_frequency", 120.0, parse_duration,
         "how often a shadow polls its primary with XQDISCARD", "ShadowHeartbeatFrequency", DUR),
     Key("shadow_redundancy", "shadow_resubmit_time_span", 3 * 3600.0, parse_duration,

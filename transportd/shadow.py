@@ -153,28 +153,35 @@ class ShadowManager:
         if not candidates:
             return ShadowResult(None, "No suitable shadow servers")
         uncertain: list[str] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.sr.shadow_copy_timeout
         for peer in candidates:
             s: PeerSession | None = None
             ok = False
             sent_data = False
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                reasons.append(f"no shadow within shadow_copy_timeout ({self.sr.shadow_copy_timeout:g}s)")
+                break
             try:
-                s = await self._session(peer)
-                if not s.shadow_requested:
-                    resp = await s.client.execute_command(
-                        *format_xshadowrequest(self.node_name, self.queue_database_id).encode("ascii").split(b" "))
-                    if resp.code != 250:
-                        raise ProtocolError(f"XSHADOWREQUEST answered {resp.code} {resp.message}")
-                    s.shadow_requested = True
-                await s.client.mail(msg.sender, options=[f"XSHADOW={guid}"])
-                for r in recipients:
-                    await s.client.rcpt(r)
-                sent_data = True
-                resp = await s.client.data(msg.data)
-                reply = f"{resp.code} {resp.message}"
-                if resp.code == 250 and "2.6.0" in resp.message:
-                    ok = True
-                    return ShadowResult(peer.name, reply, tuple(u for u in uncertain if u != peer.name))
-                reasons.append(f"{peer.name}: {reply}")
+                async with asyncio.timeout(remaining):
+                    s = await self._session(peer)
+                    if not s.shadow_requested:
+                        resp = await s.client.execute_command(
+                            *format_xshadowrequest(self.node_name, self.queue_database_id).encode("ascii").split(b" "))
+                        if resp.code != 250:
+                            raise ProtocolError(f"XSHADOWREQUEST answered {resp.code} {resp.message}")
+                        s.shadow_requested = True
+                    await s.client.mail(msg.sender, options=[f"XSHADOW={guid}"])
+                    for r in recipients:
+                        await s.client.rcpt(r)
+                    sent_data = True
+                    resp = await s.client.data(msg.data)
+                    reply = f"{resp.code} {resp.message}"
+                    if resp.code == 250 and "2.6.0" in resp.message:
+                        ok = True
+                        return ShadowResult(peer.name, reply, tuple(u for u in uncertain if u != peer.name))
+                    reasons.append(f"{peer.name}: {reply}")
             except aiosmtplib.SMTPResponseException as exc:
                 reasons.append(f"{peer.name}: {exc.code} {exc.message}")
                 if s is not None:
