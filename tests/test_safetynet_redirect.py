@@ -229,3 +229,36 @@ def test_discard_events_are_kept_until_the_shadow_quits(two_nodes, procs, sink):
     s3 = session()
     assert s3.docmd("XQDISCARD", "5")[0] == 251
     s3.quit()
+
+
+def test_shadow_node_resubmits_for_an_unreachable_primary(two_nodes, procs):
+    import signal
+    from datetime import datetime, timezone
+
+    node1, node2 = two_nodes
+    host, _, port = node1.frontend.rpartition(":")
+    start = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    time.sleep(1.1)
+    queued_id(swaks(int(port), "--to", "alice@example.test", server=host))
+    wait_for(lambda: _events(node2.config, event_id="HADISCARD"), timeout=15, what="node2's Shadow Safety Net copy")
+    listed = [json.loads(x) for x in _cli(node2.config, "safetynet", "list", "--json").stdout.splitlines()]
+    assert [(r["safety_net"], r["primary"]) for r in listed] == [("Shadow", node1.name)]
+    primary_list = [json.loads(x) for x in _cli(node1.config, "safetynet", "list", "--from", "primary",
+                                                "--json").stdout.splitlines()]
+    assert [r["safety_net"] for r in primary_list] == ["Primary"]
+
+    proc1 = next(p for p in procs.procs if node1.config in p.args)
+    proc1.send_signal(signal.SIGKILL)
+    proc1.wait()
+    # node1 answered a heartbeat a moment ago: within the 12-hour limit, node2 refuses on its own.
+    res = _cli(node2.config, "safetynet", "resubmit", "--destination", "MDB01", "--start", start,
+               "--for-primary", node1.name)
+    assert res.returncode == 1 and "--force" in res.stderr
+    res = _cli(node2.config, "safetynet", "resubmit", "--destination", "MDB01", "--start", start,
+               "--for-primary", node1.name, "--force")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("1 message(s) of node1.transportd.test resubmitted")
+    resub = _events(node2.config, event_id="RESUBMIT")
+    assert [(e["source"], e["source-context"]) for e in resub] == [("SAFETYNET", "MDB01;MessageResubmit")]
+    queued = [json.loads(x) for x in _cli(node2.config, "message", "list", "--json").stdout.splitlines()]
+    assert [(m["origin"], m["queues"]) for m in queued] == [("resubmit", [f"peer:{node1.name}"])]

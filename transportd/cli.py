@@ -513,6 +513,35 @@ def safetynet_group() -> None:
     """Safety Net: copies kept after processing, for resubmission (Exchange's Safety Net)."""
 
 
+@safetynet_group.command("list")
+@node_options
+@click.option("--from", "source", type=click.Choice(["primary", "shadow", "both"]), default="both",
+              show_default=True, help="which Safety Net")
+@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+def safetynet_list(cfg: Config, source: str, as_json: bool) -> None:
+    """Messages held in this node's Primary and Shadow Safety Net, with their hold time."""
+    from sqlalchemy import select
+    from .store import messages
+    roles = ("primary", "shadow") if source == "both" else (source,)
+    store = open_store(cfg)
+    try:
+        rows = store.read(lambda c: [dict(r) for r in c.execute(
+            select(messages).where(messages.c.state == mq.SAFETY_NET, messages.c.role.in_(roles))
+            .order_by(messages.c.id)).mappings()])
+    finally:
+        store.close()
+    out = [{"id": r["id"], "safety_net": "Primary" if r["role"] == "primary" else "Shadow",
+            "network_message_id": r["network_message_id"], "message_id": r["message_id"], "from": r["sender"],
+            "primary": r["primary_node"] or cfg.node.name, "received_at": iso(r["received_at"]),
+            "processed_at": iso(r["completed_at"]), "held_until": iso(r["safety_net_until"])} for r in rows]
+    if as_json:
+        emit_json(out)
+        return
+    click.echo(table(["id", "safety net", "from", "message-id", "primary", "received", "held until"],
+                     [(r["id"], r["safety_net"], r["from"] or "<>", r["message_id"], r["primary"], r["received_at"],
+                       r["held_until"]) for r in out]))
+
+
 @safetynet_group.command("resubmit")
 @node_options
 @click.option("--destination", required=True,
@@ -521,9 +550,17 @@ def safetynet_group() -> None:
 @click.option("--end", default=None, help="window end (ISO 8601; default now)")
 @click.option("--from", "source", type=click.Choice(["primary", "shadow", "both"]), default="both",
               show_default=True, help="which Safety Net of this node to resubmit from")
-def safetynet_resubmit(cfg: Config, destination: str, start: str, end: str | None, source: str) -> None:
+@click.option("--for-primary", "for_primary", default=None, metavar="NODE",
+              help="on a shadow node: resubmit the Shadow Safety Net copies of NODE, which has been "
+                   "unreachable longer than safety_net.primary_safety_net_unreachable_time")
+@click.option("--force", is_flag=True, help="with --for-primary: even if NODE answered recently")
+def safetynet_resubmit(cfg: Config, destination: str, start: str, end: str | None, source: str,
+                       for_primary: str | None, force: bool) -> None:
     """Queue again what this node's Safety Net holds for DESTINATION in a time window."""
     from .safetynet import database_created_at, resubmit
+    if for_primary:
+        _resubmit_for_unreachable_primary(cfg, destination, start, end, for_primary.lower(), force)
+        return
     s = parse_when(start, "--start").timestamp()
     e = parse_when(end, "--end").timestamp() if end else time.time()
     if e < s:
@@ -555,6 +592,40 @@ def safetynet_resubmit(cfg: Config, destination: str, start: str, end: str | Non
                        f"Safety Nets for {fmt_time(s)} - {fmt_time(gap_end)} UTC")
             for peer, answer in ask_peers_to_resubmit(cfg, destination, s, gap_end):
                 click.echo(f"  {peer}: {answer}")
+
+
+def _resubmit_for_unreachable_primary(cfg: Config, destination: str, start: str, end: str | None,
+                                      primary: str, force: bool) -> None:
+    from sqlalchemy import select
+    from .safetynet import resubmit
+    from .store import shadow_contexts
+    s = parse_when(start, "--start").timestamp()
+    e = parse_when(end, "--end").timestamp() if end else time.time()
+    limit = cfg.safety_net.primary_safety_net_unreachable_time
+    store = open_store(cfg)
+    try:
+        ctx = store.read(lambda c: c.execute(select(shadow_contexts).where(
+            shadow_contexts.c.peer == primary)).mappings().first())
+        last = ctx["last_heartbeat_at"] if ctx else None
+        if not force and (ctx is None or (last is not None and time.time() - last < limit)):
+            seen = fmt_time(last) + " UTC" if last else "never polled"
+            raise CliError(f"{primary} answered a heartbeat at {seen}, within "
+                           f"{config_mod.format_duration(limit)}: ask it (transportd safetynet resubmit on "
+                           f"{primary}), or use --force")
+        done = store.transaction(lambda c: resubmit(c, cfg, destination=destination, start=s, end=e,
+                                                    sources=("shadow",), for_primary=primary))
+        trk = tracking_log_for(cfg, store)
+    finally:
+        store.close()
+    if trk is not None:
+        try:
+            for r in done:
+                trk.write("RESUBMIT", "SAFETYNET", internal_message_id=r.new_id, network_message_id=r.network_message_id,
+                          recipients=r.recipients, reference=str(r.original_id),
+                          source_context=f"{destination};MessageResubmit")
+        finally:
+            trk.close()
+    click.echo(f"{len(done)} message(s) of {primary} resubmitted to {destination} from this node's Shadow Safety Net")
 
 
 def ask_peers_to_resubmit(cfg: Config, destination: str, start: float, end: float) -> list[tuple[str, str]]:
