@@ -321,3 +321,9 @@ def test_format_value_hides_passwords() -> None:
     key = next(k for k in KEYS if k.dotted == "frontend.auth_users")
     assert "secret" not in format_value(key, {"user": "secret"})
     assert format_value(next(k for k in KEYS if k.dotted == "frontend.require_tls"), False) == "false"
+
+
+def test_readme_config_reference_is_current() -> None:
+    """README.md's table is what `transportd config reference` prints: a new key cannot go undocumented."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert cfgmod.markdown_reference() in readme

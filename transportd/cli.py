@@ -193,6 +193,12 @@ def config_group() -> None:
     """Inspect configuration."""
 
 
+@config_group.command("reference")
+def config_reference() -> None:
+    """Print the configuration reference as a Markdown table (as in the README)."""
+    click.echo(config_mod.markdown_reference())
+
+
 @config_group.command("show")
 @node_options
 @click.option("--json", "as_json", is_flag=True, help="JSON lines")

@@ -561,3 +561,18 @@ def format_size(size: int) -> str:
         if size and size % factor == 0:
             return f"{size // factor}{unit}"
     return f"{size}B"
+
+
+def markdown_reference() -> str:
+    """The configuration reference table (README.md holds a copy; a test keeps them equal)."""
+    rows = ["| key | default | Exchange name | meaning |", "|---|---|---|---|"]
+    for k in KEYS:
+        default = k.parse(k.default) if k.default != "" else ""
+        if k.dotted == "node.name":
+            shown = "the host's FQDN"
+        elif default == "" or k.name == "secret":
+            shown = '""'
+        else:
+            shown = format_value(k, default)
+        rows.append(f"| `{k.dotted}` | `{shown}` | {k.exchange} | {k.meaning.replace('|', '/')} |")
+    return "\n".join(rows)
