@@ -47,6 +47,14 @@ class NextHopUnavailable(Exception):
     """No session could be opened to any host of a next hop (a DEFER for the whole batch)."""
 
 
+class NextHopPermanentError(Exception):
+    """The next hop can never be reached (no such domain, null MX): FAIL with this reply and a DSN."""
+
+    def __init__(self, reply: str):
+        super().__init__(reply)
+        self.reply = reply
+
+
 def _is_ascii(s: str) -> bool:
     try:
         s.encode("ascii")
@@ -349,6 +357,10 @@ class DeliveryAgent:
         try:
             targets = await self.targets(batch[0])
             client, target = await self._connect(targets, peer)
+        except NextHopPermanentError as exc:
+            await self._commit(batch, {it.message_id: [Outcome(r, mq.FAILED, exc.reply) for r in it.recipient_ids]
+                                       for it in batch}, now)
+            return
         except NextHopUnavailable as exc:
             reply = f"451 4.4.0 Unable to connect to {batch[0].next_hop}: {exc}"
             await self._commit(batch, {it.message_id: [Outcome(r, mq.RETRY, reply) for r in it.recipient_ids]
@@ -503,13 +515,13 @@ async def resolve_mx(domain: str, port: int) -> list[SmtpTarget]:
         answer = await dns.asyncresolver.resolve(domain, "MX", lifetime=10)
         mx = sorted((r.preference, str(r.exchange).rstrip(".")) for r in answer)
         hosts = [h for _, h in mx if h]
-        if hosts == [""] or not hosts:
-            raise NextHopUnavailable(f"{domain} has a null MX (RFC 7505)")
+        if not hosts:
+            raise NextHopPermanentError(f"556 5.1.10 {domain} does not accept mail (null MX, RFC 7505)")
         return [SmtpTarget(h, port) for h in hosts]
     except dns.resolver.NoAnswer:
         return [SmtpTarget(domain, port)]
     except dns.resolver.NXDOMAIN:
-        raise NextHopUnavailable(f"domain {domain} does not exist") from None
+        raise NextHopPermanentError(f"550 5.1.2 Host or domain name not found: {domain}") from None
     except dns.exception.DNSException as exc:
         raise NextHopUnavailable(f"MX lookup for {domain} failed: {exc}") from None
 

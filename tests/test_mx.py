@@ -1,0 +1,55 @@
+"""MX lookup for next hops without a smart host (dnspython), with the resolver replaced: no network."""
+
+from __future__ import annotations
+
+import dns.asyncresolver
+import dns.name
+import dns.resolver
+import pytest
+
+from transportd.delivery import NextHopPermanentError, NextHopUnavailable, resolve_mx
+
+
+class MX:
+    def __init__(self, preference: int, exchange: str):
+        self.preference = preference
+        self.exchange = dns.name.from_text(exchange)
+
+
+def fake_resolver(monkeypatch, result):
+    calls = []
+
+    async def resolve(name, rdtype, lifetime=None):
+        calls.append((name, rdtype))
+        if isinstance(result, Exception):
+            raise result
+        return result
+    monkeypatch.setattr(dns.asyncresolver, "resolve", resolve)
+    return calls
+
+
+async def test_mx_hosts_in_preference_order(monkeypatch):
+    calls = fake_resolver(monkeypatch, [MX(20, "mx2.far.test."), MX(10, "mx1.far.test."), MX(30, "mx3.far.test.")])
+    targets = await resolve_mx("far.test", 25)
+    assert [(t.host, t.port) for t in targets] == [("mx1.far.test", 25), ("mx2.far.test", 25), ("mx3.far.test", 25)]
+    assert calls == [("far.test", "MX")]
+
+
+async def test_no_mx_falls_back_to_the_domain(monkeypatch):
+    fake_resolver(monkeypatch, dns.resolver.NoAnswer())
+    assert [(t.host, t.port) for t in await resolve_mx("far.test", 2525)] == [("far.test", 2525)]
+
+
+async def test_null_mx_and_missing_domain_are_permanent(monkeypatch):
+    fake_resolver(monkeypatch, [MX(0, ".")])
+    with pytest.raises(NextHopPermanentError, match="556 5.1.10"):
+        await resolve_mx("nullmx.test", 25)
+    fake_resolver(monkeypatch, dns.resolver.NXDOMAIN())
+    with pytest.raises(NextHopPermanentError, match="550 5.1.2"):
+        await resolve_mx("nowhere.test", 25)
+
+
+async def test_dns_trouble_is_transient(monkeypatch):
+    fake_resolver(monkeypatch, dns.resolver.LifetimeTimeout())
+    with pytest.raises(NextHopUnavailable):
+        await resolve_mx("slow.test", 25)
