@@ -642,7 +642,7 @@ def ask_peers_to_resubmit(cfg: Config, destination: str, start: float, end: floa
     async def one(peer) -> tuple[str, str]:
         host, _, port = peer.transport.rpartition(":")
         client = aiosmtplib.SMTP(hostname=host, port=int(port), local_hostname=cfg.node.name, timeout=30,
-                                 start_tls=bool(cfg.transport.tls_certificate), validate_certs=False)
+                                 **config_mod.peer_tls_options(cfg))
         try:
             await client.connect()
             await client.ehlo()

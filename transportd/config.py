@@ -236,6 +236,9 @@ KEYS: tuple[Key, ...] = (
     Key("transport", "tls_certificate", "", _str,
         "PEM certificate for STARTTLS on the transport connector; when set, peers must use TLS"),
     Key("transport", "tls_key", "", _str, "PEM private key for transport.tls_certificate"),
+    Key("transport", "tls_ca", "", _str,
+        "PEM CA bundle that signed the peers' transport certificates; when set, a peer's certificate is "
+        "verified before the cluster secret is sent"),
     Key("cluster", "secret", "", _str,
         "the cluster credential: peers authenticate with AUTH PLAIN (user = their FQDN, password = this)"),
     # frontend receive connector
@@ -490,6 +493,14 @@ def _cross_checks(cfg: Config, source: str) -> None:
     if cfg.peers and not cfg.transport.listen:
         raise ConfigError(f"{source}: transport.listen: required when [[peers]] are configured")
     _check_tls_files(cfg, "transport", source)
+    if cfg.transport.tls_ca:
+        p = Path(cfg.transport.tls_ca)
+        p = p if p.is_absolute() else cfg.base_dir / p
+        if not p.is_file():
+            raise ConfigError(f"{source}: transport.tls_ca: no such file: {p}")
+        if not cfg.transport.tls_certificate:
+            raise ConfigError(f"{source}: transport.tls_ca: needs transport.tls_certificate (peers use TLS)")
+        cfg.transport.tls_ca = str(p)
     _check_tls_files(cfg, "frontend", source)
     fe = cfg.frontend
     if fe.require_tls and not fe.tls_certificate:
@@ -576,3 +587,13 @@ def markdown_reference() -> str:
             shown = format_value(k, default)
         rows.append(f"| `{k.dotted}` | `{shown}` | {k.exchange} | {k.meaning.replace('|', '/')} |")
     return "\n".join(rows)
+
+
+def peer_tls_options(cfg: Config) -> dict[str, Any]:
+    """aiosmtplib options for sessions to peers' transport connectors."""
+    tr = cfg.transport
+    if not tr.tls_certificate:
+        return {"start_tls": False, "validate_certs": False}
+    if tr.tls_ca:
+        return {"start_tls": True, "validate_certs": True, "cert_bundle": tr.tls_ca}
+    return {"start_tls": True, "validate_certs": False}

@@ -25,6 +25,7 @@ import aiosmtplib
 from sqlalchemy import insert
 
 from . import mailqueue as mq
+from .config import peer_tls_options
 from .dsn import RecipientReport, build_dsn, status_from_reply
 from .mailqueue import NewMessage, Outcome, WorkItem
 from .receive import split_headers
@@ -334,9 +335,9 @@ class DeliveryAgent:
         d = self.cfg.delivery
         errors = []
         for t in targets:
+            tls = peer_tls_options(self.cfg) if peer is not None else {"start_tls": None, "validate_certs": False}
             client = aiosmtplib.SMTP(hostname=t.host, port=t.port, local_hostname=self.cfg.node.name,
-                                     timeout=d.send_connection_inactivity_timeout, start_tls=None,
-                                     validate_certs=False)
+                                     timeout=d.send_connection_inactivity_timeout, **tls)
             try:
                 await asyncio.wait_for(client.connect(timeout=d.send_connect_timeout), d.send_connect_timeout + 1)
                 await client.ehlo()

@@ -25,6 +25,7 @@ import aiosmtplib
 from sqlalchemy import delete, func, insert, or_, select, update
 
 from . import mailqueue as mq
+from .config import peer_tls_options
 from .mailqueue import NewMessage
 from .protocol import (Peer, ProtocolError, after_heartbeat, decode_dbid, encode_fqdn,
                        format_xshadowrequest, parse_discard_reply, shadow_attempts)
@@ -105,10 +106,9 @@ class ShadowManager:
 
     async def _open(self, peer: Peer) -> PeerSession:
         host, _, port = peer.transport.rpartition(":")
-        tls = bool(self.cfg.transport.tls_certificate)
         client = aiosmtplib.SMTP(hostname=host, port=int(port), local_hostname=self.node_name,
                                  timeout=max(5.0, min(30.0, self.sr.shadow_heartbeat_frequency)),
-                                 start_tls=tls, validate_certs=False)
+                                 **peer_tls_options(self.cfg))
         await client.connect()
         try:
             await client.ehlo()
