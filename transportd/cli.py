@@ -823,7 +823,8 @@ def cluster_up(data_dir: str, nodes: int, sites: int, ip_base: int, frontend_por
                f"storing mail in {directory / 'sink' / 'new'}; cluster.json in {directory}")
     click.echo(f"[cluster] try: swaks --server {host}:{port} --to someone@elsewhere.test  "
                f"(or --to alice@example.test for a local mailbox)")
-    click.echo(f"[cluster]      transportd shadow list --config {specs[1].config if len(specs) > 1 else first.config}")
+    click.echo(f"[cluster]      transportd shadow list --config {specs[-1].config}   "
+               "(the shadows it holds for its peers)")
     sys.exit(cluster.wait())
 
 

@@ -229,6 +229,10 @@ class ShadowManager:
             discarded = []
             # End this session without QUIT: a QUIT would acknowledge ids we did not apply.
             client.discards_unapplied = True
+        else:
+            # PROTOCOL.md 4: this exchange is a heartbeat, whichever session carried it.
+            await self._upsert_context(peer_name, last_heartbeat_at=time.time(), consecutive_failures=0,
+                                       last_error=None)
         if discarded:
             await self.discard(peer_name, discarded, time.time())
         return dbid
