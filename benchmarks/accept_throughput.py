@@ -161,7 +161,10 @@ shadow_redundancy_enabled = false
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
-        shutil.rmtree(work, ignore_errors=True)
+        if not os.environ.get("BENCH_KEEP"):
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print("kept", work)
 
 
 def _cpu(pid: int) -> float:

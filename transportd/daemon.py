@@ -216,8 +216,10 @@ class Node:
                                   guid, ", ".join(peers))
             raise MessageRejected(S451_STORE_UNAVAILABLE) from None
         shadow_result = await remote if remote is not None else None
-        if shadow_result is not None:
-            await self._settle_redundancy(internal_id, msg, shadow_result, guid, now)
+        rejecting = (shadow_result is not None and not shadow_result.peer
+                     and cfg.shadow_redundancy.reject_message_on_shadow_failure)
+        if rejecting:
+            await self._settle_redundancy(internal_id, msg, shadow_result, guid, now)  # raises 451 4.4.0
         row = {"id": internal_id, "network_message_id": netid, "message_id": prepared.message_id,
                "sender": msg.sender, "subject": prepared.subject, "size": len(msg.data),
                "client_ip": client_ip, "client_hostname": msg.client_hostname}
@@ -231,6 +233,8 @@ class Node:
             else:
                 self.track("HAREDIRECTFAIL", "SMTP", row, recipients=recipients,
                            source_context=shadow_result.reply)
+            # Only now may delivery take it: its tracking rows never precede RECEIVE/HAREDIRECT.
+            await self._settle_redundancy(internal_id, msg, shadow_result, guid, now)
         log.info("queued message %d (network id %s) from <%s> for %d recipient(s)",
                  internal_id, netid, msg.sender, sum(len(v) for v in msg.recipients.values()),
                  extra={"internal_message_id": internal_id, "network_message_id": netid})
