@@ -453,3 +453,43 @@ def test_daemon_moves_garbage_database_aside_and_serves(make_node) -> None:
     finally:
         s.close()
 
+
+
+def test_version_1_database_migrates_and_keeps_its_messages(tmp_path) -> None:
+    """A data directory from schema version 1 opens with this code: migrated in place, same ID, same mail."""
+    import sqlite3 as sq
+    import time as _time
+    import uuid as _uuid
+
+    from transportd import mailqueue as mq
+    from transportd.routing import NextHop
+    from transportd.store import SCHEMA_VERSION
+
+    path = tmp_path / "queue.db"
+    store = QueueStore.open(path)
+    dbid = store.queue_database_id
+    hop = NextHop("smarthost:127.0.0.1:2500", "SmartHostConnectorDelivery", "127.0.0.1:2500")
+    msg = mq.NewMessage(str(_uuid.uuid4()), "a@b.test", b"Subject: v1\r\n\r\nbody\r\n", {hop: ["c@d.test"]},
+                        _time.time(), _time.time() + 100)
+    mid = store.transaction(lambda c: mq.enqueue(c, msg))
+    store.close()
+    # Turn it back into what schema version 1 wrote: no shadow_forks, no v2 columns.
+    con = sq.connect(path)
+    con.execute("DROP TABLE shadow_forks")
+    con.execute("ALTER TABLE messages DROP COLUMN primary_dbid")
+    con.execute("ALTER TABLE discard_events DROP COLUMN sent_token")
+    con.execute("PRAGMA user_version = 1")
+    con.commit()
+    con.close()
+
+    store = QueueStore.open(path, repair=True)
+    try:
+        assert store.queue_database_id == dbid
+        assert store.read(lambda c: c.exec_driver_sql("PRAGMA user_version").scalar()) == SCHEMA_VERSION
+        columns = {r[1] for r in store.read(lambda c: c.exec_driver_sql("PRAGMA table_info(messages)").all())}
+        assert "primary_dbid" in columns
+        assert store.read(lambda c: mq.body(c, mid)) == b"Subject: v1\r\n\r\nbody\r\n"
+        assert store.read(lambda c: c.exec_driver_sql("SELECT count(*) FROM shadow_forks").scalar()) == 0
+    finally:
+        store.close()
+    assert not list(tmp_path.glob("queue.db.corrupt-*"))
