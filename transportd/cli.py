@@ -579,14 +579,7 @@ def safetynet_resubmit(cfg: Config, destination: str, start: str, end: str | Non
         trk = tracking_log_for(cfg, store)
     finally:
         store.close()
-    if trk is not None:
-        try:
-            for r in done:
-                trk.write("RESUBMIT", "SAFETYNET", internal_message_id=r.new_id, network_message_id=r.network_message_id,
-                          recipients=r.recipients, reference=str(r.original_id),
-                          source_context=f"{destination};MessageResubmit")
-        finally:
-            trk.close()
+    log_resubmits(trk, done, destination)
     click.echo(f"{len(done)} message(s) resubmitted to {destination} from this node's Safety Net")
     if created > s and "primary" in sources:
         gap_end = min(created, e)
@@ -623,15 +616,21 @@ def _resubmit_for_unreachable_primary(cfg: Config, destination: str, start: str,
         trk = tracking_log_for(cfg, store)
     finally:
         store.close()
-    if trk is not None:
-        try:
-            for r in done:
-                trk.write("RESUBMIT", "SAFETYNET", internal_message_id=r.new_id, network_message_id=r.network_message_id,
-                          recipients=r.recipients, reference=str(r.original_id),
-                          source_context=f"{destination};MessageResubmit")
-        finally:
-            trk.close()
+    log_resubmits(trk, done, destination)
     click.echo(f"{len(done)} message(s) of {primary} resubmitted to {destination} from this node's Shadow Safety Net")
+
+
+def log_resubmits(trk: Any, done: list, destination: str) -> None:
+    """RESUBMIT rows (source SAFETYNET) for copies queued again; closes the tracking log."""
+    if trk is None:
+        return
+    try:
+        for r in done:
+            trk.write("RESUBMIT", "SAFETYNET", internal_message_id=r.new_id, network_message_id=r.network_message_id,
+                      recipients=r.recipients, reference=str(r.original_id),
+                      source_context=f"{destination};MessageResubmit")
+    finally:
+        trk.close()
 
 
 def ask_peers_to_resubmit(cfg: Config, destination: str, start: float, end: float) -> list[tuple[str, str]]:

@@ -91,12 +91,17 @@ class TransportSMTP(LimitedSMTP):
 
     # -- verbs ----------------------------------------------------------------------
 
+    async def _outside_transaction(self) -> str | None:
+        """The authenticated peer, when the verb may run here (a member, no mail transaction open)."""
+        name = await self._authorized()
+        if name is not None and self.envelope.mail_from is not None:
+            await self.push(S503_BAD_SEQUENCE)
+            return None
+        return name
+
     @syntax("XSHADOWREQUEST fqdn base64-queue-database-id")
     async def smtp_XSHADOWREQUEST(self, arg: str | None) -> None:
-        if await self._authorized() is None:
-            return
-        if self.envelope.mail_from is not None:
-            await self.push(S503_BAD_SEQUENCE)
+        if await self._outside_transaction() is None:
             return
         try:
             request = parse_xshadowrequest(arg)
@@ -117,11 +122,8 @@ class TransportSMTP(LimitedSMTP):
 
     @syntax("XSHADOW base64-fqdn")
     async def smtp_XSHADOW(self, arg: str | None) -> None:
-        name = await self._authorized()
+        name = await self._outside_transaction()
         if name is None:
-            return
-        if self.envelope.mail_from is not None:
-            await self.push(S503_BAD_SEQUENCE)
             return
         try:
             fqdn = parse_xshadow(arg)
@@ -159,11 +161,8 @@ class TransportSMTP(LimitedSMTP):
     @syntax("XRESUBMIT destination start-epoch end-epoch")
     async def smtp_XRESUBMIT(self, arg: str | None) -> None:
         """Safety Net: the asking primary could not cover a window; resubmit our shadow copies of it."""
-        name = await self._authorized()
+        name = await self._outside_transaction()
         if name is None:
-            return
-        if self.envelope.mail_from is not None:
-            await self.push(S503_BAD_SEQUENCE)
             return
         from .safetynet import parse_resubmit_arg
         try:
