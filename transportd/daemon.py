@@ -31,7 +31,8 @@ from .mailqueue import NewMessage
 from .receive import (ConnectionCounter, FrontendHandler, MessageRejected, new_network_message_id,
                       prepare_message, smtp_factory)
 from .replies import S451_NOT_REDUNDANT, S451_STORE_UNAVAILABLE, S554_HOP_COUNT, S554_NO_VALID_RECIPIENTS
-from .shadow import ShadowManager, _network_id_from, discard_uncertain_job, record_shadow_job
+from .shadow import (ShadowManager, ShadowResult, _network_id_from, discard_uncertain_job,
+                     record_shadow_job)
 from .transport import TransportHandler, TransportSMTP, make_peer_authenticator
 from .routing import bifurcate
 from .store import QueueStore, StoreError, meta
@@ -215,7 +216,13 @@ class Node:
                         log.error("could not queue a discard for shadow %s on %s; it expires on its own",
                                   guid, ", ".join(peers))
             raise MessageRejected(S451_STORE_UNAVAILABLE) from None
-        shadow_result = await remote if remote is not None else None
+        shadow_result = None
+        if remote is not None:
+            try:
+                shadow_result = await remote
+            except Exception as exc:  # noqa: BLE001 - the local copy exists: settle it, never strand it
+                log.exception("making a shadow copy failed unexpectedly")
+                shadow_result = ShadowResult(None, f"internal error: {exc.__class__.__name__}")
         rejecting = (shadow_result is not None and not shadow_result.peer
                      and cfg.shadow_redundancy.reject_message_on_shadow_failure)
         if rejecting:
