@@ -296,7 +296,8 @@ class ShadowManager:
         head = BytesHeaderParser(policy=compat32).parsebytes(split_headers(data)[0])
         network_id = _network_id_from(data) or new_network_message_id()
         msg = NewMessage(
-            network_message_id=network_id, sender=envelope.mail_from or "", data=data,
+            network_message_id=network_id, data=data,
+            sender="" if envelope.mail_from in (None, "<>") else envelope.mail_from,
             recipients=bifurcate(envelope.rcpt_tos, self.cfg), received_at=now,
             expires_at=now + self.cfg.delivery.message_expiration_timeout,
             message_id=(head.get("Message-ID") or "").strip(), submit_time=(head.get("Date") or "").strip(),
