@@ -65,7 +65,6 @@ class Node:
         self.servers: list[asyncio.AbstractServer] = []
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
-        self.started_at = time.time()
 
     # ------------------------------------------------------------------ start and stop
 

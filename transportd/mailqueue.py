@@ -445,11 +445,6 @@ def message_detail(conn: Connection, message_id: int) -> dict | None:
     return m
 
 
-def pending_discards(conn: Connection, shadow_node: str) -> int:
-    return conn.execute(select(func.count()).select_from(discard_events).where(
-        discard_events.c.shadow_node == shadow_node)).scalar()
-
-
 def redirect_to_peer(conn: Connection, target: str, now: float) -> list[dict]:
     """Redirect-Message: move every pending recipient of our primary messages to the queue for
     ``target`` (delivered hop by hop with XSHADOW, so each message stays protected on the way).

@@ -15,7 +15,6 @@ import asyncio
 import email.utils
 import logging
 import re
-import time
 import uuid
 from dataclasses import dataclass
 from email.parser import BytesHeaderParser
@@ -344,7 +343,3 @@ def smtp_factory(cfg: Any, handler: FrontendHandler, counter: ConnectionCounter,
             **auth_kwargs,
         )
     return factory
-
-
-def now() -> float:
-    return time.time()

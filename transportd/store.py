@@ -500,7 +500,3 @@ class GroupCommitWriter:
                 fut.set_result(value)
             else:
                 fut.set_exception(value)
-
-
-def now() -> float:
-    return time.time()
