@@ -1,0 +1,720 @@
+"""transportd (3-node cluster, shadow redundancy on and off) against Postfix, same machine, same load.
+
+Each load shape runs against each system one after the other in the same run:
+
+1. ``on``: a 3-node transportd cluster on loopback with shadow redundancy on (two durable
+   copies before each 250);
+2. ``off``: the same cluster with shadow redundancy off (one durable copy);
+3. ``postfix``: Debian's Postfix, configured here in a private temporary directory as a relay
+   to the same smtp-sink, queue on the same disk (one durable copy). It listens on a
+   loopback address only and never reads or changes /etc/postfix; it is stopped and its
+   directory removed at the end.
+
+The next hop is Postfix's smtp-sink. Load: Postfix's smtp-source for throughput, then a small
+asyncio client of ours that times every end-of-DATA acknowledgement (p50/p99). Figures per
+system and shape: accepted messages/s, delivered messages/s at the sink, ack latency p50/p99,
+CPU seconds per 1,000 messages (every process of the system, threads and reaped children
+included; load generator and sink excluded), peak RSS per node (per Postfix process and summed),
+and the ratios on/postfix and on/off. Printed side by side and written to JSON.
+
+    python3 benchmarks/compare_postfix.py                      # 10 KiB new+reused, 100 KiB
+    python3 benchmarks/compare_postfix.py --long 60            # plus a >= 60 s run (make bench-compare)
+    python3 benchmarks/compare_postfix.py --queued 20000       # RSS with N messages queued, next hop down
+    python3 benchmarks/compare_postfix.py --messages 40 --latency-messages 20 --shapes 10k-new  # CI size
+
+Load goes to every node's frontend of the cluster (sessions split over the nodes, the way a
+load balancer or MX records would spread it) unless ``--entry node1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from accept_throughput import _count_events, free_port, wait_port  # noqa: E402
+
+CLK = os.sysconf("SC_CLK_TCK")
+SHAPES = {
+    # name: (size in bytes, reuse connections, default message count)
+    "10k-new": (10240, False, 2000),
+    "10k-reuse": (10240, True, 2000),
+    "100k-new": (102400, False, 500),
+}
+SOURCE = shutil.which("smtp-source") or "/usr/sbin/smtp-source"
+SINK = shutil.which("smtp-sink") or "/usr/sbin/smtp-sink"
+POSTFIX = shutil.which("postfix") or "/usr/sbin/postfix"
+
+
+# ---------------------------------------------------------------------- /proc helpers
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def tree_pids(root: int) -> list[int]:
+    """``root`` and every live descendant."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            f = _stat(int(entry))
+            if f:
+                children.setdefault(int(f[1]), []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def tree_cpu(root: int) -> float:
+    """CPU seconds of a process tree: live processes plus the children it has reaped."""
+    total = 0.0
+    for p in tree_pids(root):
+        f = _stat(p)
+        if f:
+            total += int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])
+    return total / CLK
+
+
+def status_kb(pid: int, key: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+# ---------------------------------------------------------------------- the next hop
+
+class Sink:
+    """smtp-sink with -c: a reader thread keeps the count of messages received."""
+
+    def __init__(self, port: int):
+        cmd = [SINK] + (["-u", "nobody"] if os.geteuid() == 0 else []) + ["-c", f"127.0.0.1:{port}", "512"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.port = port
+        self.count = 0
+        threading.Thread(target=self._read, daemon=True).start()
+        wait_port(port)
+
+    def _read(self) -> None:
+        buf = b""
+        assert self.proc.stdout is not None
+        while True:
+            chunk = self.proc.stdout.read1(4096)
+            if not chunk:
+                return
+            buf = (buf + chunk)[-200:]
+            found = re.findall(rb"mesg=(\d+)", buf)
+            if found:
+                self.count = int(found[-1])
+
+    def wait_for(self, n: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.count >= n:
+                return True
+            time.sleep(0.05)
+        return self.count >= n
+
+    def stop(self) -> None:
+        stop_proc(self.proc)
+
+
+def stop_proc(p: subprocess.Popen, timeout: float = 10) -> None:
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(timeout=5)
+
+
+# ---------------------------------------------------------------------- systems
+
+class TransportdCluster:
+    def __init__(self, work: Path, sink_port: int, shadow: bool, sessions: int, entry: str):
+        import random
+        from transportd.cluster import generate
+        self.name = "on" if shadow else "off"
+        self.work = work / f"transportd-{self.name}"
+        self.procs: list[subprocess.Popen] = []
+        self.entry = entry
+        base = random.randint(20, 200)
+        self.specs = generate(self.work, nodes=3, sites=2, ip_base=base, frontend_port=free_port(),
+                              transport_port=free_port(), sink_address=f"127.0.0.1:{sink_port}",
+                              overrides={"node": {"log_level": "warning"},
+                                         "routing": {"trusted_networks": ["127.0.0.0/8"]},
+                                         "frontend": {"max_inbound_connection_per_source": max(50, sessions * 4)},
+                                         "shadow_redundancy": {"shadow_redundancy_enabled": shadow,
+                                                               "shadow_heartbeat_frequency": 5}})
+
+    def start(self) -> None:
+        for spec in self.specs:
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "transportd", "serve", "--config", spec.config],
+                stderr=open(self.work / f"{spec.short}.log", "w"), stdin=subprocess.DEVNULL))
+        for spec in self.specs:
+            host, _, port = spec.frontend.rpartition(":")
+            wait_port(int(port), host=host)
+
+    def targets(self) -> list[str]:
+        fronts = [s.frontend for s in self.specs]
+        return fronts if self.entry == "all" else fronts[:1]
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def cpu(self) -> float:
+        return sum(tree_cpu(p) for p in self.pids())
+
+    def rss(self) -> dict[str, float]:
+        return {s.short: round(status_kb(p, "VmHWM") / 1024, 1) for s, p in zip(self.specs, self.pids())}
+
+    def rss_now(self) -> dict[str, float]:
+        return {s.short: round(status_kb(p, "VmRSS") / 1024, 1) for s, p in zip(self.specs, self.pids())}
+
+    def shadows_made(self) -> int:
+        return sum(_count_events(self.work / s.short / "msgtrk", "HAREDIRECT") for s in self.specs)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            stop_proc(p, 15)
+
+
+class PostfixRelay:
+    """Debian's Postfix from a private config/queue directory; loopback only; relays to the sink."""
+
+    name = "postfix"
+
+    def __init__(self, work: Path, sink_port: int, sessions: int):
+        self.dir = work / "postfix"
+        self.port = free_port()
+        self.host = "127.0.0.1"
+        etc, spool, data = self.dir / "etc", self.dir / "spool", self.dir / "data"
+        for d in (etc, spool, data):
+            d.mkdir(parents=True, exist_ok=True)
+        os.chmod(work, 0o755)
+        os.chmod(self.dir, 0o755)
+        shutil.chown(data, "postfix")
+        (etc / "main.cf").write_text(f"""# written by benchmarks/compare_postfix.py
+compatibility_level = 3.6
+queue_directory = {spool}
+data_directory = {data}
+command_directory = /usr/sbin
+daemon_directory = /usr/lib/postfix/sbin
+meta_directory = /etc/postfix
+shlib_directory = /usr/lib/postfix
+mail_owner = postfix
+setgid_group = postdrop
+inet_interfaces = {self.host}
+inet_protocols = ipv4
+myhostname = postfix.bench.test
+mydestination =
+mynetworks = 127.0.0.0/8
+relayhost = [127.0.0.1]:{sink_port}
+relay_domains =
+smtpd_relay_restrictions = permit_mynetworks, reject
+disable_dns_lookups = yes
+smtp_host_lookup = native
+maillog_file = {data}/maillog
+maillog_file_prefixes = {self.dir}
+alias_maps =
+alias_database =
+local_recipient_maps =
+smtputf8_enable = no
+default_process_limit = {max(100, sessions * 4)}
+""")
+        (etc / "master.cf").write_text(f"""# written by benchmarks/compare_postfix.py: smtp inet on loopback only
+{self.host}:{self.port} inet n - n - - smtpd
+pickup    unix  n - n 60    1 pickup
+cleanup   unix  n - n -     0 cleanup
+qmgr      unix  n - n 300   1 qmgr
+rewrite   unix  - - n -     - trivial-rewrite
+bounce    unix  - - n -     0 bounce
+defer     unix  - - n -     0 bounce
+trace     unix  - - n -     0 bounce
+verify    unix  - - n -     1 verify
+flush     unix  n - n 1000? 0 flush
+proxymap  unix  - - n -     - proxymap
+smtp      unix  - - n -     - smtp
+relay     unix  - - n -     - smtp
+showq     unix  n - n -     - showq
+error     unix  - - n -     - error
+retry     unix  - - n -     - error
+discard   unix  - - n -     - discard
+anvil     unix  - - n -     1 anvil
+scache    unix  - - n -     1 scache
+postlog   unix-dgram n - n - 1 postlogd
+""")
+        self.master_pid = 0
+
+    @staticmethod
+    def available() -> str | None:
+        """None when Postfix can run here, else why not."""
+        if os.geteuid() != 0:
+            return "Postfix's master must start as root"
+        if not Path(POSTFIX).exists() or not Path("/usr/lib/postfix/sbin/master").exists():
+            return "Postfix is not installed (apt-get install postfix)"
+        return None
+
+    def _postfix(self, verb: str) -> subprocess.CompletedProcess:
+        return subprocess.run([POSTFIX, "-c", str(self.dir / "etc"), verb], capture_output=True, text=True,
+                              timeout=60)
+
+    def start(self) -> None:
+        res = self._postfix("start")
+        pid_file = self.dir / "spool" / "pid" / "master.pid"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (pid_file.exists() and pid_file.read_text().strip()):
+            time.sleep(0.1)
+        if not pid_file.exists():
+            log = (self.dir / "data" / "maillog")
+            raise RuntimeError(f"postfix did not start: {res.stderr} {log.read_text()[-2000:] if log.exists() else ''}")
+        self.master_pid = int(pid_file.read_text().split()[0])
+        wait_port(self.port, host=self.host)
+
+    def targets(self) -> list[str]:
+        return [f"{self.host}:{self.port}"]
+
+    def cpu(self) -> float:
+        return tree_cpu(self.master_pid)
+
+    def rss(self) -> dict[str, float]:
+        return {}
+
+    def rss_now(self) -> dict[str, float]:
+        return {"total": round(sum(status_kb(p, "VmRSS") for p in tree_pids(self.master_pid)) / 1024, 1)}
+
+    def shadows_made(self) -> int:
+        return 0
+
+    def stop(self) -> None:
+        if self.master_pid:
+            self._postfix("stop")
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and _stat(self.master_pid) is not None:
+                time.sleep(0.1)
+            if _stat(self.master_pid) is not None:
+                os.kill(self.master_pid, signal.SIGKILL)
+
+
+class RssSampler(threading.Thread):
+    """Samples a system's RSS every ``every`` s: peaks per process and the time series."""
+
+    def __init__(self, system: Any, every: float = 0.5):
+        super().__init__(daemon=True)
+        self.system, self.every = system, every
+        self.peak: dict[str, float] = {}
+        self.series: list[tuple[float, dict[str, float]]] = []
+        self.stop_event = threading.Event()
+        self.t0 = time.monotonic()
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            now = self.system.rss_now()
+            self.series.append((round(time.monotonic() - self.t0, 1), now))
+            for k, v in now.items():
+                self.peak[k] = max(self.peak.get(k, 0.0), v)
+            if isinstance(self.system, PostfixRelay):
+                for p in tree_pids(self.system.master_pid):
+                    v = status_kb(p, "VmHWM") / 1024
+                    self.peak["largest_process"] = round(max(self.peak.get("largest_process", 0.0), v), 1)
+            self.stop_event.wait(self.every)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(5)
+
+
+# ---------------------------------------------------------------------- load
+
+def split_sessions(sessions: int, targets: list[str]) -> list[tuple[str, int]]:
+    n = len(targets)
+    return [(t, sessions // n + (1 if i < sessions % n else 0)) for i, t in enumerate(targets)
+            if sessions // n + (1 if i < sessions % n else 0) > 0]
+
+
+def run_smtp_source(targets: list[str], messages: int, sessions: int, size: int, reuse: bool,
+                    timeout: float) -> float:
+    """smtp-source instances (one per target, sessions and messages split); returns the wall time."""
+    parts = split_sessions(sessions, targets)
+    procs = []
+    t0 = time.monotonic()
+    left = messages
+    for i, (target, s) in enumerate(parts):
+        m = left if i == len(parts) - 1 else round(messages * s / sessions)
+        left -= m
+        cmd = [SOURCE, "-s", str(s), "-m", str(m), "-l", str(size), "-f", "bench@example.test",
+               "-t", "rcpt@sink.test", "-N"] + (["-d"] if reuse else []) + [target]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise RuntimeError("smtp-source timed out")
+        if p.returncode != 0:
+            raise RuntimeError(f"smtp-source failed: {err[-500:]}")
+    return time.monotonic() - t0
+
+
+def make_message(size: int) -> bytes:
+    head = (b"From: <bench@example.test>\r\nTo: <rcpt@sink.test>\r\nSubject: latency probe\r\n\r\n")
+    line = b"x" * 78 + b"\r\n"
+    body = line * max(1, (size - len(head)) // len(line))
+    return head + body + b".\r\n"
+
+
+async def _reply(reader: asyncio.StreamReader) -> bytes:
+    while True:
+        line = await reader.readline()
+        if not line:
+            raise ConnectionError("connection closed")
+        if line[3:4] != b"-":
+            return line
+
+
+async def _latency_session(target: str, count: int, reuse: bool, data: bytes, out: list[float],
+                           failures: list[str], stop_at: float) -> None:
+    host, _, port = target.rpartition(":")
+    reader = writer = None
+    try:
+        for _ in range(count):
+            if time.monotonic() > stop_at:
+                return
+            if writer is None:
+                reader, writer = await asyncio.open_connection(host, int(port))
+                await _reply(reader)
+                writer.write(b"EHLO latency.client.test\r\n")
+                await _reply(reader)
+            writer.write(b"MAIL FROM:<bench@example.test>\r\nRCPT TO:<rcpt@sink.test>\r\nDATA\r\n")
+            for _ in range(3):
+                await _reply(reader)
+            writer.write(data)
+            t0 = time.perf_counter()
+            reply = await _reply(reader)
+            dt = time.perf_counter() - t0
+            if reply.startswith(b"250"):
+                out.append(dt)
+            else:
+                failures.append(reply.decode("ascii", "replace").strip())
+            if not reuse:
+                writer.write(b"QUIT\r\n")
+                await _reply(reader)
+                writer.close()
+                writer = None
+    except (OSError, ConnectionError) as exc:
+        failures.append(str(exc))
+    finally:
+        if writer is not None:
+            writer.write(b"QUIT\r\n")
+            writer.close()
+
+
+async def _latency_run(targets: list[str], messages: int, sessions: int, size: int, reuse: bool,
+                       timeout: float) -> tuple[list[float], list[str], float]:
+    data = make_message(size)
+    out: list[float] = []
+    failures: list[str] = []
+    stop_at = time.monotonic() + timeout
+    tasks = []
+    per = [messages // sessions + (1 if i < messages % sessions else 0) for i in range(sessions)]
+    for i in range(sessions):
+        tasks.append(_latency_session(targets[i % len(targets)], per[i], reuse, data, out, failures, stop_at))
+    t0 = time.monotonic()
+    await asyncio.gather(*tasks)
+    return out, failures, time.monotonic() - t0
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
+    return s[k]
+
+
+# ---------------------------------------------------------------------- one measurement
+
+def measure(system: Any, sink: Sink, *, messages: int, sessions: int, size: int, reuse: bool,
+            latency_messages: int, timeout: float) -> dict[str, Any]:
+    sampler = RssSampler(system)
+    sampler.start()
+    base = sink.count
+    cpu0 = system.cpu()
+    t0 = time.monotonic()
+    t_accept = run_smtp_source(system.targets(), messages, sessions, size, reuse, timeout)
+    backlog = messages - (sink.count - base)
+    delivered_all = sink.wait_for(base + messages, timeout)
+    t_deliver = time.monotonic() - t0
+    delivered = sink.count - base
+    cpu = system.cpu() - cpu0
+    figures: dict[str, Any] = {
+        "messages": messages, "accepted_per_s": round(messages / t_accept, 1),
+        "accept_seconds": round(t_accept, 2),
+        "delivered": delivered, "delivered_per_s": round(delivered / t_deliver, 1),
+        "backlog_at_load_end": backlog,
+        "cpu_s_per_1000": round(cpu / max(1, messages) * 1000, 2),
+    }
+    if latency_messages:
+        base2 = sink.count
+        lat, failures, t_lat = asyncio.run(_latency_run(system.targets(), latency_messages, sessions, size,
+                                                        reuse, timeout))
+        sink.wait_for(base2 + len(lat), timeout)
+        figures.update({
+            "latency_messages": len(lat), "latency_failures": len(failures),
+            "latency_accepted_per_s": round(len(lat) / t_lat, 1) if t_lat else 0,
+            "ack_p50_ms": round(percentile(lat, 50) * 1000, 2),
+            "ack_p99_ms": round(percentile(lat, 99) * 1000, 2),
+        })
+        if failures:
+            figures["latency_failure_sample"] = failures[:3]
+    sampler.stop()
+    figures["peak_rss_mb"] = system.rss() or {k: v for k, v in sampler.peak.items()}
+    if len(sampler.series) >= 4:
+        # RSS after the first quarter of the run against the end: growth over the run
+        figures["rss_quarter_mb"] = sampler.series[len(sampler.series) // 4][1]
+        figures["rss_end_mb"] = sampler.series[-1][1]
+    figures["shadows_made"] = system.shadows_made()
+    figures["all_delivered"] = delivered_all
+    return figures
+
+
+def make_system(kind: str, work: Path, sink_port: int, args: argparse.Namespace) -> Any:
+    if kind == "postfix":
+        return PostfixRelay(work, sink_port, args.sessions)
+    return TransportdCluster(work, sink_port, kind == "on", args.sessions, args.entry)
+
+
+def run_one(kind: str, shape: str, args: argparse.Namespace, messages: int | None = None,
+            long_seconds: float = 0) -> dict[str, Any]:
+    size, reuse, default_n = SHAPES[shape] if shape in SHAPES else SHAPES["10k-new"]
+    n = messages or (args.messages if args.messages else default_n)
+    if shape == "100k-new" and not messages and args.messages:
+        n = max(1, args.messages // 4)
+    work = Path(tempfile.mkdtemp(prefix=f"bench-{kind}-"))
+    sink = Sink(free_port())
+    system = make_system(kind, work, sink.port, args)
+    try:
+        system.start()
+        lat_n = args.latency_messages if args.latency_messages is not None else min(n, 1000)
+        if shape == "100k-new":
+            lat_n = max(1, lat_n // 4)
+        figures = measure(system, sink, messages=n, sessions=args.sessions, size=size, reuse=reuse,
+                          latency_messages=lat_n if not long_seconds else 0, timeout=args.timeout)
+        figures.update({"system": kind, "shape": shape, "size": size, "reuse": reuse,
+                        "sessions": args.sessions})
+        return figures
+    finally:
+        system.stop()
+        sink.stop()
+        if not os.environ.get("BENCH_KEEP"):
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print("kept", work, file=sys.stderr)
+
+
+def queued_memory(args: argparse.Namespace) -> dict[str, Any]:
+    """RSS per node with ``--queued`` messages held (next hop down), shadow redundancy on."""
+    work = Path(tempfile.mkdtemp(prefix="bench-queued-"))
+    down_port = free_port()  # nothing listens there: every delivery attempt fails and retries
+    system = TransportdCluster(work, down_port, True, args.sessions, args.entry)
+    sampler = RssSampler(system, every=2)
+    try:
+        system.start()
+        sampler.start()
+        t0 = time.monotonic()
+        done, step = 0, max(1000, args.queued // 10)
+        checkpoints = []
+        while done < args.queued:
+            n = min(step, args.queued - done)
+            run_smtp_source(system.targets(), n, args.sessions, 10240, True, args.timeout)
+            done += n
+            checkpoints.append({"queued": done, "seconds": round(time.monotonic() - t0, 1),
+                                "rss_mb": system.rss_now()})
+            print(f"  queued {done}: rss {system.rss_now()}", file=sys.stderr, flush=True)
+        return {"queued": done, "seconds": round(time.monotonic() - t0, 1), "checkpoints": checkpoints,
+                "peak_rss_mb": system.rss()}
+    finally:
+        sampler.stop()
+        system.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- report
+
+def machine() -> dict[str, Any]:
+    cpu_model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+        mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
+    except OSError:
+        mem_kb = 0
+    version = subprocess.run(["dpkg-query", "-W", "-f", "${Version}", "postfix"], capture_output=True,
+                             text=True).stdout.strip()
+    return {"nproc": os.cpu_count(), "cpu_model": cpu_model, "ram_gb": round(mem_kb / 1024 / 1024, 1),
+            "kernel": platform.release(), "python": platform.python_version(), "postfix": version,
+            "loadavg_at_start": os.getloadavg()}
+
+
+def median(values: list[float]) -> float:
+    s = sorted(v for v in values if v == v)
+    if not s:
+        return float("nan")
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+KEYS = ["accepted_per_s", "delivered_per_s", "ack_p50_ms", "ack_p99_ms", "cpu_s_per_1000",
+        "backlog_at_load_end"]
+
+
+def summarize(runs: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for shape in dict.fromkeys(r["shape"] for r in runs):
+        per: dict[str, Any] = {}
+        for kind in systems:
+            rs = [r for r in runs if r["shape"] == shape and r["system"] == kind]
+            if not rs:
+                continue
+            per[kind] = {k: median([r[k] for r in rs if k in r]) for k in KEYS if any(k in r for r in rs)}
+            per[kind]["peak_rss_mb"] = rs[-1]["peak_rss_mb"]
+            per[kind]["runs"] = len(rs)
+        ratios = {}
+        for a, b in (("on", "postfix"), ("on", "off")):
+            if a in per and b in per:
+                ratios[f"{a}/{b}"] = {
+                    "accepted_per_s": _ratio(per[a]["accepted_per_s"], per[b]["accepted_per_s"]),
+                    "delivered_per_s": _ratio(per[a]["delivered_per_s"], per[b]["delivered_per_s"]),
+                    "ack_p99_ms": _ratio(per[a].get("ack_p99_ms"), per[b].get("ack_p99_ms")),
+                }
+        out[shape] = {"systems": per, "ratios": ratios}
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b != b or a != a or not b:
+        return None
+    return round(a / b, 2)
+
+
+def print_table(summary: dict[str, Any], systems: list[str]) -> None:
+    rows = [("accepted msg/s", "accepted_per_s"), ("delivered msg/s", "delivered_per_s"),
+            ("ack p50 ms", "ack_p50_ms"), ("ack p99 ms", "ack_p99_ms"), ("CPU s/1000 msg", "cpu_s_per_1000"),
+            ("backlog at load end", "backlog_at_load_end")]
+    for shape, block in summary.items():
+        per = block["systems"]
+        print(f"\n== {shape} ==")
+        print(f"{'':22}" + "".join(f"{k:>14}" for k in systems if k in per)
+              + "".join(f"{r:>12}" for r in block["ratios"]))
+        for label, key in rows:
+            line = f"{label:22}" + "".join(f"{_fmt(per[k].get(key)):>14}" for k in systems if k in per)
+            line += "".join(f"{_fmt(v.get(key)):>12}" for v in block["ratios"].values())
+            print(line)
+        rss = "; ".join(f"{k}: {per[k]['peak_rss_mb']}" for k in systems if k in per)
+        print(f"{'peak RSS MB':22}{rss}")
+
+
+def _fmt(v: Any) -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "-"
+    return f"{v:g}" if isinstance(v, (int, float)) else str(v)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="10k-new,10k-reuse,100k-new",
+                    help="comma-separated: " + ", ".join(SHAPES))
+    ap.add_argument("--systems", default="on,off,postfix", help="comma-separated: on, off, postfix")
+    ap.add_argument("--messages", type=int, default=0, help="messages per smtp-source run (0: per shape)")
+    ap.add_argument("--latency-messages", type=int, default=None,
+                    help="messages for the latency client (default min(messages, 1000))")
+    ap.add_argument("--sessions", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=1, help="alternate the systems this many times (medians)")
+    ap.add_argument("--long", type=float, default=0, metavar="SECONDS",
+                    help="also a 10 KiB new-connection run of at least this long per system")
+    ap.add_argument("--queued", type=int, default=0, metavar="N",
+                    help="also measure RSS per node with N messages queued (next hop down)")
+    ap.add_argument("--entry", choices=["all", "node1"], default="all",
+                    help="cluster load on every node's frontend (default) or on node1 only")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    for s in shapes:
+        if s not in SHAPES:
+            ap.error(f"--shapes: unknown shape {s!r}")
+    skipped = {}
+    if "postfix" in systems and (why := PostfixRelay.available()):
+        print(f"skipping postfix: {why}", file=sys.stderr)
+        skipped["postfix"] = why
+        systems.remove("postfix")
+    result: dict[str, Any] = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
+                              "skipped": skipped, "runs": []}
+    started = time.time()
+    for rep in range(args.repeat):
+        for shape in shapes:
+            for kind in systems:
+                fig = run_one(kind, shape, args)
+                fig["repeat"] = rep
+                result["runs"].append(fig)
+                print(json.dumps({k: fig[k] for k in ("system", "shape", *[k for k in KEYS if k in fig])}),
+                      file=sys.stderr, flush=True)
+    if args.long:
+        for kind in systems:
+            rates = [r["accepted_per_s"] for r in result["runs"] if r["system"] == kind and r["shape"] == "10k-new"]
+            rate = median(rates) if rates else 100.0
+            n = int(rate * args.long * 1.1) + 1
+            fig = run_one(kind, "long", args, messages=n, long_seconds=args.long)
+            fig["shape"] = "long"
+            result["runs"].append(fig)
+            print(json.dumps({k: fig.get(k) for k in ("system", "shape", "accept_seconds", *KEYS)}),
+                  file=sys.stderr, flush=True)
+    if args.queued:
+        result["queued_memory"] = queued_memory(args)
+    result["summary"] = summarize(result["runs"], systems)
+    result["seconds"] = round(time.time() - started, 1)
+    print_table(result["summary"], systems)
+    if "queued_memory" in result:
+        q = result["queued_memory"]
+        print(f"\nqueued {q['queued']} messages (next hop down): peak RSS per node {q['peak_rss_mb']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    ok = all(r["all_delivered"] for r in result["runs"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
