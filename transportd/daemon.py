@@ -258,7 +258,7 @@ class Node:
         if result.peer:
             def ok(conn):
                 record_shadow_job(internal_id, result.peer, guid, now)(conn)
-                conn.execute(update(messages).where(messages.c.id == internal_id).values(redundancy="shadowed"))
+                conn.execute(mq.UPDATE_MESSAGE, {"b_id": internal_id, "redundancy": "shadowed"})
             await self.store.write(ok)
         elif self.cfg.shadow_redundancy.reject_message_on_shadow_failure:
             def drop(conn):

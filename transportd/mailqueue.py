@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from sqlalchemy import and_, delete, func, insert, or_, select, update
+from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 
 from .routing import NextHop
@@ -71,8 +71,32 @@ class WorkItem:
 
 # --------------------------------------------------------------------------- queues
 
+# Statements of the per-message hot path, built once: building a Core statement per call (and
+# generating its cache key) cost more CPU than SQLite itself (docs/performance.md). Values come
+# as execute() parameters; an update's SET columns are the parameters named like columns.
+_QUEUE_BY_IDENTITY = select(queues.c.id).where(queues.c.identity == bindparam("b_identity"))
+_INSERT_MESSAGE = insert(messages)
+_INSERT_BODY = insert(message_bodies)
+_INSERT_RECIPIENTS = insert(recipients)
+_RECIPIENT_STATE = select(recipients.c.status, recipients.c.attempts).where(recipients.c.id == bindparam("b_id"))
+_UPDATE_RECIPIENT = update(recipients).where(recipients.c.id == bindparam("b_id"))
+_UPDATE_QUEUE = update(queues).where(queues.c.id == bindparam("b_id"))
+UPDATE_MESSAGE = update(messages).where(messages.c.id == bindparam("b_id"))
+_PENDING_RECIPIENTS = select(func.count()).select_from(recipients).where(
+    recipients.c.message_id == bindparam("b_id"), recipients.c.status.not_in(TERMINAL))
+_FORKS = select(func.count()).select_from(shadow_forks).where(shadow_forks.c.message_id == bindparam("b_id"))
+_MESSAGE_STATE = select(messages.c.state).where(messages.c.id == bindparam("b_id"))
+_SHADOWS_OF = select(message_shadows.c.shadow_node, message_shadows.c.shadow_guid).where(
+    message_shadows.c.message_id == bindparam("b_id"))
+_INSERT_DISCARD = insert(discard_events)
+_DELETE_BODY = delete(message_bodies).where(message_bodies.c.message_id == bindparam("b_id"))
+_CLAIMABLE = select(recipients.c.id).where(recipients.c.id.in_(bindparam("b_ids", expanding=True)),
+                                            recipients.c.status.in_(PENDING))
+_CLAIM = update(recipients).where(recipients.c.id.in_(bindparam("b_ids", expanding=True)))
+
+
 def queue_id_for(conn: Connection, hop: NextHop, now: float) -> int:
-    qid = conn.execute(select(queues.c.id).where(queues.c.identity == hop.identity)).scalar()
+    qid = conn.execute(_QUEUE_BY_IDENTITY, {"b_identity": hop.identity}).scalar()
     if qid is None:
         qid = conn.execute(insert(queues).values(
             identity=hop.identity, delivery_type=hop.delivery_type, next_hop=hop.next_hop,
@@ -93,7 +117,7 @@ def resolve_queue(conn: Connection, name: str) -> dict | None:
 
 def enqueue(conn: Connection, msg: NewMessage) -> int:
     """Insert a message, its body and one recipient row per (recipient, next hop)."""
-    mid = conn.execute(insert(messages).values(
+    mid = conn.execute(_INSERT_MESSAGE, dict(
         network_message_id=msg.network_message_id, message_id=msg.message_id,
         submit_time=msg.submit_time, sender=msg.sender, subject=msg.subject[:500],
         size=len(msg.data), received_at=msg.received_at, expires_at=msg.expires_at,
@@ -103,7 +127,7 @@ def enqueue(conn: Connection, msg: NewMessage) -> int:
         primary_internal_id=msg.primary_internal_id, redundancy=msg.redundancy,
         primary_dbid=msg.primary_dbid,
     )).inserted_primary_key[0]
-    conn.execute(insert(message_bodies).values(message_id=mid, data=msg.data))
+    conn.execute(_INSERT_BODY, {"message_id": mid, "data": msg.data})
     rows = []
     for hop, addrs in msg.recipients.items():
         qid = queue_id_for(conn, hop, msg.received_at)
@@ -111,7 +135,7 @@ def enqueue(conn: Connection, msg: NewMessage) -> int:
             rows.append({"message_id": mid, "address": a, "queue_id": qid, "status": READY,
                          "attempts": 0, "next_retry_at": 0.0})
     if rows:
-        conn.execute(insert(recipients), rows)
+        conn.execute(_INSERT_RECIPIENTS, rows)
     return mid
 
 
@@ -179,11 +203,9 @@ def mark_active(conn: Connection, recipient_ids: Sequence[int], now: float) -> l
     """Claim pending recipients for sending; returns the ids actually claimed."""
     if not recipient_ids:
         return []
-    claimed = conn.execute(select(recipients.c.id).where(
-        recipients.c.id.in_(recipient_ids), recipients.c.status.in_(PENDING))).scalars().all()
+    claimed = conn.execute(_CLAIMABLE, {"b_ids": list(recipient_ids)}).scalars().all()
     if claimed:
-        conn.execute(update(recipients).where(recipients.c.id.in_(claimed))
-                     .values(status=ACTIVE, last_attempt_at=now))
+        conn.execute(_CLAIM, {"b_ids": list(claimed), "status": ACTIVE, "last_attempt_at": now})
     return list(claimed)
 
 
@@ -205,8 +227,7 @@ def record_outcomes(conn: Connection, outcomes: Sequence[Outcome], now: float, *
                     retry_interval: float, retry_count: int, long_interval: float) -> None:
     """Write each recipient's result; a recipient no longer Active (removed meanwhile) is left alone."""
     for o in outcomes:
-        row = conn.execute(select(recipients.c.status, recipients.c.attempts)
-                           .where(recipients.c.id == o.recipient_id)).first()
+        row = conn.execute(_RECIPIENT_STATE, {"b_id": o.recipient_id}).first()
         if row is None or row.status != ACTIVE:
             continue
         attempts = row.attempts + 1
@@ -217,15 +238,15 @@ def record_outcomes(conn: Connection, outcomes: Sequence[Outcome], now: float, *
             values = dict(status=DELIVERED, attempts=attempts, completed_at=now, last_error=None)
         else:
             values = dict(status=FAILED, attempts=attempts, completed_at=now, last_error=o.reply)
-        conn.execute(update(recipients).where(recipients.c.id == o.recipient_id).values(**values))
+        conn.execute(_UPDATE_RECIPIENT, {"b_id": o.recipient_id, **values})
 
 
 def queue_attempt_result(conn: Connection, queue_id: int, now: float, *, error: str | None,
                          retry_interval: float, retry_count: int, long_interval: float) -> float | None:
     """Record a connection-level result on the queue; returns the next retry time on failure."""
     if error is None:
-        conn.execute(update(queues).where(queues.c.id == queue_id).values(
-            retry_count=0, next_retry_at=None, last_error=None, last_attempt_at=now))
+        conn.execute(_UPDATE_QUEUE, {"b_id": queue_id, "retry_count": 0, "next_retry_at": None,
+                                     "last_error": None, "last_attempt_at": now})
         return None
     count = (conn.execute(select(queues.c.retry_count).where(queues.c.id == queue_id)).scalar() or 0) + 1
     nxt = now + retry_delay(count, retry_interval, retry_count, long_interval)
@@ -236,29 +257,23 @@ def queue_attempt_result(conn: Connection, queue_id: int, now: float, *, error: 
 
 def finish_if_done(conn: Connection, message_id: int, now: float, safety_net_hold: float) -> bool:
     """A message with every recipient terminal moves to the Primary Safety Net (or is dropped)."""
-    pending = conn.execute(select(func.count()).select_from(recipients).where(
-        recipients.c.message_id == message_id, recipients.c.status.not_in(TERMINAL))).scalar()
-    if pending:
+    key = {"b_id": message_id}
+    if conn.execute(_PENDING_RECIPIENTS, key).scalar():
         return False
-    forks = conn.execute(select(func.count()).select_from(shadow_forks).where(
-        shadow_forks.c.message_id == message_id)).scalar()
-    if forks:
+    if conn.execute(_FORKS, key).scalar():
         return False  # a peer holds a fork as primary: we keep our copy until its discard
-    state = conn.execute(select(messages.c.state).where(messages.c.id == message_id)).scalar()
-    if state != QUEUED:
+    if conn.execute(_MESSAGE_STATE, key).scalar() != QUEUED:
         return False
     # The message is processed: one discard event per shadow context (PROTOCOL.md section 4).
-    for sh in conn.execute(select(message_shadows.c.shadow_node, message_shadows.c.shadow_guid)
-                           .where(message_shadows.c.message_id == message_id)).all():
-        conn.execute(insert(discard_events).values(shadow_node=sh.shadow_node, shadow_guid=sh.shadow_guid,
-                                                   created_at=now))
+    for sh in conn.execute(_SHADOWS_OF, key).all():
+        conn.execute(_INSERT_DISCARD, {"shadow_node": sh.shadow_node, "shadow_guid": sh.shadow_guid,
+                                       "created_at": now})
     if safety_net_hold > 0:
-        conn.execute(update(messages).where(messages.c.id == message_id).values(
-            state=SAFETY_NET, completed_at=now, safety_net_until=now + safety_net_hold))
+        conn.execute(UPDATE_MESSAGE, {"b_id": message_id, "state": SAFETY_NET, "completed_at": now,
+                                       "safety_net_until": now + safety_net_hold})
     else:
-        conn.execute(update(messages).where(messages.c.id == message_id).values(
-            state=MSG_REMOVED, completed_at=now))
-        conn.execute(delete(message_bodies).where(message_bodies.c.message_id == message_id))
+        conn.execute(UPDATE_MESSAGE, {"b_id": message_id, "state": MSG_REMOVED, "completed_at": now})
+        conn.execute(_DELETE_BODY, key)
     return True
 
 

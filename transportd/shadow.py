@@ -549,10 +549,13 @@ def discard_uncertain_job(peers: tuple[str, ...], guid: str, now: float):
     return job
 
 
+_INSERT_MESSAGE_SHADOW = insert(message_shadows)  # built once: on the path of every 250
+
+
 def record_shadow_job(message_id: int, shadow_node: str, guid: str, now: float):
     def job(conn):
-        conn.execute(insert(message_shadows).values(message_id=message_id, shadow_node=shadow_node,
-                                                    shadow_guid=guid, created_at=now))
+        conn.execute(_INSERT_MESSAGE_SHADOW, {"message_id": message_id, "shadow_node": shadow_node,
+                                              "shadow_guid": guid, "created_at": now})
     return job
 
 
