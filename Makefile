@@ -1,7 +1,7 @@
 # transportd: the README's two commands are `make run` and `bash .ci/run`.
 PY ?= python3
 
-.PHONY: install run test bench lint
+.PHONY: install run test bench lint bench-compare
 
 install:
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
@@ -17,3 +17,7 @@ bench: install
 
 lint:
 	ruff check transportd tests benchmarks
+
+# transportd (3-node, shadow on/off) against Postfix on this machine; table + JSON (docs/performance.md).
+bench-compare: install
+	$(PY) benchmarks/compare_postfix.py --long 60 --json benchmarks/results/compare_postfix.json

@@ -530,6 +530,8 @@ def run_one(kind: str, shape: str, args: argparse.Namespace, messages: int | Non
                           latency_messages=lat_n if not long_seconds else 0, timeout=args.timeout)
         figures.update({"system": kind, "shape": shape, "size": size, "reuse": reuse,
                         "sessions": args.sessions})
+        if isinstance(system, PostfixRelay):
+            figures["postfix_master_pid"] = system.master_pid
         return figures
     finally:
         system.stop()
