@@ -1,7 +1,7 @@
 # transportd: the README's two commands are `make run` and `bash .ci/run`.
 PY ?= python3
 
-.PHONY: install run test bench lint bench-compare
+.PHONY: install run test bench lint
 
 install:
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
@@ -19,5 +19,6 @@ lint:
 	ruff check transportd tests benchmarks
 
 # transportd (3-node, shadow on/off) against Postfix on this machine; table + JSON (docs/performance.md).
+.PHONY: bench-compare
 bench-compare: install
 	$(PY) benchmarks/compare_postfix.py --long 60 --json benchmarks/results/compare_postfix.json
