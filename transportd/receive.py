@@ -21,7 +21,7 @@ from email.parser import BytesHeaderParser
 from email.policy import compat32
 from typing import Any, Awaitable, Callable
 
-from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session
+from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, Session
 
 from . import replies
 from .routing import domain_of, is_accepted, relay_allowed, valid_address
@@ -77,6 +77,94 @@ def prepare_message(data: bytes, *, node_name: str, client_ip: str, helo: str, n
         extra.append(f"Date: {date_text}")
     prefix = ("\r\n".join(extra) + "\r\n").encode("ascii", "replace")
     return PreparedMessage(prefix + data, message_id[:998], submit_time[:200], subject)
+
+
+DATA_TOO_LONG, DATA_TOO_MUCH = "too long", "too much"
+
+
+async def read_data(reader: asyncio.StreamReader, size_limit: int | None,
+                    line_limit: int) -> tuple[bytes, str | None]:
+    """Read a DATA body up to its lone-dot line: (content, error), dots unstuffed (RFC 5321 4.5.2).
+
+    The same content and errors as reading line by line (aiosmtpd's way, ~0.7 ms of CPU per
+    10 KiB message), in chunks as large as the stream's limit: the separator searched is a line
+    feed followed by a dot, so only lines that start with a dot take a step of their own. Never
+    reads past the terminating line, so pipelined commands stay in ``reader``.
+    ``error``: None, DATA_TOO_LONG (a line, CRLF included, over ``line_limit``) or DATA_TOO_MUCH
+    (more than ``size_limit`` octets); after an error the content is dropped but the message is
+    still read to its end. ``size_limit`` counts what the client sent (stuffing dots and CRLFs).
+    """
+    parts: list[bytes] = []
+    size = 0
+    error: str | None = None
+
+    def add(piece: bytes) -> None:
+        nonlocal size, error
+        size += len(piece)
+        if error is None and size_limit and size > size_limit:
+            error = DATA_TOO_MUCH
+        if error is None:
+            parts.append(piece)
+        else:
+            parts.clear()  # the reply is an error: keep no memory for the rest
+
+    line_start, dot = True, False  # dot: a line's first octet was a dot, just consumed
+    last = b""  # the last octet read in the middle of a line
+    while True:
+        if dot:
+            dot = False
+            rest, too_long = await _rest_of_line(reader)
+            if rest == b"\r\n":
+                break  # the lone dot: end of data
+            size += 1  # the stuffing dot: counted as sent, dropped from the content
+            if too_long or 1 + len(rest) > line_limit:
+                error = error or DATA_TOO_LONG
+            add(rest)
+            line_start = True
+        elif line_start:
+            last = await reader.readexactly(1)
+            if last == b".":
+                dot = True
+            else:
+                add(last)
+                line_start = False
+        else:
+            try:
+                piece = await reader.readuntil(b"\n.")
+            except asyncio.LimitOverrunError as exc:
+                # No separator within the stream's limit: take what was scanned and go on.
+                piece = await reader.readexactly(exc.consumed)
+                add(piece)
+                last = piece[-1:]
+                continue
+            # A line starts after CRLF only (a bare LF does not end a line); the CR may have
+            # come in the previous piece.
+            if (piece[-3:-2] if len(piece) >= 3 else last) == b"\r":
+                add(piece[:-1])
+                dot = True
+            else:
+                add(piece)
+                last = b"."
+    if error is not None:
+        return b"", error
+    data = b"".join(parts)
+    # Lines read in chunks were not measured one by one: measure them now (unstuffed ones were).
+    if data and max(map(len, data.split(b"\r\n"))) + 2 > line_limit:
+        return b"", DATA_TOO_LONG
+    return data, None
+
+
+async def _rest_of_line(reader: asyncio.StreamReader) -> tuple[bytes, bool]:
+    """The rest of the current line, CRLF included; True when it is over the stream's limit."""
+    parts: list[bytes] = []
+    too_long = False
+    while True:
+        try:
+            parts.append(await reader.readuntil(b"\r\n"))
+            return b"".join(parts), too_long
+        except asyncio.LimitOverrunError as exc:
+            too_long = True
+            parts.append(await reader.readexactly(exc.consumed))
 
 
 class ConnectionCounter:
@@ -189,6 +277,40 @@ class LimitedSMTP(SMTP):
             await super().smtp_EHLO(hostname)
         finally:
             self._plain_250 = False
+
+    async def smtp_DATA(self, arg: str) -> None:
+        """aiosmtpd's DATA, with the message read in chunks (read_data) instead of line by line."""
+        if self._decode_data:
+            await super().smtp_DATA(arg)
+            return
+        if await self.check_helo_needed() or await self.check_auth_needed("DATA"):
+            return
+        assert self.envelope is not None
+        if not self.envelope.rcpt_tos:
+            await self.push("503 Error: need RCPT command")
+            return
+        if arg:
+            await self.push("501 Syntax: DATA")
+            return
+        await self.push("354 End data with <CR><LF>.<CR><LF>")
+        try:
+            content, error = await read_data(self._reader, self.data_size_limit, self.line_length_limit)
+        except asyncio.CancelledError:
+            log.info("connection lost during DATA")
+            self._writer.close()
+            raise
+        except asyncio.IncompleteReadError:
+            self._writer.close()
+            return
+        if error is not None:
+            await self.push("500 Line too long (see RFC5321 4.5.3.1.6)" if error == DATA_TOO_LONG
+                            else "552 Error: Too much mail data")
+            self._set_post_data_state()
+            return
+        self.envelope.content = self.envelope.original_content = content
+        status = await self._call_handler_hook("DATA")
+        self._set_post_data_state()
+        await self.push("250 OK" if status is MISSING else status)
 
     # The shadow redundancy verbs exist only on the transport connector (PROTOCOL.md section 1).
     async def smtp_XSHADOWREQUEST(self, arg: str | None) -> None:
