@@ -165,28 +165,31 @@ def recover_after_restart(conn: Connection) -> int:
 
 # --------------------------------------------------------------------------- scheduling
 
+# Run on every scheduler tick (each accepted message wakes the scheduler): built once.
+_DUE_WORK = (
+    select(recipients.c.id, recipients.c.address, recipients.c.message_id,
+           queues.c.id.label("qid"), queues.c.identity, queues.c.delivery_type, queues.c.next_hop)
+    .join(messages, messages.c.id == recipients.c.message_id)
+    .join(queues, queues.c.id == recipients.c.queue_id)
+    .where(recipients.c.status.in_(PENDING), recipients.c.next_retry_at <= bindparam("b_now"),
+           messages.c.suspended == 0, messages.c.state == QUEUED, messages.c.role == "primary",
+           messages.c.redundancy != "pending",
+           queues.c.suspended == 0,
+           or_(queues.c.next_retry_at.is_(None), queues.c.next_retry_at <= bindparam("b_now")))
+    .order_by(recipients.c.message_id, recipients.c.id)
+    .limit(bindparam("b_limit"))
+)
+
+
 def due_work(conn: Connection, now: float, limit: int = 500,
              exclude: Iterable[int] = ()) -> list[WorkItem]:
     """Pending recipients whose retry time has come, in unsuspended messages and queues.
 
     Grouped per (queue, message), oldest first.
     """
-    stmt = (
-        select(recipients.c.id, recipients.c.address, recipients.c.message_id,
-               queues.c.id.label("qid"), queues.c.identity, queues.c.delivery_type, queues.c.next_hop)
-        .join(messages, messages.c.id == recipients.c.message_id)
-        .join(queues, queues.c.id == recipients.c.queue_id)
-        .where(recipients.c.status.in_(PENDING), recipients.c.next_retry_at <= now,
-               messages.c.suspended == 0, messages.c.state == QUEUED, messages.c.role == "primary",
-               messages.c.redundancy != "pending",
-               queues.c.suspended == 0,
-               or_(queues.c.next_retry_at.is_(None), queues.c.next_retry_at <= now))
-        .order_by(recipients.c.message_id, recipients.c.id)
-        .limit(limit)
-    )
     excluded = set(exclude)
     items: dict[tuple[int, int], WorkItem] = {}
-    for r in conn.execute(stmt).mappings():
+    for r in conn.execute(_DUE_WORK, {"b_now": now, "b_limit": limit}).mappings():
         if r["id"] in excluded:
             continue
         key = (r["qid"], r["message_id"])
