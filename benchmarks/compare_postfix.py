@@ -105,6 +105,16 @@ def status_kb(pid: int, key: str) -> int:
     return 0
 
 
+def _pss_kb(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 # ---------------------------------------------------------------------- the next hop
 
 class Sink:
@@ -309,7 +319,8 @@ postlog   unix-dgram n - n - 1 postlogd
         return {}
 
     def rss_now(self) -> dict[str, float]:
-        return {"total": round(sum(status_kb(p, "VmRSS") for p in tree_pids(self.master_pid)) / 1024, 1)}
+        # Proportional set size: Postfix's processes share their libraries; RSS would count them twice.
+        return {"total_pss": round(sum(_pss_kb(p) for p in tree_pids(self.master_pid)) / 1024, 1)}
 
     def shadows_made(self) -> int:
         return 0
@@ -646,6 +657,26 @@ def print_table(summary: dict[str, Any], systems: list[str]) -> None:
         print(f"{'peak RSS MB':22}{rss}")
 
 
+def markdown(result: dict[str, Any]) -> str:
+    """docs/performance.md's table for a result JSON: one row per shape and system."""
+    m = result["machine"]
+    out = [f"Machine: {m['nproc']} CPUs ({m['cpu_model']}), {m['ram_gb']} GB RAM, Linux {m['kernel']}, "
+           f"Python {m['python']}, Postfix {m['postfix']}; load average at start {m['loadavg_at_start']}.", "",
+           "| shape | system | accepted msg/s | delivered msg/s | ack p50 ms | ack p99 ms | CPU s / 1000 msg "
+           "| backlog at load end | peak RSS MB |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for shape, block in result["summary"].items():
+        for kind, f in block["systems"].items():
+            rss = ", ".join(f"{k} {v}" for k, v in f["peak_rss_mb"].items())
+            out.append(f"| {shape} | {kind} | {_fmt(f.get('accepted_per_s'))} | {_fmt(f.get('delivered_per_s'))} "
+                       f"| {_fmt(f.get('ack_p50_ms'))} | {_fmt(f.get('ack_p99_ms'))} "
+                       f"| {_fmt(f.get('cpu_s_per_1000'))} | {_fmt(f.get('backlog_at_load_end'))} | {rss} |")
+        for name, r in block["ratios"].items():
+            out.append(f"| {shape} | **{name}** | {_fmt(r['accepted_per_s'])} | {_fmt(r['delivered_per_s'])} "
+                       f"| | {_fmt(r['ack_p99_ms'])} | | | |")
+    return "\n".join(out)
+
+
 def _fmt(v: Any) -> str:
     if v is None or (isinstance(v, float) and v != v):
         return "-"
@@ -670,7 +701,12 @@ def main() -> int:
                     help="cluster load on every node's frontend (default) or on node1 only")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--markdown", type=Path, default=None, metavar="JSON",
+                    help="print docs/performance.md's table for an earlier run's JSON and exit")
     args = ap.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(args.markdown.read_text())))
+        return 0
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
