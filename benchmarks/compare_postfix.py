@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import re
@@ -46,7 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from accept_throughput import _count_events, free_port, wait_port  # noqa: E402
+from accept_throughput import _count_events, free_port, wait_port
 
 CLK = os.sysconf("SC_CLK_TCK")
 SHAPES = {
@@ -600,7 +601,7 @@ def machine() -> dict[str, Any]:
 
 
 def median(values: list[float]) -> float:
-    s = sorted(v for v in values if v == v)
+    s = sorted(v for v in values if not math.isnan(v))
     if not s:
         return float("nan")
     mid = len(s) // 2
@@ -635,7 +636,7 @@ def summarize(runs: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b != b or a != a or not b:
+    if a is None or b is None or math.isnan(a) or math.isnan(b) or not b:
         return None
     return round(a / b, 2)
 
@@ -678,7 +679,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def _fmt(v: Any) -> str:
-    if v is None or (isinstance(v, float) and v != v):
+    if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     return f"{v:g}" if isinstance(v, (int, float)) else str(v)
 

@@ -38,7 +38,7 @@ async def feed_and_read(stream: bytes, cuts: list[int], size_limit: int | None,
 
     async def feed() -> None:
         last = 0
-        for c in sorted(set(min(c, len(stream)) for c in cuts)) + [len(stream)]:
+        for c in sorted({min(c, len(stream)) for c in cuts}) + [len(stream)]:
             reader.feed_data(stream[last:c])
             last = c
             await asyncio.sleep(0)
