@@ -387,10 +387,13 @@ def run_smtp_source(targets: list[str], messages: int, sessions: int, size: int,
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     for p in procs:
         try:
-            _, err = p.communicate(timeout=timeout)
+            _, err = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - t0)))
         except subprocess.TimeoutExpired:
-            p.kill()
-            raise RuntimeError("smtp-source timed out")
+            for q in procs:
+                if q.poll() is None:
+                    q.kill()
+                    q.wait()
+            raise RuntimeError("smtp-source timed out") from None
         if p.returncode != 0:
             raise RuntimeError(f"smtp-source failed: {err[-500:]}")
     return time.monotonic() - t0
@@ -475,13 +478,20 @@ def percentile(values: list[float], q: float) -> float:
 # ---------------------------------------------------------------------- one measurement
 
 def measure(system: Any, sink: Sink, *, messages: int, sessions: int, size: int, reuse: bool,
-            latency_messages: int, timeout: float) -> dict[str, Any]:
-    sampler = RssSampler(system)
+            latency_messages: int, timeout: float, duration: float = 0) -> dict[str, Any]:
+    """smtp-source's ``messages`` then the latency client's; with ``duration``, only the latency
+    client, for that many seconds (the long run: bounded in time, every ack timed)."""
+    sampler = RssSampler(system, every=0.5 if not duration else 5)
     sampler.start()
     base = sink.count
     cpu0 = system.cpu()
     t0 = time.monotonic()
-    t_accept = run_smtp_source(system.targets(), messages, sessions, size, reuse, timeout)
+    if duration:
+        lat, failures, t_accept = asyncio.run(_latency_run(system.targets(), 10**9, sessions, size, reuse,
+                                                           duration))
+        messages, latency_messages = len(lat), 0
+    else:
+        t_accept = run_smtp_source(system.targets(), messages, sessions, size, reuse, timeout)
     backlog = messages - (sink.count - base)
     delivered_all = sink.wait_for(base + messages, timeout)
     t_deliver = time.monotonic() - t0
@@ -494,6 +504,10 @@ def measure(system: Any, sink: Sink, *, messages: int, sessions: int, size: int,
         "backlog_at_load_end": backlog,
         "cpu_s_per_1000": round(cpu / max(1, messages) * 1000, 2),
     }
+    if duration:
+        figures.update({"latency_messages": len(lat), "latency_failures": len(failures),
+                        "ack_p50_ms": round(percentile(lat, 50) * 1000, 2),
+                        "ack_p99_ms": round(percentile(lat, 99) * 1000, 2)})
     if latency_messages:
         base2 = sink.count
         lat, failures, t_lat = asyncio.run(_latency_run(system.targets(), latency_messages, sessions, size,
@@ -513,6 +527,8 @@ def measure(system: Any, sink: Sink, *, messages: int, sessions: int, size: int,
         # RSS after the first quarter of the run against the end: growth over the run
         figures["rss_quarter_mb"] = sampler.series[len(sampler.series) // 4][1]
         figures["rss_end_mb"] = sampler.series[-1][1]
+    if duration:
+        figures["rss_series"] = sampler.series
     figures["shadows_made"] = system.shadows_made()
     figures["all_delivered"] = delivered_all
     return figures
@@ -539,7 +555,7 @@ def run_one(kind: str, shape: str, args: argparse.Namespace, messages: int | Non
         if shape == "100k-new":
             lat_n = max(1, lat_n // 4)
         figures = measure(system, sink, messages=n, sessions=args.sessions, size=size, reuse=reuse,
-                          latency_messages=lat_n if not long_seconds else 0, timeout=args.timeout)
+                          latency_messages=lat_n, timeout=args.timeout, duration=long_seconds)
         figures.update({"system": kind, "shape": shape, "size": size, "reuse": reuse,
                         "sessions": args.sessions})
         if isinstance(system, PostfixRelay):
@@ -695,7 +711,7 @@ def main() -> int:
     ap.add_argument("--sessions", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=1, help="alternate the systems this many times (medians)")
     ap.add_argument("--long", type=float, default=0, metavar="SECONDS",
-                    help="also a 10 KiB new-connection run of at least this long per system")
+                    help="also a 10 KiB new-connection run of this long per system (the latency client)")
     ap.add_argument("--queued", type=int, default=0, metavar="N",
                     help="also measure RSS per node with N messages queued (next hop down)")
     ap.add_argument("--entry", choices=["all", "node1"], default="all",
@@ -732,10 +748,7 @@ def main() -> int:
                       file=sys.stderr, flush=True)
     if args.long:
         for kind in systems:
-            rates = [r["accepted_per_s"] for r in result["runs"] if r["system"] == kind and r["shape"] == "10k-new"]
-            rate = median(rates) if rates else 100.0
-            n = int(rate * args.long * 1.1) + 1
-            fig = run_one(kind, "long", args, messages=n, long_seconds=args.long)
+            fig = run_one(kind, "long", args, messages=1, long_seconds=args.long)
             fig["shape"] = "long"
             result["runs"].append(fig)
             print(json.dumps({k: fig.get(k) for k in ("system", "shape", "accept_seconds", *KEYS)}),
