@@ -1,0 +1,142 @@
+"""Prometheus metrics: scrape /metrics over HTTP from real nodes while real mail (swaks) flows.
+
+Counters must move with the traffic (received, delivered by delivery type, deferred, latency
+histograms), the scrape-time gauges must show the queue database (queue length by queue and
+state, Safety Net size, shadow queue length per primary), and on a cluster the shadow node must
+count failed heartbeats and the promotion of a dead primary's shadows.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from conftest import free_port, queued_id, swaks, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def scrape(host: str, port: int) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as resp:
+        assert resp.status == 200
+        text = resp.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def metrics_node(make_node, sink_address: str):
+    port = free_port()
+    node = make_node(smart_host=sink_address, overrides={"metrics": {"listen": f"127.0.0.1:{port}"}})
+    node.metrics_port = port
+    return node
+
+
+def test_counters_and_histograms_move_with_real_traffic(make_node, sink):
+    sink.start()
+    node = metrics_node(make_node, sink.address).start()
+    before = scrape("127.0.0.1", node.metrics_port)
+    assert value(before, "transportd_messages_received_total", connector="frontend") == 0
+    assert value(before, "transportd_queue_database_up") == 1
+
+    for to in ("alice@example.test", "bob@example.test", "carol@elsewhere.test"):
+        queued_id(swaks(node.port, "--to", to, "--from", "zed@example.test"))
+
+    def delivered(s):
+        return (value(s, "transportd_messages_delivered_total", delivery_type="mailbox") == 2
+                and value(s, "transportd_messages_delivered_total", delivery_type="smtp") == 1)
+    after = wait_for(lambda: (lambda s: s if delivered(s) else None)(scrape("127.0.0.1", node.metrics_port)),
+                     timeout=20, what="three deliveries counted")
+    assert value(after, "transportd_messages_received_total", connector="frontend") == 3
+    assert value(after, "transportd_accept_latency_seconds_count") == 3
+    assert value(after, "transportd_accept_latency_seconds_sum") > 0
+    assert value(after, "transportd_delivery_latency_seconds_count") == 3
+    assert value(after, "transportd_messages_deferred_total") == 0
+    assert value(after, "transportd_messages_failed_total") == 0
+    # Shadow redundancy is off on this node: nothing was accepted "without a shadow".
+    assert value(after, "transportd_messages_accepted_without_shadow_total") == 0
+    # Delivered messages sit in the Primary Safety Net; no queue holds anything.
+    wait_for(lambda: value(scrape("127.0.0.1", node.metrics_port), "transportd_safety_net_messages",
+                           net="primary") == 3, timeout=10, what="three messages in the Safety Net")
+    assert not [k for k in after if k[0] == "transportd_queue_messages" and after[k]]
+    assert len(sink.messages()) == 1
+
+
+def test_deferred_message_shows_in_queue_gauge_until_the_next_hop_returns(make_node, sink):
+    node = metrics_node(make_node, sink.address).start()  # the sink is not started yet
+    queued_id(swaks(node.port, "--to", "carol@elsewhere.test", "--from", "zed@example.test"))
+    queue = f"smarthost:{sink.address}"
+    s = wait_for(lambda: (lambda s: s if value(s, "transportd_messages_deferred_total") >= 1 else None)(
+        scrape("127.0.0.1", node.metrics_port)), timeout=15, what="a deferral counted")
+    assert value(s, "transportd_queue_messages", queue=queue, state="Retry") + \
+        value(s, "transportd_queue_messages", queue=queue, state="Active") == 1
+    sink.start()
+    s = wait_for(lambda: (lambda s: s if value(s, "transportd_messages_delivered_total",
+                                               delivery_type="smtp") == 1 else None)(
+        scrape("127.0.0.1", node.metrics_port)), timeout=20, what="the delivery counted")
+    assert sum(v for k, v in s.items() if k[0] == "transportd_queue_messages") == 0
+    assert value(s, "transportd_delivery_latency_seconds_count") == 1
+
+
+def test_metrics_are_off_by_default_and_a_bare_port_binds_loopback(make_node, tmp_path):
+    from transportd import config as config_mod
+    cfg = config_mod.load_dict({"metrics": {"listen": "9101"}})
+    assert cfg.metrics.listen == "127.0.0.1:9101"
+    assert config_mod.load_dict({}).metrics.listen == ""
+    with pytest.raises(config_mod.ConfigError, match=r"metrics\.listen"):
+        config_mod.load_dict({"metrics": {"listen": "127.0.0.1:99999"}})
+    node = make_node().start()
+    assert "Prometheus metrics" not in node.log()
+
+
+def test_bad_metrics_address_is_a_startup_error_naming_the_key(make_node):
+    node = make_node(overrides={"metrics": {"listen": "localhost:x"}})
+    res = node.cli("config", "show", check=False)
+    assert res.returncode == 2
+    assert "metrics.listen" in res.stderr
+
+
+def test_metrics_port_taken_means_the_node_does_not_start(make_node):
+    taken = make_node("first", overrides={"metrics": {"listen": f"127.0.0.1:{free_port()}"}}).start()
+    port = taken.sections["metrics"]["listen"].rpartition(":")[2]
+    second = make_node("second", overrides={"metrics": {"listen": f"127.0.0.1:{port}"}})
+    second.start(wait=False)
+    assert second.proc.wait(timeout=20) == 1
+    assert "cannot start" in second.log()
+    assert taken.alive
+
+
+@pytest.mark.slow
+def test_shadow_node_counts_heartbeat_failures_and_promotions(procs, sink, tmp_path):
+    from test_cluster_failover import LocalCluster, accepted_with_shadow, send
+
+    c = LocalCluster(procs, sink, tmp_path, {"shadow_redundancy": {
+        "shadow_heartbeat_frequency": 0.5, "shadow_resubmit_time_span": 2}})
+    ports = {}
+    for short, n in c.nodes.items():
+        ports[short] = free_port(n.host)
+        with open(n.spec.config, "a") as f:
+            f.write(f'\n[metrics]\nlisten = "{n.host}:{ports[short]}"\n')
+    c.start()
+    n1, n3 = c["node1"], c["node3"]
+    netid = accepted_with_shadow(n1, n3, send(n1, "carol@foreign.test"))
+    n1.wait_event("DEFER", netid)  # the sink is down: node1 keeps it queued
+    s3 = scrape(n3.host, ports["node3"])
+    assert value(s3, "transportd_shadow_queue_messages", primary=n1.name) == 1
+    assert value(s3, "transportd_shadow_copies_received_total") == 1
+    assert value(scrape(n1.host, ports["node1"]), "transportd_messages_deferred_total") >= 1
+
+    n1.kill9()
+    sink.start()
+    n3.wait_event("RESUBMIT", netid, timeout=20)
+    s3 = wait_for(lambda: (lambda s: s if value(s, "transportd_messages_delivered_total",
+                                               delivery_type="smtp") == 1 else None)(
+        scrape(n3.host, ports["node3"])), timeout=20, what="node3 delivering the promoted copy")
+    assert value(s3, "transportd_heartbeat_failures_total", primary=n1.name) >= 4
+    assert value(s3, "transportd_promotions_total", primary=n1.name, reason="ShadowHeartbeatFailure") == 1
+    assert value(s3, "transportd_shadow_queue_messages", primary=n1.name) == 0
