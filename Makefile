@@ -17,3 +17,8 @@ bench: install
 
 lint:
 	ruff check transportd tests benchmarks
+
+.PHONY: compose-check
+compose-check:
+	docker-compose config -q && docker-compose --profile analytics --profile metrics config -q
+	$(PY) -m pytest -q tests/test_compose.py
