@@ -425,7 +425,9 @@ def test_compose_services_run_as_their_command_lines_and_deliver_mail(topology):
     # `docker compose exec node1 transportd ...`: the environment alone finds the config.
     res = t.exec("node1", "transportd", "tracking", "search", "--json")
     assert res.returncode == 0, res.stderr
-    events = {json.loads(line)["event-id"] for line in res.stdout.splitlines()}
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    events = {r["event-id"] for r in rows}
+    assert {r["server-ip"] for r in rows if r["event-id"] == "RECEIVE"} == {t.ips["node1"]}
     assert {"RECEIVE", "HAREDIRECT", "SENDEXTERNAL", "DELIVER"} <= events, events
     # Everything landed in the named volumes, not in the image's filesystem.
     assert (t.volume_dir("node1-queue") / "queue.db").is_file()

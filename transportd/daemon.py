@@ -10,9 +10,11 @@ never turn an acknowledged message into an error.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import signal
+import socket
 import ssl
 import sys
 import time
@@ -49,6 +51,18 @@ EVENT_LOG_LEVELS = {e: logging.INFO for e in ("DELIVER", "DUPLICATEDELIVER", "SE
 def message_ids(row: dict) -> dict[str, Any]:
     """``extra=`` for a log line about a message: its internal and network message ids."""
     return {"internal_message_id": row.get("id"), "network_message_id": row.get("network_message_id") or ""}
+
+
+def address_of(host: str) -> str:
+    """The IP address a listener's host name resolves to (MSGTRK's server-ip is an address)."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return host
 
 
 def remember_config_path(conn: Any, path: str) -> None:
@@ -95,7 +109,7 @@ class Node:
             log.info("crash recovery: %d recipient(s) left Active are Ready again", recovered)
         if cfg.tracking.message_tracking_log_enabled:
             host, _, _ = cfg.frontend.listen.rpartition(":")
-            self.tracking = TrackingLog(cfg.tracking_dir, cfg.node.name, server_ip=host.strip("[]"),
+            self.tracking = TrackingLog(cfg.tracking_dir, cfg.node.name, server_ip=address_of(host.strip("[]")),
                                         max_file_size=cfg.tracking.message_tracking_log_max_file_size,
                                         software_version=__version__)
         self.delivery = DeliveryAgent(self)
