@@ -30,6 +30,18 @@ def value(samples: dict, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def scrape_until(host: str, port: int, predicate, what: str, timeout: float = 20) -> dict:
+    """Scrape until ``predicate(samples)`` holds; the samples that satisfied it."""
+    last: dict = {}
+
+    def ok() -> bool:
+        nonlocal last
+        last = scrape(host, port)
+        return predicate(last)
+    wait_for(ok, timeout=timeout, what=what)
+    return last
+
+
 def metrics_node(make_node, sink_address: str):
     port = free_port()
     node = make_node(smart_host=sink_address, overrides={"metrics": {"listen": f"127.0.0.1:{port}"}})
@@ -50,8 +62,7 @@ def test_counters_and_histograms_move_with_real_traffic(make_node, sink):
     def delivered(s):
         return (value(s, "transportd_messages_delivered_total", delivery_type="mailbox") == 2
                 and value(s, "transportd_messages_delivered_total", delivery_type="smtp") == 1)
-    after = wait_for(lambda: (lambda s: s if delivered(s) else None)(scrape("127.0.0.1", node.metrics_port)),
-                     timeout=20, what="three deliveries counted")
+    after = scrape_until("127.0.0.1", node.metrics_port, delivered, "three deliveries counted")
     assert value(after, "transportd_messages_received_total", connector="frontend") == 3
     assert value(after, "transportd_accept_latency_seconds_count") == 3
     assert value(after, "transportd_accept_latency_seconds_sum") > 0
@@ -71,14 +82,14 @@ def test_deferred_message_shows_in_queue_gauge_until_the_next_hop_returns(make_n
     node = metrics_node(make_node, sink.address).start()  # the sink is not started yet
     queued_id(swaks(node.port, "--to", "carol@elsewhere.test", "--from", "zed@example.test"))
     queue = f"smarthost:{sink.address}"
-    s = wait_for(lambda: (lambda s: s if value(s, "transportd_messages_deferred_total") >= 1 else None)(
-        scrape("127.0.0.1", node.metrics_port)), timeout=15, what="a deferral counted")
+    s = scrape_until("127.0.0.1", node.metrics_port,
+                     lambda s: value(s, "transportd_messages_deferred_total") >= 1, "a deferral counted")
     assert value(s, "transportd_queue_messages", queue=queue, state="Retry") + \
         value(s, "transportd_queue_messages", queue=queue, state="Active") == 1
     sink.start()
-    s = wait_for(lambda: (lambda s: s if value(s, "transportd_messages_delivered_total",
-                                               delivery_type="smtp") == 1 else None)(
-        scrape("127.0.0.1", node.metrics_port)), timeout=20, what="the delivery counted")
+    s = scrape_until("127.0.0.1", node.metrics_port,
+                     lambda s: value(s, "transportd_messages_delivered_total", delivery_type="smtp") == 1,
+                     "the delivery counted")
     assert sum(v for k, v in s.items() if k[0] == "transportd_queue_messages") == 0
     assert value(s, "transportd_delivery_latency_seconds_count") == 1
 
@@ -134,9 +145,9 @@ def test_shadow_node_counts_heartbeat_failures_and_promotions(procs, sink, tmp_p
     n1.kill9()
     sink.start()
     n3.wait_event("RESUBMIT", netid, timeout=20)
-    s3 = wait_for(lambda: (lambda s: s if value(s, "transportd_messages_delivered_total",
-                                               delivery_type="smtp") == 1 else None)(
-        scrape(n3.host, ports["node3"])), timeout=20, what="node3 delivering the promoted copy")
+    s3 = scrape_until(n3.host, ports["node3"],
+                      lambda s: value(s, "transportd_messages_delivered_total", delivery_type="smtp") == 1,
+                      "node3 delivering the promoted copy")
     assert value(s3, "transportd_heartbeat_failures_total", primary=n1.name) >= 4
     assert value(s3, "transportd_promotions_total", primary=n1.name, reason="ShadowHeartbeatFailure") == 1
     assert value(s3, "transportd_shadow_queue_messages", primary=n1.name) == 0
