@@ -3,11 +3,16 @@
 Counters must move with the traffic (received, delivered by delivery type, deferred, latency
 histograms), the scrape-time gauges must show the queue database (queue length by queue and
 state, Safety Net size, shadow queue length per primary), and on a cluster the shadow node must
-count failed heartbeats and the promotion of a dead primary's shadows.
+count failed heartbeats and the promotion of a dead primary's shadows. Debian's prometheus, when
+installed, scrapes a node for real.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -151,3 +156,33 @@ def test_shadow_node_counts_heartbeat_failures_and_promotions(procs, sink, tmp_p
     assert value(s3, "transportd_heartbeat_failures_total", primary=n1.name) >= 4
     assert value(s3, "transportd_promotions_total", primary=n1.name, reason="ShadowHeartbeatFailure") == 1
     assert value(s3, "transportd_shadow_queue_messages", primary=n1.name) == 0
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus is not installed")
+def test_debian_prometheus_scrapes_the_node(make_node, sink, procs, tmp_path):
+    sink.start()
+    node = metrics_node(make_node, sink.address).start()
+    web = free_port()
+    (tmp_path / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: transportd\n    static_configs:\n"
+        f"      - targets: [\"127.0.0.1:{node.metrics_port}\"]\n")
+    with open(tmp_path / "prometheus.log", "ab") as log:
+        procs.add(subprocess.Popen(
+            ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{web}"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+
+    def query(expr: str) -> list[dict]:
+        url = f"http://127.0.0.1:{web}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                return json.loads(resp.read())["data"]["result"]
+        except OSError:
+            return []
+    queued_id(swaks(node.port, "--to", "alice@example.test", "--from", "zed@example.test"))
+    result = wait_for(lambda: query('transportd_messages_received_total{connector="frontend"} >= 1'),
+                      timeout=30, interval=0.5, what="Prometheus to scrape the received counter")
+    assert result[0]["metric"]["job"] == "transportd"
+    assert query('up{job="transportd"}')[0]["value"][1] == "1"
+    wait_for(lambda: query('transportd_messages_delivered_total{delivery_type="mailbox"} >= 1'),
+             timeout=30, interval=0.5, what="Prometheus to see the delivery")
