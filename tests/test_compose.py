@@ -306,11 +306,10 @@ class ComposeTopology:
         return subprocess.CompletedProcess(p.args, p.returncode, out.decode(), err.decode())
 
     def up(self, service: str) -> None:
-        log = open(self.base / f"{service}.log", "ab")
-        self.running[service] = self.procs.add(self.launch(
-            service, self.entrypoint_and_command(service), stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL))
-        log.close()
+        with open(self.base / f"{service}.log", "ab") as log:
+            self.running[service] = self.procs.add(self.launch(
+                service, self.entrypoint_and_command(service), stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL))
         self.wait_healthy(service)
 
     def wait_healthy(self, service: str, timeout: float = 30) -> None:

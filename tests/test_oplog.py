@@ -1,24 +1,19 @@
-"""Operational logs and the live queue view, from real node processes.
+"""Operational logs from real node processes.
 
 - Every log line about a message carries its internal and network message ids: as JSON fields
   with ``--log-format json`` / ``node.log_format = "json"``, as a ``[internal_message_id=...
   network_message_id=...]`` suffix in the readable text format. The ids must be the ones the
   SMTP reply and the tracking log give for that message.
-- ``transportd queue list --watch`` redraws the table in place (clear screen + home, like
-  watch(1)) and shows a queue that appears while it runs.
+
+(``transportd queue list --watch`` redrawing in place is tested in test_cli.py.)
 """
 
 from __future__ import annotations
 
 import json
-import os
-import pty
 import re
-import signal
 import subprocess
 import sys
-import threading
-import time
 
 from conftest import queued_id, swaks, wait_for, wait_port
 
@@ -35,11 +30,10 @@ def json_lines(node) -> list[dict]:
 
 def start_json_node(node) -> None:
     """serve --log-format json over a config that says text: the flag wins."""
-    log = open(node.log_path, "ab")
-    node.proc = node.registry.add(subprocess.Popen(
-        [sys.executable, "-m", "transportd", "serve", "--config", str(node.config_path), "--log-format", "json"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=str(node.dir)))
-    log.close()
+    with open(node.log_path, "ab") as log:
+        node.proc = node.registry.add(subprocess.Popen(
+            [sys.executable, "-m", "transportd", "serve", "--config", str(node.config_path),
+             "--log-format", "json"], stdout=log, stderr=subprocess.STDOUT, cwd=str(node.dir)))
     wait_port("127.0.0.1", node.port, proc=node.proc)
 
 
@@ -92,51 +86,3 @@ def test_text_log_lines_end_with_both_ids(make_node, sink):
     for ln in lines:
         assert ln.endswith(suffix), ln
     assert not any(ln.lstrip().startswith("{") for ln in node.log().splitlines())
-
-
-def test_queue_list_watch_redraws_in_place(make_node, sink):
-    """Run on a pseudo-terminal, as an operator would (click drops escape codes on a pipe)."""
-    node = make_node(smart_host=sink.address).start()  # the sink is down: the message waits in Retry
-    master, slave = pty.openpty()
-    watch = node.registry.add(subprocess.Popen(
-        [sys.executable, "-m", "transportd", "queue", "list", "--watch", "--interval", "0.3",
-         "--config", str(node.config_path)], stdin=slave, stdout=slave, stderr=subprocess.PIPE))
-    os.close(slave)
-    chunks: list[bytes] = []
-
-    def read() -> None:
-        while True:
-            try:
-                data = os.read(master, 65536)
-            except OSError:
-                return
-            if not data:
-                return
-            chunks.append(data)
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    time.sleep(1.5)
-    queued_id(swaks(node.port, "--to", "carol@elsewhere.test", "--from", "zed@example.test"))
-    wait_for(lambda: node.cli_json("queue", "list"), timeout=10, what="the smart host queue")
-    time.sleep(1.5)
-    watch.send_signal(signal.SIGINT)
-    _, err = watch.communicate(timeout=15)
-    reader.join(timeout=5)
-    os.close(master)
-    assert watch.returncode == 0, err
-    out = b"".join(chunks)
-    text = out.decode().replace("\r\n", "\n")
-    clear = "\x1b[H\x1b[2J"
-    frames = text.split(clear)
-    assert frames[0] == "", "every frame starts by clearing the screen and homing the cursor"
-    frames = frames[1:]
-    assert len(frames) >= 5, f"{len(frames)} frames in 3 s at 0.3 s"
-    for f in frames:
-        assert f.startswith("transportd queue list  "), f
-        assert "identity" in f and "delivery type" in f
-    stamps = [re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) UTC", f).group(1) for f in frames]
-    assert stamps == sorted(stamps) and stamps[0] != stamps[-1]
-    queue = f"smarthost:{sink.address}"
-    assert queue not in frames[0]
-    last = [ln for ln in frames[-1].splitlines() if ln.startswith(queue)]
-    assert len(last) == 1 and re.search(r"\bRetry\b\s+1\b", last[0]), frames[-1]
