@@ -170,10 +170,10 @@ class Node:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.metrics.close()
         if self.store is not None:
             self.store.close()
         self.tracking.close()
-        self.metrics.close()
         self._stopped.set()
         log.info("node %s stopped", self.cfg.node.name)
 
