@@ -312,7 +312,7 @@ class ComposeTopology:
                 stdin=subprocess.DEVNULL))
         self.wait_healthy(service)
 
-    def wait_healthy(self, service: str, timeout: float = 30) -> None:
+    def wait_healthy(self, service: str, timeout: float = 60) -> None:
         test = self.services[service]["healthcheck"]["test"]
         assert test[0] == "CMD", f"{service}: healthcheck in CMD form"
         deadline = time.monotonic() + timeout
