@@ -457,3 +457,27 @@ def test_compose_services_run_as_their_command_lines_and_deliver_mail(topology):
     retry = t.exec("node1", "transportd", "queue", "retry", "smarthost:sink:2500")
     assert retry.returncode == 0, retry.stderr
     wait_for(lambda: sink_messages(t, marker2), timeout=60, what="the queued message after the restart")
+
+
+def test_health_fails_for_a_listener_that_does_not_greet(tmp_path):
+    """The healthcheck command must be able to fail: nothing listening, or not an SMTP greeting."""
+    from conftest import free_port
+    closed = free_port()
+    silent = socket.create_server(("127.0.0.1", 0))
+    silent_port = silent.getsockname()[1]
+
+    def talk() -> None:
+        conn, _ = silent.accept()
+        conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+        conn.close()
+    threading.Thread(target=talk, daemon=True).start()
+    try:
+        res = subprocess.run([sys.executable, "-m", "transportd", "health", "--timeout", "3",
+                              "--server", f"127.0.0.1:{closed}", "--server", f"127.0.0.1:{silent_port}"],
+                             capture_output=True, text=True, timeout=60, check=False,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    finally:
+        silent.close()
+    assert res.returncode == 1
+    assert f"127.0.0.1:{closed}: Connection refused" in res.stderr
+    assert f"127.0.0.1:{silent_port}: answered b'HTTP/1.0" in res.stderr
