@@ -22,3 +22,8 @@ lint:
 .PHONY: bench-compare
 bench-compare: install
 	$(PY) benchmarks/compare_postfix.py --long 60 --json benchmarks/results/compare_postfix.json
+
+.PHONY: compose-check
+compose-check:
+	docker-compose config -q && docker-compose --profile analytics --profile metrics config -q
+	$(PY) -m pytest -q tests/test_compose.py

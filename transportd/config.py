@@ -189,6 +189,15 @@ def _optional_listen(value: Any) -> str:
     return _hostport_str(value)
 
 
+def _metrics_listen(value: Any) -> str:
+    # A bare port binds loopback: metrics are served beyond it only where configured so.
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        value = f"127.0.0.1:{value.strip()}"
+    return _optional_listen(value)
+
+
 def _credentials(value: Any) -> dict[str, str]:
     if not isinstance(value, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in value.items()
@@ -339,6 +348,9 @@ KEYS: tuple[Key, ...] = (
         "folder of the MSGTRK files; empty = <data_dir>/msgtrk", "MessageTrackingLogPath"),
     Key("tracking", "message_tracking_log_max_file_size", 10 * 1024**2, parse_size,
         "roll to a new file past this size", "MessageTrackingLogMaxFileSize", SIZE),
+    # Prometheus metrics
+    Key("metrics", "listen", "", _metrics_listen,
+        "address:port of the Prometheus /metrics endpoint ('9101' alone = 127.0.0.1:9101); empty = off"),
 )
 
 SECTIONS = tuple(dict.fromkeys(k.section for k in KEYS))

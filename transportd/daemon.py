@@ -10,9 +10,11 @@ never turn an acknowledged message into an error.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import signal
+import socket
 import ssl
 import sys
 import time
@@ -28,6 +30,7 @@ from .config import Config
 from .delivery import DeliveryAgent
 from .mailbox import MailboxStore
 from .mailqueue import NewMessage
+from .metrics import NodeMetrics
 from .receive import (ConnectionCounter, FrontendHandler, MessageRejected, new_network_message_id,
                       prepare_message, smtp_factory)
 from .replies import S451_NOT_REDUNDANT, S451_STORE_UNAVAILABLE, S554_HOP_COUNT, S554_NO_VALID_RECIPIENTS
@@ -39,6 +42,27 @@ from .store import QueueStore, StoreError, meta
 from .tracking import TrackingLog
 
 log = logging.getLogger("transportd")
+
+# Operational log level of the line each tracking event also writes (RECEIVE has its own "queued" line).
+EVENT_LOG_LEVELS = {e: logging.INFO for e in ("DELIVER", "DUPLICATEDELIVER", "SEND", "SENDEXTERNAL", "DEFER",
+                                              "FAIL", "DSN", "DROP", "RESUBMIT", "HAREDIRECTFAIL")}
+
+
+def message_ids(row: dict) -> dict[str, Any]:
+    """``extra=`` for a log line about a message: its internal and network message ids."""
+    return {"internal_message_id": row.get("id"), "network_message_id": row.get("network_message_id") or ""}
+
+
+def address_of(host: str) -> str:
+    """The IP address a listener's host name resolves to (MSGTRK's server-ip is an address)."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return host
 
 
 def remember_config_path(conn: Any, path: str) -> None:
@@ -65,6 +89,7 @@ class Node:
         self.servers: list[asyncio.AbstractServer] = []
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
+        self.metrics = NodeMetrics(cfg.node.name)
 
     # ------------------------------------------------------------------ start and stop
 
@@ -73,6 +98,9 @@ class Node:
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = QueueStore.open(cfg.db_path, create=True, repair=True, node_name=cfg.node.name)
         self.store.start_writer()
+        self.metrics.watch_store(self.store)
+        if cfg.metrics.listen:
+            self.metrics.serve(cfg.metrics.listen)
         if cfg.path is not None:
             # The CLI run with only --data-dir reads this node's config (routing, tracking path) from here.
             await self.store.write(lambda c: remember_config_path(c, str(Path(cfg.path).resolve())))
@@ -81,7 +109,7 @@ class Node:
             log.info("crash recovery: %d recipient(s) left Active are Ready again", recovered)
         if cfg.tracking.message_tracking_log_enabled:
             host, _, _ = cfg.frontend.listen.rpartition(":")
-            self.tracking = TrackingLog(cfg.tracking_dir, cfg.node.name, server_ip=host.strip("[]"),
+            self.tracking = TrackingLog(cfg.tracking_dir, cfg.node.name, server_ip=address_of(host.strip("[]")),
                                         max_file_size=cfg.tracking.message_tracking_log_max_file_size,
                                         software_version=__version__)
         self.delivery = DeliveryAgent(self)
@@ -142,6 +170,7 @@ class Node:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.metrics.close()
         if self.store is not None:
             self.store.close()
         self.tracking.close()
@@ -175,7 +204,8 @@ class Node:
         )
         hops = prepared.data[:65536].count(b"\nReceived:") + prepared.data[:9].lower().startswith(b"received:")
         if hops > cfg.frontend.max_hop_count:
-            log.warning("message from %s looped (%d Received headers): refused", client_ip, hops)
+            log.warning("message from %s looped (%d Received headers): refused", client_ip, hops,
+                        extra=message_ids({"network_message_id": netid}))
             raise MessageRejected(S554_HOP_COUNT)
         hop_shadow = getattr(envelope, "xshadow_guid", None) and getattr(session, "xshadow_peer", None)
         if hop_shadow:
@@ -203,7 +233,8 @@ class Node:
         try:
             internal_id = await local
         except StoreError as exc:
-            log.error("queue database unavailable, answering 451: %s", exc)
+            log.error("queue database unavailable, answering 451: %s", exc,
+                      extra=message_ids({"network_message_id": netid}))
             if remote is not None:
                 # The peer may now hold a copy nobody will discard: ask it to, if the store lets us.
                 result = await remote
@@ -213,14 +244,15 @@ class Node:
                         await self.store.write(discard_uncertain_job(peers, guid, now))
                     except StoreError:
                         log.error("could not queue a discard for shadow %s on %s; it expires on its own",
-                                  guid, ", ".join(peers))
+                                  guid, ", ".join(peers), extra=message_ids({"network_message_id": netid}))
             raise MessageRejected(S451_STORE_UNAVAILABLE) from None
         shadow_result = None
         if remote is not None:
             try:
                 shadow_result = await remote
             except Exception as exc:  # noqa: BLE001 - the local copy exists: settle it, never strand it
-                log.exception("making a shadow copy failed unexpectedly")
+                log.exception("making a shadow copy failed unexpectedly",
+                              extra=message_ids({"id": internal_id, "network_message_id": netid}))
                 shadow_result = ShadowResult(None, f"internal error: {exc.__class__.__name__}")
         rejecting = (shadow_result is not None and not shadow_result.peer
                      and cfg.shadow_redundancy.reject_message_on_shadow_failure)
@@ -243,9 +275,10 @@ class Node:
             await self._settle_redundancy(internal_id, msg, shadow_result, guid, now)
         log.info("queued message %d (network id %s) from <%s> for %d recipient(s)",
                  internal_id, netid, msg.sender, sum(len(v) for v in msg.recipients.values()),
-                 extra={"internal_message_id": internal_id, "network_message_id": netid})
+                 extra=message_ids({"id": internal_id, "network_message_id": netid}))
         if self.delivery is not None:
             self.delivery.wake()
+        self.metrics.accept_latency.observe(time.time() - now)
         return internal_id
 
     async def _settle_redundancy(self, internal_id: int, msg: NewMessage, result: Any, guid: str,
@@ -266,7 +299,8 @@ class Node:
                 conn.execute(delete(message_bodies).where(message_bodies.c.message_id == internal_id))
                 conn.execute(delete(messages).where(messages.c.id == internal_id))
             await self.store.write(drop)
-            log.warning("no shadow could be made (%s): message refused with 451 4.4.0", result.reply)
+            log.warning("no shadow could be made (%s): message refused with 451 4.4.0", result.reply,
+                        extra=message_ids({"id": internal_id, "network_message_id": msg.network_message_id}))
             raise MessageRejected(S451_NOT_REDUNDANT)
         else:
             await self.store.write(lambda conn: conn.execute(
@@ -278,7 +312,8 @@ class Node:
 
     def track(self, event_id: str, source: str, row: dict, *, recipients: list[str] | None = None,
               **fields: Any) -> None:
-        """Write one tracking row for a message row; never raises."""
+        """Write one tracking row for a message row, move the metrics, log a line; never raises."""
+        ids = message_ids(row)
         try:
             self.tracking.write(
                 event_id, source,
@@ -288,7 +323,19 @@ class Node:
                 message_subject=row.get("subject") or "", sender_address=row.get("sender") or "",
                 return_path=row.get("sender") or "", **fields)
         except Exception as exc:  # noqa: BLE001 - logging must not fail mail
-            log.error("cannot write tracking log (%s %s): %s", event_id, row.get("id"), exc)
+            log.error("cannot write tracking log (%s %s): %s", event_id, row.get("id"), exc, extra=ids)
+        try:
+            self.metrics.on_event(event_id, row, str(fields.get("source_context") or ""))
+            level = EVENT_LOG_LEVELS.get(event_id, logging.DEBUG)
+            if event_id != "RECEIVE" and log.isEnabledFor(level):
+                status = fields.get("recipient_status")
+                detail = (status[0] if status else "") or fields.get("source_context") or ""
+                shown = ", ".join((recipients or [])[:5]) + (" ..." if len(recipients or []) > 5 else "")
+                log.log(level, "%s message %s (network id %s)%s%s", event_id, ids["internal_message_id"],
+                        ids["network_message_id"], f" for {shown}" if shown else "",
+                        f": {detail}" if detail else "", extra=ids)
+        except Exception as exc:  # noqa: BLE001 - metrics and logs must not fail mail
+            log.error("cannot record %s for message %s: %s", event_id, row.get("id"), exc, extra=ids)
 
     def log_dsn(self, original: dict, dsn_id: int, dsn: NewMessage) -> None:
         self.track("DSN", "DSN", {"id": dsn_id, "network_message_id": dsn.network_message_id,
@@ -318,8 +365,8 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
-        ids = [f"{k}={getattr(record, k)}" for k in ("internal_message_id", "network_message_id")
-               if hasattr(record, k)]
+        ids = [f"{k}={'-' if getattr(record, k) in (None, '') else getattr(record, k)}"
+               for k in ("internal_message_id", "network_message_id") if hasattr(record, k)]
         return line + (" [" + " ".join(ids) + "]" if ids else "")
 
 

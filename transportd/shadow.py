@@ -389,6 +389,7 @@ class ShadowManager:
                 values["queue_database_id"] = answered
         await self._upsert_context(primary, **values)
         if not ok:
+            self.node.metrics.heartbeat_failures.labels(primary).inc()
             log.warning("heartbeat to primary %s failed (%d in a row): %s", primary, failures, error)
         if decision.promote:
             await self.promote(primary, decision.reason,
@@ -474,6 +475,7 @@ class ShadowManager:
         for r in promoted:
             await self._reshadow(r, exclude=primary)
         if rows:
+            self.node.metrics.promotions.labels(primary, reason).inc(len(rows))
             log.warning("promoted %d shadow(s) of %s (%s)", len(rows), primary, reason)
             if self.node.delivery is not None:
                 self.node.delivery.wake()

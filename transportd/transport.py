@@ -230,7 +230,10 @@ class TransportHandler(FrontendHandler):
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001
-                log.exception("storing a shadow copy for %s failed", request.primary_fqdn)
+                from .shadow import _network_id_from
+                log.exception("storing a shadow copy for %s failed", request.primary_fqdn,
+                              extra={"internal_message_id": None,
+                                     "network_message_id": _network_id_from(envelope.original_content or b"")})
                 return replies.S451_INTERNAL
             return redundancy_reply(message_id, internal_id, self.manager.node_name)
         return await super().handle_DATA(server, session, envelope)

@@ -1,0 +1,42 @@
+# syntax=docker/dockerfile:1
+# transportd images (docker-compose.yml builds both):
+#   target "daemon":    python slim + transportd, non-root; ENTRYPOINT is the `transportd` CLI
+#   target "analytics": the daemon image plus Java 17 and PySpark for `transportd analyze`
+# docker build --target daemon -t transportd:0.1.0 .
+
+# ---------------------------------------------------------------- build: a wheel of the project
+FROM python:3.11-slim-bookworm AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY transportd ./transportd
+RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+
+# ---------------------------------------------------------------- daemon
+FROM python:3.11-slim-bookworm AS daemon
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+RUN groupadd --system --gid 10025 transportd \
+ && useradd --system --uid 10025 --gid transportd --home-dir /var/lib/transportd --shell /usr/sbin/nologin transportd \
+ && mkdir -p /etc/transportd /var/lib/transportd/mailboxes /var/log/transportd/msgtrk /var/spool/transportd-sink \
+ && chown -R transportd:transportd /var/lib/transportd /var/log/transportd /var/spool/transportd-sink
+COPY --from=build /wheels /tmp/wheels
+RUN pip install --no-cache-dir /tmp/wheels/*.whl && rm -rf /tmp/wheels
+# Named volumes mounted here start with this ownership, so the non-root user can write them.
+VOLUME ["/var/lib/transportd", "/var/log/transportd/msgtrk"]
+USER transportd
+WORKDIR /var/lib/transportd
+# frontend (SMTP), transport connector (peers), Prometheus metrics
+EXPOSE 2525 2526 9101
+ENTRYPOINT ["transportd"]
+CMD ["serve", "--config", "/etc/transportd/transportd.toml"]
+
+# ---------------------------------------------------------------- analytics (Spark over MSGTRK logs)
+FROM daemon AS analytics
+USER root
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends openjdk-17-jre-headless procps \
+ && rm -rf /var/lib/apt/lists/*
+RUN pip install --no-cache-dir "pyspark>=4.0,<5"
+RUN mkdir -p /reports && chown transportd:transportd /reports
+USER transportd
+WORKDIR /reports
+CMD ["analyze", "--help"]

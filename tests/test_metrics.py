@@ -1,0 +1,188 @@
+"""Prometheus metrics: scrape /metrics over HTTP from real nodes while real mail (swaks) flows.
+
+Counters must move with the traffic (received, delivered by delivery type, deferred, latency
+histograms), the scrape-time gauges must show the queue database (queue length by queue and
+state, Safety Net size, shadow queue length per primary), and on a cluster the shadow node must
+count failed heartbeats and the promotion of a dead primary's shadows. Debian's prometheus, when
+installed, scrapes a node for real.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import urllib.parse
+import urllib.request
+
+import pytest
+from conftest import free_port, queued_id, swaks, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def scrape(host: str, port: int) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as resp:
+        assert resp.status == 200
+        text = resp.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def scrape_until(host: str, port: int, predicate, what: str, timeout: float = 20) -> dict:
+    """Scrape until ``predicate(samples)`` holds; the samples that satisfied it."""
+    last: dict = {}
+
+    def ok() -> bool:
+        nonlocal last
+        last = scrape(host, port)
+        return predicate(last)
+    wait_for(ok, timeout=timeout, what=what)
+    return last
+
+
+def metrics_node(make_node, sink_address: str):
+    port = free_port()
+    node = make_node(smart_host=sink_address, overrides={"metrics": {"listen": f"127.0.0.1:{port}"}})
+    node.metrics_port = port
+    return node
+
+
+def test_counters_and_histograms_move_with_real_traffic(make_node, sink):
+    sink.start()
+    node = metrics_node(make_node, sink.address).start()
+    before = scrape("127.0.0.1", node.metrics_port)
+    assert value(before, "transportd_messages_received_total", connector="frontend") == 0
+    assert value(before, "transportd_queue_database_up") == 1
+
+    for to in ("alice@example.test", "bob@example.test", "carol@elsewhere.test"):
+        queued_id(swaks(node.port, "--to", to, "--from", "zed@example.test"))
+
+    def delivered(s):
+        return (value(s, "transportd_messages_delivered_total", delivery_type="mailbox") == 2
+                and value(s, "transportd_messages_delivered_total", delivery_type="smtp") == 1)
+    after = scrape_until("127.0.0.1", node.metrics_port, delivered, "three deliveries counted")
+    assert value(after, "transportd_messages_received_total", connector="frontend") == 3
+    assert value(after, "transportd_accept_latency_seconds_count") == 3
+    assert value(after, "transportd_accept_latency_seconds_sum") > 0
+    assert value(after, "transportd_delivery_latency_seconds_count") == 3
+    assert value(after, "transportd_messages_deferred_total") == 0
+    assert value(after, "transportd_messages_failed_total") == 0
+    # Shadow redundancy is off on this node: nothing was accepted "without a shadow".
+    assert value(after, "transportd_messages_accepted_without_shadow_total") == 0
+    # Delivered messages sit in the Primary Safety Net; no queue holds anything.
+    wait_for(lambda: value(scrape("127.0.0.1", node.metrics_port), "transportd_safety_net_messages",
+                           net="primary") == 3, timeout=10, what="three messages in the Safety Net")
+    assert not [k for k in after if k[0] == "transportd_queue_messages" and after[k]]
+    assert len(sink.messages()) == 1
+
+
+def test_deferred_message_shows_in_queue_gauge_until_the_next_hop_returns(make_node, sink):
+    node = metrics_node(make_node, sink.address).start()  # the sink is not started yet
+    queued_id(swaks(node.port, "--to", "carol@elsewhere.test", "--from", "zed@example.test"))
+    queue = f"smarthost:{sink.address}"
+    s = scrape_until("127.0.0.1", node.metrics_port,
+                     lambda s: value(s, "transportd_messages_deferred_total") >= 1, "a deferral counted")
+    assert value(s, "transportd_queue_messages", queue=queue, state="Retry") + \
+        value(s, "transportd_queue_messages", queue=queue, state="Active") == 1
+    sink.start()
+    s = scrape_until("127.0.0.1", node.metrics_port,
+                     lambda s: value(s, "transportd_messages_delivered_total", delivery_type="smtp") == 1,
+                     "the delivery counted")
+    assert sum(v for k, v in s.items() if k[0] == "transportd_queue_messages") == 0
+    assert value(s, "transportd_delivery_latency_seconds_count") == 1
+
+
+def test_metrics_are_off_by_default_and_a_bare_port_binds_loopback(make_node, tmp_path):
+    from transportd import config as config_mod
+    cfg = config_mod.load_dict({"metrics": {"listen": "9101"}})
+    assert cfg.metrics.listen == "127.0.0.1:9101"
+    assert config_mod.load_dict({}).metrics.listen == ""
+    with pytest.raises(config_mod.ConfigError, match=r"metrics\.listen"):
+        config_mod.load_dict({"metrics": {"listen": "127.0.0.1:99999"}})
+    node = make_node().start()
+    assert "Prometheus metrics" not in node.log()
+
+
+def test_bad_metrics_address_is_a_startup_error_naming_the_key(make_node):
+    node = make_node(overrides={"metrics": {"listen": "localhost:x"}})
+    res = node.cli("config", "show", check=False)
+    assert res.returncode == 2
+    assert "metrics.listen" in res.stderr
+
+
+def test_metrics_port_taken_means_the_node_does_not_start(make_node):
+    taken = make_node("first", overrides={"metrics": {"listen": f"127.0.0.1:{free_port()}"}}).start()
+    port = taken.sections["metrics"]["listen"].rpartition(":")[2]
+    second = make_node("second", overrides={"metrics": {"listen": f"127.0.0.1:{port}"}})
+    second.start(wait=False)
+    assert second.proc.wait(timeout=20) == 1
+    assert "cannot start" in second.log()
+    assert taken.alive
+
+
+@pytest.mark.slow
+def test_shadow_node_counts_heartbeat_failures_and_promotions(procs, sink, tmp_path):
+    from test_cluster_failover import LocalCluster, accepted_with_shadow, send
+
+    c = LocalCluster(procs, sink, tmp_path, {"shadow_redundancy": {
+        "shadow_heartbeat_frequency": 0.5, "shadow_resubmit_time_span": 2}})
+    ports = {}
+    for short, n in c.nodes.items():
+        ports[short] = free_port(n.host)
+        with open(n.spec.config, "a") as f:
+            f.write(f'\n[metrics]\nlisten = "{n.host}:{ports[short]}"\n')
+    c.start()
+    n1, n3 = c["node1"], c["node3"]
+    netid = accepted_with_shadow(n1, n3, send(n1, "carol@foreign.test"))
+    n1.wait_event("DEFER", netid)  # the sink is down: node1 keeps it queued
+    s3 = scrape(n3.host, ports["node3"])
+    assert value(s3, "transportd_shadow_queue_messages", primary=n1.name) == 1
+    assert value(s3, "transportd_shadow_copies_received_total") == 1
+    assert value(scrape(n1.host, ports["node1"]), "transportd_messages_deferred_total") >= 1
+
+    n1.kill9()
+    sink.start()
+    n3.wait_event("RESUBMIT", netid, timeout=20)
+    s3 = scrape_until(n3.host, ports["node3"],
+                      lambda s: value(s, "transportd_messages_delivered_total", delivery_type="smtp") == 1,
+                      "node3 delivering the promoted copy")
+    assert value(s3, "transportd_heartbeat_failures_total", primary=n1.name) >= 4
+    assert value(s3, "transportd_promotions_total", primary=n1.name, reason="ShadowHeartbeatFailure") == 1
+    assert value(s3, "transportd_shadow_queue_messages", primary=n1.name) == 0
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus is not installed")
+def test_debian_prometheus_scrapes_the_node(make_node, sink, procs, tmp_path):
+    sink.start()
+    node = metrics_node(make_node, sink.address).start()
+    web = free_port()
+    (tmp_path / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: transportd\n    static_configs:\n"
+        f"      - targets: [\"127.0.0.1:{node.metrics_port}\"]\n")
+    with open(tmp_path / "prometheus.log", "ab") as log:
+        procs.add(subprocess.Popen(
+            ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{web}"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+
+    def query(expr: str) -> list[dict]:
+        url = f"http://127.0.0.1:{web}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                return json.loads(resp.read())["data"]["result"]
+        except OSError:
+            return []
+    queued_id(swaks(node.port, "--to", "alice@example.test", "--from", "zed@example.test"))
+    result = wait_for(lambda: query('transportd_messages_received_total{connector="frontend"} >= 1'),
+                      timeout=30, interval=0.5, what="Prometheus to scrape the received counter")
+    assert result[0]["metric"]["job"] == "transportd"
+    assert query('up{job="transportd"}')[0]["value"][1] == "1"
+    wait_for(lambda: query('transportd_messages_delivered_total{delivery_type="mailbox"} >= 1'),
+             timeout=30, interval=0.5, what="Prometheus to see the delivery")

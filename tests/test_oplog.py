@@ -1,0 +1,88 @@
+"""Operational logs from real node processes.
+
+- Every log line about a message carries its internal and network message ids: as JSON fields
+  with ``--log-format json`` / ``node.log_format = "json"``, as a ``[internal_message_id=...
+  network_message_id=...]`` suffix in the readable text format. The ids must be the ones the
+  SMTP reply and the tracking log give for that message.
+
+(``transportd queue list --watch`` redrawing in place is tested in test_cli.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+from conftest import queued_id, swaks, wait_for, wait_port
+
+MESSAGE_LINE = re.compile(r"\bmessage (\d+)\b|\bnetwork id\b")
+
+
+def json_lines(node) -> list[dict]:
+    out = []
+    for line in node.log().splitlines():
+        if line.startswith("{"):
+            out.append(json.loads(line))  # every structured line is one JSON object
+    return out
+
+
+def start_json_node(node) -> None:
+    """serve --log-format json over a config that says text: the flag wins."""
+    with open(node.log_path, "ab") as log:
+        node.proc = node.registry.add(subprocess.Popen(
+            [sys.executable, "-m", "transportd", "serve", "--config", str(node.config_path),
+             "--log-format", "json"], stdout=log, stderr=subprocess.STDOUT, cwd=str(node.dir)))
+    wait_port("127.0.0.1", node.port, proc=node.proc)
+
+
+def test_json_log_lines_about_messages_carry_both_ids(make_node, sink):
+    sink.start(("-f", "RCPT"))  # the smart host refuses every recipient with a 5xx: FAIL and a DSN
+    node = make_node(smart_host=sink.address, overrides={"node": {"log_format": "text"}})
+    start_json_node(node)
+    local = queued_id(swaks(node.port, "--to", "alice@example.test", "--from", "zed@example.test"))
+    failed = queued_id(swaks(node.port, "--to", "carol@elsewhere.test", "--from", "zed@example.test"))
+    wait_for(lambda: node.tracking(event_id="DSN"), timeout=20, what="the DSN for the refused recipient")
+    wait_for(lambda: node.tracking(event_id="DELIVER", internal_message_id=str(local)), timeout=20,
+             what="the local delivery")
+
+    lines = json_lines(node)
+    assert lines and all({"time", "level", "logger", "message"} <= set(r) for r in lines)
+    about_messages = [r for r in lines if MESSAGE_LINE.search(r["message"])]
+    assert about_messages
+    for r in about_messages:
+        assert r.get("network_message_id"), r
+        assert "internal_message_id" in r, r
+        m = re.search(r"\bmessage (\d+)\b", r["message"])
+        if m:
+            assert r["internal_message_id"] == int(m.group(1)), r
+        assert r["network_message_id"] in r["message"], r
+
+    def netid(internal_id: int) -> str:
+        return node.tracking(event_id="RECEIVE", internal_message_id=str(internal_id))[0]["network-message-id"]
+
+    def events_for(internal_id: int) -> set[str]:
+        return {r["message"].split()[0] for r in about_messages
+                if r["internal_message_id"] == internal_id and r["network_message_id"] == netid(internal_id)}
+    assert {"queued", "DELIVER"} <= events_for(local)
+    assert {"queued", "FAIL"} <= events_for(failed)
+    # The DSN is a message of its own: its line carries its ids and names the original.
+    dsn = [r for r in about_messages if r["message"].startswith("DSN ")]
+    assert len(dsn) == 1 and f"original internal id {failed}; network id {netid(failed)}" in dsn[0]["message"]
+    assert dsn[0]["internal_message_id"] not in (local, failed)
+
+
+def test_text_log_lines_end_with_both_ids(make_node, sink):
+    sink.start()
+    node = make_node(smart_host=sink.address).start()  # node.log_format defaults to text
+    mid = queued_id(swaks(node.port, "--to", "carol@elsewhere.test", "--from", "zed@example.test"))
+    wait_for(lambda: node.tracking(event_id="SENDEXTERNAL"), timeout=20, what="the relay to the sink")
+    netid = node.tracking(event_id="RECEIVE")[0]["network-message-id"]
+    suffix = f"[internal_message_id={mid} network_message_id={netid}]"
+    lines = [ln for ln in node.log().splitlines() if MESSAGE_LINE.search(ln)]
+    assert any("queued message" in ln for ln in lines)
+    assert any("SENDEXTERNAL message" in ln for ln in lines)
+    for ln in lines:
+        assert ln.endswith(suffix), ln
+    assert not any(ln.lstrip().startswith("{") for ln in node.log().splitlines())
