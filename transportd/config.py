@@ -339,6 +339,10 @@ KEYS: tuple[Key, ...] = (
         "folder of the MSGTRK files; empty = <data_dir>/msgtrk", "MessageTrackingLogPath"),
     Key("tracking", "message_tracking_log_max_file_size", 10 * 1024**2, parse_size,
         "roll to a new file past this size", "MessageTrackingLogMaxFileSize", SIZE),
+    # frontend command-rate limit (issue 6, docs/security.md)
+    Key("frontend", "max_command_rate", 0, _int(0),
+        "SMTP commands per second accepted from one IP address over all its frontend sessions (bursts up "
+        "to twice that); beyond it 421 4.7.0 and the session is closed; 0 = no limit"),
 )
 
 SECTIONS = tuple(dict.fromkeys(k.section for k in KEYS))
