@@ -918,17 +918,6 @@ def tracking_search(cfg: Config, message_id: str | None, network_message_id: str
                       for r in rows], max_width=48))
 
 
-def main() -> None:
-    try:
-        cli.main(standalone_mode=True)
-    except KeyboardInterrupt:
-        sys.exit(130)
-
-
-if __name__ == "__main__":
-    main()
-
-
 # ---------------------------------------------------------------------------- chaos (issue 6)
 
 @cli.command("chaos")
@@ -973,3 +962,21 @@ def chaos(messages: int, faults: int, seed: int | None, no_shadow: bool, expect_
     else:
         good = bool(summary.get("ok"))
     sys.exit(0 if good else 1)
+
+
+def _show_usage_error(self: click.UsageError, file: Any = None) -> None:
+    """Bad CLI arguments: one line on stderr (exit code 2), like a bad config."""
+    where = self.ctx.command_path if self.ctx is not None else "transportd"
+    click.echo(f"transportd: error: {self.format_message()} (see '{where} --help')", err=True)
+
+
+def main() -> None:
+    click.UsageError.show = _show_usage_error  # the real CLI only; CliRunner tests keep click's text
+    try:
+        cli.main(standalone_mode=True)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
