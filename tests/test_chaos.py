@@ -197,35 +197,68 @@ FAULTS = int(os.environ.get("CHAOS_FAULTS", "6"))
 SEED = int(os.environ.get("CHAOS_SEED", "4242"))
 
 
-def run_chaos(tmp_path: Path, *extra: str, ip_base: int) -> tuple[subprocess.CompletedProcess, dict]:
-    out = tmp_path / "summary.json"
-    cmd = [sys.executable, "-m", "transportd", "chaos", "--messages", str(MESSAGES), "--faults", str(FAULTS),
-           "--seed", str(SEED), "--ip-base", str(ip_base), "--dir", str(tmp_path / "run"), "--json", str(out),
-           "--drain-timeout", "90", *extra]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert out.exists(), f"no summary written:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
-    return res, json.loads(out.read_text())
+class ChaosRun:
+    """``transportd chaos`` as a real process, started at once; ``result()`` waits for its summary."""
+
+    def __init__(self, folder: Path, *extra: str, ip_base: int):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.out = folder / "summary.json"
+        self.log = folder / "chaos.out"
+        cmd = [sys.executable, "-m", "transportd", "chaos", "--messages", str(MESSAGES), "--faults", str(FAULTS),
+               "--seed", str(SEED), "--ip-base", str(ip_base), "--dir", str(folder / "run"),
+               "--json", str(self.out), "--drain-timeout", "90", *extra]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+    def result(self) -> tuple[int, dict, str]:
+        try:
+            code = self.proc.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        report = self.log.read_text(errors="replace")[-3000:]
+        assert self.out.exists(), f"no summary written:\n{report}"
+        return code, json.loads(self.out.read_text()), report
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # the harness stops its cluster on SIGTERM via its finally block
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def chaos_runs(tmp_path_factory):
+    """The shadow run and its control run (same seed, shadow redundancy off), side by side."""
+    base = tmp_path_factory.mktemp("chaos")
+    runs = {"shadow": ChaosRun(base / "shadow", ip_base=111),
+            "control": ChaosRun(base / "control", "--no-shadow", "--expect-loss", ip_base=121)}
+    try:
+        yield runs
+    finally:
+        for r in runs.values():
+            r.stop()
 
 
 @pytest.mark.chaos
-def test_chaos_run_loses_nothing_acknowledged(tmp_path):
-    res, s = run_chaos(tmp_path, ip_base=111)
-    report = res.stdout[-2500:]
+def test_chaos_run_loses_nothing_acknowledged(chaos_runs):
+    code, s, report = chaos_runs["shadow"].result()
     assert s["nemesis_error"] is None, report
     assert len(s["faults"]) == FAULTS, report
     assert s["acknowledged"] >= MESSAGES * 0.9, report
     assert s["lost"] == 0, report
     assert s["unexpected"] == 0, report
     assert s["duplicates"]["mailbox"] == 0, report
-    assert res.returncode == 0, report
+    assert code == 0, report
     assert "wipe-behind-refusing-sink" in s["fault_counts"]
 
 
 @pytest.mark.chaos
-def test_chaos_control_run_without_shadow_redundancy_loses_mail(tmp_path):
-    res, s = run_chaos(tmp_path, "--no-shadow", "--expect-loss", ip_base=121)
-    report = res.stdout[-2500:]
+def test_chaos_control_run_without_shadow_redundancy_loses_mail(chaos_runs):
+    code, s, report = chaos_runs["control"].result()
     assert s["shadow_redundancy"] is False
     assert s["lost"] > 0, report
     assert s["unexpected"] == 0, report
-    assert res.returncode == 0, report
+    assert code == 0, report

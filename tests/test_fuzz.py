@@ -10,7 +10,7 @@ reply (or the session was ended with a 421/5xx), the daemon still answers, every
 message acknowledged so far is still in the queue database, and nothing malformed
 (a smuggled transaction, an invalid address) was queued.
 
-Bounded: FUZZ_EXAMPLES examples per test (default 40), deadline off.
+Bounded: FUZZ_EXAMPLES examples per test (default 60), deadline off.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from transportd import cluster as cluster_mod
 from transportd.routing import valid_address
 
-settings.register_profile("fuzz", max_examples=int(os.environ.get("FUZZ_EXAMPLES", "40")), deadline=None,
+settings.register_profile("fuzz", max_examples=int(os.environ.get("FUZZ_EXAMPLES", "60")), deadline=None,
                           database=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                 HealthCheck.too_slow])
 FUZZ = settings.get_profile("fuzz")

@@ -947,6 +947,11 @@ def chaos(messages: int, faults: int, seed: int | None, no_shadow: bool, expect_
     import random
     import tempfile
     from .chaos.harness import format_summary, run
+    import signal
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds through run(): its cluster and proxy are stopped
+    signal.signal(signal.SIGTERM, stop)
     if seed is None:
         seed = random.SystemRandom().randrange(1, 2**31)
     folder = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="transportd-chaos-"))
