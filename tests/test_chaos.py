@@ -20,8 +20,18 @@ from pathlib import Path
 
 import pytest
 
-from transportd.chaos.checker import (ACK, REFUSED, REJECTED, UNKNOWN, Attempt, Delivery, Sent, check,
-                                      parse_delivery, scan_maildir_tree)
+from transportd.chaos.checker import (
+    ACK,
+    REFUSED,
+    REJECTED,
+    UNKNOWN,
+    Attempt,
+    Delivery,
+    Sent,
+    check,
+    parse_delivery,
+    scan_maildir_tree,
+)
 from transportd.chaos.nemesis import FAULT_TYPES, schedule
 from transportd.chaos.proxy import FaultProxy
 from transportd.chaos.workload import message_bytes, recipients_for
@@ -262,3 +272,32 @@ def test_chaos_control_run_without_shadow_redundancy_loses_mail(chaos_runs):
     assert s["lost"] > 0, report
     assert s["unexpected"] == 0, report
     assert code == 0, report
+
+
+def test_sink_refuses_on_sigusr1_and_accepts_on_sigusr2(procs, tmp_path):
+    import signal
+    import smtplib
+
+    from conftest import free_port, wait_port
+    port = free_port()
+    proc = procs.add(subprocess.Popen([sys.executable, "-m", "transportd", "sink", "--listen", f"127.0.0.1:{port}",
+                                       "--dir", str(tmp_path / "sink")], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+    wait_port("127.0.0.1", port, proc=proc)
+
+    def send() -> int:
+        with smtplib.SMTP("127.0.0.1", port, timeout=10) as s:
+            s.mail("a@x.test")
+            s.rcpt("b@elsewhere.test")
+            return s.data(b"Subject: t\r\n\r\nhi\r\n")[0]
+
+    assert send() == 250
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(0.3)
+    with pytest.raises(smtplib.SMTPDataError) as refused:
+        send()
+    assert refused.value.smtp_code == 451
+    proc.send_signal(signal.SIGUSR2)
+    time.sleep(0.3)
+    assert send() == 250
+    assert len(list((tmp_path / "sink" / "new").iterdir())) == 2

@@ -22,7 +22,6 @@ import socket
 import sqlite3
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 from conftest import Node, ProcessRegistry, free_port
@@ -132,7 +131,7 @@ class Session:
             self.sock.settimeout(max(0.1, deadline - time.monotonic()))
             try:
                 chunk = self.sock.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 break
             except ConnectionResetError:
                 chunk = b""

@@ -27,7 +27,17 @@ import uuid
 
 import pytest
 from conftest import free_port, swaks, wait_for, wait_port
-from test_cluster import FAST, FOREIGN, FakePrimary, auth_plain, b64_dbid, merge, reply, smtp, write_node_config
+from test_cluster import (
+    FAST,
+    FOREIGN,
+    FakePrimary,
+    auth_plain,
+    b64_dbid,
+    merge,
+    reply,
+    smtp,
+    write_node_config,
+)
 
 from transportd import cluster as cluster_mod
 from transportd.receive import CommandRateLimiter
@@ -52,7 +62,7 @@ def read_all(s: socket.socket, timeout: float) -> bytes:
     while time.monotonic() < deadline:
         try:
             chunk = s.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             continue
         except ConnectionResetError:
             break
@@ -182,7 +192,7 @@ def test_slow_loris_is_disconnected_by_the_connection_timeout(make_node, where):
             if not chunk:
                 closed_after = time.monotonic() - t0
                 break
-        except socket.timeout:
+        except TimeoutError:
             pass
         except ConnectionResetError:
             closed_after = time.monotonic() - t0
@@ -216,8 +226,8 @@ def test_peer_trust_refusals_are_logged(make_node):
     assert reply(s, f"XSHADOWREQUEST other.transportd.test {b64_dbid(str(uuid.uuid4()))}")[0] == 550
     assert reply(s, f"XSHADOW {base64.b64encode(b'other.transportd.test').decode()}")[0] == 550
     s.quit()
-    log = wait_for(lambda: (lambda t: t if t.count("peer authentication failed") >= 2 else None)(node.log()),
-                   timeout=5, what="the refusals in the log")
+    wait_for(lambda: node.log().count("peer authentication failed") >= 2, timeout=5, what="the refusals in the log")
+    log = node.log()
     assert "X-verb from unauthenticated session" in log
     assert f"XSHADOWREQUEST: peer {PEER} claims to be other.transportd.test" in log
     assert f"XSHADOW: peer {PEER} claims to be other.transportd.test" in log

@@ -18,8 +18,9 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .. import cluster as cluster_mod
 from .checker import check, scan_maildir_tree
@@ -334,4 +335,4 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["run", "format_summary", "FAULT_TYPES"]
+__all__ = ["FAULT_TYPES", "format_summary", "run"]

@@ -13,8 +13,9 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 # name: what it does (the harness prints this list)
 FAULT_TYPES: dict[str, str] = {

@@ -13,7 +13,6 @@ from __future__ import annotations
 import email.utils
 import random
 import smtplib
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -165,7 +164,7 @@ class Workload:
             code, msg = conn.data(data)
         except smtplib.SMTPDataError as exc:   # 354 not given
             return self._rejected(sent, node, exc.smtp_code, exc.smtp_error, before_data=True)
-        except (OSError, smtplib.SMTPException, socket.timeout) as exc:
+        except (TimeoutError, OSError, smtplib.SMTPException) as exc:
             sent.attempts.append(Attempt(UNKNOWN, node, repr(exc)[:120], time.time()))
             return UNKNOWN
         text = msg.decode("utf-8", "replace") if isinstance(msg, bytes) else str(msg)
