@@ -287,6 +287,7 @@ def test_sink_refuses_on_sigusr1_and_accepts_on_sigusr2(procs, tmp_path):
 
     def send() -> int:
         with smtplib.SMTP("127.0.0.1", port, timeout=10) as s:
+            s.ehlo("t.test")
             s.mail("a@x.test")
             s.rcpt("b@elsewhere.test")
             return s.data(b"Subject: t\r\n\r\nhi\r\n")[0]
