@@ -155,7 +155,10 @@ class ShadowManager:
         uncertain: list[str] = []
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.sr.shadow_copy_timeout
-        for peer in candidates:
+        timed_out: set[str] = set()
+        for i, peer in enumerate(candidates):
+            if peer.name in timed_out:
+                continue  # a peer that hung once (partitioned, paused) would eat the others' time
             s: PeerSession | None = None
             ok = False
             sent_data = False
@@ -163,8 +166,11 @@ class ShadowManager:
             if remaining <= 0:
                 reasons.append(f"no shadow within shadow_copy_timeout ({self.sr.shadow_copy_timeout:g}s)")
                 break
+            # Each distinct peer still to try gets a fair share of what is left, so one silent peer
+            # cannot leave a healthy one untried (found by `transportd chaos`, docs/reliability.md).
+            left = len({p.name for p in candidates[i:] if p.name not in timed_out})
             try:
-                async with asyncio.timeout(remaining):
+                async with asyncio.timeout(remaining / max(1, left)):
                     s = await self._session(peer)
                     if not s.shadow_requested:
                         resp = await s.client.execute_command(
@@ -192,6 +198,8 @@ class ShadowManager:
                         ok = False
             except (aiosmtplib.SMTPException, OSError, ProtocolError, asyncio.TimeoutError) as exc:
                 reasons.append(f"{peer.name}: {str(exc) or exc.__class__.__name__}")
+                if isinstance(exc, (asyncio.TimeoutError, aiosmtplib.SMTPTimeoutError)):
+                    timed_out.add(peer.name)
                 if sent_data and peer.name not in uncertain:
                     uncertain.append(peer.name)
             finally:
