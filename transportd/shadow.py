@@ -281,8 +281,35 @@ class ShadowManager:
             log.warning("primary %s has a new queue database ID (%s, was %s): promoting its shadows",
                         primary, dbid, recorded)
             await self.promote(primary, "ShadowStateChange", keep_dbid=dbid)
+            # The shadow copies it held of *our* messages went with its old database: make them again
+            # (in the background: the peer is waiting for its XSHADOWREQUEST reply).
+            task = asyncio.ensure_future(self.reprotect(primary))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception() and log.error(
+                "re-making shadows lost on %s failed: %r", primary, t.exception()))
         if recorded != dbid:
             await self._upsert_context(primary, queue_database_id=dbid)
+
+    async def reprotect(self, peer: str) -> int:
+        """``peer`` came back with a new queue database: our queued messages shadowed there have lost
+        their shadow. Make a new one for each (found by `transportd chaos`: without this, a second
+        failure, of this node, before delivery lost them; docs/reliability.md)."""
+        def find(conn):
+            return [dict(r) for r in conn.execute(
+                select(messages, message_shadows.c.shadow_guid.label("lost_guid"))
+                .join(message_shadows, message_shadows.c.message_id == messages.c.id)
+                .where(message_shadows.c.shadow_node == peer, messages.c.role == "primary",
+                       messages.c.state == mq.QUEUED)).mappings()]
+        rows = await self.node.store.aread(find)
+        for row in rows:
+            def forget(conn, mid=row["id"], lost=row["lost_guid"]):
+                conn.execute(delete(message_shadows).where(message_shadows.c.message_id == mid,
+                                                           message_shadows.c.shadow_guid == lost))
+            await self.node.store.write(forget)
+            await self._reshadow(row, exclude=None)
+        if rows:
+            log.warning("%s has a new queue database: made %d lost shadow(s) of our messages again",
+                        peer, len(rows))
+        return len(rows)
 
     async def _upsert_context(self, primary: str, **values: Any) -> None:
         def job(conn):
@@ -487,7 +514,7 @@ class ShadowManager:
                 self.node.delivery.wake()
         return len(rows)
 
-    async def _reshadow(self, row: dict, exclude: str) -> None:
+    async def _reshadow(self, row: dict, exclude: str | None) -> None:
         """Make a promoted copy redundant again on another peer (or mark it unprotected)."""
         now = time.time()
         mid = row["id"]

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -279,6 +280,10 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
         cluster.stop()
         proxy.stop()
     (directory / "summary.json").write_text(json.dumps(summary, indent=2))
+    # Every attempt of every message, for looking into a lost or duplicated one.
+    (directory / "history.json").write_text(json.dumps(
+        {n: {"recipients": h.recipients, "outcome": h.outcome, "attempts": [asdict(a) for a in h.attempts]}
+         for n, h in workload.history.items()}))
     return summary
 
 
