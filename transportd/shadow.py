@@ -72,6 +72,7 @@ class ShadowManager:
         self.accepting = True
         self._idle: dict[str, list[PeerSession]] = {}
         self._rotate = 0
+        self._seen_lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
         self._stopping = False
 
@@ -274,7 +275,19 @@ class ShadowManager:
     # ================================================================== shadow side
 
     async def primary_seen(self, primary: str, dbid: str) -> None:
-        """A primary announced its queue database ID (XSHADOWREQUEST): promote at once on a change."""
+        """A primary announced its queue database ID (XSHADOWREQUEST): promote at once on a change.
+
+        Shielded: it runs inside the announcing peer's session, and a peer that gives up and
+        disconnects cancels that handler; a promotion cut off after its first step would leave the
+        promoted copies ``pending`` (never delivered) until a restart (found by `transportd chaos`).
+        One at a time, so two sessions announcing the same new ID promote once."""
+        await asyncio.shield(self._primary_seen(primary, dbid))
+
+    async def _primary_seen(self, primary: str, dbid: str) -> None:
+        async with self._seen_lock:
+            await self._primary_seen_locked(primary, dbid)
+
+    async def _primary_seen_locked(self, primary: str, dbid: str) -> None:
         recorded = await self.node.store.aread(lambda c: c.execute(
             select(shadow_contexts.c.queue_database_id).where(shadow_contexts.c.peer == primary)).scalar())
         if recorded and recorded != dbid:
