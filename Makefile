@@ -27,3 +27,13 @@ bench-compare: install
 compose-check:
 	docker-compose config -q && docker-compose --profile analytics --profile metrics config -q
 	$(PY) -m pytest -q tests/test_compose.py
+
+# Fault injection (docs/reliability.md): a shadow-redundancy run that must lose nothing, then the
+# control run with the same seed and shadow redundancy off, which must lose mail.
+CHAOS_MESSAGES ?= 300
+CHAOS_FAULTS ?= 6
+CHAOS_SEED ?= 4242
+.PHONY: chaos
+chaos:
+	$(PY) -m transportd chaos --messages $(CHAOS_MESSAGES) --faults $(CHAOS_FAULTS) --seed $(CHAOS_SEED) --json chaos-shadow.json
+	$(PY) -m transportd chaos --messages $(CHAOS_MESSAGES) --faults $(CHAOS_FAULTS) --seed $(CHAOS_SEED) --ip-base 121 --no-shadow --expect-loss --json chaos-control.json

@@ -351,6 +351,10 @@ KEYS: tuple[Key, ...] = (
     # Prometheus metrics
     Key("metrics", "listen", "", _metrics_listen,
         "address:port of the Prometheus /metrics endpoint ('9101' alone = 127.0.0.1:9101); empty = off"),
+    # frontend command-rate limit (issue 6, docs/security.md)
+    Key("frontend", "max_command_rate", 0, _int(0),
+        "SMTP commands per second accepted from one IP address over all its frontend sessions (bursts up "
+        "to twice that); beyond it 421 4.7.0 and the session is closed; 0 = no limit"),
 )
 
 SECTIONS = tuple(dict.fromkeys(k.section for k in KEYS))

@@ -193,14 +193,41 @@ class ConnectionCounter:
             self.by_source[ip] = n
 
 
+class CommandRateLimiter:
+    """Commands per second per source IP (a token bucket each, burst = 2 x rate). Pure: ``now`` is given."""
+
+    def __init__(self, rate: float, burst: float | None = None, max_sources: int = 10_000):
+        self.rate = float(rate)
+        self.burst = float(burst if burst is not None else max(2 * rate, 1))
+        self.max_sources = max_sources
+        self.buckets: dict[str, tuple[float, float]] = {}  # ip -> (tokens, last update)
+
+    def allow(self, ip: str, now: float) -> bool:
+        tokens, last = self.buckets.get(ip, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - last) * self.rate)
+        if tokens < 1:
+            self.buckets[ip] = (tokens, now)
+            return False
+        if ip not in self.buckets and len(self.buckets) >= self.max_sources:
+            # Forget sources whose bucket has refilled: they are indistinguishable from new ones.
+            full = [k for k, (t, at) in self.buckets.items() if t + (now - at) * self.rate >= self.burst]
+            for k in full:
+                del self.buckets[k]
+        self.buckets[ip] = (tokens - 1, now)
+        return True
+
+
 class LimitedSMTP(SMTP):
     """aiosmtpd's SMTP with connection limits, an absolute timeout and our reply wording."""
 
     def __init__(self, handler: Any, *, counter: ConnectionCounter, connection_timeout: float,
-                 max_line_length: int, **kwargs: Any):
+                 max_line_length: int, rate_limiter: CommandRateLimiter | None = None, **kwargs: Any):
         # The StreamReader's limit is set from line_length_limit inside SMTP.__init__.
         self.line_length_limit = max_line_length + 2
         super().__init__(handler, **kwargs)
+        if rate_limiter is not None:
+            self._rate_limiter = rate_limiter
+            self._smtp_methods = {cmd: self._rate_limited(m) for cmd, m in self._smtp_methods.items()}
         self.command_size_limit = max(512, min(max_line_length, 4096))
         self.command_size_limits = _CommandLimits(self.command_size_limit)
         self._counter = counter
@@ -237,6 +264,17 @@ class LimitedSMTP(SMTP):
             self.transport.close()
             return
         await super()._handle_client()
+
+    def _rate_limited(self, method: Callable[[str | None], Awaitable[None]]) -> Callable[[str | None], Awaitable[None]]:
+        async def limited(arg: str | None) -> None:
+            ip = str(self.session.peer[0]) if self.session and self.session.peer else ""
+            if not self._rate_limiter.allow(ip, self.loop.time()):
+                log.warning("%s over frontend.max_command_rate: session closed", ip)
+                await self.push(replies.S421_COMMAND_RATE)
+                self.transport.close()
+                return
+            await method(arg)
+        return limited
 
     def _say_and_close(self, reply: str) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -452,6 +490,10 @@ def smtp_factory(cfg: Any, handler: FrontendHandler, counter: ConnectionCounter,
         auth_kwargs = dict(auth_require_tls=True)
     cls = smtp_class or LimitedSMTP
     starttls_required = fe.require_tls if require_tls is None else require_tls
+    # The command-rate limit guards the frontend; peers on the transport connector are not limited.
+    rate_kwargs: dict[str, Any] = {}
+    if smtp_class is None and fe.max_command_rate:
+        rate_kwargs["rate_limiter"] = CommandRateLimiter(fe.max_command_rate)
 
     def factory() -> LimitedSMTP:
         return cls(
@@ -462,6 +504,6 @@ def smtp_factory(cfg: Any, handler: FrontendHandler, counter: ConnectionCounter,
             tls_context=tls_context, require_starttls=starttls_required,
             command_call_limit={"*": 1_000_000, "EHLO": 20, "HELO": 20, "NOOP": 100, "VRFY": 20,
                                 "EXPN": 20, "HELP": 20, "STARTTLS": 3, "AUTH": 10, "RSET": 10_000},
-            **auth_kwargs,
+            **auth_kwargs, **rate_kwargs,
         )
     return factory

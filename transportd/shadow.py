@@ -72,6 +72,7 @@ class ShadowManager:
         self.accepting = True
         self._idle: dict[str, list[PeerSession]] = {}
         self._rotate = 0
+        self._seen_lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
         self._stopping = False
 
@@ -155,7 +156,10 @@ class ShadowManager:
         uncertain: list[str] = []
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.sr.shadow_copy_timeout
-        for peer in candidates:
+        timed_out: set[str] = set()
+        for i, peer in enumerate(candidates):
+            if peer.name in timed_out:
+                continue  # a peer that hung once (partitioned, paused) would eat the others' time
             s: PeerSession | None = None
             ok = False
             sent_data = False
@@ -163,8 +167,11 @@ class ShadowManager:
             if remaining <= 0:
                 reasons.append(f"no shadow within shadow_copy_timeout ({self.sr.shadow_copy_timeout:g}s)")
                 break
+            # Each distinct peer still to try gets a fair share of what is left, so one silent peer
+            # cannot leave a healthy one untried (found by `transportd chaos`, docs/reliability.md).
+            left = len({p.name for p in candidates[i:] if p.name not in timed_out})
             try:
-                async with asyncio.timeout(remaining):
+                async with asyncio.timeout(remaining / max(1, left)):
                     s = await self._session(peer)
                     if not s.shadow_requested:
                         resp = await s.client.execute_command(
@@ -192,6 +199,8 @@ class ShadowManager:
                         ok = False
             except (aiosmtplib.SMTPException, OSError, ProtocolError, asyncio.TimeoutError) as exc:
                 reasons.append(f"{peer.name}: {str(exc) or exc.__class__.__name__}")
+                if isinstance(exc, (asyncio.TimeoutError, aiosmtplib.SMTPTimeoutError)):
+                    timed_out.add(peer.name)
                 if sent_data and peer.name not in uncertain:
                     uncertain.append(peer.name)
             finally:
@@ -266,15 +275,54 @@ class ShadowManager:
     # ================================================================== shadow side
 
     async def primary_seen(self, primary: str, dbid: str) -> None:
-        """A primary announced its queue database ID (XSHADOWREQUEST): promote at once on a change."""
+        """A primary announced its queue database ID (XSHADOWREQUEST): promote at once on a change.
+
+        Shielded: it runs inside the announcing peer's session, and a peer that gives up and
+        disconnects cancels that handler; a promotion cut off after its first step would leave the
+        promoted copies ``pending`` (never delivered) until a restart (found by `transportd chaos`).
+        One at a time, so two sessions announcing the same new ID promote once."""
+        await asyncio.shield(self._primary_seen(primary, dbid))
+
+    async def _primary_seen(self, primary: str, dbid: str) -> None:
+        async with self._seen_lock:
+            await self._primary_seen_locked(primary, dbid)
+
+    async def _primary_seen_locked(self, primary: str, dbid: str) -> None:
         recorded = await self.node.store.aread(lambda c: c.execute(
             select(shadow_contexts.c.queue_database_id).where(shadow_contexts.c.peer == primary)).scalar())
         if recorded and recorded != dbid:
             log.warning("primary %s has a new queue database ID (%s, was %s): promoting its shadows",
                         primary, dbid, recorded)
             await self.promote(primary, "ShadowStateChange", keep_dbid=dbid)
+            # The shadow copies it held of *our* messages went with its old database: make them again
+            # (in the background: the peer is waiting for its XSHADOWREQUEST reply).
+            task = asyncio.ensure_future(self.reprotect(primary))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception() and log.error(
+                "re-making shadows lost on %s failed: %r", primary, t.exception()))
         if recorded != dbid:
             await self._upsert_context(primary, queue_database_id=dbid)
+
+    async def reprotect(self, peer: str) -> int:
+        """``peer`` came back with a new queue database: our queued messages shadowed there have lost
+        their shadow. Make a new one for each (found by `transportd chaos`: without this, a second
+        failure, of this node, before delivery lost them; docs/reliability.md)."""
+        def find(conn):
+            return [dict(r) for r in conn.execute(
+                select(messages, message_shadows.c.shadow_guid.label("lost_guid"))
+                .join(message_shadows, message_shadows.c.message_id == messages.c.id)
+                .where(message_shadows.c.shadow_node == peer, messages.c.role == "primary",
+                       messages.c.state == mq.QUEUED)).mappings()]
+        rows = await self.node.store.aread(find)
+        for row in rows:
+            def forget(conn, mid=row["id"], lost=row["lost_guid"]):
+                conn.execute(delete(message_shadows).where(message_shadows.c.message_id == mid,
+                                                           message_shadows.c.shadow_guid == lost))
+            await self.node.store.write(forget)
+            await self._reshadow(row, exclude=None)
+        if rows:
+            log.warning("%s has a new queue database: made %d lost shadow(s) of our messages again",
+                        peer, len(rows))
+        return len(rows)
 
     async def _upsert_context(self, primary: str, **values: Any) -> None:
         def job(conn):
@@ -481,7 +529,7 @@ class ShadowManager:
                 self.node.delivery.wake()
         return len(rows)
 
-    async def _reshadow(self, row: dict, exclude: str) -> None:
+    async def _reshadow(self, row: dict, exclude: str | None) -> None:
         """Make a promoted copy redundant again on another peer (or mark it unprotected)."""
         now = time.time()
         mid = row["id"]

@@ -4,6 +4,8 @@ It stands in for "the internet" in local clusters and demos: every message is
 written durably as a Maildir file under ``DIR/new`` with ``X-Sink-Mail-From``
 and ``X-Sink-Rcpt-To`` lines prepended, and answered 250. It has no relay
 rules, queues nothing and delivers nothing; never expose it beyond loopback.
+For fault injection (``transportd chaos``), SIGUSR1 makes it answer every
+DATA with ``451 4.3.2`` (storing nothing) until SIGUSR2 makes it accept again.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ class SinkHandler:
         for sub in ("tmp", "new", "cur"):
             (directory / sub).mkdir(parents=True, exist_ok=True)
         self.count = 0
+        self.refusing = False
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        if self.refusing:
+            return "451 4.3.2 Sink refusing mail for now"
         head = (f"X-Sink-Mail-From: <{envelope.mail_from}>\r\n"
                 f"X-Sink-Rcpt-To: {', '.join('<' + r + '>' for r in envelope.rcpt_tos)}\r\n")
         data = head.encode("utf-8", "surrogateescape") + (envelope.original_content or b"")
@@ -54,6 +59,8 @@ async def run_sink(host: str, port: int, directory: Path) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, lambda: setattr(handler, "refusing", True))
+    loop.add_signal_handler(signal.SIGUSR2, lambda: setattr(handler, "refusing", False))
     print(f"transportd sink: listening on {host}:{port}, storing mail in {directory}/new", flush=True)
     await stop.wait()
     server.close()

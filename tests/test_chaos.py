@@ -1,0 +1,302 @@
+"""The chaos harness (issue 6): checker and schedule as pure logic, then real runs.
+
+The real runs start ``python -m transportd chaos`` (3 nodes, 2 sites, a sink, a fault
+proxy on every peer link) at a small size: with shadow redundancy on, nothing
+acknowledged may be lost and nothing unexpected may arrive; the control run, same
+seed with shadow redundancy off, must report lost > 0, proving the checker can fail.
+CHAOS_MESSAGES / CHAOS_FAULTS / CHAOS_SEED make them bigger by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from transportd.chaos.checker import (
+    ACK,
+    REFUSED,
+    REJECTED,
+    UNKNOWN,
+    Attempt,
+    Delivery,
+    Sent,
+    check,
+    parse_delivery,
+    scan_maildir_tree,
+)
+from transportd.chaos.nemesis import FAULT_TYPES, schedule
+from transportd.chaos.proxy import FaultProxy
+from transportd.chaos.workload import message_bytes, recipients_for
+
+RUN = "abc123"
+
+
+def sent(n: int, rcpts: list[str], *outcomes: str) -> Sent:
+    return Sent(n, rcpts, [Attempt(o) for o in outcomes])
+
+
+def dl(n: int, rcpt: str, where: str = "external", run: str = RUN) -> Delivery:
+    return Delivery(run, n, rcpt, where)
+
+
+# ------------------------------------------------------------------------------ checker
+
+def test_checker_counts_lost_unexpected_duplicates_recovered():
+    history = {
+        1: sent(1, ["a@elsewhere.test"], UNKNOWN, ACK),           # acked, arrived twice (external dup)
+        2: sent(2, ["u@example.test"], ACK),                      # acked, never arrived: lost
+        3: sent(3, ["a@elsewhere.test"], UNKNOWN),                # unknown, arrived: recovered
+        4: sent(4, ["u@example.test", "b@elsewhere.test"], ACK),  # bifurcated: one side missing: lost
+        5: sent(5, ["a@elsewhere.test"], REFUSED, REJECTED),      # rejected, not arrived: fine
+        6: sent(6, ["u@example.test"], ACK),                      # mailbox duplicate
+    }
+    deliveries = [dl(1, "a@elsewhere.test"), dl(1, "a@elsewhere.test"), dl(3, "a@elsewhere.test"),
+                  dl(4, "u@example.test", "mailbox"), dl(6, "u@example.test", "mailbox"),
+                  dl(6, "u@example.test", "mailbox"),
+                  dl(99, "a@elsewhere.test"),                     # never sent: unexpected
+                  dl(1, "x@elsewhere.test"),                      # not a recipient of #1: unexpected
+                  dl(1, "a@elsewhere.test", run="other")]         # another run's mail: unexpected
+    v = check(RUN, history, deliveries)
+    assert v.lost == [(2, "u@example.test"), (4, "b@elsewhere.test")]
+    assert len(v.unexpected) == 3
+    assert (v.duplicates_external, v.duplicates_mailbox) == (1, 1)
+    assert v.recovered == 1
+    assert (v.acknowledged, v.unknown, v.rejected) == (4, 1, 1)
+    assert not v.ok
+    s = v.summary()
+    assert s["lost"] == 2 and s["unexpected"] == 3 and s["ok"] is False
+
+
+def test_checker_ok_when_everything_acknowledged_arrived():
+    history = {1: sent(1, ["A@Elsewhere.test"], ACK), 2: sent(2, ["u@example.test"], REFUSED, ACK)}
+    v = check(RUN, history, [dl(1, "a@elsewhere.test"), dl(2, "u@example.test", "mailbox")])
+    assert v.ok and not v.lost and not v.unexpected and v.attempts == 3
+
+
+def test_delivery_parsing_from_sink_and_mailbox_files(tmp_path):
+    data = message_bytes(RUN, 42, ["a@elsewhere.test", "u@example.test"], 500, "Sun, 22 Nov 2026 05:00:00 GMT")
+    sink_file = b"X-Sink-Mail-From: <c@chaos.test>\r\nX-Sink-Rcpt-To: <a@elsewhere.test>, <b@elsewhere.test>\r\n" + data
+    got = parse_delivery(sink_file, where="external")
+    assert [(d.run, d.number, d.recipient) for d in got] == [(RUN, 42, "a@elsewhere.test"), (RUN, 42, "b@elsewhere.test")]
+    # A body line that looks like the header does not count: only the header block is read.
+    assert parse_delivery(b"Subject: x\r\n\r\nX-Chaos-Id: abc123-7\r\n", where="mailbox", recipient="u@x")[0].number == -1
+    box = tmp_path / "mailboxes" / "u%2Bx@example.test" / "new"
+    box.mkdir(parents=True)
+    (box / "1.id.host,S=1").write_bytes(data)
+    (tmp_path / "sink" / "new").mkdir(parents=True)
+    (tmp_path / "sink" / "new" / "m1").write_bytes(sink_file)
+    found = scan_maildir_tree(tmp_path / "mailboxes", "mailbox", per_recipient_folders=True)
+    assert [(d.number, d.recipient, d.where) for d in found] == [(42, "u+x@example.test", "mailbox")]
+    assert len(scan_maildir_tree(tmp_path / "sink", "external", per_recipient_folders=False)) == 2
+
+
+def test_recipients_mix_local_external_and_bifurcated():
+    import random
+    rng = random.Random(1)
+    kinds = {tuple(sorted(r.split("@")[1] for r in recipients_for(n, rng))) for n in range(200)}
+    assert kinds == {("example.test",), ("elsewhere.test",), ("elsewhere.test", "example.test")}
+
+
+# ------------------------------------------------------------------------------ nemesis schedule
+
+def test_schedule_is_reproducible_from_the_seed_and_covers_the_fault_types():
+    nodes = ["node1", "node2", "node3"]
+    a = schedule(7, 200, nodes, resubmit_span=4)
+    b = schedule(7, 200, nodes, resubmit_span=4)
+    assert [f.describe() for f in a] == [f.describe() for f in b]
+    assert [f.describe() for f in a] != [f.describe() for f in schedule(8, 200, nodes, resubmit_span=4)]
+    assert a[0].type == "wipe-behind-refusing-sink"
+    assert {f.type for f in a} == set(FAULT_TYPES)
+    for f in a:
+        if f.type in ("partition", "delay", "reset"):
+            assert len(set(f.targets)) == 2
+        elif f.type.startswith("sink"):
+            assert f.targets == []
+        else:
+            assert len(f.targets) == 1 and f.targets[0] in nodes
+    assert any(f.type == "pause" and f.duration > 4 for f in a), "some pauses outlast the resubmit span"
+
+
+# ------------------------------------------------------------------------------ fault proxy
+
+def _echo(c: socket.socket) -> None:
+    with c:
+        try:
+            for data in iter(lambda: c.recv(100), b""):
+                c.sendall(data)
+        except OSError:
+            pass
+
+
+def _echo_server() -> tuple[socket.socket, int]:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def serve() -> None:
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=_echo, args=(c,), daemon=True).start()
+    threading.Thread(target=serve, daemon=True).start()
+    return srv, srv.getsockname()[1]
+
+
+def test_fault_proxy_forwards_delays_cuts_and_resets():
+    srv, port = _echo_server()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        lport = probe.getsockname()[1]
+    proxy = FaultProxy()
+    proxy.add("a->b", ("127.0.0.1", lport), ("127.0.0.1", port))
+    proxy.start()
+    try:
+        with socket.create_connection(("127.0.0.1", lport), timeout=3) as c:
+            c.sendall(b"hello")
+            assert c.recv(100) == b"hello"
+        proxy.set(["a->b"], "ok", 0.4)
+        time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", lport), timeout=3) as c:
+            t = time.monotonic()
+            c.sendall(b"slow")
+            assert c.recv(100) == b"slow"
+            assert time.monotonic() - t >= 0.7  # held back in both directions
+        proxy.set(["a->b"], "cut")
+        time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", lport), timeout=3) as c:
+            c.settimeout(0.5)
+            c.sendall(b"void")
+            with pytest.raises(socket.timeout):
+                c.recv(100)
+        proxy.set(["a->b"], "reset")
+        time.sleep(0.1)
+        with pytest.raises((ConnectionResetError, BrokenPipeError)):  # at connect or at first use
+            with socket.create_connection(("127.0.0.1", lport), timeout=3) as c:
+                c.sendall(b"x")
+                time.sleep(0.1)
+                c.recv(100)
+        proxy.heal()
+        time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", lport), timeout=3) as c:
+            c.sendall(b"again")
+            assert c.recv(100) == b"again"
+    finally:
+        proxy.stop()
+        srv.close()
+
+
+def test_fault_proxy_stays_on_loopback():
+    with pytest.raises(ValueError):
+        FaultProxy().add("x", ("0.0.0.0", 1), ("127.0.0.1", 2))
+
+
+# ------------------------------------------------------------------------------ real runs
+
+MESSAGES = int(os.environ.get("CHAOS_MESSAGES", "300"))
+FAULTS = int(os.environ.get("CHAOS_FAULTS", "6"))
+SEED = int(os.environ.get("CHAOS_SEED", "4242"))
+
+
+class ChaosRun:
+    """``transportd chaos`` as a real process, started at once; ``result()`` waits for its summary."""
+
+    def __init__(self, folder: Path, *extra: str, ip_base: int):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.out = folder / "summary.json"
+        self.log = folder / "chaos.out"
+        cmd = [sys.executable, "-m", "transportd", "chaos", "--messages", str(MESSAGES), "--faults", str(FAULTS),
+               "--seed", str(SEED), "--ip-base", str(ip_base), "--dir", str(folder / "run"),
+               "--json", str(self.out), "--drain-timeout", "90", *extra]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+    def result(self) -> tuple[int, dict, str]:
+        try:
+            code = self.proc.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        report = self.log.read_text(errors="replace")[-3000:]
+        assert self.out.exists(), f"no summary written:\n{report}"
+        return code, json.loads(self.out.read_text()), report
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # the harness stops its cluster on SIGTERM via its finally block
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def chaos_runs(tmp_path_factory):
+    """The shadow run and its control run (same seed, shadow redundancy off), side by side."""
+    base = tmp_path_factory.mktemp("chaos")
+    runs = {"shadow": ChaosRun(base / "shadow", ip_base=111),
+            "control": ChaosRun(base / "control", "--no-shadow", "--expect-loss", ip_base=121)}
+    try:
+        yield runs
+    finally:
+        for r in runs.values():
+            r.stop()
+
+
+@pytest.mark.chaos
+def test_chaos_run_loses_nothing_acknowledged(chaos_runs):
+    code, s, report = chaos_runs["shadow"].result()
+    assert s["nemesis_error"] is None, report
+    assert len(s["faults"]) == FAULTS, report
+    assert s["acknowledged"] >= MESSAGES * 0.9, report
+    assert s["lost"] == 0, report
+    assert s["unexpected"] == 0, report
+    assert s["duplicates"]["mailbox"] == 0, report
+    assert code == 0, report
+    assert "wipe-behind-refusing-sink" in s["fault_counts"]
+
+
+@pytest.mark.chaos
+def test_chaos_control_run_without_shadow_redundancy_loses_mail(chaos_runs):
+    code, s, report = chaos_runs["control"].result()
+    assert s["shadow_redundancy"] is False
+    assert s["lost"] > 0, report
+    assert s["unexpected"] == 0, report
+    assert code == 0, report
+
+
+def test_sink_refuses_on_sigusr1_and_accepts_on_sigusr2(procs, tmp_path):
+    import signal
+    import smtplib
+
+    from conftest import free_port, wait_port
+    port = free_port()
+    proc = procs.add(subprocess.Popen([sys.executable, "-m", "transportd", "sink", "--listen", f"127.0.0.1:{port}",
+                                       "--dir", str(tmp_path / "sink")], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+    wait_port("127.0.0.1", port, proc=proc)
+
+    def send() -> int:
+        with smtplib.SMTP("127.0.0.1", port, timeout=10) as s:
+            s.ehlo("t.test")
+            s.mail("a@x.test")
+            s.rcpt("b@elsewhere.test")
+            return s.data(b"Subject: t\r\n\r\nhi\r\n")[0]
+
+    assert send() == 250
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(0.3)
+    assert send() == 451
+    proc.send_signal(signal.SIGUSR2)
+    time.sleep(0.3)
+    assert send() == 250
+    assert len(list((tmp_path / "sink" / "new").iterdir())) == 2

@@ -1,0 +1,303 @@
+"""Security defences (issue 6, docs/security.md), each shown against a real node process.
+
+- no open relay: swaks from an untrusted address to a foreign domain, on both connectors
+- the command-rate limit per source IP (frontend.max_command_rate): unit tests with an
+  injected clock, then a flood over a real socket
+- slow-loris clients (a byte at a time, never finishing) are cut off by the absolute
+  connection timeout, in a command line and inside DATA
+- peer trust: a wrong cluster credential, an unknown name, or a peer claiming another
+  peer's name is refused and logged; forged XQDISCARD ids (another primary's shadow ids
+  sent by a member) discard nothing but that member's own shadows
+
+STARTTLS on both connectors and peers requiring TLS are in test_receive.py
+(test_starttls_then_auth_allows_relay, test_require_tls) and test_transport_tls.py
+(test_shadow_over_verified_tls_and_plaintext_peers_refused).
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+from conftest import free_port, swaks, wait_for, wait_port
+from test_cluster import (
+    FAST,
+    FOREIGN,
+    FakePrimary,
+    auth_plain,
+    b64_dbid,
+    merge,
+    reply,
+    smtp,
+    write_node_config,
+)
+
+from transportd import cluster as cluster_mod
+from transportd.receive import CommandRateLimiter
+
+PEER = "peer1.transportd.test"
+SECRET = "security-secret-" + uuid.uuid4().hex[:8]
+
+
+# ------------------------------------------------------------------------------ helpers
+
+def raw(port: int, source: str = "127.0.0.1", host: str = "127.0.0.1") -> socket.socket:
+    s = socket.create_connection((host, port), timeout=10, source_address=(source, 0))
+    assert s.recv(1000).startswith(b"220 ")
+    return s
+
+
+def read_all(s: socket.socket, timeout: float) -> bytes:
+    """Everything the server sends until it closes the connection (or the time is up)."""
+    s.settimeout(0.2)
+    out = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            chunk = s.recv(65536)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+def peer_node(make_node, **overrides):
+    """A node with a transport connector and one configured peer (no process behind it)."""
+    tport = free_port()
+    node = make_node(overrides=merge({"transport": {"listen": f"127.0.0.1:{tport}"},
+                                      "cluster": {"secret": SECRET}}, overrides))
+    node.config_path.write_text(cluster_mod.render_toml(
+        node.sections, [{"name": PEER, "site": "site-b", "transport": "127.0.0.1:9"}]))
+    node.transport_port = tport
+    node.start()
+    wait_port("127.0.0.1", tport, proc=node.proc)
+    return node
+
+
+# ------------------------------------------------------------------------------ open relay
+
+@pytest.mark.parametrize("connector", ["frontend", "transport"])
+def test_no_open_relay_for_untrusted_clients(make_node, sink, connector):
+    sink.start()
+    node = peer_node(make_node, routing={"smart_host": sink.address})
+    port = node.port if connector == "frontend" else node.transport_port
+    r = swaks(port, "--local-interface", "127.0.0.2", "--from", "spammer@remote.test",
+              "--to", "victim@foreign.test")
+    assert "<** 550 5.7.1 Relaying denied" in r.stdout, r.stdout
+    assert " queued as " not in r.stdout and r.returncode != 0
+    # The same client may send to an accepted domain; a trusted one may relay (the rule is not "refuse all").
+    assert " queued as " in swaks(port, "--local-interface", "127.0.0.2", "--from", "x@remote.test",
+                                  "--to", "alice@example.test").stdout
+    assert " queued as " in swaks(port, "--from", "insider@example.test", "--to", "carol@foreign.test").stdout
+    time.sleep(1.5)
+    assert not any(b"victim@foreign.test" in m for m in sink.messages())
+    assert "relay denied: 127.0.0.2 -> victim@foreign.test" in node.log()
+
+
+# ------------------------------------------------------------------------------ command-rate limit
+
+def test_rate_limiter_token_bucket():
+    lim = CommandRateLimiter(5)  # 5/s, burst 10
+    assert all(lim.allow("a", 0.0) for _ in range(10))
+    assert not lim.allow("a", 0.0)
+    assert lim.allow("b", 0.0), "sources are limited separately"
+    assert not lim.allow("a", 0.1)        # half a token refilled
+    assert lim.allow("a", 0.3)            # 1.5 tokens since t=0.0 (one spent now)
+    assert not lim.allow("a", 0.3)
+    assert sum(lim.allow("a", 100.0) for _ in range(20)) == 10, "refills to the burst, not beyond"
+
+
+def test_rate_limiter_forgets_idle_sources_when_full():
+    lim = CommandRateLimiter(1, max_sources=3)
+    for ip in ("a", "b", "c"):
+        lim.allow(ip, 0.0)
+    lim.allow("d", 100.0)  # a, b, c have refilled: forgotten
+    assert set(lim.buckets) == {"d"}
+    lim2 = CommandRateLimiter(1, burst=2, max_sources=2)
+    lim2.allow("a", 0.0)
+    lim2.allow("a", 0.0)  # empty
+    lim2.allow("b", 0.0)
+    lim2.allow("c", 0.1)  # a has not refilled: kept (a flooding source cannot reset itself)
+    assert "a" in lim2.buckets
+
+
+def test_command_flood_from_one_address_is_cut_off(make_node):
+    node = make_node(overrides={"frontend": {"max_command_rate": 5}}).start()
+    time.sleep(1.0)
+    # A normal client under the limit is served.
+    r = swaks(node.port, "--from", "a@remote.test", "--to", "alice@example.test")
+    assert " queued as " in r.stdout, r.stdout
+    time.sleep(2.0)
+    flood = raw(node.port)
+    flood.sendall(b"EHLO flood.test\r\n" + b"NOOP\r\n" * 40)
+    got = read_all(flood, 5)
+    flood.close()
+    assert b"421 4.7.0 Too many commands from your address, slow down" in got, got[-300:]
+    assert got.count(b"250 2.0.0 OK") < 15, "the flood was answered far beyond the burst"
+    # Another address is not affected; the flooding one gets service again once its bucket refills.
+    other = raw(node.port, source="127.0.0.2")
+    other.sendall(b"EHLO other.test\r\nNOOP\r\nQUIT\r\n")
+    assert b"250 2.0.0 OK" in read_all(other, 3)
+    time.sleep(2.5)
+    again = raw(node.port)
+    again.sendall(b"EHLO again.test\r\nNOOP\r\nQUIT\r\n")
+    assert b"221 2.0.0" in read_all(again, 3)
+    assert node.alive
+    assert "over frontend.max_command_rate" in node.log()
+
+
+def test_command_rate_limit_off_by_default(make_node):
+    node = make_node().start()
+    s = raw(node.port)
+    s.sendall(b"EHLO fast.test\r\n" + b"RSET\r\n" * 200 + b"QUIT\r\n")
+    got = read_all(s, 10)
+    assert got.count(b"250 2.0.0 OK") == 200 and b"221 2.0.0" in got
+
+
+# ------------------------------------------------------------------------------ slow loris
+
+@pytest.mark.parametrize("where", ["command", "data"])
+def test_slow_loris_is_disconnected_by_the_connection_timeout(make_node, where):
+    node = make_node(overrides={"frontend": {"connection_timeout": 3, "connection_inactivity_timeout": 2}}).start()
+    s = raw(node.port)
+    if where == "data":
+        s.sendall(b"EHLO slow.test\r\nMAIL FROM:<a@remote.test>\r\nRCPT TO:<alice@example.test>\r\nDATA\r\n")
+        time.sleep(0.5)
+        assert b"354 " in s.recv(4096)
+    trickle = b"Subject: never ending\r\n" if where == "data" else b"MAIL FROM:<" + b"x" * 200
+    t0 = time.monotonic()
+    closed_after = None
+    got = b""
+    for byte in trickle * 5:  # one byte every 0.25 s: never idle for the inactivity timeout
+        try:
+            s.sendall(bytes([byte]))
+        except (BrokenPipeError, ConnectionResetError):
+            closed_after = time.monotonic() - t0
+            break
+        s.settimeout(0.25)
+        try:
+            chunk = s.recv(4096)
+            got += chunk
+            if not chunk:
+                closed_after = time.monotonic() - t0
+                break
+        except TimeoutError:
+            pass
+        except ConnectionResetError:
+            closed_after = time.monotonic() - t0
+            break
+        if time.monotonic() - t0 > 10:
+            break
+    s.close()
+    assert closed_after is not None, "the slow client was never disconnected"
+    assert 2.0 <= closed_after <= 6.0, closed_after
+    assert b"421 4.4.2" in got, got
+    assert node.alive
+    assert not node.cli_json("message", "list", "--all"), "a slow-loris message was queued"
+
+
+# ------------------------------------------------------------------------------ peer trust
+
+def test_peer_trust_refusals_are_logged(make_node):
+    node = peer_node(make_node)
+    port = node.transport_port
+    for user, password, why in ((PEER, SECRET + "x", "wrong credential"),
+                                ("intruder.transportd.test", SECRET, "unknown name")):
+        s = smtp("127.0.0.1", port)
+        assert auth_plain(s, user, password)[0] == 535, why
+        code, _ = reply(s, f"XSHADOWREQUEST {user} {b64_dbid(str(uuid.uuid4()))}")
+        assert code == 550, why
+        code, _ = reply(s, f"MAIL FROM:<a@b.test> XSHADOW={uuid.uuid4()}")
+        assert code == 550, why
+        s.quit()
+    s = smtp("127.0.0.1", port)
+    assert auth_plain(s, PEER, SECRET)[0] == 235
+    assert reply(s, f"XSHADOWREQUEST other.transportd.test {b64_dbid(str(uuid.uuid4()))}")[0] == 550
+    assert reply(s, f"XSHADOW {base64.b64encode(b'other.transportd.test').decode()}")[0] == 550
+    s.quit()
+    wait_for(lambda: node.log().count("peer authentication failed") >= 2, timeout=5, what="the refusals in the log")
+    log = node.log()
+    assert "X-verb from unauthenticated session" in log
+    assert f"XSHADOWREQUEST: peer {PEER} claims to be other.transportd.test" in log
+    assert f"XSHADOW: peer {PEER} claims to be other.transportd.test" in log
+    assert node.alive
+
+
+def test_forged_discard_ids_from_another_member_discard_nothing_of_others(procs, sink, tmp_path):
+    """Two (fake) primaries hold shadows on the node; one answers the heartbeat with the other's
+    shadow ids and random ids: only shadows of the answering primary can ever be discarded."""
+    base = random.randint(20, 200)
+    node_ip = f"127.0.0.{base}"
+    names = ["fake1.transportd.test", "fake2.transportd.test"]
+    fakes = [FakePrimary((f"127.0.0.{base + 1 + i}", free_port()), n, str(uuid.uuid4())) for i, n in enumerate(names)]
+    for f in fakes:
+        f.default_discard = []
+        threading.Thread(target=f.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        fport, tport = free_port(), free_port()
+        config = tmp_path / "shadow.toml"
+        sections = merge(FAST, {
+            "node": {"name": "shadow.transportd.test", "site": "site-a", "data_dir": str(tmp_path / "data")},
+            "frontend": {"listen": f"{node_ip}:{fport}"},
+            "transport": {"listen": f"{node_ip}:{tport}"},
+            "cluster": {"secret": SECRET},
+            "routing": {"accepted_domains": ["example.test"], "trusted_networks": ["127.0.0.1/32"],
+                        "smart_host": sink.address},
+            "shadow_redundancy": {"shadow_redundancy_enabled": True, "shadow_resubmit_time_span": 3600},
+        })
+        write_node_config(config, sections, [
+            {"name": n, "site": "site-b", "transport": f"{f.server_address[0]}:{f.server_address[1]}"}
+            for n, f in zip(names, fakes)])
+        with open(tmp_path / "shadow.log", "ab") as log:
+            proc = procs.add(subprocess.Popen([sys.executable, "-m", "transportd", "serve", "--config", str(config)],
+                                              stdout=log, stderr=subprocess.STDOUT))
+        wait_port(node_ip, tport, proc=proc)
+        guids: dict[str, list[str]] = {}
+        for name, fake in zip(names, fakes):
+            guids[name] = [str(uuid.uuid4()) for _ in range(2)]
+            s = smtp(node_ip, tport, helo=name)
+            assert auth_plain(s, name, SECRET)[0] == 235
+            assert reply(s, f"XSHADOWREQUEST {name} {b64_dbid(fake.dbid)}")[0] == 250
+            for g in guids[name]:
+                assert reply(s, f"MAIL FROM:<a@example.test> XSHADOW={g}")[0] == 250
+                assert reply(s, f"RCPT TO:<{FOREIGN}>")[0] == 250
+                assert s.data(f"Subject: {g}\r\n\r\nbody\r\n".encode())[0] == 250
+            s.quit()
+
+        def held() -> dict[str, tuple[int, int]]:
+            import json
+            out = subprocess.run([sys.executable, "-m", "transportd", "shadow", "list", "--config", str(config),
+                                  "--json"], capture_output=True, text=True, timeout=30).stdout
+            rows = {r["primary"]: r for r in map(json.loads, filter(None, out.splitlines()))}
+            return {n: (rows.get(n, {}).get("shadows", 0), rows.get(n, {}).get("shadow_safety_net", 0))
+                    for n in names}
+
+        assert held() == {names[0]: (2, 0), names[1]: (2, 0)}
+        # fake2 forges: fake1's ids and random ones.
+        with fakes[1].lock:
+            fakes[1].default_discard = guids[names[0]] + [str(uuid.uuid4())]
+        start = fakes[1].count("XQDISCARD")
+        wait_for(lambda: fakes[1].count("XQDISCARD") >= start + 3, timeout=15, what="three heartbeats to fake2")
+        assert held() == {names[0]: (2, 0), names[1]: (2, 0)}
+        # Control: fake2's own id is discarded (the forged heartbeats were real exchanges).
+        with fakes[1].lock:
+            fakes[1].default_discard = []
+            fakes[1].next_discards = [[guids[names[1]][0]]]
+        wait_for(lambda: held()[names[1]] == (1, 1), timeout=15, what="fake2's own discard")
+        assert held()[names[0]] == (2, 0)
+        assert proc.poll() is None
+    finally:
+        for f in fakes:
+            f.shutdown()
+            f.server_close()

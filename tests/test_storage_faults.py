@@ -1,0 +1,103 @@
+"""Storage faults while running (issue 6): the disk holding the data dir fills up.
+
+The node's data dir is a small tmpfs mounted for the test (needs root; skipped otherwise,
+saying so). While the disk is full the daemon answers 4xx (never 5xx, never a 250 it
+cannot keep), stays up, keeps every message it acknowledged, and accepts mail again
+once space returns; a restart afterwards still finds every acknowledged message.
+A corrupt queue database found at start-up is covered in test_store.py
+(test_daemon_moves_garbage_database_aside_and_serves).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import smtplib
+import subprocess
+
+import pytest
+from conftest import free_port, wait_for
+
+BODY = b"Subject: disk %d\r\n\r\n" + (b"x" * 76 + b"\r\n") * 120  # ~10 KB
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a small tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def send(port: int, n: int) -> tuple[int, str]:
+    try:
+        with smtplib.SMTP("127.0.0.1", port, timeout=20) as s:
+            s.ehlo("disk.test")
+            s.mail("a@remote.test")
+            code, msg = s.rcpt("bob@elsewhere.test")
+            if code != 250:
+                return code, msg.decode()
+            code, msg = s.data(BODY % n)
+            return code, msg.decode()
+    except smtplib.SMTPResponseException as exc:
+        return exc.smtp_code, exc.smtp_error.decode()
+
+
+def fill(disk) -> None:
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+        try:
+            os.fsync(f.fileno())
+        except OSError:
+            pass
+
+
+def test_disk_full_answers_4xx_keeps_acknowledged_and_recovers(make_node, small_disk):
+    # The smart host does not answer: every message stays queued on the full disk.
+    node = make_node(smart_host=f"127.0.0.1:{free_port()}",
+                     overrides={"node": {"data_dir": str(small_disk / "data")}})
+    node.data_dir = small_disk / "data"
+    node.start()
+    acked: set[int] = set()
+    for n in range(5):
+        code, msg = send(node.port, n)
+        assert code == 250, msg
+        acked.add(int(re.search(r"queued as (\d+)", msg).group(1)))
+
+    fill(small_disk)
+    replies = [send(node.port, 100 + n) for n in range(6)]
+    for code, msg in replies:
+        assert code == 250 or 400 <= code < 500, (code, msg)
+        if code == 250:
+            acked.add(int(re.search(r"queued as (\d+)", msg).group(1)))
+    assert any(400 <= code < 500 for code, _ in replies), f"the full disk was never noticed: {replies}"
+    assert node.alive
+
+    os.unlink(small_disk / "filler")
+
+    def accepted_again():
+        code, msg = send(node.port, 200)
+        return msg if code == 250 else None
+    msg = wait_for(accepted_again, timeout=20, interval=0.5, what="a 250 once space returned")
+    acked.add(int(re.search(r"queued as (\d+)", msg).group(1)))
+
+    assert node.stop() == 0
+    node.start()
+    ids = {m["id"] for m in node.cli_json("message", "list", "--all")}
+    assert acked <= ids, f"acknowledged but lost: {sorted(acked - ids)}"
+    assert node.alive
+    log = node.log()
+    assert "queue database unavailable, answering 451" in log and "disk is full" in log

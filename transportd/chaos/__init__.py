@@ -1,0 +1,7 @@
+"""Fault injection with a total-queue checker (issue 6): ``transportd chaos``.
+
+proxy.py (a loopback fault proxy on the peer links), workload.py (real SMTP
+clients recording every attempt), nemesis.py (a seeded fault schedule, one
+fault at a time), checker.py (lost / unexpected / duplicates / recovered) and
+harness.py (one run: cluster up, faults, heal, drain, check, JSON summary).
+"""

@@ -1,0 +1,343 @@
+"""One chaos run: cluster up, workload and nemesis, heal, drain, check, report.
+
+It reuses ``transportd.cluster`` (configs for a 3-node, 2-site cluster and the
+process runner) with short timers, with every peer link routed through the
+fault proxy, and with node and sink output in log files under the run folder.
+The run ends with a summary printed and written as JSON; ``ok`` in it is the
+checker's verdict (lost = 0, unexpected = 0, no mailbox duplicates).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from .. import cluster as cluster_mod
+from .checker import check, scan_maildir_tree
+from .nemesis import FAULT_TYPES, Nemesis, schedule
+from .proxy import FaultProxy
+from .workload import Workload, WorkloadSettings
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def wait_listening(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {host}:{port}")
+        try:
+            with socket.create_connection((host, port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
+
+
+class ChaosCluster(cluster_mod.Cluster):
+    """cluster.Cluster with per-process log files and the operations the nemesis needs."""
+
+    def __init__(self, directory: Path, specs: list[cluster_mod.NodeSpec], sink_address: str,
+                 proxy: FaultProxy, say: Callable[[str], None]):
+        super().__init__(directory, specs, sink_address)
+        self.proxy = proxy
+        self.say = say
+        self.by_short = {s.short: s for s in specs}
+        self.paused: set[str] = set()
+        self.sink_refusing = False
+        (directory / "logs").mkdir(exist_ok=True)
+
+    def _spawn(self, label: str, args: list[str]) -> subprocess.Popen:
+        with open(self.directory / "logs" / f"{label}.log", "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "transportd", *args], stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.procs[label] = proc
+        return proc
+
+    def start(self) -> None:
+        super().start()
+        host, _, port = self.sink_address.rpartition(":")
+        wait_listening(host, int(port), 30, self.procs["sink"])
+        for spec in self.specs:
+            self._wait_node(spec)
+
+    def _wait_node(self, spec: cluster_mod.NodeSpec) -> None:
+        host, _, port = spec.frontend.rpartition(":")
+        wait_listening(host, int(port), 60, self.procs[spec.short])
+
+    # -- nodes -------------------------------------------------------------------------
+
+    def kill(self, short: str) -> None:
+        proc = self.procs[short]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+        self.paused.discard(short)
+
+    def wipe(self, short: str) -> None:
+        """Delete the node's queue database (its mailboxes and tracking logs stay)."""
+        db = Path(self.by_short[short].data_dir) / "queue.db"
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            try:
+                os.unlink(f"{db}{suffix}")
+            except FileNotFoundError:
+                pass
+
+    def start_node(self, short: str) -> None:
+        spec = self.by_short[short]
+        if self.procs[short].poll() is None:
+            return
+        proc = self._spawn(short, ["serve", "--config", spec.config])
+        spec.pid = proc.pid
+        self._wait_node(spec)
+
+    def pause(self, short: str) -> None:
+        self.procs[short].send_signal(signal.SIGSTOP)
+        self.paused.add(short)
+
+    def resume(self, short: str) -> None:
+        if self.procs[short].poll() is None:
+            self.procs[short].send_signal(signal.SIGCONT)
+        self.paused.discard(short)
+
+    def _count(self, short: str, sql: str) -> int:
+        """A read-only look at the node's queue database (0 if there is none yet)."""
+        db = Path(self.by_short[short].data_dir) / "queue.db"
+        if not db.exists():
+            return 0
+        try:
+            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2)
+            try:
+                return int(con.execute(sql).fetchone()[0])
+            finally:
+                con.close()
+        except sqlite3.Error:
+            return 0
+
+    def queued_external(self, short: str) -> int:
+        """Primary messages on the node waiting for the sink."""
+        return self._count(short, (
+            "SELECT count(DISTINCT m.id) FROM messages m JOIN recipients r ON r.message_id = m.id "
+            "JOIN queues q ON q.id = r.queue_id WHERE m.role = 'primary' AND m.state = 'Queued' "
+            "AND r.status IN ('Ready', 'Retry', 'Active') AND q.delivery_type = 'SmartHostConnectorDelivery'"))
+
+    def queued_messages(self, short: str) -> int:
+        """Messages (primary or shadow) the node still holds in its queues."""
+        return self._count(short, "SELECT count(*) FROM messages WHERE state = 'Queued'")
+
+    def links_of(self, short: str) -> list[str]:
+        return [n for n in self.proxy.links if n.startswith(f"{short}->") or n.endswith(f"->{short}")]
+
+    def links_between(self, a: str, b: str) -> list[str]:
+        return [f"{a}->{b}", f"{b}->{a}"]
+
+    # -- the sink ----------------------------------------------------------------------
+
+    def sink_refuse(self, on: bool) -> None:
+        self.sink_refusing = on
+        proc = self.procs["sink"]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1 if on else signal.SIGUSR2)
+
+    def kill_sink(self) -> None:
+        proc = self.procs["sink"]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+
+    def start_sink(self) -> None:
+        if self.procs["sink"].poll() is None:
+            return
+        proc = self._spawn("sink", ["sink", "--listen", self.sink_address, "--dir", str(self.sink_dir)])
+        host, _, port = self.sink_address.rpartition(":")
+        wait_listening(host, int(port), 30, proc)
+        if self.sink_refusing:
+            proc.send_signal(signal.SIGUSR1)
+
+    def heal_all(self) -> None:
+        self.proxy.heal()
+        for short in list(self.paused):
+            self.resume(short)
+        for spec in self.specs:
+            self.start_node(spec.short)
+        self.start_sink()
+        self.sink_refuse(False)
+
+
+def pick_ports(ip_base: int, nodes: int) -> tuple[int, int]:
+    """A frontend/transport port pair free on every node address, and room for the proxy ports."""
+    for front in range(25300, 26000, 10):
+        ips = [f"127.0.0.{ip_base + i}" for i in range(nodes)] + [f"127.0.0.{ip_base - 1}"]
+        ports = [front, front + 1] + [front + 2 + j for j in range(nodes)]
+        if all(port_free(ip, p) for ip in ips for p in ports):
+            return front, front + 1
+    raise RuntimeError(f"no free ports on 127.0.0.{ip_base}..")
+
+
+def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path, clients: int = 6,
+        ip_base: int = 101, rate: float | None = None, heartbeat: float = 1.0, resubmit_span: float = 4.0,
+        drain_timeout: float = 120.0, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """One run; returns the summary (also written to ``directory/summary.json``)."""
+    nodes = 3
+    directory.mkdir(parents=True, exist_ok=True)
+    run_id = secrets.token_hex(4)
+    plan = schedule(seed, faults, [f"node{i + 1}" for i in range(nodes)], resubmit_span=resubmit_span)
+    say(f"chaos run {run_id}: seed {seed}, {messages} messages, {faults} faults, "
+        f"shadow redundancy {'on' if shadow else 'OFF (control run)'}; folder {directory}")
+    say(f"replay with: transportd chaos --seed {seed} --messages {messages} --faults {faults}"
+        f"{'' if shadow else ' --no-shadow'}")
+    front, transport = pick_ports(ip_base, nodes)
+    sink_address = f"127.0.0.{ip_base - 1}:{front}"
+    proxy = FaultProxy()
+
+    def peer_transport(spec: cluster_mod.NodeSpec, peer: cluster_mod.NodeSpec) -> str:
+        host, _, port = peer.transport.rpartition(":")
+        listen = (host, int(port) + int(spec.short[4:]))  # node i's link to a peer: peer transport + i
+        proxy.add(f"{spec.short}->{peer.short}", listen, (host, int(port)))
+        return f"{host}:{listen[1]}"
+
+    settle = resubmit_span + 3 * heartbeat
+    overrides = {
+        "node": {"log_level": "info"},
+        "shadow_redundancy": {"shadow_redundancy_enabled": shadow, "shadow_heartbeat_frequency": heartbeat,
+                              "shadow_resubmit_time_span": resubmit_span, "shadow_copy_timeout": 5},
+        "delivery": {"queue_poll_interval": 0.2, "transient_failure_retry_interval": 1,
+                     "outbound_connection_failure_retry_interval": 1, "send_connect_timeout": 2,
+                     "send_connection_inactivity_timeout": 10},
+        "frontend": {"connection_inactivity_timeout": 30, "max_inbound_connection_per_source": 200},
+    }
+    specs = cluster_mod.generate(directory, nodes=nodes, sites=2, ip_base=ip_base, frontend_port=front,
+                                 transport_port=transport, sink_address=sink_address, overrides=overrides,
+                                 peer_transport=peer_transport)
+    cluster = ChaosCluster(directory, specs, sink_address, proxy, say)
+    frontends = [(s.frontend.rpartition(":")[0], front) for s in specs]
+    mean_fault = 6.0 + 2.5
+    span = max(10.0, faults * mean_fault)
+    rate = rate or max(2.0, messages / span)
+    workload = Workload(run_id, frontends, WorkloadSettings(messages, clients, rate), seed)
+    nemesis = Nemesis(cluster, plan, settle=settle, say=lambda m: say(f"[nemesis] {m}"))
+    t0 = time.monotonic()
+    summary: dict[str, Any] = {}
+    try:
+        proxy.start()
+        cluster.start()
+        say(f"cluster up: {', '.join(s.short + ' ' + s.frontend for s in specs)}; sink {sink_address}; "
+            f"{len(proxy.links)} proxied peer links; pacing {rate:.1f} msg/s with {clients} clients")
+        workload.start()
+        nemesis.start()
+        last = 0.0
+        while nemesis.thread.is_alive() or workload.sent_so_far < messages:
+            time.sleep(0.5)
+            if time.monotonic() - last > 15:
+                last = time.monotonic()
+                say(f"progress: {workload.sent_so_far}/{messages} messages started, "
+                    f"{len(nemesis.log.faults)}/{faults} faults done")
+        nemesis.thread.join()
+        healed_at = time.monotonic()
+        say("nemesis done; everything healed; clients finish their retries")
+        workload.retry_until = time.monotonic() + 60
+        if not workload.join(timeout=120):
+            say("some clients still busy after 120 s; stopping them")
+            workload.stop.set()
+            workload.join(timeout=30)
+        say("draining")
+        verdict = _drain(cluster, workload, run_id, drain_timeout, settle, say)
+        summary = verdict.summary()
+        summary.update({
+            "seed": seed, "messages": messages, "faults_planned": faults, "shadow_redundancy": shadow,
+            "clients": clients, "heartbeat": heartbeat, "resubmit_span": resubmit_span,
+            "faults": nemesis.log.as_json(),
+            "fault_counts": _count_types(nemesis.log.faults),
+            "nemesis_error": repr(nemesis.error) if nemesis.error else None,
+            "duration_seconds": round(time.monotonic() - t0, 1),
+            "drain_seconds": round(time.monotonic() - healed_at, 1),
+            "directory": str(directory),
+        })
+    finally:
+        workload.stop.set()
+        nemesis.stop.set()
+        for short in list(cluster.paused):
+            cluster.resume(short)
+        cluster.stop()
+        proxy.stop()
+    (directory / "summary.json").write_text(json.dumps(summary, indent=2))
+    # Every attempt of every message, for looking into a lost or duplicated one.
+    (directory / "history.json").write_text(json.dumps(
+        {n: {"recipients": h.recipients, "outcome": h.outcome, "attempts": [asdict(a) for a in h.attempts]}
+         for n, h in workload.history.items()}))
+    return summary
+
+
+def _count_types(faults: list) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for f in faults:
+        out[f.type] = out.get(f.type, 0) + 1
+    return out
+
+
+def _drain(cluster: ChaosCluster, workload: Workload, run_id: str, timeout: float, settle: float,
+           say: Callable[[str], None]):
+    """Check until nothing acknowledged is missing (then a short linger for late copies) or the time is up."""
+    deadline = time.monotonic() + timeout
+    mailboxes = Path(cluster.by_short["node1"].data_dir) / "mailboxes"
+    seen, quiet_since = -1, time.monotonic()
+    while True:
+        deliveries = (scan_maildir_tree(cluster.sink_dir, "external", per_recipient_folders=False)
+                      + scan_maildir_tree(mailboxes, "mailbox", per_recipient_folders=True))
+        verdict = check(run_id, workload.history, deliveries)
+        if not verdict.lost or time.monotonic() > deadline:
+            break
+        if len(deliveries) != seen:
+            seen, quiet_since = len(deliveries), time.monotonic()
+        elif (time.monotonic() - quiet_since > max(20.0, 3 * settle)
+              and all(cluster.queued_messages(s.short) == 0 for s in cluster.specs)):
+            say(f"nothing queued anywhere and nothing delivered for {time.monotonic() - quiet_since:.0f} s: "
+                f"{len(verdict.lost)} acknowledged delivery(ies) missing")
+            break
+        time.sleep(1.0)
+    time.sleep(min(settle, max(0.0, deadline - time.monotonic())))
+    deliveries = (scan_maildir_tree(cluster.sink_dir, "external", per_recipient_folders=False)
+                  + scan_maildir_tree(mailboxes, "mailbox", per_recipient_folders=True))
+    return check(run_id, workload.history, deliveries)
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lines = [
+        f"chaos run {s.get('run')} (seed {s.get('seed')}, shadow redundancy "
+        f"{'on' if s.get('shadow_redundancy') else 'off'}): {s.get('duration_seconds')} s",
+        f"  sent {s.get('sent')} messages in {s.get('attempts')} attempts: acknowledged {s.get('acknowledged')}, "
+        f"rejected {s.get('rejected')}, unknown {s.get('unknown')}",
+        f"  faults: {len(s.get('faults', []))} "
+        + ", ".join(f"{k} {v}" for k, v in sorted(s.get("fault_counts", {}).items())),
+        f"  lost {s.get('lost')}   unexpected {s.get('unexpected')}   duplicates mailbox "
+        f"{s.get('duplicates', {}).get('mailbox')} external {s.get('duplicates', {}).get('external')}   "
+        f"recovered {s.get('recovered')}",
+    ]
+    if s.get("lost_examples"):
+        lines.append(f"  lost: {', '.join(s['lost_examples'][:10])}")
+    if s.get("unexpected_examples"):
+        lines.append(f"  unexpected: {', '.join(s['unexpected_examples'][:10])}")
+    lines.append(f"  verdict: {'OK' if s.get('ok') else 'FAILED'}")
+    return "\n".join(lines)
+
+
+__all__ = ["FAULT_TYPES", "format_summary", "run"]

@@ -1,0 +1,198 @@
+"""The nemesis: one fault at a time, at random moments, from a seeded schedule.
+
+``schedule(seed, ...)`` is pure: the same seed gives the same list of faults
+(type, target, duration, pause before it), printed so a run can be replayed.
+``Nemesis`` applies them to a running ChaosCluster, logging each fault with its
+wall-clock start and end. Every fault is healed before the next begins, and a
+node that lost its queue database gets time to settle (the shadows of its old
+database promoted) before anything else happens: at most one failure at a time.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# name: what it does (the harness prints this list)
+FAULT_TYPES: dict[str, str] = {
+    "kill": "kill -9 a node, restart it with its queue database",
+    "kill-wipe": "kill -9 a node, delete its queue database, restart it",
+    "wipe-behind-refusing-sink": "the sink answers 4xx until a node holds queued mail; kill -9 that node, "
+                                 "delete its queue database, restart it; the sink accepts again",
+    "kill-mid-shadow": "slow the links of a node (replies held back), then kill -9 it while messages sit "
+                       "between the shadow's 250 and its own; restart with its database",
+    "pause": "SIGSTOP a node (heartbeats fail while it still holds mail), SIGCONT it later",
+    "partition": "cut the links between two nodes (a black hole: bytes swallowed)",
+    "delay": "delay every chunk on the links between two nodes",
+    "reset": "reset (TCP RST) every connection on the links between two nodes, and new ones",
+    "sink-refuse": "the external sink answers 451 for a while",
+    "sink-restart": "kill -9 the external sink, start it again",
+}
+WEIGHTS = {"kill": 3, "kill-wipe": 2, "wipe-behind-refusing-sink": 1, "kill-mid-shadow": 2, "pause": 2,
+           "partition": 2, "delay": 2, "reset": 2, "sink-refuse": 2, "sink-restart": 1}
+
+
+@dataclass
+class Fault:
+    index: int
+    type: str
+    targets: list[str]
+    duration: float
+    wait_before: float
+    delay: float = 0.0
+    started_at: float | None = None
+    ended_at: float | None = None
+    note: str = ""
+
+    def describe(self) -> str:
+        extra = f" delay {self.delay:.2f}s" if self.delay else ""
+        return (f"fault {self.index}: {self.type} {'/'.join(self.targets) or 'sink'} for {self.duration:.1f}s"
+                f"{extra} after {self.wait_before:.1f}s")
+
+
+def schedule(seed: int, faults: int, nodes: list[str], *, resubmit_span: float,
+             first: str | None = "wipe-behind-refusing-sink", types: list[str] | None = None) -> list[Fault]:
+    """The fault list for a seed. ``first`` (default: the sink-refusing wipe, the fault that makes a
+    run without shadow redundancy lose mail for certain) opens the schedule."""
+    rng = random.Random(seed)
+    kinds = types or list(WEIGHTS)
+    weights = [WEIGHTS.get(k, 1) for k in kinds]
+    out: list[Fault] = []
+    for i in range(faults):
+        kind = first if (i == 0 and first) else rng.choices(kinds, weights)[0]
+        wait = rng.uniform(1.0, 4.0)
+        if kind in ("partition", "delay", "reset"):
+            targets = rng.sample(nodes, 2)
+        elif kind in ("sink-refuse", "sink-restart"):
+            targets = []
+        else:
+            targets = [rng.choice(nodes)]
+        if kind == "pause":
+            # Sometimes past the resubmit span: the peers promote while the node still holds the mail.
+            duration = rng.uniform(1.0, resubmit_span * 2.0)
+        elif kind in ("kill", "kill-wipe", "kill-mid-shadow"):
+            duration = rng.uniform(0.2, 3.0)
+        elif kind == "wipe-behind-refusing-sink":
+            duration = rng.uniform(2.0, 4.0)
+        else:
+            duration = rng.uniform(1.0, 6.0)
+        delay = rng.uniform(0.2, 1.5) if kind in ("delay", "kill-mid-shadow") else 0.0
+        out.append(Fault(i + 1, kind, targets, round(duration, 2), round(wait, 2), round(delay, 2)))
+    return out
+
+
+@dataclass
+class NemesisLog:
+    faults: list[Fault] = field(default_factory=list)
+
+    def as_json(self) -> list[dict[str, Any]]:
+        return [asdict(f) for f in self.faults]
+
+
+class Nemesis:
+    """Runs a schedule against a cluster (see harness.ChaosCluster for the operations)."""
+
+    def __init__(self, cluster: Any, plan: list[Fault], *, settle: float, say: Callable[[str], None]):
+        self.cluster = cluster
+        self.plan = plan
+        self.settle = settle
+        self.say = say
+        self.stop = threading.Event()
+        self.log = NemesisLog()
+        self.thread = threading.Thread(target=self._run, name="nemesis", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _sleep(self, seconds: float) -> None:
+        self.stop.wait(seconds)
+
+    def _run(self) -> None:
+        try:
+            for fault in self.plan:
+                if self.stop.is_set():
+                    break
+                self._sleep(fault.wait_before)
+                fault.started_at = time.time()
+                self.say(fault.describe())
+                getattr(self, "_" + fault.type.replace("-", "_"))(fault)
+                fault.ended_at = time.time()
+                self.log.faults.append(fault)
+        except BaseException as exc:  # noqa: BLE001 - reported by the harness
+            self.error = exc
+            self.say(f"nemesis failed: {exc!r}")
+        finally:
+            self.cluster.heal_all()
+
+    # -- the faults --------------------------------------------------------------------
+
+    def _kill(self, f: Fault) -> None:
+        self.cluster.kill(f.targets[0])
+        self._sleep(f.duration)
+        self.cluster.start_node(f.targets[0])
+
+    def _kill_wipe(self, f: Fault) -> None:
+        self.cluster.kill(f.targets[0])
+        self.cluster.wipe(f.targets[0])
+        self._sleep(f.duration)
+        self.cluster.start_node(f.targets[0])
+        self._sleep(self.settle)  # the peers see the new queue database ID and promote its shadows
+
+    def _wipe_behind_refusing_sink(self, f: Fault) -> None:
+        node = f.targets[0]
+        self.cluster.sink_refuse(True)
+        deadline = time.monotonic() + max(15.0, f.duration * 4)
+        self._sleep(f.duration)
+        while self.cluster.queued_external(node) == 0 and time.monotonic() < deadline and not self.stop.is_set():
+            self._sleep(0.3)
+        f.note = f"{self.cluster.queued_external(node)} message(s) queued for the sink on {node} when killed"
+        self.cluster.kill(node)
+        self.cluster.wipe(node)
+        self.cluster.start_node(node)
+        self._sleep(self.settle)
+        self.cluster.sink_refuse(False)
+
+    def _kill_mid_shadow(self, f: Fault) -> None:
+        node = f.targets[0]
+        links = self.cluster.links_of(node)
+        self.cluster.proxy.set(links, "ok", f.delay)
+        self._sleep(1.0 + f.delay)
+        self.cluster.kill(node)
+        self.cluster.proxy.set(links, "ok", 0.0)
+        self._sleep(f.duration)
+        self.cluster.start_node(node)
+
+    def _pause(self, f: Fault) -> None:
+        self.cluster.pause(f.targets[0])
+        self._sleep(f.duration)
+        self.cluster.resume(f.targets[0])
+
+    def _links(self, f: Fault, mode: str, delay: float = 0.0) -> None:
+        links = self.cluster.links_between(*f.targets)
+        self.cluster.proxy.set(links, mode, delay)
+        self._sleep(f.duration)
+        self.cluster.proxy.set(links, "ok", 0.0)
+
+    def _partition(self, f: Fault) -> None:
+        self._links(f, "cut")
+
+    def _delay(self, f: Fault) -> None:
+        self._links(f, "ok", f.delay)
+
+    def _reset(self, f: Fault) -> None:
+        self._links(f, "reset")
+
+    def _sink_refuse(self, f: Fault) -> None:
+        self.cluster.sink_refuse(True)
+        self._sleep(f.duration)
+        self.cluster.sink_refuse(False)
+
+    def _sink_restart(self, f: Fault) -> None:
+        self.cluster.kill_sink()
+        self._sleep(f.duration)
+        self.cluster.start_sink()
