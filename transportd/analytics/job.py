@@ -348,8 +348,9 @@ def build_messages(ev: Any, log_end: Any):
         F.max("network_message_id").alias("network_message_id"),
         F.max("message_id").alias("message_id"),
         F.max(when_event(["RECEIVE"], F.col("sender"))).alias("sender"),
-        F.min(when_event(ENTRY_EVENTS, F.struct(t.alias("time"), F.col("node").alias("node"))))
+        F.min(when_event(["RECEIVE"], F.struct(t.alias("time"), F.col("node").alias("node"))))
          .alias("first_receive"),
+        F.max(e == "DSN").alias("generated"),
         F.min(when_event(["HAREDIRECT", "HAREDIRECTFAIL"], F.struct(t.alias("time"), e.alias("event"))))
          .alias("first_redundancy"),
         F.min(when_event(["HAREDIRECT"], F.struct(t.alias("time"), F.col("peer").alias("node"))))
@@ -381,7 +382,8 @@ def build_messages(ev: Any, log_end: Any):
     m = journey.join(recipients, "key", "left").join(copies, "key", "left")
     terminal = (F.col("recipient_count") > 0) & (F.col("recipients_delivered") + F.col("recipients_failed")
                                                 == F.col("recipient_count"))
-    received = F.col("first_receive").isNotNull() | F.col("has_shadow_copy")
+    received = (F.col("first_receive").isNotNull() | F.col("has_shadow_copy")
+                | F.coalesce(F.col("generated"), F.lit(False)))
     live = F.coalesce(F.col("live_copies"), F.lit(0))
     state = (F.when(~received, F.lit("incomplete"))
              .when(terminal & (F.col("recipients_failed") == 0), F.lit("delivered"))
