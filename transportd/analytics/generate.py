@@ -151,7 +151,7 @@ class Generator:
         self.mailbox_node = self.names[0]
         self.internal = dict.fromkeys(self.names, 0)
         self.phase = {(a, b): self.rng.uniform(0, s.heartbeat) for a in self.names for b in self.names}
-        self.rate = s.rate or min(50.0, max(0.5, s.messages / 600.0))
+        self.rate = s.rate or min(50.0, max(0.01, s.messages / 600.0))
         t = s.start
         self.arrivals = []
         for _ in range(s.messages):

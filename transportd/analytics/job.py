@@ -72,6 +72,7 @@ def spark_session(master: str | None = None, app_name: str = "transportd-analyze
         "spark.sql.session.timeZone": "UTC",
         "spark.sql.ansi.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
+        "spark.sql.debug.maxToStringFields": "200",
         "spark.sql.shuffle.partitions": "16" if chosen.startswith("local") else "200",
     }
     if chosen.startswith("local"):
@@ -80,6 +81,12 @@ def spark_session(master: str | None = None, app_name: str = "transportd-analyze
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
+    try:  # a glob input makes Spark look for a streaming sink's metadata and log a stack trace
+        jvm = spark.sparkContext._jvm
+        jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(
+            "org.apache.spark.sql.execution.streaming", jvm.org.apache.logging.log4j.Level.ERROR)
+    except Exception:  # noqa: BLE001 - only quieter logs are at stake
+        pass
     return spark
 
 
@@ -150,6 +157,18 @@ class _NoProgress:
 # ---------------------------------------------------------------------------- reading
 
 
+def check_local_paths(paths: Sequence[str]) -> None:
+    """Fail fast, before any Spark job, on a local path or glob that matches nothing."""
+    import glob
+
+    for path in paths:
+        if "://" in path and not path.startswith("file://"):
+            continue  # hdfs://, s3a://, ...: Spark will say
+        local = path[len("file://"):] if path.startswith("file://") else path
+        if not glob.glob(local):
+            raise AnalyzeError(f"no such file or folder: {path}")
+
+
 def read_raw(spark: Any, paths: Sequence[str], name_filter: str = DEFAULT_NAME_FILTER,
              recursive: bool = False):
     """Every physical line of the given files, folders or globs, with the file it came from."""
@@ -167,10 +186,11 @@ def read_raw(spark: Any, paths: Sequence[str], name_filter: str = DEFAULT_NAME_F
 
 
 def parse_lines(raw: Any):
-    """Split raw lines into (parsed rows, malformed rows); both are lazy DataFrames.
+    """Parse raw lines into one column per needed field (snake_case) plus ``file``, ``reason``
+    (why the row is malformed, or null) and ``line`` (the raw text of a malformed row).
 
-    Parsed rows have one column per needed field (snake_case) plus ``file``; the field names
-    of each row come from its file's ``#Fields:`` header or, without one, from its own count.
+    The field names of each row come from its file's ``#Fields:`` header or, without one, from
+    its own count. Lazy; one pass over the input.
     """
     from pyspark.sql import functions as F
 
@@ -209,16 +229,15 @@ def parse_lines(raw: Any):
     fields = ("date-time", "client-hostname", "server-hostname", "source-context", "source", "event-id",
               "internal-message-id", "message-id", "network-message-id", "recipient-address",
               "reference", "sender-address")
-    good = data.filter(F.col("reason").isNull()).select(
-        "file", *[field(f).alias(f.replace("-", "_")) for f in fields])
-    bad = data.filter(F.col("reason").isNotNull()).select(
-        "file", "reason", F.substring("line", 1, 500).alias("line"))
-    return good, bad
+    ok = F.col("reason").isNull()
+    return data.select(
+        "file", "reason", F.when(~ok, F.substring("line", 1, 500)).alias("line"),
+        *[F.when(ok, field(f)).otherwise(F.lit("")).alias(f.replace("-", "_")) for f in fields])
 
 
 def normalize(rows: Any):
-    """Typed, lower-cased events; returns (events, malformed) where malformed are rows that
-    parse as CSV but have no usable date-time, event-id or message key."""
+    """Typed, lower-cased events, with ``valid`` false and ``malformed_reason`` set for malformed rows
+    (bad CSV, or no usable date-time, event-id or message key)."""
     from pyspark.sql import functions as F
 
     folder = F.regexp_extract("file", r"([^/]+)/[^/]+$", 1)
@@ -233,7 +252,7 @@ def normalize(rows: Any):
     source = F.upper(F.trim("source"))
     redundancy_ctx = r"^\s*(\S+)\s*\(([^)]*)\)"
     ev = rows.select(
-        "file",
+        "file", F.col("reason").alias("csv_reason"), "line",
         F.try_to_timestamp(F.trim("date_time")).alias("time"),
         F.when(server != "", server).otherwise(folder_node).alias("node"),
         event.alias("event"),
@@ -254,15 +273,14 @@ def normalize(rows: Any):
         F.when((event == "RESUBMIT") & (source == "REDUNDANCY"), F.regexp_extract(ctx, redundancy_ctx, 2))
          .alias("reason"),
     )
-    reason = (F.when(F.col("time").isNull(), F.lit("bad date-time"))
+    reason = (F.when(F.col("csv_reason").isNotNull(), F.col("csv_reason"))
+              .when(F.col("time").isNull(), F.lit("bad date-time"))
               .when(F.col("event") == "", F.lit("no event-id"))
               .when(F.col("key").isNull(), F.lit("no network-message-id or message-id")))
-    ev = ev.withColumn("bad", reason)
-    good = ev.filter(F.col("bad").isNull()).drop("bad")
-    bad = ev.filter(F.col("bad").isNotNull()).select(
-        "file", F.col("bad").alias("reason"),
-        F.concat_ws(",", F.col("event"), F.col("key"), F.col("context")).alias("line"))
-    return good, bad
+    return (ev.withColumn("malformed_reason", reason).drop("csv_reason")
+            .withColumn("valid", F.col("malformed_reason").isNull())
+            .withColumn("line", F.when(~F.col("valid"), F.coalesce(
+                F.col("line"), F.concat_ws(",", F.col("event"), F.col("key"), F.col("context"))))))
 
 
 # ---------------------------------------------------------------------------- per message
@@ -696,12 +714,18 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
     try:
         shown.set_step("reading and parsing logs")
         spark.sparkContext.setJobDescription("parse MSGTRK rows")
-        rows, bad_csv = parse_lines(read_raw(spark, paths, name_filter, recursive))
-        events, bad_values = normalize(rows)
-        events.write.mode("overwrite").parquet(_join(out, "events"))
-        bad_csv.unionByName(bad_values).write.mode("overwrite").parquet(_join(out, "malformed"))
-        ev = spark.read.parquet(_join(out, "events"))
-        malformed = spark.read.parquet(_join(out, "malformed"))
+        check_local_paths(paths)
+        rows = normalize(parse_lines(read_raw(spark, paths, name_filter, recursive)))
+        rows.write.mode("overwrite").partitionBy("valid").parquet(_join(out, "events"))
+        try:
+            parsed = spark.read.parquet(_join(out, "events"))
+        except Exception as exc:  # nothing was written: no file matched, or all were empty
+            if "UNABLE_TO_INFER_SCHEMA" in str(exc) or "Unable to infer schema" in str(exc):
+                raise AnalyzeError(f"no tracking log rows in {', '.join(paths)}") from None
+            raise
+        valid = F.col("valid").cast("string") == "true"  # a partition column reads back as a string
+        ev = parsed.filter(valid).drop("valid", "malformed_reason", "line")
+        malformed = parsed.filter(~valid).select("file", F.col("malformed_reason").alias("reason"), "line")
 
         shown.set_step("time range")
         bounds = ev.agg(F.min("time").alias("start"), F.max("time").alias("end"),
@@ -759,6 +783,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        check_local_paths(args.paths)
+    except AnalyzeError as exc:
+        print(f"transportd analyze: error: {exc}", file=sys.stderr)
+        return 2
     spark = spark_session(args.master)
     try:
         summary = analyze(spark, args.paths, args.out, name_filter=args.name_filter,
