@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from transportd.analytics.generate import generate  # noqa: E402
-from transportd.analytics.job import analyze, spark_session  # noqa: E402
+from transportd.analytics.generate import generate
+from transportd.analytics.job import analyze, spark_session
 
 
 def peak_rss_kib(pid: int) -> int:

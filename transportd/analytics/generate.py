@@ -433,7 +433,6 @@ class Generator:
     # -- run -------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        s = self.s
         for i, t in enumerate(self.arrivals):
             self.message(t)
             if i % 2000 == 0:

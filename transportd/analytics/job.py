@@ -85,7 +85,7 @@ def spark_session(master: str | None = None, app_name: str = "transportd-analyze
         jvm = spark.sparkContext._jvm
         jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(
             "org.apache.spark.sql.execution.streaming", jvm.org.apache.logging.log4j.Level.ERROR)
-    except Exception:  # noqa: BLE001 - only quieter logs are at stake
+    except Exception:  # noqa: BLE001, S110 - only quieter logs are at stake
         pass
     return spark
 
@@ -130,7 +130,7 @@ class Progress(threading.Thread):
                 info = self.tracker.getStageInfo(stage_id)
                 if info is not None:
                     parts.append(f"stage {stage_id} {info.numCompletedTasks}/{info.numTasks} tasks")
-        except Exception:  # noqa: BLE001 - progress must never fail the job
+        except Exception:  # noqa: BLE001, S110 - progress must never fail the job
             pass
         elapsed = time.monotonic() - self.started
         return f"[analyze {elapsed:6.1f}s] {self.step}" + (": " + ", ".join(parts) if parts else "")
@@ -164,7 +164,7 @@ def check_local_paths(paths: Sequence[str]) -> None:
     for path in paths:
         if "://" in path and not path.startswith("file://"):
             continue  # hdfs://, s3a://, ...: Spark will say
-        local = path[len("file://"):] if path.startswith("file://") else path
+        local = path.removeprefix("file://")
         if not glob.glob(local):
             raise AnalyzeError(f"no such file or folder: {path}")
 
@@ -179,7 +179,7 @@ def read_raw(spark: Any, paths: Sequence[str], name_filter: str = DEFAULT_NAME_F
         reader = reader.option("recursiveFileLookup", "true")
     try:
         df = reader.text(list(paths))
-    except Exception as exc:  # AnalysisException: path does not exist, ...
+    except Exception as exc:  # noqa: BLE001 - AnalysisException: path does not exist, ...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
         raise AnalyzeError(f"cannot read {', '.join(paths)}: {first}") from None
     return df.select(F.col("value").alias("line"), F.col("_metadata.file_path").alias("file"))
@@ -665,8 +665,8 @@ def console_table(summary: dict) -> str:
     def secs(v: float | None) -> str:
         return "-" if v is None else f"{v:.3f} s"
 
-    lines = [f"logs {summary['log_start']} .. {summary['log_end']}: {summary['events']} events, "
-             f"{summary['messages']} messages, {summary['malformed']['rows']} malformed rows"]
+    lines = [(f"logs {summary['log_start']} .. {summary['log_end']}: {summary['events']} events, "
+              f"{summary['messages']} messages, {summary['malformed']['rows']} malformed rows")]
     lines.append("states:      " + ", ".join(f"{k} {v}" for k, v in summary["states"].items()))
     lines.append(f"coverage:    {pct(summary['redundancy_coverage'])} of {summary['received']} received "
                  f"made redundant; {summary['unprotected_messages']} accepted unprotected, "
