@@ -17,3 +17,12 @@ bench: install
 
 lint:
 	ruff check transportd tests benchmarks
+
+.PHONY: analyze bench-analytics
+
+# Spark analytics over the local cluster's tracking logs (see docs/analytics.md).
+analyze:
+	$(PY) -m transportd analyze 'data/cluster/node*/msgtrk' --out data/analytics
+
+bench-analytics:
+	$(PY) benchmarks/analytics_scale.py

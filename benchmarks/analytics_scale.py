@@ -49,15 +49,20 @@ def main() -> int:
     p.add_argument("--driver-memory", default="2g")
     p.add_argument("--workdir", default=None, help="keep logs and output here (default: a temp dir, removed)")
     p.add_argument("--json", default=None, help="write the figures here as JSON")
+    p.add_argument("--reuse", action="store_true", help="reuse the logs already generated in --workdir")
     args = p.parse_args()
 
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="analytics-bench-"))
     try:
         started = time.monotonic()
-        truth = generate(work / "logs", args.messages, args.nodes, seed=42)
+        truth_file = work / "logs" / "truth.json"
+        if args.reuse and truth_file.is_file():
+            truth = json.loads(truth_file.read_text())
+        else:
+            truth = generate(work / "logs", args.messages, args.nodes, seed=42)
         gen_seconds = time.monotonic() - started
         size = sum(f.stat().st_size for f in (work / "logs").rglob("MSGTRK*"))
-        print(f"generated {truth['rows']:,} rows ({size / 2**20:,.0f} MiB) for {truth['messages']:,} messages "
+        print(("reused" if args.reuse else "generated") + f" {truth['rows']:,} rows ({size / 2**20:,.0f} MiB) for {truth['messages']:,} messages "
               f"in {gen_seconds:.1f}s ({truth['rows'] / gen_seconds:,.0f} rows/s)", flush=True)
 
         spark = spark_session(args.master, conf={"spark.driver.memory": args.driver_memory})
