@@ -43,8 +43,8 @@ HISTOGRAM_EDGES = (0.0, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800
 
 NICE_BUCKETS = (1, 5, 10, 30, 60, 300, 600, 900, 1800, 3600, 3 * 3600, 6 * 3600, 86400, 7 * 86400)
 MAX_TIME_BUCKETS = 120
-QUOTED_FIELD = '"[^"]*(?:""[^"]*)*"'
-"""A quoted CSV field ("" inside is a quote), written so Java's regex does not recurse per char."""
+SENTINEL = "\u0001end-of-row"
+"""Appended to each line as one more field: its position is the row's field count."""
 
 
 class AnalyzeError(Exception):
@@ -203,23 +203,26 @@ def parse_lines(raw: Any):
     data = lines.filter(~F.col("line").startswith("#") & (F.trim(F.col("line")) != ""))
     data = data.join(F.broadcast(headers), "file", "left")
 
-    unquoted = F.regexp_replace(F.col("line"), QUOTED_FIELD, "")
-    count = F.when(F.instr(unquoted, '"') > 0, F.lit(-1)).otherwise(F.size(F.split(unquoted, ",", -1)))
     by_count = F.lit(None).cast("array<string>")
     for n, fields in FIELDS_BY_COUNT.items():
         by_count = F.when(F.col("n") == n, F.array(*[F.lit(f) for f in fields])).otherwise(by_count)
-    schema = ", ".join(f"c{i} STRING" for i in range(MAX_FIELDS))
-    parsed = F.from_csv(F.col("line"), schema, {"quote": '"', "escape": '"', "mode": "PERMISSIVE",
-                                                "ignoreLeadingWhiteSpace": "false"})
-    data = (data.withColumn("n", count)
-            .withColumn("names", F.coalesce(F.col("header_names"), by_count))
-            .withColumn("tokens", F.array(*[parsed[f"c{i}"] for i in range(MAX_FIELDS)])))
+    # One CSV parse per row gives both the fields and their count: a sentinel field appended to
+    # the line lands right after the last field (a stray quote swallows it; so do too many fields).
+    schema = ", ".join(f"c{i} STRING" for i in range(MAX_FIELDS + 1))
+    parsed = F.from_csv(F.concat(F.col("line"), F.lit("," + SENTINEL)), schema,
+                        {"quote": '"', "escape": '"', "mode": "PERMISSIVE", "ignoreLeadingWhiteSpace": "false"})
+    # from_csv once per row: a column of its own, then the array refers to that column (built
+    # from the expression itself, Spark would parse the line once per array element).
+    data = (data.withColumn("parsed", parsed)
+            .withColumn("tokens", F.array(*[F.col("parsed")[f"c{i}"] for i in range(MAX_FIELDS + 1)]))
+            .withColumn("n", (F.array_position(F.col("tokens"), SENTINEL) - 1).cast("int"))
+            .withColumn("names", F.coalesce(F.col("header_names"), by_count)))
 
     def field(name: str):
         pos = F.array_position(F.col("names"), name).cast("int")
         return F.coalesce(F.when(pos > 0, F.element_at(F.col("tokens"), pos)), F.lit(""))
 
-    reason = (F.when(F.col("n") < 0, F.lit("unbalanced quote"))
+    reason = (F.when(F.col("n") < 0, F.lit(f"unbalanced quote or more than {MAX_FIELDS} fields"))
               .when(F.col("header_names").isNull() & F.col("names").isNull(),
                     F.concat(F.col("n").cast("string"), F.lit(" fields and no #Fields header (expected 26, 27 or 30)")))
               .when(F.size("names") != F.col("n"),
