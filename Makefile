@@ -37,3 +37,12 @@ CHAOS_SEED ?= 4242
 chaos:
 	$(PY) -m transportd chaos --messages $(CHAOS_MESSAGES) --faults $(CHAOS_FAULTS) --seed $(CHAOS_SEED) --json chaos-shadow.json
 	$(PY) -m transportd chaos --messages $(CHAOS_MESSAGES) --faults $(CHAOS_FAULTS) --seed $(CHAOS_SEED) --ip-base 121 --no-shadow --expect-loss --json chaos-control.json
+
+.PHONY: analyze bench-analytics
+
+# Spark analytics over the local cluster's tracking logs (see docs/analytics.md).
+analyze:
+	$(PY) -m transportd analyze 'data/cluster/node*/msgtrk' --out data/analytics
+
+bench-analytics:
+	$(PY) benchmarks/analytics_scale.py

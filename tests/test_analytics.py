@@ -1,0 +1,369 @@
+"""Tracking-log analytics (transportd/analytics, `transportd analyze`): the Spark job end to end.
+
+1. crafted logs of all three Exchange formats (2010: 26 fields, 2013: 27, 2016: 30), with and
+   without header and BOM, CRLF and LF, quoted fields holding commas and quotes, lists joined
+   with ``;``, malformed rows counted and never fatal;
+2. crafted journeys: each final state and anomaly decided from the logs alone;
+3. generated logs: every injected fact found exactly (the truth file);
+4. report.html opened in headless Chromium, offline: every chart rendered;
+5. a real 3-node cluster, mail sent with swaks, the primary killed: `transportd analyze` over
+   the nodes' MSGTRK folders reports the promotion, no loss and full coverage.
+
+One SparkSession (local[2]) serves the module; the CLI runs in its own processes.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+pytest.importorskip("pyspark")
+
+from transportd.analytics import job
+from transportd.analytics.generate import generate
+from transportd.tracking import FIELDS_2010, FIELDS_2013, FIELDS_2016, TrackingLog
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def spark():
+    session = job.spark_session("local[2]", conf={"spark.sql.shuffle.partitions": "4"})
+    yield session
+    session.stop()
+
+
+def csv_rows(fields: tuple[str, ...], rows: list[dict[str, str]], newline: str) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator=newline)
+    for row in rows:
+        writer.writerow([row.get(f, "") for f in fields])
+    return buf.getvalue()
+
+
+def write_log(path: Path, fields: tuple[str, ...], rows: list[dict[str, str]], *, header: bool, bom: bool,
+              newline: str, extra: str = "") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = ""
+    if header:
+        text += newline.join(("#Software: Microsoft Exchange Server", "#Version: 15.0.0.0",
+                              "#Log-type: Message Tracking Log", "#Date: 2013-05-01T00:00:00.000Z",
+                              "#Fields: " + ",".join(fields))) + newline
+    text += csv_rows(fields, rows, newline) + extra
+    path.write_bytes((b"\xef\xbb\xbf" if bom else b"") + text.encode("utf-8"))
+    return path
+
+
+def parsed_rows(spark, paths: list[str]) -> list[dict]:
+    """Test only: the parsed rows of tiny inputs, collected."""
+    df = job.normalize(job.parse_lines(job.read_raw(spark, paths)))
+    return [r.asDict() for r in df.orderBy("file", "time").collect()]
+
+
+# ------------------------------------------------------------------------------ 1
+
+
+def test_all_three_formats_header_or_not_bom_crlf_quotes_and_malformed_rows(spark, tmp_path):
+    subject = 'Re: "budget", Q3; final'
+    redirect_ctx = 'node3.example=250 2.6.0 <a@b> [InternalId=7, Hostname=node3.example] "Queued"'
+    # Exchange 2010: no header, no BOM, LF, 26 fields, no network-message-id, empty server-hostname.
+    f2010 = write_log(tmp_path / "ex2010" / "hub-a" / "MSGTRK20100301-1.LOG", FIELDS_2010, [
+        {"date-time": "2010-03-01T10:00:00.000Z", "event-id": "RECEIVE", "source": "SMTP",
+         "message-id": "<old@x>", "recipient-address": "A@Example.test;b@example.test",
+         "message-subject": subject, "internal-message-id": "5"},
+        {"date-time": "2010-03-01T10:00:01.500Z", "event-id": "DELIVER", "source": "STOREDRIVER",
+         "message-id": "<old@x>", "recipient-address": "a@example.test;b@example.test"},
+    ], header=False, bom=False, newline="\n")
+    # Exchange 2013: header, BOM, CRLF, 27 fields.
+    f2013 = write_log(tmp_path / "ex2013" / "MSGTRK20130501-1.LOG", FIELDS_2013, [
+        {"date-time": "2013-05-01T08:00:00.250Z", "event-id": "HAREDIRECT", "source": "SMTP",
+         "server-hostname": "NODE1.example", "network-message-id": "AAAA-1", "message-id": "<n@x>",
+         "source-context": redirect_ctx, "recipient-address": "c@example.test"},
+    ], header=True, bom=True, newline="\r\n")
+    # Exchange 2016: no header but a BOM, CRLF, 30 fields; then three malformed rows.
+    bad = ('2016-01-01T00:00:00.000Z,"unterminated,quote\r\n'
+           "only,three,fields\r\n"
+           + "not-a-date" + "," * 29 + "\r\n")
+    f2016 = write_log(tmp_path / "ex2016" / "MSGTRK20160101-1.LOG", FIELDS_2016, [
+        {"date-time": "2016-01-01T00:00:00.000Z", "event-id": "RESUBMIT", "source": "REDUNDANCY",
+         "server-hostname": "node3.example", "network-message-id": "BBBB-2", "message-id": "<m@x>",
+         "source-context": "node1.example (ShadowHeartbeatFailure)", "reference": "17",
+         "recipient-address": "d@example.test", "log-id": "x", "schema-version": "15.2"},
+    ], header=False, bom=True, newline="\r\n", extra=bad)
+
+    rows = parsed_rows(spark, [str(f2010), str(tmp_path / "ex2013"), str(tmp_path / "ex2016" / "MSGTRK*.LOG")])
+    good = [r for r in rows if r["valid"]]
+    bad_rows = [r for r in rows if not r["valid"]]
+    assert len(good) == 4 and len(bad_rows) == 3, rows
+
+    receive, deliver = [r for r in good if r["file"].endswith(f2010.name)]
+    assert receive["event"] == "RECEIVE" and deliver["event"] == "DELIVER"
+    assert receive["key"] == "<old@x>" and receive["network_message_id"] == ""  # 2010: keyed by message-id
+    assert receive["node"] == "hub-a"  # the folder, server-hostname being empty
+    assert receive["recipients"] == ["a@example.test", "b@example.test"]
+    assert receive["internal_message_id"] == "5"
+    assert (deliver["time"] - receive["time"]).total_seconds() == 1.5
+
+    (redirect,) = [r for r in good if r["file"].endswith(f2013.name)]
+    assert redirect["node"] == "node1.example" and redirect["key"] == "aaaa-1"
+    assert redirect["context"] == redirect_ctx  # commas and doubled quotes kept inside one field
+    assert redirect["peer"] == "node3.example"
+
+    (resubmit,) = [r for r in good if r["file"].endswith(f2016.name)]
+    assert (resubmit["peer"], resubmit["reason"], resubmit["reference"]) == (
+        "node1.example", "ShadowHeartbeatFailure", "17")
+
+    reasons = sorted(r["malformed_reason"] for r in bad_rows)
+    assert reasons == ["3 fields and no #Fields header (expected 26, 27 or 30)", "bad date-time",
+                       "unbalanced quote or more than 32 fields"], reasons
+
+
+def test_a_header_decides_the_field_order_and_a_short_row_is_malformed(spark, tmp_path):
+    fields = ("event-id", "date-time", "network-message-id", "server-hostname", "recipient-address")
+    f = write_log(tmp_path / "custom" / "MSGTRK20200101-1.LOG", fields, [
+        {"event-id": "SENDEXTERNAL", "date-time": "2020-01-01T00:00:00Z", "network-message-id": "CCCC",
+         "server-hostname": "edge1", "recipient-address": "x@y.test"},
+    ], header=True, bom=False, newline="\n", extra="SEND,2020-01-01T00:00:01Z,CCCC\n")
+    rows = parsed_rows(spark, [str(f)])
+    assert [(r["valid"], r["event"], r["key"], r["node"]) for r in rows if r["valid"]] == [
+        (True, "SENDEXTERNAL", "cccc", "edge1")]
+    assert [r["malformed_reason"] for r in rows if not r["valid"]] == ["3 fields, #Fields names 5"]
+
+
+# ------------------------------------------------------------------------------ 2
+
+
+def crafted_cluster_logs(base: Path) -> dict[str, str]:
+    """Logs of node1..node3 (2016 format, written by the daemon's own TrackingLog) with one
+    message per final state and anomaly; returns {name: network-message-id}."""
+    from datetime import UTC, datetime, timedelta
+    t0 = datetime(2026, 11, 22, 3, 0, tzinfo=UTC)
+    logs = {n: TrackingLog(base / n / "msgtrk", f"{n}.test", clock=lambda: t0) for n in ("node1", "node2", "node3")}
+    ids = {name: f"{i:08x}-0000-4000-8000-000000000000" for i, name in enumerate((
+        "delivered", "lost", "promoted", "duplicate", "dropped_dup", "protected", "unprotected", "stale",
+        "failed"), start=1)}
+
+    def w(node: str, at: float, event: str, name: str, rcpts=("r@foreign.test",), **kw) -> None:
+        source = kw.pop("source", "STOREDRIVER" if event in ("DELIVER", "DUPLICATEDELIVER") else "SMTP")
+        logs[node].write(event, source, network_message_id=ids[name], message_id=f"<{name}@x>",
+                         recipients=list(rcpts), date_time=t0 + timedelta(seconds=at), **kw)
+
+    def shadowed(primary: str, shadow: str, at: float, name: str, rcpts=("r@foreign.test",)) -> None:
+        w(shadow, at - 0.002, "HARECEIVE", name, rcpts, source_context="guid", client_hostname=f"{primary}.test")
+        w(primary, at, "RECEIVE", name, rcpts)
+        w(primary, at + 0.001, "HAREDIRECT", name, rcpts, source_context=f"{shadow}.test=250 2.6.0 ok, queued")
+
+    shadowed("node1", "node3", 0, "delivered")
+    w("node1", 1, "SENDEXTERNAL", "delivered")
+    w("node3", 5, "HADISCARD", "delivered", (), source_context="ExplicitlyDiscarded;guid")
+    # accepted unprotected on node1, which dies at 30 s: lost
+    w("node1", 10, "RECEIVE", "lost")
+    w("node1", 10.001, "HAREDIRECTFAIL", "lost", source_context="No suitable shadow servers")
+    # shadowed on node3, node1 dies before delivery: promoted, delivered by node3
+    shadowed("node1", "node3", 20, "promoted")
+    w("node1", 21, "DEFER", "promoted", recipient_status=["451 4.4.1 refused"])
+    # delivered by node1 at 25 s but node1 dies before node3 hears of it: delivered twice outside
+    shadowed("node1", "node3", 24, "duplicate", ("d1@foreign.test", "d2@foreign.test"))
+    w("node1", 25, "SENDEXTERNAL", "duplicate", ("d1@foreign.test", "d2@foreign.test"))
+    # mailbox mail: node1 delivered it, the promoted copy is dropped as a duplicate by node2
+    shadowed("node1", "node3", 26, "dropped_dup", ("u@example.test",))
+    w("node1", 27, "DELIVER", "dropped_dup", ("u@example.test",))
+    for name in ("promoted", "duplicate", "dropped_dup"):
+        w("node3", 100, "RESUBMIT", name, ("r@foreign.test",) if name == "promoted" else
+          ("d1@foreign.test", "d2@foreign.test") if name == "duplicate" else ("u@example.test",),
+          source="REDUNDANCY", source_context="node1.test (ShadowHeartbeatFailure)")
+    w("node3", 100.5, "SENDEXTERNAL", "promoted")
+    w("node3", 100.5, "SENDEXTERNAL", "duplicate", ("d1@foreign.test", "d2@foreign.test"))
+    w("node3", 100.6, "SEND", "dropped_dup", ("u@example.test",))
+    w("node2", 100.7, "RECEIVE", "dropped_dup", ("u@example.test",))
+    w("node2", 100.8, "DUPLICATEDELIVER", "dropped_dup", ("u@example.test",))
+    # still queued at the end of the logs, with and without a shadow
+    shadowed("node2", "node3", 700, "protected")
+    w("node2", 700.5, "RECEIVE", "unprotected")
+    w("node2", 700.6, "HAREDIRECTFAIL", "unprotected", source_context="No suitable shadow servers")
+    # delivered long before the end, yet its shadow on node3 was never discarded
+    shadowed("node2", "node3", 50, "stale")
+    w("node2", 51, "SENDEXTERNAL", "stale")
+    # a permanent failure
+    shadowed("node2", "node3", 60, "failed")
+    w("node2", 61, "FAIL", "failed", recipient_status=["550 5.1.1 unknown"])
+    w("node3", 65, "HADISCARD", "failed", (), source_context="ExplicitlyDiscarded;guid")
+    w("node3", 701, "SEND", "protected", ())  # something late on node3 too: the logs end at 701 s
+    for log in logs.values():
+        log.close()
+    return ids
+
+
+def test_crafted_journeys_final_states_anomalies_and_summary(spark, tmp_path):
+    ids = crafted_cluster_logs(tmp_path / "logs")
+    out = tmp_path / "out"
+    summary = job.analyze(spark, [str(tmp_path / "logs" / "node*" / "msgtrk")], str(out), grace_seconds=300,
+                          progress=False)
+    messages = {r["network_message_id"]: r.asDict(recursive=True)
+                for r in spark.read.parquet(str(out / "messages")).collect()}
+    state = {name: messages[netid]["state"] for name, netid in ids.items()}
+    assert state == {"delivered": "delivered", "lost": "lost", "promoted": "delivered", "duplicate": "delivered",
+                     "dropped_dup": "delivered", "protected": "in flight protected",
+                     "unprotected": "in flight unprotected", "stale": "delivered", "failed": "failed"}
+    m = messages[ids["promoted"]]
+    assert m["promoted"] and m["receive_node"] == "node1.test" and m["shadow_node"] == "node3.test"
+    assert [(r["node"], r["primary"], r["reason"]) for r in m["resubmits"]] == [
+        ("node3.test", "node1.test", "ShadowHeartbeatFailure")]
+    assert [(d["event"], d["node"]) for d in m["deliveries"]] == [("SENDEXTERNAL", "node3.test")]
+    assert m["latency_seconds"] == pytest.approx(80.5)
+    assert messages[ids["duplicate"]]["duplicate_external_recipients"] == ["d1@foreign.test", "d2@foreign.test"]
+    assert len(messages[ids["dropped_dup"]]["duplicate_delivers"]) == 1
+    assert messages[ids["delivered"]]["shadow_hold_seconds"] == [pytest.approx(5.002)]
+    assert messages[ids["lost"]]["unprotected_seconds"] == pytest.approx(690.999)  # to the end, 701 s
+
+    assert summary["states"] == {"delivered": 5, "failed": 1, "in flight protected": 1,
+                                 "in flight unprotected": 1, "lost": 1, "incomplete": 0}
+    assert summary["lost"] == 1 and summary["promoted"] == 3
+    assert summary["received"] == 9 and summary["redundant"] == 7
+    assert summary["redundancy_coverage"] == pytest.approx(7 / 9)
+    assert summary["unprotected_messages"] == 2
+    assert summary["duplicates"] == {"inside_boundary": 1, "outside_boundary": 1, "reached_mailbox": 0}
+    assert [(e["shadow_node"], e["primary"], e["reason"], e["messages"]) for e in summary["failover_episodes"]] == [
+        ("node3.test", "node1.test", "ShadowHeartbeatFailure", 3)]
+    assert summary["anomalies"]["counts"] == {"lost": 1, "shadow never discarded": 1, "duplicate outside boundary": 1}
+    kinds = {(a["kind"], a["network_message_id"]) for a in summary["anomalies"]["sample"]}
+    assert kinds == {("lost", ids["lost"]), ("shadow never discarded", ids["stale"]),
+                     ("duplicate outside boundary", ids["duplicate"])}
+    assert spark.read.parquet(str(out / "anomalies")).count() == 3
+    assert summary["events_by_node"]["node2.test"]["DUPLICATEDELIVER"] == 1
+    assert json.loads((out / "summary.json").read_text())["lost"] == 1
+
+
+# ------------------------------------------------------------------------------ 3, 4
+
+
+@pytest.fixture(scope="module")
+def generated(spark, tmp_path_factory):
+    base = tmp_path_factory.mktemp("generated")
+    truth = generate(base / "logs", messages=3000, nodes=4, seed=5, deaths=2, redirect_fail_rate=0.2,
+                     lost_discard_rate=0.02, malformed=7, grace=60.0)
+    summary = job.analyze(spark, [str(base / "logs")], str(base / "out"), recursive=True, grace_seconds=60.0,
+                          progress=False)
+    return base, truth, summary
+
+
+def test_generated_logs_every_injected_fact_is_found_exactly(generated):
+    _, truth, summary = generated
+    assert truth["lost"] > 0 and truth["promoted"] > 0 and truth["stale_shadows"] > 0  # the run tests something
+    assert truth["duplicates"]["outside_boundary"] > 0 and truth["duplicates"]["inside_boundary"] > 0
+    assert summary["states"] == truth["states"]
+    assert summary["messages"] == truth["messages"]
+    assert summary["lost"] == truth["lost"]
+    assert summary["unprotected_messages"] == truth["unprotected"]
+    assert summary["promoted"] == truth["promoted"]
+    assert summary["received"] == truth["received"] and summary["redundant"] == truth["redundant"]
+    assert summary["duplicates"]["outside_boundary"] == truth["duplicates"]["outside_boundary"]
+    assert summary["duplicates"]["inside_boundary"] == truth["duplicates"]["inside_boundary"]
+    assert summary["anomalies"]["counts"]["shadow never discarded"] == truth["stale_shadows"]
+    assert summary["anomalies"]["counts"]["lost"] == truth["lost"]
+    assert summary["malformed"]["rows"] == truth["malformed"]
+    assert summary["rows"] == truth["rows"] + truth["malformed"]
+    dead = {d["node"] for d in truth["deaths"]}
+    assert {e["primary"] for e in summary["failover_episodes"]} == dead
+    assert sum(e["messages"] for e in summary["failover_episodes"]) == truth["promoted"]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed")
+def test_report_opens_offline_in_headless_chromium_with_every_chart_drawn(generated, tmp_path):
+    base, _, summary = generated
+    report = base / "out" / "report.html"
+    page = report.read_text()
+    assert "http://" not in page.replace("http://www.w3.org/2000/svg", "") and "https://" not in page
+    res = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                          f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", report.as_uri()],
+                         capture_output=True, text=True, timeout=120, check=False)
+    dom = res.stdout
+    assert 'data-charts="5"' in dom, res.stderr[-2000:]
+    for chart in ("chart-messages", "chart-coverage", "chart-latency", "chart-hold", "chart-failover"):
+        start = dom.index(f'id="{chart}"')
+        tag = dom[dom.rindex("<", 0, start):dom.index(">", start)]
+        assert 'data-rendered="true"' in tag, tag
+        assert int(tag.split('data-marks="')[1].split('"')[0]) > 0, tag
+    assert dom.count('class="series"') == 4 + 1  # one line per node, and coverage
+    assert dom.count('class="episode"') == len(summary["failover_episodes"]) > 0
+    assert dom.count("<tr>") >= summary["anomalies"]["counts"]["lost"]
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "transportd", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, check=False)
+
+
+def test_cli_generate_writes_logs_and_truth_and_bad_input_exits_2(tmp_path):
+    res = run_cli("analyze", "generate", "--messages", "300", "--nodes", "3", "--out", str(tmp_path / "g"))
+    assert res.returncode == 0, res.stderr
+    truth = json.loads((tmp_path / "g" / "truth.json").read_text())
+    assert truth["received"] == 300
+    assert sorted(p.name for p in (tmp_path / "g").iterdir()) == ["node1", "node2", "node3", "truth.json"]
+    assert list((tmp_path / "g" / "node2" / "msgtrk").glob("MSGTRK*.LOG"))
+
+    res = run_cli("analyze", str(tmp_path / "nothing-here"), "--out", str(tmp_path / "o"))
+    assert res.returncode == 2 and "no such file or folder" in res.stderr
+    res = run_cli("analyze", "generate", "--messages", "10", "--nodes", "2", "--deaths", "1", "--out",
+                  str(tmp_path / "h"))
+    assert res.returncode == 2 and "deaths" in res.stderr
+
+
+# ------------------------------------------------------------------------------ 5
+
+
+def test_real_cluster_primary_killed_analyze_reports_promotion_no_loss_full_coverage(procs, sink, tmp_path):
+    from test_cluster_failover import LocalCluster, accepted_with_shadow, send
+
+    c = LocalCluster(procs, sink, tmp_path, {"shadow_redundancy": {
+        "shadow_heartbeat_frequency": 0.5, "shadow_resubmit_time_span": 3}})
+    c.start()
+    n1, n2, n3 = c["node1"], c["node2"], c["node3"]
+    # The smart host is down: node1 keeps its message queued, shadowed on node3 (the other site).
+    netid = accepted_with_shadow(n1, n3, send(n1, "carol@foreign.test"))
+    other = accepted_with_shadow(n2, n3, send(n2, "dave@foreign.test"))
+    n1.wait_event("DEFER", netid)
+    n1.kill9()
+    sink.start()
+    n3.wait_event("RESUBMIT", netid, timeout=30)
+    n3.wait_event("SENDEXTERNAL", netid, timeout=30)
+    n2.wait_event("SENDEXTERNAL", other, timeout=30)
+    n3.wait_event("HADISCARD", other, timeout=30)
+
+    out = tmp_path / "analysis"
+    folders = [str(n.cfg.tracking_dir) for n in (n1, n2, n3)]
+    res = run_cli("analyze", *folders, "--out", str(out), "--json", "--no-progress", "--master", "local[2]",
+                  "--conf", "spark.sql.shuffle.partitions=4")
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout)
+    assert summary["lost"] == 0 and summary["states"]["lost"] == 0
+    assert summary["states"]["delivered"] == 2, summary["states"]
+    assert summary["received"] == 2 and summary["redundancy_coverage"] == 1.0
+    assert [(e["shadow_node"], e["primary"], e["reason"], e["messages"]) for e in summary["failover_episodes"]] == [
+        (n3.name, n1.name, "ShadowHeartbeatFailure", 1)]
+    assert summary["promoted"] == 1 and summary["duplicates"]["outside_boundary"] == 0
+    assert (out / "report.html").is_file()
+
+
+# ------------------------------------------------------------------------------ benchmark
+
+
+@pytest.mark.slow
+def test_analytics_scale_benchmark_runs_small(tmp_path):
+    out = tmp_path / "figures.json"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "analytics_scale.py"), "--messages", "1500",
+                          "--json", str(out)], capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["matches_truth"] and figures["rows_per_s"] > 0 and figures["driver_jvm_peak_mib"] > 0

@@ -1,0 +1,76 @@
+"""What the analytics job knows about the MSGTRK format and its events (pure Python, no Spark).
+
+Field lists come from ``transportd.tracking`` (one definition of the format). A file's field
+names are those of its ``#Fields:`` header; a file without one is read by the count of each
+row: 26 fields is Exchange 2010, 27 is 2013, 30 is 2016/2019. The event classes below decide
+when a copy of a message is taken or released on a node and when a recipient is done; they
+are documented in docs/analytics.md.
+"""
+
+from __future__ import annotations
+
+from transportd.tracking import FIELDS_2010, FIELDS_2013, FIELDS_2016
+
+__all__ = [
+    "DELIVERY_EVENTS",
+    "ENTRY_EVENTS",
+    "FAILED_EVENTS",
+    "FIELDS_2010",
+    "FIELDS_2013",
+    "FIELDS_2016",
+    "FIELDS_BY_COUNT",
+    "GENERIC_FOLDERS",
+    "MAX_FIELDS",
+    "RELEASE_EVENTS",
+    "STATES",
+    "SUCCESS_EVENTS",
+    "TAKE_EVENTS",
+    "column_name",
+]
+
+FIELDS_BY_COUNT: dict[int, tuple[str, ...]] = {
+    len(FIELDS_2010): FIELDS_2010,
+    len(FIELDS_2013): FIELDS_2013,
+    len(FIELDS_2016): FIELDS_2016,
+}
+"""Headerless files: the number of fields in a row decides the format."""
+
+MAX_FIELDS = 32
+"""Tokens parsed per row: every known format fits (a #Fields header may name at most this many)."""
+
+ENTRY_EVENTS = ("RECEIVE", "DSN")
+"""A message enters the logs: received over SMTP (or a local submission), or a DSN generated."""
+
+TAKE_EVENTS = ("RECEIVE", "HARECEIVE", "RESUBMIT", "DSN")
+"""The node now holds a copy (primary, shadow, promoted or resubmitted, generated)."""
+
+RELEASE_EVENTS = (
+    "HADISCARD", "DELIVER", "DUPLICATEDELIVER", "SENDEXTERNAL", "FAIL", "DROP", "REDIRECT",
+)
+"""The node no longer holds the copy it took. SEND is not one: the sender keeps the message
+as a shadow (hop-by-hop, PROTOCOL.md section 3) until the next hop's discard, logged as
+HADISCARD on the sender."""
+
+SUCCESS_EVENTS = ("DELIVER", "SENDEXTERNAL", "DUPLICATEDELIVER")
+"""A recipient is done: stored in a mailbox, accepted outside the boundary, or already stored."""
+
+FAILED_EVENTS = ("FAIL", "DROP")
+"""A recipient is done, unsuccessfully: permanent failure or expiry, or removed by an operator."""
+
+DELIVERY_EVENTS = ("SEND", "SENDEXTERNAL", "DELIVER")
+"""Every hand-over of a message, listed per message in ``messages/``."""
+
+STATES = (
+    "delivered", "failed", "in flight protected", "in flight unprotected", "lost", "incomplete",
+)
+"""Final states; ``incomplete`` is a message whose entry (RECEIVE, HARECEIVE or DSN) is not
+in the logs given (only later hops were read)."""
+
+GENERIC_FOLDERS = ("msgtrk", "messagetracking", "logs", "log", "tracking")
+"""When server-hostname is empty the node is the file's folder, or the folder above it when the
+folder has one of these generic names (data/cluster/node1/msgtrk -> node1)."""
+
+
+def column_name(field: str) -> str:
+    """The DataFrame column for a MSGTRK field name (``network-message-id`` -> ``network_message_id``)."""
+    return field.replace("-", "_")
