@@ -590,12 +590,14 @@ def test_queue_list_watch(make_node, sink):
                 return
             chunks.append(data)
 
+    piped = node.registry.add(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     proc = node.registry.add(subprocess.Popen(cmd, stdout=slave, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL))
     os.close(slave)
     t = threading.Thread(target=reader, daemon=True)
     t.start()
-    piped = node.registry.add(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    time.sleep(1.2)
+    # Started after the piped one: three redraws on the terminal mean both have refreshed (a
+    # loaded machine can take seconds to start a Python process, so wait for output, not time).
+    wait_for(lambda: b"".join(chunks).count(b"\x1b[H\x1b[2J") >= 3, timeout=30, what="three redraws")
     assert proc.poll() is None and piped.poll() is None, "--watch exited by itself"
     os.kill(proc.pid, signal.SIGINT)   # Ctrl-C
     os.kill(piped.pid, signal.SIGTERM)
