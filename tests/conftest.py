@@ -7,6 +7,7 @@ the test ends, whatever happened.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,35 @@ def free_port(host: str = "127.0.0.1") -> int:
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port
+
+
+@contextlib.contextmanager
+def silent_peer():
+    """A loopback listener that accepts connections and never says a word (a hung peer); yields
+    its port and closes everything on exit."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.settimeout(0.2)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept_and_say_nothing() -> None:
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                pass
+    t = threading.Thread(target=accept_and_say_nothing, daemon=True)
+    t.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        t.join(2)
+        for c in held:
+            c.close()
+        listener.close()
 
 
 def wait_port(host: str, port: int, timeout: float = 15.0, proc: subprocess.Popen | None = None) -> None:
@@ -131,7 +162,7 @@ class Node:
         write_toml(self.config_path, sections)
         self.proc: subprocess.Popen | None = None
 
-    def start(self, wait: bool = True) -> "Node":
+    def start(self, wait: bool = True) -> Node:
         log = open(self.log_path, "ab")
         self.proc = self.registry.add(subprocess.Popen(
             [sys.executable, "-m", "transportd", "serve", "--config", str(self.config_path)],
@@ -200,7 +231,7 @@ class Sink:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, extra_args: tuple[str, ...] | None = None) -> "Sink":
+    def start(self, extra_args: tuple[str, ...] | None = None) -> Sink:
         if extra_args is not None:
             self.extra_args = extra_args
         cmd = [SMTP_SINK]

@@ -10,11 +10,9 @@ site) must get the shadow, within the timeout.
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
-from conftest import free_port, queued_id, swaks, wait_port
+from conftest import free_port, queued_id, silent_peer, swaks, wait_port
 
 from transportd import cluster as cluster_mod
 
@@ -22,22 +20,7 @@ SECRET = "fallback-secret"
 
 
 def test_silent_remote_peer_does_not_starve_the_local_one(make_node):
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(16)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept_and_say_nothing() -> None:
-        silent.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(silent.accept()[0])
-            except OSError:
-                pass
-    t = threading.Thread(target=accept_and_say_nothing, daemon=True)
-    t.start()
-    try:
+    with silent_peer() as silent_port:
         ports = {"a": free_port(), "b": free_port()}
         shadow = {"shadow_redundancy_enabled": True, "shadow_copy_timeout": 4}
         a = make_node("nodea", overrides={"transport": {"listen": f"127.0.0.1:{ports['a']}"},
@@ -46,7 +29,7 @@ def test_silent_remote_peer_does_not_starve_the_local_one(make_node):
                                           "cluster": {"secret": SECRET}, "shadow_redundancy": shadow})
         a.config_path.write_text(cluster_mod.render_toml(a.sections, [
             {"name": "silent.transportd.test", "site": "site-b",
-             "transport": f"127.0.0.1:{silent.getsockname()[1]}"},
+             "transport": f"127.0.0.1:{silent_port}"},
             {"name": b.name, "site": "site-a", "transport": f"127.0.0.1:{ports['b']}"}]))
         b.config_path.write_text(cluster_mod.render_toml(b.sections, [
             {"name": a.name, "site": "site-a", "transport": f"127.0.0.1:{ports['a']}"}]))
@@ -62,9 +45,3 @@ def test_silent_remote_peer_does_not_starve_the_local_one(make_node):
         assert len(redirects) == 2
         assert all(r["source-context"].startswith(f"{b.name}=250 2.6.0") for r in redirects), redirects
         assert len(b.tracking(event_id="HARECEIVE")) == 2
-    finally:
-        stop.set()
-        t.join(2)
-        for c in held:
-            c.close()
-        silent.close()

@@ -2,30 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
-from conftest import free_port, queued_id, swaks
+from conftest import free_port, queued_id, silent_peer, swaks
 
 
 def test_silent_peer_bounded_by_shadow_copy_timeout(make_node):
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(16)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept_and_say_nothing():
-        silent.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(silent.accept()[0])
-            except OSError:
-                pass
-    t = threading.Thread(target=accept_and_say_nothing, daemon=True)
-    t.start()
-    try:
+    with silent_peer() as silent_port:
         node = make_node(overrides={
             "transport": {"listen": f"127.0.0.1:{free_port()}"},
             "cluster": {"secret": "s3cret"},
@@ -33,7 +16,7 @@ def test_silent_peer_bounded_by_shadow_copy_timeout(make_node):
         })
         with open(node.config_path, "a") as f:
             f.write(f'\n[[peers]]\nname = "silent.transportd.test"\nsite = "site-b"\n'
-                    f'transport = "127.0.0.1:{silent.getsockname()[1]}"\n')
+                    f'transport = "127.0.0.1:{silent_port}"\n')
         node.start()
         t0 = time.monotonic()
         res = swaks(node.port, "--to", "alice@example.test")
@@ -45,9 +28,3 @@ def test_silent_peer_bounded_by_shadow_copy_timeout(make_node):
         context = fail[0]["source-context"]
         assert context.startswith("silent.transportd.test:"), context
         assert node.alive
-    finally:
-        stop.set()
-        t.join(2)
-        for c in held:
-            c.close()
-        silent.close()
