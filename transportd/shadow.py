@@ -73,6 +73,7 @@ class ShadowManager:
         self._idle: dict[str, list[PeerSession]] = {}
         self._rotate = 0
         self._seen_lock = asyncio.Lock()
+        self._background: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
         self._stopping = False
 
@@ -297,6 +298,8 @@ class ShadowManager:
             # The shadow copies it held of *our* messages went with its old database: make them again
             # (in the background: the peer is waiting for its XSHADOWREQUEST reply).
             task = asyncio.ensure_future(self.reprotect(primary))
+            self._background.add(task)  # held: the loop keeps only a weak reference to tasks
+            task.add_done_callback(self._background.discard)
             task.add_done_callback(lambda t: t.cancelled() or t.exception() and log.error(
                 "re-making shadows lost on %s failed: %r", primary, t.exception()))
         if recorded != dbid:
