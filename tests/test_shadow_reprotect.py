@@ -1,5 +1,8 @@
-"""Regression (found by `transportd chaos`, docs/reliability.md): a shadow node that loses its
-queue database takes our messages' shadow copies with it; the primary must make them again.
+"""Regaining redundancy after a failure (found by `transportd chaos`, docs/reliability.md).
+
+A shadow node that loses its queue database takes our messages' shadow copies with it; the
+primary must make them again. A promoted copy is delivered at once, while its new shadow is
+made. A message accepted without a shadow gets one when a peer is back.
 
 Seen in the long chaos run: node2 held two messages behind a refusing sink, shadowed on node3;
 node3 was wiped (a new queue database) and came back; 11 s later node2 was wiped before it had
@@ -10,9 +13,18 @@ is survived through the new shadow (promoted on node2's ShadowStateChange).
 
 from __future__ import annotations
 
+import contextlib
+import random
 import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
 
-from conftest import free_port, wait_for
+from conftest import free_port, silent_peer, wait_for, wait_port
 from test_cluster_failover import accepted_with_shadow, make_cluster, send, sink_copies  # noqa: F401
 
 LOCAL = "alice@example.test"  # MDB01 on node1: delivered, so nothing stays queued on node3
@@ -63,33 +75,24 @@ def test_primary_remakes_shadows_lost_with_a_wiped_shadow_node(make_cluster, sin
     assert n1.proc.poll() is None
 
 
-def test_promotion_survives_the_announcing_peer_hanging_up(procs, sink, tmp_path):
-    """Regression (found by `transportd chaos`): a primary that announces a new queue database ID
-    and hangs up at once (its own shadow attempt timed out) must still get its old shadows
-    promoted and delivered; the cancelled session handler left them ``pending`` for ever."""
-    import random
-    import socket
-    import subprocess
-    import sys
-    import threading
-    import time
-    import uuid
+@contextlib.contextmanager
+def shadow_node_of_a_fake_primary(procs: Any, sink: Any, tmp_path: Path, copy_timeout: float,
+                                  shadows: int = 5):
+    """A real node holding ``shadows`` shadow copies (for the sink) of a fake primary, whose only
+    other peer accepts connections and never answers: making a promoted copy redundant again
+    takes the node the whole ``copy_timeout``. Yields (node ip, transport port, fake, secret,
+    guids, node log path, process)."""
+    stack = contextlib.ExitStack()
+    from test_cluster import FOREIGN, FakePrimary, auth_plain, b64_dbid, merge, reply, smtp, write_node_config
 
-    from conftest import wait_port
-    from test_cluster import FAST, FOREIGN, FakePrimary, auth_plain, b64_dbid, merge, reply, smtp, write_node_config
-
-    sink.start()
-    # A second peer that accepts and never answers: re-making the promoted copies redundant takes
-    # the whole shadow_copy_timeout, long after the announcing peer hung up.
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(64)
     base = random.randint(20, 200)
     node_ip, fake_name, secret = f"127.0.0.{base}", "fake.transportd.test", "s-" + uuid.uuid4().hex
     fake = FakePrimary((f"127.0.0.{base + 1}", free_port()), fake_name, str(uuid.uuid4()))
     fake.default_discard = []
     threading.Thread(target=fake.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
+        from test_cluster import FAST
+        silent = stack.enter_context(silent_peer())
         tport = free_port()
         config = tmp_path / "shadow.toml"
         write_node_config(config, merge(FAST, {
@@ -100,14 +103,15 @@ def test_promotion_survives_the_announcing_peer_hanging_up(procs, sink, tmp_path
             "routing": {"accepted_domains": ["example.test"], "trusted_networks": ["127.0.0.1/32"],
                         "smart_host": sink.address},
             "shadow_redundancy": {"shadow_redundancy_enabled": True, "shadow_resubmit_time_span": 3600,
-                                  "shadow_copy_timeout": 2},
+                                  "shadow_copy_timeout": copy_timeout},
         }), [{"name": fake_name, "site": "site-b", "transport": f"{fake.server_address[0]}:{fake.server_address[1]}"},
-             {"name": "silent.transportd.test", "site": "site-a", "transport": f"127.0.0.1:{silent.getsockname()[1]}"}])
-        with open(tmp_path / "shadow.log", "ab") as log:
+             {"name": "silent.transportd.test", "site": "site-a", "transport": f"127.0.0.1:{silent}"}])
+        log_path = tmp_path / "shadow.log"
+        with open(log_path, "ab") as log:
             proc = procs.add(subprocess.Popen([sys.executable, "-m", "transportd", "serve", "--config", str(config)],
                                               stdout=log, stderr=subprocess.STDOUT))
         wait_port(node_ip, tport, proc=proc)
-        guids = [str(uuid.uuid4()) for _ in range(5)]
+        guids = [str(uuid.uuid4()) for _ in range(shadows)]
         s = smtp(node_ip, tport, helo=fake_name)
         assert auth_plain(s, fake_name, secret)[0] == 235
         assert reply(s, f"XSHADOWREQUEST {fake_name} {b64_dbid(fake.dbid)}")[0] == 250
@@ -116,20 +120,88 @@ def test_promotion_survives_the_announcing_peer_hanging_up(procs, sink, tmp_path
             assert reply(s, f"RCPT TO:<{FOREIGN}>")[0] == 250
             assert s.data(f"Subject: hangup {g}\r\n\r\nbody\r\n".encode())[0] == 250
         s.quit()
+        yield node_ip, tport, fake, secret, guids, log_path, proc
+    finally:
+        stack.close()
+        fake.shutdown()
+        fake.server_close()
 
-        # The primary comes back with a new queue database, says so, and hangs up at once.
-        s = smtp(node_ip, tport, helo=fake_name)
-        assert auth_plain(s, fake_name, secret)[0] == 235
-        s.sock.sendall(f"XSHADOWREQUEST {fake_name} {b64_dbid(str(uuid.uuid4()))}\r\n".encode())
-        wait_for(lambda: "promoting its shadows" in (tmp_path / "shadow.log").read_text(errors="replace"),
+
+def announce_new_database(node_ip: str, tport: int, fake: Any, secret: str):
+    """The fake primary comes back with a new queue database and says so; the open session."""
+    from test_cluster import auth_plain, b64_dbid, smtp
+    s = smtp(node_ip, tport, helo=fake.name)
+    assert auth_plain(s, fake.name, secret)[0] == 235
+    s.sock.sendall(f"XSHADOWREQUEST {fake.name} {b64_dbid(str(uuid.uuid4()))}\r\n".encode())
+    return s
+
+
+def at_sink(sink: Any, guids: list[str]) -> int:
+    return sum(any(g.encode() in m for m in sink.messages()) for g in guids)
+
+
+def test_promotion_survives_the_announcing_peer_hanging_up(procs, sink, tmp_path):
+    """Regression (found by `transportd chaos`): a primary that announces a new queue database ID
+    and hangs up at once (its own shadow attempt timed out) must still get its old shadows
+    promoted and delivered; the cancelled session handler left them ``pending`` for ever."""
+    sink.start()
+    with shadow_node_of_a_fake_primary(procs, sink, tmp_path, copy_timeout=2) as (ip, tport, fake, secret, guids,
+                                                                                    log_path, proc):
+        s = announce_new_database(ip, tport, fake, secret)
+        wait_for(lambda: "promoting its shadows" in log_path.read_text(errors="replace"),
                  timeout=10, what="the promotion to begin")
         time.sleep(0.5)
         s.close()  # the socket and smtplib's file on it: the fd really closes
-
-        wait_for(lambda: sum(any(g.encode() in m for m in sink.messages()) for g in guids) == len(guids),
-                 timeout=30, what="every promoted shadow at the sink")
+        wait_for(lambda: at_sink(sink, guids) == len(guids), timeout=30, what="every promoted shadow at the sink")
         assert proc.poll() is None
-    finally:
-        silent.close()
-        fake.shutdown()
-        fake.server_close()
+
+
+def test_promoted_copies_are_delivered_while_their_new_shadow_is_made(procs, sink, tmp_path):
+    """Regression (found by `transportd chaos`, run C): a promoted copy waited to be made redundant
+    again before delivery, one copy after the other, each up to shadow_copy_timeout; a second
+    failure in that time lost it. The promotion is the failover: delivery starts at once."""
+    sink.start()
+    with shadow_node_of_a_fake_primary(procs, sink, tmp_path, copy_timeout=60) as (ip, tport, fake, secret, guids,
+                                                                                     log_path, proc):
+        s = announce_new_database(ip, tport, fake, secret)
+        promoted_at = time.monotonic()
+        # The only other peer never answers: the new shadows are still being made for a minute.
+        wait_for(lambda: at_sink(sink, guids) == len(guids), timeout=20, what="every promoted copy at the sink")
+        assert time.monotonic() - promoted_at < 20
+        assert "HAREDIRECTFAIL" not in log_path.read_text(errors="replace")
+        s.close()
+        assert proc.poll() is None
+
+
+def test_message_accepted_without_a_shadow_gets_one_when_a_peer_is_back(make_cluster, sink):  # noqa: F811
+    """node1 alone accepts a message unprotected (HAREDIRECTFAIL; the sink is down, so it stays
+    queued); node3 starts; the heartbeat loop makes the shadow, and the later death of node1 is
+    survived through it. The metrics show the exposure while it lasts."""
+    from test_metrics import scrape, scrape_until, value
+
+    c = make_cluster(heartbeat=0.5, resubmit=2)
+    n1, n3 = c["node1"], c["node3"]
+    port = free_port(n1.host)
+    with open(n1.spec.config, "a") as f:
+        f.write(f'\n[metrics]\nlisten = "{n1.host}:{port}"\n')
+    c.start("node1")
+    mid = send(n1, "carol@foreign.test")
+    failed = [r for r in n1.wait_event("HAREDIRECTFAIL") if r["internal-message-id"] == str(mid)]
+    assert len(failed) == 1, failed
+    netid = failed[0]["network-message-id"]
+    n1.wait_event("DEFER", netid)
+    assert value(scrape(n1.host, port), "transportd_messages_not_redundant", state="unprotected") == 1
+
+    c.start("node3")
+    redirect = n1.wait_event("HAREDIRECT", netid, timeout=20)
+    assert redirect[0]["source-context"].startswith(f"{n3.name}=250 2.6.0 "), redirect
+    n3.wait_event("HARECEIVE", netid)
+    scrape_until(n1.host, port, lambda s: value(s, "transportd_messages_not_redundant", state="unprotected") == 0
+                 and value(s, "transportd_messages_not_redundant", state="reshadowing") == 0,
+                 "no exposed message left on node1")
+    assert len(n1.events("HAREDIRECTFAIL", netid)) == 1, "a failed retry is not tracked again"
+
+    n1.kill9()
+    sink.start()
+    n3.wait_event("RESUBMIT", netid, timeout=20)
+    wait_for(lambda: sink_copies(sink, netid), timeout=20, what="the re-protected message at the sink")

@@ -22,6 +22,10 @@ from .store import (delivered_to, discard_events, message_bodies, message_shadow
 READY, RETRY, ACTIVE, DELIVERED, FAILED, REMOVED = "Ready", "Retry", "Active", "Delivered", "Failed", "Removed"
 PENDING = (READY, RETRY)
 TERMINAL = (DELIVERED, FAILED, REMOVED)
+# Queued primary messages in these redundancy states have no live copy on a peer: "reshadowing"
+# (promoted, or their shadow node lost its database; a new shadow is being made) and "unprotected"
+# (accepted, or left, without one; the heartbeat loop retries).
+NOT_REDUNDANT = ("reshadowing", "unprotected")
 # message states
 QUEUED, SAFETY_NET, MSG_REMOVED = "Queued", "SafetyNet", "Removed"
 
@@ -157,6 +161,8 @@ def recover_after_restart(conn: Connection) -> int:
     peer's answer) is delivered: whether its 250 went out is unknown, so it must not be lost.
     """
     conn.execute(update(messages).where(messages.c.redundancy == "pending").values(redundancy="unknown"))
+    # A promoted or re-protected copy whose new shadow was being made: the heartbeat loop retries it.
+    conn.execute(update(messages).where(messages.c.redundancy == "reshadowing").values(redundancy="unprotected"))
     # Discard events handed out on sessions that never reached QUIT are handed out again.
     conn.execute(update(discard_events).where(discard_events.c.sent_token.is_not(None)).values(sent_token=None))
     return conn.execute(update(recipients).where(recipients.c.status == ACTIVE)

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import func, select
 
+from .mailqueue import NOT_REDUNDANT, QUEUED, SAFETY_NET, TERMINAL
 from .store import messages, queues, recipients
 
 log = logging.getLogger("transportd.metrics")
@@ -116,6 +117,10 @@ class QueueDatabaseCollector:
         safety_net = GaugeMetricFamily("transportd_safety_net_messages",
                                        "messages held in the Safety Net (primary) or Shadow Safety Net (shadow)",
                                        labels=["net"])
+        not_redundant = GaugeMetricFamily(
+            "transportd_messages_not_redundant",
+            "queued messages without a shadow on a peer: reshadowing (promoted, or their shadow node lost "
+            "its database) or unprotected (accepted without one; retried every heartbeat)", labels=["state"])
         up = GaugeMetricFamily("transportd_queue_database_up",
                                "1 when the queue database could be read for this scrape")
         try:
@@ -132,12 +137,14 @@ class QueueDatabaseCollector:
         nets = dict(rows["safety_net"])
         for net in ("primary", "shadow"):
             safety_net.add_metric([net], nets.get(net, 0))
+        exposed = dict(rows["not_redundant"])
+        for state in NOT_REDUNDANT:
+            not_redundant.add_metric([state], exposed.get(state, 0))
         up.add_metric([], 1)
-        yield from (queue_len, shadow_len, safety_net, up)
+        yield from (queue_len, shadow_len, safety_net, not_redundant, up)
 
 
 def _gauge_rows(conn: Any) -> dict[str, list]:
-    from .mailqueue import QUEUED, SAFETY_NET, TERMINAL
     q = conn.execute(
         select(queues.c.identity, recipients.c.status, func.count(func.distinct(recipients.c.message_id)))
         .join(recipients, recipients.c.queue_id == queues.c.id)
@@ -152,4 +159,8 @@ def _gauge_rows(conn: Any) -> dict[str, list]:
     nets = conn.execute(
         select(messages.c.role, func.count()).where(messages.c.state == SAFETY_NET)
         .group_by(messages.c.role)).all()
-    return {"queues": q, "shadows": shadows, "safety_net": nets}
+    exposed = conn.execute(
+        select(messages.c.redundancy, func.count())
+        .where(messages.c.role == "primary", messages.c.state == QUEUED, messages.c.redundancy.in_(NOT_REDUNDANT))
+        .group_by(messages.c.redundancy)).all()
+    return {"queues": q, "shadows": shadows, "safety_net": nets, "not_redundant": exposed}

@@ -36,6 +36,11 @@ from .store import discard_events, message_shadows, messages, recipients, shadow
 log = logging.getLogger("transportd.shadow")
 
 DISCARD_BATCH = 50
+# Copies made redundant again at once after a promotion, a peer's lost database or a failed
+# shadow (each on its own peer session): one at a time left a window a second failure could hit.
+RESHADOW_CONCURRENCY = 8
+# Unprotected messages retried per heartbeat round.
+REPROTECT_BATCH = 64
 
 
 @dataclass
@@ -74,6 +79,8 @@ class ShadowManager:
         self._rotate = 0
         self._seen_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
+        self._reshadow_slots = asyncio.Semaphore(RESHADOW_CONCURRENCY)
+        self._sweep: asyncio.Task | None = None
         self._task: asyncio.Task | None = None
         self._stopping = False
 
@@ -96,9 +103,10 @@ class ShadowManager:
     async def stop(self) -> None:
         self._stopping = True
         self.accepting = False
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, *self._background) if t is not None]
+        for t in tasks:
+            t.cancel()  # a copy left "reshadowing" is retried after the restart (recover_after_restart)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for sessions in self._idle.values():
             for s in sessions:
                 s.close()
@@ -297,35 +305,63 @@ class ShadowManager:
             await self.promote(primary, "ShadowStateChange", keep_dbid=dbid)
             # The shadow copies it held of *our* messages went with its old database: make them again
             # (in the background: the peer is waiting for its XSHADOWREQUEST reply).
-            task = asyncio.ensure_future(self.reprotect(primary))
-            self._background.add(task)  # held: the loop keeps only a weak reference to tasks
-            task.add_done_callback(self._background.discard)
-            task.add_done_callback(lambda t: t.cancelled() or t.exception() and log.error(
-                "re-making shadows lost on %s failed: %r", primary, t.exception()))
+            self._spawn(self.reprotect(primary), f"re-making shadows lost on {primary}")
         if recorded != dbid:
             await self._upsert_context(primary, queue_database_id=dbid)
 
     async def reprotect(self, peer: str) -> int:
         """``peer`` came back with a new queue database: our queued messages shadowed there have lost
         their shadow. Make a new one for each (found by `transportd chaos`: without this, a second
-        failure, of this node, before delivery lost them; docs/reliability.md)."""
-        def find(conn):
-            return [dict(r) for r in conn.execute(
-                select(messages, message_shadows.c.shadow_guid.label("lost_guid"))
-                .join(message_shadows, message_shadows.c.message_id == messages.c.id)
+        failure, of this node, before delivery lost them; docs/reliability.md).
+
+        One transaction forgets the lost copies and marks the messages ``reshadowing`` (visible to
+        ``message list``, the metrics and the chaos nemesis); the new copies are made concurrently."""
+        def claim(conn):
+            rows = [dict(r) for r in conn.execute(
+                select(messages).join(message_shadows, message_shadows.c.message_id == messages.c.id)
                 .where(message_shadows.c.shadow_node == peer, messages.c.role == "primary",
                        messages.c.state == mq.QUEUED)).mappings()]
-        rows = await self.node.store.aread(find)
-        for row in rows:
-            def forget(conn, mid=row["id"], lost=row["lost_guid"]):
-                conn.execute(delete(message_shadows).where(message_shadows.c.message_id == mid,
-                                                           message_shadows.c.shadow_guid == lost))
-            await self.node.store.write(forget)
-            await self._reshadow(row, exclude=None)
+            ids = list({r["id"] for r in rows})
+            if ids:
+                conn.execute(delete(message_shadows).where(message_shadows.c.message_id.in_(ids),
+                                                           message_shadows.c.shadow_node == peer))
+                conn.execute(update(messages).where(messages.c.id.in_(ids)).values(redundancy="reshadowing"))
+            return list({r["id"]: r for r in rows}.values())
+        rows = await self.node.store.write(claim)
+        made = await self._reshadow_all(rows, exclude=None)
         if rows:
-            log.warning("%s has a new queue database: made %d lost shadow(s) of our messages again",
-                        peer, len(rows))
+            log.warning("%s has a new queue database: made %d lost shadow(s) of our messages again (%d of %d)",
+                        peer, made, made, len(rows))
         return len(rows)
+
+    async def protect_unprotected(self, now: float) -> int:
+        """Retry a shadow for queued messages accepted (or left) without one, a batch per heartbeat
+        round: a peer that was down or cut off when they arrived may be back."""
+        if not self.enabled:
+            return 0
+
+        def claim(conn):
+            rows = [dict(r) for r in conn.execute(
+                select(messages).where(messages.c.role == "primary", messages.c.state == mq.QUEUED,
+                                       messages.c.redundancy == "unprotected")
+                .order_by(messages.c.id).limit(REPROTECT_BATCH)).mappings()]
+            if rows:
+                conn.execute(update(messages).where(messages.c.id.in_([r["id"] for r in rows]))
+                             .values(redundancy="reshadowing"))
+            return rows
+        rows = await self.node.store.write(claim)
+        made = await self._reshadow_all(rows, exclude=None, track_failure=False)  # tracked when accepted
+        if made:
+            log.info("made %d unprotected message(s) redundant", made)
+        return made
+
+    def _spawn(self, coro: Any, what: str) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)  # held: the loop keeps only a weak reference to tasks
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.error(
+            "%s failed: %r", what, t.exception()))
+        return task
 
     async def _upsert_context(self, primary: str, **values: Any) -> None:
         def job(conn):
@@ -369,6 +405,9 @@ class ShadowManager:
             await asyncio.sleep(freq)
             try:
                 await self.housekeeping(time.time())
+                if self._sweep is None or self._sweep.done():
+                    self._sweep = self._spawn(self.protect_unprotected(time.time()),
+                                              "making unprotected messages redundant")
                 for primary in await self.primaries_to_poll():
                     await self.heartbeat(primary)
             except asyncio.CancelledError:
@@ -490,6 +529,8 @@ class ShadowManager:
 
         ``keep_dbid`` (a state change): shadows made from that queue database, i.e. after the
         primary came back with it, are current and stay shadows; only older ones are promoted.
+        The promoted copies are delivered at once (the promotion is the failover) while, in the
+        background, each gets a new shadow on another peer (``reshadowing`` until it has one).
         """
         def older(column):
             return [] if keep_dbid is None else [or_(column.is_(None), column != keep_dbid)]
@@ -500,14 +541,8 @@ class ShadowManager:
                 messages.c.state == mq.QUEUED, *older(messages.c.primary_dbid))).mappings().all()
             ids = [r["id"] for r in rows]
             if ids:
-                # "pending" keeps delivery off them until they are made redundant again.
                 conn.execute(update(messages).where(messages.c.id.in_(ids)).values(
-                    role="primary", origin="promoted", redundancy="pending"))
-            return [dict(r) for r in rows]
-        rows = await self.node.store.write(job)
-        promoted = list(rows)
-
-        def forks_job(conn):
+                    role="primary", origin="promoted", redundancy="reshadowing"))
             # Forks we handed to that peer: deliver them again (the receiving store drops duplicates).
             found = conn.execute(select(shadow_forks.c.message_id, shadow_forks.c.queue_id).where(
                 shadow_forks.c.primary_node == primary, *older(shadow_forks.c.primary_dbid))).all()
@@ -518,47 +553,65 @@ class ShadowManager:
                                                                  completed_at=None))
             conn.execute(delete(shadow_forks).where(shadow_forks.c.primary_node == primary,
                                                     *older(shadow_forks.c.primary_dbid)))
-            return [mq.message_row(conn, m) or {"id": m} for m, _ in found]
-        rows += await self.node.store.write(forks_job)
-        for r in rows:
+            return [dict(r) for r in rows], [mq.message_row(conn, m) or {"id": m} for m, _ in found]
+        promoted, forks = await self.node.store.write(job)
+        rows = promoted + forks
+        for r in rows:  # before delivery can take them: the scheduler only runs between awaits
             self.node.track("RESUBMIT", "REDUNDANCY", r, source_context=f"{primary} ({reason})",
                             reference=str(r.get("primary_internal_id") or r.get("shadow_guid") or r.get("id")))
-        for r in promoted:
-            await self._reshadow(r, exclude=primary)
         if rows:
             self.node.metrics.promotions.labels(primary, reason).inc(len(rows))
             log.warning("promoted %d shadow(s) of %s (%s)", len(rows), primary, reason)
             if self.node.delivery is not None:
                 self.node.delivery.wake()
+        if promoted:
+            self._spawn(self._reshadow_all(promoted, exclude=primary),
+                        f"making the promoted copies of {primary} redundant")
         return len(rows)
 
-    async def _reshadow(self, row: dict, exclude: str | None) -> None:
-        """Make a promoted copy redundant again on another peer (or mark it unprotected)."""
-        now = time.time()
-        mid = row["id"]
-        body, addrs = await self.node.store.aread(lambda c: (mq.body(c, mid), list(c.execute(
-            select(recipients.c.address).where(recipients.c.message_id == mid,
-                                               recipients.c.status.in_(mq.PENDING))).scalars())))
-        result = ShadowResult(None, "No suitable shadow servers")
-        guid = str(uuid.uuid4())
-        if self.enabled and body is not None and addrs:
-            msg = NewMessage(network_message_id=row["network_message_id"], sender=row["sender"], data=body,
-                             recipients={}, received_at=now, expires_at=now)
-            result = await self.make_shadow(msg, guid, addrs, exclude=exclude)
+    async def _reshadow_all(self, rows: list[dict], exclude: str | None, track_failure: bool = True) -> int:
+        """Make each copy redundant again, concurrently; returns how many got a shadow."""
+        done = await asyncio.gather(*(self._reshadow(r, exclude, track_failure) for r in rows))
+        return sum(done)
 
-        def settle(conn):
-            if result.uncertain:
-                discard_uncertain_job(result.uncertain, guid, now)(conn)
+    async def _reshadow(self, row: dict, exclude: str | None, track_failure: bool = True) -> bool:
+        """Make a promoted or unprotected copy redundant again on another peer (or mark it
+        unprotected: the heartbeat loop retries it). Delivery may finish the message meanwhile."""
+        async with self._reshadow_slots:
+            now = time.time()
+            mid = row["id"]
+            body, addrs = await self.node.store.aread(lambda c: (mq.body(c, mid), list(c.execute(
+                select(recipients.c.address).where(recipients.c.message_id == mid,
+                                                   recipients.c.status.not_in(mq.TERMINAL))).scalars())))
+            result = ShadowResult(None, "No suitable shadow servers")
+            guid = str(uuid.uuid4())
+            if self.enabled and body is not None and addrs:
+                msg = NewMessage(network_message_id=row["network_message_id"], sender=row["sender"], data=body,
+                                 recipients={}, received_at=now, expires_at=now)
+                result = await self.make_shadow(msg, guid, addrs, exclude=exclude)
+
+            def settle(conn):
+                if result.uncertain:
+                    discard_uncertain_job(result.uncertain, guid, now)(conn)
+                state = conn.execute(select(messages.c.state).where(messages.c.id == mid)).scalar()
+                if result.peer:
+                    record_shadow_job(mid, result.peer, guid, now)(conn)
+                    if state != mq.QUEUED:
+                        # Delivered (or removed) while the copy was made: discard it at once.
+                        conn.execute(insert(discard_events).values(shadow_node=result.peer, shadow_guid=guid,
+                                                                   created_at=now))
+                redundancy = "shadowed" if result.peer else ("unprotected" if addrs else "none")
+                conn.execute(update(messages).where(messages.c.id == mid).values(redundancy=redundancy))
+                return state
+            state = await self.node.store.write(settle)
+            if not addrs:
+                return False
             if result.peer:
-                record_shadow_job(mid, result.peer, guid, now)(conn)
-            conn.execute(update(messages).where(messages.c.id == mid).values(
-                redundancy="shadowed" if result.peer else "unprotected"))
-        await self.node.store.write(settle)
-        if result.peer:
-            self.node.track("HAREDIRECT", "SMTP", row, recipients=addrs,
-                            source_context=f"{result.peer}={result.reply}")
-        else:
-            self.node.track("HAREDIRECTFAIL", "SMTP", row, recipients=addrs, source_context=result.reply)
+                self.node.track("HAREDIRECT", "SMTP", row, recipients=addrs,
+                                source_context=f"{result.peer}={result.reply}")
+            elif state == mq.QUEUED and track_failure:
+                self.node.track("HAREDIRECTFAIL", "SMTP", row, recipients=addrs, source_context=result.reply)
+            return bool(result.peer)
 
     async def resubmit_for(self, primary: str, destination: str, start: float, end: float) -> int:
         """Resubmit our Shadow Safety Net copies of ``primary`` for a destination and window."""

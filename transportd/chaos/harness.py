@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import cluster as cluster_mod
+from ..mailqueue import NOT_REDUNDANT
 from .checker import check, scan_maildir_tree
 from .nemesis import FAULT_TYPES, Nemesis, schedule
 from .proxy import FaultProxy
@@ -143,6 +144,14 @@ class ChaosCluster(cluster_mod.Cluster):
     def queued_messages(self, short: str) -> int:
         """Messages (primary or shadow) the node still holds in its queues."""
         return self._count(short, "SELECT count(*) FROM messages WHERE state = 'Queued'")
+
+    def not_redundant(self) -> dict[str, int]:
+        """Nodes holding queued primary mail with no shadow on a peer (mailqueue.NOT_REDUNDANT)."""
+        states = ", ".join(f"'{s}'" for s in NOT_REDUNDANT)
+        counts = {short: self._count(short, "SELECT count(*) FROM messages WHERE role = 'primary' AND "
+                                            f"state = 'Queued' AND redundancy IN ({states})")
+                  for short in self.by_short}
+        return {short: n for short, n in counts.items() if n}
 
     def links_of(self, short: str) -> list[str]:
         return [n for n in self.proxy.links if n.startswith(f"{short}->") or n.endswith(f"->{short}")]
@@ -267,6 +276,9 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
             "clients": clients, "heartbeat": heartbeat, "resubmit_span": resubmit_span,
             "faults": nemesis.log.as_json(),
             "fault_counts": _count_types(nemesis.log.faults),
+            # How long the cluster took to be redundant again before each fault (the nemesis waits).
+            "recovery_wait_max": max((f.recovery_wait for f in nemesis.log.faults), default=0.0),
+            "recovery_wait_total": round(sum(f.recovery_wait for f in nemesis.log.faults), 1),
             "nemesis_error": repr(nemesis.error) if nemesis.error else None,
             "duration_seconds": round(time.monotonic() - t0, 1),
             "drain_seconds": round(time.monotonic() - healed_at, 1),
@@ -328,6 +340,8 @@ def format_summary(s: dict[str, Any]) -> str:
         f"rejected {s.get('rejected')}, unknown {s.get('unknown')}",
         f"  faults: {len(s.get('faults', []))} "
         + ", ".join(f"{k} {v}" for k, v in sorted(s.get("fault_counts", {}).items())),
+        f"  waited for redundancy before faults: {s.get('recovery_wait_total')} s in all, "
+        f"{s.get('recovery_wait_max')} s at most",
         f"  lost {s.get('lost')}   unexpected {s.get('unexpected')}   duplicates mailbox "
         f"{s.get('duplicates', {}).get('mailbox')} external {s.get('duplicates', {}).get('external')}   "
         f"recovered {s.get('recovered')}",

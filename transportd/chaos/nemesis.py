@@ -5,7 +5,10 @@
 ``Nemesis`` applies them to a running ChaosCluster, logging each fault with its
 wall-clock start and end. Every fault is healed before the next begins, and a
 node that lost its queue database gets time to settle (the shadows of its old
-database promoted) before anything else happens: at most one failure at a time.
+database promoted) before anything else happens, and no fault starts while a node
+still holds queued mail without a shadow (promoted copies being made redundant
+again, shadows lost with a wiped peer being re-made): at most one failure at a
+time. How long each recovery took is recorded (``recovery_wait``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Fault:
     started_at: float | None = None
     ended_at: float | None = None
     note: str = ""
+    recovery_wait: float = 0.0  # seconds waited before it for the cluster to be redundant again
 
     def describe(self) -> str:
         extra = f" delay {self.delay:.2f}s" if self.delay else ""
@@ -96,10 +100,12 @@ class NemesisLog:
 class Nemesis:
     """Runs a schedule against a cluster (see harness.ChaosCluster for the operations)."""
 
-    def __init__(self, cluster: Any, plan: list[Fault], *, settle: float, say: Callable[[str], None]):
+    def __init__(self, cluster: Any, plan: list[Fault], *, settle: float, say: Callable[[str], None],
+                 recovery_timeout: float = 60.0):
         self.cluster = cluster
         self.plan = plan
         self.settle = settle
+        self.recovery_timeout = recovery_timeout
         self.say = say
         self.stop = threading.Event()
         self.log = NemesisLog()
@@ -118,6 +124,7 @@ class Nemesis:
                 if self.stop.is_set():
                     break
                 self._sleep(fault.wait_before)
+                fault.recovery_wait = self._await_redundancy()
                 fault.started_at = time.time()
                 self.say(fault.describe())
                 getattr(self, "_" + fault.type.replace("-", "_"))(fault)
@@ -128,6 +135,20 @@ class Nemesis:
             self.say(f"nemesis failed: {exc!r}")
         finally:
             self.cluster.heal_all()
+
+    def _await_redundancy(self) -> float:
+        """Wait (at most ``recovery_timeout``) until no node holds queued mail without a shadow;
+        returns the seconds waited. A timeout is reported and the fault goes ahead."""
+        t0 = time.monotonic()
+        while not self.stop.is_set():
+            exposed = self.cluster.not_redundant()
+            if not exposed:
+                break
+            if time.monotonic() - t0 > self.recovery_timeout:
+                self.say(f"still not redundant after {self.recovery_timeout:g}s: {exposed}; going ahead")
+                break
+            self._sleep(0.25)
+        return round(time.monotonic() - t0, 2)
 
     # -- the faults --------------------------------------------------------------------
 
