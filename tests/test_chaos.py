@@ -32,9 +32,14 @@ from transportd.chaos.checker import (
     parse_delivery,
     scan_maildir_tree,
 )
-from transportd.chaos.nemesis import FAULT_TYPES, schedule
+from transportd import mailqueue as mq
+from transportd.chaos.harness import ChaosCluster
+from transportd.chaos.nemesis import FAULT_TYPES, Fault, Nemesis, schedule
 from transportd.chaos.proxy import FaultProxy
 from transportd.chaos.workload import message_bytes, recipients_for
+from transportd.cluster import NodeSpec
+from transportd.routing import MAILBOX, NextHop
+from transportd.store import QueueStore
 
 RUN = "abc123"
 
@@ -123,6 +128,82 @@ def test_schedule_is_reproducible_from_the_seed_and_covers_the_fault_types():
         else:
             assert len(f.targets) == 1 and f.targets[0] in nodes
     assert any(f.type == "pause" and f.duration > 4 for f in a), "some pauses outlast the resubmit span"
+
+
+class _ExposedCluster:
+    """Stands in for ChaosCluster: not redundant for the first ``exposed_polls`` looks."""
+
+    def __init__(self, exposed_polls: int):
+        self.exposed_polls = exposed_polls
+        self.events: list[str] = []
+
+    def not_redundant(self) -> dict[str, int]:
+        if self.exposed_polls > 0:
+            self.exposed_polls -= 1
+            self.events.append("exposed")
+            return {"node2": 3}
+        self.events.append("redundant")
+        return {}
+
+    def sink_refuse(self, on: bool) -> None:
+        self.events.append(f"refuse {on}")
+
+    def heal_all(self) -> None:
+        self.events.append("heal")
+
+
+def _sink_faults(n: int) -> list[Fault]:
+    return [Fault(i + 1, "sink-refuse", [], duration=0.01, wait_before=0.0) for i in range(n)]
+
+
+def test_nemesis_waits_for_redundancy_before_each_fault():
+    cluster = _ExposedCluster(exposed_polls=3)
+    said: list[str] = []
+    nemesis = Nemesis(cluster, _sink_faults(2), settle=0, say=said.append, recovery_timeout=30)
+    nemesis.start()
+    nemesis.thread.join(20)
+    assert not nemesis.thread.is_alive() and nemesis.error is None
+    first, second = nemesis.log.faults
+    assert first.recovery_wait >= 0.5, "three exposed looks, 0.25 s apart"
+    assert second.recovery_wait < 0.25
+    assert cluster.events[:5] == ["exposed", "exposed", "exposed", "redundant", "refuse True"]
+    assert not any("still not redundant" in line for line in said)
+
+
+def test_nemesis_goes_ahead_when_redundancy_does_not_come_back_in_time():
+    cluster = _ExposedCluster(exposed_polls=10**6)
+    said: list[str] = []
+    nemesis = Nemesis(cluster, _sink_faults(1), settle=0, say=said.append, recovery_timeout=0.5)
+    nemesis.start()
+    nemesis.thread.join(20)
+    assert nemesis.log.faults[0].recovery_wait >= 0.5
+    assert "refuse True" in cluster.events
+    assert any("still not redundant after 0.5s: {'node2': 3}" in line for line in said)
+
+
+def test_not_redundant_counts_queued_primaries_without_a_shadow(tmp_path):
+    """The SQL the nemesis waits on, against real queue databases (a missing one counts 0)."""
+    specs = {}
+    for short, states in (("node1", ["shadowed", "reshadowing", "unprotected", "unprotected"]),
+                          ("node2", ["shadowed", "none", "pending"]), ("node3", None)):
+        folder = tmp_path / short
+        folder.mkdir()
+        specs[short] = NodeSpec(short, short, "site-a", "", "", str(folder), "")
+        if states is None:
+            continue
+        store = QueueStore.open(folder / "queue.db")
+        try:
+            for i, redundancy in enumerate(states):
+                msg = mq.NewMessage(network_message_id=f"{short}-{i}", sender="s@sender.test",
+                                    data=b"Subject: t\r\n\r\nbody\r\n",
+                                    recipients={NextHop("mailbox:local", MAILBOX, "local"): ["a@example.test"]},
+                                    received_at=1.0, expires_at=86400.0, redundancy=redundancy)
+                store.transaction(lambda c, m=msg: mq.enqueue(c, m))
+        finally:
+            store.close()
+    cluster = object.__new__(ChaosCluster)  # only the queue databases are needed
+    cluster.by_short = specs
+    assert cluster.not_redundant() == {"node1": 3}
 
 
 # ------------------------------------------------------------------------------ fault proxy
