@@ -330,8 +330,8 @@ class ShadowManager:
         rows = await self.node.store.write(claim)
         made = await self._reshadow_all(rows, exclude=None)
         if rows:
-            log.warning("%s has a new queue database: made %d lost shadow(s) of our messages again (%d of %d)",
-                        peer, made, made, len(rows))
+            log.warning("%s has a new queue database: made %d of %d lost shadow(s) of our messages again",
+                        peer, made, len(rows))
         return len(rows)
 
     async def protect_unprotected(self, now: float) -> int:
