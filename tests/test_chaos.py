@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from transportd import mailqueue as mq
 from transportd.chaos.checker import (
     ACK,
     REFUSED,
@@ -32,7 +33,6 @@ from transportd.chaos.checker import (
     parse_delivery,
     scan_maildir_tree,
 )
-from transportd import mailqueue as mq
 from transportd.chaos.harness import ChaosCluster
 from transportd.chaos.nemesis import FAULT_TYPES, Fault, Nemesis, schedule
 from transportd.chaos.proxy import FaultProxy
