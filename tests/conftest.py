@@ -161,12 +161,13 @@ class Node:
         self.sections = sections
         write_toml(self.config_path, sections)
         self.proc: subprocess.Popen | None = None
+        self.env: dict[str, str] = {}  # extra environment of the process (test hooks)
 
     def start(self, wait: bool = True) -> Node:
         log = open(self.log_path, "ab")
         self.proc = self.registry.add(subprocess.Popen(
             [sys.executable, "-m", "transportd", "serve", "--config", str(self.config_path)],
-            stdout=log, stderr=subprocess.STDOUT, cwd=str(self.dir)))
+            stdout=log, stderr=subprocess.STDOUT, cwd=str(self.dir), env={**os.environ, **self.env}))
         log.close()
         if wait:
             wait_port("127.0.0.1", self.port, proc=self.proc)

@@ -119,6 +119,7 @@ class ClusterNode:
         self.transport_port = int(tport)
         self.log_path = Path(spec.config).with_suffix(".log")
         self.proc: subprocess.Popen | None = None
+        self.env: dict[str, str] = {}  # extra environment of the process (test hooks)
 
     # -- config and process -------------------------------------------------------
 
@@ -141,7 +142,7 @@ class ClusterNode:
         with open(self.log_path, "ab") as log:
             self.proc = self.registry.add(subprocess.Popen(
                 [sys.executable, "-m", "transportd", "serve", "--config", self.config],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **self.env}))
 
     def wait_listening(self) -> None:
         wait_port(self.host, self.frontend_port, proc=self.proc)

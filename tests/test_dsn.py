@@ -1,13 +1,15 @@
 """Tests for transportd.dsn: DSN construction (RFC 3464 / RFC 6522)."""
 
+import binascii
 import email
 import email.policy
+import email.utils
 import re
 from datetime import UTC, datetime
 
 import pytest
 
-from transportd.dsn import RecipientReport, build_dsn, status_from_reply
+from transportd.dsn import RecipientReport, build_dsn, dsn_needs_utf8, status_from_reply
 
 ARRIVAL = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 NOW = datetime(2024, 5, 1, 12, 30, 0, tzinfo=UTC)
@@ -348,3 +350,281 @@ def test_naive_datetimes_are_utc() -> None:
 )
 def test_status_from_reply(code: int, text: str, expected: str) -> None:
     assert status_from_reply(code, text) == expected
+
+
+# --------------------------------------------------------------------------- RFC 6533 (utf8=True)
+
+UTF8_SENDER = "jörg@bücher.example"
+UTF8_RCPT = "δοκιμή@παράδειγμα.δοκιμή"
+UTF8_HEADERS = (
+    "From: Jörg <jörg@bücher.example>\r\n"
+    f"To: {UTF8_RCPT}, bob@example.net\r\n"
+    "Subject: Grüße aus Köln\r\n"
+    "Message-ID: <orig-2@bücher.example>\r\n"
+).encode() + b"X-Raw: not utf-8 \xff\xfe\r\n"
+UTF8_ORIGINAL = UTF8_HEADERS + b"\r\n" + "Hallo Bob, schöne Grüße.\r\n".encode()
+UTF8_RECIPIENTS = [
+    RecipientReport(
+        address=UTF8_RCPT,
+        status="5.1.1",
+        diagnostic="550 5.1.1 <δοκιμή@παράδειγμα.δοκιμή>: Empfänger unbekannt",
+        remote_mta="mx.example.net",
+        original_recipient=f"utf-8;{UTF8_RCPT}",
+        last_attempt=LAST,
+    ),
+    RecipientReport(address="bob@example.net", status="5.2.2", diagnostic="552 5.2.2 mailbox full"),
+]
+
+
+def _build_utf8(**overrides) -> bytes:
+    kwargs = {
+        "original_sender": UTF8_SENDER,
+        "original_message": UTF8_ORIGINAL,
+        "recipients": UTF8_RECIPIENTS,
+        "utf8": True,
+    }
+    kwargs.update(overrides)
+    return _build(**kwargs)
+
+
+def _raw_part(raw: bytes, index: int) -> tuple[bytes, bytes]:
+    """(header block, body) of MIME part ``index`` of a DSN, as bytes on the wire."""
+    boundary = _parse(raw).get_boundary().encode("ascii")
+    chunks = raw.split(b"\r\n--" + boundary)
+    part = chunks[index + 1]
+    assert part.startswith(b"\r\n")
+    head, body = part[2:].split(b"\r\n\r\n", 1)
+    return head + b"\r\n", body
+
+
+def _status_fields(raw: bytes) -> list[dict[str, str]]:
+    """The blocks of part 2, each a dict of field name -> value (unfolded)."""
+    _, body = _raw_part(raw, 1)
+    blocks = []
+    for block in body.decode("utf-8").strip("\r\n").split("\r\n\r\n"):
+        fields: dict[str, str] = {}
+        name = ""
+        for line in block.split("\r\n"):
+            if line[:1] in (" ", "\t"):
+                fields[name] += line
+                continue
+            name, _, value = line.partition(":")
+            fields[name] = value.strip()
+        blocks.append(fields)
+    return blocks
+
+
+def test_utf8_dsn_structure_and_content_types() -> None:
+    raw = _build_utf8()
+    _assert_wire_safe(raw, seven_bit=False)
+    msg = _parse(raw)
+    assert msg.get_content_type() == "multipart/report"
+    assert msg.get_param("report-type") == "delivery-status"
+    assert msg["Content-Transfer-Encoding"] == "8bit"
+    assert not msg.defects
+    parts = msg.get_payload()
+    assert [p.get_content_type() for p in parts] == [
+        "text/plain",
+        "message/global-delivery-status",
+        "message/global-headers",
+    ]
+    assert parts[0].get_content_charset() == "utf-8"
+    assert parts[0]["Content-Transfer-Encoding"] == "8bit"
+    text = parts[0].get_content()
+    assert f"<{UTF8_RCPT}>" in text and "Empfänger unbekannt" in text
+    assert "Original subject: Grüße aus Köln" in text
+    assert parts[1]["Content-Transfer-Encoding"] == "8bit"
+    assert parts[2]["Content-Transfer-Encoding"] == "8bit"
+
+
+def test_utf8_dsn_headers_are_raw_utf8() -> None:
+    raw = _build_utf8()
+    head = raw.split(b"\r\n\r\n", 1)[0] + b"\r\n"
+    assert f"\r\nTo: <{UTF8_SENDER}>\r\n".encode() in head
+    assert "\r\nSubject: Undeliverable: Grüße aus Köln\r\n".encode() in head
+    assert b"=?" not in head
+    msg = _parse(raw)
+    assert str(msg["To"]) == UTF8_SENDER  # addr_spec keeps the raw octets as surrogates
+    assert msg["Subject"] == "Undeliverable: Grüße aus Köln"
+    assert msg["From"].addresses[0].addr_spec == "MAILER-DAEMON@mta1.example.org"
+
+
+def test_utf8_dsn_addresses_are_raw_utf8_in_global_delivery_status() -> None:
+    raw = _build_utf8(original_envelope_id="ENV-7")
+    _, status = _raw_part(raw, 1)
+    assert f"\r\nFinal-Recipient: utf-8; {UTF8_RCPT}\r\n".encode() in status
+    assert f"\r\nOriginal-Recipient: utf-8; {UTF8_RCPT}\r\n".encode() in status
+    assert b"\\x{" not in status
+    per_message, rcpt, bob = _status_fields(raw)
+    assert per_message["Reporting-MTA"] == "dns; mta1.example.org"
+    assert per_message["Original-Envelope-Id"] == "ENV-7"
+    assert rcpt["Final-Recipient"] == f"utf-8; {UTF8_RCPT}"
+    assert rcpt["Diagnostic-Code"] == f"smtp; 550 5.1.1 <{UTF8_RCPT}>: Empfänger unbekannt"
+    assert (rcpt["Action"], rcpt["Status"]) == ("failed", "5.1.1")
+    assert rcpt["Remote-MTA"] == "dns; mx.example.net"
+    assert email.utils.parsedate_to_datetime(rcpt["Last-Attempt-Date"]) == LAST
+    assert bob["Final-Recipient"] == "rfc822; bob@example.net"  # ASCII stays rfc822
+    assert bob["Diagnostic-Code"] == "smtp; 552 5.2.2 mailbox full"
+
+
+def test_utf8_dsn_original_recipient_forms() -> None:
+    rcpts = [
+        RecipientReport(address=UTF8_RCPT, original_recipient=f"rfc822;{UTF8_RCPT}"),
+        RecipientReport(address="a@example.net", original_recipient="rfc822;A@Example.NET"),
+        RecipientReport(address="b@example.net", original_recipient="utf-8;j\\x{F6}rg@example.de"),
+    ]
+    _, first, second, third = _status_fields(_build_utf8(recipients=rcpts))
+    assert first["Original-Recipient"] == f"utf-8; {UTF8_RCPT}"
+    assert second["Original-Recipient"] == "rfc822; A@Example.NET"
+    assert third["Original-Recipient"] == "utf-8; j\\x{F6}rg@example.de"  # 7-bit form kept
+
+
+def test_utf8_dsn_returns_the_header_block_byte_exact() -> None:
+    raw = _build_utf8()
+    head, body = _raw_part(raw, 2)
+    assert head == (
+        b"Content-Type: message/global-headers\r\n"
+        b"Content-Transfer-Encoding: 8bit\r\n"
+        b"Content-Description: Undelivered message headers\r\n"
+    )
+    assert body == UTF8_HEADERS  # raw UTF-8 and even the invalid \xff\xfe octets, unchanged
+    assert "schöne".encode() not in raw
+
+
+def test_utf8_dsn_ret_full_returns_message_global() -> None:
+    raw = _build_utf8(include_body=True)
+    _assert_wire_safe(raw, seven_bit=False)
+    parts = _parse(raw).get_payload()
+    assert parts[2].get_content_type() == "message/global"
+    head, body = _raw_part(raw, 2)
+    assert b"Content-Transfer-Encoding: 8bit\r\n" in head
+    assert body == UTF8_ORIGINAL
+    inner = parts[2].get_payload()[0]
+    assert inner["Subject"] == "Grüße aus Köln"
+    assert "attached" in parts[0].get_content()
+    assert "not returned" not in parts[0].get_content()
+
+
+def test_utf8_dsn_ret_full_of_an_original_that_is_not_valid_8bit_falls_back() -> None:
+    original = "Subject: Grüße\r\nX-Nul: a\x00b\r\n\r\n".encode() + b"x" * 1200 + b"\r\n"
+    raw = _build_utf8(original_message=original, include_body=True)
+    _assert_wire_safe(raw, seven_bit=False)
+    parts = _parse(raw).get_payload()
+    assert parts[2].get_content_type() == "message/global-headers"
+    head, body = _raw_part(raw, 2)
+    # A NUL may not travel as 8bit either: quoted-printable, which RFC 6533 allows.
+    assert b"Content-Transfer-Encoding: quoted-printable\r\n" in head
+    assert binascii.a2b_qp(body) == "Subject: Grüße\r\nX-Nul: a\x00b\r\n".encode()
+    assert "NUL octets or lines over 998 octets" in parts[0].get_content()
+
+
+def test_utf8_dsn_all_ascii_is_7bit() -> None:
+    raw = _build(utf8=True)
+    _assert_wire_safe(raw)
+    msg = _parse(raw)
+    assert msg["Content-Transfer-Encoding"] is None
+    parts = msg.get_payload()
+    assert [p.get_content_type() for p in parts] == [
+        "text/plain",
+        "message/global-delivery-status",
+        "message/global-headers",
+    ]
+    assert all(p["Content-Transfer-Encoding"] == "7bit" for p in parts)
+    assert msg["Subject"] == "Undeliverable: Quarterly report"
+
+
+def test_utf8_dsn_long_utf8_diagnostic_is_folded_within_998_octets() -> None:
+    rcpt = RecipientReport(address=UTF8_RCPT, diagnostic="550 " + "ü" * 2000 + " " + "grüße " * 300)
+    raw = _build_utf8(recipients=[rcpt])
+    _assert_wire_safe(raw, seven_bit=False)
+    _, status = _raw_part(raw, 1)
+    lines = status.split(b"\r\n")
+    assert max(len(line) for line in lines) <= 998
+    assert all(line.decode("utf-8") for line in lines if line)  # never cut inside a character
+    code = _status_fields(raw)[1]["Diagnostic-Code"]
+    assert code.replace(" ", "").startswith("smtp;550" + "ü" * 2000)
+
+
+@pytest.mark.parametrize("original", MALFORMED_ORIGINALS)
+@pytest.mark.parametrize("include_body", [False, True])
+def test_utf8_dsn_malformed_original_does_not_raise(original: bytes, include_body: bool) -> None:
+    raw = _build_utf8(original_message=original, include_body=include_body)
+    _assert_wire_safe(raw, seven_bit=False)
+    msg = _parse(raw)
+    parts = msg.get_payload()
+    assert len(parts) == 3
+    assert parts[2].get_content_type() in ("message/global-headers", "message/global")
+    parts[0].get_content()
+
+
+def test_utf8_dsn_undecodable_address_falls_back_to_xtext() -> None:
+    bad = "caf\udce9@example.org"  # surrogateescape-decoded Latin-1 octet: not Unicode
+    raw = _build_utf8(recipients=[RecipientReport(address=bad)])
+    _, status = _raw_part(raw, 1)
+    assert b"Final-Recipient: utf-8; caf\\x{DCE9}@example.org\r\n" in status
+
+
+def test_utf8_false_is_unchanged_for_a_utf8_sender(monkeypatch: pytest.MonkeyPatch) -> None:
+    counter = iter(range(10**6))
+    monkeypatch.setattr("secrets.token_hex", lambda n=16: f"{next(counter):0{2 * n}x}")
+    kwargs = {"original_sender": UTF8_SENDER, "original_message": UTF8_ORIGINAL}
+    default = _build(recipients=UTF8_RECIPIENTS, include_body=True, **kwargs)
+    counter = iter(range(10**6))
+    explicit = _build(recipients=UTF8_RECIPIENTS, include_body=True, utf8=False, **kwargs)
+    assert default == explicit
+    raw = default
+    # The classic DSN: 7-bit except the To: header, message/delivery-status, xtext addresses,
+    # RFC 2047 Subject, and an 8-bit original falls back to quoted-printable headers.
+    assert f"\r\nTo: <{UTF8_SENDER}>\r\n".encode() in raw
+    head, rest = raw.split(b"\r\n\r\n", 1)
+    assert is_ascii_except(head, f"To: <{UTF8_SENDER}>".encode())
+    assert rest.isascii()
+    assert b"=?utf-8?" in head
+    msg = _parse(raw)
+    assert msg["Subject"] == "Undeliverable: Grüße aus Köln"
+    parts = msg.get_payload()
+    assert [p.get_content_type() for p in parts] == [
+        "text/plain",
+        "message/delivery-status",
+        "text/rfc822-headers",
+    ]
+    assert parts[2]["Content-Transfer-Encoding"] == "quoted-printable"
+    assert parts[2].get_payload(decode=True) == UTF8_HEADERS
+    block = _status_blocks(msg)[1]
+    assert block["Final-Recipient"] == (
+        "utf-8; \\x{3B4}\\x{3BF}\\x{3BA}\\x{3B9}\\x{3BC}\\x{3AE}@"
+        "\\x{3C0}\\x{3B1}\\x{3C1}\\x{3AC}\\x{3B4}\\x{3B5}\\x{3B9}\\x{3B3}\\x{3BC}\\x{3B1}."
+        "\\x{3B4}\\x{3BF}\\x{3BA}\\x{3B9}\\x{3BC}\\x{3AE}"
+    )
+    assert "not 7-bit clean" in parts[0].get_content()
+
+
+def is_ascii_except(data: bytes, allowed: bytes) -> bool:
+    return data.replace(allowed, b"").isascii()
+
+
+@pytest.mark.parametrize(
+    ("sender", "recipients", "original", "smtputf8", "expected"),
+    [
+        ("alice@example.org", ["bob@example.net"], ORIGINAL, True, False),
+        (UTF8_SENDER, ["bob@example.net"], ORIGINAL, True, True),
+        ("alice@example.org", [UTF8_RCPT], ORIGINAL, True, True),
+        ("alice@example.org", ["bob@example.net"], UTF8_ORIGINAL, True, True),
+        # 8-bit octets only in the body: the classic DSN returns the headers fine.
+        ("alice@example.org", ["bob@example.net"], b"Subject: x\r\n\r\n\xc3\xbc\r\n", True, False),
+        # Without SMTPUTF8 on the way in, the sender's side may not speak it: classic DSN.
+        (UTF8_SENDER, [UTF8_RCPT], UTF8_ORIGINAL, False, False),
+        ("alice@example.org", ["bob@example.net"], b"Subject: caf\xe9\n\nbody", True, True),
+        ("alice@example.org", ["bob@example.net"], b"", True, False),
+    ],
+)
+def test_dsn_needs_utf8(
+    sender: str, recipients: list[str], original: bytes, smtputf8: bool, expected: bool
+) -> None:
+    reports = [RecipientReport(address=addr) for addr in recipients]
+    assert dsn_needs_utf8(sender, reports, original, smtputf8) is expected
+
+
+def test_dsn_needs_utf8_counts_a_utf8_orcpt() -> None:
+    reports = [RecipientReport(address="bob@example.net", original_recipient=f"utf-8;{UTF8_RCPT}")]
+    assert dsn_needs_utf8("alice@example.org", reports, ORIGINAL, True)

@@ -172,7 +172,11 @@ def serve(config: str, log_format: str | None) -> None:
 @click.option("--listen", default="127.0.0.1:2500", show_default=True, help="address:port to listen on")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default="./data/sink", show_default=True,
               help="Maildir where every received message is stored")
-def sink(listen: str, directory: str) -> None:
+@click.option("--smtputf8/--no-smtputf8", default=True, show_default=True,
+              help="advertise SMTPUTF8 (RFC 6531); --no-smtputf8 stands for an older server")
+@click.option("--8bitmime/--no-8bitmime", "eightbitmime", default=True, show_default=True,
+              help="advertise 8BITMIME (RFC 6152); --no-8bitmime refuses 8-bit data")
+def sink(listen: str, directory: str, smtputf8: bool, eightbitmime: bool) -> None:
     """Run a development sink: an SMTP server outside the boundary that stores all it receives."""
     import asyncio
     from .sink import run_sink
@@ -181,7 +185,7 @@ def sink(listen: str, directory: str) -> None:
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--listen") from None
     try:
-        asyncio.run(run_sink(host, port, Path(directory).resolve()))
+        asyncio.run(run_sink(host, port, Path(directory).resolve(), smtputf8=smtputf8, eightbitmime=eightbitmime))
     except OSError as exc:
         raise CliError(f"sink cannot listen on {listen}: {exc.strerror or exc}") from None
 
@@ -319,7 +323,8 @@ def message_group() -> None:
 
 @message_group.command("list")
 @node_options
-@click.option("--queue", "queue", default=None, help="only messages in this queue (identity or id)")
+@click.option("--queue", "queue", default=None,
+              help="only messages in this queue (identity or id; 'Poison' for the Poison queue)")
 @click.option("--all", "include_done", is_flag=True, help="include Safety Net and removed messages")
 @click.option("--json", "as_json", is_flag=True, help="JSON lines")
 def message_list(cfg: Config, queue: str | None, include_done: bool, as_json: bool) -> None:
@@ -328,6 +333,8 @@ def message_list(cfg: Config, queue: str | None, include_done: bool, as_json: bo
     try:
         def job(conn):
             qid = None
+            if queue is not None and queue.lower() == mq.POISON.lower():
+                return mq.list_messages(conn, mq.POISON, include_done=include_done)
             if queue is not None:
                 q = mq.resolve_queue(conn, queue)
                 if q is None:
@@ -427,10 +434,36 @@ def message_suspend(cfg: Config, message_id: int) -> None:
 @node_options
 @click.argument("message_id", type=int)
 def message_resume(cfg: Config, message_id: int) -> None:
-    """Release a suspended message."""
-    if not message_action(cfg, message_id, lambda c: mq.set_message_suspended(c, message_id, False)):
+    """Release a suspended message, or one held in the Poison queue (its failure count is reset)."""
+    def job(conn):
+        row = mq.message_row(conn, message_id)
+        released = mq.release_from_poison(conn, message_id)
+        resumed = mq.set_message_suspended(conn, message_id, False)
+        return row, released, resumed or released
+    row, released, ok = message_action(cfg, message_id, job)
+    if not ok:
         raise CliError(f"no queued message {message_id}")
-    click.echo(f"message {message_id} resumed")
+    if released:
+        log_poison_release(cfg, row, "Resumed")
+    click.echo(f"message {message_id} resumed" + (" from the Poison queue" if released else ""))
+
+
+def log_poison_release(cfg: Config, row: dict, how: str) -> None:
+    """POISONMESSAGE (source ADMIN): an operator took a message out of the Poison queue."""
+    store = open_store(cfg)
+    try:
+        trk = tracking_log_for(cfg, store)
+    finally:
+        store.close()
+    if trk is None:
+        return
+    try:
+        trk.write("POISONMESSAGE", "ADMIN", internal_message_id=row["id"], message_id=row["message_id"],
+                  network_message_id=row["network_message_id"], sender_address=row["sender"],
+                  message_subject=row["subject"], total_bytes=row["size"],
+                  source_context=f"{how} from the Poison queue by transportd message")
+    finally:
+        trk.close()
 
 
 @message_group.command("remove")
@@ -479,6 +512,8 @@ def message_remove(cfg: Config, message_id: int, ndr: bool) -> None:
                           source_context=f"original internal id {row['id']}; network id {row['network_message_id']}")
         finally:
             trk.close()
+    if row.get("poisoned"):
+        log_poison_release(cfg, row, "Removed")
     click.echo(f"message {message_id} removed" + (" (NDR queued to the sender)" if created else ""))
 
 
@@ -574,13 +609,16 @@ def safetynet_resubmit(cfg: Config, destination: str, start: str, end: str | Non
     sources = ("primary", "shadow") if source == "both" else (source,)
     store = open_store(cfg)
     try:
-        done = store.transaction(lambda c: resubmit(c, cfg, destination=destination, start=s, end=e, sources=sources))
+        failures: list = []
+        done = store.transaction(lambda c: resubmit(c, cfg, destination=destination, start=s, end=e, sources=sources,
+                                                    failures=failures))
         created = store.read(database_created_at)
         trk = tracking_log_for(cfg, store)
     finally:
         store.close()
     log_resubmits(trk, done, destination)
     click.echo(f"{len(done)} message(s) resubmitted to {destination} from this node's Safety Net")
+    report_resubmit_failures(failures)
     if created > s and "primary" in sources:
         gap_end = min(created, e)
         if not cfg.peers:
@@ -611,13 +649,22 @@ def _resubmit_for_unreachable_primary(cfg: Config, destination: str, start: str,
             raise CliError(f"{primary} answered a heartbeat at {seen}, within "
                            f"{config_mod.format_duration(limit)}: ask it (transportd safetynet resubmit on "
                            f"{primary}), or use --force")
+        failures: list = []
         done = store.transaction(lambda c: resubmit(c, cfg, destination=destination, start=s, end=e,
-                                                    sources=("shadow",), for_primary=primary))
+                                                    sources=("shadow",), for_primary=primary, failures=failures))
         trk = tracking_log_for(cfg, store)
     finally:
         store.close()
     log_resubmits(trk, done, destination)
     click.echo(f"{len(done)} message(s) of {primary} resubmitted to {destination} from this node's Shadow Safety Net")
+    report_resubmit_failures(failures)
+
+
+def report_resubmit_failures(failures: list) -> None:
+    """Each Safety Net copy that could not be resubmitted (the others were), on stderr."""
+    for row, exc in failures:
+        click.echo(f"message {row['id']} (network id {row['network_message_id']}) could not be resubmitted: "
+                   f"{exc.__class__.__name__}: {exc}", err=True)
 
 
 def log_resubmits(trk: Any, done: list, destination: str) -> None:

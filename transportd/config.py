@@ -311,6 +311,12 @@ KEYS: tuple[Key, ...] = (
     Key("delivery", "queue_poll_interval", 0.5, parse_duration,
         "how often the queue database is scanned for due work and operator changes", "", DUR),
     Key("delivery", "mx_port", 25, _int(1), "port used for next hops found by MX lookup"),
+    Key("delivery", "poison_message_detection_enabled", True, _bool,
+        "move a message whose handling failed with an internal error poison_threshold times (a crash "
+        "during its delivery counts) to the Poison queue", "PoisonMessageDetectionEnabled"),
+    Key("delivery", "poison_threshold", 2, _int(1),
+        "internal failures of one message before it is held in the Poison queue (never retried, "
+        "expired or bounced on its own; message resume / remove)", "PoisonThreshold"),
     # mailbox store
     Key("mailbox", "duplicate_detection_window", 3600.0, _duplicate_window,
         "DeliveredTo tracking window; at most 49 days, a larger value falls back to 24 hours",

@@ -32,7 +32,7 @@ from .mailbox import MailboxStore
 from .mailqueue import NewMessage
 from .metrics import NodeMetrics
 from .receive import (ConnectionCounter, FrontendHandler, MessageRejected, new_network_message_id,
-                      prepare_message, smtp_factory)
+                      prepare_message, received_as, smtp_factory)
 from .replies import S451_NOT_REDUNDANT, S451_STORE_UNAVAILABLE, S554_HOP_COUNT, S554_NO_VALID_RECIPIENTS
 from .shadow import (ShadowManager, ShadowResult, _network_id_from, discard_uncertain_job,
                      record_shadow_job)
@@ -46,6 +46,11 @@ log = logging.getLogger("transportd")
 # Operational log level of the line each tracking event also writes (RECEIVE has its own "queued" line).
 EVENT_LOG_LEVELS = {e: logging.INFO for e in ("DELIVER", "DUPLICATEDELIVER", "SEND", "SENDEXTERNAL", "DEFER",
                                               "FAIL", "DSN", "DROP", "RESUBMIT", "HAREDIRECTFAIL")}
+EVENT_LOG_LEVELS["POISONMESSAGE"] = logging.WARNING
+
+
+# meta key written by a clean stop; its absence at start means the node crashed.
+CLEAN_STOP = "clean_stop"
 
 
 def message_ids(row: dict) -> dict[str, Any]:
@@ -104,7 +109,15 @@ class Node:
         if cfg.path is not None:
             # The CLI run with only --data-dir reads this node's config (routing, tracking path) from here.
             await self.store.write(lambda c: remember_config_path(c, str(Path(cfg.path).resolve())))
-        recovered = await self.store.write(mq.recover_after_restart)
+        threshold = self.poison_threshold
+
+        def recover(conn):
+            # A crash (no clean-stop mark) counts against each message it interrupted the delivery of.
+            crashed = conn.execute(meta.select().where(meta.c.key == CLEAN_STOP)).first() is None
+            conn.execute(meta.delete().where(meta.c.key == CLEAN_STOP))
+            poisoned = mq.count_crashes(conn, threshold) if crashed else []
+            return poisoned, mq.recover_after_restart(conn)
+        poisoned, recovered = await self.store.write(recover)
         if recovered:
             log.info("crash recovery: %d recipient(s) left Active are Ready again", recovered)
         if cfg.tracking.message_tracking_log_enabled:
@@ -112,6 +125,9 @@ class Node:
             self.tracking = TrackingLog(cfg.tracking_dir, cfg.node.name, server_ip=address_of(host.strip("[]")),
                                         max_file_size=cfg.tracking.message_tracking_log_max_file_size,
                                         software_version=__version__)
+        for row in poisoned:
+            self.metrics.internal_failures.labels("crash").inc()
+            self.poisoned(row, "the node crashed while delivering it")
         self.delivery = DeliveryAgent(self)
         self._tasks.append(asyncio.ensure_future(self.delivery.run()))
         tls_context = None
@@ -172,6 +188,10 @@ class Node:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.metrics.close()
         if self.store is not None:
+            try:  # recipients left Active by this stop are not a crash's victims
+                await self.store.write(lambda c: c.execute(meta.insert().values(key=CLEAN_STOP, value="1")))
+            except Exception as exc:  # noqa: BLE001 - then the next start counts them, as after a crash
+                log.error("cannot mark the clean stop: %s", exc)
             self.store.close()
         self.tracking.close()
         self._stopped.set()
@@ -194,6 +214,7 @@ class Node:
         prepared = prepare_message(data, node_name=cfg.node.name, client_ip=client_ip,
                                    helo=session.host_name or "", network_message_id=netid, now=now,
                                    connector=connector, tls=session.ssl is not None)
+        smtputf8, body_type = received_as(envelope)
         msg = NewMessage(
             network_message_id=netid, data=prepared.data,
             sender="" if envelope.mail_from in (None, "<>") else envelope.mail_from,
@@ -201,6 +222,7 @@ class Node:
             expires_at=now + cfg.delivery.message_expiration_timeout,
             message_id=prepared.message_id, submit_time=prepared.submit_time, subject=prepared.subject,
             client_ip=client_ip, client_hostname=session.host_name or "", origin="smtp",
+            smtputf8=smtputf8, body_type=body_type,
         )
         hops = prepared.data[:65536].count(b"\nReceived:") + prepared.data[:9].lower().startswith(b"received:")
         if hops > cfg.frontend.max_hop_count:
@@ -247,13 +269,13 @@ class Node:
                                   guid, ", ".join(peers), extra=message_ids({"network_message_id": netid}))
             raise MessageRejected(S451_STORE_UNAVAILABLE) from None
         shadow_result = None
+        shadow_error: Exception | None = None
         if remote is not None:
             try:
                 shadow_result = await remote
             except Exception as exc:  # noqa: BLE001 - the local copy exists: settle it, never strand it
-                log.exception("making a shadow copy failed unexpectedly",
-                              extra=message_ids({"id": internal_id, "network_message_id": netid}))
-                shadow_result = ShadowResult(None, f"internal error: {exc.__class__.__name__}")
+                shadow_error = exc
+                shadow_result = ShadowResult(None, f"internal error: {exc.__class__.__name__}: {exc}")
         rejecting = (shadow_result is not None and not shadow_result.peer
                      and cfg.shadow_redundancy.reject_message_on_shadow_failure)
         if rejecting:
@@ -273,6 +295,8 @@ class Node:
                            source_context=shadow_result.reply)
             # Only now may delivery take it: its tracking rows never precede RECEIVE/HAREDIRECT.
             await self._settle_redundancy(internal_id, msg, shadow_result, guid, now)
+            if shadow_error is not None:
+                await self.message_failed(row, "shadow", shadow_error)
         log.info("queued message %d (network id %s) from <%s> for %d recipient(s)",
                  internal_id, netid, msg.sender, sum(len(v) for v in msg.recipients.values()),
                  extra=message_ids({"id": internal_id, "network_message_id": netid}))
@@ -307,6 +331,41 @@ class Node:
                 update(messages).where(messages.c.id == internal_id).values(redundancy="unprotected")))
         if self.delivery is not None:
             self.delivery.wake()
+
+    # ------------------------------------------------------------------ poison messages
+
+    @property
+    def poison_threshold(self) -> int | None:
+        d = self.cfg.delivery
+        return d.poison_threshold if d.poison_message_detection_enabled else None
+
+    async def message_failed(self, row: dict, step: str, exc: BaseException) -> bool:
+        """One message's handling failed with an internal error in ``step`` (any loop): log it with
+        its ids and the error, count it towards the Poison queue. Never raises; returns True when
+        the message was moved to the Poison queue now."""
+        ids = message_ids(row)
+        log.error("%s of message %s failed with an internal error: %s: %s", step, ids["internal_message_id"],
+                  exc.__class__.__name__, exc, exc_info=exc, extra=ids)
+        self.metrics.internal_failures.labels(step).inc()
+        if row.get("id") is None or self.store is None:
+            return False
+        threshold = self.poison_threshold
+        try:
+            moved = await self.store.write(lambda c: mq.count_internal_failure(c, row["id"], threshold))
+        except Exception as err:  # noqa: BLE001 - counting is best effort; the message stays where it is
+            log.error("could not count the failure of message %s: %s", row.get("id"), err, extra=ids)
+            return False
+        if moved:
+            self.poisoned(row, f"{step}: {exc.__class__.__name__}: {exc}")
+        return moved
+
+    def poisoned(self, row: dict, reason: str) -> None:
+        """Tell that a message was moved to the Poison queue (after the commit that moved it)."""
+        self.metrics.poisoned.inc()
+        log.warning("message %s moved to the Poison queue after %d internal failure(s) (last: %s); "
+                    "'transportd message resume %s' releases it, 'message remove' drops it",
+                    row.get("id"), self.poison_threshold or 0, reason, row.get("id"), extra=message_ids(row))
+        self.track("POISONMESSAGE", "QUEUE", row, source_context=f"PoisonThreshold={self.poison_threshold};{reason}"[:500])
 
     # ------------------------------------------------------------------ tracking helpers
 

@@ -24,14 +24,16 @@ from typing import Any, Sequence
 import aiosmtplib
 from sqlalchemy import insert
 
+from . import faults, smtpclient
 from . import mailqueue as mq
 from .config import peer_tls_options
-from .dsn import RecipientReport, build_dsn, status_from_reply
+from .dsn import RecipientReport, build_dsn, dsn_needs_utf8, status_from_reply
+from .envelope import plan_send
 from .mailqueue import NewMessage, Outcome, WorkItem
 from .receive import split_headers
 from .protocol import ProtocolError
 from .routing import DNS, MAILBOX, PEER, bifurcate
-from .store import shadow_forks
+from .store import StoreError, shadow_forks
 
 log = logging.getLogger("transportd.delivery")
 
@@ -56,14 +58,6 @@ class NextHopPermanentError(Exception):
         self.reply = reply
 
 
-def _is_ascii(s: str) -> bool:
-    try:
-        s.encode("ascii")
-        return True
-    except UnicodeEncodeError:
-        return False
-
-
 def dsn_message(cfg: Any, original: dict, original_body: bytes, reports: Sequence[RecipientReport],
                 now: float) -> NewMessage | None:
     """The DSN (a new message from <>) for failed recipients, or None when none may be sent."""
@@ -72,10 +66,13 @@ def dsn_message(cfg: Any, original: dict, original_body: bytes, reports: Sequenc
         return None
     if not reports:
         return None
+    # RFC 6533: a UTF-8 DSN when the original came with SMTPUTF8 (its sender's side speaks it) and
+    # holds UTF-8; it then travels with SMTPUTF8 itself. Otherwise the classic 7-bit DSN.
+    utf8 = dsn_needs_utf8(sender, list(reports), original_body, bool(original.get("smtputf8")))
     data = build_dsn(
         reporting_mta=cfg.node.name, original_sender=sender, original_message=original_body,
         recipients=list(reports),
-        arrival_date=_dt(original.get("received_at") or now), now=_dt(now),
+        arrival_date=_dt(original.get("received_at") or now), now=_dt(now), utf8=utf8,
     )
     head, _ = split_headers(data)
     msgid = ""
@@ -87,7 +84,7 @@ def dsn_message(cfg: Any, original: dict, original_body: bytes, reports: Sequenc
         recipients=bifurcate([sender], cfg), received_at=now,
         expires_at=now + cfg.delivery.message_expiration_timeout,
         message_id=msgid, submit_time=email.utils.formatdate(now, usegmt=True),
-        subject="Undeliverable", origin="dsn",
+        subject="Undeliverable", origin="dsn", smtputf8=utf8, body_type="8BITMIME" if utf8 else "",
     )
 
 
@@ -182,14 +179,11 @@ class DeliveryAgent:
                 await self.deliver_smtp(batch)
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - leave the recipients Active; reset on restart
+        except Exception as exc:  # noqa: BLE001 - per-message failures are caught below; this is the rest
             log.exception("delivery to queue %s failed unexpectedly", batch[0].queue_identity)
-            # Put them back to Retry so they are not stuck until restart.
-            outcomes = [Outcome(r, mq.RETRY, "451 4.3.0 internal delivery error")
-                        for it in batch for r in it.recipient_ids]
+            # Back to Retry (counted per message) so they are not stuck until a restart.
             try:
-                await self._commit(batch, {it.message_id: [o for o in outcomes if o.recipient_id in it.recipient_ids]
-                                           for it in batch}, time.time())
+                await self._internal_failure(batch, "deliver", exc)
             except Exception:  # noqa: BLE001
                 log.exception("could not record the failure")
         finally:
@@ -201,62 +195,111 @@ class DeliveryAgent:
 
     # -------------------------------------------------------------------- outcomes
 
+    def _dsn_for(self, it: WorkItem, row: dict, body: bytes, failed: list[Outcome], remote: str,
+                 expiry: bool, now: float) -> NewMessage | None:
+        faults.check("dsn", row)
+        addr = dict(zip(it.recipient_ids, it.addresses))
+        reports = [RecipientReport(address=addr[o.recipient_id], action="failed",
+                                   status="4.4.7" if expiry else _status(o.reply), diagnostic=o.reply,
+                                   remote_mta="" if expiry else remote) for o in failed]
+        return dsn_message(self.cfg, row, body, reports, now)
+
     async def _commit(self, batch: list[WorkItem], outcomes: dict[int, list[Outcome]], now: float,
                       queue_error: str | None = None, remote: str = "",
-                      forks: Sequence[tuple[int, str, str, int, str | None]] = ()) -> None:
-        """Write outcomes (and DSNs) durably, then log the tracking events."""
+                      forks: Sequence[tuple[int, str, str, int, str | None]] = (),
+                      internal: dict[int, tuple[str, BaseException]] | None = None,
+                      expiry: bool = False) -> None:
+        """Write outcomes (and DSNs) durably, then log the tracking events.
+
+        ``internal``: messages whose handling failed with an internal error (step, error); their
+        outcomes are Retry with 451 4.3.0 and the failure counts towards the Poison queue, in the
+        same commit. A message handled without one has its earlier failures forgotten.
+        ``expiry``: the outcomes are expiries (no queue attempt; FAIL from ROUTING, DSN 4.4.7).
+        """
         d = self.cfg.delivery
         hold = self.cfg.safety_net.safety_net_hold_time
-        bodies: dict[int, tuple[dict, bytes]] = {}
+        internal = dict(internal or {})
+        # DSNs are built before the commit, one message at a time: a DSN that cannot be built
+        # keeps that message's recipients in Retry (an internal failure), never failed silently,
+        # and never holds up the other messages of the batch.
+        dsns: dict[int, tuple[dict, NewMessage]] = {}
         for it in batch:
-            if any(o.status == mq.FAILED for o in outcomes.get(it.message_id, [])):
-                row, body = await self.store.aread(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
-                if row is not None and body is not None:
-                    bodies[it.message_id] = (row, body)
+            outs = outcomes.get(it.message_id, [])
+            failed = [o for o in outs if o.status == mq.FAILED]
+            if not failed or it.message_id in internal:
+                continue
+            row, body = await self.store.aread(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
+            if row is None or body is None:
+                continue
+            try:
+                dsn = self._dsn_for(it, row, body, failed, remote, expiry, now)
+            except Exception as exc:  # noqa: BLE001 - isolated per message (Poison queue)
+                internal[it.message_id] = ("dsn", exc)
+                reply = _internal_reply("dsn", exc)
+                outcomes[it.message_id] = [Outcome(o.recipient_id, mq.RETRY, reply) if o.status == mq.FAILED
+                                           else o for o in outs]
+                continue
+            if dsn is not None:
+                dsns[it.message_id] = (row, dsn)
+        threshold = self.node.poison_threshold
 
         def job(conn):
-            result = {}
-            if batch:
+            created, poisoned = {}, []
+            if batch and not expiry:
                 mq.queue_attempt_result(conn, batch[0].queue_id, now, error=queue_error,
                                         retry_interval=d.transient_failure_retry_interval,
                                         retry_count=d.transient_failure_retry_count,
                                         long_interval=d.outbound_connection_failure_retry_interval)
             for it in batch:
-                outs = outcomes.get(it.message_id, [])
-                mq.record_outcomes(conn, outs, now, retry_interval=d.transient_failure_retry_interval,
+                mid = it.message_id
+                mq.record_outcomes(conn, outcomes.get(mid, []), now, retry_interval=d.transient_failure_retry_interval,
                                    retry_count=d.transient_failure_retry_count,
                                    long_interval=d.outbound_connection_failure_retry_interval)
-                dsn_id = None
-                failed = [o for o in outs if o.status == mq.FAILED]
-                if failed and it.message_id in bodies:
-                    row, body = bodies[it.message_id]
-                    addr = dict(zip(it.recipient_ids, it.addresses))
-                    reports = [RecipientReport(address=addr[o.recipient_id], action="failed",
-                                               status=_status(o.reply), diagnostic=o.reply,
-                                               remote_mta=remote) for o in failed]
-                    dsn = dsn_message(self.cfg, row, body, reports, now)
-                    if dsn is not None:
-                        dsn_id = (mq.enqueue(conn, dsn), dsn)
+                if mid in internal:
+                    if mq.count_internal_failure(conn, mid, threshold):
+                        poisoned.append(mid)
+                else:
+                    mq.reset_poison_count(conn, mid)
+                if mid in dsns:
+                    created[mid] = (mq.enqueue(conn, dsns[mid][1]), dsns[mid][1])
                 for message_id, primary, guid, queue_id, primary_dbid in forks:
-                    if message_id == it.message_id:
+                    if message_id == mid:
                         conn.execute(insert(shadow_forks).values(message_id=message_id, primary_node=primary,
                                                                  shadow_guid=guid, queue_id=queue_id,
                                                                  created_at=now, primary_dbid=primary_dbid))
-                mq.finish_if_done(conn, it.message_id, now, hold)
-                result[it.message_id] = dsn_id
-            return result
+                mq.finish_if_done(conn, mid, now, hold)
+            return created, poisoned
 
-        dsns = await self.store.write(job)
+        created, poisoned = await self.store.write(job)
         rows = await self.store.aread(lambda c: {it.message_id: mq.message_row(c, it.message_id) for it in batch})
         for it in batch:
-            self._log_outcomes(rows.get(it.message_id) or {}, it, outcomes.get(it.message_id, []), remote, now)
-            created = dsns.get(it.message_id)
-            if created:
-                self.node.log_dsn(rows.get(it.message_id) or {}, created[0], created[1])
-        if any(dsns.values()):
+            row = rows.get(it.message_id) or {"id": it.message_id}
+            if it.message_id in internal:
+                step, exc = internal[it.message_id]
+                ids = {"internal_message_id": it.message_id, "network_message_id": row.get("network_message_id", "")}
+                log.error("%s of message %s to %s failed with an internal error: %s: %s", step, it.message_id,
+                          it.queue_identity, exc.__class__.__name__, exc, exc_info=exc, extra=ids)
+                self.node.metrics.internal_failures.labels(step).inc()
+            self._log_outcomes(row, it, outcomes.get(it.message_id, []), remote, now, expiry=expiry)
+            if it.message_id in created:
+                dsn_id, dsn = created[it.message_id]
+                self.node.log_dsn(row, dsn_id, dsn)
+            if it.message_id in poisoned:
+                step, exc = internal[it.message_id]
+                self.node.poisoned(row, f"{step}: {exc.__class__.__name__}: {exc}")
+        if created:
             self.wake()
 
-    def _log_outcomes(self, row: dict, it: WorkItem, outs: list[Outcome], remote: str, now: float) -> None:
+    async def _internal_failure(self, items: list[WorkItem], step: str, exc: BaseException,
+                                remote: str = "") -> None:
+        """Record that handling ``items`` failed with an internal error (Retry, counted)."""
+        reply = _internal_reply(step, exc)
+        await self._commit(items, {it.message_id: [Outcome(r, mq.RETRY, reply) for r in it.recipient_ids]
+                                   for it in items}, time.time(), remote=remote,
+                           internal={it.message_id: (step, exc) for it in items}, expiry=step == "expire")
+
+    def _log_outcomes(self, row: dict, it: WorkItem, outs: list[Outcome], remote: str, now: float,
+                      expiry: bool = False) -> None:
         addr = dict(zip(it.recipient_ids, it.addresses))
         groups: dict[tuple[str, str, bool], list[str]] = defaultdict(list)
         for o in outs:
@@ -278,6 +321,9 @@ class DeliveryAgent:
             elif status == mq.RETRY:
                 self.node.track("DEFER", "SMTP", row, recipients=rcpts, recipient_status=[reply] * len(rcpts),
                                 source_context=it.queue_identity, connector_id=it.queue_identity)
+            elif expiry:
+                self.node.track("FAIL", "ROUTING", row, recipients=rcpts, recipient_status=[reply] * len(rcpts),
+                                source_context="MessageExpired")
             else:
                 self.node.track("FAIL", "SMTP", row, recipients=rcpts, recipient_status=[reply] * len(rcpts),
                                 source_context=it.queue_identity, connector_id=it.queue_identity)
@@ -285,36 +331,47 @@ class DeliveryAgent:
     # -------------------------------------------------------------------- local mailbox
 
     async def deliver_local(self, batch: list[WorkItem]) -> None:
-        window = self.cfg.mailbox.duplicate_detection_window
         for it in batch:
-            row, body = await self.store.aread(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
-            now = time.time()
-            if row is None or body is None:
-                outs = [Outcome(r, mq.FAILED, "550 5.3.0 message body missing from the queue database")
-                        for r in it.recipient_ids]
-                await self._commit([it], {it.message_id: outs}, now)
-                continue
-            outs: list[Outcome] = []
-            for rid, address in zip(it.recipient_ids, it.addresses):
-                async with self._mailbox_locks[address.lower()]:
-                    dup = await self.store.aread(lambda c, a=address: mq.already_delivered(
-                        c, a, row["message_id"], row["submit_time"], now, window))
-                    if dup:
-                        outs.append(Outcome(rid, mq.DELIVERED, "250 2.0.0 duplicate", duplicate=True))
-                        continue
-                    try:
-                        _, stored = await asyncio.to_thread(
-                            self.node.mailboxes.deliver, address, row["network_message_id"], body,
-                            row["received_at"])
-                    except OSError as exc:
-                        outs.append(Outcome(rid, mq.RETRY, f"451 4.3.0 mailbox store error: {exc.strerror}"))
-                        continue
-                    outs.append(Outcome(rid, mq.DELIVERED, "250 2.0.0 delivered", duplicate=not stored))
-                    # Remembered before the mailbox lock is released, so that a copy of the same
-                    # message in a concurrent batch sees this delivery and is dropped as a duplicate.
-                    await self.store.write(lambda c, a=address: mq.remember_delivery(
-                        c, a, row["message_id"], row["submit_time"], now))
+            try:
+                await self._deliver_local_one(it)
+            except asyncio.CancelledError:
+                raise
+            except StoreError as exc:
+                log.error("queue database unavailable while delivering message %s: %s", it.message_id, exc)
+            except Exception as exc:  # noqa: BLE001 - one message never holds up the others
+                await self._safely(self._internal_failure([it], "deliver", exc), it)
+
+    async def _deliver_local_one(self, it: WorkItem) -> None:
+        window = self.cfg.mailbox.duplicate_detection_window
+        row, body = await self.store.aread(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
+        now = time.time()
+        if row is None or body is None:
+            outs = [Outcome(r, mq.FAILED, "550 5.3.0 message body missing from the queue database")
+                    for r in it.recipient_ids]
             await self._commit([it], {it.message_id: outs}, now)
+            return
+        await faults.acheck("deliver", row)
+        outs: list[Outcome] = []
+        for rid, address in zip(it.recipient_ids, it.addresses):
+            async with self._mailbox_locks[address.lower()]:
+                dup = await self.store.aread(lambda c, a=address: mq.already_delivered(
+                    c, a, row["message_id"], row["submit_time"], now, window))
+                if dup:
+                    outs.append(Outcome(rid, mq.DELIVERED, "250 2.0.0 duplicate", duplicate=True))
+                    continue
+                try:
+                    _, stored = await asyncio.to_thread(
+                        self.node.mailboxes.deliver, address, row["network_message_id"], body,
+                        row["received_at"])
+                except OSError as exc:
+                    outs.append(Outcome(rid, mq.RETRY, f"451 4.3.0 mailbox store error: {exc.strerror}"))
+                    continue
+                outs.append(Outcome(rid, mq.DELIVERED, "250 2.0.0 delivered", duplicate=not stored))
+                # Remembered before the mailbox lock is released, so that a copy of the same
+                # message in a concurrent batch sees this delivery and is dropped as a duplicate.
+                await self.store.write(lambda c, a=address: mq.remember_delivery(
+                    c, a, row["message_id"], row["submit_time"], now))
+        await self._commit([it], {it.message_id: outs}, now)
 
     # -------------------------------------------------------------------- SMTP send connector
 
@@ -380,6 +437,19 @@ class DeliveryAgent:
                     await self._commit(rest, {x.message_id: [Outcome(r, mq.RETRY, reply) for r in x.recipient_ids]
                                               for x in rest}, time.time(), queue_error=reply, remote=remote)
                     return
+                except (asyncio.CancelledError, StoreError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - this message only: the others go on
+                    await self._internal_failure([it], "deliver", exc, remote=remote)
+                    if i + 1 < len(batch) and not await _rset_ok(client):
+                        # The session cannot go on: the rest is retried on a new one, not counted.
+                        reply = f"451 4.4.2 Session to {target.host}:{target.port} reset after an internal error"
+                        rest = batch[i + 1:]
+                        await self._commit(rest, {x.message_id: [Outcome(r, mq.RETRY, reply)
+                                                                 for r in x.recipient_ids] for x in rest},
+                                           time.time(), remote=remote)
+                        return
+                    continue
                 progressed = progressed or any(o.status != mq.RETRY for o in outs)
                 # A session in which the next hop deferred everything puts the queue in Retry,
                 # with the reply as its last error, as a failed connection does.
@@ -402,22 +472,23 @@ class DeliveryAgent:
         if row is None or body is None:
             return [Outcome(r, mq.FAILED, "550 5.3.0 message body missing from the queue database")
                     for r in it.recipient_ids]
-        options = []
-        utf8 = not _is_ascii(row["sender"]) or not all(_is_ascii(a) for a in it.addresses)
-        if utf8:
-            if not client.supports_extension("smtputf8"):
-                return [Outcome(r, mq.FAILED, "550 5.6.7 next hop does not support SMTPUTF8")
-                        for r in it.recipient_ids]
-            options.append("SMTPUTF8")
-        if not body.isascii():
-            if client.supports_extension("8bitmime"):
-                options.append("BODY=8BITMIME")
+        await faults.acheck("deliver", row)
+        # SMTPUTF8 and 8BITMIME as the message needs them and the next hop offers them; a next hop
+        # that cannot take it gets no attempt (5.6.7 / 5.6.9 / 5.6.3 and a DSN).
+        plan = plan_send(row["sender"], it.addresses, body, smtputf8=bool(row["smtputf8"]),
+                         body_type=row["body_type"] or "",
+                         next_hop_smtputf8=client.supports_extension("smtputf8"),
+                         next_hop_8bitmime=client.supports_extension("8bitmime"))
+        if plan.error:
+            return [Outcome(r, mq.FAILED, plan.error) for r in it.recipient_ids]
+        body = plan.data
+        options = list(plan.options)
         if client.supports_extension("size"):
             options.append(f"SIZE={len(body)}")
         if xshadow:
             options.append(f"XSHADOW={xshadow}")
         try:
-            await client.mail(row["sender"], options=options)
+            await smtpclient.mail(client, row["sender"], options)
         except aiosmtplib.SMTPResponseException as exc:
             status = mq.FAILED if exc.code >= 500 else mq.RETRY
             await _rset(client)
@@ -426,7 +497,7 @@ class DeliveryAgent:
         accepted: list[int] = []
         for rid, address in zip(it.recipient_ids, it.addresses):
             try:
-                resp = await client.rcpt(address)
+                resp = await smtpclient.rcpt(client, address)
                 accepted.append(rid)
                 outs[rid] = Outcome(rid, mq.DELIVERED, f"{resp.code} {resp.message}")
             except aiosmtplib.SMTPResponseException as exc:
@@ -462,42 +533,25 @@ class DeliveryAgent:
             rcpts = [r for r in rcpts if r["id"] in claimed]
             if not rcpts:
                 continue
-            qid_item = WorkItem(queue_id=0, queue_identity="expiry", delivery_type="Expiry", next_hop="",
-                                message_id=mid, recipient_ids=[r["id"] for r in rcpts],
-                                addresses=[r["address"] for r in rcpts])
-            reply = EXPIRED_REPLY
-            outs = [Outcome(r["id"], mq.FAILED, reply + (f" (last error: {r['last_error']})" if r["last_error"]
-                                                        else "")) for r in rcpts]
-            await self._commit_expiry(qid_item, outs, now)
+            item = WorkItem(queue_id=0, queue_identity="expiry", delivery_type="Expiry", next_hop="",
+                            message_id=mid, recipient_ids=[r["id"] for r in rcpts],
+                            addresses=[r["address"] for r in rcpts])
+            outs = [Outcome(r["id"], mq.FAILED, EXPIRED_REPLY + (f" (last error: {r['last_error']})"
+                                                                 if r["last_error"] else "")) for r in rcpts]
+            try:
+                faults.check("expire", {"id": mid, **(await self.store.aread(lambda c, m=mid: mq.message_row(c, m))
+                                                     or {})})
+                await self._commit([item], {mid: outs}, now, expiry=True)
+            except Exception as exc:  # noqa: BLE001 - one message never holds up the others
+                await self._safely(self._internal_failure([item], "expire", exc), item)
 
-    async def _commit_expiry(self, it: WorkItem, outs: list[Outcome], now: float) -> None:
-        # Same as _commit but without a queue attempt (there was no connection).
-        hold = self.cfg.safety_net.safety_net_hold_time
-        d = self.cfg.delivery
-        row, body = await self.store.aread(lambda c: (mq.message_row(c, it.message_id), mq.body(c, it.message_id)))
-        addr = dict(zip(it.recipient_ids, it.addresses))
-
-        def job(conn):
-            mq.record_outcomes(conn, outs, now, retry_interval=d.transient_failure_retry_interval,
-                               retry_count=d.transient_failure_retry_count,
-                               long_interval=d.outbound_connection_failure_retry_interval)
-            created = None
-            if row is not None and body is not None:
-                reports = [RecipientReport(address=addr[o.recipient_id], action="failed", status="4.4.7",
-                                           diagnostic=o.reply) for o in outs]
-                dsn = dsn_message(self.cfg, row, body, reports, now)
-                if dsn is not None:
-                    created = (mq.enqueue(conn, dsn), dsn)
-            mq.finish_if_done(conn, it.message_id, now, hold)
-            return created
-
-        created = await self.store.write(job)
-        row = row or {}
-        self.node.track("FAIL", "ROUTING", row, recipients=[addr[o.recipient_id] for o in outs],
-                        recipient_status=[o.reply for o in outs], source_context="MessageExpired")
-        if created:
-            self.node.log_dsn(row, created[0], created[1])
-            self.wake()
+    async def _safely(self, coro: Any, item: WorkItem) -> None:
+        """Run a recording step; if even that fails, its recipients are left to the next tick."""
+        try:
+            await coro
+        except Exception:  # noqa: BLE001
+            log.exception("could not record the internal failure of message %s", item.message_id,
+                          extra={"internal_message_id": item.message_id, "network_message_id": ""})
 
     async def housekeeping(self, now: float) -> None:
         window = self.cfg.mailbox.duplicate_detection_window
@@ -527,6 +581,17 @@ async def resolve_mx(domain: str, port: int) -> list[SmtpTarget]:
         raise NextHopUnavailable(f"MX lookup for {domain} failed: {exc}") from None
 
 
+async def _rset_ok(client: aiosmtplib.SMTP) -> bool:
+    """RSET after a failure in the middle of a transaction: True when the session can go on."""
+    if not client.is_connected:
+        return False
+    try:
+        await asyncio.wait_for(client.rset(), 10)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
 async def _rset(client: aiosmtplib.SMTP) -> None:
     try:
         await client.rset()
@@ -544,6 +609,10 @@ def _status(reply: str) -> str:
     except ValueError:
         return "5.0.0"
     return status_from_reply(code, reply[4:])
+
+
+def _internal_reply(step: str, exc: BaseException) -> str:
+    return f"{mq.INTERNAL_ERROR} in {step}: {exc.__class__.__name__}: {_describe(exc)}"[:500]
 
 
 def _describe(exc: BaseException) -> str:

@@ -23,6 +23,18 @@ exception to 7-bit cleanliness is a non-ASCII (SMTPUTF8) envelope sender or
 postmaster address, which appears as UTF-8 in the ``To:``/``From:`` header:
 such a DSN can only be relayed with SMTPUTF8 anyway, because its envelope
 recipient is non-ASCII too.
+
+With ``utf8=True`` it builds an internationalized DSN instead (RFC 6533, for a
+message that came with SMTPUTF8; :func:`dsn_needs_utf8` says when): the
+delivery status is ``message/global-delivery-status`` with non-ASCII addresses
+as raw UTF-8 (``utf-8; jörg@example.de``) and UTF-8 diagnostic text; the
+original comes back as ``message/global-headers`` (its header block, bytes kept)
+or, for RET=FULL, ``message/global`` (RFC 6532); the notification text and the
+Subject are raw UTF-8. Such a DSN carries ``8bit`` parts and UTF-8 headers, so it
+must travel with SMTPUTF8 (and BODY=8BITMIME); it never needs a 7-bit fallback
+except for content that is not valid 8bit data either (NUL octets, lines over
+998 octets): the returned headers are then quoted-printable (RFC 6533 allows
+it) and a RET=FULL original falls back to its headers.
 """
 
 import binascii
@@ -36,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-__all__ = ["RecipientReport", "build_dsn", "status_from_reply"]
+__all__ = ["RecipientReport", "build_dsn", "dsn_needs_utf8", "status_from_reply"]
 
 #: RFC 3464 action values. ``failed`` and ``delayed`` are the ones transportd emits;
 #: the success-type values are accepted for NOTIFY=SUCCESS reports.
@@ -46,6 +58,7 @@ _STATUS_RE = re.compile(r"[245]\.[0-9]{1,3}\.[0-9]{1,3}", re.ASCII)
 _REPLY_PREFIX_RE = re.compile(r"^[0-9]{3}(?:[ -]|$)", re.ASCII)
 _EOL_RE = re.compile(rb"\r\n|\r|\n")
 _NOT_7BIT_RE = re.compile(rb"[\x00\x80-\xff]")
+_NUL_RE = re.compile(rb"\x00")
 _SUBJECT_RE = re.compile(rb"subject[ \t]*:", re.IGNORECASE)
 
 _MAX_LINE = 998  # RFC 5322 2.1.1, excluding CRLF
@@ -96,6 +109,33 @@ def status_from_reply(code: int, text: str) -> str:
     return "4.0.0"
 
 
+def dsn_needs_utf8(
+    original_sender: str,
+    recipients: Sequence[RecipientReport],
+    original_message: bytes,
+    received_smtputf8: bool,
+) -> bool:
+    """True when the DSN for this message should be an RFC 6533 internationalized one.
+
+    That is when the original was received with the SMTPUTF8 MAIL parameter (so the
+    sender's side speaks SMTPUTF8 and can take the DSN back) and it holds UTF-8: a
+    non-ASCII envelope sender, recipient address (or ORCPT), or non-ASCII octets in
+    its header block. The daemon uses it to choose between ``build_dsn(utf8=True)``
+    (the DSN then travels with SMTPUTF8 and BODY=8BITMIME) and the classic 7-bit DSN.
+    Pure; never raises on a malformed original.
+    """
+    if not received_smtputf8:
+        return False
+    addresses = [original_sender]
+    for rcpt in recipients:
+        addresses.append(rcpt.address)
+        addresses.append(rcpt.original_recipient or "")
+    if not all(address.isascii() for address in addresses):
+        return True
+    headers_lf = _header_block(_EOL_RE.sub(b"\n", bytes(original_message)))
+    return not headers_lf.isascii()
+
+
 def build_dsn(
     *,
     reporting_mta: str,
@@ -108,6 +148,7 @@ def build_dsn(
     postmaster: str | None = None,
     include_body: bool = False,
     message_id_domain: str | None = None,
+    utf8: bool = False,
 ) -> bytes:
     """Build a complete DSN message (RFC 5322 bytes, CRLF line endings).
 
@@ -117,6 +158,8 @@ def build_dsn(
     8-bit and is never a reason to raise. ``original_envelope_id`` is the
     ENVID, already xtext-decoded. ``include_body`` is RET=FULL (see the module
     docstring for the 7-bit fallback). Naive datetimes are taken as UTC.
+    ``utf8`` builds an RFC 6533 internationalized DSN (see the module docstring;
+    :func:`dsn_needs_utf8` decides); ``False`` builds the classic 7-bit one.
 
     Raises ``ValueError`` for the null sender (``""``/``"<>"``), for an empty
     ``recipients``, for an unknown action or malformed status code, and for
@@ -159,12 +202,18 @@ def build_dsn(
     else:
         subject_prefix = "Delivery status notification: "
 
-    return_full = include_body and not _needs_encoding(full_lf)
+    if utf8:
+        return_full = include_body and _valid_8bit(full_lf)
+    else:
+        return_full = include_body and not _needs_encoding(full_lf)
     body_dropped = include_body and not return_full
 
     # Part 1: human-readable explanation.
-    text = _human_text(mta, recipients, subject, arrival_date, return_full, body_dropped)
-    text_ct, text_cte, text_body = _encode_text_part(text.encode("utf-8"))
+    text = _human_text(mta, recipients, subject, arrival_date, return_full, body_dropped, utf8)
+    if utf8:
+        text_ct, text_cte, text_body = _encode_text_part_utf8(text.encode("utf-8"))
+    else:
+        text_ct, text_cte, text_body = _encode_text_part(text.encode("utf-8"))
     part1 = (
         f"Content-Type: {text_ct}\r\n"
         f"Content-Transfer-Encoding: {text_cte}\r\n"
@@ -178,16 +227,26 @@ def build_dsn(
     status_lines.append(f"Arrival-Date: {_rfc5322_date(arrival_date)}\r\n")
     for rcpt in recipients:
         status_lines.append("\r\n")
-        status_lines.extend(_recipient_block(rcpt))
-    part2 = (
-        "Content-Type: message/delivery-status\r\n"
-        "Content-Transfer-Encoding: 7bit\r\n"
-        "Content-Description: Delivery report\r\n"
-    ).encode("ascii")
-    status_body = "".join(status_lines).encode("ascii")
+        status_lines.extend(_recipient_block(rcpt, utf8))
+    if utf8:
+        status_body = "".join(status_lines).encode("utf-8")
+        part2 = (
+            "Content-Type: message/global-delivery-status\r\n"
+            f"Content-Transfer-Encoding: {_cte_8bit(status_body)}\r\n"
+            "Content-Description: Delivery report\r\n"
+        ).encode("ascii")
+    else:
+        part2 = (
+            "Content-Type: message/delivery-status\r\n"
+            "Content-Transfer-Encoding: 7bit\r\n"
+            "Content-Description: Delivery report\r\n"
+        ).encode("ascii")
+        status_body = "".join(status_lines).encode("ascii")
 
     # Part 3: the original (headers, or the whole message for RET=FULL).
-    if return_full:
+    if utf8:
+        part3, original_body = _original_part_utf8(full_lf, headers_lf, return_full)
+    elif return_full:
         part3 = (
             "Content-Type: message/rfc822\r\n"
             "Content-Transfer-Encoding: 7bit\r\n"
@@ -211,12 +270,20 @@ def build_dsn(
 
     parts = [(part1, text_body), (part2, status_body), (part3, original_body)]
     boundary = _pick_boundary([body for _, body in parts])
+    full_subject = subject_prefix + (subject or "(no subject)")
+    if utf8 and not full_subject.isascii():
+        subject_header = _fold_field("Subject", full_subject).encode("utf-8")
+    else:
+        subject_header = _subject_header(full_subject)
+    top_cte = b""
+    if utf8 and any(b"Content-Transfer-Encoding: 8bit\r\n" in h for h, _ in parts):
+        top_cte = b"Content-Transfer-Encoding: 8bit\r\n"
 
     head = b"".join(
         [
             _address_header("From", "Mail Delivery System", from_addr),
             _address_header("To", None, sender),
-            _subject_header(subject_prefix + (subject or "(no subject)")),
+            subject_header,
             f"Date: {_rfc5322_date(now)}\r\n".encode("ascii"),
             f"Message-ID: <{_date_utc(now):%Y%m%d%H%M%S}.{secrets.token_hex(8)}"
             f"@{msgid_domain}>\r\n".encode("ascii"),
@@ -224,6 +291,7 @@ def build_dsn(
             b"MIME-Version: 1.0\r\n",
             f"Content-Type: multipart/report; report-type=delivery-status;\r\n"
             f' boundary="{boundary}"\r\n'.encode("ascii"),
+            top_cte,
             b"\r\n",
             b"This is a MIME-encapsulated delivery status notification.\r\n",
         ]
@@ -306,28 +374,56 @@ def _field_text(value: str) -> str:
 
 
 def _fold_field(name: str, value: str) -> str:
-    """``name: value`` folded at spaces to ~78 columns, never a line over 998 octets."""
+    """``name: value`` folded at spaces to ~78 columns, never a line over 998 octets.
+    Widths count UTF-8 octets (the same as characters for the ASCII of a classic DSN)."""
     words: list[str] = []
     for word in value.split(" "):
-        words.extend(word[i : i + 900] for i in range(0, len(word), 900))
+        words.extend(_octet_chunks(word, 900))
     lines: list[str] = []
     current = f"{name}:"
+    width = _octets(current)
     has_word = False
     for word in words:
-        if has_word and len(current) + 1 + len(word) > _FOLD_WIDTH:
+        size = _octets(word)
+        if has_word and width + 1 + size > _FOLD_WIDTH:
             lines.append(current)
-            current = " " + word
+            current, width = " " + word, 1 + size
         else:
             current += " " + word
+            width += 1 + size
         has_word = True
     lines.append(current)
     return "\r\n".join(lines) + "\r\n"
 
 
-def _address_field(value: str) -> str:
-    """``rfc822; addr`` for ASCII, RFC 6533 ``utf-8; <utf-8-addr-xtext>`` otherwise."""
+def _octets(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def _octet_chunks(word: str, limit: int) -> list[str]:
+    """``word`` cut into pieces of at most ``limit`` UTF-8 octets, never inside a character."""
+    if word.isascii():
+        return [word[i : i + limit] for i in range(0, len(word), limit)]
+    chunks, current, size = [], [], 0
+    for ch in word:
+        n = _octets(ch)
+        if size + n > limit:
+            chunks.append("".join(current))
+            current, size = [], 0
+        current.append(ch)
+        size += n
+    if current:
+        chunks.append("".join(current))
+    return chunks
+
+
+def _address_field(value: str, utf8: bool = False) -> str:
+    """``rfc822; addr`` for ASCII, RFC 6533 ``utf-8; <utf-8-addr-xtext>`` otherwise; with
+    ``utf8`` (message/global-delivery-status) ``utf-8; <the address as raw UTF-8>``."""
     if value.isascii():
         return f"rfc822; {_field_text(value)}"
+    if utf8 and _is_unicode(value):
+        return f"utf-8; {_display_text(value)}"
     xtext = "".join(
         ch if 0x21 <= ord(ch) <= 0x7E and ch not in "+=\\" else f"\\x{{{ord(ch):X}}}"
         for ch in value
@@ -335,23 +431,31 @@ def _address_field(value: str) -> str:
     return f"utf-8; {xtext}"
 
 
-def _recipient_block(rcpt: RecipientReport) -> list[str]:
+def _recipient_block(rcpt: RecipientReport, utf8: bool = False) -> list[str]:
     lines = []
     if rcpt.original_recipient:
         orcpt = rcpt.original_recipient.strip()
         addr_type, sep, addr = orcpt.partition(";")
-        if sep and addr_type.strip() and addr.strip():
-            value = f"{_field_text(addr_type)}; {_field_text(addr.strip())}"
+        addr = addr.strip()
+        if (
+            utf8 and sep and addr and not addr.isascii() and _is_unicode(addr)
+            and addr_type.strip().lower() in ("rfc822", "utf-8")
+        ):
+            value = f"utf-8; {_display_text(addr)}"
+        elif sep and addr_type.strip() and addr:
+            value = f"{_field_text(addr_type)}; {_field_text(addr)}"
         else:
-            value = _address_field(orcpt)
+            value = _address_field(orcpt, utf8)
         lines.append(_fold_field("Original-Recipient", value))
-    lines.append(_fold_field("Final-Recipient", _address_field(_bare_address(rcpt.address, ""))))
+    final = _address_field(_bare_address(rcpt.address, ""), utf8)
+    lines.append(_fold_field("Final-Recipient", final))
     lines.append(f"Action: {rcpt.action}\r\n")
     lines.append(f"Status: {rcpt.status}\r\n")
     remote = _field_text(rcpt.remote_mta)
     if remote:
         lines.append(_fold_field("Remote-MTA", f"dns; {remote}"))
-    diagnostic = _field_text(rcpt.diagnostic)
+    # RFC 6533: the diagnostic text of message/global-delivery-status may be UTF-8.
+    diagnostic = _display_text(rcpt.diagnostic) if utf8 else _field_text(rcpt.diagnostic)
     if diagnostic:
         lines.append(_fold_field("Diagnostic-Code", f"smtp; {diagnostic}"))
     if rcpt.last_attempt is not None:
@@ -395,6 +499,62 @@ def _encode_text_part(text_lf: bytes) -> tuple[str, str, bytes]:
     if not _needs_encoding(text_lf):
         return "text/plain; charset=us-ascii", "7bit", text_lf.replace(b"\n", b"\r\n")
     return "text/plain; charset=utf-8", "quoted-printable", _qp_crlf(text_lf)
+
+
+def _valid_8bit(data_lf: bytes) -> bool:
+    """True when ``data_lf`` is valid 8bit data (RFC 2045 2.8): no NUL, lines <= 998 octets."""
+    if _NUL_RE.search(data_lf):
+        return False
+    return all(len(line) <= _MAX_LINE for line in data_lf.split(b"\n"))
+
+
+def _cte_8bit(data: bytes) -> str:
+    return "7bit" if data.isascii() else "8bit"
+
+
+def _encode_text_part_utf8(text_lf: bytes) -> tuple[str, str, bytes]:
+    if not _needs_encoding(text_lf):
+        return "text/plain; charset=us-ascii", "7bit", text_lf.replace(b"\n", b"\r\n")
+    if _valid_8bit(text_lf):
+        return "text/plain; charset=utf-8", "8bit", text_lf.replace(b"\n", b"\r\n")
+    return "text/plain; charset=utf-8", "quoted-printable", _qp_crlf(text_lf)
+
+
+def _original_part_utf8(
+    full_lf: bytes, headers_lf: bytes, return_full: bool
+) -> tuple[bytes, bytes]:
+    """Part 3 of an RFC 6533 DSN: ``message/global`` (RET=FULL, valid 8bit data) or
+    ``message/global-headers``, both 8bit as they are; headers that are not valid 8bit
+    data (NULs, over-long lines) are quoted-printable, which RFC 6533 allows."""
+    if return_full:
+        body = full_lf.replace(b"\n", b"\r\n")
+        head = (
+            "Content-Type: message/global\r\n"
+            f"Content-Transfer-Encoding: {_cte_8bit(body)}\r\n"
+            "Content-Description: Undelivered message\r\n"
+        )
+    else:
+        if _valid_8bit(headers_lf):
+            body = headers_lf.replace(b"\n", b"\r\n")
+            cte = _cte_8bit(body)
+        else:
+            body = _qp_crlf(headers_lf)
+            cte = "quoted-printable"
+        head = (
+            "Content-Type: message/global-headers\r\n"
+            f"Content-Transfer-Encoding: {cte}\r\n"
+            "Content-Description: Undelivered message headers\r\n"
+        )
+    return head.encode("ascii"), body
+
+
+def _is_unicode(value: str) -> bool:
+    """False for a str holding lone surrogates (undecodable bytes): not writable as UTF-8."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _original_subject(headers_lf: bytes) -> str:
@@ -476,6 +636,7 @@ def _human_text(
     arrival_date: datetime,
     return_full: bool,
     body_dropped: bool,
+    utf8: bool = False,
 ) -> str:
     groups = [
         (
@@ -522,7 +683,12 @@ def _human_text(
         out.append("The delivery report and your original message are attached.")
     else:
         out.append("The delivery report and the headers of your original message are attached.")
-    if body_dropped:
+    if body_dropped and utf8:
+        out.append(
+            "The message body is not returned because it holds NUL octets or lines over"
+            " 998 octets and cannot be attached unaltered."
+        )
+    elif body_dropped:
         out.append(
             "The message body is not returned because it is not 7-bit clean and"
             " cannot be attached unaltered."

@@ -8,8 +8,9 @@ talks SMTP or writes tracking logs: callers log after the commit.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
@@ -28,6 +29,11 @@ TERMINAL = (DELIVERED, FAILED, REMOVED)
 NOT_REDUNDANT = ("reshadowing", "unprotected")
 # message states
 QUEUED, SAFETY_NET, MSG_REMOVED = "Queued", "SafetyNet", "Removed"
+# The Poison queue (Exchange's): not a next hop but the messages held with ``poisoned`` = 1.
+POISON = "Poison"
+# The reply prefix of every internal failure recorded on a recipient (never a 5xx: the sender's
+# mail is kept and retried, or held in the Poison queue).
+INTERNAL_ERROR = "451 4.3.0 internal error"
 
 
 @dataclass
@@ -51,6 +57,8 @@ class NewMessage:
     primary_node: str | None = None
     primary_internal_id: int | None = None
     primary_dbid: str | None = None
+    smtputf8: bool = False  # received with the SMTPUTF8 MAIL parameter (RFC 6531)
+    body_type: str = ""     # the BODY= it was received with: "8BITMIME", "7BIT" or "" (not given)
 
 
 @dataclass
@@ -129,7 +137,7 @@ def enqueue(conn: Connection, msg: NewMessage) -> int:
         role=msg.role, state=QUEUED, suspended=0, suppress_dsn=int(msg.suppress_dsn),
         shadow_guid=msg.shadow_guid, primary_node=msg.primary_node,
         primary_internal_id=msg.primary_internal_id, redundancy=msg.redundancy,
-        primary_dbid=msg.primary_dbid,
+        primary_dbid=msg.primary_dbid, smtputf8=int(msg.smtputf8), body_type=msg.body_type,
     )).inserted_primary_key[0]
     conn.execute(_INSERT_BODY, {"message_id": mid, "data": msg.data})
     rows = []
@@ -169,6 +177,60 @@ def recover_after_restart(conn: Connection) -> int:
                         .values(status=READY, next_retry_at=0.0)).rowcount
 
 
+# --------------------------------------------------------------------------- poison messages
+
+_POISON_STATE = select(messages.c.poison_count, messages.c.poisoned).where(messages.c.id == bindparam("b_id"))
+_RESET_POISON_COUNT = update(messages).where(messages.c.id == bindparam("b_id"), messages.c.poison_count > 0)
+
+
+def count_internal_failure(conn: Connection, message_id: int, threshold: int | None) -> bool:
+    """One more internal failure while handling a message; at ``threshold`` (None: detection off)
+    it is moved to the Poison queue. Returns True when it was moved just now."""
+    row = conn.execute(_POISON_STATE, {"b_id": message_id}).first()
+    if row is None or row.poisoned:
+        return False
+    count = row.poison_count + 1
+    poisoned = threshold is not None and count >= threshold
+    conn.execute(UPDATE_MESSAGE, {"b_id": message_id, "poison_count": count, "poisoned": int(poisoned)})
+    return poisoned
+
+
+def reset_poison_count(conn: Connection, message_id: int) -> None:
+    """Handled without an internal failure: earlier failures (or crashes) no longer count."""
+    conn.execute(_RESET_POISON_COUNT, {"b_id": message_id, "poison_count": 0})
+
+
+def count_crashes(conn: Connection, threshold: int | None) -> list[dict]:
+    """At start after a crash: each message that was being delivered (a recipient left Active)
+    counts one internal failure, as Exchange counts a crash during processing, so a message that
+    kills the daemon cannot crash-loop it. Returns the messages moved to the Poison queue now."""
+    ids = conn.execute(select(recipients.c.message_id).where(recipients.c.status == ACTIVE)
+                       .distinct()).scalars().all()
+    moved = [m for m in ids if count_internal_failure(conn, m, threshold)]
+    return [r for r in (message_row(conn, m) for m in moved) if r]
+
+
+def release_from_poison(conn: Connection, message_id: int) -> bool:
+    """Resume-Message on a poison message: back to its queues, its failure count forgotten."""
+    return conn.execute(update(messages).where(messages.c.id == message_id, messages.c.state == QUEUED,
+                                               messages.c.poisoned == 1)
+                        .values(poisoned=0, poison_count=0)).rowcount > 0
+
+
+@contextlib.contextmanager
+def savepoint(conn: Connection, name: str = "one_message") -> Iterator[None]:
+    """Undo only this block's changes when it raises (one message inside a job of many)."""
+    raw = conn.connection.driver_connection
+    raw.execute(f"SAVEPOINT {name}")
+    try:
+        yield
+    except BaseException:
+        raw.execute(f"ROLLBACK TO SAVEPOINT {name}")
+        raw.execute(f"RELEASE SAVEPOINT {name}")
+        raise
+    raw.execute(f"RELEASE SAVEPOINT {name}")
+
+
 # --------------------------------------------------------------------------- scheduling
 
 # Run on every scheduler tick (each accepted message wakes the scheduler): built once.
@@ -179,7 +241,7 @@ _DUE_WORK = (
     .join(queues, queues.c.id == recipients.c.queue_id)
     .where(recipients.c.status.in_(PENDING), recipients.c.next_retry_at <= bindparam("b_now"),
            messages.c.suspended == 0, messages.c.state == QUEUED, messages.c.role == "primary",
-           messages.c.redundancy != "pending",
+           messages.c.redundancy != "pending", messages.c.poisoned == 0,
            queues.c.suspended == 0,
            or_(queues.c.next_retry_at.is_(None), queues.c.next_retry_at <= bindparam("b_now")))
     .order_by(recipients.c.message_id, recipients.c.id)
@@ -223,7 +285,7 @@ def expired_recipients(conn: Connection, now: float) -> list[dict]:
                    recipients.c.last_error)
             .join(messages, messages.c.id == recipients.c.message_id)
             .where(recipients.c.status.in_(PENDING), messages.c.expires_at <= now,
-                   messages.c.state == QUEUED, messages.c.role == "primary"))
+                   messages.c.state == QUEUED, messages.c.role == "primary", messages.c.poisoned == 0))
     return [dict(r) for r in conn.execute(stmt).mappings()]
 
 
@@ -371,14 +433,14 @@ def list_queues(conn: Connection, now: float) -> list[dict]:
     counts: dict[int, dict[str, int]] = {}
     stmt = (select(recipients.c.queue_id, recipients.c.status, func.count(func.distinct(recipients.c.message_id)))
             .join(messages, messages.c.id == recipients.c.message_id)
-            .where(recipients.c.status.not_in(TERMINAL), messages.c.role == "primary")
+            .where(recipients.c.status.not_in(TERMINAL), messages.c.role == "primary", messages.c.poisoned == 0)
             .group_by(recipients.c.queue_id, recipients.c.status))
     for qid, status, n in conn.execute(stmt):
         counts.setdefault(qid, {})[status] = n
     msg_counts = dict(conn.execute(
         select(recipients.c.queue_id, func.count(func.distinct(recipients.c.message_id)))
         .join(messages, messages.c.id == recipients.c.message_id)
-        .where(recipients.c.status.not_in(TERMINAL), messages.c.role == "primary")
+        .where(recipients.c.status.not_in(TERMINAL), messages.c.role == "primary", messages.c.poisoned == 0)
         .group_by(recipients.c.queue_id)).all())
     out = []
     for q in conn.execute(select(queues).order_by(queues.c.id)).mappings():
@@ -391,14 +453,24 @@ def list_queues(conn: Connection, now: float) -> list[dict]:
             "last_error": q["last_error"] or "",
             "retry_count": q["retry_count"],
         })
+    # The Poison queue (messages held after repeated internal failures): listed, like Get-Queue
+    # lists it, only while it holds messages.
+    poison = conn.execute(select(func.count()).select_from(messages).where(
+        messages.c.poisoned == 1, messages.c.state == QUEUED)).scalar() or 0
+    if poison:
+        out.append({"identity": POISON, "id": None, "delivery_type": "Undefined", "next_hop": "Poison Message",
+                    "state": "Ready", "message_count": poison, "next_retry_at": None, "last_error": "",
+                    "retry_count": 0})
     return out
 
 
-def message_status(rcpt_statuses: Sequence[str], suspended: bool, state: str) -> str:
+def message_status(rcpt_statuses: Sequence[str], suspended: bool, state: str, poisoned: bool = False) -> str:
     if state == SAFETY_NET:
         return "SafetyNet"
     if state == MSG_REMOVED:
         return "Removed"
+    if poisoned:
+        return POISON
     if suspended:
         return "Suspended"
     pending = [s for s in rcpt_statuses if s not in TERMINAL]
@@ -410,9 +482,15 @@ def message_status(rcpt_statuses: Sequence[str], suspended: bool, state: str) ->
     return pending[0]
 
 
-def list_messages(conn: Connection, queue_id: int | None = None, include_done: bool = False,
+def list_messages(conn: Connection, queue_id: int | str | None = None, include_done: bool = False,
                   role: str = "primary", limit: int = 1000) -> list[dict]:
-    stmt = select(messages).where(messages.c.role == role).order_by(messages.c.id).limit(limit)
+    """Messages of one role, or of one queue: a next hop's id, or POISON (primary and shadow copies)."""
+    if queue_id == POISON:
+        stmt = select(messages).where(messages.c.poisoned == 1, messages.c.state == QUEUED)
+        queue_id = None
+    else:
+        stmt = select(messages).where(messages.c.role == role)
+    stmt = stmt.order_by(messages.c.id).limit(limit)
     if not include_done:
         stmt = stmt.where(messages.c.state == QUEUED)
     if queue_id is not None:
@@ -445,12 +523,14 @@ def list_messages(conn: Connection, queue_id: int | None = None, include_done: b
             "id": m["id"], "network_message_id": m["network_message_id"], "message_id": m["message_id"],
             "from": m["sender"], "subject": m["subject"], "size": m["size"],
             "received_at": m["received_at"], "expires_at": m["expires_at"],
-            "status": message_status([r["status"] for r in rc_q], bool(m["suspended"]), m["state"]),
-            "queues": sorted({r["queue"] for r in rc_q}),
+            "status": message_status([r["status"] for r in rc_q], bool(m["suspended"]), m["state"],
+                                     bool(m["poisoned"])),
+            "queues": [POISON] if m["poisoned"] and m["state"] == QUEUED else sorted({r["queue"] for r in rc_q}),
             "recipient_count": len(rc_q),
             "next_retry_at": min(retries) if retries else None,
             "last_error": errors[-1] if errors else "",
-            "origin": m["origin"], "redundancy": m["redundancy"],
+            "origin": m["origin"], "redundancy": m["redundancy"], "role": m["role"],
+            "poison_count": m["poison_count"],
         })
     return out
 
@@ -465,7 +545,8 @@ def message_detail(conn: Connection, message_id: int) -> dict | None:
     m["recipients"] = [dict(r) for r in conn.execute(rstmt).mappings()]
     m["shadows"] = [dict(r) for r in conn.execute(
         select(message_shadows).where(message_shadows.c.message_id == message_id)).mappings()]
-    m["status"] = message_status([r["status"] for r in m["recipients"]], bool(m["suspended"]), m["state"])
+    m["status"] = message_status([r["status"] for r in m["recipients"]], bool(m["suspended"]), m["state"],
+                                 bool(m["poisoned"]))
     return m
 
 

@@ -53,6 +53,13 @@ class NodeMetrics:
                                           registry=r)
         self.promotions = Counter("transportd_promotions", "shadow messages promoted to primary",
                                   ["primary", "reason"], registry=r)
+        self.internal_failures = Counter("transportd_message_internal_failures",
+                                         "internal errors while handling one message, by step (deliver, dsn, "
+                                         "shadow, reshadow, promote, discard, resubmit, expire, crash)",
+                                         ["step"], registry=r)
+        self.poisoned = Counter("transportd_poison_messages",
+                                "messages moved to the Poison queue (PoisonThreshold internal failures)",
+                                registry=r)
         self.accept_latency = Histogram("transportd_accept_latency_seconds",
                                         "end of DATA to the 250: durable commit and shadow copy",
                                         buckets=LATENCY_BUCKETS, registry=r)
@@ -137,11 +144,14 @@ class QueueDatabaseCollector:
         nets = dict(rows["safety_net"])
         for net in ("primary", "shadow"):
             safety_net.add_metric([net], nets.get(net, 0))
+        poison_len = GaugeMetricFamily("transportd_poison_queue_length",
+                                       "messages held in the Poison queue (primary and shadow copies)")
+        poison_len.add_metric([], rows["poison"])
         exposed = dict(rows["not_redundant"])
         for state in NOT_REDUNDANT:
             not_redundant.add_metric([state], exposed.get(state, 0))
         up.add_metric([], 1)
-        yield from (queue_len, shadow_len, safety_net, not_redundant, up)
+        yield from (queue_len, shadow_len, safety_net, not_redundant, poison_len, up)
 
 
 def _gauge_rows(conn: Any) -> dict[str, list]:
@@ -150,7 +160,7 @@ def _gauge_rows(conn: Any) -> dict[str, list]:
         .join(recipients, recipients.c.queue_id == queues.c.id)
         .join(messages, messages.c.id == recipients.c.message_id)
         .where(recipients.c.status.not_in(TERMINAL), messages.c.role == "primary",
-               messages.c.state == QUEUED)
+               messages.c.state == QUEUED, messages.c.poisoned == 0)
         .group_by(queues.c.identity, recipients.c.status)).all()
     shadows = conn.execute(
         select(messages.c.primary_node, func.count())
@@ -163,4 +173,6 @@ def _gauge_rows(conn: Any) -> dict[str, list]:
         select(messages.c.redundancy, func.count())
         .where(messages.c.role == "primary", messages.c.state == QUEUED, messages.c.redundancy.in_(NOT_REDUNDANT))
         .group_by(messages.c.redundancy)).all()
-    return {"queues": q, "shadows": shadows, "safety_net": nets, "not_redundant": exposed}
+    poison = conn.execute(select(func.count()).select_from(messages).where(
+        messages.c.poisoned == 1, messages.c.state == QUEUED)).scalar() or 0
+    return {"queues": q, "shadows": shadows, "safety_net": nets, "not_redundant": exposed, "poison": poison}

@@ -46,6 +46,7 @@ class PreparedMessage:
 
 
 _HEADER_END = re.compile(rb"\r?\n\r?\n")
+_FOLD = re.compile(r"\r?\n(?=[ \t])")
 
 
 def split_headers(data: bytes) -> tuple[bytes, bytes]:
@@ -55,14 +56,40 @@ def split_headers(data: bytes) -> tuple[bytes, bytes]:
     return data[:m.end()], data[m.end():]
 
 
+def _header_text(value: object) -> str:
+    """A header value as text: raw UTF-8 (RFC 6532) decoded, undecodable octets replaced.
+
+    The compat32 parser keeps 8-bit octets as surrogate escapes, which no database or log
+    line can store; they are turned back into the UTF-8 the sender wrote."""
+    text = str(value or "").strip()
+    if not text.isascii():
+        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return text
+
+
+def header_fields(data: bytes) -> tuple[str, str, str]:
+    """(Message-ID, Date, Subject) of a message, as text ("" when absent; the first of each). Pure."""
+    parsed = BytesHeaderParser(policy=compat32).parsebytes(split_headers(data)[0])
+    found: dict[str, str] = {}
+    for name, value in parsed.raw_items():  # raw: get() would turn 8-bit octets into U+FFFD
+        found.setdefault(name.lower(), value)
+    return tuple(_header_text(_FOLD.sub("", found.get(k, "")))  # unfolded (RFC 5322 2.2.3)
+                 for k in ("message-id", "date", "subject"))  # type: ignore[return-value]
+
+
+def received_as(envelope: Envelope) -> tuple[bool, str]:
+    """How the client sent it: (SMTPUTF8 given, BODY= value upper-cased or "")."""
+    body = ""
+    for option in getattr(envelope, "mail_options", None) or ():
+        if option.upper().startswith("BODY="):
+            body = option[5:].upper()
+    return bool(getattr(envelope, "smtp_utf8", False)), body
+
+
 def prepare_message(data: bytes, *, node_name: str, client_ip: str, helo: str, network_message_id: str,
                     now: float, connector: str = "frontend", tls: bool = False) -> PreparedMessage:
     """Add Received (always), Message-ID and Date (when missing); read Subject. Pure."""
-    head, _ = split_headers(data)
-    parsed = BytesHeaderParser(policy=compat32).parsebytes(head)
-    message_id = (parsed.get("Message-ID") or "").strip()
-    submit_time = (parsed.get("Date") or "").strip()
-    subject = str(parsed.get("Subject") or "").strip()
+    message_id, submit_time, subject = header_fields(data)
     extra: list[str] = []
     date_text = email.utils.formatdate(now, usegmt=True)
     helo_safe = re.sub(r"[^\x21-\x7e]", "?", helo or "unknown")[:255]

@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import and_, select
 from sqlalchemy.engine import Connection
 
+from . import faults
 from . import mailqueue as mq
 from .routing import bifurcate, domain_of, is_accepted, mailbox_database_for
 from .store import meta, messages, recipients
@@ -53,7 +54,10 @@ def database_created_at(conn: Connection) -> float:
 
 def resubmit(conn: Connection, cfg: Any, *, destination: str, start: float, end: float,
              sources: tuple[str, ...] = ("primary", "shadow"), now: float | None = None,
-             for_primary: str | None = None) -> list[Resubmitted]:
+             for_primary: str | None = None, failures: list | None = None) -> list[Resubmitted]:
+    """Queue again the copies of the window; a copy that cannot be resubmitted is skipped (its
+    changes undone) and, with ``failures``, reported there as (row, error): one bad copy never
+    stops the others."""
     now = time.time() if now is None else now
     out: list[Resubmitted] = []
     roles = [r for r in sources if r in ("primary", "shadow")]
@@ -62,33 +66,48 @@ def resubmit(conn: Connection, cfg: Any, *, destination: str, start: float, end:
         and_(messages.c.received_at >= start, messages.c.received_at <= end),
         *( [messages.c.primary_node == for_primary] if for_primary else [] )).order_by(messages.c.id)).mappings().all()
     for m in rows:
-        body = mq.body(conn, m["id"])
-        if body is None:
+        try:
+            with mq.savepoint(conn, "resubmit_one"):
+                done = _resubmit_one(conn, cfg, m, destination, now)
+        except Exception as exc:  # noqa: BLE001 - isolated per message
+            if failures is None:
+                raise
+            failures.append((dict(m), exc))
             continue
-        # A primary copy resubmits the recipients it delivered; a shadow copy never delivered
-        # anything itself, so all of its recipients count.
-        cond = recipients.c.message_id == m["id"]
-        if m["role"] == "primary":
-            cond = and_(cond, recipients.c.status == mq.DELIVERED)
-        addrs = list(conn.execute(select(recipients.c.address).where(cond)).scalars())
-        chosen = {hop: a for hop, a in bifurcate(addrs, cfg).items()
-                  if destination_matches(hop.identity, destination)}
-        chosen_addrs = {x for v in chosen.values() for x in v}
-        in_db = [x for x in addrs if x not in chosen_addrs and database_of(x, cfg) == destination]
-        for hop, a in bifurcate(in_db, cfg).items():
-            chosen.setdefault(hop, []).extend(a)
-        if not chosen:
-            continue
-        copy = mq.NewMessage(
-            network_message_id=m["network_message_id"], sender=m["sender"], data=body, recipients=chosen,
-            received_at=now, expires_at=now + cfg.delivery.message_expiration_timeout,
-            message_id=m["message_id"], submit_time=m["submit_time"], subject=m["subject"],
-            client_ip=m["client_ip"], client_hostname=m["client_hostname"], origin="resubmit",
-            suppress_dsn=True, redundancy="unprotected")
-        new_id = mq.enqueue(conn, copy)
-        out.append(Resubmitted(m["id"], new_id, m["network_message_id"],
-                               [a for v in chosen.values() for a in v], m["role"]))
+        if done is not None:
+            out.append(done)
     return out
+
+
+def _resubmit_one(conn: Connection, cfg: Any, m: Any, destination: str, now: float) -> Resubmitted | None:
+    faults.check("resubmit", m)
+    body = mq.body(conn, m["id"])
+    if body is None:
+        return None
+    # A primary copy resubmits the recipients it delivered; a shadow copy never delivered
+    # anything itself, so all of its recipients count.
+    cond = recipients.c.message_id == m["id"]
+    if m["role"] == "primary":
+        cond = and_(cond, recipients.c.status == mq.DELIVERED)
+    addrs = list(conn.execute(select(recipients.c.address).where(cond)).scalars())
+    chosen = {hop: a for hop, a in bifurcate(addrs, cfg).items()
+              if destination_matches(hop.identity, destination)}
+    chosen_addrs = {x for v in chosen.values() for x in v}
+    in_db = [x for x in addrs if x not in chosen_addrs and database_of(x, cfg) == destination]
+    for hop, a in bifurcate(in_db, cfg).items():
+        chosen.setdefault(hop, []).extend(a)
+    if not chosen:
+        return None
+    copy = mq.NewMessage(
+        network_message_id=m["network_message_id"], sender=m["sender"], data=body, recipients=chosen,
+        received_at=now, expires_at=now + cfg.delivery.message_expiration_timeout,
+        message_id=m["message_id"], submit_time=m["submit_time"], subject=m["subject"],
+        client_ip=m["client_ip"], client_hostname=m["client_hostname"], origin="resubmit",
+        suppress_dsn=True, redundancy="unprotected", smtputf8=bool(m["smtputf8"]),
+        body_type=m["body_type"] or "")
+    new_id = mq.enqueue(conn, copy)
+    return Resubmitted(m["id"], new_id, m["network_message_id"],
+                       [a for v in chosen.values() for a in v], m["role"])
 
 
 def parse_resubmit_arg(arg: str | None) -> tuple[str, float, float]:

@@ -24,12 +24,14 @@ from typing import Any
 import aiosmtplib
 from sqlalchemy import delete, func, insert, or_, select, update
 
+from . import faults, smtpclient
 from . import mailqueue as mq
 from .config import peer_tls_options
+from .envelope import message_parameters
 from .mailqueue import NewMessage
 from .protocol import (Peer, ProtocolError, after_heartbeat, decode_dbid, encode_fqdn,
                        format_xshadowrequest, parse_discard_reply, shadow_attempts)
-from .receive import new_network_message_id
+from .receive import header_fields, new_network_message_id, received_as
 from .routing import bifurcate
 from .store import discard_events, message_shadows, messages, recipients, shadow_contexts, shadow_forks
 
@@ -158,7 +160,11 @@ class ShadowManager:
     async def make_shadow(self, msg: NewMessage, guid: str, recipients: list[str],
                           exclude: str | None = None) -> ShadowResult:
         """Copy ``msg`` to a peer before the sender gets its 250; tries peers as configured."""
+        faults.check("shadow", msg)
         reasons: list[str] = []
+        # The copy travels as the message came: SMTPUTF8 and BODY=8BITMIME when it needs them.
+        params = message_parameters(msg.sender, recipients, msg.data, smtputf8=msg.smtputf8,
+                                    body_type=msg.body_type)
         candidates = [p for p in self.attempts() if p.name != exclude]
         if not candidates:
             return ShadowResult(None, "No suitable shadow servers")
@@ -188,9 +194,9 @@ class ShadowManager:
                         if resp.code != 250:
                             raise ProtocolError(f"XSHADOWREQUEST answered {resp.code} {resp.message}")
                         s.shadow_requested = True
-                    await s.client.mail(msg.sender, options=[f"XSHADOW={guid}"])
+                    await smtpclient.mail(s.client, msg.sender, [*params, f"XSHADOW={guid}"])
                     for r in recipients:
-                        await s.client.rcpt(r)
+                        await smtpclient.rcpt(s.client, r)
                     sent_data = True
                     resp = await s.client.data(msg.data)
                     reply = f"{resp.code} {resp.message}"
@@ -343,7 +349,7 @@ class ShadowManager:
         def claim(conn):
             rows = [dict(r) for r in conn.execute(
                 select(messages).where(messages.c.role == "primary", messages.c.state == mq.QUEUED,
-                                       messages.c.redundancy == "unprotected")
+                                       messages.c.redundancy == "unprotected", messages.c.poisoned == 0)
                 .order_by(messages.c.id).limit(REPROTECT_BATCH)).mappings()]
             if rows:
                 conn.execute(update(messages).where(messages.c.id.in_([r["id"] for r in rows]))
@@ -377,20 +383,19 @@ class ShadowManager:
         """Keep a shadow copy for ``request.primary_fqdn`` durably; returns (internal id, Message-ID)."""
         now = time.time()
         data = envelope.original_content or b""
-        from .receive import split_headers
-        from email.parser import BytesHeaderParser
-        from email.policy import compat32
-        head = BytesHeaderParser(policy=compat32).parsebytes(split_headers(data)[0])
+        message_id, submit_time, subject = header_fields(data)
+        smtputf8, body_type = received_as(envelope)
         network_id = _network_id_from(data) or new_network_message_id()
         msg = NewMessage(
             network_message_id=network_id, data=data,
             sender="" if envelope.mail_from in (None, "<>") else envelope.mail_from,
             recipients=bifurcate(envelope.rcpt_tos, self.cfg), received_at=now,
             expires_at=now + self.cfg.delivery.message_expiration_timeout,
-            message_id=(head.get("Message-ID") or "").strip(), submit_time=(head.get("Date") or "").strip(),
-            subject=str(head.get("Subject") or "").strip(), client_ip=str((session.peer or ("",))[0]),
+            message_id=message_id, submit_time=submit_time,
+            subject=subject, client_ip=str((session.peer or ("",))[0]),
             client_hostname=request.primary_fqdn, origin="shadow", role="shadow", redundancy="shadow",
             shadow_guid=guid, primary_node=request.primary_fqdn, primary_dbid=request.primary_dbid,
+            smtputf8=smtputf8, body_type=body_type,
         )
         internal_id = await self.node.store.write(lambda c: mq.enqueue(c, msg))
         row = {"id": internal_id, "network_message_id": network_id, "message_id": msg.message_id,
@@ -492,18 +497,26 @@ class ShadowManager:
         hold = self.cfg.safety_net.safety_net_hold_time
 
         def job(conn):
-            rows = conn.execute(select(messages).where(
-                messages.c.role == "shadow", messages.c.primary_node == primary,
-                messages.c.state == mq.QUEUED, messages.c.shadow_guid.in_(guids))).mappings().all()
+            rows, failed = [], []
+            for r in conn.execute(select(messages).where(
+                    messages.c.role == "shadow", messages.c.primary_node == primary,
+                    messages.c.state == mq.QUEUED, messages.c.shadow_guid.in_(guids))).mappings():
+                try:  # one copy at a time: a failure leaves that copy a shadow, the others go on
+                    faults.check("discard", r)
+                    rows.append(dict(r))
+                except Exception as exc:  # noqa: BLE001
+                    failed.append((dict(r), exc))
             ids = [r["id"] for r in rows]
             if ids:
                 conn.execute(update(messages).where(messages.c.id.in_(ids)).values(
                     state=mq.SAFETY_NET, completed_at=now, safety_net_until=now + hold))
-            return [dict(r) for r in rows]
-        rows = await self.node.store.write(job)
+            return rows, failed
+        rows, failed = await self.node.store.write(job)
         for r in rows:
             self.node.track("HADISCARD", "SMTP", r, source_context=f"ExplicitlyDiscarded;{r['shadow_guid']}",
                             client_hostname=primary)
+        for r, exc in failed:
+            await self.node.message_failed(r, "discard", exc)
 
         def forks_job(conn):
             found = conn.execute(select(shadow_forks.c.message_id, shadow_forks.c.shadow_guid).where(
@@ -538,7 +551,8 @@ class ShadowManager:
         def job(conn):
             rows = conn.execute(select(messages).where(
                 messages.c.role == "shadow", messages.c.primary_node == primary,
-                messages.c.state == mq.QUEUED, *older(messages.c.primary_dbid))).mappings().all()
+                messages.c.state == mq.QUEUED, messages.c.poisoned == 0,
+                *older(messages.c.primary_dbid))).mappings().all()
             ids = [r["id"] for r in rows]
             if ids:
                 conn.execute(update(messages).where(messages.c.id.in_(ids)).values(
@@ -556,9 +570,16 @@ class ShadowManager:
             return [dict(r) for r in rows], [mq.message_row(conn, m) or {"id": m} for m, _ in found]
         promoted, forks = await self.node.store.write(job)
         rows = promoted + forks
+        failed: list[tuple[dict, Exception]] = []
         for r in rows:  # before delivery can take them: the scheduler only runs between awaits
-            self.node.track("RESUBMIT", "REDUNDANCY", r, source_context=f"{primary} ({reason})",
-                            reference=str(r.get("primary_internal_id") or r.get("shadow_guid") or r.get("id")))
+            try:
+                faults.check("promote", r)
+                self.node.track("RESUBMIT", "REDUNDANCY", r, source_context=f"{primary} ({reason})",
+                                reference=str(r.get("primary_internal_id") or r.get("shadow_guid") or r.get("id")))
+            except Exception as exc:  # noqa: BLE001 - promoted all the same; counted, the others go on
+                failed.append((r, exc))
+        for r, exc in failed:
+            await self.node.message_failed(r, "promote", exc)
         if rows:
             self.node.metrics.promotions.labels(primary, reason).inc(len(rows))
             log.warning("promoted %d shadow(s) of %s (%s)", len(rows), primary, reason)
@@ -570,14 +591,32 @@ class ShadowManager:
         return len(rows)
 
     async def _reshadow_all(self, rows: list[dict], exclude: str | None, track_failure: bool = True) -> int:
-        """Make each copy redundant again, concurrently; returns how many got a shadow."""
-        done = await asyncio.gather(*(self._reshadow(r, exclude, track_failure) for r in rows))
+        """Make each copy redundant again, concurrently; returns how many got a shadow. A copy whose
+        handling fails is left unprotected (retried every heartbeat round) and counted towards
+        the Poison queue; the others go on."""
+        done = await asyncio.gather(*(self._reshadow_isolated(r, exclude, track_failure) for r in rows))
         return sum(done)
+
+    async def _reshadow_isolated(self, row: dict, exclude: str | None, track_failure: bool) -> bool:
+        try:
+            return await self._reshadow(row, exclude, track_failure)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one message never holds up the others
+            mid = row["id"]
+            try:
+                await self.node.store.write(lambda c: c.execute(update(messages).where(
+                    messages.c.id == mid, messages.c.redundancy == "reshadowing").values(redundancy="unprotected")))
+            except Exception as err:  # noqa: BLE001 - a restart makes "reshadowing" unprotected too
+                log.error("could not mark message %s unprotected: %s", mid, err)
+            await self.node.message_failed(row, "reshadow", exc)
+            return False
 
     async def _reshadow(self, row: dict, exclude: str | None, track_failure: bool = True) -> bool:
         """Make a promoted or unprotected copy redundant again on another peer (or mark it
         unprotected: the heartbeat loop retries it). Delivery may finish the message meanwhile."""
         async with self._reshadow_slots:
+            faults.check("reshadow", row)
             now = time.time()
             mid = row["id"]
             body, addrs = await self.node.store.aread(lambda c: (mq.body(c, mid), list(c.execute(
@@ -587,7 +626,8 @@ class ShadowManager:
             guid = str(uuid.uuid4())
             if self.enabled and body is not None and addrs:
                 msg = NewMessage(network_message_id=row["network_message_id"], sender=row["sender"], data=body,
-                                 recipients={}, received_at=now, expires_at=now)
+                                 recipients={}, received_at=now, expires_at=now, subject=row.get("subject") or "",
+                                 smtputf8=bool(row.get("smtputf8")), body_type=row.get("body_type") or "")
                 result = await self.make_shadow(msg, guid, addrs, exclude=exclude)
 
             def settle(conn):
@@ -616,9 +656,12 @@ class ShadowManager:
     async def resubmit_for(self, primary: str, destination: str, start: float, end: float) -> int:
         """Resubmit our Shadow Safety Net copies of ``primary`` for a destination and window."""
         from .safetynet import resubmit
+        failures: list = []
         done = await self.node.store.write(lambda c: resubmit(
             c, self.cfg, destination=destination, start=start, end=end, sources=("shadow",),
-            for_primary=primary))
+            for_primary=primary, failures=failures))
+        for row, exc in failures:
+            await self.node.message_failed(row, "resubmit", exc)
         for r in done:
             self.node.track("RESUBMIT", "SAFETYNET", {"id": r.new_id, "network_message_id": r.network_message_id},
                             recipients=r.recipients, reference=str(r.original_id),

@@ -16,6 +16,8 @@ Schema (version in ``PRAGMA user_version``):
 - ``recipients``: per recipient and next hop: Ready / Retry / Active / Delivered / Failed / Removed.
 - ``delivered_to``: duplicate detection at final delivery (PROTOCOL.md section 6).
 - ``shadow_contexts``, ``message_shadows``, ``discard_events``: shadow redundancy (issue 3).
+- schema 3 adds to ``messages`` how it was received (``smtputf8``, ``body_type``) and poison
+  message detection (``poison_count``, ``poisoned``: the Poison queue).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ log = logging.getLogger("transportd.store")
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 metadata = MetaData()
 
@@ -94,6 +96,14 @@ messages = Table(
     Column("primary_internal_id", Integer),
     Column("primary_dbid", String),  # on a shadow: the primary's queue database ID when it was made
     Column("redundancy", String, nullable=False, default="none"),  # none | shadowed | unprotected
+    # How it was received (schema 3): the SMTPUTF8 MAIL parameter (RFC 6531) and BODY= (RFC 6152,
+    # "8BITMIME", "7BIT" or "" when not given), so every next hop is offered the same.
+    Column("smtputf8", Integer, nullable=False, default=0),
+    Column("body_type", String, nullable=False, default=""),
+    # Poison message detection (schema 3): internal failures while handling it (a crash during
+    # its delivery counts at restart); ``poisoned`` = held in the Poison queue, touched by no loop.
+    Column("poison_count", Integer, nullable=False, default=0),
+    Column("poisoned", Integer, nullable=False, default=0),
     sqlite_autoincrement=True,
 )
 Index("ix_messages_state", messages.c.state, messages.c.role)
@@ -195,7 +205,15 @@ def _migration_2(conn: Connection) -> None:
         ix.create(conn, checkfirst=True)
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_migration_1, _migration_2]
+def _migration_3(conn: Connection) -> None:
+    columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(messages)")}
+    for name, ddl in (("smtputf8", "INTEGER NOT NULL DEFAULT 0"), ("body_type", "VARCHAR NOT NULL DEFAULT ''"),
+                      ("poison_count", "INTEGER NOT NULL DEFAULT 0"), ("poisoned", "INTEGER NOT NULL DEFAULT 0")):
+        if name not in columns:
+            conn.exec_driver_sql(f"ALTER TABLE messages ADD COLUMN {name} {ddl}")
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_migration_1, _migration_2, _migration_3]
 
 
 class StoreError(Exception):

@@ -1,0 +1,69 @@
+"""envelope.plan_send: which MAIL parameters a next hop gets, or why it gets no attempt (pure)."""
+
+from __future__ import annotations
+
+import email
+import email.policy
+
+from transportd.envelope import (NO_CONVERSION, NO_SMTPUTF8_ADDRESS, NO_SMTPUTF8_HEADERS, message_parameters,
+                                 needs_smtputf8, plan_send)
+
+ASCII = b"Subject: hi\r\nContent-Type: text/plain\r\n\r\nplain body\r\n"
+UTF8_HEADERS = "Subject: Grüße\r\nContent-Type: text/plain; charset=utf-8\r\n\r\nplain body\r\n".encode()
+EIGHT_BIT_BODY = "Subject: hi\r\nContent-Type: text/plain; charset=utf-8\r\n\r\nGrüße aus Köln\r\n".encode()
+
+
+def plan(sender="a@example.test", rcpts=("b@elsewhere.test",), data=ASCII, smtputf8=False, body_type="",
+         utf8=True, eight=True):
+    return plan_send(sender, rcpts, data, smtputf8=smtputf8, body_type=body_type,
+                     next_hop_smtputf8=utf8, next_hop_8bitmime=eight)
+
+
+def test_ascii_message_gets_no_parameters():
+    p = plan()
+    assert p.options == [] and p.data == ASCII and p.error is None
+
+
+def test_utf8_address_sends_smtputf8_and_needs_it():
+    assert plan(sender="jürgen@bücher.example").options == ["SMTPUTF8"]
+    assert plan(rcpts=("δοκιμή@example.test",)).options == ["SMTPUTF8"]
+    refused = plan(rcpts=("δοκιμή@example.test",), utf8=False)
+    assert refused.error == NO_SMTPUTF8_ADDRESS and " 5.6.7 " in refused.error
+
+
+def test_utf8_headers_need_smtputf8_only_when_received_so():
+    assert plan(data=UTF8_HEADERS, smtputf8=True, body_type="8BITMIME").options == ["SMTPUTF8", "BODY=8BITMIME"]
+    assert plan(data=UTF8_HEADERS, smtputf8=True, utf8=False).error == NO_SMTPUTF8_HEADERS
+    # Received without SMTPUTF8 (legacy 8-bit headers): not an SMTPUTF8 message.
+    assert "SMTPUTF8" not in plan(data=UTF8_HEADERS, smtputf8=False).options
+    # SMTPUTF8 given for an all-ASCII message: not needed on the next hop (RFC 6531 3.4).
+    assert plan(smtputf8=True).options == []
+    assert needs_smtputf8("a@b", ["c@d"], ASCII, True) is False
+
+
+def test_8bitmime_is_kept_when_received_so_even_for_7bit_content():
+    assert plan(body_type="8BITMIME").options == ["BODY=8BITMIME"]
+    assert plan(data=EIGHT_BIT_BODY).options == ["BODY=8BITMIME"]
+    # Declared 8BITMIME but 7-bit content, next hop without 8BITMIME: sent as it is.
+    p = plan(body_type="8BITMIME", eight=False)
+    assert p.options == [] and p.data == ASCII and not p.converted
+
+
+def test_8bit_body_to_a_7bit_next_hop_is_converted():
+    p = plan(data=EIGHT_BIT_BODY, body_type="8BITMIME", eight=False)
+    assert p.error is None and p.converted and p.data.isascii() and p.options == []
+    got = email.message_from_bytes(p.data, policy=email.policy.default)
+    want = email.message_from_bytes(EIGHT_BIT_BODY, policy=email.policy.default)
+    assert got.get_content() == want.get_content() and "Grüße aus Köln" in got.get_content()
+
+
+def test_8bit_headers_to_a_next_hop_without_either_extension_are_refused():
+    # Legacy 8-bit headers (no SMTPUTF8 received): cannot be made 7-bit, never sent unannounced.
+    p = plan(data=UTF8_HEADERS, eight=False, utf8=False)
+    assert p.error == NO_CONVERSION and " 5.6.3 " in p.error
+
+
+def test_message_parameters_for_peers():
+    assert message_parameters("a@b", ["c@d"], ASCII, smtputf8=False, body_type="") == []
+    assert message_parameters("ü@b", ["c@d"], EIGHT_BIT_BODY, smtputf8=True, body_type="") == \
+        ["SMTPUTF8", "BODY=8BITMIME"]

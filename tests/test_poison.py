@@ -1,0 +1,256 @@
+"""One message never holds up another, and the Poison queue (Exchange's PoisonThreshold).
+
+Unit tests of the counting rules on a real queue database; then real node processes with the
+test-only fault hook (``TRANSPORTD_TEST_FAULTS``, transportd/faults.py) making one message's
+handling fail inside a loop, and kill -9 of a node while it handles a message.
+"""
+
+from __future__ import annotations
+
+import json
+import smtplib
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+from conftest import wait_for
+
+from transportd import faults
+from transportd import mailqueue as mq
+from transportd.mailqueue import NewMessage
+from transportd.routing import NextHop, SMART_HOST
+from transportd.store import QueueStore
+
+HOP = NextHop("smarthost:127.0.0.1:25", SMART_HOST, "127.0.0.1:25")
+
+
+def new_message(subject: str = "hello", n_rcpts: int = 1) -> NewMessage:
+    now = time.time()
+    return NewMessage(network_message_id=f"id-{subject}-{time.time_ns()}", sender="a@example.test",
+                      data=b"Subject: x\r\n\r\nbody\r\n", recipients={HOP: [f"r{i}@elsewhere.test" for i in range(n_rcpts)]},
+                      received_at=now, expires_at=now + 3600, subject=subject)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = QueueStore.open(tmp_path / "queue.db")
+    yield s
+    s.close()
+
+
+# --------------------------------------------------------------------------- counting rules
+
+def test_threshold_moves_to_poison_and_the_scheduler_and_expiry_skip_it(store):
+    mid = store.transaction(lambda c: mq.enqueue(c, new_message("bad")))
+    other = store.transaction(lambda c: mq.enqueue(c, new_message("good")))
+    assert store.transaction(lambda c: mq.count_internal_failure(c, mid, 2)) is False
+    assert store.transaction(lambda c: mq.count_internal_failure(c, mid, 2)) is True
+    assert store.transaction(lambda c: mq.count_internal_failure(c, mid, 2)) is False  # already there
+    due = store.read(lambda c: mq.due_work(c, time.time() + 1))
+    assert [w.message_id for w in due] == [other]
+    assert store.read(lambda c: [r["message_id"] for r in mq.expired_recipients(c, time.time() + 7200)]) == [other]
+    poison = store.read(lambda c: mq.list_messages(c, mq.POISON))
+    assert [m["id"] for m in poison] == [mid] and poison[0]["status"] == "Poison"
+    queues = store.read(lambda c: mq.list_queues(c, time.time()))
+    assert {q["identity"]: q["message_count"] for q in queues} == {HOP.identity: 1, mq.POISON: 1}
+
+    assert store.transaction(lambda c: mq.release_from_poison(c, mid)) is True
+    assert {w.message_id for w in store.read(lambda c: mq.due_work(c, time.time() + 1))} == {mid, other}
+    row = store.read(lambda c: mq.message_row(c, mid))
+    assert row["poison_count"] == 0 and row["poisoned"] == 0
+
+
+def test_detection_off_counts_but_never_poisons(store):
+    mid = store.transaction(lambda c: mq.enqueue(c, new_message()))
+    for _ in range(5):
+        assert store.transaction(lambda c: mq.count_internal_failure(c, mid, None)) is False
+    assert store.read(lambda c: mq.message_row(c, mid))["poison_count"] == 5
+
+
+def test_a_clean_attempt_forgets_earlier_failures(store):
+    mid = store.transaction(lambda c: mq.enqueue(c, new_message()))
+    store.transaction(lambda c: mq.count_internal_failure(c, mid, 2))
+    store.transaction(lambda c: mq.reset_poison_count(c, mid))
+    assert store.transaction(lambda c: mq.count_internal_failure(c, mid, 2)) is False
+
+
+def test_a_crash_counts_against_the_messages_being_delivered(store):
+    busy = store.transaction(lambda c: mq.enqueue(c, new_message("busy", n_rcpts=2)))
+    idle = store.transaction(lambda c: mq.enqueue(c, new_message("idle")))
+    ids = [w.recipient_ids for w in store.read(lambda c: mq.due_work(c, time.time() + 1)) if w.message_id == busy][0]
+    store.transaction(lambda c: mq.mark_active(c, ids, time.time()))
+    assert store.transaction(lambda c: mq.count_crashes(c, 2)) == []
+    assert store.transaction(mq.recover_after_restart) == 2
+    store.transaction(lambda c: mq.mark_active(c, ids, time.time()))
+    moved = store.transaction(lambda c: mq.count_crashes(c, 2))
+    assert [r["id"] for r in moved] == [busy]
+    assert store.read(lambda c: mq.message_row(c, idle))["poison_count"] == 0
+
+
+def test_savepoint_undoes_only_the_failing_block(store):
+    def job(conn):
+        mq.enqueue(conn, new_message("kept"))
+        with pytest.raises(RuntimeError):
+            with mq.savepoint(conn):
+                mq.enqueue(conn, new_message("undone"))
+                raise RuntimeError("boom")
+    store.transaction(job)
+    assert [m["subject"] for m in store.read(lambda c: mq.list_messages(c))] == ["kept"]
+
+
+def test_fault_plan_matches_one_message_in_one_step():
+    faults.configure({"match": "POISON", "steps": ["deliver"]})
+    try:
+        with pytest.raises(faults.InjectedFault):
+            faults.check("deliver", {"subject": "a POISON message"})
+        faults.check("deliver", {"subject": "fine"})
+        faults.check("expire", {"subject": "a POISON message"})
+        with pytest.raises(ValueError):
+            faults.configure({"match": "x", "steps": ["nonsense"]})
+    finally:
+        faults.configure(None)
+    faults.check("deliver", {"subject": "a POISON message"})
+
+
+# --------------------------------------------------------------------------- real processes
+
+def plan(*steps: str, action: str = "raise") -> str:
+    return json.dumps({"match": "POISON", "steps": list(steps), "action": action})
+
+
+def smtp_send(port: int, subject: str, rcpt: str, sender: str = "bob@example.test",
+              host: str = "127.0.0.1", utf8: bool = False) -> int:
+    data = (f"From: <{sender}>\r\nTo: <{rcpt}>\r\nSubject: {subject}\r\n"
+            f"Message-ID: <{time.time_ns()}@client.test>\r\n\r\nbody of {subject}\r\n").encode("utf-8")
+    with smtplib.SMTP(host, port, timeout=30) as s:
+        s.ehlo("client.test")
+        s.mail(sender, ["SMTPUTF8"] if utf8 else [])
+        assert s.rcpt(rcpt)[0] == 250
+        code, reply = s.data(data)
+        assert code == 250, (code, reply)
+    return int(reply.decode().rsplit(" ", 1)[1])
+
+
+def db_rows(node, sql: str, args: tuple = ()) -> list[tuple]:
+    con = sqlite3.connect(f"file:{node.data_dir / 'queue.db'}?mode=ro", uri=True, timeout=10)
+    try:
+        return con.execute(sql, args).fetchall()
+    finally:
+        con.close()
+
+
+def poison_ids(node) -> list[int]:
+    return [m["id"] for m in node.cli_json("message", "list", "--queue", "Poison")]
+
+
+def sink_subjects(sink) -> list[str]:
+    import re
+    return sorted(m.group(1).decode() for data in sink.messages()
+                  for m in [re.search(rb"^Subject: (.*?)\r?$", data, re.MULTILINE)] if m)
+
+
+@pytest.mark.parametrize("where", ["external", "mailbox"])
+def test_one_message_failing_in_a_delivery_batch_leaves_the_others_and_ends_in_poison(make_node, sink, where):
+    """Five messages in one batch (one session to the smart host, or one mailbox batch): the one
+    whose handling raises is retried with 451 4.3.0, then held in the Poison queue at the
+    second failure; the others are delivered at once. ``message resume`` releases it."""
+    node = make_node(smart_host=sink.address)
+    node.env["TRANSPORTD_TEST_FAULTS"] = plan("deliver")
+    node.start()
+    rcpt = "carol@elsewhere.test" if where == "external" else "alice@example.test"
+    queue = f"smarthost:{sink.address}" if where == "external" else "mailbox:local"
+    first = smtp_send(node.port, "first", rcpt)
+    if where == "external":
+        wait_for(lambda: any(q["identity"] == queue and q["state"] == "Retry"
+                             for q in node.cli_json("queue", "list")), timeout=10, what="the queue in Retry")
+    else:
+        wait_for(lambda: node.maildir_files(rcpt), timeout=10, what="the first delivery")
+    node.cli("queue", "suspend", queue)
+    ids = [smtp_send(node.port, s, rcpt) for s in ("ok 1", "ok 2", "POISON", "ok 3", "ok 4")]
+    bad = ids[2]
+    if where == "external":
+        sink.start()
+    node.cli("queue", "resume", queue)
+    node.cli("queue", "retry", queue)
+
+    if where == "external":
+        wait_for(lambda: sink_subjects(sink) == ["first", "ok 1", "ok 2", "ok 3", "ok 4"], timeout=15,
+                 what="every other message at the sink")
+    else:
+        wait_for(lambda: len(node.maildir_files(rcpt)) == 5, timeout=15, what="every other message stored")
+    wait_for(lambda: poison_ids(node) == [bad], timeout=15, what="the bad message in the Poison queue")
+    assert first not in poison_ids(node)
+    (status, error), = db_rows(node, "SELECT status, last_error FROM recipients WHERE message_id = ?", (bad,))
+    assert status == "Retry" and error.startswith("451 4.3.0 internal error in deliver: InjectedFault"), error
+    queues = {q["identity"]: q["message_count"] for q in node.cli_json("queue", "list")}
+    assert queues["Poison"] == 1 and queues[queue] == 0
+    events = [e["event-id"] for e in node.tracking(internal_message_id=str(bad))]
+    assert events.count("DEFER") == 2 and events[-1] == "POISONMESSAGE", events
+    assert "failed with an internal error" in node.log() and "moved to the Poison queue" in node.log()
+    time.sleep(2.5)  # held: not retried, not expired, no DSN
+    assert poison_ids(node) == [bad] and not node.tracking(event_id="DSN")
+
+    # Released by the operator (with the fault gone after a restart), it is delivered.
+    node.stop()
+    node.env.clear()
+    node.start()
+    assert "from the Poison queue" in node.cli("message", "resume", str(bad)).stdout
+    if where == "external":
+        wait_for(lambda: "POISON" in sink_subjects(sink), timeout=10, what="the released message at the sink")
+    else:
+        wait_for(lambda: len(node.maildir_files(rcpt)) == 6, timeout=10, what="the released message stored")
+    assert poison_ids(node) == []
+
+
+def test_dsn_and_expiry_failures_are_isolated_per_message(make_node, sink):
+    """A DSN that cannot be built keeps that message in Retry (then Poison), never failed
+    silently; expiry of the others goes on with their DSNs."""
+    sink.start()  # Postfix's smtp-sink: no SMTPUTF8, so UTF-8 recipients fail with 5.6.7 and a DSN
+    node = make_node(smart_host=sink.address,
+                     overrides={"delivery": {"message_expiration_timeout": 4}})
+    node.env["TRANSPORTD_TEST_FAULTS"] = plan("dsn", "expire")
+    node.start()
+    good = smtp_send(node.port, "fine ü", "δοκιμή@elsewhere.test", sender="bob@example.test", utf8=True)
+    bad = smtp_send(node.port, "POISON ü", "δοκιμή@elsewhere.test", sender="bob@example.test", utf8=True)
+    wait_for(lambda: any("Undeliverable" in p.read_text(errors="replace")
+                         for p in node.maildir_files("bob@example.test")), timeout=10, what="the good DSN")
+    wait_for(lambda: bad in poison_ids(node), timeout=15, what="the bad message in Poison (dsn)")
+    assert good not in poison_ids(node)
+    assert len(node.maildir_files("bob@example.test")) == 1, "a DSN for the poison message"
+
+    # Expiry: the next hop refuses connections; both expire after 4 s, only the bad one fails to.
+    sink.stop()
+    good2 = smtp_send(node.port, "expiring", "carol@elsewhere.test")
+    bad2 = smtp_send(node.port, "POISON expiring", "carol@elsewhere.test")
+    wait_for(lambda: len(node.maildir_files("bob@example.test")) == 2, timeout=20, what="the expiry DSN")
+    wait_for(lambda: bad2 in poison_ids(node), timeout=20, what="the bad message in Poison (expire)")
+    fails = [e for e in node.tracking(event_id="FAIL") if e["internal-message-id"] == str(good2)]
+    assert fails and fails[0]["source-context"] == "MessageExpired"
+
+
+def test_kill_9_twice_while_handling_a_message_puts_it_in_poison(make_node, sink):
+    """A message whose delivery kills the daemon (here: hangs it until kill -9) twice is in the
+    Poison queue at the next start, and the node runs and delivers the others."""
+    sink.start()
+    node = make_node(smart_host=sink.address)
+    node.env["TRANSPORTD_TEST_FAULTS"] = plan("deliver", action="hang")
+    node.start()
+    smtp_send(node.port, "before", "carol@elsewhere.test")
+    wait_for(lambda: sink_subjects(sink) == ["before"], timeout=10, what="a first delivery")
+    bad = smtp_send(node.port, "POISON", "carol@elsewhere.test")
+
+    def active() -> bool:
+        return db_rows(node, "SELECT count(*) FROM recipients WHERE message_id = ? AND status = 'Active'",
+                       (bad,))[0][0] == 1
+    for _ in range(2):
+        wait_for(active, timeout=10, what="the node to be handling the message")
+        node.kill9()
+        assert poison_ids(node) == []
+        node.start()
+    wait_for(lambda: poison_ids(node) == [bad], timeout=10, what="the message in Poison after two crashes")
+    assert node.alive
+    smtp_send(node.port, "after", "carol@elsewhere.test")
+    wait_for(lambda: sink_subjects(sink) == ["after", "before"], timeout=10, what="the node to deliver again")
+    assert [e["event-id"] for e in node.tracking(internal_message_id=str(bad))][-1] == "POISONMESSAGE"
+    assert "crashed while delivering it" in node.log()
