@@ -254,3 +254,80 @@ def test_kill_9_twice_while_handling_a_message_puts_it_in_poison(make_node, sink
     wait_for(lambda: sink_subjects(sink) == ["after", "before"], timeout=10, what="the node to deliver again")
     assert [e["event-id"] for e in node.tracking(internal_message_id=str(bad))][-1] == "POISONMESSAGE"
     assert "crashed while delivering it" in node.log()
+
+
+# --------------------------------------------------------------------------- the shadow loops (a cluster)
+
+from test_cluster import cluster, netid_of  # noqa: E402,F401 - the 3-node cluster fixture
+
+FOREIGN = "bob@elsewhere.test"
+
+
+def test_shadow_copy_and_protect_rounds_isolate_one_message(cluster):
+    """node1 accepts four messages while its peers are down (all unprotected); one of them fails
+    in the shadow steps. When the peers are back, the next "protect unprotected" round shadows
+    the other three; the bad one is held in the Poison queue after its second failure."""
+    c = cluster()
+    node1 = c["node1"]
+    node1.env["TRANSPORTD_TEST_FAULTS"] = plan("shadow", "reshadow")
+    c.start("node1")
+    ids = {s: smtp_send(node1.frontend_port, s, FOREIGN, host=node1.host)
+           for s in ("ok 1", "ok 2", "POISON", "ok 3")}
+    fails = {int(e["internal-message-id"]): e["source-context"] for e in node1.tracking(event_id="HAREDIRECTFAIL")}
+    assert set(fails) == set(ids.values())
+    assert "internal error: InjectedFault" in fails[ids["POISON"]]
+    c.start("node2", "node3")
+    good = [ids[s] for s in ("ok 1", "ok 2", "ok 3")]
+    wait_for(lambda: {int(e["internal-message-id"]) for e in node1.tracking(event_id="HAREDIRECT")} == set(good),
+             timeout=15, what="the other messages to get their shadow")
+    wait_for(lambda: [m["id"] for m in node1.cli_json("message", "list", "--queue", "Poison")] == [ids["POISON"]],
+             timeout=15, what="the bad message in the Poison queue")
+    redundancy = {m["id"]: m["redundancy"] for m in node1.messages(include_done=False)}
+    assert all(redundancy[i] == "shadowed" for i in good), redundancy
+    assert "reshadow of message" in node1.log() and "failed with an internal error" in node1.log()
+
+
+def test_discard_and_promotion_isolate_one_message(cluster, sink):
+    """On the shadow node (node3), one message fails in discard, promotion and delivery: the
+    others are discarded, promoted and delivered as if nothing happened; the bad ones end in
+    node3's Poison queue, not delivered twice."""
+    c = cluster()
+    node1, node3 = c["node1"], c["node3"]
+    node3.env["TRANSPORTD_TEST_FAULTS"] = plan("discard", "promote", "deliver")
+    sink.start()
+    c.start()
+
+    def subjects_at(n) -> set[str]:
+        return {e["message-subject"] for e in n.tracking(event_id="HADISCARD")}
+    first = {s: smtp_send(node1.frontend_port, s, FOREIGN, host=node1.host) for s in ("ok d1", "POISON d", "ok d2")}
+    wait_for(lambda: subjects_at(node3) == {"ok d1", "ok d2"}, timeout=15, what="node3 to discard the others")
+    wait_for(lambda: "discard of message" in node3.log(), timeout=5, what="the discard failure logged")
+    held = [m for m in node3.cli_json("shadow", "show", node1.name) if m["state"] == "Shadow"]
+    assert [m["network_message_id"] for m in held] == [netid_of(node1, first["POISON d"])], held
+
+    sink.stop()
+    second = {s: smtp_send(node1.frontend_port, s, FOREIGN, host=node1.host) for s in ("ok p1", "POISON p", "ok p2")}
+    assert len(second) == 3
+    node1.proc.kill()
+    node1.proc.wait(10)
+    sink.start()
+    wait_for(lambda: {"ok p1", "ok p2"} <= set(sink_subjects(sink)), timeout=20,
+             what="node3 to promote and deliver the others")
+    poison = wait_for(lambda: (lambda rows: rows if len(rows) == 2 else None)(
+        node3.cli_json("message", "list", "--queue", "Poison")), timeout=15, what="two messages in node3's Poison")
+    assert {m["subject"] for m in poison} == {"POISON d", "POISON p"}
+    assert sink_subjects(sink).count("POISON d") == 1  # delivered once, by node1, before it died
+    assert "POISON p" not in sink_subjects(sink)
+    assert "promote of message" in node3.log()
+    assert len(first) == 3
+
+
+def test_safety_net_resubmit_skips_one_bad_copy_and_resubmits_the_others(make_node, monkeypatch):
+    node = make_node().start()
+    ids = [smtp_send(node.port, s, "alice@example.test") for s in ("ok 1", "POISON", "ok 2")]
+    wait_for(lambda: len(node.maildir_files("alice@example.test")) == 3, timeout=10, what="three deliveries")
+    monkeypatch.setenv("TRANSPORTD_TEST_FAULTS", plan("resubmit"))
+    start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 3600))
+    res = node.cli("safetynet", "resubmit", "--destination", "local", "--start", start)
+    assert "2 message(s) resubmitted" in res.stdout, res.stdout
+    assert f"message {ids[1]} " in res.stderr and "could not be resubmitted: InjectedFault" in res.stderr

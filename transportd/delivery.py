@@ -213,7 +213,7 @@ class DeliveryAgent:
 
         ``internal``: messages whose handling failed with an internal error (step, error); their
         outcomes are Retry with 451 4.3.0 and the failure counts towards the Poison queue, in the
-        same commit. A message handled without one has its earlier failures forgotten.
+        same commit. A message delivered to some recipient has its earlier failures forgotten.
         ``expiry``: the outcomes are expiries (no queue attempt; FAIL from ROUTING, DSN 4.4.7).
         """
         d = self.cfg.delivery
@@ -258,8 +258,8 @@ class DeliveryAgent:
                 if mid in internal:
                     if mq.count_internal_failure(conn, mid, threshold):
                         poisoned.append(mid)
-                else:
-                    mq.reset_poison_count(conn, mid)
+                elif any(o.status == mq.DELIVERED for o in outcomes.get(mid, ())):
+                    mq.reset_poison_count(conn, mid)  # it got through: earlier failures no longer count
                 if mid in dsns:
                     created[mid] = (mq.enqueue(conn, dsns[mid][1]), dsns[mid][1])
                 for message_id, primary, guid, queue_id, primary_dbid in forks:
