@@ -100,7 +100,28 @@ def test_due_work_groups_per_queue_and_message(store) -> None:
     assert (smart.delivery_type, smart.next_hop) == (SMART_HOST, "127.0.0.1:2500")
     excluded = store.read(lambda c: mq.due_work(c, T0, exclude=rcpt_ids(store, m1)))
     assert [w.message_id for w in excluded] == [m2]
-    assert len(store.read(lambda c: mq.due_work(c, T0, limit=1))) == 1
+    # ``limit`` is per queue: one recipient from each of the two queues.
+    one_each = store.read(lambda c: mq.due_work(c, T0, limit=1))
+    assert sorted((w.queue_identity, len(w.recipient_ids)) for w in one_each) == [
+        ("mailbox:local", 1), ("smarthost:127.0.0.1:2500", 1)]
+
+
+def test_due_work_is_fair_across_queues(store) -> None:
+    """A large queue (or one whose sessions are all busy) never hides another queue's work."""
+    big = [enqueue(store, {SMART: [f"r{i}@remote.test"]}, nid=f"big{i}") for i in range(60)]
+    local = enqueue(store, {LOCAL: ["a@example.test"]}, nid="local")
+    work = store.read(lambda c: mq.due_work(c, T0, limit=20))
+    assert local in {w.message_id for w in work}
+    assert sum(len(w.recipient_ids) for w in work if w.message_id in big) == 20
+    # The smart host's sessions are all busy (quota 0): its queue is not even read.
+    smart_qid = next(w.queue_id for w in work if w.message_id in big)
+    busy = store.read(lambda c: mq.due_work(c, T0, quota=lambda q: 0 if q == smart_qid else 20))
+    assert [w.message_id for w in busy] == [local]
+    # Round robin: the start rotates over the due queues.
+    firsts = {store.read(lambda c, k=k: mq.due_work(c, T0, limit=1, start=k))[0].queue_identity for k in (0, 1)}
+    assert firsts == {"mailbox:local", "smarthost:127.0.0.1:2500"}
+    # In the order they were queued.
+    assert [w.message_id for w in work if w.message_id in big] == big[:20]
 
 
 def test_due_work_respects_next_retry_at(store) -> None:

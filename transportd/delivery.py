@@ -107,6 +107,7 @@ class DeliveryAgent:
         self._tasks: set[asyncio.Task] = set()
         self._mailbox_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._last_housekeeping = 0.0
+        self._rotate = 0  # round-robin start over the due queues
         self._last_expiry = 0.0
         self._stopping = False
 
@@ -146,11 +147,20 @@ class DeliveryAgent:
         if now - self._last_housekeeping >= min(10.0, self.cfg.delivery.queue_poll_interval * 10):
             self._last_housekeeping = now
             await self.housekeeping(now)
-        work = await self.store.aread(lambda c: mq.due_work(c, now, limit=1000, exclude=self._in_flight))
+        d = self.cfg.delivery
+        busy = dict(self._sessions_per_queue)
+        free_total = max(0, d.max_outbound_connections - self._sessions_total)
+
+        def quota(qid: int) -> int:
+            # As many recipients as this queue's free sessions can take: a saturated queue is skipped.
+            free = min(d.max_per_domain_outbound_connections - busy.get(qid, 0), free_total)
+            return max(0, free) * d.max_messages_per_connection
+        self._rotate += 1
+        work = await self.store.aread(lambda c: mq.due_work(c, now, exclude=self._in_flight, quota=quota,
+                                                            start=self._rotate))
         by_queue: dict[int, list[WorkItem]] = defaultdict(list)
         for item in work:
             by_queue[item.queue_id].append(item)
-        d = self.cfg.delivery
         for qid, items in by_queue.items():
             while items and self._sessions_per_queue[qid] < d.max_per_domain_outbound_connections \
                     and self._sessions_total < d.max_outbound_connections:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
@@ -234,40 +234,57 @@ def savepoint(conn: Connection, name: str = "one_message") -> Iterator[None]:
 # --------------------------------------------------------------------------- scheduling
 
 # Run on every scheduler tick (each accepted message wakes the scheduler): built once.
-_DUE_WORK = (
-    select(recipients.c.id, recipients.c.address, recipients.c.message_id,
-           queues.c.id.label("qid"), queues.c.identity, queues.c.delivery_type, queues.c.next_hop)
+# Fair scheduling (as Postfix's qmgr across destinations): the queues with due work are found by
+# one index probe each, then each queue gives at most its own quota of recipients, so one large or
+# slow queue can neither fill a fetch nor make it cost more than its quota.
+_DUE_QUEUES = (
+    select(queues.c.id, queues.c.identity, queues.c.delivery_type, queues.c.next_hop)
+    .where(queues.c.suspended == 0,
+           or_(queues.c.next_retry_at.is_(None), queues.c.next_retry_at <= bindparam("b_now")),
+           select(recipients.c.id).where(recipients.c.queue_id == queues.c.id, recipients.c.status.in_(PENDING),
+                                         recipients.c.next_retry_at <= bindparam("b_now")).exists())
+    .order_by(queues.c.id)
+)
+_DUE_IN_QUEUE = (
+    select(recipients.c.id, recipients.c.address, recipients.c.message_id)
     .join(messages, messages.c.id == recipients.c.message_id)
-    .join(queues, queues.c.id == recipients.c.queue_id)
-    .where(recipients.c.status.in_(PENDING), recipients.c.next_retry_at <= bindparam("b_now"),
+    .where(recipients.c.queue_id == bindparam("b_qid"), recipients.c.status.in_(PENDING),
+           recipients.c.next_retry_at <= bindparam("b_now"),
            messages.c.suspended == 0, messages.c.state == QUEUED, messages.c.role == "primary",
-           messages.c.redundancy != "pending", messages.c.poisoned == 0,
-           queues.c.suspended == 0,
-           or_(queues.c.next_retry_at.is_(None), queues.c.next_retry_at <= bindparam("b_now")))
-    .order_by(recipients.c.message_id, recipients.c.id)
+           messages.c.redundancy != "pending", messages.c.poisoned == 0)
     .limit(bindparam("b_limit"))
 )
 
 
-def due_work(conn: Connection, now: float, limit: int = 500,
-             exclude: Iterable[int] = ()) -> list[WorkItem]:
+def due_work(conn: Connection, now: float, limit: int = 500, exclude: Iterable[int] = (),
+             quota: Callable[[int], int] | None = None, start: int = 0) -> list[WorkItem]:
     """Pending recipients whose retry time has come, in unsuspended messages and queues.
 
-    Grouped per (queue, message), oldest first.
+    Queue by queue, round-robin from the ``start``-th due queue; each queue gives at most
+    ``quota(queue id)`` recipients (default ``limit``; 0 skips the queue without reading it),
+    in the order they were queued. Grouped per (queue, message).
     """
     excluded = set(exclude)
-    items: dict[tuple[int, int], WorkItem] = {}
-    for r in conn.execute(_DUE_WORK, {"b_now": now, "b_limit": limit}).mappings():
-        if r["id"] in excluded:
+    due = conn.execute(_DUE_QUEUES, {"b_now": now}).all()
+    if due:
+        k = start % len(due)
+        due = due[k:] + due[:k]
+    out: list[WorkItem] = []
+    for q in due:
+        n = limit if quota is None else quota(q.id)
+        if n <= 0:
             continue
-        key = (r["qid"], r["message_id"])
-        item = items.get(key)
-        if item is None:
-            item = items[key] = WorkItem(r["qid"], r["identity"], r["delivery_type"], r["next_hop"],
-                                         r["message_id"])
-        item.recipient_ids.append(r["id"])
-        item.addresses.append(r["address"])
-    return list(items.values())
+        items: dict[int, WorkItem] = {}
+        for r in conn.execute(_DUE_IN_QUEUE, {"b_qid": q.id, "b_now": now, "b_limit": n}):
+            if r.id in excluded:
+                continue
+            item = items.get(r.message_id)
+            if item is None:
+                item = items[r.message_id] = WorkItem(q.id, q.identity, q.delivery_type, q.next_hop, r.message_id)
+            item.recipient_ids.append(r.id)
+            item.addresses.append(r.address)
+        out.extend(items.values())
+    return out
 
 
 def mark_active(conn: Connection, recipient_ids: Sequence[int], now: float) -> list[int]:

@@ -132,6 +132,8 @@ recipients = Table(
 Index("ix_recipients_due", recipients.c.status, recipients.c.next_retry_at)
 Index("ix_recipients_message", recipients.c.message_id)
 Index("ix_recipients_queue", recipients.c.queue_id, recipients.c.status)
+# The scheduler's per-queue probe and fetch (schema 3): due recipients of one queue.
+Index("ix_recipients_queue_due", recipients.c.queue_id, recipients.c.status, recipients.c.next_retry_at)
 
 delivered_to = Table(
     "delivered_to", metadata,
@@ -211,6 +213,8 @@ def _migration_3(conn: Connection) -> None:
                       ("poison_count", "INTEGER NOT NULL DEFAULT 0"), ("poisoned", "INTEGER NOT NULL DEFAULT 0")):
         if name not in columns:
             conn.exec_driver_sql(f"ALTER TABLE messages ADD COLUMN {name} {ddl}")
+    conn.exec_driver_sql("CREATE INDEX IF NOT EXISTS ix_recipients_queue_due "
+                         "ON recipients (queue_id, status, next_retry_at)")
 
 
 MIGRATIONS: list[Callable[[Connection], None]] = [_migration_1, _migration_2, _migration_3]
