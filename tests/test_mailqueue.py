@@ -468,3 +468,19 @@ def test_mailbox_names_are_distinct() -> None:
     names = [mailbox_name(a) for a in addresses]
     assert len(set(names)) == len(names), dict(zip(addresses, names))
     assert mailbox_name("Alice@Example.Test") == mailbox_name("alice@example.test") == "alice@example.test"
+
+
+def test_redirect_leaves_suspended_and_poison_messages_held(store) -> None:
+    """Redirect-Message drains the queues, but releases nothing an operator (or the Poison
+    queue) holds: those stay here, still held."""
+    free = enqueue(store, {SMART: ["x@remote.test"]}, nid="free")
+    held = enqueue(store, {SMART: ["y@remote.test"]}, nid="held")
+    poison = enqueue(store, {SMART: ["z@remote.test"]}, nid="poison")
+    tx(store, lambda c: mq.set_message_suspended(c, held, True))
+    tx(store, lambda c: (mq.count_internal_failure(c, poison, 1)))
+    moved = tx(store, lambda c: mq.redirect_to_peer(c, "node2.transportd.test", T0))
+    assert [m["id"] for m in moved] == [free]
+    assert rows(store, messages, messages.c.id == held)[0]["suspended"] == 1
+    queues_of = {r["message_id"]: r["queue_id"] for r in rows(store, recipients)}
+    assert queues_of[held] == queues_of[poison] != queues_of[free]
+    assert store.read(mq.held_messages) == 2

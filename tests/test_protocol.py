@@ -94,7 +94,8 @@ def test_prefer_remote_tries_other_sites_first_then_local():
 def test_local_only_and_remote_only():
     assert [p.name for p in shadow_attempts(PEERS, "a", "LocalOnly", 4, 2)] == ["n2", "n2"]
     assert [p.name for p in shadow_attempts(PEERS, "a", "RemoteOnly", 3, 2)] == ["n3", "n4", "n3"]
-    assert shadow_attempts([Peer("n2", "a", "h:2")], "a", "RemoteOnly", 4, 2) == []
+    # A single-site cluster: Exchange ignores RemoteOnly outside a multi-site DAG (PreferRemote).
+    assert [p.name for p in shadow_attempts([Peer("n2", "a", "h:2")], "a", "RemoteOnly", 4, 2)] == ["n2", "n2"]
 
 
 def test_single_site_uses_only_the_local_count():

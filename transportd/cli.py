@@ -534,6 +534,7 @@ def redirect(cfg: Config, target: str) -> None:
     store = open_store(cfg)
     try:
         moved = store.transaction(lambda c: mq.redirect_to_peer(c, target, time.time()))
+        held = store.read(mq.held_messages)
         trk = tracking_log_for(cfg, store)
     finally:
         store.close()
@@ -547,6 +548,9 @@ def redirect(cfg: Config, target: str) -> None:
         finally:
             trk.close()
     click.echo(f"{len(moved)} message(s) redirected to {target} (queue peer:{target})")
+    if held:
+        click.echo(f"{held} suspended or poison message(s) stay here, held: resume them and redirect again "
+                   f"to move them")
 
 
 @cli.group("safetynet")

@@ -409,7 +409,10 @@ class DeliveryAgent:
                 await asyncio.wait_for(client.connect(timeout=d.send_connect_timeout), d.send_connect_timeout + 1)
                 await client.ehlo()
                 if peer is not None:
-                    await self.node.shadow.hop_session_start(client, peer)
+                    if self.node.shadow.enabled and client.supports_extension("xshadowrequest"):
+                        await self.node.shadow.hop_session_start(client, peer)
+                    else:  # no hop-by-hop shadow: shadow redundancy is disabled here or there
+                        await self.node.shadow.peer_auth(client)
                 return client, t
             except (aiosmtplib.SMTPException, OSError, asyncio.TimeoutError, ProtocolError) as exc:
                 errors.append(f"{t.host}:{t.port}: {_describe(exc)}")
@@ -438,7 +441,7 @@ class DeliveryAgent:
         progressed = False  # anything delivered or failed in this session
         try:
             for i, it in enumerate(batch):
-                guid = str(uuid.uuid4()) if peer else None
+                guid = str(uuid.uuid4()) if peer and getattr(client, "peer_dbid", None) else None
                 try:
                     outs = await self._send_one(client, it, xshadow=guid)
                 except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError, OSError) as exc:
@@ -464,7 +467,7 @@ class DeliveryAgent:
                 # A session in which the next hop deferred everything puts the queue in Retry,
                 # with the reply as its last error, as a failed connection does.
                 queue_error = outs[-1].reply if outs and not progressed and i == len(batch) - 1 else None
-                forks = [(it.message_id, peer, guid, it.queue_id, getattr(client, "peer_dbid", None))] if peer and any(
+                forks = [(it.message_id, peer, guid, it.queue_id, getattr(client, "peer_dbid", None))] if guid and any(
                     o.status == mq.DELIVERED for o in outs) else []
                 await self._commit([it], {it.message_id: outs}, time.time(), queue_error=queue_error,
                                    remote=remote, forks=forks)

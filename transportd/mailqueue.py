@@ -570,19 +570,28 @@ def message_detail(conn: Connection, message_id: int) -> dict | None:
 def redirect_to_peer(conn: Connection, target: str, now: float) -> list[dict]:
     """Redirect-Message: move every pending recipient of our primary messages to the queue for
     ``target`` (delivered hop by hop with XSHADOW, so each message stays protected on the way).
-    Recipients being sent right now (Active) finish where they are. Returns the moved messages."""
+    Recipients being sent right now (Active) finish where they are. Messages an operator suspended
+    (or held in the Poison queue) stay here, held as they are: a redirect releases nothing.
+    Returns the moved messages."""
     from .routing import PEER
     qid = queue_id_for(conn, NextHop(f"peer:{target}", PEER, target), now)
     rows = conn.execute(
         select(recipients.c.message_id, func.count())
         .join(messages, messages.c.id == recipients.c.message_id)
         .where(recipients.c.status.in_(PENDING), recipients.c.queue_id != qid,
-               messages.c.role == "primary", messages.c.state == QUEUED)
+               messages.c.role == "primary", messages.c.state == QUEUED,
+               messages.c.suspended == 0, messages.c.poisoned == 0)
         .group_by(recipients.c.message_id)).all()
     ids = [r[0] for r in rows]
     if ids:
         conn.execute(update(recipients).where(
             recipients.c.message_id.in_(ids), recipients.c.status.in_(PENDING), recipients.c.queue_id != qid)
             .values(queue_id=qid, status=READY, next_retry_at=0.0))
-        conn.execute(update(messages).where(messages.c.id.in_(ids)).values(suspended=0))
     return [message_row(conn, m) for m in ids]
+
+
+def held_messages(conn: Connection) -> int:
+    """Queued primary messages held by an operator or in the Poison queue (a redirect leaves them)."""
+    return conn.execute(select(func.count()).select_from(messages).where(
+        messages.c.role == "primary", messages.c.state == QUEUED,
+        or_(messages.c.suspended == 1, messages.c.poisoned == 1))).scalar() or 0

@@ -151,7 +151,8 @@ def shadow_attempts(peers: Sequence[Peer], my_site: str, preference: str,
 
     PreferRemote: peers in other sites up to ``remote_retries`` attempts, then local-site peers up
     to ``local_retries``. With one site only the local-site count applies. LocalOnly / RemoteOnly
-    keep to one kind. ``rotate`` spreads load over peers of equal standing.
+    keep to one kind, except RemoteOnly in a single-site cluster (no peer in another site), which
+    Exchange ignores: PreferRemote. ``rotate`` spreads load over peers of equal standing.
     """
     local = [p for p in peers if p.site == my_site]
     remote = [p for p in peers if p.site != my_site]
@@ -165,8 +166,10 @@ def shadow_attempts(peers: Sequence[Peer], my_site: str, preference: str,
 
     if preference == "LocalOnly":
         return cycle(local, local_retries)
-    if preference == "RemoteOnly":
+    if preference == "RemoteOnly" and remote:
         return cycle(remote, remote_retries)
+    # RemoteOnly in a single-site cluster: Exchange ignores the preference outside a multi-site
+    # DAG, so it behaves as PreferRemote, where only the local-site count applies.
     return cycle(remote, remote_retries) + cycle(local, local_retries)
 
 

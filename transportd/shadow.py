@@ -116,7 +116,10 @@ class ShadowManager:
 
     # ================================================================== sessions to peers
 
-    async def _open(self, peer: Peer) -> PeerSession:
+    async def _open(self, peer: Peer, shadows: bool = True) -> PeerSession:
+        """An authenticated session; ``shadows``: for making shadow copies (the peer must offer
+        XSHADOWREQUEST). A heartbeat needs only XSHADOW + XQDISCARD, which a peer with shadow
+        redundancy disabled still answers for the copies others hold of its mail."""
         host, _, port = peer.transport.rpartition(":")
         client = aiosmtplib.SMTP(hostname=host, port=int(port), local_hostname=self.node_name,
                                  timeout=max(5.0, min(30.0, self.sr.shadow_heartbeat_frequency)),
@@ -124,7 +127,7 @@ class ShadowManager:
         await client.connect()
         try:
             await client.ehlo()
-            if not client.supports_extension("xshadowrequest"):
+            if shadows and not client.supports_extension("xshadowrequest"):
                 raise ProtocolError(f"{peer.name} does not advertise XSHADOWREQUEST")
             await client.auth_plain(self.node_name, self.cfg.cluster.secret)
         except BaseException:
@@ -132,14 +135,14 @@ class ShadowManager:
             raise
         return PeerSession(client, peer)
 
-    async def _session(self, peer: Peer) -> PeerSession:
+    async def _session(self, peer: Peer, shadows: bool = True) -> PeerSession:
         idle = self._idle.setdefault(peer.name, [])
         while idle:
             s = idle.pop()
             if s.client.is_connected:
                 return s
             s.close()
-        return await self._open(peer)
+        return await self._open(peer, shadows)
 
     def _release(self, s: PeerSession, ok: bool) -> None:
         if ok and s.client.is_connected and not self._stopping:
@@ -223,6 +226,11 @@ class ShadowManager:
                     self._release(s, ok)
         return ShadowResult(None, "; ".join(dict.fromkeys(reasons)) or "No suitable shadow servers",
                             tuple(uncertain))
+
+    async def peer_auth(self, client: aiosmtplib.SMTP) -> None:
+        """Prove membership on a delivery session to a peer that takes the message as primary
+        without a hop-by-hop shadow (shadow redundancy disabled here or there)."""
+        await client.auth_plain(self.node_name, self.cfg.cluster.secret)
 
     async def hop_session_start(self, client: aiosmtplib.SMTP, peer_name: str) -> str:
         """Authenticate and announce ourselves with XSHADOW on a hop-by-hop delivery session.
@@ -445,7 +453,7 @@ class ShadowManager:
         else:
             s: PeerSession | None = None
             try:
-                s = await self._session(peer)
+                s = await self._session(peer, shadows=False)
                 resp = await s.client.execute_command(b"XSHADOW", encode_fqdn(self.node_name).encode("ascii"))
                 if resp.code != 250:
                     raise ProtocolError(f"XSHADOW answered {resp.code} {resp.message}")

@@ -101,6 +101,9 @@ class TransportSMTP(LimitedSMTP):
 
     @syntax("XSHADOWREQUEST fqdn base64-queue-database-id")
     async def smtp_XSHADOWREQUEST(self, arg: str | None) -> None:
+        if not self.manager.sr.shadow_redundancy_enabled:
+            await self.push(replies.S502_NOT_IMPLEMENTED)  # stores no shadows
+            return
         if await self._outside_transaction() is None:
             return
         try:
@@ -202,6 +205,8 @@ class TransportHandler(FrontendHandler):
     async def handle_EHLO(self, server: SMTP, session: Session, envelope: Envelope, hostname: str,
                           responses: list[str]) -> list[str]:
         out = await super().handle_EHLO(server, session, envelope, hostname, responses)
+        if not self.manager.sr.shadow_redundancy_enabled:
+            return out  # disabled: never advertised (the 2010 seed), so peers make no shadows here
         return out[:-1] + ["250-XSHADOWREQUEST", out[-1]]
 
     async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope, address: str,
