@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from transportd.protocol import (Peer, ProtocolError, after_heartbeat, decode_dbid, decode_fqdn, encode_dbid,
-                                 encode_fqdn, failures_to_promote, format_discard_reply, parse_discard_reply,
+                                 encode_fqdn, failures_to_promote, format_discard_reply, parse_discard_entries, parse_discard_reply,
                                  parse_guid, parse_xqdiscard, parse_xshadow, parse_xshadowrequest,
                                  redundancy_reply, shadow_attempts, split_xshadow_param)
 
@@ -60,6 +60,11 @@ def test_discard_reply_format_and_parse():
     assert format_discard_reply([g1, g2]) == [f"250-{g1}", f"250 {g2}"]
     assert parse_discard_reply(250, [g1, g2]) == [g1, g2]
     assert parse_discard_reply(251, ["OK, no discard events"]) == []
+    # An operator's removal travels with its reason; an unknown reason is a contract violation.
+    assert format_discard_reply([(g1, None), (g2, "DeletedByAdmin")]) == [f"250-{g1}", f"250 {g2} DeletedByAdmin"]
+    assert parse_discard_entries(250, [g1, f"{g2} DeletedByAdmin"]) == [(g1, None), (g2, "DeletedByAdmin")]
+    with pytest.raises(ProtocolError):
+        parse_discard_entries(250, [f"{g1} Whatever"])
     with pytest.raises(ProtocolError):
         parse_discard_reply(250, [g1, "not-a-guid"])  # one bad id: keep every shadow
     with pytest.raises(ProtocolError):

@@ -8,9 +8,11 @@
 from __future__ import annotations
 
 import sqlite3
+import time
 
 from conftest import queued_id, wait_for
-from test_cluster import LOCAL, auth_plain, b64_dbid, cluster, fqdn, netid_of, reply, smtp  # noqa: F401
+from test_cluster import (LOCAL, auth_plain, b64_dbid, cluster, fqdn, invoke, netid_of,  # noqa: F401
+                          reply, smtp)
 
 DISABLED = {"shadow_redundancy": {"shadow_redundancy_enabled": False}}
 
@@ -40,3 +42,33 @@ def test_disabled_shadow_redundancy_advertises_and_issues_no_x_verb(cluster, sin
     finally:
         con.close()
     assert state == "SafetyNet"  # released at once: nobody else holds it as primary with a fork
+
+
+def test_message_remove_tells_the_shadows_and_a_promotion_does_not_deliver_it(cluster, sink):
+    """Remove-Message on the primary: its shadow is discarded (HADISCARD, DeletedByAdmin) and
+    removed there too; when the primary dies later, the shadow node's promotion delivers the
+    other message but not the removed one."""
+    c = cluster().start()
+    node1, node3 = c["node1"], c["node3"]
+    removed = queued_id(node1.swaks("carol@elsewhere.test", "--header", "Subject: removed by the admin"))
+    kept = queued_id(node1.swaks("dave@elsewhere.test", "--header", "Subject: kept"))
+    netid = netid_of(node1, removed)
+    invoke("message", "remove", str(removed), "--config", node1.config)
+    discard = wait_for(lambda: node3.tracking(event_id="HADISCARD", network_message_id=netid), timeout=10,
+                       what="node3 to discard the removed message's shadow")
+    assert discard[0]["source-context"].startswith("DeletedByAdmin;"), discard
+    con = sqlite3.connect(f"file:{node3.cfg.db_path}?mode=ro", uri=True)
+    try:
+        (state, role), = con.execute("SELECT state, role FROM messages WHERE network_message_id = ?", (netid,))
+    finally:
+        con.close()
+    assert (state, role) == ("Removed", "shadow")  # not in the Shadow Safety Net: never resubmitted
+
+    node1.proc.kill()
+    node1.proc.wait(10)
+    sink.start()
+    wait_for(lambda: any(b"Subject: kept" in m for m in sink.messages()), timeout=20,
+             what="node3 to promote and deliver the kept message")
+    time.sleep(1)
+    assert not any(b"removed by the admin" in m for m in sink.messages())
+    assert kept

@@ -431,6 +431,12 @@ def remove_message(conn: Connection, message_id: int, now: float) -> list[dict]:
     conn.execute(update(messages).where(messages.c.id == message_id).values(
         state=MSG_REMOVED, completed_at=now))
     conn.execute(delete(message_bodies).where(message_bodies.c.message_id == message_id))
+    # Its shadows are told (a later promotion must not deliver it): one discard event per shadow,
+    # DeletedByAdmin. A fork a peer took as primary is released here (the peer delivers it).
+    for sh in conn.execute(_SHADOWS_OF, {"b_id": message_id}).all():
+        conn.execute(_INSERT_DISCARD, {"shadow_node": sh.shadow_node, "shadow_guid": sh.shadow_guid,
+                                       "created_at": now, "reason": "DeletedByAdmin"})
+    conn.execute(delete(shadow_forks).where(shadow_forks.c.message_id == message_id))
     return [dict(r) for r in pending]
 
 

@@ -101,20 +101,40 @@ def parse_xqdiscard(arg: str | None, maximum: int = 1000) -> int:
     return min(int(text), maximum)
 
 
-def format_discard_reply(guids: Sequence[str]) -> list[str]:
-    """The reply lines for XQDISCARD (without CRLF): ``250-<guid>`` ... ``250 <guid>`` or 251."""
-    if not guids:
+# Reasons a discard id may carry after it (``250-<guid> DeletedByAdmin``): the message was not
+# processed but removed by an operator. A plain id means processed (ExplicitlyDiscarded).
+DISCARD_REASONS = ("DeletedByAdmin",)
+
+
+def format_discard_reply(entries: Sequence[str | tuple[str, str | None]]) -> list[str]:
+    """The reply lines for XQDISCARD (without CRLF): ``250-<guid>[ <reason>]`` ... or 251."""
+    if not entries:
         return ["251 OK, no discard events"]
-    return [f"250-{g}" for g in guids[:-1]] + [f"250 {guids[-1]}"]
+    texts = [e if isinstance(e, str) else (f"{e[0]} {e[1]}" if e[1] else e[0]) for e in entries]
+    return [f"250-{t}" for t in texts[:-1]] + [f"250 {texts[-1]}"]
 
 
-def parse_discard_reply(code: int, lines: Sequence[str]) -> list[str]:
-    """GUIDs from an XQDISCARD reply; ProtocolError on any malformed id (keep every shadow then)."""
+def parse_discard_entries(code: int, lines: Sequence[str]) -> list[tuple[str, str | None]]:
+    """(GUID, reason or None) from an XQDISCARD reply; ProtocolError on any malformed line (keep
+    every shadow then)."""
     if code == 251:
         return []
     if code != 250:
         raise ProtocolError(f"XQDISCARD answered {code}")
-    return [parse_guid(line) for line in lines if line.strip()]
+    out: list[tuple[str, str | None]] = []
+    for line in lines:
+        if not line.strip():
+            continue
+        guid, _, reason = line.strip().partition(" ")
+        if reason and reason not in DISCARD_REASONS:
+            raise ProtocolError(f"unknown discard reason {reason[:40]!r}")
+        out.append((parse_guid(guid), reason or None))
+    return out
+
+
+def parse_discard_reply(code: int, lines: Sequence[str]) -> list[str]:
+    """GUIDs from an XQDISCARD reply; ProtocolError on any malformed id (keep every shadow then)."""
+    return [g for g, _ in parse_discard_entries(code, lines)]
 
 
 def split_xshadow_param(arg: str) -> tuple[str, str | None]:

@@ -30,7 +30,7 @@ from .config import peer_tls_options
 from .envelope import message_parameters
 from .mailqueue import NewMessage
 from .protocol import (Peer, ProtocolError, after_heartbeat, decode_dbid, encode_fqdn,
-                       format_xshadowrequest, parse_discard_reply, shadow_attempts)
+                       format_xshadowrequest, parse_discard_entries, shadow_attempts)
 from .receive import header_fields, new_network_message_id, received_as
 from .routing import bifurcate
 from .store import discard_events, message_shadows, messages, recipients, shadow_contexts, shadow_forks
@@ -247,11 +247,11 @@ class ShadowManager:
         await self.primary_seen(peer_name, dbid)
         client.peer_dbid = dbid  # the forks sent on this session belong to that queue database
         # PROTOCOL.md 4: the discard exchange runs on every session to the primary, not only the heartbeat.
-        discarded: list[str] = []
+        discarded: list[tuple[str, str | None]] = []
         try:
             while True:
                 resp = await client.execute_command(b"XQDISCARD", str(DISCARD_BATCH).encode())
-                batch = parse_discard_reply(resp.code, resp.message.splitlines())
+                batch = parse_discard_entries(resp.code, resp.message.splitlines())
                 discarded.extend(batch)
                 if len(batch) < DISCARD_BATCH:
                     break
@@ -269,21 +269,21 @@ class ShadowManager:
             await self.discard(peer_name, discarded, time.time())
         return dbid
 
-    async def take_discard_events(self, shadow_node: str, n: int, token: str) -> list[str]:
+    async def take_discard_events(self, shadow_node: str, n: int, token: str) -> list[tuple[str, str | None]]:
         """Up to ``n`` discard ids for a shadow, marked as handed out on session ``token``.
 
         They are deleted when that session ends with QUIT (the shadow applied them first) and
         handed out again if it breaks: a discard is never lost to a dropped connection.
         """
         def job(conn):
-            rows = conn.execute(select(discard_events.c.id, discard_events.c.shadow_guid)
+            rows = conn.execute(select(discard_events.c.id, discard_events.c.shadow_guid, discard_events.c.reason)
                                 .where(discard_events.c.shadow_node == shadow_node,
                                        discard_events.c.sent_token.is_(None))
                                 .order_by(discard_events.c.id).limit(n)).all()
             if rows:
                 conn.execute(update(discard_events).where(discard_events.c.id.in_([r.id for r in rows]))
                              .values(sent_token=token))
-            return [r.shadow_guid for r in rows]
+            return [(r.shadow_guid, r.reason) for r in rows]
         return await self.node.store.write(job)
 
     async def settle_discard_events(self, token: str, acknowledged: bool) -> None:
@@ -445,7 +445,7 @@ class ShadowManager:
         recorded = ctx["queue_database_id"] if ctx else None
         failures = ctx["consecutive_failures"] if ctx else 0
         answered: str | None = None
-        discarded: list[str] = []
+        discarded: list[tuple[str, str | None]] = []
         error = ""
         ok = False
         if peer is None:
@@ -463,7 +463,7 @@ class ShadowManager:
                 else:
                     while True:
                         resp = await s.client.execute_command(b"XQDISCARD", str(DISCARD_BATCH).encode())
-                        batch = parse_discard_reply(resp.code, resp.message.splitlines())
+                        batch = parse_discard_entries(resp.code, resp.message.splitlines())
                         discarded.extend(batch)
                         if len(batch) < DISCARD_BATCH:
                             break
@@ -501,8 +501,12 @@ class ShadowManager:
                 await self._upsert_context(primary, consecutive_failures=0)
         return ok
 
-    async def discard(self, primary: str, guids: list[str], now: float) -> int:
+    async def discard(self, primary: str, entries: list[tuple[str, str | None]], now: float) -> int:
+        """Apply discard ids of ``primary``: processed copies go to the Shadow Safety Net; copies an
+        operator removed there (reason DeletedByAdmin) are removed here too (never resubmitted)."""
         hold = self.cfg.safety_net.safety_net_hold_time
+        reasons = {g: r for g, r in entries}
+        guids = list(reasons)
 
         def job(conn):
             rows, failed = [], []
@@ -514,14 +518,19 @@ class ShadowManager:
                     rows.append(dict(r))
                 except Exception as exc:  # noqa: BLE001
                     failed.append((dict(r), exc))
-            ids = [r["id"] for r in rows]
-            if ids:
-                conn.execute(update(messages).where(messages.c.id.in_(ids)).values(
+            kept = [r["id"] for r in rows if not reasons.get(r["shadow_guid"])]
+            removed = [r["id"] for r in rows if reasons.get(r["shadow_guid"])]
+            if kept:
+                conn.execute(update(messages).where(messages.c.id.in_(kept)).values(
                     state=mq.SAFETY_NET, completed_at=now, safety_net_until=now + hold))
+            if removed:
+                conn.execute(update(messages).where(messages.c.id.in_(removed)).values(
+                    state=mq.MSG_REMOVED, completed_at=now))
             return rows, failed
         rows, failed = await self.node.store.write(job)
         for r in rows:
-            self.node.track("HADISCARD", "SMTP", r, source_context=f"ExplicitlyDiscarded;{r['shadow_guid']}",
+            why = reasons.get(r["shadow_guid"]) or "ExplicitlyDiscarded"
+            self.node.track("HADISCARD", "SMTP", r, source_context=f"{why};{r['shadow_guid']}",
                             client_hostname=primary)
         for r, exc in failed:
             await self.node.message_failed(r, "discard", exc)
@@ -541,7 +550,8 @@ class ShadowManager:
             return out
         released = await self.node.store.write(forks_job)
         for row, guid in released:
-            self.node.track("HADISCARD", "SMTP", row, source_context=f"ExplicitlyDiscarded;{guid}",
+            self.node.track("HADISCARD", "SMTP", row,
+                            source_context=f"{reasons.get(guid) or 'ExplicitlyDiscarded'};{guid}",
                             client_hostname=primary)
         return len(rows) + len(released)
 

@@ -171,6 +171,8 @@ discard_events = Table(
     Column("created_at", Float, nullable=False),
     # Handed out on this session and not yet acknowledged by the shadow's QUIT (schema 2).
     Column("sent_token", String),
+    # Why, when it is not the message being processed (schema 3): "DeletedByAdmin".
+    Column("reason", String),
 )
 Index("ix_discard_events_node", discard_events.c.shadow_node, discard_events.c.id)
 
@@ -213,6 +215,9 @@ def _migration_3(conn: Connection) -> None:
                       ("poison_count", "INTEGER NOT NULL DEFAULT 0"), ("poisoned", "INTEGER NOT NULL DEFAULT 0")):
         if name not in columns:
             conn.exec_driver_sql(f"ALTER TABLE messages ADD COLUMN {name} {ddl}")
+    columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(discard_events)")}
+    if "reason" not in columns:
+        conn.exec_driver_sql("ALTER TABLE discard_events ADD COLUMN reason VARCHAR")
     conn.exec_driver_sql("CREATE INDEX IF NOT EXISTS ix_recipients_queue_due "
                          "ON recipients (queue_id, status, next_retry_at)")
 
