@@ -25,6 +25,7 @@ from typing import Any
 from aiosmtpd.smtp import Envelope, Session
 
 from . import __version__
+from . import faults
 from . import mailqueue as mq
 from .config import Config
 from .delivery import DeliveryAgent
@@ -95,6 +96,7 @@ class Node:
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
         self.metrics = NodeMetrics(cfg.node.name)
+        self.accepting: set[int] = set()  # messages between their local commit and their settle
 
     # ------------------------------------------------------------------ start and stop
 
@@ -268,48 +270,53 @@ class Node:
                         log.error("could not queue a discard for shadow %s on %s; it expires on its own",
                                   guid, ", ".join(peers), extra=message_ids({"network_message_id": netid}))
             raise MessageRejected(S451_STORE_UNAVAILABLE) from None
-        shadow_result = None
-        shadow_error: Exception | None = None
-        if remote is not None:
-            try:
-                shadow_result = await remote
-            except Exception as exc:  # noqa: BLE001 - the local copy exists: settle it, never strand it
-                shadow_error = exc
-                shadow_result = ShadowResult(None, f"internal error: {exc.__class__.__name__}: {exc}")
-        rejecting = (shadow_result is not None and not shadow_result.peer
-                     and cfg.shadow_redundancy.reject_message_on_shadow_failure)
-        if rejecting:
-            await self._settle_redundancy(internal_id, msg, shadow_result, guid, now)  # raises 451 4.4.0
-        row = {"id": internal_id, "network_message_id": netid, "message_id": prepared.message_id,
-               "sender": msg.sender, "subject": prepared.subject, "size": len(msg.data),
-               "client_ip": client_ip, "client_hostname": msg.client_hostname}
-        self.track("RECEIVE", "SMTP", row, recipients=recipients,
-                   source_context=f"{connector}", connector_id=f"{cfg.node.name}\\{connector}",
-                   directionality="Incoming", client_ip=client_ip, client_hostname=msg.client_hostname)
-        if shadow_result is not None:
-            if shadow_result.peer:
-                self.track("HAREDIRECT", "SMTP", row, recipients=recipients,
-                           source_context=f"{shadow_result.peer}={shadow_result.reply}")
-            else:
-                self.track("HAREDIRECTFAIL", "SMTP", row, recipients=recipients,
-                           source_context=shadow_result.reply)
-            # Only now may delivery take it: its tracking rows never precede RECEIVE/HAREDIRECT.
-            await self._settle_redundancy(internal_id, msg, shadow_result, guid, now)
-            if shadow_error is not None:
-                await self.message_failed(row, "shadow", shadow_error)
-        log.info("queued message %d (network id %s) from <%s> for %d recipient(s)",
-                 internal_id, netid, msg.sender, sum(len(v) for v in msg.recipients.values()),
-                 extra=message_ids({"id": internal_id, "network_message_id": netid}))
-        if self.delivery is not None:
-            self.delivery.wake()
-        self.metrics.accept_latency.observe(time.time() - now)
-        return internal_id
+        self.accepting.add(internal_id)  # "pending" belongs to this call until it settles
+        try:
+            shadow_result = None
+            shadow_error: Exception | None = None
+            if remote is not None:
+                try:
+                    shadow_result = await remote
+                except Exception as exc:  # noqa: BLE001 - the local copy exists: settle it, never strand it
+                    shadow_error = exc
+                    shadow_result = ShadowResult(None, f"internal error: {exc.__class__.__name__}: {exc}")
+            rejecting = (shadow_result is not None and not shadow_result.peer
+                         and cfg.shadow_redundancy.reject_message_on_shadow_failure)
+            if rejecting:
+                await self._settle_redundancy(internal_id, msg, shadow_result, guid, now)  # raises 451 4.4.0
+            row = {"id": internal_id, "network_message_id": netid, "message_id": prepared.message_id,
+                   "sender": msg.sender, "subject": prepared.subject, "size": len(msg.data),
+                   "client_ip": client_ip, "client_hostname": msg.client_hostname}
+            self.track("RECEIVE", "SMTP", row, recipients=recipients,
+                       source_context=f"{connector}", connector_id=f"{cfg.node.name}\\{connector}",
+                       directionality="Incoming", client_ip=client_ip, client_hostname=msg.client_hostname)
+            if shadow_result is not None:
+                if shadow_result.peer:
+                    self.track("HAREDIRECT", "SMTP", row, recipients=recipients,
+                               source_context=f"{shadow_result.peer}={shadow_result.reply}")
+                else:
+                    self.track("HAREDIRECTFAIL", "SMTP", row, recipients=recipients,
+                               source_context=shadow_result.reply)
+                # Only now may delivery take it: its tracking rows never precede RECEIVE/HAREDIRECT.
+                await self._settle_redundancy(internal_id, msg, shadow_result, guid, now)
+                if shadow_error is not None:
+                    await self.message_failed(row, "shadow", shadow_error)
+            log.info("queued message %d (network id %s) from <%s> for %d recipient(s)",
+                     internal_id, netid, msg.sender, sum(len(v) for v in msg.recipients.values()),
+                     extra=message_ids({"id": internal_id, "network_message_id": netid}))
+            if self.delivery is not None:
+                self.delivery.wake()
+            self.metrics.accept_latency.observe(time.time() - now)
+            return internal_id
+        finally:
+            self.accepting.discard(internal_id)
 
     async def _settle_redundancy(self, internal_id: int, msg: NewMessage, result: Any, guid: str,
                                  now: float) -> None:
         """Record where the shadow went; with no shadow, accept unprotected or reject (451 4.4.0)."""
         from sqlalchemy import delete, update
         from .store import message_bodies, messages, recipients as recipients_t
+        faults.check("settle", msg)
         if result.uncertain:
             await self.store.write(discard_uncertain_job(result.uncertain, guid, now))
         if result.peer:

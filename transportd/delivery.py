@@ -147,6 +147,7 @@ class DeliveryAgent:
         if now - self._last_housekeeping >= min(10.0, self.cfg.delivery.queue_poll_interval * 10):
             self._last_housekeeping = now
             await self.housekeeping(now)
+            await self.release_orphans(now)
         d = self.cfg.delivery
         busy = dict(self._sessions_per_queue)
         free_total = max(0, d.max_outbound_connections - self._sessions_total)
@@ -565,6 +566,23 @@ class DeliveryAgent:
         except Exception:  # noqa: BLE001
             log.exception("could not record the internal failure of message %s", item.message_id,
                           extra={"internal_message_id": item.message_id, "network_message_id": ""})
+
+    async def release_orphans(self, now: float) -> None:
+        """Recipients left Active, messages left pending, whose owner in this process is gone
+        (a commit that failed): made deliverable again without a restart."""
+        accepting = set(getattr(self.node, "accepting", ()))
+        copy_timeout = self.cfg.shadow_redundancy.shadow_copy_timeout
+        try:
+            n_active, n_pending = await self.store.write(lambda c: mq.release_orphans(
+                c, now, active_owned=set(self._in_flight), pending_owned=accepting, active_grace=1.0,
+                pending_grace=copy_timeout + 5.0))
+        except Exception as exc:  # noqa: BLE001 - tried again at the next housekeeping
+            log.error("releasing orphaned transient states failed: %s", exc)
+            return
+        if n_active or n_pending:
+            log.warning("%d recipient(s) left Active and %d message(s) left pending by a failed commit are "
+                        "deliverable again", n_active, n_pending)
+            self.wake()
 
     async def housekeeping(self, now: float) -> None:
         window = self.cfg.mailbox.duplicate_detection_window

@@ -21,7 +21,7 @@ import os
 from typing import Any
 
 ENV = "TRANSPORTD_TEST_FAULTS"
-STEPS = ("deliver", "shadow", "reshadow", "promote", "discard", "resubmit", "expire", "dsn")
+STEPS = ("deliver", "shadow", "reshadow", "promote", "discard", "resubmit", "expire", "dsn", "settle")
 
 
 class InjectedFault(RuntimeError):

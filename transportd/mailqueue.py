@@ -231,6 +231,27 @@ def savepoint(conn: Connection, name: str = "one_message") -> Iterator[None]:
     raw.execute(f"RELEASE SAVEPOINT {name}")
 
 
+# --------------------------------------------------------------------------- orphaned transient states
+
+def release_orphans(conn: Connection, now: float, *, active_owned: set[int], pending_owned: set[int],
+                    active_grace: float, pending_grace: float) -> tuple[int, int]:
+    """Transient states whose owner is gone, back to states the loops take, without a restart:
+    recipients left Active (an outcome that could not be recorded) become Ready; messages left
+    ``pending`` (a shadow outcome that could not be recorded) become ``unknown`` and deliverable,
+    as after a restart. ``*_owned``: ids this process is working on now (left alone)."""
+    stale = [r for r in conn.execute(select(recipients.c.id).where(
+        recipients.c.status == ACTIVE, recipients.c.last_attempt_at < now - active_grace)).scalars()
+        if r not in active_owned]
+    if stale:
+        conn.execute(_CLAIM, {"b_ids": stale, "status": READY, "next_retry_at": 0.0})
+    pending = [m for m in conn.execute(select(messages.c.id).where(
+        messages.c.redundancy == "pending", messages.c.received_at < now - pending_grace)).scalars()
+        if m not in pending_owned]
+    if pending:
+        conn.execute(update(messages).where(messages.c.id.in_(pending)).values(redundancy="unknown"))
+    return len(stale), len(pending)
+
+
 # --------------------------------------------------------------------------- scheduling
 
 # Run on every scheduler tick (each accepted message wakes the scheduler): built once.

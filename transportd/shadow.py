@@ -83,6 +83,9 @@ class ShadowManager:
         self._background: set[asyncio.Task] = set()
         self._reshadow_slots = asyncio.Semaphore(RESHADOW_CONCURRENCY)
         self._sweep: asyncio.Task | None = None
+        # Tokens of the transport sessions open now: a discard id handed out on any other token
+        # belongs to a session gone without settling it, and is handed out again (housekeeping).
+        self.live_discard_tokens: set[str] = set()
         self._task: asyncio.Task | None = None
         self._stopping = False
 
@@ -694,8 +697,15 @@ class ShadowManager:
         auto = self.sr.shadow_message_auto_discard_interval
         limit = self.cfg.safety_net.safety_net_hold_time + self.cfg.delivery.message_expiration_timeout
 
+        live = set(self.live_discard_tokens)
+
         def job(conn):
             conn.execute(delete(discard_events).where(discard_events.c.created_at < now - auto))
+            orphans = [t for t in conn.execute(select(discard_events.c.sent_token).where(
+                discard_events.c.sent_token.is_not(None)).distinct()).scalars() if t not in live]
+            if orphans:
+                conn.execute(update(discard_events).where(discard_events.c.sent_token.in_(orphans))
+                             .values(sent_token=None))
             rows = conn.execute(select(messages).where(
                 messages.c.role == "shadow", messages.c.state == mq.QUEUED,
                 messages.c.received_at < now - limit)).mappings().all()

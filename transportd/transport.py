@@ -57,13 +57,22 @@ class TransportSMTP(LimitedSMTP):
         super().__init__(handler, **kwargs)
         self.manager = handler.manager
         self._discard_token = uuid.uuid4().hex
-        self._discards_out = False  # discard ids handed out on this session, not yet acknowledged
+        # Discard ids may be handed out on this session and not yet acknowledged. Set before the
+        # ids are taken, so a session that breaks while they are being taken hands them back too.
+        self._discards_out = False
+        self.manager.live_discard_tokens.add(self._discard_token)
 
     async def smtp_QUIT(self, arg: str | None) -> None:
         if self._discards_out:
-            # A clean QUIT after XQDISCARD: the shadow has applied the ids; forget them.
+            # A clean QUIT after XQDISCARD: the shadow has applied the ids; forget them (shielded:
+            # a client that hangs up right after its QUIT must not leave them handed out).
             self._discards_out = False
-            await self.manager.settle_discard_events(self._discard_token, acknowledged=True)
+            try:
+                await asyncio.shield(self.manager.settle_discard_events(self._discard_token, acknowledged=True))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the housekeeping sweep hands them out again
+                log.error("settling discard ids acknowledged by %s failed: %s", self.session.peer, exc)
         await super().smtp_QUIT(arg)
 
     def connection_lost(self, error: Exception | None) -> None:
@@ -72,7 +81,8 @@ class TransportSMTP(LimitedSMTP):
             self._discards_out = False
             task = asyncio.ensure_future(
                 self.manager.settle_discard_events(self._discard_token, acknowledged=False))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            task.add_done_callback(_log_settle_failure)
+        self.manager.live_discard_tokens.discard(self._discard_token)
         super().connection_lost(error)
 
     # -- helpers --------------------------------------------------------------------
@@ -154,9 +164,8 @@ class TransportSMTP(LimitedSMTP):
         except ProtocolError:
             await self.push(S501_INVALID_ARGUMENTS)
             return
+        self._discards_out = True
         guids = await self.manager.take_discard_events(peer, n, self._discard_token)
-        if guids:
-            self._discards_out = True
         for line in format_discard_reply(guids):
             self._writer.write(line.encode("ascii") + b"\r\n")
         await self._writer.drain()
@@ -193,6 +202,12 @@ class TransportSMTP(LimitedSMTP):
                 self.envelope.xshadow_guid = guid
             return
         await super().smtp_MAIL(arg)
+
+
+def _log_settle_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("handing discard ids of a broken session out again failed: %s (the housekeeping sweep "
+                  "will)", task.exception())
 
 
 class TransportHandler(FrontendHandler):
