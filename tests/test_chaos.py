@@ -342,6 +342,8 @@ def test_chaos_run_loses_nothing_acknowledged(chaos_runs):
     assert s["lost"] == 0, report
     assert s["unexpected"] == 0, report
     assert s["duplicates"]["mailbox"] == 0, report
+    assert s["internal_errors"] == 0, report  # nothing acknowledged stranded by an internal error
+    assert s["utf8_sent"] > 0, report         # internationalized mail is part of the workload
     assert code == 0, report
     assert "wipe-behind-refusing-sink" in s["fault_counts"]
 
@@ -381,3 +383,55 @@ def test_sink_refuses_on_sigusr1_and_accepts_on_sigusr2(procs, tmp_path):
     time.sleep(0.3)
     assert send() == 250
     assert len(list((tmp_path / "sink" / "new").iterdir())) == 2
+
+
+# --------------------------------------------------------------------------- internationalized mail and internal errors
+
+def test_utf8_deliveries_are_matched_at_the_sink_and_in_mailbox_folders(tmp_path: Path) -> None:
+    from transportd.chaos.workload import internationalized
+    from transportd.mailbox import mailbox_name
+    local, external = internationalized(["user3@example.test", "rcpt7@elsewhere.test"])
+    assert (local, external) == ("üser3@example.test", "rcpt-ñ7@elsewhere.test")
+    data = message_bytes("r1", 5, [local, external], 600, "Wed, 25 Nov 2026 10:00:00 +0000", utf8=True)
+    assert "Subject: chaos r1 #5 — grüße".encode() in data and b"X-Chaos-Id: r1-5" in data
+    sink = tmp_path / "sink" / "new"
+    sink.mkdir(parents=True)
+    (sink / "m1").write_bytes(f"X-Sink-Mail-From: <klïent@chaos.test>\r\nX-Sink-Rcpt-To: <{external}>\r\n"
+                              .encode() + data)
+    box = tmp_path / "mailboxes" / mailbox_name(local) / "new"
+    box.mkdir(parents=True)
+    (box / "m1").write_bytes(data)
+    assert mailbox_name(local).isascii()
+    deliveries = (scan_maildir_tree(tmp_path / "sink", "external", per_recipient_folders=False)
+                  + scan_maildir_tree(tmp_path / "mailboxes", "mailbox", per_recipient_folders=True))
+    sent = Sent(5, [local, external], [Attempt("ack", "n1")], utf8=True)
+    verdict = check("r1", {5: sent}, deliveries)
+    assert verdict.ok and not verdict.lost and not verdict.unexpected, verdict.summary()
+
+
+def test_internal_errors_and_poison_fail_the_verdict() -> None:
+    from transportd.chaos.checker import HeldRow
+    history = {1: Sent(1, ["a@example.test"], [Attempt("ack", "n1")])}
+    deliveries = [Delivery("r1", 1, "a@example.test", "mailbox")]
+    assert check("r1", history, deliveries, []).ok
+    retry = HeldRow("node1", "r1", 1, "Retry", "451 4.3.0 internal error in deliver: KeyError: 'x'", False)
+    poison = HeldRow("node2", "r1", 1, "Retry", "", True)
+    transient = HeldRow("node1", "r1", 1, "Retry", "451 4.4.0 Unable to connect", False)
+    other_run = HeldRow("node1", "r0", 1, "Retry", "451 4.3.0 internal error in dsn", False)
+    assert check("r1", history, deliveries, [transient, other_run]).ok
+    for bad in (retry, poison):
+        v = check("r1", history, deliveries, [transient, bad])
+        assert not v.ok and v.summary()["internal_errors"] == 1, v.summary()
+
+
+def test_workload_sends_a_share_of_utf8_messages_with_the_same_recipients_otherwise() -> None:
+    from transportd.chaos.workload import Workload, WorkloadSettings
+    with_utf8 = Workload("r", [("127.0.0.1", 1)], WorkloadSettings(messages=400, clients=1, rate=1), seed=7)
+    without = Workload("r", [("127.0.0.1", 1)], WorkloadSettings(messages=400, clients=1, rate=1, utf8_share=0),
+                       seed=7)
+    utf8 = [s for s in with_utf8.history.values() if s.utf8]
+    assert 0.08 < len(utf8) / 400 < 0.25
+    assert all(not r.isascii() for s in utf8 for r in s.recipients)
+    for n, s in with_utf8.history.items():
+        if not s.utf8:
+            assert s.recipients == without.history[n].recipients

@@ -11,12 +11,16 @@ number read from its ``X-Chaos-Id`` header. Like Jepsen's total-queue:
 - unexpected: deliveries of messages no client sent, or to a recipient it was not sent to (must be 0)
 - duplicates: extra copies, split into mailbox (must be 0: duplicate detection) and external
 - recovered: messages whose every attempt ended unknown or refused, yet which arrived
+- internal errors: acknowledged messages still held at the end in Retry with an internal error
+  (``451 4.3.0 internal error``) or in the Poison queue (must be 0: one bad message, or a bug,
+  never strands acknowledged mail; read from the nodes' queue databases by the harness)
 """
 
 from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +45,7 @@ class Sent:
     number: int
     recipients: list[str]
     attempts: list[Attempt] = field(default_factory=list)
+    utf8: bool = False  # internationalized (RFC 6531/6532): UTF-8 envelope and headers, SMTPUTF8
 
     @property
     def outcome(self) -> str:
@@ -106,8 +111,34 @@ def _scandir(p: Path) -> list[os.DirEntry]:
 
 
 def _address_of(folder: str) -> str:
-    """Undo mailbox.mailbox_name's %-encoding."""
-    return re.sub(r"%([0-9A-F]{2})", lambda m: chr(int(m.group(1), 16)), folder)
+    """Undo mailbox.mailbox_name's %-encoding (of the address's UTF-8 octets)."""
+    return urllib.parse.unquote(folder, encoding="utf-8", errors="replace")
+
+
+_INTERNAL_ERROR = "451 4.3.0 internal error"
+
+
+@dataclass(frozen=True)
+class HeldRow:
+    """One recipient of a message still queued as primary on a node at the end of a run."""
+    node: str
+    run: str
+    number: int
+    status: str
+    last_error: str
+    poisoned: bool
+
+
+def internal_errors(rows: list[HeldRow], run: str) -> list[HeldRow]:
+    """The run's messages held in Retry with an internal error, or in the Poison queue."""
+    return [r for r in rows if r.run == run and (
+        r.poisoned or (r.status == "Retry" and (r.last_error or "").startswith(_INTERNAL_ERROR)))]
+
+
+def chaos_id(head: bytes) -> tuple[str, int]:
+    """(run, number) from a message's X-Chaos-Id header, ("", -1) without one."""
+    m = _CHAOS_ID.search(head)
+    return (m.group(1).decode(), int(m.group(2))) if m else ("", -1)
 
 
 @dataclass
@@ -124,10 +155,11 @@ class Verdict:
     recovered: int
     delivered_after_reject: int
     attempts: int
+    internal_errors: list[HeldRow] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.lost and not self.unexpected and self.duplicates_mailbox == 0
+        return not self.lost and not self.unexpected and self.duplicates_mailbox == 0 and not self.internal_errors
 
     def summary(self) -> dict:
         return {
@@ -138,11 +170,15 @@ class Verdict:
             "unexpected_examples": [f"{d.run}-{d.number} -> {d.recipient} ({d.where})" for d in self.unexpected[:20]],
             "duplicates": {"mailbox": self.duplicates_mailbox, "external": self.duplicates_external},
             "recovered": self.recovered, "delivered_after_reject": self.delivered_after_reject,
+            "internal_errors": len(self.internal_errors),
+            "internal_error_examples": [f"{r.node} #{r.number}: {'Poison' if r.poisoned else r.last_error}"
+                                        for r in self.internal_errors[:20]],
             "ok": self.ok,
         }
 
 
-def check(run: str, history: dict[int, Sent], deliveries: list[Delivery]) -> Verdict:
+def check(run: str, history: dict[int, Sent], deliveries: list[Delivery],
+          held: list[HeldRow] | None = None) -> Verdict:
     """Compare the client history with what arrived (see the module docstring)."""
     copies: Counter[tuple[int, str, str]] = Counter()
     unexpected: list[Delivery] = []
@@ -173,4 +209,5 @@ def check(run: str, history: dict[int, Sent], deliveries: list[Delivery]) -> Ver
                    unknown=outcomes[UNKNOWN], lost=sorted(lost), unexpected=unexpected,
                    duplicates_mailbox=dup_mailbox, duplicates_external=dup_external, recovered=recovered,
                    delivered_after_reject=after_reject,
-                   attempts=sum(len(s.attempts) for s in history.values()))
+                   attempts=sum(len(s.attempts) for s in history.values()),
+                   internal_errors=internal_errors(held or [], run))

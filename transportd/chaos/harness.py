@@ -25,7 +25,7 @@ from typing import Any
 
 from .. import cluster as cluster_mod
 from ..mailqueue import NOT_REDUNDANT
-from .checker import check, scan_maildir_tree
+from .checker import HeldRow, chaos_id, check, scan_maildir_tree
 from .nemesis import FAULT_TYPES, Nemesis, schedule
 from .proxy import FaultProxy
 from .workload import Workload, WorkloadSettings
@@ -140,6 +140,31 @@ class ChaosCluster(cluster_mod.Cluster):
             "SELECT count(DISTINCT m.id) FROM messages m JOIN recipients r ON r.message_id = m.id "
             "JOIN queues q ON q.id = r.queue_id WHERE m.role = 'primary' AND m.state = 'Queued' "
             "AND r.status IN ('Ready', 'Retry', 'Active') AND q.delivery_type = 'SmartHostConnectorDelivery'"))
+
+    def held_rows(self, short: str) -> list[HeldRow]:
+        """Recipients of primary messages still queued on the node, tagged with their chaos ids."""
+        db = Path(self.by_short[short].data_dir) / "queue.db"
+        if not db.exists():
+            return []
+        try:
+            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+            try:
+                cols = {row[1] for row in con.execute("PRAGMA table_info(messages)")}
+                poisoned = "m.poisoned" if "poisoned" in cols else "0"
+                rows = con.execute(
+                    f"SELECT substr(b.data, 1, 4096), r.status, r.last_error, {poisoned} FROM messages m "
+                    "JOIN recipients r ON r.message_id = m.id JOIN message_bodies b ON b.message_id = m.id "
+                    "WHERE m.role = 'primary' AND m.state = 'Queued' "
+                    "AND r.status NOT IN ('Delivered', 'Failed', 'Removed')").fetchall()
+            finally:
+                con.close()
+        except sqlite3.Error:
+            return []
+        out = []
+        for head, status, last_error, is_poisoned in rows:
+            run, number = chaos_id(bytes(head))
+            out.append(HeldRow(short, run, number, status, last_error or "", bool(is_poisoned)))
+        return out
 
     def queued_messages(self, short: str) -> int:
         """Messages (primary or shadow) the node still holds in its queues."""
@@ -274,6 +299,7 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
         summary.update({
             "seed": seed, "messages": messages, "faults_planned": faults, "shadow_redundancy": shadow,
             "clients": clients, "heartbeat": heartbeat, "resubmit_span": resubmit_span,
+            "utf8_sent": sum(1 for h in workload.history.values() if h.utf8),
             "faults": nemesis.log.as_json(),
             "fault_counts": _count_types(nemesis.log.faults),
             # How long the cluster took to be redundant again before each fault (the nemesis waits).
@@ -294,7 +320,8 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
     (directory / "summary.json").write_text(json.dumps(summary, indent=2))
     # Every attempt of every message, for looking into a lost or duplicated one.
     (directory / "history.json").write_text(json.dumps(
-        {n: {"recipients": h.recipients, "outcome": h.outcome, "attempts": [asdict(a) for a in h.attempts]}
+        {n: {"recipients": h.recipients, "utf8": h.utf8, "outcome": h.outcome,
+             "attempts": [asdict(a) for a in h.attempts]}
          for n, h in workload.history.items()}))
     return summary
 
@@ -329,7 +356,8 @@ def _drain(cluster: ChaosCluster, workload: Workload, run_id: str, timeout: floa
     time.sleep(min(settle, max(0.0, deadline - time.monotonic())))
     deliveries = (scan_maildir_tree(cluster.sink_dir, "external", per_recipient_folders=False)
                   + scan_maildir_tree(mailboxes, "mailbox", per_recipient_folders=True))
-    return check(run_id, workload.history, deliveries)
+    held = [row for spec in cluster.specs for row in cluster.held_rows(spec.short)]
+    return check(run_id, workload.history, deliveries, held)
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -344,12 +372,14 @@ def format_summary(s: dict[str, Any]) -> str:
         f"{s.get('recovery_wait_max')} s at most",
         f"  lost {s.get('lost')}   unexpected {s.get('unexpected')}   duplicates mailbox "
         f"{s.get('duplicates', {}).get('mailbox')} external {s.get('duplicates', {}).get('external')}   "
-        f"recovered {s.get('recovered')}",
+        f"recovered {s.get('recovered')}   internal errors {s.get('internal_errors')}",
     ]
     if s.get("lost_examples"):
         lines.append(f"  lost: {', '.join(s['lost_examples'][:10])}")
     if s.get("unexpected_examples"):
         lines.append(f"  unexpected: {', '.join(s['unexpected_examples'][:10])}")
+    if s.get("internal_error_examples"):
+        lines.append(f"  internal errors: {', '.join(s['internal_error_examples'][:10])}")
     lines.append(f"  verdict: {'OK' if s.get('ok') else 'FAILED'}")
     return "\n".join(lines)
 

@@ -21,6 +21,17 @@ from .checker import ACK, REFUSED, REJECTED, UNKNOWN, Attempt, Sent
 
 LOCAL_DOMAIN = "example.test"       # mailbox database MDB01 on node1
 EXTERNAL_DOMAIN = "elsewhere.test"  # routed to the smart host: the sink
+# Internationalized messages (RFC 6531/6532): a UTF-8 sender, UTF-8 local parts, raw UTF-8 headers
+# and body, sent with SMTPUTF8 and BODY=8BITMIME. The share is drawn from its own seeded stream,
+# so the other messages' recipients are those of a run without them.
+UTF8_SHARE = 0.15
+SENDER, UTF8_SENDER = "client@chaos.test", "klïent@chaos.test"
+
+
+def internationalized(recipients: list[str]) -> list[str]:
+    """The same mailboxes' UTF-8 twins: üser3@example.test, rcpt-ñ7@elsewhere.test."""
+    return [r.replace("user", "üser", 1) if r.endswith("@" + LOCAL_DOMAIN) else r.replace("rcpt", "rcpt-ñ", 1)
+            for r in recipients]
 
 
 def recipients_for(number: int, rng: random.Random) -> list[str]:
@@ -35,13 +46,17 @@ def recipients_for(number: int, rng: random.Random) -> list[str]:
     return [local, external]
 
 
-def message_bytes(run: str, number: int, rcpts: list[str], size: int, date: str) -> bytes:
-    head = (f"From: <client@chaos.test>\r\nTo: {', '.join('<' + r + '>' for r in rcpts)}\r\n"
-            f"Subject: chaos {run} #{number}\r\nMessage-ID: <chaos-{run}-{number}@chaos.test>\r\n"
-            f"Date: {date}\r\nX-Chaos-Id: {run}-{number}\r\n\r\n")
-    line = f"message {number} of chaos run {run} ".ljust(76, ".") + "\r\n"
-    body = line * max(1, size // len(line))
-    return (head + body).encode("ascii")
+def message_bytes(run: str, number: int, rcpts: list[str], size: int, date: str, utf8: bool = False) -> bytes:
+    sender = f"Klïent Ünïcode <{UTF8_SENDER}>" if utf8 else f"<{SENDER}>"
+    subject = f"chaos {run} #{number}" + (" — grüße, δοκιμή" if utf8 else "")
+    head = (f"From: {sender}\r\nTo: {', '.join('<' + r + '>' for r in rcpts)}\r\n"
+            f"Subject: {subject}\r\nMessage-ID: <chaos-{run}-{number}@chaos.test>\r\n"
+            f"Date: {date}\r\nX-Chaos-Id: {run}-{number}\r\n"
+            + ("MIME-Version: 1.0\r\nContent-Type: text/plain; charset=utf-8\r\n"
+               "Content-Transfer-Encoding: 8bit\r\n" if utf8 else "") + "\r\n")
+    line = (f"message {number} of chaos run {run} " + ("ünïcödé ✓ " if utf8 else "")).ljust(76, ".") + "\r\n"
+    body = line * max(1, size // len(line.encode("utf-8")))
+    return (head + body).encode("utf-8" if utf8 else "ascii")
 
 
 @dataclass
@@ -51,6 +66,7 @@ class WorkloadSettings:
     rate: float                # messages started per second, all clients together
     timeout: float = 15.0      # per SMTP command
     per_connection: int = 10   # messages over one session before reconnecting elsewhere
+    utf8_share: float = UTF8_SHARE  # internationalized messages (SMTPUTF8)
 
 
 class Workload:
@@ -59,10 +75,13 @@ class Workload:
         self.frontends = frontends
         self.s = settings
         rng = random.Random(seed ^ 0x5EED)
+        utf8_rng = random.Random(seed ^ 0x0F8)
         self.history: dict[int, Sent] = {}
         self.sizes: dict[int, int] = {}
         for n in range(1, settings.messages + 1):
-            self.history[n] = Sent(n, recipients_for(n, rng))
+            rcpts = recipients_for(n, rng)
+            utf8 = utf8_rng.random() < settings.utf8_share
+            self.history[n] = Sent(n, internationalized(rcpts) if utf8 else rcpts, utf8=utf8)
             self.sizes[n] = rng.choice((600, 2_000, 8_000, 30_000))
         self.dates = {n: email.utils.formatdate(time.time(), usegmt=True) for n in self.history}
         self._next = 1
@@ -111,7 +130,7 @@ class Workload:
             if n is None:
                 break
             sent = self.history[n]
-            data = message_bytes(self.run, n, sent.recipients, self.sizes[n], self.dates[n])
+            data = message_bytes(self.run, n, sent.recipients, self.sizes[n], self.dates[n], utf8=sent.utf8)
             while not self.stop.is_set():
                 if conn is None or used >= self.s.per_connection:
                     _quit(conn)
@@ -149,7 +168,10 @@ class Workload:
         node = conn._host if hasattr(conn, "_host") else ""
         try:
             node = conn.sock.getpeername()[0] if conn.sock else node
-            code, msg = conn.mail("client@chaos.test")
+            if sent.utf8:
+                code, msg = conn.mail(UTF8_SENDER, ["SMTPUTF8", "BODY=8BITMIME"])
+            else:
+                code, msg = conn.mail(SENDER)
             if code != 250:
                 return self._rejected(sent, node, code, msg, before_data=True)
             for r in sent.recipients:
