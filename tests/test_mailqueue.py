@@ -484,3 +484,27 @@ def test_redirect_leaves_suspended_and_poison_messages_held(store) -> None:
     queues_of = {r["message_id"]: r["queue_id"] for r in rows(store, recipients)}
     assert queues_of[held] == queues_of[poison] != queues_of[free]
     assert store.read(mq.held_messages) == 2
+
+
+def test_a_dsn_keeps_the_originals_shadows_until_it_is_out(store) -> None:
+    """The NDR is protected by the original's shadow: no discard event for it while the DSN
+    about it is queued; one as soon as the DSN is processed."""
+    from transportd.store import discard_events, message_shadows
+
+    def finish(mid, when):
+        def job(conn):
+            ids = conn.execute(select(recipients.c.id).where(recipients.c.message_id == mid)).scalars().all()
+            mq.mark_active(conn, ids, when)
+            mq.record_outcomes(conn, [mq.Outcome(r, mq.FAILED if mid == original else mq.DELIVERED) for r in ids],
+                               when, retry_interval=1, retry_count=1, long_interval=1)
+            mq.finish_if_done(conn, mid, when, 3600)
+        tx(store, job)
+    original = enqueue(store, {SMART: ["x@remote.test"]}, nid="orig")
+    tx(store, lambda c: c.execute(message_shadows.insert().values(message_id=original, shadow_node="node3.t",
+                                                                    shadow_guid="g-1", created_at=T0)))
+    dsn = enqueue(store, {SMART: ["s@sender.test"]}, nid="dsn", origin="dsn", dsn_of=original)
+    finish(original, T0 + 1)
+    assert rows(store, messages, messages.c.id == original)[0]["state"] == mq.SAFETY_NET
+    assert rows(store, discard_events) == []
+    finish(dsn, T0 + 2)
+    assert [(r["shadow_node"], r["shadow_guid"]) for r in rows(store, discard_events)] == [("node3.t", "g-1")]

@@ -8,9 +8,10 @@ import uuid
 import pytest
 
 from transportd.protocol import (Peer, ProtocolError, after_heartbeat, decode_dbid, decode_fqdn, encode_dbid,
-                                 encode_fqdn, failures_to_promote, format_discard_reply, parse_discard_entries, parse_discard_reply,
+                                 encode_fqdn, format_discard_reply, parse_discard_entries, parse_discard_reply,
                                  parse_guid, parse_xqdiscard, parse_xshadow, parse_xshadowrequest,
-                                 redundancy_reply, shadow_attempts, split_xshadow_param)
+                                 redundancy_reply, shadow_attempts, split_xshadow_param,
+                                 unreachable_since)
 
 DBID = "0f8fad5b-d9cb-469f-a165-70867728950e"
 
@@ -113,20 +114,25 @@ def test_rotation_spreads_equal_peers():
     assert firsts == {"n3", "n4"}
 
 
-def test_failures_to_promote_is_the_ceiling():
-    assert failures_to_promote(3 * 3600, 120) == 90
-    assert failures_to_promote(3, 0.5) == 6
-    assert failures_to_promote(10, 3) == 4
-    assert failures_to_promote(1, 5) == 1
-
-
 def test_heartbeat_decisions():
-    kw = dict(resubmit_time_span=3, heartbeat_frequency=1)
-    assert not after_heartbeat(ok=False, consecutive_failures=2, recorded_dbid=DBID, answered_dbid=None, **kw).promote
-    d = after_heartbeat(ok=False, consecutive_failures=3, recorded_dbid=DBID, answered_dbid=None, **kw)
+    """Promotion by elapsed time since the primary was last known alive, not by failure count."""
+    kw = dict(resubmit_time_span=3)
+    assert not after_heartbeat(ok=False, unreachable_for=2.9, recorded_dbid=DBID, answered_dbid=None, **kw).promote
+    d = after_heartbeat(ok=False, unreachable_for=3.0, recorded_dbid=DBID, answered_dbid=None, **kw)
     assert (d.promote, d.reason) == (True, "ShadowHeartbeatFailure")
     other = str(uuid.uuid4())
-    d = after_heartbeat(ok=True, consecutive_failures=0, recorded_dbid=DBID, answered_dbid=other, **kw)
+    d = after_heartbeat(ok=True, unreachable_for=0, recorded_dbid=DBID, answered_dbid=other, **kw)
     assert (d.promote, d.reason) == (True, "ShadowStateChange")
-    assert not after_heartbeat(ok=True, consecutive_failures=0, recorded_dbid=DBID, answered_dbid=DBID, **kw).promote
-    assert not after_heartbeat(ok=True, consecutive_failures=0, recorded_dbid=None, answered_dbid=other, **kw).promote
+    assert not after_heartbeat(ok=True, unreachable_for=0, recorded_dbid=DBID, answered_dbid=DBID, **kw).promote
+    assert not after_heartbeat(ok=True, unreachable_for=0, recorded_dbid=None, answered_dbid=other, **kw).promote
+
+
+def test_unreachable_since_counts_from_the_last_success_of_the_previous_round():
+    kw = dict(heartbeat_frequency=120, exchange_limit=30)
+    # Already failing: the origin stays.
+    assert unreachable_since(previous=1000.0, last_ok=900.0, now=5000.0, **kw) == 1000.0
+    # First failure, the previous round succeeded: counted from that success.
+    assert unreachable_since(previous=None, last_ok=4850.0, now=5000.0, **kw) == 4850.0
+    # First failure, no recent success (or none at all): from now.
+    assert unreachable_since(previous=None, last_ok=100.0, now=5000.0, **kw) == 5000.0
+    assert unreachable_since(previous=None, last_ok=None, now=5000.0, **kw) == 5000.0

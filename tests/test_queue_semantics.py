@@ -72,3 +72,51 @@ def test_message_remove_tells_the_shadows_and_a_promotion_does_not_deliver_it(cl
     time.sleep(1)
     assert not any(b"removed by the admin" in m for m in sink.messages())
     assert kept
+
+
+def test_dsn_reaches_the_sender_when_the_primary_dies_right_after_making_it(cluster, sink):
+    """node1 fails a recipient (the next hop has no SMTPUTF8: 5.6.7) and queues the DSN, whose own
+    delivery hangs (a test hook); node1 is killed. The original's shadow on node3 was kept for
+    the DSN, so node3's promotion fails the recipient again and the NDR reaches the sender."""
+    import json
+    import smtplib
+    sink.start()  # Postfix's smtp-sink: no SMTPUTF8
+    c = cluster()
+    node1, node3 = c["node1"], c["node3"]
+    node1.env["TRANSPORTD_TEST_FAULTS"] = json.dumps({"match": "Undeliverable", "steps": ["deliver"],
+                                                     "action": "hang"})
+    c.start()
+    with smtplib.SMTP(node1.host, node1.frontend_port, timeout=20) as s:
+        s.ehlo("client.test")
+        s.mail("bounce-me@sender.test", ["SMTPUTF8"])
+        assert s.rcpt("δοκιμή@elsewhere.test")[0] == 250
+        code, _ = s.data("Subject: will bounce\r\nMessage-ID: <bounce-1@sender.test>\r\n\r\nbody\r\n".encode())
+        assert code == 250
+    wait_for(lambda: node1.tracking(event_id="DSN"), timeout=10, what="node1 to make the DSN")
+    time.sleep(4 * 0.5)  # several heartbeats: node3 would have dropped its shadow without the fix
+    assert not node3.tracking(event_id="HADISCARD")
+    node1.proc.kill()
+    node1.proc.wait(10)
+    ndr = wait_for(lambda: [m for m in sink.messages() if b"bounce-1@sender.test" in m and b"5.6.7" in m],
+                   timeout=20, what="the NDR, made again by node3, at the sender's next hop")
+    assert len(ndr) == 1
+    assert node3.tracking(event_id="RESUBMIT") and node3.tracking(event_id="DSN")
+
+
+def test_one_delay_dsn_after_delay_notification_timeout(make_node, sink):
+    """DelayNotificationTimeout: a message still waiting gets one delay DSN (action delayed); it
+    is delivered when the next hop is back, with no second notice."""
+    import smtplib
+    node = make_node(smart_host=sink.address, overrides={"delivery": {"delay_notification_timeout": 2}})
+    node.start()
+    with smtplib.SMTP("127.0.0.1", node.port, timeout=20) as s:
+        s.sendmail("bob@example.test", ["carol@elsewhere.test"], b"Subject: slow one\r\n\r\nbody\r\n")
+    notice = wait_for(lambda: node.maildir_files("bob@example.test"), timeout=10, what="the delay DSN")
+    text = notice[0].read_bytes()
+    assert b"Action: delayed" in text and b"Subject: Delivery delayed: slow one" in text, text[:600]
+    time.sleep(2.5)
+    assert len(node.maildir_files("bob@example.test")) == 1, "a second delay notice"
+    sink.start()
+    node.cli("queue", "retry", f"smarthost:{sink.address}")
+    wait_for(lambda: any(b"slow one" in m for m in sink.messages()), timeout=10, what="the delivery")
+    assert len(node.maildir_files("bob@example.test")) == 1

@@ -72,6 +72,27 @@ def test_resubmit_picks_destination_window_and_safety_net(tmp_path):
         store.close()
 
 
+def test_resubmit_window_is_when_the_copy_entered_the_safety_net(tmp_path):
+    """Received long before the window, delivered inside it: resubmitted (and the reverse not)."""
+    cfg = _cfg(tmp_path)
+    store = QueueStore.open(tmp_path / "queue.db")
+    try:
+        now = 1_800_000_000.0
+        late, _ = store.transaction(lambda c: _processed(c, cfg, ["alice@example.test"], now - 5000))
+        store.transaction(lambda c: update_completed(c, late, now - 20))
+        early, _ = store.transaction(lambda c: _processed(c, cfg, ["bob@example.test"], now - 50))
+        store.transaction(lambda c: update_completed(c, early, now - 500))
+        done = store.transaction(lambda c: resubmit(c, cfg, destination="MDB01", start=now - 100, end=now,
+                                                    sources=("primary",), now=now))
+        assert [r.original_id for r in done] == [late]
+    finally:
+        store.close()
+
+
+def update_completed(conn, mid, when):
+    conn.execute(update(messages).where(messages.c.id == mid).values(completed_at=when))
+
+
 def _cli(config, *args):
     return subprocess.run([sys.executable, "-m", "transportd", *args, "--config", config],
                           capture_output=True, text=True, timeout=60)

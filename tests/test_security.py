@@ -210,7 +210,8 @@ def test_slow_loris_is_disconnected_by_the_connection_timeout(make_node, where):
 # ------------------------------------------------------------------------------ peer trust
 
 def test_peer_trust_refusals_are_logged(make_node):
-    node = peer_node(make_node)
+    # Shadow redundancy on: a node with it off offers (and stores) no shadows at all.
+    node = peer_node(make_node, shadow_redundancy={"shadow_redundancy_enabled": True})
     port = node.transport_port
     for user, password, why in ((PEER, SECRET + "x", "wrong credential"),
                                 ("intruder.transportd.test", SECRET, "unknown name")):

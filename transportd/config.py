@@ -311,6 +311,9 @@ KEYS: tuple[Key, ...] = (
     Key("delivery", "queue_poll_interval", 0.5, parse_duration,
         "how often the queue database is scanned for due work and operator changes", "", DUR),
     Key("delivery", "mx_port", 25, _int(1), "port used for next hops found by MX lookup"),
+    Key("delivery", "delay_notification_timeout", 4 * 3600.0, parse_duration,
+        "a message still not delivered this long after it was received gets one delay DSN (RFC 3464 "
+        "action delayed) to its sender; 0 = never", "DelayNotificationTimeout", DUR),
     Key("delivery", "poison_message_detection_enabled", True, _bool,
         "move a message whose handling failed with an internal error poison_threshold times (a crash "
         "during its delivery counts) to the Poison queue", "PoisonMessageDetectionEnabled"),

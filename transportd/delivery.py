@@ -17,6 +17,7 @@ import email.utils
 import logging
 import time
 import uuid
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -84,7 +85,9 @@ def dsn_message(cfg: Any, original: dict, original_body: bytes, reports: Sequenc
         recipients=bifurcate([sender], cfg), received_at=now,
         expires_at=now + cfg.delivery.message_expiration_timeout,
         message_id=msgid, submit_time=email.utils.formatdate(now, usegmt=True),
-        subject="Undeliverable", origin="dsn", smtputf8=utf8, body_type="8BITMIME" if utf8 else "",
+        subject="Delivery delayed" if all(r.action == "delayed" for r in reports) else "Undeliverable",
+        origin="dsn", smtputf8=utf8, body_type="8BITMIME" if utf8 else "",
+        dsn_of=original.get("id"),
     )
 
 
@@ -105,7 +108,9 @@ class DeliveryAgent:
         self._sessions_per_queue: dict[int, int] = defaultdict(int)
         self._sessions_total = 0
         self._tasks: set[asyncio.Task] = set()
-        self._mailbox_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # One lock per mailbox being delivered to right now: held only by the deliveries using it,
+        # so the table does not grow with every recipient ever seen.
+        self._mailbox_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._last_housekeeping = 0.0
         self._rotate = 0  # round-robin start over the due queues
         self._last_expiry = 0.0
@@ -144,6 +149,8 @@ class DeliveryAgent:
         if now - self._last_expiry >= 1.0:
             self._last_expiry = now
             await self.expire(now)
+            if self.cfg.delivery.delay_notification_timeout > 0:
+                await self.notify_delays(now)
         if now - self._last_housekeeping >= min(10.0, self.cfg.delivery.queue_poll_interval * 10):
             self._last_housekeeping = now
             await self.housekeeping(now)
@@ -364,7 +371,10 @@ class DeliveryAgent:
         await faults.acheck("deliver", row)
         outs: list[Outcome] = []
         for rid, address in zip(it.recipient_ids, it.addresses):
-            async with self._mailbox_locks[address.lower()]:
+            lock = self._mailbox_locks.get(address.lower())
+            if lock is None:
+                lock = self._mailbox_locks[address.lower()] = asyncio.Lock()
+            async with lock:
                 dup = await self.store.aread(lambda c, a=address: mq.already_delivered(
                     c, a, row["message_id"], row["submit_time"], now, window))
                 if dup:
@@ -558,6 +568,33 @@ class DeliveryAgent:
                 await self._commit([item], {mid: outs}, now, expiry=True)
             except Exception as exc:  # noqa: BLE001 - one message never holds up the others
                 await self._safely(self._internal_failure([item], "expire", exc), item)
+
+    async def notify_delays(self, now: float) -> None:
+        """One delay DSN (RFC 3464, action delayed) per message waiting longer than
+        *DelayNotificationTimeout*; one message's failure never stops the others."""
+        timeout = self.cfg.delivery.delay_notification_timeout
+        due = await self.store.aread(lambda c: mq.delayed_messages(c, now, timeout))
+        for m in due:
+            try:
+                body = await self.store.aread(lambda c, mid=m["id"]: mq.body(c, mid))
+                if body is None:
+                    continue
+                faults.check("dsn", m)
+                reports = [RecipientReport(address=r["address"], action="delayed",
+                                           status=_status(r["last_error"] or "451 4.4.1"),
+                                           diagnostic=r["last_error"] or "") for r in m["waiting"]]
+                dsn = dsn_message(self.cfg, m, body, reports, now)
+
+                def job(conn, mid=m["id"], dsn=dsn):
+                    conn.execute(mq.UPDATE_MESSAGE, {"b_id": mid, "delay_dsn_at": now})
+                    return mq.enqueue(conn, dsn) if dsn is not None else None
+                dsn_id = await self.store.write(job)
+            except Exception as exc:  # noqa: BLE001 - isolated per message
+                await self.node.message_failed(m, "dsn", exc)
+                continue
+            if dsn_id is not None:
+                self.node.log_dsn(m, dsn_id, dsn)
+                self.wake()
 
     async def _safely(self, coro: Any, item: WorkItem) -> None:
         """Run a recording step; if even that fails, its recipients are left to the next tick."""

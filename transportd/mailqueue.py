@@ -59,6 +59,7 @@ class NewMessage:
     primary_dbid: str | None = None
     smtputf8: bool = False  # received with the SMTPUTF8 MAIL parameter (RFC 6531)
     body_type: str = ""     # the BODY= it was received with: "8BITMIME", "7BIT" or "" (not given)
+    dsn_of: int | None = None  # a DSN: the message it reports on
 
 
 @dataclass
@@ -97,7 +98,9 @@ UPDATE_MESSAGE = update(messages).where(messages.c.id == bindparam("b_id"))
 _PENDING_RECIPIENTS = select(func.count()).select_from(recipients).where(
     recipients.c.message_id == bindparam("b_id"), recipients.c.status.not_in(TERMINAL))
 _FORKS = select(func.count()).select_from(shadow_forks).where(shadow_forks.c.message_id == bindparam("b_id"))
-_MESSAGE_STATE = select(messages.c.state).where(messages.c.id == bindparam("b_id"))
+_MESSAGE_STATE = select(messages.c.state, messages.c.dsn_of).where(messages.c.id == bindparam("b_id"))
+_DSN_PENDING = select(func.count()).select_from(messages).where(
+    messages.c.dsn_of == bindparam("b_id"), messages.c.state == QUEUED)
 _SHADOWS_OF = select(message_shadows.c.shadow_node, message_shadows.c.shadow_guid).where(
     message_shadows.c.message_id == bindparam("b_id"))
 _INSERT_DISCARD = insert(discard_events)
@@ -137,7 +140,7 @@ def enqueue(conn: Connection, msg: NewMessage) -> int:
         role=msg.role, state=QUEUED, suspended=0, suppress_dsn=int(msg.suppress_dsn),
         shadow_guid=msg.shadow_guid, primary_node=msg.primary_node,
         primary_internal_id=msg.primary_internal_id, redundancy=msg.redundancy,
-        primary_dbid=msg.primary_dbid, smtputf8=int(msg.smtputf8), body_type=msg.body_type,
+        primary_dbid=msg.primary_dbid, smtputf8=int(msg.smtputf8), body_type=msg.body_type, dsn_of=msg.dsn_of,
     )).inserted_primary_key[0]
     conn.execute(_INSERT_BODY, {"message_id": mid, "data": msg.data})
     rows = []
@@ -318,13 +321,32 @@ def mark_active(conn: Connection, recipient_ids: Sequence[int], now: float) -> l
     return list(claimed)
 
 
-def expired_recipients(conn: Connection, now: float) -> list[dict]:
+def expired_recipients(conn: Connection, now: float, limit: int = 1000) -> list[dict]:
+    """Pending recipients of expired messages, at most ``limit`` (the rest at the next pass)."""
     stmt = (select(recipients.c.id, recipients.c.address, recipients.c.message_id,
                    recipients.c.last_error)
             .join(messages, messages.c.id == recipients.c.message_id)
             .where(recipients.c.status.in_(PENDING), messages.c.expires_at <= now,
-                   messages.c.state == QUEUED, messages.c.role == "primary", messages.c.poisoned == 0))
+                   messages.c.state == QUEUED, messages.c.role == "primary", messages.c.poisoned == 0)
+            .limit(limit))
     return [dict(r) for r in conn.execute(stmt).mappings()]
+
+
+def delayed_messages(conn: Connection, now: float, timeout: float, limit: int = 100) -> list[dict]:
+    """Messages owed a delay DSN: queued (as primary, not held) since before ``now - timeout`` with
+    a recipient still waiting in Retry, a sender to tell, and none sent yet. With their waiting
+    recipients (address, last error)."""
+    rows = [dict(r) for r in conn.execute(select(messages).where(
+        messages.c.state == QUEUED, messages.c.role == "primary", messages.c.poisoned == 0,
+        messages.c.suspended == 0, messages.c.delay_dsn_at.is_(None), messages.c.received_at <= now - timeout,
+        messages.c.sender != "", messages.c.origin != "dsn", messages.c.suppress_dsn == 0,
+        select(recipients.c.id).where(recipients.c.message_id == messages.c.id,
+                                      recipients.c.status == RETRY).exists())
+        .order_by(messages.c.id).limit(limit)).mappings()]
+    for m in rows:
+        m["waiting"] = [dict(r) for r in conn.execute(select(recipients.c.address, recipients.c.last_error).where(
+            recipients.c.message_id == m["id"], recipients.c.status == RETRY)).mappings()]
+    return rows
 
 
 def retry_delay(attempt: int, interval: float, count: int, long_interval: float) -> float:
@@ -371,19 +393,33 @@ def finish_if_done(conn: Connection, message_id: int, now: float, safety_net_hol
         return False
     if conn.execute(_FORKS, key).scalar():
         return False  # a peer holds a fork as primary: we keep our copy until its discard
-    if conn.execute(_MESSAGE_STATE, key).scalar() != QUEUED:
+    state, dsn_of = conn.execute(_MESSAGE_STATE, key).one()
+    if state != QUEUED:
         return False
-    # The message is processed: one discard event per shadow context (PROTOCOL.md section 4).
-    for sh in conn.execute(_SHADOWS_OF, key).all():
-        conn.execute(_INSERT_DISCARD, {"shadow_node": sh.shadow_node, "shadow_guid": sh.shadow_guid,
-                                       "created_at": now})
+    # The message is processed: one discard event per shadow context (PROTOCOL.md section 4),
+    # unless a DSN about it is not out yet: its shadows stay until then (a DSN is protected by
+    # them: if this node is lost first, the promoted copy fails again and makes the DSN again).
+    if not conn.execute(_DSN_PENDING, key).scalar():
+        _discard_shadows_of(conn, message_id, now)
     if safety_net_hold > 0:
         conn.execute(UPDATE_MESSAGE, {"b_id": message_id, "state": SAFETY_NET, "completed_at": now,
                                        "safety_net_until": now + safety_net_hold})
     else:
         conn.execute(UPDATE_MESSAGE, {"b_id": message_id, "state": MSG_REMOVED, "completed_at": now})
         conn.execute(_DELETE_BODY, key)
+    if dsn_of is not None:
+        # A DSN is out: the original's shadows may go, once it and its other DSNs are done too.
+        parent = conn.execute(_MESSAGE_STATE, {"b_id": dsn_of}).first()
+        if parent is not None and parent.state != QUEUED \
+                and not conn.execute(_DSN_PENDING, {"b_id": dsn_of}).scalar():
+            _discard_shadows_of(conn, dsn_of, now)
     return True
+
+
+def _discard_shadows_of(conn: Connection, message_id: int, now: float) -> None:
+    for sh in conn.execute(_SHADOWS_OF, {"b_id": message_id}).all():
+        conn.execute(_INSERT_DISCARD, {"shadow_node": sh.shadow_node, "shadow_guid": sh.shadow_guid,
+                                       "created_at": now})
 
 
 def purge_expired(conn: Connection, now: float, duplicate_window: float) -> tuple[int, int]:
@@ -458,6 +494,12 @@ def remove_message(conn: Connection, message_id: int, now: float) -> list[dict]:
         conn.execute(_INSERT_DISCARD, {"shadow_node": sh.shadow_node, "shadow_guid": sh.shadow_guid,
                                        "created_at": now, "reason": "DeletedByAdmin"})
     conn.execute(delete(shadow_forks).where(shadow_forks.c.message_id == message_id))
+    # A DSN removed: the message it reported on no longer waits for it to keep its shadows.
+    dsn_of = conn.execute(_MESSAGE_STATE, {"b_id": message_id}).one().dsn_of
+    if dsn_of is not None:
+        parent = conn.execute(_MESSAGE_STATE, {"b_id": dsn_of}).first()
+        if parent is not None and parent.state != QUEUED and not conn.execute(_DSN_PENDING, {"b_id": dsn_of}).scalar():
+            _discard_shadows_of(conn, dsn_of, now)
     return [dict(r) for r in pending]
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -195,26 +194,37 @@ def shadow_attempts(peers: Sequence[Peer], my_site: str, preference: str,
 
 # ------------------------------------------------------------------------- heartbeat
 
-def failures_to_promote(resubmit_time_span: float, heartbeat_frequency: float) -> int:
-    """``ceil(ShadowResubmitTimeSpan / ShadowHeartbeatFrequency)`` failures in a row, at least 1."""
-    return max(1, math.ceil(resubmit_time_span / heartbeat_frequency))
-
-
 @dataclass(frozen=True)
 class HeartbeatDecision:
     promote: bool
     reason: str = ""  # "ShadowHeartbeatFailure" or "ShadowStateChange"
 
 
-def after_heartbeat(*, ok: bool, consecutive_failures: int, recorded_dbid: str | None,
-                    answered_dbid: str | None, resubmit_time_span: float,
-                    heartbeat_frequency: float) -> HeartbeatDecision:
+def after_heartbeat(*, ok: bool, unreachable_for: float, recorded_dbid: str | None,
+                    answered_dbid: str | None, resubmit_time_span: float) -> HeartbeatDecision:
     """Decide promotion after one heartbeat exchange.
 
-    ``consecutive_failures`` counts failures including this one when ``ok`` is False.
+    ``unreachable_for``: seconds since the primary was last known alive (its last successful
+    exchange), when ``ok`` is False. Promotion is decided by elapsed time, not by a count of
+    failures: a black-holed primary whose heartbeats each wait for a time-out is promoted after
+    *ShadowResubmitTimeSpan* all the same.
     """
     if ok and recorded_dbid and answered_dbid and recorded_dbid != answered_dbid:
         return HeartbeatDecision(True, "ShadowStateChange")
-    if not ok and consecutive_failures >= failures_to_promote(resubmit_time_span, heartbeat_frequency):
+    if not ok and unreachable_for >= resubmit_time_span:
         return HeartbeatDecision(True, "ShadowHeartbeatFailure")
     return HeartbeatDecision(False)
+
+
+def unreachable_since(*, previous: float | None, last_ok: float | None, now: float,
+                      heartbeat_frequency: float, exchange_limit: float) -> float:
+    """When a primary that just failed a heartbeat was last known alive.
+
+    Already failing: unchanged. A first failure counts from the last success when that was the
+    previous round (the primary went quiet since then), else from now (no recent success to go by:
+    the shadow was made by a primary seen only through XSHADOWREQUEST)."""
+    if previous is not None:
+        return previous
+    if last_ok is not None and now - last_ok <= 2 * heartbeat_frequency + exchange_limit:
+        return last_ok
+    return now

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, select
+from sqlalchemy import and_, func, select
 from sqlalchemy.engine import Connection
 
 from . import faults
@@ -63,7 +63,9 @@ def resubmit(conn: Connection, cfg: Any, *, destination: str, start: float, end:
     roles = [r for r in sources if r in ("primary", "shadow")]
     rows = conn.execute(select(messages).where(
         messages.c.state == mq.SAFETY_NET, messages.c.role.in_(roles),
-        and_(messages.c.received_at >= start, messages.c.received_at <= end),
+        # The window is when a copy entered the Safety Net (delivered, or discarded on a shadow),
+        # as Exchange's resubmit requests mean it, not when the message was first received.
+        func.coalesce(messages.c.completed_at, messages.c.received_at).between(start, end),
         *( [messages.c.primary_node == for_primary] if for_primary else [] )).order_by(messages.c.id)).mappings().all()
     for m in rows:
         try:

@@ -29,7 +29,7 @@ from . import mailqueue as mq
 from .config import peer_tls_options
 from .envelope import message_parameters
 from .mailqueue import NewMessage
-from .protocol import (Peer, ProtocolError, after_heartbeat, decode_dbid, encode_fqdn,
+from .protocol import (Peer, ProtocolError, after_heartbeat, decode_dbid, encode_fqdn, unreachable_since,
                        format_xshadowrequest, parse_discard_entries, shadow_attempts)
 from .receive import header_fields, new_network_message_id, received_as
 from .routing import bifurcate
@@ -43,6 +43,11 @@ DISCARD_BATCH = 50
 RESHADOW_CONCURRENCY = 8
 # Unprotected messages retried per heartbeat round.
 REPROTECT_BATCH = 64
+# Shadows promoted per commit (and tracked before the loop runs anything else).
+PROMOTE_PAGE = 500
+# What re-shadowing a promoted copy needs of its row (and its tracking rows show).
+_RESHADOW_FIELDS = ("id", "network_message_id", "message_id", "sender", "subject", "size", "smtputf8",
+                    "body_type")
 
 
 @dataclass
@@ -316,15 +321,19 @@ class ShadowManager:
     async def _primary_seen_locked(self, primary: str, dbid: str) -> None:
         recorded = await self.node.store.aread(lambda c: c.execute(
             select(shadow_contexts.c.queue_database_id).where(shadow_contexts.c.peer == primary)).scalar())
+        if recorded != dbid:
+            await self._upsert_context(primary, queue_database_id=dbid)
         if recorded and recorded != dbid:
             log.warning("primary %s has a new queue database ID (%s, was %s): promoting its shadows",
                         primary, dbid, recorded)
-            await self.promote(primary, "ShadowStateChange", keep_dbid=dbid)
-            # The shadow copies it held of *our* messages went with its old database: make them again
-            # (in the background: the peer is waiting for its XSHADOWREQUEST reply).
-            self._spawn(self.reprotect(primary), f"re-making shadows lost on {primary}")
-        if recorded != dbid:
-            await self._upsert_context(primary, queue_database_id=dbid)
+            # In the background, out of the lock: the peer is waiting for its XSHADOWREQUEST reply,
+            # and other sessions' shadow requests must not wait for a promotion of thousands.
+            self._spawn(self._state_change(primary, dbid), f"promoting the shadows of {primary}")
+
+    async def _state_change(self, primary: str, dbid: str) -> None:
+        await self.promote(primary, "ShadowStateChange", keep_dbid=dbid)
+        # The shadow copies it held of *our* messages went with its old database: make them again.
+        await self.reprotect(primary)
 
     async def reprotect(self, peer: str) -> int:
         """``peer`` came back with a new queue database: our queued messages shadowed there have lost
@@ -415,17 +424,30 @@ class ShadowManager:
                         client_hostname=request.primary_fqdn, client_ip=msg.client_ip)
         return internal_id, msg.message_id
 
+    @property
+    def heartbeat_limit(self) -> float:
+        """The longest one heartbeat exchange may take (connect, AUTH, XSHADOW, XQDISCARD)."""
+        return min(30.0, max(1.0, self.sr.shadow_heartbeat_frequency / 2))
+
     async def _heartbeat_loop(self) -> None:
         freq = self.sr.shadow_heartbeat_frequency
+        loop = asyncio.get_running_loop()
+        next_round = loop.time() + freq
         while not self._stopping:
-            await asyncio.sleep(freq)
+            # Rounds start every ``freq`` whatever the last one took (no drift past the span).
+            await asyncio.sleep(max(0.0, next_round - loop.time()))
+            next_round = max(next_round + freq, loop.time())
             try:
                 await self.housekeeping(time.time())
                 if self._sweep is None or self._sweep.done():
                     self._sweep = self._spawn(self.protect_unprotected(time.time()),
                                               "making unprotected messages redundant")
-                for primary in await self.primaries_to_poll():
-                    await self.heartbeat(primary)
+                # Every primary at once: one black-holed primary does not delay the others.
+                results = await asyncio.gather(*(self.heartbeat(p) for p in await self.primaries_to_poll()),
+                                               return_exceptions=True)
+                for r in results:
+                    if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+                        log.error("a heartbeat failed unexpectedly: %r", r)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the loop must survive
@@ -447,6 +469,7 @@ class ShadowManager:
             select(shadow_contexts).where(shadow_contexts.c.peer == primary)).mappings().first())
         recorded = ctx["queue_database_id"] if ctx else None
         failures = ctx["consecutive_failures"] if ctx else 0
+        limit = self.heartbeat_limit
         answered: str | None = None
         discarded: list[tuple[str, str | None]] = []
         error = ""
@@ -456,24 +479,25 @@ class ShadowManager:
         else:
             s: PeerSession | None = None
             try:
-                s = await self._session(peer, shadows=False)
-                resp = await s.client.execute_command(b"XSHADOW", encode_fqdn(self.node_name).encode("ascii"))
-                if resp.code != 250:
-                    raise ProtocolError(f"XSHADOW answered {resp.code} {resp.message}")
-                answered = decode_dbid(resp.message.strip())
-                if recorded and answered != recorded:
-                    ok = True  # the exchange worked; the state changed
-                else:
-                    while True:
-                        resp = await s.client.execute_command(b"XQDISCARD", str(DISCARD_BATCH).encode())
-                        batch = parse_discard_entries(resp.code, resp.message.splitlines())
-                        discarded.extend(batch)
-                        if len(batch) < DISCARD_BATCH:
-                            break
-                    ok = True
-                    if discarded:
-                        await self.discard(primary, discarded, now)
-                    await s.client.quit()  # acknowledges the discards we just applied
+                async with asyncio.timeout(limit):  # a black-holed primary costs one limit, not 30 s a step
+                    s = await self._session(peer, shadows=False)
+                    resp = await s.client.execute_command(b"XSHADOW", encode_fqdn(self.node_name).encode("ascii"))
+                    if resp.code != 250:
+                        raise ProtocolError(f"XSHADOW answered {resp.code} {resp.message}")
+                    answered = decode_dbid(resp.message.strip())
+                    if recorded and answered != recorded:
+                        ok = True  # the exchange worked; the state changed
+                    else:
+                        while True:
+                            resp = await s.client.execute_command(b"XQDISCARD", str(DISCARD_BATCH).encode())
+                            batch = parse_discard_entries(resp.code, resp.message.splitlines())
+                            discarded.extend(batch)
+                            if len(batch) < DISCARD_BATCH:
+                                break
+                        ok = True
+                        if discarded:
+                            await self.discard(primary, discarded, now)
+                        await s.client.quit()  # acknowledges the discards we just applied
             except ProtocolError as exc:
                 error = f"protocol violation: {exc}"
                 log.error("heartbeat to %s: %s; keeping every shadow of it", primary, exc)
@@ -484,11 +508,15 @@ class ShadowManager:
                 if s is not None:
                     s.close()  # heartbeat sessions are not reused for XSHADOWREQUEST
         failures = 0 if ok else failures + 1
-        decision = after_heartbeat(ok=ok, consecutive_failures=failures, recorded_dbid=recorded,
-                                   answered_dbid=answered,
-                                   resubmit_time_span=self.sr.shadow_resubmit_time_span,
-                                   heartbeat_frequency=self.sr.shadow_heartbeat_frequency)
-        values: dict[str, Any] = {"consecutive_failures": failures, "last_error": error or None}
+        now = time.time()
+        since = None if ok else unreachable_since(
+            previous=ctx["unreachable_since"] if ctx else None, last_ok=ctx["last_heartbeat_at"] if ctx else None,
+            now=now, heartbeat_frequency=self.sr.shadow_heartbeat_frequency, exchange_limit=limit)
+        decision = after_heartbeat(ok=ok, unreachable_for=0.0 if since is None else now - since,
+                                   recorded_dbid=recorded, answered_dbid=answered,
+                                   resubmit_time_span=self.sr.shadow_resubmit_time_span)
+        values: dict[str, Any] = {"consecutive_failures": failures, "last_error": error or None,
+                                  "unreachable_since": since}
         if ok:
             values["last_heartbeat_at"] = now
             if answered:
@@ -500,8 +528,8 @@ class ShadowManager:
         if decision.promote:
             await self.promote(primary, decision.reason,
                                keep_dbid=answered if decision.reason == "ShadowStateChange" else None)
-            if decision.reason == "ShadowHeartbeatFailure":
-                await self._upsert_context(primary, consecutive_failures=0)
+            if decision.reason == "ShadowHeartbeatFailure":  # a new span starts
+                await self._upsert_context(primary, consecutive_failures=0, unreachable_since=time.time())
         return ok
 
     async def discard(self, primary: str, entries: list[tuple[str, str | None]], now: float) -> int:
@@ -569,15 +597,18 @@ class ShadowManager:
         def older(column):
             return [] if keep_dbid is None else [or_(column.is_(None), column != keep_dbid)]
 
-        def job(conn):
+        def page(conn):
             rows = conn.execute(select(messages).where(
                 messages.c.role == "shadow", messages.c.primary_node == primary,
                 messages.c.state == mq.QUEUED, messages.c.poisoned == 0,
-                *older(messages.c.primary_dbid))).mappings().all()
+                *older(messages.c.primary_dbid)).order_by(messages.c.id).limit(PROMOTE_PAGE)).mappings().all()
             ids = [r["id"] for r in rows]
             if ids:
                 conn.execute(update(messages).where(messages.c.id.in_(ids)).values(
                     role="primary", origin="promoted", redundancy="reshadowing"))
+            return [dict(r) for r in rows]
+
+        def forks_job(conn):
             # Forks we handed to that peer: deliver them again (the receiving store drops duplicates).
             found = conn.execute(select(shadow_forks.c.message_id, shadow_forks.c.queue_id).where(
                 shadow_forks.c.primary_node == primary, *older(shadow_forks.c.primary_dbid))).all()
@@ -588,35 +619,50 @@ class ShadowManager:
                                                                  completed_at=None))
             conn.execute(delete(shadow_forks).where(shadow_forks.c.primary_node == primary,
                                                     *older(shadow_forks.c.primary_dbid)))
-            return [dict(r) for r in rows], [mq.message_row(conn, m) or {"id": m} for m, _ in found]
-        promoted, forks = await self.node.store.write(job)
-        rows = promoted + forks
-        failed: list[tuple[dict, Exception]] = []
-        for r in rows:  # before delivery can take them: the scheduler only runs between awaits
-            try:
-                faults.check("promote", r)
-                self.node.track("RESUBMIT", "REDUNDANCY", r, source_context=f"{primary} ({reason})",
-                                reference=str(r.get("primary_internal_id") or r.get("shadow_guid") or r.get("id")))
-            except Exception as exc:  # noqa: BLE001 - promoted all the same; counted, the others go on
-                failed.append((r, exc))
-        for r, exc in failed:
-            await self.node.message_failed(r, "promote", exc)
-        if rows:
-            self.node.metrics.promotions.labels(primary, reason).inc(len(rows))
-            log.warning("promoted %d shadow(s) of %s (%s)", len(rows), primary, reason)
-            if self.node.delivery is not None:
+            return [mq.message_row(conn, m) or {"id": m} for m, _ in found]
+
+        total, promoted_all = 0, []
+        batch = await self.node.store.write(forks_job)
+        while True:
+            # One page at a time (bounded memory, a short commit each), the loop free in between.
+            promoted = await self.node.store.write(page)
+            rows, batch = batch + promoted, []
+            failed: list[tuple[dict, Exception]] = []
+            for r in rows:  # before delivery can take them: the scheduler only runs between awaits
+                try:
+                    faults.check("promote", r)
+                    self.node.track("RESUBMIT", "REDUNDANCY", r, source_context=f"{primary} ({reason})",
+                                    reference=str(r.get("primary_internal_id") or r.get("shadow_guid") or r.get("id")))
+                except Exception as exc:  # noqa: BLE001 - promoted all the same; counted, the others go on
+                    failed.append((r, exc))
+            for r, exc in failed:
+                await self.node.message_failed(r, "promote", exc)
+            total += len(rows)
+            promoted_all.extend({k: r[k] for k in _RESHADOW_FIELDS} for r in promoted)  # a slim copy each
+            if rows and self.node.delivery is not None:
                 self.node.delivery.wake()
-        if promoted:
-            self._spawn(self._reshadow_all(promoted, exclude=primary),
+            if len(promoted) < PROMOTE_PAGE:
+                break
+            await asyncio.sleep(0)
+        if total:
+            self.node.metrics.promotions.labels(primary, reason).inc(total)
+            log.warning("promoted %d shadow(s) of %s (%s)", total, primary, reason)
+        if promoted_all:
+            self._spawn(self._reshadow_all(promoted_all, exclude=primary),
                         f"making the promoted copies of {primary} redundant")
-        return len(rows)
+        return total
 
     async def _reshadow_all(self, rows: list[dict], exclude: str | None, track_failure: bool = True) -> int:
-        """Make each copy redundant again, concurrently; returns how many got a shadow. A copy whose
-        handling fails is left unprotected (retried every heartbeat round) and counted towards
-        the Poison queue; the others go on."""
-        done = await asyncio.gather(*(self._reshadow_isolated(r, exclude, track_failure) for r in rows))
-        return sum(done)
+        """Make each copy redundant again, RESHADOW_CONCURRENCY at a time (never a coroutine per
+        message: a promotion may hold tens of thousands); returns how many got a shadow. A copy
+        whose handling fails is left unprotected (retried every heartbeat round) and counted
+        towards the Poison queue; the others go on."""
+        made = 0
+        for i in range(0, len(rows), RESHADOW_CONCURRENCY):
+            done = await asyncio.gather(*(self._reshadow_isolated(r, exclude, track_failure)
+                                          for r in rows[i:i + RESHADOW_CONCURRENCY]))
+            made += sum(done)
+        return made
 
     async def _reshadow_isolated(self, row: dict, exclude: str | None, track_failure: bool) -> bool:
         try:
@@ -708,7 +754,7 @@ class ShadowManager:
                              .values(sent_token=None))
             rows = conn.execute(select(messages).where(
                 messages.c.role == "shadow", messages.c.state == mq.QUEUED,
-                messages.c.received_at < now - limit)).mappings().all()
+                messages.c.received_at < now - limit).limit(1000)).mappings().all()  # the rest next round
             ids = [r["id"] for r in rows]
             if ids:
                 conn.execute(update(messages).where(messages.c.id.in_(ids)).values(

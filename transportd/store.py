@@ -104,11 +104,16 @@ messages = Table(
     # its delivery counts at restart); ``poisoned`` = held in the Poison queue, touched by no loop.
     Column("poison_count", Integer, nullable=False, default=0),
     Column("poisoned", Integer, nullable=False, default=0),
+    # A DSN: the message it reports on (schema 3). That message's shadows are kept until the DSN
+    # is out, so a primary lost before sending it loses no NDR (the shadow's promotion makes it again).
+    Column("dsn_of", Integer),
+    Column("delay_dsn_at", Float),  # when a delay DSN went to the sender (schema 3; once per message)
     sqlite_autoincrement=True,
 )
 Index("ix_messages_state", messages.c.state, messages.c.role)
 Index("ix_messages_network_id", messages.c.network_message_id)
 Index("ix_messages_shadow", messages.c.primary_node, messages.c.shadow_guid)
+Index("ix_messages_dsn_of", messages.c.dsn_of)
 
 message_bodies = Table(
     "message_bodies", metadata,
@@ -152,6 +157,9 @@ shadow_contexts = Table(
     Column("last_heartbeat_at", Float),
     Column("consecutive_failures", Integer, nullable=False, default=0),
     Column("last_error", Text),
+    # Failing heartbeats: since when the primary is taken as unreachable (schema 3); promotion
+    # is decided by this elapsed time, not by a count of failures.
+    Column("unreachable_since", Float),
 )
 
 message_shadows = Table(
@@ -212,12 +220,17 @@ def _migration_2(conn: Connection) -> None:
 def _migration_3(conn: Connection) -> None:
     columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(messages)")}
     for name, ddl in (("smtputf8", "INTEGER NOT NULL DEFAULT 0"), ("body_type", "VARCHAR NOT NULL DEFAULT ''"),
-                      ("poison_count", "INTEGER NOT NULL DEFAULT 0"), ("poisoned", "INTEGER NOT NULL DEFAULT 0")):
+                      ("poison_count", "INTEGER NOT NULL DEFAULT 0"), ("poisoned", "INTEGER NOT NULL DEFAULT 0"),
+                      ("dsn_of", "INTEGER"), ("delay_dsn_at", "FLOAT")):
         if name not in columns:
             conn.exec_driver_sql(f"ALTER TABLE messages ADD COLUMN {name} {ddl}")
+    columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(shadow_contexts)")}
+    if "unreachable_since" not in columns:
+        conn.exec_driver_sql("ALTER TABLE shadow_contexts ADD COLUMN unreachable_since FLOAT")
     columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(discard_events)")}
     if "reason" not in columns:
         conn.exec_driver_sql("ALTER TABLE discard_events ADD COLUMN reason VARCHAR")
+    conn.exec_driver_sql("CREATE INDEX IF NOT EXISTS ix_messages_dsn_of ON messages (dsn_of)")
     conn.exec_driver_sql("CREATE INDEX IF NOT EXISTS ix_recipients_queue_due "
                          "ON recipients (queue_id, status, next_retry_at)")
 

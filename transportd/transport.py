@@ -111,10 +111,10 @@ class TransportSMTP(LimitedSMTP):
 
     @syntax("XSHADOWREQUEST fqdn base64-queue-database-id")
     async def smtp_XSHADOWREQUEST(self, arg: str | None) -> None:
-        if not self.manager.sr.shadow_redundancy_enabled:
-            await self.push(replies.S502_NOT_IMPLEMENTED)  # stores no shadows
-            return
         if await self._outside_transaction() is None:
+            return
+        if not self.manager.sr.shadow_redundancy_enabled:
+            await self.push(replies.S502_NOT_IMPLEMENTED)  # a member, but this node stores no shadows
             return
         try:
             request = parse_xshadowrequest(arg)
