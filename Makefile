@@ -23,6 +23,11 @@ lint:
 bench-compare: install
 	$(PY) benchmarks/compare_postfix.py --long 60 --json benchmarks/results/compare_postfix.json
 
+# A ShadowStateChange promotion of 20,000 shadows while clients send (docs/reliability.md).
+.PHONY: bench-promotion
+bench-promotion: install
+	$(PY) benchmarks/promotion_under_load.py --shadows 20000 --seconds 60 --rate-messages 6000
+
 .PHONY: compose-check
 compose-check:
 	docker-compose config -q && docker-compose --profile analytics --profile metrics config -q

@@ -48,3 +48,15 @@ def test_compare_postfix_benchmark_runs_small(tmp_path):
     # The benchmark's own Postfix is stopped, and it never used the system's configuration.
     pid = runs["postfix"]["postfix_master_pid"]
     assert pid > 0 and not Path(f"/proc/{pid}").exists()
+
+
+@pytest.mark.slow
+def test_promotion_under_load_benchmark_runs_small(tmp_path):
+    out = tmp_path / "promotion.json"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "promotion_under_load.py"),
+                          "--shadows", "300", "--seconds", "3", "--sessions", "2", "--rate-messages", "40",
+                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    figures = json.loads(out.read_text())
+    assert figures["promotion_seconds"] is not None and figures["acknowledged"] > 0
+    assert figures["ack_p99_ms"] >= figures["ack_p50_ms"] > 0 and figures["node3_peak_rss_mb"] > 0
