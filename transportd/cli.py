@@ -648,11 +648,18 @@ def _resubmit_for_unreachable_primary(cfg: Config, destination: str, start: str,
         ctx = store.read(lambda c: c.execute(select(shadow_contexts).where(
             shadow_contexts.c.peer == primary)).mappings().first())
         last = ctx["last_heartbeat_at"] if ctx else None
-        if not force and (ctx is None or (last is not None and time.time() - last < limit)):
-            seen = fmt_time(last) + " UTC" if last else "never polled"
-            raise CliError(f"{primary} answered a heartbeat at {seen}, within "
-                           f"{config_mod.format_duration(limit)}: ask it (transportd safetynet resubmit on "
-                           f"{primary}), or use --force")
+        if not force and ctx is None:
+            raise CliError(f"this node holds nothing of {primary} (never polled it): nothing to resubmit")
+        if not force and last is not None and time.time() - last < limit:
+            from .store import resubmit_requests
+            store.transaction(lambda c: c.execute(resubmit_requests.insert().values(
+                for_primary=primary, destination=destination, start_at=s, end_at=e, created_at=time.time())))
+            click.echo(f"{primary} answered a heartbeat at {fmt_time(last)} UTC, within "
+                       f"{config_mod.format_duration(limit)}: ask it (transportd safetynet resubmit on {primary}). "
+                       f"The request is filed: the running node resubmits it from its Shadow Safety Net on its own "
+                       f"once {primary} has been unreachable for {config_mod.format_duration(limit)} "
+                       f"(--force does it now)")
+            return
         failures: list = []
         done = store.transaction(lambda c: resubmit(c, cfg, destination=destination, start=s, end=e,
                                                     sources=("shadow",), for_primary=primary, failures=failures))

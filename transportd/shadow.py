@@ -33,7 +33,8 @@ from .protocol import (Peer, ProtocolError, after_heartbeat, decode_dbid, encode
                        format_xshadowrequest, parse_discard_entries, shadow_attempts)
 from .receive import header_fields, new_network_message_id, received_as
 from .routing import bifurcate
-from .store import discard_events, message_shadows, messages, recipients, shadow_contexts, shadow_forks
+from .store import (discard_events, message_shadows, messages, recipients, resubmit_requests, shadow_contexts,
+                    shadow_forks)
 
 log = logging.getLogger("transportd.shadow")
 
@@ -458,7 +459,9 @@ class ShadowManager:
             held = conn.execute(select(messages.c.primary_node).where(
                 messages.c.role == "shadow", messages.c.state == mq.QUEUED).distinct()).scalars().all()
             forks = conn.execute(select(shadow_forks.c.primary_node).distinct()).scalars().all()
-            return sorted({p for p in list(held) + list(forks) if p})
+            asked = conn.execute(select(resubmit_requests.c.for_primary).where(
+                resubmit_requests.c.done_at.is_(None)).distinct()).scalars().all()
+            return sorted({p for p in list(held) + list(forks) + list(asked) if p})
         return await self.node.store.aread(q)
 
     async def heartbeat(self, primary: str) -> bool:
@@ -525,6 +528,8 @@ class ShadowManager:
         if not ok:
             self.node.metrics.heartbeat_failures.labels(primary).inc()
             log.warning("heartbeat to primary %s failed (%d in a row): %s", primary, failures, error)
+            if since is not None and now - since >= self.cfg.safety_net.primary_safety_net_unreachable_time:
+                await self.resubmit_requested(primary, now)
         if decision.promote:
             await self.promote(primary, decision.reason,
                                keep_dbid=answered if decision.reason == "ShadowStateChange" else None)
@@ -738,6 +743,27 @@ class ShadowManager:
         log.info("resubmitted %d Shadow Safety Net copies of %s for %s", len(done), primary, destination)
         return len(done)
 
+    async def resubmit_requested(self, primary: str, now: float) -> int:
+        """``primary``'s Primary Safety Net has been unreachable for primary_safety_net_unreachable_time:
+        the resubmit requests filed for it here become shadow resubmit requests, served from this
+        node's Shadow Safety Net (as Exchange does after 12 hours). Returns how many were served."""
+        hold = self.cfg.safety_net.safety_net_hold_time
+        pending = await self.node.store.aread(lambda c: [dict(r) for r in c.execute(
+            select(resubmit_requests).where(resubmit_requests.c.for_primary == primary,
+                                            resubmit_requests.c.done_at.is_(None))).mappings()])
+        for req in pending:
+            if req["created_at"] < now - hold:
+                result = "expired: the Safety Net no longer holds that window"
+            else:
+                n = await self.resubmit_for(primary, req["destination"], req["start_at"], req["end_at"])
+                result = f"{n} message(s) resubmitted from the Shadow Safety Net"
+                log.warning("%s unreachable for %s: resubmit request %d for %s served here: %s", primary,
+                            self.cfg.safety_net.primary_safety_net_unreachable_time, req["id"],
+                            req["destination"], result)
+            await self.node.store.write(lambda c, rid=req["id"], result=result: c.execute(
+                update(resubmit_requests).where(resubmit_requests.c.id == rid).values(done_at=now, result=result)))
+        return len(pending)
+
     async def housekeeping(self, now: float) -> None:
         """Drop discard events nobody asked for; expire shadows never acknowledged."""
         auto = self.sr.shadow_message_auto_discard_interval
@@ -745,8 +771,13 @@ class ShadowManager:
 
         live = set(self.live_discard_tokens)
 
+        hold = self.cfg.safety_net.safety_net_hold_time
+
         def job(conn):
             conn.execute(delete(discard_events).where(discard_events.c.created_at < now - auto))
+            conn.execute(update(resubmit_requests).where(
+                resubmit_requests.c.done_at.is_(None), resubmit_requests.c.created_at < now - hold)
+                .values(done_at=now, result="expired: its primary answered throughout"))
             orphans = [t for t in conn.execute(select(discard_events.c.sent_token).where(
                 discard_events.c.sent_token.is_not(None)).distinct()).scalars() if t not in live]
             if orphans:

@@ -200,6 +200,22 @@ Index("ix_shadow_forks_primary", shadow_forks.c.primary_node, shadow_forks.c.sha
 Index("ix_shadow_forks_message", shadow_forks.c.message_id)
 
 
+# Shadow resubmit requests waiting for their primary's Primary Safety Net to be unreachable for
+# primary_safety_net_unreachable_time (schema 3): then this node's Shadow Safety Net resubmits
+# them on its own, as Exchange turns a resubmit request into a shadow resubmit request.
+resubmit_requests = Table(
+    "resubmit_requests", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("for_primary", String, nullable=False),
+    Column("destination", String, nullable=False),
+    Column("start_at", Float, nullable=False),
+    Column("end_at", Float, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("done_at", Float),
+    Column("result", Text),
+)
+
+
 # Each migration takes a connection inside a transaction. Index = version it produces - 1.
 def _migration_1(conn: Connection) -> None:
     metadata.create_all(conn)
@@ -230,6 +246,7 @@ def _migration_3(conn: Connection) -> None:
     columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(discard_events)")}
     if "reason" not in columns:
         conn.exec_driver_sql("ALTER TABLE discard_events ADD COLUMN reason VARCHAR")
+    resubmit_requests.create(conn, checkfirst=True)
     conn.exec_driver_sql("CREATE INDEX IF NOT EXISTS ix_messages_dsn_of ON messages (dsn_of)")
     conn.exec_driver_sql("CREATE INDEX IF NOT EXISTS ix_recipients_queue_due "
                          "ON recipients (queue_id, status, next_retry_at)")
