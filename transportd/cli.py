@@ -458,12 +458,16 @@ def log_poison_release(cfg: Config, row: dict, how: str) -> None:
     if trk is None:
         return
     try:
-        trk.write("POISONMESSAGE", "ADMIN", internal_message_id=row["id"], message_id=row["message_id"],
-                  network_message_id=row["network_message_id"], sender_address=row["sender"],
-                  message_subject=row["subject"], total_bytes=row["size"],
-                  source_context=f"{how} from the Poison queue by transportd message")
+        admin_event(trk, "POISONMESSAGE", row, f"{how} from the Poison queue by transportd message")
     finally:
         trk.close()
+
+
+def admin_event(trk: Any, event_id: str, row: dict, context: str, **fields: Any) -> None:
+    """One MSGTRK row (source ADMIN) about a message an operator acted on."""
+    trk.write(event_id, "ADMIN", internal_message_id=row["id"], message_id=row["message_id"],
+              network_message_id=row["network_message_id"], sender_address=row["sender"],
+              message_subject=row["subject"], total_bytes=row["size"], source_context=context, **fields)
 
 
 @message_group.command("remove")
@@ -500,10 +504,8 @@ def message_remove(cfg: Config, message_id: int, ndr: bool) -> None:
         store.close()
     if trk is not None:
         try:
-            trk.write("DROP", "ADMIN", internal_message_id=row["id"], message_id=row["message_id"],
-                      network_message_id=row["network_message_id"], recipients=[r["address"] for r in removed],
-                      recipient_status=[reply] * len(removed), sender_address=row["sender"],
-                      message_subject=row["subject"], total_bytes=row["size"], source_context="transportd message remove")
+            admin_event(trk, "DROP", row, "transportd message remove", recipients=[r["address"] for r in removed],
+                        recipient_status=[reply] * len(removed))
             if created:
                 dsn_id, dsn = created
                 trk.write("DSN", "DSN", internal_message_id=dsn_id, message_id=dsn.message_id,
@@ -541,10 +543,7 @@ def redirect(cfg: Config, target: str) -> None:
     if trk is not None:
         try:
             for row in moved:
-                trk.write("REDIRECT", "ADMIN", internal_message_id=row["id"], message_id=row["message_id"],
-                          network_message_id=row["network_message_id"], sender_address=row["sender"],
-                          message_subject=row["subject"], total_bytes=row["size"],
-                          source_context=f"transportd redirect --target {target}")
+                admin_event(trk, "REDIRECT", row, f"transportd redirect --target {target}")
         finally:
             trk.close()
     click.echo(f"{len(moved)} message(s) redirected to {target} (queue peer:{target})")

@@ -221,31 +221,29 @@ def _migration_1(conn: Connection) -> None:
     metadata.create_all(conn)
 
 
+def _add_columns(conn: Connection, table: str, columns: dict[str, str]) -> None:
+    """ALTER TABLE ADD COLUMN for each column the table does not have yet (name -> SQL type)."""
+    have = {row[1] for row in conn.exec_driver_sql(f"PRAGMA table_info({table})")}
+    for name, ddl in columns.items():
+        if name not in have:
+            conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {name} {ddl}")
+
+
 def _migration_2(conn: Connection) -> None:
-    columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(messages)")}
-    if "primary_dbid" not in columns:
-        conn.exec_driver_sql("ALTER TABLE messages ADD COLUMN primary_dbid VARCHAR")
-    columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(discard_events)")}
-    if "sent_token" not in columns:
-        conn.exec_driver_sql("ALTER TABLE discard_events ADD COLUMN sent_token VARCHAR")
+    _add_columns(conn, "messages", {"primary_dbid": "VARCHAR"})
+    _add_columns(conn, "discard_events", {"sent_token": "VARCHAR"})
     shadow_forks.create(conn, checkfirst=True)
     for ix in shadow_forks.indexes:
         ix.create(conn, checkfirst=True)
 
 
 def _migration_3(conn: Connection) -> None:
-    columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(messages)")}
-    for name, ddl in (("smtputf8", "INTEGER NOT NULL DEFAULT 0"), ("body_type", "VARCHAR NOT NULL DEFAULT ''"),
-                      ("poison_count", "INTEGER NOT NULL DEFAULT 0"), ("poisoned", "INTEGER NOT NULL DEFAULT 0"),
-                      ("dsn_of", "INTEGER"), ("delay_dsn_at", "FLOAT")):
-        if name not in columns:
-            conn.exec_driver_sql(f"ALTER TABLE messages ADD COLUMN {name} {ddl}")
-    columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(shadow_contexts)")}
-    if "unreachable_since" not in columns:
-        conn.exec_driver_sql("ALTER TABLE shadow_contexts ADD COLUMN unreachable_since FLOAT")
-    columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(discard_events)")}
-    if "reason" not in columns:
-        conn.exec_driver_sql("ALTER TABLE discard_events ADD COLUMN reason VARCHAR")
+    _add_columns(conn, "messages", {
+        "smtputf8": "INTEGER NOT NULL DEFAULT 0", "body_type": "VARCHAR NOT NULL DEFAULT ''",
+        "poison_count": "INTEGER NOT NULL DEFAULT 0", "poisoned": "INTEGER NOT NULL DEFAULT 0",
+        "dsn_of": "INTEGER", "delay_dsn_at": "FLOAT"})
+    _add_columns(conn, "shadow_contexts", {"unreachable_since": "FLOAT"})
+    _add_columns(conn, "discard_events", {"reason": "VARCHAR"})
     resubmit_requests.create(conn, checkfirst=True)
     conn.exec_driver_sql("CREATE INDEX IF NOT EXISTS ix_messages_dsn_of ON messages (dsn_of)")
     conn.exec_driver_sql("CREATE INDEX IF NOT EXISTS ix_recipients_queue_due "
