@@ -99,6 +99,16 @@ def wait_for(predicate, timeout: float = 15.0, interval: float = 0.1, what: str 
         time.sleep(interval)
 
 
+def read_db(path: Path | str, sql: str, args: tuple = ()) -> list[tuple]:
+    """Rows of a query on a node's queue database, opened read-only (the node may be running)."""
+    import sqlite3
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+    try:
+        return con.execute(sql, args).fetchall()
+    finally:
+        con.close()
+
+
 def write_toml(path: Path, sections: dict[str, dict[str, Any]]) -> None:
     lines = []
     for section, values in sections.items():

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import smtplib
-import sqlite3
 import time
-from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import read_db, wait_for
 
 from transportd import faults
 from transportd import mailqueue as mq
@@ -133,11 +131,7 @@ def smtp_send(port: int, subject: str, rcpt: str, sender: str = "bob@example.tes
 
 
 def db_rows(node, sql: str, args: tuple = ()) -> list[tuple]:
-    con = sqlite3.connect(f"file:{node.data_dir / 'queue.db'}?mode=ro", uri=True, timeout=10)
-    try:
-        return con.execute(sql, args).fetchall()
-    finally:
-        con.close()
+    return read_db(node.data_dir / "queue.db", sql, args)
 
 
 def poison_ids(node) -> list[int]:

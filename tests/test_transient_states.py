@@ -14,20 +14,12 @@ import json
 import os
 import smtplib
 import socket
-import sqlite3
 import time
 
+from conftest import read_db as db
 from conftest import wait_for
 from test_cluster import FOREIGN, cluster  # noqa: F401
 from test_storage_faults import fill, small_disk  # noqa: F401
-
-
-def db(path, sql: str, args: tuple = ()) -> list[tuple]:
-    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
-    try:
-        return con.execute(sql, args).fetchall()
-    finally:
-        con.close()
 
 
 def test_outcome_commit_failing_on_a_full_disk_recovers_without_a_restart(make_node, sink, small_disk):
