@@ -1,0 +1,49 @@
+"""The parts of aiosmtpd we rely on that are not its public API.
+
+transportd extends aiosmtpd's SMTP class (transportd/receive.py, transportd/transport.py) through a
+few private members: a new aiosmtpd release that renames or drops one must fail here, by name, not
+as a strange error on a live connection. pyproject.toml pins aiosmtpd below its next minor
+version for the same reason; raise the pin only when this file still passes.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from aiosmtpd.smtp import SMTP
+
+# Members of aiosmtpd.smtp.SMTP used by LimitedSMTP / TransportSMTP, and what for.
+METHODS = {
+    "_handle_client": "connection refused over a limit: reply and close before the session starts",
+    "_timeout_cb": "ConnectionInactivityTimeout: say 421 before aiosmtpd closes",
+    "_reset_timeout": "DATA lines count as activity",
+    "_call_handler_hook": "DATA read in chunks, then the handler's DATA hook",
+    "_set_post_data_state": "after DATA",
+    "smtp_DATA": "replaced by the chunked reader",
+    "check_helo_needed": "DATA's checks, as aiosmtpd's own DATA does",
+    "check_auth_needed": "DATA's checks, as aiosmtpd's own DATA does",
+}
+INSTANCE_ATTRIBUTES = {
+    "_smtp_methods": "wrapping every verb with the command-rate limiter",
+    "_reader": "the DATA reader reads the stream itself",
+    "_writer": "raw replies (PROTOCOL.md's XSHADOWREQUEST/XQDISCARD lines) and 421 on a time-out",
+    "_timeout_handle": "activity timer",
+    "_decode_data": "the chunked reader only works on undecoded data",
+    "_handler_coroutine": "cancelled by aiosmtpd when the client goes away (we shield commits)",
+}
+
+
+def test_private_methods_we_override_or_call_exist():
+    missing = [name for name in METHODS if not callable(getattr(SMTP, name, None))]
+    assert not missing, f"aiosmtpd no longer has {missing}: see {METHODS}"
+    assert inspect.iscoroutinefunction(SMTP._handle_client) and inspect.iscoroutinefunction(SMTP._call_handler_hook)
+
+
+def test_private_attributes_we_read_are_set_by_the_constructor():
+    class Handler:
+        pass
+    server = SMTP(Handler(), hostname="contract.test", decode_data=False)
+    init_source = inspect.getsource(SMTP.__init__) + inspect.getsource(SMTP.connection_made)
+    missing = [name for name in INSTANCE_ATTRIBUTES
+               if not hasattr(server, name) and f"self.{name}" not in init_source]
+    assert not missing, f"aiosmtpd no longer sets {missing}: see {INSTANCE_ATTRIBUTES}"
