@@ -92,6 +92,8 @@ class ShadowManager:
         # Tokens of the transport sessions open now: a discard id handed out on any other token
         # belongs to a session gone without settling it, and is handed out again (housekeeping).
         self.live_discard_tokens: set[str] = set()
+        # Primaries whose ShadowStateChange promotion is running (primary -> its new queue database ID).
+        self._state_changes: dict[str, str] = {}
         self._task: asyncio.Task | None = None
         self._stopping = False
 
@@ -322,17 +324,24 @@ class ShadowManager:
     async def _primary_seen_locked(self, primary: str, dbid: str) -> None:
         recorded = await self.node.store.aread(lambda c: c.execute(
             select(shadow_contexts.c.queue_database_id).where(shadow_contexts.c.peer == primary)).scalar())
-        if recorded != dbid:
+        if not recorded:
             await self._upsert_context(primary, queue_database_id=dbid)
-        if recorded and recorded != dbid:
+        elif recorded != dbid and self._state_changes.get(primary) != dbid:
             log.warning("primary %s has a new queue database ID (%s, was %s): promoting its shadows",
                         primary, dbid, recorded)
             # In the background, out of the lock: the peer is waiting for its XSHADOWREQUEST reply,
             # and other sessions' shadow requests must not wait for a promotion of thousands.
+            self._state_changes[primary] = dbid
             self._spawn(self._state_change(primary, dbid), f"promoting the shadows of {primary}")
 
     async def _state_change(self, primary: str, dbid: str) -> None:
-        await self.promote(primary, "ShadowStateChange", keep_dbid=dbid)
+        try:
+            await self.promote(primary, "ShadowStateChange", keep_dbid=dbid)
+            # Recorded only once every old copy is promoted: a crash half-way finds the change again.
+            await self._upsert_context(primary, queue_database_id=dbid)
+        finally:
+            if self._state_changes.get(primary) == dbid:
+                del self._state_changes[primary]
         # The shadow copies it held of *our* messages went with its old database: make them again.
         await self.reprotect(primary)
 
@@ -520,9 +529,10 @@ class ShadowManager:
                                    resubmit_time_span=self.sr.shadow_resubmit_time_span)
         values: dict[str, Any] = {"consecutive_failures": failures, "last_error": error or None,
                                   "unreachable_since": since}
+        state_change = decision.promote and decision.reason == "ShadowStateChange"
         if ok:
             values["last_heartbeat_at"] = now
-            if answered:
+            if answered and not state_change:  # a new ID is recorded once its promotion is done
                 values["queue_database_id"] = answered
         await self._upsert_context(primary, **values)
         if not ok:
@@ -535,6 +545,8 @@ class ShadowManager:
                                keep_dbid=answered if decision.reason == "ShadowStateChange" else None)
             if decision.reason == "ShadowHeartbeatFailure":  # a new span starts
                 await self._upsert_context(primary, consecutive_failures=0, unreachable_since=time.time())
+            else:
+                await self._upsert_context(primary, queue_database_id=answered)
         return ok
 
     async def discard(self, primary: str, entries: list[tuple[str, str | None]], now: float) -> int:
