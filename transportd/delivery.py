@@ -149,12 +149,12 @@ class DeliveryAgent:
         if now - self._last_expiry >= 1.0:
             self._last_expiry = now
             await self.expire(now)
-            if self.cfg.delivery.delay_notification_timeout > 0:
-                await self.notify_delays(now)
         if now - self._last_housekeeping >= min(10.0, self.cfg.delivery.queue_poll_interval * 10):
             self._last_housekeeping = now
             await self.housekeeping(now)
             await self.release_orphans(now)
+            if self.cfg.delivery.delay_notification_timeout > 0:
+                await self.notify_delays(now)  # a scan of the queued messages: at this slower pace
         d = self.cfg.delivery
         busy = dict(self._sessions_per_queue)
         free_total = max(0, d.max_outbound_connections - self._sessions_total)
