@@ -387,51 +387,248 @@ def test_sink_refuses_on_sigusr1_and_accepts_on_sigusr2(procs, tmp_path):
 
 # --------------------------------------------------------------------------- internationalized mail and internal errors
 
+DATE = "Wed, 25 Nov 2026 10:00:00 +0000"
+
+
 def test_utf8_deliveries_are_matched_at_the_sink_and_in_mailbox_folders(tmp_path: Path) -> None:
+    """UTF-8 recipients round trip: the sink's UTF-8 X-Sink-Rcpt-To, mailbox folders named by
+    mailbox_name (the address's UTF-8 octets %-encoded), compared case-insensitively."""
     from transportd.chaos.workload import internationalized
     from transportd.mailbox import mailbox_name
     local, external = internationalized(["user3@example.test", "rcpt7@elsewhere.test"])
     assert (local, external) == ("üser3@example.test", "rcpt-ñ7@elsewhere.test")
-    data = message_bytes("r1", 5, [local, external], 600, "Wed, 25 Nov 2026 10:00:00 +0000", utf8=True)
-    assert "Subject: chaos r1 #5 — grüße".encode() in data and b"X-Chaos-Id: r1-5" in data
+    data = message_bytes("r1", 5, [local, external], 600, DATE, utf8=True)
+    assert "Subject: chaos r1 #5 — grüße".encode() in data and b"\r\nX-Chaos-Id: r1-5\r\n" in data
+    # The sink writes its envelope lines as UTF-8 (sink.py); the daemon may hand over another case.
     sink = tmp_path / "sink" / "new"
     sink.mkdir(parents=True)
-    (sink / "m1").write_bytes(f"X-Sink-Mail-From: <klïent@chaos.test>\r\nX-Sink-Rcpt-To: <{external}>\r\n"
+    (sink / "m1").write_bytes("X-Sink-Mail-From: <klïent@chaos.test>\r\nX-Sink-Rcpt-To: <RCPT-Ñ7@elsewhere.test>\r\n"
                               .encode() + data)
-    box = tmp_path / "mailboxes" / mailbox_name(local) / "new"
+    assert parse_delivery((sink / "m1").read_bytes(), where="external")[0].recipient == external
+    # node1's mailbox folder: lower-cased, the UTF-8 octets %-encoded (two escapes for ü).
+    folder = mailbox_name("Üser3@example.test")
+    assert folder.isascii() and folder.lower().startswith("%c3%bcser3@")
+    box = tmp_path / "mailboxes" / folder / "new"
     box.mkdir(parents=True)
     (box / "m1").write_bytes(data)
-    assert mailbox_name(local).isascii()
-    deliveries = (scan_maildir_tree(tmp_path / "sink", "external", per_recipient_folders=False)
-                  + scan_maildir_tree(tmp_path / "mailboxes", "mailbox", per_recipient_folders=True))
-    sent = Sent(5, [local, external], [Attempt("ack", "n1")], utf8=True)
-    verdict = check("r1", {5: sent}, deliveries)
-    assert verdict.ok and not verdict.lost and not verdict.unexpected, verdict.summary()
+    mailbox = scan_maildir_tree(tmp_path / "mailboxes", "mailbox", per_recipient_folders=True)
+    assert [(d.number, d.recipient) for d in mailbox] == [(5, local)]
+    deliveries = scan_maildir_tree(tmp_path / "sink", "external", per_recipient_folders=False) + mailbox
+    v = check("r1", {5: Sent(5, [local, external], [Attempt(ACK, "n1")], utf8=True)}, deliveries)
+    assert v.ok and not v.lost and not v.unexpected, v.summary()
+    # The same files do not stand for the ASCII twins: a mismatch is still seen.
+    v = check("r1", {5: Sent(5, ["user3@example.test", "rcpt7@elsewhere.test"], [Attempt(ACK, "n1")])},
+              deliveries)
+    assert len(v.lost) == 2 and len(v.unexpected) == 2
 
 
 def test_internal_errors_and_poison_fail_the_verdict() -> None:
     from transportd.chaos.checker import HeldRow
-    history = {1: Sent(1, ["a@example.test"], [Attempt("ack", "n1")])}
-    deliveries = [Delivery("r1", 1, "a@example.test", "mailbox")]
-    assert check("r1", history, deliveries, []).ok
-    retry = HeldRow("node1", "r1", 1, "Retry", "451 4.3.0 internal error in deliver: KeyError: 'x'", False)
-    poison = HeldRow("node2", "r1", 1, "Retry", "", True)
-    transient = HeldRow("node1", "r1", 1, "Retry", "451 4.4.0 Unable to connect", False)
-    other_run = HeldRow("node1", "r0", 1, "Retry", "451 4.3.0 internal error in dsn", False)
-    assert check("r1", history, deliveries, [transient, other_run]).ok
-    for bad in (retry, poison):
-        v = check("r1", history, deliveries, [transient, bad])
-        assert not v.ok and v.summary()["internal_errors"] == 1, v.summary()
+    from transportd.chaos.harness import format_summary
+    history = {1: sent(1, ["a@example.test", "b@elsewhere.test"], ACK), 2: sent(2, ["c@elsewhere.test"], ACK),
+               3: sent(3, ["d@elsewhere.test"], UNKNOWN)}
+    deliveries = [dl(1, "a@example.test", "mailbox"), dl(1, "b@elsewhere.test"), dl(2, "c@elsewhere.test")]
+    assert check(RUN, history, deliveries, []).ok
+    ours = "451 4.3.0 internal error in deliver: KeyError: 'x'"
+    harmless = [
+        HeldRow("node1", RUN, 1, "Retry", "451 4.4.0 Unable to connect to elsewhere.test: refused", False, 7),
+        HeldRow("node1", RUN, 1, "Ready", "", False, 8),
+        HeldRow("node1", "other", 1, "Retry", ours, False, 9),     # another run's message
+        HeldRow("node2", RUN, 3, "Retry", ours, False, 10),        # never acknowledged
+        HeldRow("node2", RUN, 2, "Active", ours, False, 11),       # being delivered again
+    ]
+    v = check(RUN, history, deliveries, harmless)
+    assert v.ok and v.summary()["internal_errors"] == 0, v.summary()
+    bad = {
+        "ours": [HeldRow("node1", RUN, 1, "Retry", ours, False, 12)],
+        "a peer's": [HeldRow("node2", RUN, 2, "Retry", "451 4.3.0 Internal error, message not accepted; "
+                                                       "try again later", False, 13)],
+        "poisoned": [HeldRow("node3", RUN, 2, "", "", True, 14)],
+        # one message, two recipients held: counted once
+        "two recipients": [HeldRow("node1", RUN, 1, "Retry", ours, False, 15),
+                           HeldRow("node1", RUN, 1, "Retry", ours, False, 15)],
+    }
+    for name, rows in bad.items():
+        v = check(RUN, history, deliveries, harmless + rows)
+        s = v.summary()
+        assert not v.ok and s["ok"] is False and s["internal_errors"] == 1, (name, s)
+        (example,) = s["internal_error_examples"]
+        assert example.startswith(f"{rows[0].node} #{rows[0].number}"), example
+        assert ("Poison" if rows[0].poisoned else rows[0].last_error) in example, example
+        assert "internal errors 1" in format_summary(s) and example in format_summary(s)
+    # Two copies of one chaos message (a client retry) held on two nodes are two messages.
+    v = check(RUN, history, deliveries, bad["ours"] + bad["poisoned"] + bad["a peer's"])
+    assert len(v.internal_errors) == 3 and [r.number for r in v.internal_errors] == [1, 2, 2]
+
+
+def _queue_db_with(folder: Path, messages: list[tuple[str, bytes, list[tuple[str, str]], int]]) -> None:
+    """A real queue database (transportd.store) holding primary messages with recipients in the
+    given (status, last_error) and the given poisoned flag."""
+    import sqlite3
+    folder.mkdir()
+    store = QueueStore.open(folder / "queue.db")
+    try:
+        for i, (role, data, rcpts, _) in enumerate(messages):
+            msg = mq.NewMessage(network_message_id=f"{folder.name}-{i}", sender="klïent@chaos.test", data=data,
+                                recipients={NextHop("mailbox:local", MAILBOX, "local"):
+                                            [f"üser{j}@example.test" for j in range(len(rcpts))]},
+                                received_at=1.0, expires_at=86400.0, role=role, smtputf8=True)
+            store.transaction(lambda c, m=msg: mq.enqueue(c, m))
+    finally:
+        store.close()
+    con = sqlite3.connect(folder / "queue.db")
+    try:
+        ids = [r[0] for r in con.execute("SELECT id FROM messages ORDER BY id")]
+        for mid, (_, _, rcpts, poisoned) in zip(ids, messages):
+            con.execute("UPDATE messages SET poisoned = ? WHERE id = ?", (poisoned, mid))
+            rids = [r[0] for r in con.execute("SELECT id FROM recipients WHERE message_id = ? ORDER BY id", (mid,))]
+            for rid, (status, last_error) in zip(rids, rcpts):
+                con.execute("UPDATE recipients SET status = ?, last_error = ? WHERE id = ?", (status, last_error, rid))
+        con.commit()
+    finally:
+        con.close()
+
+
+def test_held_rows_read_every_node_queue_database_for_the_checker(tmp_path: Path) -> None:
+    """The harness's read of the queue databases (real schema; an older one without ``poisoned``),
+    judged by the checker: a 451 4.3.0 Retry and a poisoned message fail the run, a 451 4.4.0 one
+    and shadows do not."""
+    import sqlite3
+    ours = "451 4.3.0 internal error in deliver: UnicodeEncodeError: 'ascii' codec can't encode"
+
+    def body(n: int) -> bytes:
+        return message_bytes(RUN, n, ["üser0@example.test"], 600, DATE, utf8=True)
+
+    dsn = (b"From: MAILER-DAEMON@node2\r\nSubject: Undeliverable\r\n\r\n--b\r\n\r\nX-Chaos-Id: "
+           + RUN.encode() + b"-4\r\n")
+    _queue_db_with(tmp_path / "node1", [
+        ("primary", body(1), [("Retry", ours), ("Delivered", "250 2.0.0 delivered")], 0),   # counts
+        ("primary", body(2), [("Retry", "451 4.4.0 Unable to connect")], 0),                # transient
+        ("shadow", body(3), [("Retry", ours)], 0),                                          # a shadow
+        ("primary", dsn, [("Retry", ours)], 0),                                             # quotes #4
+    ])
+    _queue_db_with(tmp_path / "node2", [
+        ("primary", body(4), [("Failed", "550 5.1.1 no such user")], 1),                    # Poison
+        ("primary", body(5), [("Ready", "")], 0),
+    ])
+    # node3: a database from before the Poison queue (no ``poisoned`` column).
+    (tmp_path / "node3").mkdir()
+    con = sqlite3.connect(tmp_path / "node3" / "queue.db")
+    con.executescript("CREATE TABLE messages (id INTEGER PRIMARY KEY, role TEXT, state TEXT);"
+                      "CREATE TABLE recipients (id INTEGER PRIMARY KEY, message_id INTEGER, status TEXT, "
+                      "last_error TEXT);"
+                      "CREATE TABLE message_bodies (message_id INTEGER PRIMARY KEY, data BLOB);")
+    con.execute("INSERT INTO messages VALUES (1, 'primary', 'Queued')")
+    con.execute("INSERT INTO recipients VALUES (1, 1, 'Retry', ?)", ("451 4.3.0 internal error in route",))
+    con.execute("INSERT INTO message_bodies VALUES (1, ?)", (body(6),))
+    con.commit()
+    con.close()
+    specs = {short: NodeSpec(short, short, "site-a", "", "", str(tmp_path / short), "")
+             for short in ("node1", "node2", "node3", "node4")}   # node4: no database yet
+    cluster = object.__new__(ChaosCluster)  # only the queue databases are needed
+    cluster.by_short = specs
+    held = {short: cluster.held_rows(short) for short in specs}
+    assert held["node4"] == []
+    assert sorted((r.number, r.status, r.poisoned) for r in held["node1"]) == [(-1, "Retry", False),
+                                                                                 (1, "Retry", False),
+                                                                                 (2, "Retry", False)]
+    assert [(r.number, r.status, r.poisoned) for r in held["node2"]] == [(4, "", True), (5, "Ready", False)]
+    assert [(r.number, r.last_error) for r in held["node3"]] == [(6, "451 4.3.0 internal error in route")]
+    history = {n: sent(n, ["üser0@example.test"], ACK) for n in range(1, 7)}
+    deliveries = [dl(n, "üser0@example.test", "mailbox") for n in range(1, 7)]
+    v = check(RUN, history, deliveries, [r for rows in held.values() for r in rows])
+    assert not v.ok
+    assert [(r.node, r.number) for r in v.internal_errors] == [("node1", 1), ("node2", 4), ("node3", 6)]
+    assert v.summary()["internal_errors"] == 3
 
 
 def test_workload_sends_a_share_of_utf8_messages_with_the_same_recipients_otherwise() -> None:
+    from transportd.chaos.workload import UTF8_SHARE, Workload, WorkloadSettings
+
+    def history(seed: int, **kw) -> dict[int, Sent]:
+        return Workload("r", [("127.0.0.1", 1)], WorkloadSettings(messages=1000, clients=1, rate=1, **kw),
+                        seed=seed).history
+
+    def before_utf8(seed: int) -> dict[int, list[str]]:
+        """The recipients a run with this seed had before internationalized mail was added."""
+        import random
+        rng = random.Random(seed ^ 0x5EED)
+        out = {}
+        for n in range(1, 1001):
+            out[n] = recipients_for(n, rng)
+            rng.choice((600, 2_000, 8_000, 30_000))
+        return out
+
+    assert UTF8_SHARE == 0.15
+    default, again, without = history(7), history(7), history(7, utf8_share=0)
+    assert {n: s.recipients for n, s in without.items()} == before_utf8(7)
+    utf8 = [n for n, s in default.items() if s.utf8]
+    assert 0.12 < len(utf8) / 1000 < 0.18                      # the configured share, 15 %
+    assert utf8 == [n for n, s in again.items() if s.utf8]      # reproducible from the seed
+    assert utf8 != [n for n, s in history(8).items() if s.utf8]
+    assert not any(s.utf8 for s in without.values())
+    half = [n for n, s in history(7, utf8_share=0.5).items() if s.utf8]
+    assert 0.45 < len(half) / 1000 < 0.55
+    ascii_rcpts = before_utf8(7)
+    for n, s in default.items():
+        if s.utf8:   # UTF-8 local parts, both kinds of recipient, the ASCII message's mailboxes
+            assert all(not r.split("@")[0].isascii() and r.split("@")[1].isascii() for r in s.recipients)
+            assert [r.replace("ü", "u").replace("-ñ", "") for r in s.recipients] == ascii_rcpts[n]
+        else:        # the others keep the 45/45/10 recipients of a run without UTF-8 mail
+            assert s.recipients == ascii_rcpts[n]
+    kinds = {tuple(r.split("@")[1] for r in default[n].recipients) for n in utf8}
+    assert kinds == {("example.test",), ("elsewhere.test",), ("example.test", "elsewhere.test")}
+
+
+def test_workload_sends_utf8_messages_with_smtputf8_through_the_sink(procs, tmp_path: Path) -> None:
+    """The clients' real path (smtplib, MAIL ... SMTPUTF8 BODY=8BITMIME, raw UTF-8 headers) against
+    the development sink; the checker matches what it stored."""
+    from conftest import free_port, wait_port
+
+    from transportd.chaos.workload import UTF8_SENDER, Workload, WorkloadSettings
+    port = free_port()
+    proc = procs.add(subprocess.Popen([sys.executable, "-m", "transportd", "sink", "--listen", f"127.0.0.1:{port}",
+                                       "--dir", str(tmp_path / "sink")], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+    wait_port("127.0.0.1", port, proc=proc)
+    w = Workload(RUN, [("127.0.0.1", port)],
+                 WorkloadSettings(messages=30, clients=2, rate=300, per_connection=4, utf8_share=0.5), seed=3)
+    w.retry_until = time.monotonic() + 10
+    w.start()
+    assert w.join(timeout=60)
+    utf8 = {n for n, s in w.history.items() if s.utf8}
+    assert 5 < len(utf8) < 25
+    assert all(s.outcome == ACK for s in w.history.values()), {n: s.attempts for n, s in w.history.items()}
+    deliveries = scan_maildir_tree(tmp_path / "sink", "external", per_recipient_folders=False)
+    v = check(RUN, w.history, deliveries)
+    assert v.ok and v.acknowledged == 30 and not v.lost and not v.unexpected, v.summary()
+    senders = {}
+    for f in (tmp_path / "sink" / "new").iterdir():
+        data = f.read_bytes()
+        (d, *_) = parse_delivery(data, where="external")
+        senders[d.number] = data.split(b"\r\n", 1)[0].decode("utf-8")
+        if d.number in utf8:
+            assert f"Subject: chaos {RUN} #{d.number} — grüße".encode() in data
+    assert {n for n, line in senders.items() if line == f"X-Sink-Mail-From: <{UTF8_SENDER}>"} == utf8
+
+
+def test_utf8_message_on_a_session_without_smtputf8_is_refused_not_a_crash() -> None:
+    """A node that refused EHLO leaves smtplib's commands in ASCII: the UTF-8 sender cannot be
+    sent. That is a refused attempt (retried elsewhere), not a dead client thread."""
+    import smtplib
+
     from transportd.chaos.workload import Workload, WorkloadSettings
-    with_utf8 = Workload("r", [("127.0.0.1", 1)], WorkloadSettings(messages=400, clients=1, rate=1), seed=7)
-    without = Workload("r", [("127.0.0.1", 1)], WorkloadSettings(messages=400, clients=1, rate=1, utf8_share=0),
-                       seed=7)
-    utf8 = [s for s in with_utf8.history.values() if s.utf8]
-    assert 0.08 < len(utf8) / 400 < 0.25
-    assert all(not r.isascii() for s in utf8 for r in s.recipients)
-    for n, s in with_utf8.history.items():
-        if not s.utf8:
-            assert s.recipients == without.history[n].recipients
+    w = Workload(RUN, [("127.0.0.1", 1)], WorkloadSettings(messages=1, clients=1, rate=1, utf8_share=1), seed=1)
+    s = w.history[1]
+    assert s.utf8
+    srv = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(srv.getsockname())
+    b, _ = srv.accept()
+    conn = smtplib.SMTP()
+    conn.sock = a   # connected, but no successful EHLO: does_esmtp is false
+    try:
+        assert w._send(conn, s, b"Subject: x\r\n\r\nx\r\n") == REFUSED
+    finally:
+        for sock in (a, b, srv):
+            sock.close()
+    assert [x.outcome for x in s.attempts] == [REFUSED] and "UnicodeEncodeError" in s.attempts[0].detail

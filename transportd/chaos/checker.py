@@ -11,9 +11,11 @@ number read from its ``X-Chaos-Id`` header. Like Jepsen's total-queue:
 - unexpected: deliveries of messages no client sent, or to a recipient it was not sent to (must be 0)
 - duplicates: extra copies, split into mailbox (must be 0: duplicate detection) and external
 - recovered: messages whose every attempt ended unknown or refused, yet which arrived
-- internal errors: acknowledged messages still held at the end in Retry with an internal error
-  (``451 4.3.0 internal error``) or in the Poison queue (must be 0: one bad message, or a bug,
-  never strands acknowledged mail; read from the nodes' queue databases by the harness)
+- internal errors: acknowledged messages still held at the end as primary with a recipient in
+  Retry whose last error is an internal error (``451 4.3.0 ...``: ours, ``internal error in
+  <step>``, a mailbox store error, or a peer's ``Internal error``), or in the Poison queue
+  (must be 0: one bad message, or a bug, never strands acknowledged mail). The harness reads the
+  nodes' queue databases (``HeldRow``); ``internal_errors`` judges the rows.
 """
 
 from __future__ import annotations
@@ -72,8 +74,7 @@ class Delivery:
 def parse_delivery(data: bytes, *, where: str, recipient: str | None = None, path: str = "") -> list[Delivery]:
     """The deliveries one stored file stands for (one per recipient); [] if it carries no X-Chaos-Id."""
     head = data.split(b"\r\n\r\n", 1)[0].split(b"\n\n", 1)[0]
-    m = _CHAOS_ID.search(head)
-    run, number = (m.group(1).decode(), int(m.group(2))) if m else ("", -1)
+    run, number = chaos_id(head)
     if recipient is not None:
         rcpts = [recipient]
     else:
@@ -115,28 +116,55 @@ def _address_of(folder: str) -> str:
     return urllib.parse.unquote(folder, encoding="utf-8", errors="replace")
 
 
-_INTERNAL_ERROR = "451 4.3.0 internal error"
+# The reply every internal failure is recorded with (mailqueue.INTERNAL_ERROR is "451 4.3.0 internal
+# error"; a peer that failed internally answers "451 4.3.0 Internal error ..."): never a transient
+# network condition (those are 4.4.x), so a message still held with it has been stranded.
+INTERNAL_ERROR_PREFIX = "451 4.3.0"
 
 
 @dataclass(frozen=True)
 class HeldRow:
-    """One recipient of a message still queued as primary on a node at the end of a run."""
+    """One recipient of a message still queued as primary on a node at the end of a run.
+
+    A poisoned message with no recipient left pending has one row with ``status`` "".
+    """
     node: str
     run: str
     number: int
     status: str
     last_error: str
     poisoned: bool
+    message_id: int = 0     # the node's internal id (two copies of one chaos message are two messages)
+
+    @property
+    def internal_error(self) -> bool:
+        return self.status == "Retry" and (self.last_error or "").startswith(INTERNAL_ERROR_PREFIX)
 
 
-def internal_errors(rows: list[HeldRow], run: str) -> list[HeldRow]:
-    """The run's messages held in Retry with an internal error, or in the Poison queue."""
-    return [r for r in rows if r.run == run and (
-        r.poisoned or (r.status == "Retry" and (r.last_error or "").startswith(_INTERNAL_ERROR)))]
+def internal_errors(rows: list[HeldRow], run: str, acknowledged: set[int] | None = None) -> list[HeldRow]:
+    """The run's messages held in Retry with an internal error, or in the Poison queue.
+
+    One row per message (node, internal id): the one that shows the internal error if there is
+    one. ``acknowledged``: only these chaos numbers count (None: every number of the run).
+    """
+    found: dict[tuple[str, int, int], HeldRow] = {}
+    for r in rows:
+        if r.run != run or (acknowledged is not None and r.number not in acknowledged):
+            continue
+        if not (r.poisoned or r.internal_error):
+            continue
+        key = (r.node, r.message_id, r.number)
+        if key not in found or (r.internal_error and not found[key].internal_error):
+            found[key] = r
+    return sorted(found.values(), key=lambda r: (r.number, r.node, r.message_id))
 
 
-def chaos_id(head: bytes) -> tuple[str, int]:
-    """(run, number) from a message's X-Chaos-Id header, ("", -1) without one."""
+def chaos_id(data: bytes) -> tuple[str, int]:
+    """(run, number) from a message's X-Chaos-Id header, ("", -1) without one.
+
+    Only the message's own header block counts: a DSN quoting one of our messages is not it.
+    """
+    head = data.split(b"\r\n\r\n", 1)[0].split(b"\n\n", 1)[0]
     m = _CHAOS_ID.search(head)
     return (m.group(1).decode(), int(m.group(2))) if m else ("", -1)
 
@@ -171,10 +199,16 @@ class Verdict:
             "duplicates": {"mailbox": self.duplicates_mailbox, "external": self.duplicates_external},
             "recovered": self.recovered, "delivered_after_reject": self.delivered_after_reject,
             "internal_errors": len(self.internal_errors),
-            "internal_error_examples": [f"{r.node} #{r.number}: {'Poison' if r.poisoned else r.last_error}"
-                                        for r in self.internal_errors[:20]],
+            "internal_error_examples": [_held_example(r) for r in self.internal_errors[:20]],
             "ok": self.ok,
         }
+
+
+def _held_example(r: HeldRow) -> str:
+    where = f"{r.node} #{r.number}" + (f" (id {r.message_id})" if r.message_id else "")
+    if r.poisoned:
+        return f"{where}: Poison" + (f" ({r.last_error})" if r.last_error else "")
+    return f"{where}: {r.status} {r.last_error}"
 
 
 def check(run: str, history: dict[int, Sent], deliveries: list[Delivery],
@@ -210,4 +244,5 @@ def check(run: str, history: dict[int, Sent], deliveries: list[Delivery],
                    duplicates_mailbox=dup_mailbox, duplicates_external=dup_external, recovered=recovered,
                    delivered_after_reject=after_reject,
                    attempts=sum(len(s.attempts) for s in history.values()),
-                   internal_errors=internal_errors(held or [], run))
+                   internal_errors=internal_errors(held or [], run,
+                                                   {n for n, s in history.items() if s.outcome == ACK}))

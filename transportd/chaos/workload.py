@@ -169,6 +169,8 @@ class Workload:
         try:
             node = conn.sock.getpeername()[0] if conn.sock else node
             if sent.utf8:
+                # smtplib's sendmail(..., mail_options=["SMTPUTF8", ...]) path: MAIL with SMTPUTF8
+                # switches the session's commands to UTF-8 (SMTPNotSupportedError if not offered).
                 code, msg = conn.mail(UTF8_SENDER, ["SMTPUTF8", "BODY=8BITMIME"])
             else:
                 code, msg = conn.mail(SENDER)
@@ -179,7 +181,9 @@ class Workload:
                 if code != 250:
                     conn.rset()
                     return self._rejected(sent, node, code, msg, before_data=True)
-        except (OSError, smtplib.SMTPException) as exc:
+        except (OSError, smtplib.SMTPException, UnicodeError) as exc:
+            # UnicodeError: a UTF-8 envelope on a session without SMTPUTF8 (the EHLO was refused,
+            # so smtplib never switched to UTF-8): nothing was sent, no transaction possible.
             sent.attempts.append(Attempt(REFUSED, node, repr(exc)[:120], time.time()))
             return REFUSED
         try:
