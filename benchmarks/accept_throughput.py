@@ -76,7 +76,7 @@ def main() -> int:
     configs = [cfg]
     if args.nodes > 1:
         import random
-        from transportd.cluster import generate
+        from transportd.devtools.cluster import generate
         base = random.randint(20, 200)
         specs = generate(work / "cluster", nodes=args.nodes, sites=min(2, args.nodes), ip_base=base,
                          frontend_port=node_port, transport_port=free_port(),

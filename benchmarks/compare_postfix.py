@@ -168,7 +168,7 @@ def stop_proc(p: subprocess.Popen, timeout: float = 10) -> None:
 class TransportdCluster:
     def __init__(self, work: Path, sink_port: int, shadow: bool, sessions: int, entry: str):
         import random
-        from transportd.cluster import generate
+        from transportd.devtools.cluster import generate
         self.name = "on" if shadow else "off"
         self.work = work / f"transportd-{self.name}"
         self.procs: list[subprocess.Popen] = []

@@ -35,10 +35,10 @@ from accept_throughput import _count_events, free_port, wait_port  # noqa: E402
 from compare_postfix import Sink, _latency_run, percentile, status_kb, stop_proc  # noqa: E402
 
 from transportd import config as config_mod  # noqa: E402
-from transportd import mailqueue as mq  # noqa: E402
-from transportd.cluster import generate  # noqa: E402
-from transportd.routing import bifurcate  # noqa: E402
-from transportd.store import QueueStore, shadow_contexts  # noqa: E402
+from transportd.queue import messages as mq  # noqa: E402
+from transportd.devtools.cluster import generate  # noqa: E402
+from transportd.queue.routing import bifurcate  # noqa: E402
+from transportd.queue.store import QueueStore, shadow_contexts  # noqa: E402
 
 
 def plant_shadows(cfg, primary: str, n: int) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from transportd.cluster import toml_value
+from transportd.devtools.cluster import toml_value
 
 REPO = Path(__file__).resolve().parent.parent
 SMTP_SINK = shutil.which("smtp-sink") or "/usr/sbin/smtp-sink"
@@ -222,7 +222,7 @@ class Node:
         return self.cli_json(*args)
 
     def maildir_files(self, address: str) -> list[Path]:
-        from transportd.mailbox import MailboxStore
+        from transportd.queue.mailbox import MailboxStore
         return MailboxStore(self.data_dir / "mailboxes").list(address)
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from transportd import mailqueue as mq
-from transportd.chaos.checker import (
+from transportd.queue import messages as mq
+from transportd.devtools.chaos.checker import (
     ACK,
     REFUSED,
     REJECTED,
@@ -33,13 +33,13 @@ from transportd.chaos.checker import (
     parse_delivery,
     scan_maildir_tree,
 )
-from transportd.chaos.harness import ChaosCluster
-from transportd.chaos.nemesis import FAULT_TYPES, Fault, Nemesis, schedule
-from transportd.chaos.proxy import FaultProxy
-from transportd.chaos.workload import message_bytes, recipients_for
-from transportd.cluster import NodeSpec
-from transportd.routing import MAILBOX, NextHop
-from transportd.store import QueueStore
+from transportd.devtools.chaos.harness import ChaosCluster
+from transportd.devtools.chaos.nemesis import FAULT_TYPES, Fault, Nemesis, schedule
+from transportd.devtools.chaos.proxy import FaultProxy
+from transportd.devtools.chaos.workload import message_bytes, recipients_for
+from transportd.devtools.cluster import NodeSpec
+from transportd.queue.routing import MAILBOX, NextHop
+from transportd.queue.store import QueueStore
 
 RUN = "abc123"
 
@@ -393,8 +393,8 @@ DATE = "Wed, 25 Nov 2026 10:00:00 +0000"
 def test_utf8_deliveries_are_matched_at_the_sink_and_in_mailbox_folders(tmp_path: Path) -> None:
     """UTF-8 recipients round trip: the sink's UTF-8 X-Sink-Rcpt-To, mailbox folders named by
     mailbox_name (the address's UTF-8 octets %-encoded), compared case-insensitively."""
-    from transportd.chaos.workload import internationalized
-    from transportd.mailbox import mailbox_name
+    from transportd.devtools.chaos.workload import internationalized
+    from transportd.queue.mailbox import mailbox_name
     local, external = internationalized(["user3@example.test", "rcpt7@elsewhere.test"])
     assert (local, external) == ("üser3@example.test", "rcpt-ñ7@elsewhere.test")
     data = message_bytes("r1", 5, [local, external], 600, DATE, utf8=True)
@@ -423,8 +423,8 @@ def test_utf8_deliveries_are_matched_at_the_sink_and_in_mailbox_folders(tmp_path
 
 
 def test_internal_errors_and_poison_fail_the_verdict() -> None:
-    from transportd.chaos.checker import HeldRow
-    from transportd.chaos.harness import format_summary
+    from transportd.devtools.chaos.checker import HeldRow
+    from transportd.devtools.chaos.harness import format_summary
     history = {1: sent(1, ["a@example.test", "b@elsewhere.test"], ACK), 2: sent(2, ["c@elsewhere.test"], ACK),
                3: sent(3, ["d@elsewhere.test"], UNKNOWN)}
     deliveries = [dl(1, "a@example.test", "mailbox"), dl(1, "b@elsewhere.test"), dl(2, "c@elsewhere.test")]
@@ -462,7 +462,7 @@ def test_internal_errors_and_poison_fail_the_verdict() -> None:
 
 
 def _queue_db_with(folder: Path, messages: list[tuple[str, bytes, list[tuple[str, str]], int]]) -> None:
-    """A real queue database (transportd.store) holding primary messages with recipients in the
+    """A real queue database (transportd.queue.store) holding primary messages with recipients in the
     given (status, last_error) and the given poisoned flag."""
     import sqlite3
     folder.mkdir()
@@ -543,7 +543,7 @@ def test_held_rows_read_every_node_queue_database_for_the_checker(tmp_path: Path
 
 
 def test_workload_sends_a_share_of_utf8_messages_with_the_same_recipients_otherwise() -> None:
-    from transportd.chaos.workload import UTF8_SHARE, Workload, WorkloadSettings
+    from transportd.devtools.chaos.workload import UTF8_SHARE, Workload, WorkloadSettings
 
     def history(seed: int, **kw) -> dict[int, Sent]:
         return Workload("r", [("127.0.0.1", 1)], WorkloadSettings(messages=1000, clients=1, rate=1, **kw),
@@ -585,7 +585,7 @@ def test_workload_sends_utf8_messages_with_smtputf8_through_the_sink(procs, tmp_
     the development sink; the checker matches what it stored."""
     from conftest import free_port, wait_port
 
-    from transportd.chaos.workload import UTF8_SENDER, Workload, WorkloadSettings
+    from transportd.devtools.chaos.workload import UTF8_SENDER, Workload, WorkloadSettings
     port = free_port()
     proc = procs.add(subprocess.Popen([sys.executable, "-m", "transportd", "sink", "--listen", f"127.0.0.1:{port}",
                                        "--dir", str(tmp_path / "sink")], stdout=subprocess.DEVNULL,
@@ -617,7 +617,7 @@ def test_utf8_message_on_a_session_without_smtputf8_is_refused_not_a_crash() -> 
     sent. That is a refused attempt (retried elsewhere), not a dead client thread."""
     import smtplib
 
-    from transportd.chaos.workload import Workload, WorkloadSettings
+    from transportd.devtools.chaos.workload import Workload, WorkloadSettings
     w = Workload(RUN, [("127.0.0.1", 1)], WorkloadSettings(messages=1, clients=1, rate=1, utf8_share=1), seed=1)
     s = w.history[1]
     assert s.utf8

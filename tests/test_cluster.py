@@ -1,6 +1,6 @@
 """Shadow redundancy across real node processes: a 3-node, 2-site cluster on loopback.
 
-``transportd.cluster.generate`` writes the configs (node1 + node2 in site-a, node3 in
+``transportd.devtools.cluster.generate`` writes the configs (node1 + node2 in site-a, node3 in
 site-b, each on its own 127.0.0.x address, mailbox database MDB01 on node1); each node runs
 as ``python -m transportd serve`` and is ended by PID at teardown. Mail that leaves the
 boundary goes to Postfix's smtp-sink (the conftest ``sink``), started only when a test
@@ -42,10 +42,10 @@ import pytest
 from click.testing import CliRunner
 from conftest import free_port, queued_id, swaks, wait_for, wait_port
 
-from transportd import cluster as cluster_mod
+from transportd.devtools import cluster as cluster_mod
 from transportd import config as config_mod
 from transportd.cli import cli as transportd_cli
-from transportd.mailbox import MailboxStore
+from transportd.queue.mailbox import MailboxStore
 
 HEARTBEAT = 0.5
 FAST: dict[str, dict[str, Any]] = {

@@ -33,9 +33,9 @@ from typing import Any
 import pytest
 from conftest import free_port, queued_id, swaks, wait_for, wait_port
 
-from transportd import cluster as cluster_mod
+from transportd.devtools import cluster as cluster_mod
 from transportd import config as config_mod
-from transportd.mailbox import MailboxStore
+from transportd.queue.mailbox import MailboxStore
 from transportd.tracking import search as tracking_search
 
 FAST_DELIVERY = {"queue_poll_interval": 0.2, "transient_failure_retry_interval": 1,

@@ -44,7 +44,7 @@ from typing import Any
 import pytest
 from conftest import swaks, wait_for
 
-from transportd.mailbox import MailboxStore
+from transportd.queue.mailbox import MailboxStore
 
 yaml = pytest.importorskip("yaml")
 

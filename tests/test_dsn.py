@@ -1,4 +1,4 @@
-"""Tests for transportd.dsn: DSN construction (RFC 3464 / RFC 6522)."""
+"""Tests for transportd.smtp.dsn: DSN construction (RFC 3464 / RFC 6522)."""
 
 import binascii
 import email
@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from transportd.dsn import RecipientReport, build_dsn, dsn_needs_utf8, status_from_reply
+from transportd.smtp.dsn import RecipientReport, build_dsn, dsn_needs_utf8, status_from_reply
 
 ARRIVAL = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 NOW = datetime(2024, 5, 1, 12, 30, 0, tzinfo=UTC)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import email
 import email.policy
 
-from transportd.envelope import (NO_CONVERSION, NO_SMTPUTF8_ADDRESS, NO_SMTPUTF8_HEADERS, message_parameters,
+from transportd.smtp.envelope import (NO_CONVERSION, NO_SMTPUTF8_ADDRESS, NO_SMTPUTF8_HEADERS, message_parameters,
                                  needs_smtputf8, plan_send)
 
 ASCII = b"Subject: hi\r\nContent-Type: text/plain\r\n\r\nplain body\r\n"

@@ -28,8 +28,8 @@ from conftest import Node, ProcessRegistry, free_port
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transportd import cluster as cluster_mod
-from transportd.routing import valid_address
+from transportd.devtools import cluster as cluster_mod
+from transportd.queue.routing import valid_address
 
 settings.register_profile("fuzz", max_examples=int(os.environ.get("FUZZ_EXAMPLES", "60")), deadline=None,
                           database=None, suppress_health_check=[HealthCheck.function_scoped_fixture,

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select, update
 
-from transportd import mailqueue as mq
-from transportd.mailbox import MailboxStore, mailbox_name
-from transportd.routing import DNS, MAILBOX, SMART_HOST, NextHop
-from transportd.store import QueueStore, delivered_to, message_bodies, messages, queues, recipients
+from transportd.queue import messages as mq
+from transportd.queue.mailbox import MailboxStore, mailbox_name
+from transportd.queue.routing import DNS, MAILBOX, SMART_HOST, NextHop
+from transportd.queue.store import QueueStore, delivered_to, message_bodies, messages, queues, recipients
 
 T0 = 1_700_000_000.0
 LOCAL = NextHop("mailbox:local", MAILBOX, "local")
@@ -489,7 +489,7 @@ def test_redirect_leaves_suspended_and_poison_messages_held(store) -> None:
 def test_a_dsn_keeps_the_originals_shadows_until_it_is_out(store) -> None:
     """The NDR is protected by the original's shadow: no discard event for it while the DSN
     about it is queued; one as soon as the DSN is processed."""
-    from transportd.store import discard_events, message_shadows
+    from transportd.queue.store import discard_events, message_shadows
 
     def finish(mid, when):
         def job(conn):

@@ -1,4 +1,4 @@
-"""Tests for transportd.mime7bit: 8-bit to 7-bit conversion (RFC 6152 / RFC 2045 / RFC 2046).
+"""Tests for transportd.smtp.mime7bit: 8-bit to 7-bit conversion (RFC 6152 / RFC 2045 / RFC 2046).
 
 The yardstick is Python's email package (policy.default): every part decodes
 (``get_payload(decode=True)``) to the same bytes before and after the conversion,
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from transportd.mime7bit import is_7bit, needs_smtputf8_headers, to_7bit
+from transportd.smtp.mime7bit import is_7bit, needs_smtputf8_headers, to_7bit
 
 PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -7,7 +7,7 @@ import dns.name
 import dns.resolver
 import pytest
 
-from transportd.delivery import NextHopPermanentError, NextHopUnavailable, resolve_mx
+from transportd.node.delivery import NextHopPermanentError, NextHopUnavailable, resolve_mx
 
 
 class MX:

@@ -15,10 +15,10 @@ import pytest
 from conftest import read_db, wait_for
 
 from transportd import faults
-from transportd import mailqueue as mq
-from transportd.mailqueue import NewMessage
-from transportd.routing import NextHop, SMART_HOST
-from transportd.store import QueueStore
+from transportd.queue import messages as mq
+from transportd.queue.messages import NewMessage
+from transportd.queue.routing import NextHop, SMART_HOST
+from transportd.queue.store import QueueStore
 
 HOP = NextHop("smarthost:127.0.0.1:25", SMART_HOST, "127.0.0.1:25")
 

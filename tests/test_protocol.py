@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from transportd.protocol import (Peer, ProtocolError, after_heartbeat, decode_dbid, decode_fqdn, encode_dbid,
+from transportd.redundancy.protocol import (Peer, ProtocolError, after_heartbeat, decode_dbid, decode_fqdn, encode_dbid,
                                  encode_fqdn, format_discard_reply, parse_discard_entries, parse_discard_reply,
                                  parse_guid, parse_xqdiscard, parse_xshadow, parse_xshadowrequest,
                                  redundancy_reply, shadow_attempts, split_xshadow_param,

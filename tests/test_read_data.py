@@ -13,7 +13,7 @@ import asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transportd.receive import DATA_TOO_LONG, DATA_TOO_MUCH, read_data
+from transportd.smtp.server import DATA_TOO_LONG, DATA_TOO_MUCH, read_data
 
 
 def reference(stream: bytes, size_limit: int | None, line_limit: int) -> tuple[bytes, str | None, bytes]:

@@ -637,7 +637,7 @@ def test_bad_config_exits_2_naming_the_key(tmp_path, frontend, key):
 
 async def _start_frontend(tmp_path, accept, **frontend):
     from transportd.config import load_dict
-    from transportd.receive import ConnectionCounter, FrontendHandler, smtp_factory
+    from transportd.smtp.server import ConnectionCounter, FrontendHandler, smtp_factory
     cfg = load_dict({"node": {"name": NODE_NAME, "data_dir": str(tmp_path / "data")},
                      "frontend": {"listen": "127.0.0.1:2525", **frontend},
                      "routing": {"accepted_domains": ["example.test"], "trusted_networks": ["127.0.0.1/32"]}},
@@ -652,7 +652,7 @@ async def _start_frontend(tmp_path, accept, **frontend):
 async def test_internal_errors_are_451_never_5xx(tmp_path):
     import aiosmtplib
 
-    from transportd.receive import MessageRejected
+    from transportd.smtp.server import MessageRejected
 
     mode = {"v": "crash"}
 

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from transportd import replies
-from transportd.receive import prepare_message, split_headers
-from transportd.replies import enhance, is_permanent, is_transient, translate
+from transportd.smtp import replies
+from transportd.smtp.server import prepare_message, split_headers
+from transportd.smtp.replies import enhance, is_permanent, is_transient, translate
 
 ENHANCED = re.compile(r"^(\d)\d\d ([245])\.(\d{1,3})\.(\d{1,3}) \S")
 

@@ -7,7 +7,7 @@ import ipaddress
 import pytest
 
 from transportd.config import load_dict
-from transportd.routing import (
+from transportd.queue.routing import (
     DNS, MAILBOX, SMART_HOST, NextHop, bifurcate, domain_of, is_accepted, relay_allowed, route,
     route_config, valid_address,
 )

@@ -13,12 +13,12 @@ import pytest
 from sqlalchemy import select, update
 
 from conftest import free_port, queued_id, swaks, wait_for, wait_port
-from transportd import mailqueue as mq
-from transportd.cluster import generate
+from transportd.queue import messages as mq
+from transportd.devtools.cluster import generate
 from transportd.config import load_dict
-from transportd.routing import bifurcate
-from transportd.safetynet import resubmit
-from transportd.store import QueueStore, messages, recipients
+from transportd.queue.routing import bifurcate
+from transportd.queue.safetynet import resubmit
+from transportd.queue.store import QueueStore, messages, recipients
 
 
 def _cfg(tmp_path):
@@ -168,7 +168,7 @@ def test_resubmit_gap_is_filled_from_the_peers_shadow_safety_net(two_nodes, proc
     import shutil
     import signal
     from datetime import datetime, timezone
-    from transportd.mailbox import MailboxStore
+    from transportd.queue.mailbox import MailboxStore
 
     node1, node2 = two_nodes
     host, _, port = node1.frontend.rpartition(":")

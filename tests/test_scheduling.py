@@ -14,10 +14,10 @@ import time
 import pytest
 from conftest import wait_for
 
-from transportd import mailqueue as mq
-from transportd.mailqueue import NewMessage
-from transportd.routing import SMART_HOST, NextHop
-from transportd.store import QueueStore
+from transportd.queue import messages as mq
+from transportd.queue.messages import NewMessage
+from transportd.queue.routing import SMART_HOST, NextHop
+from transportd.queue.store import QueueStore
 
 
 def backlog(db_path, hops: list[NextHop], per_queue: int) -> None:

@@ -39,8 +39,8 @@ from test_cluster import (
     write_node_config,
 )
 
-from transportd import cluster as cluster_mod
-from transportd.receive import CommandRateLimiter
+from transportd.devtools import cluster as cluster_mod
+from transportd.smtp.server import CommandRateLimiter
 
 PEER = "peer1.transportd.test"
 SECRET = "security-secret-" + uuid.uuid4().hex[:8]

@@ -14,7 +14,7 @@ import time
 
 from conftest import free_port, queued_id, silent_peer, swaks, wait_port
 
-from transportd import cluster as cluster_mod
+from transportd.devtools import cluster as cluster_mod
 
 SECRET = "fallback-secret"
 

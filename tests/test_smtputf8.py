@@ -21,7 +21,7 @@ import pytest
 from conftest import free_port, wait_for, wait_port
 from test_cluster import HEARTBEAT, cluster, netid_of, one  # noqa: F401 - the cluster fixture
 
-from transportd.mailbox import MailboxStore
+from transportd.queue.mailbox import MailboxStore
 
 SENDER = "jürgen@bücher.example"
 FOREIGN = "δοκιμή@παράδειγμα.δοκιμή"   # routed to the smart host

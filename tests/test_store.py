@@ -18,8 +18,8 @@ import pytest
 from sqlalchemy import select
 
 from conftest import queued_id, swaks, wait_for
-from transportd import store as store_mod
-from transportd.store import SCHEMA_VERSION, CorruptDatabase, QueueStore, StoreError, meta
+from transportd.queue import store as store_mod
+from transportd.queue.store import SCHEMA_VERSION, CorruptDatabase, QueueStore, StoreError, meta
 
 GARBAGE = os.urandom(64) + b"this is not a database" + os.urandom(4000)
 
@@ -166,7 +166,7 @@ def test_bad_file_without_repair_raises_and_is_left_alone(db_path: Path, kind: s
 def test_bad_file_with_repair_is_moved_aside_and_replaced(db_path: Path, kind: str, caplog) -> None:
     prior_id = _populated(db_path.with_name("other.db"))  # an unrelated ID, to compare against
     original = BAD_FILES[kind](db_path)
-    with caplog.at_level("ERROR", logger="transportd.store"):
+    with caplog.at_level("ERROR", logger="transportd.queue.store"):
         s = QueueStore.open(db_path, repair=True)
     try:
         new_id = s.queue_database_id
@@ -219,7 +219,7 @@ def test_crash_before_checkpoint_keeps_database_and_id(db_path: Path) -> None:
     # The main file of a fresh database still says user_version 0 after a crash: all its
     # content is in the -wal. Reopening (even with repair) must find it, not move it aside.
     code = ("import os, sys\n"
-            "from transportd.store import QueueStore, meta\n"
+            "from transportd.queue.store import QueueStore, meta\n"
             "s = QueueStore.open(sys.argv[1])\n"
             "s.transaction(lambda c: c.execute(meta.insert().values(key='k', value='v')))\n"
             "print(s.queue_database_id, flush=True)\n"
@@ -461,9 +461,9 @@ def test_version_1_database_migrates_and_keeps_its_messages(tmp_path) -> None:
     import time as _time
     import uuid as _uuid
 
-    from transportd import mailqueue as mq
-    from transportd.routing import NextHop
-    from transportd.store import SCHEMA_VERSION
+    from transportd.queue import messages as mq
+    from transportd.queue.routing import NextHop
+    from transportd.queue.store import SCHEMA_VERSION
 
     path = tmp_path / "queue.db"
     store = QueueStore.open(path)

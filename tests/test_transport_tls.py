@@ -13,7 +13,7 @@ import pytest
 import trustme
 
 from conftest import free_port, queued_id, swaks, wait_for, wait_port
-from transportd.cluster import generate
+from transportd.devtools.cluster import generate
 
 
 def _events(config, event_id):

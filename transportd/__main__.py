@@ -1,3 +1,3 @@
-from .cli import main
+from transportd.cli import main
 
 main()

@@ -46,7 +46,7 @@ Pure functions on bytes, no I/O. It never raises on malformed input (worst
 case the body is encoded as one text part), never touches an address, and
 never changes 8-bit octets in a header: a message with a UTF-8 header block
 needs SMTPUTF8 (RFC 6532), which is the caller's decision
-(:func:`transportd.envelope.plan_send`). Nesting deeper than 50 levels is
+(:func:`transportd.smtp.envelope.plan_send`). Nesting deeper than 50 levels is
 encoded as one text part.
 """
 

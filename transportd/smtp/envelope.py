@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from .mime7bit import needs_smtputf8_headers, to_7bit
+from transportd.smtp.mime7bit import needs_smtputf8_headers, to_7bit
 
 # RFC 6531 section 3.6 / RFC 3463 enhanced codes used when no attempt is made.
 NO_SMTPUTF8_ADDRESS = ("550 5.6.7 Non-ASCII address not permitted: the next hop does not support SMTPUTF8 "

@@ -16,7 +16,7 @@ import socket
 import time
 from pathlib import Path
 
-from .store import fsync_dir as _fsync_dir
+from transportd.queue.store import fsync_dir as _fsync_dir
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+@=-]")
 

@@ -23,10 +23,10 @@ from typing import Any, Awaitable, Callable
 
 from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, Session
 
-from . import replies
-from .routing import domain_of, is_accepted, relay_allowed, valid_address
+from transportd.smtp import replies
+from transportd.queue.routing import domain_of, is_accepted, relay_allowed, valid_address
 
-log = logging.getLogger("transportd.receive")
+log = logging.getLogger("transportd.smtp.server")
 
 
 class MessageRejected(Exception):

@@ -19,10 +19,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import func, select
 
-from .mailqueue import NOT_REDUNDANT, QUEUED, SAFETY_NET, TERMINAL
-from .store import messages, queues, recipients
+from transportd.queue.messages import NOT_REDUNDANT, QUEUED, SAFETY_NET, TERMINAL
+from transportd.queue.store import messages, queues, recipients
 
-log = logging.getLogger("transportd.metrics")
+log = logging.getLogger("transportd.node.metrics")
 
 # Tracking event -> (counter, label value). Every event is one message (a group of its recipients).
 DELIVERED_EVENTS = {"DELIVER": "mailbox", "DUPLICATEDELIVER": "mailbox_duplicate", "SEND": "peer",

@@ -24,23 +24,23 @@ from typing import Any
 
 from aiosmtpd.smtp import Envelope, Session
 
-from . import __version__
-from . import faults
-from . import mailqueue as mq
-from .config import Config
-from .delivery import DeliveryAgent
-from .mailbox import MailboxStore
-from .mailqueue import NewMessage
-from .metrics import NodeMetrics
-from .receive import (ConnectionCounter, FrontendHandler, MessageRejected, new_network_message_id,
+from transportd import __version__
+from transportd import faults
+from transportd.queue import messages as mq
+from transportd.config import Config
+from transportd.node.delivery import DeliveryAgent
+from transportd.queue.mailbox import MailboxStore
+from transportd.queue.messages import NewMessage
+from transportd.node.metrics import NodeMetrics
+from transportd.smtp.server import (ConnectionCounter, FrontendHandler, MessageRejected, new_network_message_id,
                       prepare_message, received_as, smtp_factory)
-from .replies import S451_NOT_REDUNDANT, S451_STORE_UNAVAILABLE, S554_HOP_COUNT, S554_NO_VALID_RECIPIENTS
-from .shadow import (ShadowManager, ShadowResult, _network_id_from, discard_uncertain_job,
+from transportd.smtp.replies import S451_NOT_REDUNDANT, S451_STORE_UNAVAILABLE, S554_HOP_COUNT, S554_NO_VALID_RECIPIENTS
+from transportd.redundancy.manager import (ShadowManager, ShadowResult, _network_id_from, discard_uncertain_job,
                      record_shadow_job)
-from .transport import TransportHandler, TransportSMTP, make_peer_authenticator
-from .routing import bifurcate
-from .store import QueueStore, StoreError, meta
-from .tracking import TrackingLog
+from transportd.redundancy.server import TransportHandler, TransportSMTP, make_peer_authenticator
+from transportd.queue.routing import bifurcate
+from transportd.queue.store import QueueStore, StoreError, meta
+from transportd.tracking import TrackingLog
 
 log = logging.getLogger("transportd")
 
@@ -211,7 +211,7 @@ class Node:
         peer = session.peer or ("", 0)
         client_ip = str(peer[0])
         data = envelope.original_content or b""
-        from .transport import peer_name
+        from transportd.redundancy.server import peer_name
         netid = (peer_name(session) and _network_id_from(data)) or new_network_message_id()
         prepared = prepare_message(data, node_name=cfg.node.name, client_ip=client_ip,
                                    helo=session.host_name or "", network_message_id=netid, now=now,
@@ -315,7 +315,7 @@ class Node:
                                  now: float) -> None:
         """Record where the shadow went; with no shadow, accept unprotected or reject (451 4.4.0)."""
         from sqlalchemy import delete, update
-        from .store import message_bodies, messages, recipients as recipients_t
+        from transportd.queue.store import message_bodies, messages, recipients as recipients_t
         faults.check("settle", msg)
         if result.uncertain:
             await self.store.write(discard_uncertain_job(result.uncertain, guid, now))

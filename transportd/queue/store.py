@@ -41,7 +41,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DatabaseError, OperationalError
 
-log = logging.getLogger("transportd.store")
+log = logging.getLogger("transportd.queue.store")
 
 T = TypeVar("T")
 

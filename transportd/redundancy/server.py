@@ -18,12 +18,12 @@ from typing import Any, Callable
 
 from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session, syntax
 
-from . import replies
-from .protocol import (ProtocolError, encode_dbid, encode_fqdn, format_discard_reply, parse_xqdiscard,
+from transportd.smtp import replies
+from transportd.redundancy.protocol import (ProtocolError, encode_dbid, encode_fqdn, format_discard_reply, parse_xqdiscard,
                        parse_xshadow, parse_xshadowrequest, redundancy_reply, split_xshadow_param)
-from .receive import FrontendHandler, LimitedSMTP, MessageRejected
+from transportd.smtp.server import FrontendHandler, LimitedSMTP, MessageRejected
 
-log = logging.getLogger("transportd.transport")
+log = logging.getLogger("transportd.redundancy.server")
 
 S501_INVALID_ARGUMENTS = "501 5.5.4 Invalid arguments"
 S503_BAD_SEQUENCE = "503 5.5.1 Bad sequence of commands"
@@ -176,7 +176,7 @@ class TransportSMTP(LimitedSMTP):
         name = await self._outside_transaction()
         if name is None:
             return
-        from .safetynet import parse_resubmit_arg
+        from transportd.queue.safetynet import parse_resubmit_arg
         try:
             destination, start, end = parse_resubmit_arg(arg)
         except ValueError:
@@ -229,7 +229,7 @@ class TransportHandler(FrontendHandler):
         if peer_name(session) is not None:
             # A boundary peer relays for the whole boundary: no relay check, no recipient limit
             # beyond its own (the primary already applied them).
-            from .routing import valid_address
+            from transportd.queue.routing import valid_address
             if not valid_address(address):
                 return replies.S501_BAD_ADDRESS
             envelope.rcpt_tos.append(address)
@@ -250,7 +250,7 @@ class TransportHandler(FrontendHandler):
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001
-                from .shadow import _network_id_from
+                from transportd.redundancy.manager import _network_id_from
                 log.exception("storing a shadow copy for %s failed", request.primary_fqdn,
                               extra={"internal_message_id": None,
                                      "network_message_id": _network_id_from(envelope.original_content or b"")})

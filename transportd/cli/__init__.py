@@ -21,11 +21,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 import click
 
-from . import __version__
-from . import config as config_mod
-from . import mailqueue as mq
-from .config import Config, ConfigError
-from .store import QueueStore, StoreError, meta
+from transportd import __version__
+from transportd import config as config_mod
+from transportd.queue import messages as mq
+from transportd.config import Config, ConfigError
+from transportd.queue.store import QueueStore, StoreError, meta
 
 
 class CliError(click.ClickException):
@@ -138,7 +138,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], max_width: int 
 
 
 def tracking_log_for(cfg: Config, store: QueueStore):
-    from .tracking import TrackingLog
+    from transportd.tracking import TrackingLog
     if not cfg.tracking.message_tracking_log_enabled:
         return None
     name = store.read(lambda c: c.execute(
@@ -162,7 +162,7 @@ def cli() -> None:
               help="operational log format (overrides node.log_format)")
 def serve(config: str, log_format: str | None) -> None:
     """Run a node: frontend receive connector, queues and delivery."""
-    from .daemon import serve as run, setup_logging
+    from transportd.node.daemon import serve as run, setup_logging
     cfg = load_config(config, None)
     setup_logging(cfg.node.log_level, log_format or cfg.node.log_format)
     sys.exit(run(cfg))
@@ -179,7 +179,7 @@ def serve(config: str, log_format: str | None) -> None:
 def sink(listen: str, directory: str, smtputf8: bool, eightbitmime: bool) -> None:
     """Run a development sink: an SMTP server outside the boundary that stores all it receives."""
     import asyncio
-    from .sink import run_sink
+    from transportd.devtools.sink import run_sink
     try:
         host, port = config_mod.parse_hostport(listen)
     except ValueError as exc:
@@ -376,8 +376,8 @@ def get_message(cfg: Config, message_id: int) -> dict:
 @click.option("--json", "as_json", is_flag=True, help="one JSON object")
 def message_show(cfg: Config, message_id: int, as_json: bool) -> None:
     """Envelope, headers, per-recipient status and tracking events of one message."""
-    from .receive import split_headers
-    from .tracking import search
+    from transportd.smtp.server import split_headers
+    from transportd.tracking import search
     m = get_message(cfg, message_id)
     body = m.pop("body")
     headers = split_headers(body)[0].decode("utf-8", "replace").rstrip() if body else ""
@@ -476,8 +476,8 @@ def admin_event(trk: Any, event_id: str, row: dict, context: str, **fields: Any)
 @click.option("--ndr", is_flag=True, help="send a non-delivery report to the sender")
 def message_remove(cfg: Config, message_id: int, ndr: bool) -> None:
     """Remove a message from the queues (logged as DROP), optionally with an NDR."""
-    from .delivery import dsn_message
-    from .dsn import RecipientReport
+    from transportd.node.delivery import dsn_message
+    from transportd.smtp.dsn import RecipientReport
     store = open_store(cfg)
     reply = "550 5.2.0 Message deleted by an administrator"
     now = time.time()
@@ -565,7 +565,7 @@ def safetynet_group() -> None:
 def safetynet_list(cfg: Config, source: str, as_json: bool) -> None:
     """Messages held in this node's Primary and Shadow Safety Net, with their hold time."""
     from sqlalchemy import select
-    from .store import messages
+    from transportd.queue.store import messages
     roles = ("primary", "shadow") if source == "both" else (source,)
     store = open_store(cfg)
     try:
@@ -601,7 +601,7 @@ def safetynet_list(cfg: Config, source: str, as_json: bool) -> None:
 def safetynet_resubmit(cfg: Config, destination: str, start: str, end: str | None, source: str,
                        for_primary: str | None, force: bool) -> None:
     """Queue again what this node's Safety Net holds for DESTINATION in a time window."""
-    from .safetynet import database_created_at, resubmit
+    from transportd.queue.safetynet import database_created_at, resubmit
     if for_primary:
         _resubmit_for_unreachable_primary(cfg, destination, start, end, for_primary.lower(), force)
         return
@@ -637,8 +637,8 @@ def safetynet_resubmit(cfg: Config, destination: str, start: str, end: str | Non
 def _resubmit_for_unreachable_primary(cfg: Config, destination: str, start: str, end: str | None,
                                       primary: str, force: bool) -> None:
     from sqlalchemy import select
-    from .safetynet import resubmit
-    from .store import shadow_contexts
+    from transportd.queue.safetynet import resubmit
+    from transportd.queue.store import shadow_contexts
     s = parse_when(start, "--start").timestamp()
     e = parse_when(end, "--end").timestamp() if end else time.time()
     limit = cfg.safety_net.primary_safety_net_unreachable_time
@@ -650,7 +650,7 @@ def _resubmit_for_unreachable_primary(cfg: Config, destination: str, start: str,
         if not force and ctx is None:
             raise CliError(f"this node holds nothing of {primary} (never polled it): nothing to resubmit")
         if not force and last is not None and time.time() - last < limit:
-            from .store import resubmit_requests
+            from transportd.queue.store import resubmit_requests
             store.transaction(lambda c: c.execute(resubmit_requests.insert().values(
                 for_primary=primary, destination=destination, start_at=s, end_at=e, created_at=time.time())))
             click.echo(f"{primary} answered a heartbeat at {fmt_time(last)} UTC, within "
@@ -725,7 +725,7 @@ def shadow_group() -> None:
 
 def shadow_rows(cfg: Config) -> list[dict]:
     from sqlalchemy import func, select
-    from .store import messages, shadow_contexts
+    from transportd.queue.store import messages, shadow_contexts
     store = open_store(cfg)
     try:
         def q(conn):
@@ -772,7 +772,7 @@ def shadow_list(cfg: Config, as_json: bool) -> None:
 def shadow_show(cfg: Config, primary: str, include_done: bool, as_json: bool) -> None:
     """The shadow copies held for one primary."""
     from sqlalchemy import select
-    from .store import messages
+    from transportd.queue.store import messages
     store = open_store(cfg)
     try:
         def q(conn):
@@ -823,7 +823,7 @@ def _cluster_options(fn: Callable) -> Callable:
 
 def _generate(directory: Path, nodes: int, sites: int, ip_base: int, frontend_port: int, transport_port: int,
               sink_address: str, overrides: tuple[str, ...], secret: str | None = None):
-    from .cluster import generate, parse_overrides
+    from transportd.devtools.cluster import generate, parse_overrides
     if sites > nodes:
         raise click.BadParameter(f"{sites} sites need at least {sites} nodes", param_hint="--sites")
     try:
@@ -859,7 +859,7 @@ def cluster_config(out: str, nodes: int, sites: int, ip_base: int, frontend_port
 def cluster_up(data_dir: str, nodes: int, sites: int, ip_base: int, frontend_port: int, transport_port: int,
                sink_address: str, overrides: tuple[str, ...]) -> None:
     """Start the cluster in the foreground (Ctrl-C or SIGTERM stops every process)."""
-    from .cluster import Cluster
+    from transportd.devtools.cluster import Cluster
     directory = Path(data_dir).resolve()
     secret = None
     old = directory / "node1.toml"
@@ -891,7 +891,7 @@ def cluster_up(data_dir: str, nodes: int, sites: int, ip_base: int, frontend_por
 def cluster_status(data_dir: str, as_json: bool) -> None:
     """Each node alive or not, with its queue and shadow counts."""
     import socket as socket_mod
-    from .cluster import load_cluster_json, pid_alive
+    from transportd.devtools.cluster import load_cluster_json, pid_alive
     try:
         doc = load_cluster_json(Path(data_dir).resolve())
     except FileNotFoundError as exc:
@@ -929,7 +929,7 @@ def cluster_status(data_dir: str, as_json: bool) -> None:
 def parse_when(value: str | None, name: str) -> datetime | None:
     if value is None:
         return None
-    from .tracking import parse_datetime
+    from transportd.tracking import parse_datetime
     try:
         return parse_datetime(value)
     except ValueError:
@@ -957,7 +957,7 @@ def tracking_search(cfg: Config, message_id: str | None, network_message_id: str
                     internal_message_id: str | None, sender: str | None, recipient: str | None,
                     event_id: str | None, start: str | None, end: str | None, as_json: bool) -> None:
     """Search this node's MSGTRK files."""
-    from .tracking import search
+    from transportd.tracking import search
     s, e = parse_when(start, "--start"), parse_when(end, "--end")
     if not cfg.tracking_dir.is_dir():
         raise CliError(f"no tracking logs at {cfg.tracking_dir}")
@@ -1042,7 +1042,7 @@ def chaos(messages: int, faults: int, seed: int | None, no_shadow: bool, expect_
     import json
     import random
     import tempfile
-    from .chaos.harness import format_summary, run
+    from transportd.devtools.chaos.harness import format_summary, run
     import signal
 
     def stop(signum: int, frame: Any) -> None:
@@ -1108,7 +1108,7 @@ def analyze_run(paths: tuple[str, ...], out: str, master: str | None, recursive:
                 grace: float, episode_gap: float, confs: tuple[str, ...], no_progress: bool, as_json: bool) -> None:
     """Analyze MSGTRK files, folders or globs; write messages/, anomalies/, summary.json, report.html."""
     try:
-        from .analytics import job
+        from transportd.analytics import job
     except ImportError as exc:
         raise CliError(f"pyspark is not installed ({exc}); pip install -e '.[analytics]'") from None
     conf = {}
@@ -1156,7 +1156,7 @@ def analyze_generate(messages: int, nodes: int, out: str, seed: int, deaths: int
                      redirect_fail_rate: float, defer_rate: float, fail_rate: float, lost_discard_rate: float,
                      malformed: int) -> None:
     """Write realistic multi-node MSGTRK logs with injected failures, and truth.json beside them."""
-    from .analytics.generate import generate
+    from transportd.analytics.generate import generate
     started = time.monotonic()
     try:
         truth = generate(out, messages, nodes, seed, deaths=(1 if nodes > 2 else 0) if deaths is None else deaths,

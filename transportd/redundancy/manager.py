@@ -24,19 +24,20 @@ from typing import Any
 import aiosmtplib
 from sqlalchemy import delete, func, insert, or_, select, update
 
-from . import faults, smtpclient
-from . import mailqueue as mq
-from .config import peer_tls_options
-from .envelope import message_parameters
-from .mailqueue import NewMessage
-from .protocol import (Peer, ProtocolError, after_heartbeat, decode_dbid, encode_fqdn, unreachable_since,
+from transportd import faults
+from transportd.smtp import client as smtpclient
+from transportd.queue import messages as mq
+from transportd.config import peer_tls_options
+from transportd.smtp.envelope import message_parameters
+from transportd.queue.messages import NewMessage
+from transportd.redundancy.protocol import (Peer, ProtocolError, after_heartbeat, decode_dbid, encode_fqdn, unreachable_since,
                        format_xshadowrequest, parse_discard_entries, shadow_attempts)
-from .receive import header_fields, new_network_message_id, received_as
-from .routing import bifurcate
-from .store import (discard_events, message_shadows, messages, recipients, resubmit_requests, shadow_contexts,
+from transportd.smtp.server import header_fields, new_network_message_id, received_as
+from transportd.queue.routing import bifurcate
+from transportd.queue.store import (discard_events, message_shadows, messages, recipients, resubmit_requests, shadow_contexts,
                     shadow_forks)
 
-log = logging.getLogger("transportd.shadow")
+log = logging.getLogger("transportd.redundancy.manager")
 
 DISCARD_BATCH = 50
 # Copies made redundant again at once after a promotion, a peer's lost database or a failed
@@ -739,7 +740,7 @@ class ShadowManager:
 
     async def resubmit_for(self, primary: str, destination: str, start: float, end: float) -> int:
         """Resubmit our Shadow Safety Net copies of ``primary`` for a destination and window."""
-        from .safetynet import resubmit
+        from transportd.queue.safetynet import resubmit
         failures: list = []
         done = await self.node.store.write(lambda c: resubmit(
             c, self.cfg, destination=destination, start=start, end=end, sources=("shadow",),

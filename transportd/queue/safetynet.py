@@ -18,10 +18,10 @@ from typing import Any
 from sqlalchemy import and_, func, select
 from sqlalchemy.engine import Connection
 
-from . import faults
-from . import mailqueue as mq
-from .routing import bifurcate, domain_of, is_accepted, mailbox_database_for
-from .store import meta, messages, recipients
+from transportd import faults
+from transportd.queue import messages as mq
+from transportd.queue.routing import bifurcate, domain_of, is_accepted, mailbox_database_for
+from transportd.queue.store import meta, messages, recipients
 
 
 @dataclass

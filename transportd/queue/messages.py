@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 
-from .routing import NextHop
-from .store import (delivered_to, discard_events, message_bodies, message_shadows, messages, queues,
+from transportd.queue.routing import NextHop
+from transportd.queue.store import (delivered_to, discard_events, message_bodies, message_shadows, messages, queues,
                     recipients, shadow_forks)
 
 # recipient statuses
@@ -642,7 +642,7 @@ def redirect_to_peer(conn: Connection, target: str, now: float) -> list[dict]:
     Recipients being sent right now (Active) finish where they are. Messages an operator suspended
     (or held in the Poison queue) stay here, held as they are: a redirect releases nothing.
     Returns the moved messages."""
-    from .routing import PEER
+    from transportd.queue.routing import PEER
     qid = queue_id_for(conn, NextHop(f"peer:{target}", PEER, target), now)
     rows = conn.execute(
         select(recipients.c.message_id, func.count())

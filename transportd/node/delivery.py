@@ -25,18 +25,19 @@ from typing import Any, Sequence
 import aiosmtplib
 from sqlalchemy import insert
 
-from . import faults, smtpclient
-from . import mailqueue as mq
-from .config import peer_tls_options
-from .dsn import RecipientReport, build_dsn, dsn_needs_utf8, status_from_reply
-from .envelope import plan_send
-from .mailqueue import NewMessage, Outcome, WorkItem
-from .receive import split_headers
-from .protocol import ProtocolError
-from .routing import DNS, MAILBOX, PEER, bifurcate
-from .store import StoreError, shadow_forks
+from transportd import faults
+from transportd.smtp import client as smtpclient
+from transportd.queue import messages as mq
+from transportd.config import peer_tls_options
+from transportd.smtp.dsn import RecipientReport, build_dsn, dsn_needs_utf8, status_from_reply
+from transportd.smtp.envelope import plan_send
+from transportd.queue.messages import NewMessage, Outcome, WorkItem
+from transportd.smtp.server import split_headers
+from transportd.redundancy.protocol import ProtocolError
+from transportd.queue.routing import DNS, MAILBOX, PEER, bifurcate
+from transportd.queue.store import StoreError, shadow_forks
 
-log = logging.getLogger("transportd.delivery")
+log = logging.getLogger("transportd.node.delivery")
 
 EXPIRED_REPLY = "550 4.4.7 QUEUE.Expired; message expired"
 

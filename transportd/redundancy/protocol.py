@@ -15,9 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Sequence
 
-
-class ProtocolError(ValueError):
-    """A malformed X-verb argument or reply (a contract violation)."""
+from transportd.errors import ProtocolError  # noqa: F401 - raised by every parser here
 
 
 # ------------------------------------------------------------------------- encodings

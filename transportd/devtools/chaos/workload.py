@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .checker import ACK, REFUSED, REJECTED, UNKNOWN, Attempt, Sent
+from transportd.devtools.chaos.checker import ACK, REFUSED, REJECTED, UNKNOWN, Attempt, Sent
 
 LOCAL_DOMAIN = "example.test"       # mailbox database MDB01 on node1
 EXTERNAL_DOMAIN = "elsewhere.test"  # routed to the smart host: the sink

@@ -1,6 +1,6 @@
 """One chaos run: cluster up, workload and nemesis, heal, drain, check, report.
 
-It reuses ``transportd.cluster`` (configs for a 3-node, 2-site cluster and the
+It reuses ``transportd.devtools.cluster`` (configs for a 3-node, 2-site cluster and the
 process runner) with short timers, with every peer link routed through the
 fault proxy, and with node and sink output in log files under the run folder.
 The run ends with a summary printed and written as JSON; ``ok`` in it is the
@@ -25,12 +25,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .. import cluster as cluster_mod
-from ..mailqueue import NOT_REDUNDANT
-from .checker import HeldRow, chaos_id, check, scan_maildir_tree
-from .nemesis import FAULT_TYPES, Nemesis, schedule
-from .proxy import FaultProxy
-from .workload import Workload, WorkloadSettings
+from transportd.devtools import cluster as cluster_mod
+from transportd.queue.messages import NOT_REDUNDANT
+from transportd.devtools.chaos.checker import HeldRow, chaos_id, check, scan_maildir_tree
+from transportd.devtools.chaos.nemesis import FAULT_TYPES, Nemesis, schedule
+from transportd.devtools.chaos.proxy import FaultProxy
+from transportd.devtools.chaos.workload import Workload, WorkloadSettings
 
 
 def port_free(host: str, port: int) -> bool:

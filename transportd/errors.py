@@ -1,0 +1,90 @@
+"""The exceptions transportd raises on purpose, in one tree.
+
+It owns the names every layer raises and catches; it never holds logic. Anything
+outside this tree that reaches a loop is an internal error: logged with the
+message's ids, counted towards the Poison queue, answered ``451 4.3.0``.
+
+    TransportdError                    anything transportd raises on purpose
+    ├── ConfigError                    a bad config file or key (the message names the key)
+    ├── StoreError                     the queue database cannot be used (receive answers 451 4.3.0)
+    │   └── CorruptDatabase            the file is not a usable queue database (moved aside at start)
+    ├── ProtocolError                  a malformed X-verb, argument or reply: a contract violation
+    │                                  (also a ValueError: it is raised while parsing values)
+    ├── PeerError                      a peer's transport connector could not do what we asked
+    │   ├── PeerTransientError         no connection, timeout, 4xx, a broken session: try again later
+    │   └── PeerPermanentError         a 5xx, or the peer does not offer what we need
+    ├── NextHopError                   a delivery's next hop
+    │   ├── NextHopUnavailable         no session to any of its hosts (DEFER the whole batch)
+    │   └── NextHopPermanentError      it can never be reached (no such domain, null MX): FAIL + DSN
+    └── MessageRejected                the reply to give an SMTP client for one message (4xx or 5xx)
+
+``PEER_FAILURES`` is the tuple of library exceptions that mean "this session to a peer or next hop
+failed" (network, SMTP, timeout, protocol); adapters catch exactly that and nothing wider.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiosmtplib
+
+
+class TransportdError(Exception):
+    """Base of every exception transportd raises on purpose."""
+
+
+class ConfigError(TransportdError):
+    """A configuration problem, with the key it concerns in the message."""
+
+
+class StoreError(TransportdError):
+    """The queue database cannot be used (the receive path answers 451 4.3.0)."""
+
+
+class CorruptDatabase(StoreError):
+    """The file is not a usable queue database."""
+
+
+class ProtocolError(TransportdError, ValueError):
+    """A malformed X-verb argument or reply (a contract violation)."""
+
+
+class PeerError(TransportdError):
+    """A peer's transport connector could not do what was asked."""
+
+
+class PeerTransientError(PeerError):
+    """Worth trying again: no connection, a timeout, a 4xx, a session that broke."""
+
+
+class PeerPermanentError(PeerError):
+    """Not worth trying again as is: a 5xx, or the peer does not offer what is needed."""
+
+
+class NextHopError(TransportdError):
+    """A delivery's next hop could not be used."""
+
+
+class NextHopUnavailable(NextHopError):
+    """No session could be opened to any host of a next hop (a DEFER for the whole batch)."""
+
+
+class NextHopPermanentError(NextHopError):
+    """The next hop can never be reached (no such domain, null MX): FAIL with this reply and a DSN."""
+
+    def __init__(self, reply: str):
+        super().__init__(reply)
+        self.reply = reply
+
+
+class MessageRejected(TransportdError):
+    """Raised by the accept path with the SMTP reply to send (4xx or 5xx)."""
+
+    def __init__(self, reply: str):
+        super().__init__(reply)
+        self.reply = reply
+
+
+# A session to a peer or a next hop failed: the network, the SMTP exchange, a timeout, the contract.
+PEER_FAILURES: tuple[type[BaseException], ...] = (aiosmtplib.SMTPException, OSError, asyncio.TimeoutError,
+                                                  ProtocolError, PeerError)
