@@ -25,6 +25,10 @@ import pytest
 
 from transportd.devtools.cluster import toml_value
 
+# The shared helper modules next to this file (imported by the test files, and lazily by the
+# fixtures below): their asserts get pytest's introspection, as they did inside test files.
+pytest.register_assert_rewrite("clusters", "helpers")
+
 REPO = Path(__file__).resolve().parent.parent
 SMTP_SINK = shutil.which("smtp-sink") or "/usr/sbin/smtp-sink"
 SWAKS = shutil.which("swaks") or "/usr/bin/swaks"
@@ -300,3 +304,69 @@ def make_node(procs, tmp_path):
     def factory(name: str = "node1", **kw: Any) -> Node:
         return Node(procs, tmp_path, name, **kw)
     return factory
+
+
+@pytest.fixture
+def cluster(procs, sink, tmp_path):
+    """A factory: ``cluster(overrides=...)`` writes a 3-node, 2-site config set (not started);
+    see clusters.Cluster."""
+    import random
+
+    from clusters import FAST, Cluster, merge
+
+    from transportd.devtools import cluster as cluster_mod
+
+    made: list[Cluster] = []
+
+    def factory(*, overrides: dict[str, dict[str, Any]] | None = None, nodes: int = 3, sites: int = 2) -> Cluster:
+        directory = tmp_path / f"cluster{len(made) + 1}"
+        specs = cluster_mod.generate(
+            directory, nodes=nodes, sites=sites, ip_base=random.randint(20, 200),
+            frontend_port=free_port(), transport_port=free_port(), sink_address=sink.address,
+            overrides=merge(FAST, overrides))
+        c = Cluster(directory, specs, procs)
+        made.append(c)
+        return c
+
+    yield factory
+    # On failure, the node logs are the first thing anyone needs.
+    for c in made:
+        sys.stderr.write(c.logs()[-20000:] + "\n")
+
+
+@pytest.fixture
+def make_cluster(procs, sink, tmp_path):
+    """A factory: ``make_cluster(heartbeat, resubmit)`` writes a 3-node, 2-site config set (not
+    started) with those shadow timers; see clusters.LocalCluster."""
+    from clusters import LocalCluster
+
+    made: list[LocalCluster] = []
+
+    def factory(heartbeat: float, resubmit: float) -> LocalCluster:
+        c = LocalCluster(procs, sink, tmp_path, {"shadow_redundancy": {
+            "shadow_heartbeat_frequency": heartbeat, "shadow_resubmit_time_span": resubmit}})
+        made.append(c)
+        return c
+    yield factory
+    # Shown by pytest only when the test failed.
+    for c in made:
+        for n in c.nodes.values():
+            print(f"===== {n.spec.short} log (last 60 lines) =====")
+            print("\n".join(n.log().splitlines()[-60:]))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MB tmpfs mounted for the test (needs root; skipped otherwise, saying so)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a small tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], check=False, capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False, capture_output=True)

@@ -26,7 +26,7 @@ METHODS = {
 INSTANCE_ATTRIBUTES = {
     "_smtp_methods": "wrapping every verb with the command-rate limiter",
     "_reader": "the DATA reader reads the stream itself",
-    "_writer": "raw replies (PROTOCOL.md's XSHADOWREQUEST/XQDISCARD lines) and 421 on a time-out",
+    "_writer": "raw replies (docs/PROTOCOL.md's XSHADOWREQUEST/XQDISCARD lines) and 421 on a time-out",
     "_timeout_handle": "activity timer",
     "_decode_data": "the chunked reader only works on undecoded data",
     "_handler_coroutine": "cancelled by aiosmtpd when the client goes away (we shield commits)",

@@ -324,7 +324,7 @@ def test_cli_generate_writes_logs_and_truth_and_bad_input_exits_2(tmp_path):
 
 
 def test_real_cluster_primary_killed_analyze_reports_promotion_no_loss_full_coverage(procs, sink, tmp_path):
-    from test_cluster_failover import LocalCluster, accepted_with_shadow, send
+    from clusters import LocalCluster, accepted_with_shadow, send
 
     c = LocalCluster(procs, sink, tmp_path, {"shadow_redundancy": {
         "shadow_heartbeat_frequency": 0.5, "shadow_resubmit_time_span": 3}})

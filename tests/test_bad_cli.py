@@ -8,7 +8,7 @@ sink and the chaos harness. Bad config files are in test_cli.py and test_config.
 from __future__ import annotations
 
 import pytest
-from test_cli import assert_one_error_line, run_cli
+from helpers import assert_one_error_line, run_cli
 
 CASES = {
     "unknown-command": (["frobnicate"], "No such command 'frobnicate'"),

@@ -22,6 +22,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import queued_id, swaks, wait_for
+from helpers import assert_one_error_line, run_cli
 from transportd import config as config_mod
 from transportd.cli import cli as transportd_cli
 
@@ -37,11 +38,6 @@ BOTH = (False, True)  # use_data_dir
 # ``run_cli`` / ``node.cli`` start a real ``python -m transportd`` process (exit codes, stderr lines).
 # ``invoke`` / ``cli``/``cli_json``/``track`` run the same click command in this process: the same code on
 # the same queue database and MSGTRK files, without ~0.5 s of interpreter start-up per call.
-
-def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "transportd", *args], capture_output=True, text=True,
-                          timeout=timeout)
-
 
 def invoke(*args: str, check: bool = False) -> subprocess.CompletedProcess:
     r = CliRunner().invoke(transportd_cli, list(args), catch_exceptions=False)
@@ -104,17 +100,6 @@ def table_line(output: str, *needles: str) -> str | None:
         if all(n in line for n in needles):
             return line
     return None
-
-
-def assert_one_error_line(res: subprocess.CompletedProcess, code: int, *needles: str) -> str:
-    assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
-    lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, f"expected exactly one stderr line, got:\n{res.stderr}"
-    assert "Traceback" not in res.stderr
-    for n in needles:
-        assert n in lines[0], f"{n!r} not in {lines[0]!r}"
-    assert res.stdout == ""
-    return lines[0]
 
 
 # ------------------------------------------------------------------------------ 1. queue list

@@ -7,7 +7,7 @@ boundary goes to Postfix's smtp-sink (the conftest ``sink``), started only when 
 wants delivery to happen. Timers are short (heartbeat 0.5 s, retries 1 s) so the whole
 file runs in well under two minutes.
 
-What is checked is PROTOCOL.md, from the outside: the shadow exists when the client gets
+What is checked is docs/PROTOCOL.md, from the outside: the shadow exists when the client gets
 its 250 (section 2), placement (PreferRemote / LocalOnly / RemoteOnly), what happens when
 no shadow can be made, who may speak the X-verbs on which connector (section 1), discard
 by heartbeat into the Shadow Safety Net (sections 4 and 5), a malformed discard id keeping
@@ -17,6 +17,9 @@ every shadow (a fake primary), hop-by-hop delivery with XSHADOW (section 3), and
 Read commands (``shadow list``, ``tracking search`` ...) run in this process through
 click's CliRunner: the same code on the same files as ``python -m transportd``, without
 the interpreter start-up per poll. ``cluster up``/``cluster status`` run as real processes.
+
+The harness (``Cluster``, ``ClusterNode``, ``FakePrimary``, the SMTP helpers) is in clusters.py,
+the ``cluster`` fixture in conftest.py; other test files use both.
 """
 
 from __future__ import annotations
@@ -27,235 +30,40 @@ import os
 import random
 import signal
 import smtplib
-import socketserver
-import sqlite3
 import subprocess
 import sys
 import threading
 import time
-import tomllib
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
-from click.testing import CliRunner
+from clusters import (
+    FAST,
+    FOREIGN,
+    HEARTBEAT,
+    LOCAL,
+    FakePrimary,
+    auth_plain,
+    b64,
+    b64_dbid,
+    fqdn,
+    invoke,
+    json_lines,
+    merge,
+    netid_of,
+    one,
+    reply,
+    smtp,
+    write_node_config,
+)
 from conftest import free_port, queued_id, swaks, wait_for, wait_port
-
-from transportd.devtools import cluster as cluster_mod
-from transportd import config as config_mod
-from transportd.cli import cli as transportd_cli
-from transportd.queue.mailbox import MailboxStore
-
-HEARTBEAT = 0.5
-FAST: dict[str, dict[str, Any]] = {
-    "shadow_redundancy": {"shadow_heartbeat_frequency": HEARTBEAT, "shadow_resubmit_time_span": 3},
-    "delivery": {"queue_poll_interval": 0.2, "transient_failure_retry_interval": 1,
-                 "outbound_connection_failure_retry_interval": 1, "send_connect_timeout": 2},
-    "node": {"log_level": "debug"},
-}
-FOREIGN = "bob@elsewhere.test"   # routed to the smart host (the sink), outside the boundary
-LOCAL = "alice@example.test"     # example.test lives in MDB01, on node1
-DOMAIN = cluster_mod.DOMAIN
-
-
-def fqdn(short: str) -> str:
-    return f"{short}.{DOMAIN}"
-
-
-def b64(text: str) -> str:
-    return base64.b64encode(text.encode("ascii")).decode("ascii")
-
-
-def b64_dbid(dbid: str) -> str:
-    return base64.b64encode(uuid.UUID(dbid).bytes).decode("ascii")
-
-
-def merge(*dicts: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for d in dicts:
-        for section, values in (d or {}).items():
-            out.setdefault(section, {}).update(values)
-    return out
-
-
-# ------------------------------------------------------------------------------ CLI in process
-
-def invoke(*args: str, ok_codes: tuple[int, ...] = (0,)) -> Any:
-    r = CliRunner().invoke(transportd_cli, list(args), catch_exceptions=False)
-    if r.exit_code not in ok_codes:
-        raise AssertionError(f"transportd {' '.join(args)} exited {r.exit_code}:\n{r.stdout}\n{r.stderr}")
-    return r
-
-
-def json_lines(text: str) -> list[dict]:
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    """The real ``python -m transportd`` (used where the process itself is what is tested)."""
-    return subprocess.run([sys.executable, "-m", "transportd", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)
-
-
-# ------------------------------------------------------------------------------ cluster fixture
-
-def write_node_config(path: Path, sections: dict[str, dict[str, Any]], peers: list[dict[str, str]]) -> None:
-    path.write_text(cluster_mod.render_toml(sections, peers))
-
-
-class ClusterNode:
-    """One generated node: its config file, its process, and read access to its state."""
-
-    def __init__(self, spec: cluster_mod.NodeSpec, registry: Any):
-        self.spec = spec
-        self.registry = registry
-        self.short = spec.short
-        self.name = spec.name
-        self.config = spec.config
-        self.host, _, port = spec.frontend.rpartition(":")
-        self.frontend_port = int(port)
-        self.transport_host, _, tport = spec.transport.rpartition(":")
-        self.transport_port = int(tport)
-        self.log_path = Path(spec.config).with_suffix(".log")
-        self.proc: subprocess.Popen | None = None
-        self.env: dict[str, str] = {}  # extra environment of the process (test hooks)
-
-    # -- config and process -------------------------------------------------------
-
-    def load_toml(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, str]]]:
-        raw = tomllib.loads(Path(self.config).read_text())
-        peers = raw.pop("peers", [])
-        return raw, peers
-
-    def set(self, section: str, key: str, value: Any) -> None:
-        """Change one key in this node's config only (before it starts)."""
-        sections, peers = self.load_toml()
-        sections.setdefault(section, {})[key] = value
-        write_node_config(Path(self.config), sections, peers)
-
-    @property
-    def cfg(self) -> Any:
-        return config_mod.load(self.config)
-
-    def spawn(self) -> None:
-        with open(self.log_path, "ab") as log:
-            self.proc = self.registry.add(subprocess.Popen(
-                [sys.executable, "-m", "transportd", "serve", "--config", self.config],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **self.env}))
-
-    def wait_listening(self) -> None:
-        wait_port(self.host, self.frontend_port, proc=self.proc)
-        wait_port(self.transport_host, self.transport_port, proc=self.proc)
-
-    def stop(self) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=15)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    # -- reading its state --------------------------------------------------------
-
-    def cli_json(self, *args: str) -> list[dict]:
-        return json_lines(invoke(*args, "--config", self.config, "--json").stdout)
-
-    def tracking(self, **filters: str) -> list[dict]:
-        args = ["tracking", "search", "--config", self.config, "--json"]
-        for k, v in filters.items():
-            args += [f"--{k.replace('_', '-')}", v]
-        r = invoke(*args, ok_codes=(0, 1))
-        if r.exit_code == 1:
-            assert "no tracking logs" in r.stderr, r.stderr
-            return []
-        return json_lines(r.stdout)
-
-    def events(self, netid: str) -> list[str]:
-        return [r["event-id"] for r in self.tracking(network_message_id=netid)]
-
-    def shadow_list(self) -> dict[str, dict]:
-        return {r["primary"]: r for r in self.cli_json("shadow", "list")}
-
-    def shadow_row(self, primary: str) -> dict:
-        """This node's ``shadow list`` row for ``primary`` (zeros when it holds nothing for it)."""
-        return self.shadow_list().get(primary, {"primary": primary, "shadows": 0, "shadow_safety_net": 0})
-
-    def messages(self, include_done: bool = True) -> list[dict]:
-        return self.cli_json("message", "list", *(["--all"] if include_done else []))
-
-    def queue_database_id(self) -> str:
-        con = sqlite3.connect(f"file:{self.cfg.db_path}?mode=ro", uri=True, timeout=5)
-        try:
-            return con.execute("SELECT value FROM meta WHERE key = 'queue_database_id'").fetchone()[0]
-        finally:
-            con.close()
-
-    def maildir(self, address: str) -> list[Path]:
-        return MailboxStore(self.cfg.mailbox_dir).list(address)
-
-    def swaks(self, to: str, *extra: str) -> subprocess.CompletedProcess:
-        return swaks(self.frontend_port, "--from", "carol@example.test", "--to", to, *extra, server=self.host)
-
-
-class Cluster:
-    def __init__(self, directory: Path, specs: list[cluster_mod.NodeSpec], registry: Any):
-        self.directory = directory
-        self.nodes = {s.short: ClusterNode(s, registry) for s in specs}
-        self.secret = tomllib.loads(Path(specs[0].config).read_text())["cluster"]["secret"]
-
-    def __getitem__(self, short: str) -> ClusterNode:
-        return self.nodes[short]
-
-    def start(self, *shorts: str) -> Cluster:
-        """Start the named nodes (all by default) in parallel and wait for both their listeners."""
-        chosen = [self.nodes[s] for s in (shorts or self.nodes)]
-        for n in chosen:
-            n.spawn()
-        for n in chosen:
-            n.wait_listening()
-        return self
-
-    def logs(self) -> str:
-        return "\n".join(f"===== {n.short}\n{n.log()[-6000:]}" for n in self.nodes.values())
-
-
-@pytest.fixture
-def cluster(procs, sink, tmp_path):
-    """A factory: ``cluster(overrides=...)`` writes a 3-node, 2-site config set (not started)."""
-    made: list[Cluster] = []
-
-    def factory(*, overrides: dict[str, dict[str, Any]] | None = None, nodes: int = 3, sites: int = 2) -> Cluster:
-        directory = tmp_path / f"cluster{len(made) + 1}"
-        specs = cluster_mod.generate(
-            directory, nodes=nodes, sites=sites, ip_base=random.randint(20, 200),
-            frontend_port=free_port(), transport_port=free_port(), sink_address=sink.address,
-            overrides=merge(FAST, overrides))
-        c = Cluster(directory, specs, procs)
-        made.append(c)
-        return c
-
-    yield factory
-    # On failure, the node logs are the first thing anyone needs.
-    for c in made:
-        sys.stderr.write(c.logs()[-20000:] + "\n")
-
-
-def netid_of(node: ClusterNode, qid: int) -> str:
-    rows = node.tracking(event_id="RECEIVE", internal_message_id=str(qid))
-    assert len(rows) == 1, rows
-    return rows[0]["network-message-id"]
-
-
-def one(rows: list[dict], what: str = "") -> dict:
-    assert len(rows) == 1, f"expected exactly one {what}, got {rows}"
-    return rows[0]
-
+from helpers import run_cli
 
 # ------------------------------------------------------------------------------ 1. shadow before the 250
 
 def test_shadow_exists_on_remote_site_when_client_gets_250(cluster):
-    """PROTOCOL.md 2: the copy is on the shadow (another site, PreferRemote) before the sender's 250.
+    """docs/PROTOCOL.md 2: the copy is on the shadow (another site, PreferRemote) before the sender's 250.
 
     The sink is down, so node1 cannot deliver and nothing can discard the shadow: whatever the
     shadow node holds right after swaks returns is what it held when the 250 went out.
@@ -278,7 +86,7 @@ def test_shadow_exists_on_remote_site_when_client_gets_250(cluster):
     redirect = one(node1.tracking(event_id="HAREDIRECT"), "HAREDIRECT on node1")
     assert redirect["network-message-id"] == netid
     assert redirect["source-context"].startswith(f"{node3.name}=250 2.6.0"), redirect["source-context"]
-    # The shadow's reply names its own local id and FQDN (PROTOCOL.md 2).
+    # The shadow's reply names its own local id and FQDN (docs/PROTOCOL.md 2).
     assert f"InternalId={shadow['id']}" in redirect["source-context"]
     assert f"Hostname={node3.name}" in redirect["source-context"]
 
@@ -295,7 +103,7 @@ def test_shadow_exists_on_remote_site_when_client_gets_250(cluster):
 # ------------------------------------------------------------------------------ 2. discard into the Shadow Safety Net
 
 def test_delivery_discards_shadow_into_shadow_safety_net(cluster, sink):
-    """PROTOCOL.md 4-5: once node1 delivered, node3's next heartbeat discards its copy."""
+    """docs/PROTOCOL.md 4-5: once node1 delivered, node3's next heartbeat discards its copy."""
     sink.start()
     c = cluster().start()
     node1, node3 = c["node1"], c["node3"]
@@ -409,23 +217,6 @@ def test_all_peers_down_rejects_when_configured(cluster):
 
 # ------------------------------------------------------------------------------ 5. who may speak the X-verbs
 
-def smtp(host: str, port: int, helo: str = "client.example") -> smtplib.SMTP:
-    s = smtplib.SMTP(host, port, local_hostname=helo, timeout=10)
-    s.ehlo(helo)
-    return s
-
-
-def reply(s: smtplib.SMTP, line: str) -> tuple[int, str]:
-    verb, _, arg = line.partition(" ")
-    code, msg = s.docmd(verb, arg)
-    return code, msg.decode("utf-8", "replace")
-
-
-def auth_plain(s: smtplib.SMTP, user: str, password: str) -> tuple[int, str]:
-    token = base64.b64encode(f"\0{user}\0{password}".encode()).decode("ascii")
-    return reply(s, f"AUTH PLAIN {token}")
-
-
 def x_verbs(dbid: str) -> list[str]:
     return [f"XSHADOWREQUEST {fqdn('node2')} {b64_dbid(dbid)}", f"XSHADOW {b64(fqdn('node2'))}", "XQDISCARD 5",
             f"MAIL FROM:<a@b.test> XSHADOW={uuid.uuid4()}"]
@@ -510,65 +301,8 @@ def test_transport_connector_security(cluster):
 
 # ------------------------------------------------------------------------------ 6. a malformed discard id
 
-class FakePrimary(socketserver.ThreadingTCPServer):
-    """Just enough of a primary for a shadow's heartbeat: EHLO, AUTH, XSHADOW, XQDISCARD."""
-
-    allow_reuse_address = True
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], name: str, dbid: str):
-        self.name = name
-        self.dbid = dbid
-        self.commands: list[str] = []
-        self.next_discards: list[list[str]] = []  # one-shot XQDISCARD answers, in order
-        self.default_discard: list[str] = ["not-a-guid"]
-        self.lock = threading.Lock()
-        super().__init__(address, FakePrimaryHandler)
-
-    def count(self, verb: str) -> int:
-        with self.lock:
-            return sum(1 for c in self.commands if c.split(" ", 1)[0].upper() == verb)
-
-    def discard_lines(self) -> list[str]:
-        with self.lock:
-            return self.next_discards.pop(0) if self.next_discards else list(self.default_discard)
-
-
-class FakePrimaryHandler(socketserver.StreamRequestHandler):
-    def handle(self) -> None:
-        srv: FakePrimary = self.server  # type: ignore[assignment]
-        out = self.wfile
-        out.write(b"220 " + srv.name.encode() + b" ESMTP fake primary\r\n")
-        for raw in self.rfile:
-            line = raw.decode("utf-8", "replace").rstrip("\r\n")
-            verb = line.split(" ", 1)[0].upper()
-            if verb == "XQDISCARD":
-                lines = srv.discard_lines()
-            with srv.lock:
-                srv.commands.append(line)
-            if verb in ("EHLO", "HELO"):
-                out.write(f"250-{srv.name}\r\n250-AUTH PLAIN\r\n250-ENHANCEDSTATUSCODES\r\n"
-                          f"250 XSHADOWREQUEST\r\n".encode())
-            elif verb == "AUTH":
-                out.write(b"235 2.7.0 Authentication successful\r\n")
-            elif verb == "XSHADOW":
-                out.write(f"250 {b64_dbid(srv.dbid)}\r\n".encode())
-            elif verb == "XQDISCARD":
-                if not lines:
-                    out.write(b"251 OK, no discard events\r\n")
-                else:
-                    body = [f"250-{x}" for x in lines[:-1]] + [f"250 {lines[-1]}"]
-                    out.write(("\r\n".join(body) + "\r\n").encode())
-            elif verb == "QUIT":
-                out.write(b"221 2.0.0 Bye\r\n")
-                return
-            else:
-                out.write(b"250 2.0.0 OK\r\n")
-            out.flush()
-
-
 def test_malformed_discard_id_keeps_every_shadow(procs, sink, tmp_path):
-    """PROTOCOL.md 4: a malformed id in an XQDISCARD reply is a contract violation: keep every shadow.
+    """docs/PROTOCOL.md 4: a malformed id in an XQDISCARD reply is a contract violation: keep every shadow.
 
     A fake primary answers the heartbeat; the node under test holds two shadows for it, given
     over its transport connector exactly as a primary would (XSHADOWREQUEST + MAIL XSHADOW=).
@@ -672,7 +406,7 @@ def test_malformed_discard_id_keeps_every_shadow(procs, sink, tmp_path):
 # ------------------------------------------------------------------------------ 7. hop by hop
 
 def test_hop_by_hop_delivery_to_mailbox_database_on_peer(cluster, sink):
-    """PROTOCOL.md 3: node3 hands alice's message to node1 (MDB01) with XSHADOW and keeps it until
+    """docs/PROTOCOL.md 3: node3 hands alice's message to node1 (MDB01) with XSHADOW and keeps it until
     node1's discard. node1's mailbox queue is suspended for a while so that "keeps it" is observed,
     not guessed."""
     sink.start()
@@ -694,8 +428,9 @@ def test_hop_by_hop_delivery_to_mailbox_database_on_peer(cluster, sink):
     assert received["source-context"] == "transport"
     assert received["network-message-id"] == netid  # the same id on both nodes
 
-    # node1 has not processed it: several heartbeats later, node3 still holds its copy.
-    time.sleep(4 * HEARTBEAT)
+    # node1 has not processed it: several heartbeats (discard exchanges with node1) later, node3
+    # still holds its copy.
+    node3.wait_heartbeats(node1.name, 4)
     assert "HADISCARD" not in node3.events(netid)
     held = one([m for m in node3.messages() if m["network_message_id"] == netid], "node3's copy")
     assert held["status"] != "SafetyNet", held
@@ -729,7 +464,7 @@ def test_hop_by_hop_delivery_to_mailbox_database_on_peer(cluster, sink):
 
 
 def test_bifurcated_message_released_only_when_every_fork_is_processed(cluster, sink):
-    """PROTOCOL.md 3: alice's fork goes to node1 (hop by hop), bob's to the sink. node1's discard
+    """docs/PROTOCOL.md 3: alice's fork goes to node1 (hop by hop), bob's to the sink. node1's discard
     of alice's fork is not enough for node3 to let go of the message while bob's fork is pending
     (sink down); when bob is delivered too, node3's copy and its own shadow are released."""
     c = cluster().start()
@@ -738,12 +473,16 @@ def test_bifurcated_message_released_only_when_every_fork_is_processed(cluster, 
 
     wait_for(lambda: node1.tracking(event_id="DELIVER", network_message_id=netid), timeout=10,
              what="node1 to deliver alice's fork")
-    # Several heartbeats: node3 has surely asked node1 for discards by now.
     wait_for(lambda: "DEFER" in node3.events(netid), timeout=10, what="bob's fork to be deferred")
-    time.sleep(4 * HEARTBEAT)
+    # node1's discard of alice's fork has reached node3: its fork row is gone (node3 decides about
+    # the message in that same commit).
+    wait_for(lambda: node3.forks_held_for(node1.name) == 0, timeout=HEARTBEAT + 10,
+             what="node1's discard of alice's fork to reach node3 (its shadow_forks row)")
     msg = one([m for m in node3.messages() if m["network_message_id"] == netid])
     assert msg["status"] not in ("SafetyNet", "Removed"), msg
     holder = one([n for n in (c["node1"], c["node2"]) if "HARECEIVE" in n.events(netid)], "node3's shadow holder")
+    # Since then, the holder of node3's own shadow has asked node3 for discards (twice).
+    holder.wait_heartbeats(node3.name, 2)
     assert "HADISCARD" not in holder.events(netid), "node3's shadow was released with a fork still pending"
     assert holder.shadow_row(node3.name)["shadows"] == 1
 
@@ -758,19 +497,23 @@ def test_bifurcated_message_released_only_when_every_fork_is_processed(cluster, 
 
 
 def test_every_session_to_the_primary_asks_for_discards(cluster, sink):
-    """PROTOCOL.md 4: the shadow runs XQDISCARD "on every session it opens to the primary for any
+    """docs/PROTOCOL.md 4: the shadow runs XQDISCARD "on every session it opens to the primary for any
     reason", not only on its heartbeat. node3's heartbeat is a minute here, so only the hop-by-hop
     session of a second message can bring back the discard of the first."""
     sink.start()
     c = cluster()
     node1, node3 = c["node1"], c["node3"]
     node3.set("shadow_redundancy", "shadow_heartbeat_frequency", 60)
+    node3.set("shadow_redundancy", "shadow_resubmit_time_span", 3600)  # not shorter than one heartbeat
+    node3.set("shadow_redundancy", "shadow_message_auto_discard_interval", 3600)
     c.start()
 
     first = netid_of(node3, queued_id(node3.swaks(LOCAL)))
     wait_for(lambda: node1.tracking(event_id="DELIVER", network_message_id=first), timeout=10,
              what="node1 to deliver the first message")
-    time.sleep(4 * HEARTBEAT)  # no heartbeat from node3 in this time
+    # Waiting for absence: no heartbeat from node3 in this time (it is a minute), so there is
+    # nothing to observe; the discard must not come back without a session to node1.
+    time.sleep(4 * HEARTBEAT)
     assert "HADISCARD" not in node3.events(first)
 
     second = netid_of(node3, queued_id(node3.swaks(LOCAL)))

@@ -1,4 +1,4 @@
-"""Shadow redundancy failover on a real 3-node, 2-site cluster (PROTOCOL.md sections 2-4).
+"""Shadow redundancy failover on a real 3-node, 2-site cluster (docs/PROTOCOL.md sections 2-4).
 
 node1 and node2 are in site-a, node3 in site-b, so with PreferRemote every shadow made by node1
 or node2 lands on node3. Each test kills or restarts a primary at a chosen moment and checks, from
@@ -16,167 +16,28 @@ what the shadow does about it:
 
 Where a test needs the shadow not to poll the primary during some window, it stops the shadow
 node (its shadow state lives in its queue database) instead of relying on heartbeat timing.
+
+The harness (``LocalCluster``, ``FailoverNode``, ``send`` ...) is in clusters.py, the
+``make_cluster`` fixture in conftest.py.
 """
 
 from __future__ import annotations
 
-import json
-import random
 import shutil
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
-from typing import Any
 
-import pytest
-from conftest import free_port, queued_id, swaks, wait_for, wait_port
+from clusters import FailoverNode, LocalCluster, accepted_with_shadow, send, sink_copies
+from conftest import wait_for
 
-from transportd.devtools import cluster as cluster_mod
-from transportd import config as config_mod
-from transportd.queue.mailbox import MailboxStore
-from transportd.tracking import search as tracking_search
-
-FAST_DELIVERY = {"queue_poll_interval": 0.2, "transient_failure_retry_interval": 1,
-                 "outbound_connection_failure_retry_interval": 1, "send_connect_timeout": 2}
+# LocalCluster, accepted_with_shadow and send are also imported from this module by
+# test_metrics.py (not ours to edit): kept importable here until it imports them from clusters.
+__all__ = ["LocalCluster", "accepted_with_shadow", "send"]
 
 
-class ClusterNode:
-    def __init__(self, spec: cluster_mod.NodeSpec, procs: Any, log_dir: Path):
-        self.spec = spec
-        self.procs = procs
-        self.name = spec.name
-        self.log_path = log_dir / f"{spec.short}.log"
-        self.proc: subprocess.Popen | None = None
-        host, _, port = spec.frontend.rpartition(":")
-        self.host, self.port = host, int(port)
-        self.cfg = config_mod.load(spec.config)
-
-    # -- process control ------------------------------------------------------------------
-
-    def start(self) -> ClusterNode:
-        with open(self.log_path, "ab") as log:
-            self.proc = self.procs.add(subprocess.Popen(
-                [sys.executable, "-m", "transportd", "serve", "--config", self.spec.config],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-        wait_port(self.host, self.port, timeout=20, proc=self.proc)
-        return self
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def stop(self) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=15)
-
-    # -- inspection -----------------------------------------------------------------------
-
-    def cli(self, *args: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "transportd", *args, "--config", self.spec.config]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
-        if res.returncode != 0:
-            raise AssertionError(f"{' '.join(cmd)} exited {res.returncode}:\n{res.stdout}\n{res.stderr}")
-        return res
-
-    def cli_json(self, *args: str) -> list[dict]:
-        return [json.loads(line) for line in self.cli(*args, "--json").stdout.splitlines() if line.strip()]
-
-    def tracking(self, **filters: str) -> list[dict]:
-        """``transportd tracking search --json`` (a real CLI process)."""
-        args = ["tracking", "search"]
-        for k, v in filters.items():
-            args += [f"--{k.replace('_', '-')}", v]
-        return self.cli_json(*args)
-
-    def events(self, event_id: str, network_message_id: str | None = None) -> list[dict]:
-        """The same search in this process (cheap enough to poll)."""
-        if not self.cfg.tracking_dir.is_dir():
-            return []
-        return list(tracking_search(self.cfg.tracking_dir, event_id=event_id,
-                                    network_message_id=network_message_id))
-
-    def wait_event(self, event_id: str, network_message_id: str | None = None, timeout: float = 20,
-                   n: int = 1) -> list[dict]:
-        def found() -> list[dict] | None:
-            rows = self.events(event_id, network_message_id)
-            return rows if len(rows) >= n else None
-        return wait_for(found, timeout=timeout, interval=0.1,
-                        what=f"{n} {event_id} on {self.spec.short} for {network_message_id}")
-
-    def shadow_list(self) -> dict[str, dict]:
-        return {r["primary"]: r for r in self.cli_json("shadow", "list")}
-
-    def maildir(self, address: str) -> list[Path]:
-        return MailboxStore(Path(self.spec.data_dir) / "mailboxes").list(address)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-
-class LocalCluster:
-    def __init__(self, procs: Any, sink: Any, base: Path, overrides: dict[str, dict[str, Any]]):
-        self.sink = sink
-        merged = {"delivery": dict(FAST_DELIVERY), "node": {"log_level": "debug"}}
-        for section, values in overrides.items():
-            merged.setdefault(section, {}).update(values)
-        self.specs = cluster_mod.generate(
-            base / "cfg", nodes=3, sites=2, ip_base=random.randint(20, 200),
-            frontend_port=free_port(), transport_port=free_port(),
-            sink_address=sink.address, overrides=merged)
-        self.nodes = {s.short: ClusterNode(s, procs, base) for s in self.specs}
-
-    def __getitem__(self, short: str) -> ClusterNode:
-        return self.nodes[short]
-
-    def start(self, *shorts: str) -> None:
-        for short in shorts or tuple(self.nodes):
-            self.nodes[short].start()
-
-
-@pytest.fixture
-def make_cluster(procs, sink, tmp_path):
-    made: list[LocalCluster] = []
-
-    def factory(heartbeat: float, resubmit: float) -> LocalCluster:
-        c = LocalCluster(procs, sink, tmp_path, {"shadow_redundancy": {
-            "shadow_heartbeat_frequency": heartbeat, "shadow_resubmit_time_span": resubmit}})
-        made.append(c)
-        return c
-    yield factory
-    # Shown by pytest only when the test failed.
-    for c in made:
-        for n in c.nodes.values():
-            print(f"===== {n.spec.short} log (last 60 lines) =====")
-            print("\n".join(n.log().splitlines()[-60:]))
-
-
-def send(node: ClusterNode, to: str, sender: str = "zed@example.test", *extra: str) -> int:
-    return queued_id(swaks(node.port, "--to", to, "--from", sender, *extra, server=node.host))
-
-
-def accepted_with_shadow(primary: ClusterNode, shadow: ClusterNode, internal_id: int) -> str:
-    """The network-message-id of ``internal_id``, after checking HAREDIRECT to ``shadow`` and its HARECEIVE."""
-    redirect = [r for r in primary.wait_event("HAREDIRECT") if r["internal-message-id"] == str(internal_id)]
-    assert len(redirect) == 1, redirect
-    assert redirect[0]["source-context"].startswith(f"{shadow.name}=250 2.6.0 "), redirect[0]
-    netid = redirect[0]["network-message-id"]
-    assert netid
-    shadow.wait_event("HARECEIVE", netid)
-    return netid
-
-
-def shadow_guid(shadow: ClusterNode, primary: ClusterNode, netid: str) -> str:
+def shadow_guid(shadow: FailoverNode, primary: FailoverNode, netid: str) -> str:
     rows = [r for r in shadow.cli_json("shadow", "show", primary.name, "--all") if r["network_message_id"] == netid]
     assert len(rows) == 1, rows
     return rows[0]["shadow_guid"]
-
-
-def sink_copies(sink: Any, netid: str) -> list[bytes]:
-    return [m for m in sink.messages() if netid.encode() in m]
 
 
 # ------------------------------------------------------------------------------ 1
@@ -211,7 +72,8 @@ def test_primary_killed_with_message_queued_shadow_promotes_after_resubmit_span(
     assert not n1.tracking(event_id="SENDEXTERNAL", network_message_id=netid)
     assert n3.shadow_list()[n1.name]["shadows"] == 0
 
-    time.sleep(1.5)  # node1 stays dead: nothing else may arrive
+    # Waiting for absence (nothing to observe): node1 stays dead, nothing else may arrive.
+    time.sleep(1.5)
     assert len(sink_copies(sink, netid)) == 1
     assert len(sink.messages()) == 1
 
@@ -248,6 +110,7 @@ def test_primary_restarted_with_new_database_promotes_at_once(make_cluster, sink
     wait_for(lambda: sink_copies(sink, netid), timeout=20, what="promoted copy at the sink")
     sent = n3.tracking(event_id="SENDEXTERNAL", network_message_id=netid)
     assert len(sent) == 1, sent
+    # Waiting for absence (nothing to observe): no second copy, the new node1 knows nothing of it.
     time.sleep(1.5)
     assert len(sink_copies(sink, netid)) == 1  # the new node1 knows nothing of it
     assert not n1.tracking(network_message_id=netid)
@@ -273,6 +136,7 @@ def test_primary_back_with_same_database_after_promotion_mailbox_keeps_one_copy(
     q = wait_for(lambda: [r for r in n2.cli_json("queue", "list") if r["identity"] == queue
                           and r["message_count"] >= 1], what="alice's message in node2's suspended queue")
     assert "suspend" in q[0]["state"].lower(), q
+    # Waiting for absence (nothing to observe): the suspended queue sends nothing to node1.
     time.sleep(0.5)
     assert not n1.events("DELIVER", netid) and not n1.maildir("alice@example.test")
 
@@ -324,6 +188,7 @@ def test_discard_events_survive_a_primary_restart(make_cluster, sink):
     assert not n3.tracking(event_id="RESUBMIT", network_message_id=netid)
     ctx = n3.shadow_list()[n1.name]
     assert ctx["shadows"] == 0 and ctx["shadow_safety_net"] == 1, ctx
+    # Waiting for absence (nothing to observe): no second copy at the sink.
     time.sleep(1.0)
     assert len(sink_copies(sink, netid)) == 1
 

@@ -1,9 +1,12 @@
-"""Configuration: duration/size/host:port parsing, the key registry, validation, the shipped file."""
+"""Configuration: duration/size/host:port parsing, the key registry, the frozen typed Config, ranges,
+unknown-name suggestions, cross-checks, the shipped files."""
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -141,19 +144,21 @@ def test_defaults_are_not_shared_between_configs() -> None:
 
 @pytest.mark.parametrize("raw, where", [
     ({"frontend": {"max_recipients_per_message": "many"}}, "frontend.max_recipients_per_message: expected an integer"),
-    ({"frontend": {"max_recipients_per_message": 0}}, "frontend.max_recipients_per_message: must be >= 1"),
+    ({"frontend": {"max_recipients_per_message": 0}},
+     "frontend.max_recipients_per_message: 0 is out of range (1..512000)"),
     ({"frontend": {"max_recipients_per_message": True}}, "frontend.max_recipients_per_message:"),
     ({"frontend": {"require_tls": "yes"}}, "frontend.require_tls: expected true or false"),
     ({"frontend": {"listen": "127.0.0.1"}}, "frontend.listen:"),
     ({"frontend": {"max_message_size": "big"}}, "frontend.max_message_size:"),
     ({"frontend": {"connection_timeout": "soon"}}, "frontend.connection_timeout:"),
-    ({"frontend": {"connection_timeout": 0}}, "frontend.connection_timeout: timeouts must be > 0"),
+    ({"frontend": {"connection_timeout": 0}}, "frontend.connection_timeout: 0s is out of range (1s..1d)"),
     ({"frontend": {"auth_users": {"u": 5}}}, "frontend.auth_users:"),
     ({"node": {"name": 5}}, "node.name: expected a string"),
     ({"node": {"log_level": "loud"}}, "node.log_level: expected one of debug, info, warning, error"),
     ({"node": {"log_format": "xml"}}, "node.log_format:"),
     ({"node": {"bogus": 1}}, "node.bogus: unknown key"),
-    ({"frontend": {"max_message_sise": 1}}, "frontend.max_message_sise: unknown key"),
+    ({"frontend": {"max_message_sise": 1}},
+     "frontend.max_message_sise: unknown key; did you mean 'max_message_size'?"),
     ({"bogus": {"x": 1}}, "unknown section [bogus]"),
     ({"node": "x"}, "[node] must be a table"),
     ({"routing": {"trusted_networks": ["10.0.0.0/33"]}}, "routing.trusted_networks: not an IP network: '10.0.0.0/33'"),
@@ -162,8 +167,9 @@ def test_defaults_are_not_shared_between_configs() -> None:
     ({"routing": {"accepted_domains": ["exa mple.test"]}}, "routing.accepted_domains: not a domain name"),
     ({"routing": {"accepted_domains": ["ex*ample.test"]}}, "routing.accepted_domains:"),
     ({"routing": {"smart_host": "h:0"}}, "routing.smart_host:"),
-    ({"delivery": {"transient_failure_retry_count": -1}}, "delivery.transient_failure_retry_count: must be >= 0"),
-    ({"delivery": {"queue_poll_interval": 0}}, "delivery.queue_poll_interval: must be > 0"),
+    ({"delivery": {"transient_failure_retry_count": -1}},
+     "delivery.transient_failure_retry_count: -1 is out of range (0..15)"),
+    ({"delivery": {"queue_poll_interval": 0}}, "delivery.queue_poll_interval: 0s is out of range (0.01s..1m)"),
     ({"delivery": {"message_expiration_timeout": 10 ** 400}}, "delivery.message_expiration_timeout:"),
     ({"shadow_redundancy": {"shadow_message_preference_setting": "Anywhere"}},
      "shadow_redundancy.shadow_message_preference_setting: expected one of PreferRemote"),
@@ -327,3 +333,268 @@ def test_readme_config_reference_is_current() -> None:
     """README.md's table is what `transportd config reference` prints: a new key cannot go undocumented."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert cfgmod.markdown_reference() in readme
+
+
+# --------------------------------------------------------------------------- typed, frozen Config
+
+def test_config_is_built_from_one_frozen_dataclass_per_section() -> None:
+    cfg = load_dict({})
+    assert [f.name for f in dataclasses.fields(cfg)][:len(cfgmod.SECTIONS)] == list(cfgmod.SECTIONS)
+    for section in cfgmod.SECTIONS:
+        settings = getattr(cfg, section)
+        assert type(settings) is cfgmod.SECTION_TYPES[section]
+        assert dataclasses.is_dataclass(settings) and type(settings).__dataclass_params__.frozen
+        assert [f.name for f in dataclasses.fields(settings)] == [k.name for k in KEYS if k.section == section]
+    assert type(cfg.delivery) is cfgmod.DeliverySettings and type(cfg.node) is cfgmod.NodeSettings
+    assert type(cfg.shadow_redundancy).__name__ == "ShadowRedundancySettings"
+    assert cfg.delivery.transient_failure_retry_interval == 300.0
+    assert cfg.peers == () and cfg.mailbox_databases == {} and cfg.path is None
+
+
+@pytest.mark.parametrize("read", [
+    lambda cfg: cfg.delivery.transient_failure_retry_intervall,
+    lambda cfg: cfg.delivery.retry_interval,
+    lambda cfg: cfg.deliveries,
+    lambda cfg: cfg.shadow_redundancy.heartbeat_frequency,
+    lambda cfg: cfg.node.fqdn,
+], ids=["typo", "short-name", "section-typo", "wrong-name", "no-such-key"])
+def test_a_misspelt_attribute_raises_attribute_error(read) -> None:
+    with pytest.raises(AttributeError):
+        read(load_dict({}))
+
+
+@pytest.mark.parametrize("write", [
+    lambda cfg: setattr(cfg.delivery, "transient_failure_retry_interval", 1.0),
+    lambda cfg: setattr(cfg.node, "data_dir", "/elsewhere"),
+    lambda cfg: setattr(cfg.routing, "accepted_domains", None),
+    lambda cfg: setattr(cfg, "delivery", None),
+    lambda cfg: setattr(cfg, "peers", ()),
+    lambda cfg: setattr(cfg, "path", Path("x.toml")),
+    lambda cfg: setattr(cfg.delivery, "transient_failure_retry_intervall", 1.0),
+    lambda cfg: setattr(cfg, "anything_new", 1),
+], ids=["key", "data-dir", "list-key", "section", "peers", "path", "new-key", "new-attribute"])
+def test_assigning_to_a_config_raises(write) -> None:
+    cfg = load_dict({})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        write(cfg)
+    assert cfg.delivery.transient_failure_retry_interval == 300.0 and cfg.node.data_dir == "./data"
+
+
+def test_secrets_are_not_in_the_repr(tmp_path: Path) -> None:
+    (tmp_path / "c.pem").write_text("c")
+    (tmp_path / "k.pem").write_text("k")
+    cfg = load_dict({"cluster": {"secret": "s3cr3t-value"},
+                     "frontend": {"tls_certificate": "c.pem", "tls_key": "k.pem", "auth_users": {"u": "pw-value"}}},
+                    base_dir=tmp_path)
+    assert "s3cr3t-value" not in repr(cfg) and "pw-value" not in repr(cfg)
+    assert cfg.cluster.secret == "s3cr3t-value" and cfg.frontend.auth_users == {"u": "pw-value"}
+
+
+def test_with_overrides_is_a_validated_copy(tmp_path: Path) -> None:
+    path = tmp_path / "n.toml"
+    path.write_text('[node]\nname = "n1.test"\n[delivery]\nqueue_poll_interval = 0.2\n')
+    cfg = load(path)
+    moved = cfg.with_overrides({"node": {"data_dir": str(tmp_path / "d")}})
+    assert moved.data_dir == tmp_path / "d" and moved.path == path
+    assert moved.node.name == "n1.test" and moved.delivery.queue_poll_interval == 0.2
+    assert cfg.data_dir == tmp_path / "data"
+    with pytest.raises(ConfigError, match=r"^.*n\.toml: delivery\.queue_poll_interval: 2m is out of range"):
+        cfg.with_overrides({"delivery": {"queue_poll_interval": "2m"}})
+
+
+def test_config_error_is_the_one_from_errors() -> None:
+    from transportd import errors
+    assert cfgmod.ConfigError is errors.ConfigError
+    assert issubclass(ConfigError, errors.TransportdError)
+
+
+# --------------------------------------------------------------------------- ranges
+
+NUMERIC = [k for k in KEYS if k.kind in (cfgmod.DUR, cfgmod.SIZE)
+           or (isinstance(k.default, int) and not isinstance(k.default, bool))]
+RANGED = [k for k in KEYS if k.limits is not None]
+
+
+def test_every_numeric_key_has_a_range_holding_its_default() -> None:
+    assert [k.dotted for k in NUMERIC] == [k.dotted for k in RANGED]
+    for key in RANGED:
+        low, high = key.limits
+        assert low < high, key.dotted
+        assert low <= key.parse(key.default) <= high, key.dotted
+
+
+def _step(key: cfgmod.Key, bound: float) -> float:
+    """The smallest step that leaves the range at ``bound``: one unit, or a millisecond of a timer."""
+    return min(0.001, bound / 2 or 0.001) if key.kind == cfgmod.DUR else 1
+
+
+# The other side of each cross-check, set so that a bound of this key is judged on its range alone.
+COMPANIONS = {
+    "frontend.connection_timeout": {"connection_inactivity_timeout": 1},
+    "frontend.connection_inactivity_timeout": {"connection_timeout": "1d"},
+    "shadow_redundancy.shadow_heartbeat_frequency": {"shadow_resubmit_time_span": "1d",
+                                                     "shadow_message_auto_discard_interval": "90d"},
+    "shadow_redundancy.shadow_resubmit_time_span": {"shadow_heartbeat_frequency": 0.1},
+    "shadow_redundancy.shadow_message_auto_discard_interval": {"shadow_heartbeat_frequency": 0.1},
+}
+
+
+def _alone(key: cfgmod.Key, value: Any) -> dict:
+    return {key.section: {**COMPANIONS.get(key.dotted, {}), key.name: value}}
+
+
+@pytest.mark.parametrize("key", RANGED, ids=lambda k: k.dotted)
+def test_range_boundaries(key) -> None:
+    low, high = key.limits
+    for value in (low, high):
+        cfg = load_dict(_alone(key, value))
+        assert getattr(getattr(cfg, key.section), key.name) == value, value
+    outside = [high + _step(key, high)]
+    if key.dotted == "mailbox.duplicate_detection_window":
+        outside = []  # past 49 days Exchange falls back to 24 hours (test above)
+    if low > 0:
+        outside.append(low - _step(key, low))
+    for value in outside:
+        with pytest.raises(ConfigError) as info:
+            load_dict(_alone(key, value), source="n.toml")
+        shown = cfgmod.format_value(key, value)
+        assert str(info.value) == f"n.toml: {key.dotted}: {shown} is out of range ({key.range_text})"
+    if low == 0:  # below zero: refused while parsing, still naming the key
+        with pytest.raises(ConfigError, match=rf"^n\.toml: {key.dotted}: "):
+            load_dict(_alone(key, -1), source="n.toml")
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"delivery": {"transient_failure_retry_interval": "13h"}},
+     "delivery.transient_failure_retry_interval: 13h is out of range (1s..12h)"),
+    ({"delivery": {"transient_failure_retry_interval": "12:00:01"}},
+     "delivery.transient_failure_retry_interval: 43201s is out of range (1s..12h)"),
+    ({"delivery": {"transient_failure_retry_count": 16}},
+     "delivery.transient_failure_retry_count: 16 is out of range (0..15)"),
+    ({"delivery": {"outbound_connection_failure_retry_interval": "21d"}},
+     "delivery.outbound_connection_failure_retry_interval: 21d is out of range (1s..20d)"),
+    ({"delivery": {"message_expiration_timeout": "91d"}},
+     "delivery.message_expiration_timeout: 91d is out of range (1s..90d)"),
+    ({"delivery": {"delay_notification_timeout": "31d"}},
+     "delivery.delay_notification_timeout: 31d is out of range (0s..30d)"),
+    ({"shadow_redundancy": {"shadow_heartbeat_frequency": "2d"}},
+     "shadow_redundancy.shadow_heartbeat_frequency: 2d is out of range (0.1s..1d)"),
+    ({"shadow_redundancy": {"shadow_message_auto_discard_interval": "4s"}},
+     "shadow_redundancy.shadow_message_auto_discard_interval: 4s is out of range (5s..90d)"),
+    ({"safety_net": {"safety_net_hold_time": "14s"}},
+     "safety_net.safety_net_hold_time: 14s is out of range (15s..24855d)"),
+    ({"shadow_redundancy": {"max_retries_for_local_site_shadow": 256}},
+     "shadow_redundancy.max_retries_for_local_site_shadow: 256 is out of range (0..255)"),
+    ({"frontend": {"max_message_size": "3GB"}}, "frontend.max_message_size: 3GB is out of range (1KB..2GB)"),
+    ({"frontend": {"max_hop_count": 501}}, "frontend.max_hop_count: 501 is out of range (1..500)"),
+    ({"delivery": {"poison_threshold": 11}}, "delivery.poison_threshold: 11 is out of range (1..10)"),
+])
+def test_out_of_range_is_one_line_naming_key_value_and_range(raw, message) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_dict(raw, source="node.toml")
+    assert str(info.value) == f"node.toml: {message}"
+
+
+def test_timers_go_down_to_what_test_clusters_use() -> None:
+    cfg = load_dict({"shadow_redundancy": {"shadow_heartbeat_frequency": 0.5, "shadow_resubmit_time_span": 2,
+                                           "shadow_copy_timeout": 2},
+                     "delivery": {"queue_poll_interval": 0.05, "transient_failure_retry_interval": 1,
+                                  "outbound_connection_failure_retry_interval": 1, "send_connect_timeout": 2,
+                                  "message_expiration_timeout": 3, "delay_notification_timeout": 2},
+                     "frontend": {"connection_timeout": 2, "connection_inactivity_timeout": 1.0,
+                                  "max_message_size": 2000},
+                     "safety_net": {"primary_safety_net_unreachable_time": 4},
+                     "mailbox": {"duplicate_detection_window": 1}})
+    assert cfg.shadow_redundancy.shadow_heartbeat_frequency == 0.5
+    assert cfg.delivery.queue_poll_interval == 0.05
+    assert cfg.delivery.message_expiration_timeout == 3.0
+
+
+def test_markdown_reference_shows_the_ranges() -> None:
+    lines = cfgmod.markdown_reference().splitlines()
+    assert lines[0] == "| key | default | range | Exchange name | meaning |"
+    row = next(ln for ln in lines if ln.startswith("| `delivery.transient_failure_retry_interval` "))
+    assert row.split(" | ")[1:4] == ["`5m`", "`1s..12h`", "TransientFailureRetryInterval"]
+    row = next(ln for ln in lines if ln.startswith("| `node.site` "))
+    assert row.split(" | ")[2] == ""
+    assert len(lines) == len(KEYS) + 2
+
+
+# --------------------------------------------------------------------------- unknown names
+
+@pytest.mark.parametrize("raw, message", [
+    ({"delivery": {"transient_failure_retry_intervall": 5}},
+     "delivery.transient_failure_retry_intervall: unknown key; did you mean 'transient_failure_retry_interval'?"),
+    ({"frontend": {"max_mesage_size": "1MB"}},
+     "frontend.max_mesage_size: unknown key; did you mean 'max_message_size'?"),
+    ({"delivery": {"shadow_heartbeat_frequency": 5}},
+     "delivery.shadow_heartbeat_frequency: unknown key; did you mean 'shadow_redundancy.shadow_heartbeat_frequency'?"),
+    ({"delivery": {"retry_sometimes": 3}}, "delivery.retry_sometimes: unknown key"),
+    ({"deliveries": {"x": 1}}, "unknown section [deliveries]; did you mean 'delivery'?"),
+    ({"shadow_redundancey": {}}, "unknown section [shadow_redundancey]; did you mean 'shadow_redundancy'?"),
+    ({"safetynet": {}}, "unknown section [safetynet]; did you mean 'safety_net'?"),
+    ({"peer": []}, "unknown section [peer]; did you mean 'peers'?"),
+    ({"bogus": {"x": 1}}, "unknown section [bogus] (known: " + ", ".join(cfgmod.SECTIONS) + ")"),
+])
+def test_unknown_names_are_refused_with_the_closest_known_one(raw, message) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_dict(raw, source="node.toml")
+    assert str(info.value) == f"node.toml: {message}"
+
+
+def test_a_misspelt_peer_key_gets_a_suggestion() -> None:
+    raw = {"transport": {"listen": "127.0.0.11:2526"}, "cluster": {"secret": "s"},
+           "peers": [{"nmae": "n2.t", "site": "a", "transport": "127.0.0.12:2526"}]}
+    with pytest.raises(ConfigError, match=r"^n\.toml: peers\[0\]\.nmae: unknown key; did you mean 'name'\?$"):
+        load_dict(raw, source="n.toml")
+
+
+# --------------------------------------------------------------------------- cross-checks
+
+@pytest.mark.parametrize("raw, message", [
+    ({"frontend": {"connection_timeout": "5m", "connection_inactivity_timeout": "301s"}},
+     "frontend.connection_timeout: 5m is shorter than frontend.connection_inactivity_timeout (301s)"),
+    ({"frontend": {"connection_timeout": "1m"}},
+     "frontend.connection_timeout: 1m is shorter than frontend.connection_inactivity_timeout (5m)"),
+    ({"shadow_redundancy": {"shadow_heartbeat_frequency": "1m", "shadow_resubmit_time_span": "30s"}},
+     ("shadow_redundancy.shadow_resubmit_time_span: 30s is shorter than one "
+      "shadow_redundancy.shadow_heartbeat_frequency (1m)")),
+    ({"shadow_redundancy": {"shadow_heartbeat_frequency": "1h", "shadow_message_auto_discard_interval": "10m"}},
+     ("shadow_redundancy.shadow_message_auto_discard_interval: 10m is shorter than one "
+      "shadow_redundancy.shadow_heartbeat_frequency (1h)")),
+])
+def test_values_that_contradict_each_other_are_refused_naming_both(raw, message) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_dict(raw, source="node.toml")
+    msg = str(info.value)
+    assert msg.startswith(f"node.toml: {message}: ") and "\n" not in msg
+
+
+@pytest.mark.parametrize("raw", [
+    {"frontend": {"connection_timeout": 3, "connection_inactivity_timeout": 2}},
+    {"frontend": {"connection_timeout": "5m", "connection_inactivity_timeout": "5m"}},
+    {"shadow_redundancy": {"shadow_heartbeat_frequency": "1m", "shadow_resubmit_time_span": "1m",
+                           "shadow_message_auto_discard_interval": "1m"}},
+    {"shadow_redundancy": {"shadow_heartbeat_frequency": 0.5, "shadow_resubmit_time_span": 3}},
+    {"delivery": {"message_expiration_timeout": 3, "delay_notification_timeout": "4h"},
+     "safety_net": {"safety_net_hold_time": "15s"}},
+], ids=["timeouts", "equal-timeouts", "equal-shadow-timers", "test-cluster", "expiry-before-delay-dsn"])
+def test_values_that_fit_together_are_accepted(raw) -> None:
+    load_dict(raw)
+
+
+# --------------------------------------------------------------------------- every shipped config
+
+@pytest.mark.parametrize("path", sorted((REPO / "config").rglob("*.toml")),
+                         ids=lambda p: str(p.relative_to(REPO / "config")))
+def test_every_example_config_loads(path: Path) -> None:
+    cfg = load(path)
+    assert cfg.path == path and cfg.node.name
+    for key, value in cfg.effective():
+        if key.limits:
+            assert key.limits[0] <= value <= key.limits[1], key.dotted
+
+
+def test_example_configs_cover_single_node_cluster_and_compose() -> None:
+    found = {p.relative_to(REPO / "config").parts[0] for p in (REPO / "config").rglob("*.toml")}
+    assert {"single-node.toml", "cluster", "compose"} <= found

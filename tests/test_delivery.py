@@ -155,7 +155,7 @@ def test_local_mailbox_delivery_is_stored_and_tracked(make_node, sink):
 
     wait_for(lambda: node.maildir_files("alice@example.test"), what="maildir file")
     wait_events(node, "DELIVER")
-    time.sleep(0.5)  # anything extra (a second copy) would show up by now
+    time.sleep(0.5)  # waiting for absence: anything extra (a second copy) would show up by now
     files = node.maildir_files("alice@example.test")
     assert len(files) == 1, files
     stored = parse(files[0])
@@ -189,7 +189,7 @@ def test_foreign_domain_goes_to_smart_host(make_node, sink):
 
     wait_for(sink.messages, what="message at the sink")
     wait_events(node, "SENDEXTERNAL")
-    time.sleep(0.5)
+    time.sleep(0.5)  # waiting for absence: a second copy would show up by now
     msgs = sink.messages()
     assert len(msgs) == 1
     assert f"remote {tag}".encode() in msgs[0]
@@ -230,6 +230,7 @@ def test_kill9_after_ack_with_smart_host_down_delivers_exactly_once(make_node, s
     sink.start()
     wait_for(sink.messages, timeout=20, what="message at the sink after restart")
     wait_events(node, "SENDEXTERNAL", internal_message_id=str(qid))
+    # Waiting for absence: a second copy (a retry after the restart) would show up by now.
     time.sleep(2.5)
     msgs = sink.messages()
     assert len(msgs) == 1, f"{len(msgs)} copies at the sink"
@@ -257,7 +258,7 @@ def test_permanent_failure_sends_dsn_to_local_sender(make_node, sink, stage):
     assert dsn_ev[0]["related-recipient-address"].lower() == "bob@example.test"
 
     files = wait_for(lambda: node.maildir_files("bob@example.test"), what="DSN in bob's Maildir")
-    time.sleep(0.5)
+    time.sleep(0.5)  # waiting for absence: a second DSN would show up by now
     files = node.maildir_files("bob@example.test")
     assert len(files) == 1, files
     msg, rcpts = dsn_parts(files[0])
@@ -292,7 +293,8 @@ def test_permanent_failure_for_null_sender_sends_no_dsn(make_node, sink):
 
     fail = wait_events(node, "FAIL", internal_message_id=str(qid))
     assert fail[0]["recipient-status"].startswith("5")
-    time.sleep(1.5)  # a DSN would be queued in the same commit and delivered within a poll or two
+    # Waiting for absence: a DSN would be queued in the same commit and delivered within a poll or two.
+    time.sleep(1.5)
     assert not events(node, "DSN")
     assert not events(node, "DELIVER")
     assert not all_mailbox_files(node)
@@ -330,7 +332,7 @@ def test_expiry_fails_the_message_and_notifies_the_sender(make_node, sink):
     assert len(wait_events(node, "DSN")) == 1
     # Expired means done: no further attempts (retry interval 1 s), one DSN only.
     n_defer = len(events(node, "DEFER", internal_message_id=str(qid)))
-    time.sleep(1.5)
+    time.sleep(1.5)  # waiting for absence: past a retry interval, no new attempt
     assert len(events(node, "DEFER", internal_message_id=str(qid))) == n_defer
     assert len(node.maildir_files("bob@example.test")) == 1
     assert len(events(node, "FAIL", internal_message_id=str(qid))) == 1
@@ -349,7 +351,7 @@ def test_duplicate_within_window_is_stored_once(make_node):
     second = smtp_send(node.port, "bob@remote.test", ["alice@example.test"], data)
     assert second != first
     dup = wait_events(node, "DUPLICATEDELIVER", internal_message_id=str(second))
-    time.sleep(0.5)
+    time.sleep(0.5)  # waiting for absence: a second stored copy would show up by now
 
     files = node.maildir_files("alice@example.test")
     assert len(files) == 1, files
@@ -375,7 +377,7 @@ def test_rapid_duplicates_are_stored_once(make_node):
     assert len(set(ids)) == n
     wait_for(lambda: len(events(node, "DELIVER")) + len(events(node, "DUPLICATEDELIVER")) >= n,
              what="every copy processed")
-    time.sleep(0.3)
+    time.sleep(0.3)  # waiting for absence: an extra DELIVER or file would show up by now
     files = node.maildir_files("alice@example.test")
     assert len(files) == 1, f"{len(files)} copies stored"
     assert len(events(node, "DELIVER")) == 1
@@ -388,10 +390,10 @@ def test_duplicate_after_window_is_stored(make_node):
     data = message(f"win {tag}", msgid=f"<win-{tag}@test>", date=FIXED_DATE)
     first = smtp_send(node.port, "bob@remote.test", ["alice@example.test"], data)
     wait_events(node, "DELIVER", internal_message_id=str(first))
-    time.sleep(2)
+    time.sleep(2)  # part of the scenario: the 1 s duplicate detection window passes (a clock)
     second = smtp_send(node.port, "bob@remote.test", ["alice@example.test"], data)
     wait_events(node, "DELIVER", internal_message_id=str(second))
-    time.sleep(0.5)
+    time.sleep(0.5)  # waiting for absence: a DUPLICATEDELIVER or third file would show up by now
     files = node.maildir_files("alice@example.test")
     assert len(files) == 2, files
     assert all(parse(f)["Message-ID"] == f"<win-{tag}@test>" for f in files)
@@ -428,7 +430,7 @@ def test_soft_reject_defers_then_queue_retry_delivers(make_node, sink):
     msgs = node.cli_json("message", "list")
     assert [m["status"] for m in msgs if m["id"] == qid] == ["Retry"]
     assert not sink.messages()
-    time.sleep(1.5)
+    time.sleep(1.5)  # waiting for absence: no retry before the 600 s interval
     assert len(events(node, "DEFER", internal_message_id=str(qid))) == 1, "retried before its time"
 
     sink.stop()
@@ -437,7 +439,7 @@ def test_soft_reject_defers_then_queue_retry_delivers(make_node, sink):
     wait_for(sink.messages, timeout=10, what="delivery after queue retry")
     sent = wait_events(node, "SENDEXTERNAL", internal_message_id=str(qid))
     assert sent[0]["recipient-status"].startswith("250")
-    time.sleep(0.5)
+    time.sleep(0.5)  # waiting for absence: a second copy would show up by now
     assert len(sink.messages()) == 1
     assert f"soft {tag}".encode() in sink.messages()[0]
     q = next(q for q in node.cli_json("queue", "list") if q["identity"] == identity)
@@ -461,7 +463,7 @@ def test_bifurcation_local_and_foreign(make_node, sink):
     wait_for(sink.messages, what="remote copy")
     wait_events(node, "DELIVER", internal_message_id=str(qid))
     wait_events(node, "SENDEXTERNAL", internal_message_id=str(qid))
-    time.sleep(0.5)
+    time.sleep(0.5)  # waiting for absence: a second copy on either side would show up by now
     assert len(node.maildir_files("alice@example.test")) == 1
     assert parse(node.maildir_files("alice@example.test")[0])["Subject"] == f"split {tag}"
     msgs = sink.messages()
@@ -536,7 +538,7 @@ def test_kill9_during_local_burst_loses_and_duplicates_nothing(make_node):
 
     wait_for(lambda: set(acked) <= set(subjects()), timeout=20,
              what="every acknowledged message stored")
-    time.sleep(1.5)
+    time.sleep(1.5)  # waiting for absence: a second copy of any of them would show up by now
     got = subjects()
     missing = set(acked) - set(got)
     assert not missing, f"acknowledged but lost: {sorted(missing)}"

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transportd.devtools import cluster as cluster_mod
-from transportd.queue.routing import valid_address
+from transportd.smtp.addresses import valid_address
 
 settings.register_profile("fuzz", max_examples=int(os.environ.get("FUZZ_EXAMPLES", "60")), deadline=None,
                           database=None, suppress_health_check=[HealthCheck.function_scoped_fixture,

@@ -129,7 +129,7 @@ def test_metrics_port_taken_means_the_node_does_not_start(make_node):
 
 @pytest.mark.slow
 def test_shadow_node_counts_heartbeat_failures_and_promotions(procs, sink, tmp_path):
-    from test_cluster_failover import LocalCluster, accepted_with_shadow, send
+    from clusters import LocalCluster, accepted_with_shadow, send
 
     c = LocalCluster(procs, sink, tmp_path, {"shadow_redundancy": {
         "shadow_heartbeat_frequency": 0.5, "shadow_resubmit_time_span": 2}})

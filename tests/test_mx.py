@@ -7,7 +7,8 @@ import dns.name
 import dns.resolver
 import pytest
 
-from transportd.node.delivery import NextHopPermanentError, NextHopUnavailable, resolve_mx
+from transportd.errors import NextHopPermanentError, NextHopUnavailable
+from transportd.smtp.client import resolve_mx
 
 
 class MX:

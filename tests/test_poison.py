@@ -12,6 +12,7 @@ import smtplib
 import time
 
 import pytest
+from clusters import netid_of
 from conftest import read_db, wait_for
 
 from transportd import faults
@@ -182,7 +183,7 @@ def test_one_message_failing_in_a_delivery_batch_leaves_the_others_and_ends_in_p
     events = [e["event-id"] for e in node.tracking(internal_message_id=str(bad))]
     assert events.count("DEFER") == 2 and events[-1] == "POISONMESSAGE", events
     assert "failed with an internal error" in node.log() and "moved to the Poison queue" in node.log()
-    time.sleep(2.5)  # held: not retried, not expired, no DSN
+    time.sleep(2.5)  # waiting for absence: held, so not retried, not expired, no DSN
     assert poison_ids(node) == [bad] and not node.tracking(event_id="DSN")
 
     # Released by the operator (with the fault gone after a restart), it is delivered.
@@ -252,7 +253,7 @@ def test_kill_9_twice_while_handling_a_message_puts_it_in_poison(make_node, sink
 
 # --------------------------------------------------------------------------- the shadow loops (a cluster)
 
-from test_cluster import cluster, netid_of  # noqa: E402,F401 - the 3-node cluster fixture
+# (the 3-node ``cluster`` fixture is conftest's)
 
 FOREIGN = "bob@elsewhere.test"
 

@@ -1,4 +1,4 @@
-"""The wire protocol's pure rules (PROTOCOL.md): encodings, verb arguments, placement, promotion."""
+"""The wire protocol's pure rules (docs/PROTOCOL.md): encodings, verb arguments, placement, promotion."""
 
 from __future__ import annotations
 

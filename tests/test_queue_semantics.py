@@ -10,9 +10,8 @@ from __future__ import annotations
 import sqlite3
 import time
 
+from clusters import LOCAL, auth_plain, b64_dbid, fqdn, invoke, netid_of, reply, smtp
 from conftest import queued_id, wait_for
-from test_cluster import (LOCAL, auth_plain, b64_dbid, cluster, fqdn, invoke, netid_of,  # noqa: F401
-                          reply, smtp)
 
 DISABLED = {"shadow_redundancy": {"shadow_redundancy_enabled": False}}
 
@@ -69,6 +68,7 @@ def test_message_remove_tells_the_shadows_and_a_promotion_does_not_deliver_it(cl
     sink.start()
     wait_for(lambda: any(b"Subject: kept" in m for m in sink.messages()), timeout=20,
              what="node3 to promote and deliver the kept message")
+    # Waiting for absence (nothing to observe): the removed message must not follow the kept one.
     time.sleep(1)
     assert not any(b"removed by the admin" in m for m in sink.messages())
     assert kept
@@ -93,7 +93,9 @@ def test_dsn_reaches_the_sender_when_the_primary_dies_right_after_making_it(clus
         code, _ = s.data("Subject: will bounce\r\nMessage-ID: <bounce-1@sender.test>\r\n\r\nbody\r\n".encode())
         assert code == 250
     wait_for(lambda: node1.tracking(event_id="DSN"), timeout=10, what="node1 to make the DSN")
-    time.sleep(4 * 0.5)  # several heartbeats: node3 would have dropped its shadow without the fix
+    # Several heartbeats (discard exchanges with node1, seen in node3's queue database): node3
+    # would have dropped its shadow without the fix.
+    node3.wait_heartbeats(node1.name, 4)
     assert not node3.tracking(event_id="HADISCARD")
     node1.proc.kill()
     node1.proc.wait(10)
@@ -114,6 +116,8 @@ def test_one_delay_dsn_after_delay_notification_timeout(make_node, sink):
     notice = wait_for(lambda: node.maildir_files("bob@example.test"), timeout=10, what="the delay DSN")
     text = notice[0].read_bytes()
     assert b"Action: delayed" in text and b"Subject: Delivery delayed: slow one" in text, text[:600]
+    # Waiting for absence (nothing to observe): past another delay_notification_timeout, no
+    # second notice.
     time.sleep(2.5)
     assert len(node.maildir_files("bob@example.test")) == 1, "a second delay notice"
     sink.start()

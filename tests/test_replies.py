@@ -8,7 +8,8 @@ import re
 import pytest
 
 from transportd.smtp import replies
-from transportd.smtp.server import prepare_message, split_headers
+from transportd.smtp.frontend import prepare_message
+from transportd.smtp.headers import split_headers
 from transportd.smtp.replies import enhance, is_permanent, is_transient, translate
 
 ENHANCED = re.compile(r"^(\d)\d\d ([245])\.(\d{1,3})\.(\d{1,3}) \S")

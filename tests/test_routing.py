@@ -7,10 +7,8 @@ import ipaddress
 import pytest
 
 from transportd.config import load_dict
-from transportd.queue.routing import (
-    DNS, MAILBOX, SMART_HOST, NextHop, bifurcate, domain_of, is_accepted, relay_allowed, route,
-    route_config, valid_address,
-)
+from transportd.queue.routing import DNS, MAILBOX, SMART_HOST, NextHop, bifurcate, route, route_config
+from transportd.smtp.addresses import domain_of, is_accepted, relay_allowed, valid_address
 
 
 def cfg(accepted=("example.test",), smart_host="", mailbox_database="local"):

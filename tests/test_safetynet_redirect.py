@@ -151,7 +151,7 @@ def test_redirect_drains_a_node_to_its_peer_protected(two_nodes, sink):
     assert [e["network-message-id"] for e in ext] == [netid]
     wait_for(lambda: any(e["network-message-id"] == netid for e in _events(node1.config, event_id="HADISCARD")),
              timeout=15, what="node1 releasing its copy after node2's discard")
-    time.sleep(1)
+    time.sleep(1)  # waiting for absence: no second copy from either node
     assert len(sink.messages()) == 1
     assert _events(node1.config, event_id="SENDEXTERNAL") == []
 
@@ -173,7 +173,7 @@ def test_resubmit_gap_is_filled_from_the_peers_shadow_safety_net(two_nodes, proc
     node1, node2 = two_nodes
     host, _, port = node1.frontend.rpartition(":")
     start = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    time.sleep(1.1)
+    time.sleep(1.1)  # part of the scenario (a clock): --start has whole seconds, the message comes after
     queued_id(swaks(int(port), "--to", "alice@example.test", "--from", "bob@remote.test",
                     "--header", "Subject: safety net me", server=host))
     alice = lambda: MailboxStore(__import__("pathlib").Path(node1.data_dir) / "mailboxes").list("alice@example.test")
@@ -185,7 +185,7 @@ def test_resubmit_gap_is_filled_from_the_peers_shadow_safety_net(two_nodes, proc
     proc1.send_signal(signal.SIGKILL)
     proc1.wait()
     shutil.rmtree(node1.data_dir)
-    time.sleep(1.1)
+    time.sleep(1.1)  # part of the scenario (a clock): the new database starts a whole second later
     restarted = procs.add(subprocess.Popen([sys.executable, "-m", "transportd", "serve", "--config", node1.config],
                                            stdout=open(tmp_path / "node1-restarted.log", "wb"), stderr=subprocess.STDOUT))
     wait_port(host, int(port), proc=restarted)
@@ -260,7 +260,7 @@ def test_shadow_node_resubmits_for_an_unreachable_primary(two_nodes, procs):
     node1, node2 = two_nodes
     host, _, port = node1.frontend.rpartition(":")
     start = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    time.sleep(1.1)
+    time.sleep(1.1)  # part of the scenario (a clock): --start has whole seconds, the message comes after
     queued_id(swaks(int(port), "--to", "alice@example.test", server=host))
     wait_for(lambda: _events(node2.config, event_id="HADISCARD"), timeout=15, what="node2's Shadow Safety Net copy")
     listed = [json.loads(x) for x in _cli(node2.config, "safetynet", "list", "--json").stdout.splitlines()]

@@ -26,8 +26,7 @@ import time
 import uuid
 
 import pytest
-from conftest import free_port, swaks, wait_for, wait_port
-from test_cluster import (
+from clusters import (
     FAST,
     FOREIGN,
     FakePrimary,
@@ -38,6 +37,7 @@ from test_cluster import (
     smtp,
     write_node_config,
 )
+from conftest import free_port, swaks, wait_for, wait_port
 
 from transportd.devtools import cluster as cluster_mod
 from transportd.smtp.server import CommandRateLimiter
@@ -100,7 +100,7 @@ def test_no_open_relay_for_untrusted_clients(make_node, sink, connector):
     assert " queued as " in swaks(port, "--local-interface", "127.0.0.2", "--from", "x@remote.test",
                                   "--to", "alice@example.test").stdout
     assert " queued as " in swaks(port, "--from", "insider@example.test", "--to", "carol@foreign.test").stdout
-    time.sleep(1.5)
+    time.sleep(1.5)  # waiting for absence: nothing for the victim may reach the sink
     assert not any(b"victim@foreign.test" in m for m in sink.messages())
     assert "relay denied: 127.0.0.2 -> victim@foreign.test" in node.log()
 
@@ -134,11 +134,11 @@ def test_rate_limiter_forgets_idle_sources_when_full():
 
 def test_command_flood_from_one_address_is_cut_off(make_node):
     node = make_node(overrides={"frontend": {"max_command_rate": 5}}).start()
-    time.sleep(1.0)
+    time.sleep(1.0)  # kept: no daemon scan is awaited here (the buckets depend on the clock alone)
     # A normal client under the limit is served.
     r = swaks(node.port, "--from", "a@remote.test", "--to", "alice@example.test")
     assert " queued as " in r.stdout, r.stdout
-    time.sleep(2.0)
+    time.sleep(2.0)  # part of the scenario: 127.0.0.1's bucket refills to its burst (a clock)
     flood = raw(node.port)
     flood.sendall(b"EHLO flood.test\r\n" + b"NOOP\r\n" * 40)
     got = read_all(flood, 5)
@@ -149,7 +149,7 @@ def test_command_flood_from_one_address_is_cut_off(make_node):
     other = raw(node.port, source="127.0.0.2")
     other.sendall(b"EHLO other.test\r\nNOOP\r\nQUIT\r\n")
     assert b"250 2.0.0 OK" in read_all(other, 3)
-    time.sleep(2.5)
+    time.sleep(2.5)  # part of the scenario: the flooding address's bucket refills (a clock)
     again = raw(node.port)
     again.sendall(b"EHLO again.test\r\nNOOP\r\nQUIT\r\n")
     assert b"221 2.0.0" in read_all(again, 3)
@@ -173,7 +173,7 @@ def test_slow_loris_is_disconnected_by_the_connection_timeout(make_node, where):
     s = raw(node.port)
     if where == "data":
         s.sendall(b"EHLO slow.test\r\nMAIL FROM:<a@remote.test>\r\nRCPT TO:<alice@example.test>\r\nDATA\r\n")
-        time.sleep(0.5)
+        time.sleep(0.5)  # the pipelined replies, up to the 354, arrive together for the one recv
         assert b"354 " in s.recv(4096)
     trickle = b"Subject: never ending\r\n" if where == "data" else b"MAIL FROM:<" + b"x" * 200
     t0 = time.monotonic()

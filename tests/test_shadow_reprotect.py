@@ -24,13 +24,27 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from clusters import (
+    FAST,
+    FOREIGN,
+    FakePrimary,
+    accepted_with_shadow,
+    auth_plain,
+    b64_dbid,
+    merge,
+    reply,
+    send,
+    sink_copies,
+    smtp,
+    write_node_config,
+)
 from conftest import free_port, silent_peer, wait_for, wait_port
-from test_cluster_failover import accepted_with_shadow, make_cluster, send, sink_copies  # noqa: F401
+from helpers import scrape, scrape_until, value
 
 LOCAL = "alice@example.test"  # MDB01 on node1: delivered, so nothing stays queued on node3
 
 
-def test_primary_remakes_shadows_lost_with_a_wiped_shadow_node(make_cluster, sink):  # noqa: F811
+def test_primary_remakes_shadows_lost_with_a_wiped_shadow_node(make_cluster, sink):
     c = make_cluster(heartbeat=0.5, resubmit=60)  # only a state change may promote here
     c.start()
     n1, n2, n3 = c["node1"], c["node2"], c["node3"]
@@ -83,15 +97,12 @@ def shadow_node_of_a_fake_primary(procs: Any, sink: Any, tmp_path: Path, copy_ti
     takes the node the whole ``copy_timeout``. Yields (node ip, transport port, fake, secret,
     guids, node log path, process)."""
     stack = contextlib.ExitStack()
-    from test_cluster import FOREIGN, FakePrimary, auth_plain, b64_dbid, merge, reply, smtp, write_node_config
-
     base = random.randint(20, 200)
     node_ip, fake_name, secret = f"127.0.0.{base}", "fake.transportd.test", "s-" + uuid.uuid4().hex
     fake = FakePrimary((f"127.0.0.{base + 1}", free_port()), fake_name, str(uuid.uuid4()))
     fake.default_discard = []
     threading.Thread(target=fake.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
-        from test_cluster import FAST
         silent = stack.enter_context(silent_peer())
         tport = free_port()
         config = tmp_path / "shadow.toml"
@@ -129,7 +140,6 @@ def shadow_node_of_a_fake_primary(procs: Any, sink: Any, tmp_path: Path, copy_ti
 
 def announce_new_database(node_ip: str, tport: int, fake: Any, secret: str):
     """The fake primary comes back with a new queue database and says so; the open session."""
-    from test_cluster import auth_plain, b64_dbid, smtp
     s = smtp(node_ip, tport, helo=fake.name)
     assert auth_plain(s, fake.name, secret)[0] == 235
     s.sock.sendall(f"XSHADOWREQUEST {fake.name} {b64_dbid(str(uuid.uuid4()))}\r\n".encode())
@@ -150,7 +160,7 @@ def test_promotion_survives_the_announcing_peer_hanging_up(procs, sink, tmp_path
         s = announce_new_database(ip, tport, fake, secret)
         wait_for(lambda: "promoting its shadows" in log_path.read_text(errors="replace"),
                  timeout=10, what="the promotion to begin")
-        time.sleep(0.5)
+        time.sleep(0.5)  # part of the scenario: the peer hangs up while the promotion runs
         s.close()  # the socket and smtplib's file on it: the fd really closes
         wait_for(lambda: at_sink(sink, guids) == len(guids), timeout=30, what="every promoted shadow at the sink")
         assert proc.poll() is None
@@ -173,12 +183,10 @@ def test_promoted_copies_are_delivered_while_their_new_shadow_is_made(procs, sin
         assert proc.poll() is None
 
 
-def test_message_accepted_without_a_shadow_gets_one_when_a_peer_is_back(make_cluster, sink):  # noqa: F811
+def test_message_accepted_without_a_shadow_gets_one_when_a_peer_is_back(make_cluster, sink):
     """node1 alone accepts a message unprotected (HAREDIRECTFAIL; the sink is down, so it stays
     queued); node3 starts; the heartbeat loop makes the shadow, and the later death of node1 is
     survived through it. The metrics show the exposure while it lasts."""
-    from test_metrics import scrape, scrape_until, value
-
     c = make_cluster(heartbeat=0.5, resubmit=2)
     n1, n3 = c["node1"], c["node3"]
     port = free_port(n1.host)

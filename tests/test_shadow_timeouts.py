@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
+from clusters import HEARTBEAT
 from conftest import free_port, queued_id, silent_peer, swaks
-from test_cluster import cluster  # noqa: F401 - the cluster fixture
 
 
 def test_silent_peer_bounded_by_shadow_copy_timeout(make_node):
@@ -37,7 +37,6 @@ def test_black_holed_primaries_are_promoted_within_the_span_plus_one_heartbeat(c
     within ShadowResubmitTimeSpan + one heartbeat (+ the exchange's time-out): heartbeats run
     concurrently and promotion is decided by elapsed time, not by a count of slow failures."""
     import signal
-    from test_cluster import HEARTBEAT
     span = 3.0
     c = cluster(nodes=4, sites=1)  # one site: shadows rotate over every peer, node4 among them
     c.start()

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
+from clusters import HEARTBEAT, netid_of, one
 from conftest import free_port, wait_for, wait_port
-from test_cluster import HEARTBEAT, cluster, netid_of, one  # noqa: F401 - the cluster fixture
 
 from transportd.queue.mailbox import MailboxStore
 

@@ -1,7 +1,7 @@
 """Storage faults while running (issue 6): the disk holding the data dir fills up.
 
-The node's data dir is a small tmpfs mounted for the test (needs root; skipped otherwise,
-saying so). While the disk is full the daemon answers 4xx (never 5xx, never a 250 it
+The node's data dir is a small tmpfs mounted for the test (conftest's ``small_disk``: needs
+root; skipped otherwise, saying so). While the disk is full the daemon answers 4xx (never 5xx, never a 250 it
 cannot keep), stays up, keeps every message it acknowledged, and accepts mail again
 once space returns; a restart afterwards still finds every acknowledged message.
 A corrupt queue database found at start-up is covered in test_store.py
@@ -12,29 +12,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import smtplib
-import subprocess
 
-import pytest
 from conftest import free_port, wait_for
+from helpers import fill
 
 BODY = b"Subject: disk %d\r\n\r\n" + (b"x" * 76 + b"\r\n") * 120  # ~10 KB
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        pytest.skip("mounting a small tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 def send(port: int, n: int) -> tuple[int, str]:
@@ -49,20 +32,6 @@ def send(port: int, n: int) -> tuple[int, str]:
             return code, msg.decode()
     except smtplib.SMTPResponseException as exc:
         return exc.smtp_code, exc.smtp_error.decode()
-
-
-def fill(disk) -> None:
-    with open(disk / "filler", "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
-        try:
-            os.fsync(f.fileno())
-        except OSError:
-            pass
 
 
 def test_disk_full_answers_4xx_keeps_acknowledged_and_recovers(make_node, small_disk):

@@ -9,7 +9,6 @@ import smtplib
 import subprocess
 import sys
 
-import pytest
 import trustme
 
 from conftest import free_port, queued_id, swaks, wait_for, wait_port

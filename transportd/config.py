@@ -1,9 +1,22 @@
 """Node configuration: one TOML file per node, every key in one registry.
 
 This module owns the list of configuration keys (section, name, Exchange name,
-default, meaning), the parsing of durations and sizes, and validation. A bad
-file raises ConfigError with one line naming the key and the problem; the CLI
-turns that into exit code 2. It never touches the network or the queue.
+default, allowed range, meaning), the frozen Config built from it, the parsing
+of durations and sizes, and validation. A bad file raises ConfigError with one
+line naming the key and the problem; the CLI turns that into exit code 2. It
+never touches the network or the queue, and a loaded Config is never changed.
+
+``cfg.delivery.transient_failure_retry_interval``: one frozen dataclass per
+section (NodeSettings, DeliverySettings, ...), generated from the registry, so
+a misspelt attribute raises AttributeError and assigning one raises
+FrozenInstanceError. A changed copy comes from ``cfg.with_overrides(...)``,
+validated like a file.
+
+Every numeric key has a range (``Key.limits``): Exchange's own limit where the
+key is an Exchange setting, with floors lowered only where a node must run with
+faster timers than Exchange allows (sub-second heartbeats, second-long
+expirations). Unknown sections and keys are refused with the closest known
+name; values that contradict each other are refused naming both keys.
 
 Durations accept a number of seconds (``90``, ``0.5``), a unit string
 (``"90s"``, ``"5m"``, ``"2h"``, ``"2d"``, ``"1h30m"``) or Exchange's TimeSpan
@@ -13,20 +26,18 @@ text (``"02:00:00"``, ``"2.00:00:00"``). Sizes accept bytes or ``"36MB"``,
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import ipaddress
 import math
 import re
 import socket
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable
 
-
-class ConfigError(Exception):
-    """A configuration problem, with the key it concerns in the message."""
-
+from .errors import ConfigError
 
 # --------------------------------------------------------------------------- parsers
 
@@ -122,14 +133,10 @@ def _bool(value: Any) -> bool:
     return value
 
 
-def _int(minimum: int = 0) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"expected an integer, got {value!r}")
-        if value < minimum:
-            raise ValueError(f"must be >= {minimum}, got {value}")
-        return value
-    return parse
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return value
 
 
 def _str(value: Any) -> str:
@@ -223,13 +230,25 @@ class Key:
     meaning: str
     exchange: str = ""
     kind: str = ""
+    limits: tuple[float, float] | None = None  # (min, max), both allowed; every numeric key has one
 
     @property
     def dotted(self) -> str:
         return f"{self.section}.{self.name}"
 
+    @property
+    def range_text(self) -> str:
+        """``1s..12h``, ``0..15``; empty for a key that is not a number."""
+        if self.limits is None:
+            return ""
+        low, high = self.limits
+        return f"{format_value(self, low)}..{format_value(self, high)}"
+
 
 DUR, SIZE = "duration", "size"
+SEC, MIN, HOUR, DAY = 1.0, 60.0, 3600.0, 86400.0
+KB, MB, GB = 1024, 1024**2, 1024**3
+INT32_MAX = 2**31 - 1  # Exchange's "unlimited" integers are Int32
 
 KEYS: tuple[Key, ...] = (
     # node
@@ -252,22 +271,24 @@ KEYS: tuple[Key, ...] = (
         "the cluster credential: peers authenticate with AUTH PLAIN (user = their FQDN, password = this)"),
     # frontend receive connector
     Key("frontend", "listen", "127.0.0.1:2525", _hostport_str, "address:port of the frontend receive connector"),
-    Key("frontend", "max_message_size", 36 * 1024**2, parse_size,
-        "largest message accepted (bytes); larger gets 552 5.3.4", "MaxMessageSize", SIZE),
-    Key("frontend", "max_recipients_per_message", 200, _int(1),
-        "recipients accepted per message; more get 452 4.5.3", "MaxRecipientsPerMessage"),
-    Key("frontend", "max_line_length", 1000, _int(80),
-        "longest line (octets without CRLF) in commands and message data (RFC 5321: 1000)"),
-    Key("frontend", "max_inbound_connection", 5000, _int(1),
-        "concurrent connections to this connector", "MaxInboundConnection"),
-    Key("frontend", "max_inbound_connection_per_source", 20, _int(1),
-        "concurrent connections from one IP address", "MaxInboundConnectionPerSource"),
-    Key("frontend", "max_hop_count", 60, _int(1),
-        "Received headers allowed before a message is refused as a loop (554 5.4.14)", "MaxHopCount"),
+    Key("frontend", "max_message_size", 36 * MB, parse_size,
+        "largest message accepted (bytes); larger gets 552 5.3.4", "MaxMessageSize", SIZE, limits=(1 * KB, 2 * GB)),
+    Key("frontend", "max_recipients_per_message", 200, _int,
+        "recipients accepted per message; more get 452 4.5.3", "MaxRecipientsPerMessage", limits=(1, 512000)),
+    Key("frontend", "max_line_length", 1000, _int,
+        "longest line (octets without CRLF) in commands and message data (RFC 5321: 1000)", limits=(80, 64 * KB)),
+    Key("frontend", "max_inbound_connection", 5000, _int,
+        "concurrent connections to this connector", "MaxInboundConnection", limits=(1, INT32_MAX)),
+    Key("frontend", "max_inbound_connection_per_source", 20, _int,
+        "concurrent connections from one IP address", "MaxInboundConnectionPerSource", limits=(1, 10000)),
+    Key("frontend", "max_hop_count", 60, _int,
+        "Received headers allowed before a message is refused as a loop (554 5.4.14)", "MaxHopCount",
+        limits=(1, 500)),
     Key("frontend", "connection_timeout", 600.0, parse_duration,
-        "absolute limit on a session's length", "ConnectionTimeout", DUR),
+        "absolute limit on a session's length; at least connection_inactivity_timeout", "ConnectionTimeout",
+        DUR, limits=(1 * SEC, 1 * DAY)),
     Key("frontend", "connection_inactivity_timeout", 300.0, parse_duration,
-        "idle time after which a session is closed", "ConnectionInactivityTimeout", DUR),
+        "idle time after which a session is closed", "ConnectionInactivityTimeout", DUR, limits=(1 * SEC, 1 * DAY)),
     Key("frontend", "tls_certificate", "", _str, "PEM certificate chain; when set, STARTTLS is offered"),
     Key("frontend", "tls_key", "", _str, "PEM private key for tls_certificate"),
     Key("frontend", "require_tls", False, _bool, "refuse mail transactions before STARTTLS", "RequireTLS"),
@@ -288,94 +309,169 @@ KEYS: tuple[Key, ...] = (
     Key("routing", "mailbox_database", "local", _str,
         "name of this node's mailbox database (the queue for local delivery is 'mailbox:<name>')"),
     # delivery (send connector and queues)
-    Key("delivery", "message_expiration_timeout", 2 * 86400.0, parse_duration,
-        "how long a message may stay queued before it fails with a DSN", "MessageExpirationTimeout", DUR),
+    Key("delivery", "message_expiration_timeout", 2 * DAY, parse_duration,
+        "how long a message may stay queued before it fails with a DSN", "MessageExpirationTimeout", DUR,
+        limits=(1 * SEC, 90 * DAY)),
     Key("delivery", "transient_failure_retry_interval", 300.0, parse_duration,
-        "wait between the first retries after a transient failure", "TransientFailureRetryInterval", DUR),
-    Key("delivery", "transient_failure_retry_count", 6, _int(0),
+        "wait between the first retries after a transient failure", "TransientFailureRetryInterval", DUR,
+        limits=(1 * SEC, 12 * HOUR)),
+    Key("delivery", "transient_failure_retry_count", 6, _int,
         "retries at transient_failure_retry_interval before the longer interval applies",
-        "TransientFailureRetryCount"),
+        "TransientFailureRetryCount", limits=(0, 15)),
     Key("delivery", "outbound_connection_failure_retry_interval", 600.0, parse_duration,
-        "wait between later retries to a failing next hop", "OutboundConnectionFailureRetryInterval", DUR),
+        "wait between later retries to a failing next hop", "OutboundConnectionFailureRetryInterval", DUR,
+        limits=(1 * SEC, 20 * DAY)),
     Key("delivery", "send_connection_inactivity_timeout", 600.0, parse_duration,
         "send connector: idle time before an outbound session is dropped",
-        "ConnectionInactivityTimeOut", DUR),
+        "ConnectionInactivityTimeOut", DUR, limits=(1 * SEC, 1 * DAY)),
     Key("delivery", "send_connect_timeout", 30.0, parse_duration,
-        "send connector: time allowed to open a connection and read the greeting", "", DUR),
-    Key("delivery", "max_per_domain_outbound_connections", 20, _int(1),
-        "concurrent outbound sessions per next hop", "MaxPerDomainOutboundConnections"),
-    Key("delivery", "max_outbound_connections", 1000, _int(1),
-        "concurrent outbound sessions in all", "MaxOutboundConnections"),
-    Key("delivery", "max_messages_per_connection", 20, _int(1),
-        "messages sent over one outbound session before it is closed", "MaxMessagesPerConnection"),
+        "send connector: time allowed to open a connection and read the greeting", "", DUR,
+        limits=(1 * SEC, 10 * MIN)),
+    Key("delivery", "max_per_domain_outbound_connections", 20, _int,
+        "concurrent outbound sessions per next hop", "MaxPerDomainOutboundConnections", limits=(1, INT32_MAX)),
+    Key("delivery", "max_outbound_connections", 1000, _int,
+        "concurrent outbound sessions in all", "MaxOutboundConnections", limits=(1, INT32_MAX)),
+    Key("delivery", "max_messages_per_connection", 20, _int,
+        "messages sent over one outbound session before it is closed", "MaxMessagesPerConnection",
+        limits=(1, INT32_MAX)),
     Key("delivery", "queue_poll_interval", 0.5, parse_duration,
-        "how often the queue database is scanned for due work and operator changes", "", DUR),
-    Key("delivery", "mx_port", 25, _int(1), "port used for next hops found by MX lookup"),
-    Key("delivery", "delay_notification_timeout", 4 * 3600.0, parse_duration,
+        "how often the queue database is scanned for due work and operator changes", "", DUR,
+        limits=(0.01 * SEC, 1 * MIN)),
+    Key("delivery", "mx_port", 25, _int, "port used for next hops found by MX lookup", limits=(1, 65535)),
+    Key("delivery", "delay_notification_timeout", 4 * HOUR, parse_duration,
         "a message still not delivered this long after it was received gets one delay DSN (RFC 3464 "
-        "action delayed) to its sender; 0 = never", "DelayNotificationTimeout", DUR),
+        "action delayed) to its sender; 0 = never", "DelayNotificationTimeout", DUR, limits=(0.0, 30 * DAY)),
     Key("delivery", "poison_message_detection_enabled", True, _bool,
         "move a message whose handling failed with an internal error poison_threshold times (a crash "
         "during its delivery counts) to the Poison queue", "PoisonMessageDetectionEnabled"),
-    Key("delivery", "poison_threshold", 2, _int(1),
+    Key("delivery", "poison_threshold", 2, _int,
         "internal failures of one message before it is held in the Poison queue (never retried, "
-        "expired or bounced on its own; message resume / remove)", "PoisonThreshold"),
+        "expired or bounced on its own; message resume / remove)", "PoisonThreshold", limits=(1, 10)),
     # mailbox store
     Key("mailbox", "duplicate_detection_window", 3600.0, _duplicate_window,
         "DeliveredTo tracking window; at most 49 days, a larger value falls back to 24 hours",
-        "Track Duplicates (in hours)", DUR),
+        "Track Duplicates (in hours)", DUR, limits=(0.0, 49 * DAY)),
     # shadow redundancy
     Key("shadow_redundancy", "shadow_redundancy_enabled", True, _bool,
         "make a shadow copy on a peer before acknowledging", "ShadowRedundancyEnabled"),
     Key("shadow_redundancy", "shadow_message_preference_setting", "PreferRemote",
         _enum("PreferRemote", "LocalOnly", "RemoteOnly"),
         "where shadows are placed", "ShadowMessagePreferenceSetting"),
-    Key("shadow_redundancy", "max_retries_for_remote_site_shadow", 4, _int(0),
-        "attempts to shadow to another site", "MaxRetriesForRemoteSiteShadow"),
-    Key("shadow_redundancy", "max_retries_for_local_site_shadow", 2, _int(0),
-        "attempts to shadow within the site", "MaxRetriesForLocalSiteShadow"),
+    Key("shadow_redundancy", "max_retries_for_remote_site_shadow", 4, _int,
+        "attempts to shadow to another site", "MaxRetriesForRemoteSiteShadow", limits=(0, 255)),
+    Key("shadow_redundancy", "max_retries_for_local_site_shadow", 2, _int,
+        "attempts to shadow within the site", "MaxRetriesForLocalSiteShadow", limits=(0, 255)),
     Key("shadow_redundancy", "reject_message_on_shadow_failure", False, _bool,
         "answer 451 4.4.0 when no shadow can be made", "RejectMessageOnShadowFailure"),
     Key("shadow_redundancy", "shadow_copy_timeout", 30.0, parse_duration,
         "the longest a shadow copy may hold up the sender's 250 (all peers tried); then as if no shadow "
-        "could be made", "", DUR),
+        "could be made", "", DUR, limits=(1 * SEC, 10 * MIN)),
     Key("shadow_redundancy", "shadow_heartbeat_frequency", 120.0, parse_duration,
-        "how often a shadow polls its primary with XQDISCARD", "ShadowHeartbeatFrequency", DUR),
-    Key("shadow_redundancy", "shadow_resubmit_time_span", 3 * 3600.0, parse_duration,
-        "failed heartbeats for this long promote the shadows", "ShadowResubmitTimeSpan", DUR),
-    Key("shadow_redundancy", "shadow_message_auto_discard_interval", 2 * 86400.0, parse_duration,
-        "discard events nobody asked for are dropped after this", "ShadowMessageAutoDiscardInterval", DUR),
+        "how often a shadow polls its primary with XQDISCARD", "ShadowHeartbeatFrequency", DUR,
+        limits=(0.1 * SEC, 1 * DAY)),
+    Key("shadow_redundancy", "shadow_resubmit_time_span", 3 * HOUR, parse_duration,
+        "failed heartbeats for this long promote the shadows; at least one shadow_heartbeat_frequency",
+        "ShadowResubmitTimeSpan", DUR, limits=(1 * SEC, 1 * DAY)),
+    Key("shadow_redundancy", "shadow_message_auto_discard_interval", 2 * DAY, parse_duration,
+        "discard events nobody asked for are dropped after this; at least one shadow_heartbeat_frequency",
+        "ShadowMessageAutoDiscardInterval", DUR, limits=(5 * SEC, 90 * DAY)),
     # safety net
-    Key("safety_net", "safety_net_hold_time", 2 * 86400.0, parse_duration,
-        "how long processed messages are kept for resubmission", "SafetyNetHoldTime", DUR),
-    Key("safety_net", "primary_safety_net_unreachable_time", 12 * 3600.0, parse_duration,
-        "after this, resubmit requests go to the Shadow Safety Nets", "", DUR),
+    Key("safety_net", "safety_net_hold_time", 2 * DAY, parse_duration,
+        "how long processed messages are kept for resubmission", "SafetyNetHoldTime", DUR,
+        limits=(15 * SEC, 24855 * DAY)),
+    Key("safety_net", "primary_safety_net_unreachable_time", 12 * HOUR, parse_duration,
+        "after this, resubmit requests go to the Shadow Safety Nets", "", DUR, limits=(1 * SEC, 30 * DAY)),
     # message tracking
     Key("tracking", "message_tracking_log_enabled", True, _bool,
         "write MSGTRK message tracking logs", "MessageTrackingLogEnabled"),
     Key("tracking", "message_tracking_log_path", "", _str,
         "folder of the MSGTRK files; empty = <data_dir>/msgtrk", "MessageTrackingLogPath"),
-    Key("tracking", "message_tracking_log_max_file_size", 10 * 1024**2, parse_size,
-        "roll to a new file past this size", "MessageTrackingLogMaxFileSize", SIZE),
+    Key("tracking", "message_tracking_log_max_file_size", 10 * MB, parse_size,
+        "roll to a new file past this size", "MessageTrackingLogMaxFileSize", SIZE, limits=(1, 4 * GB)),
     # Prometheus metrics
     Key("metrics", "listen", "", _metrics_listen,
         "address:port of the Prometheus /metrics endpoint ('9101' alone = 127.0.0.1:9101); empty = off"),
-    # frontend command-rate limit (issue 6, docs/security.md)
-    Key("frontend", "max_command_rate", 0, _int(0),
+    # frontend command-rate limit (docs/security.md)
+    Key("frontend", "max_command_rate", 0, _int,
         "SMTP commands per second accepted from one IP address over all its frontend sessions (bursts up "
-        "to twice that); beyond it 421 4.7.0 and the session is closed; 0 = no limit"),
+        "to twice that); beyond it 421 4.7.0 and the session is closed; 0 = no limit", limits=(0, 100000)),
 )
 
 SECTIONS = tuple(dict.fromkeys(k.section for k in KEYS))
+_BY_SECTION: dict[str, dict[str, Key]] = {s: {k.name: k for k in KEYS if k.section == s} for s in SECTIONS}
+_HIDDEN_IN_REPR = {"secret", "auth_users"}
+
+
+# --------------------------------------------------------------------------- typed sections
+
+def _refuse_assignment(cls: type) -> type:
+    """Every assignment and deletion raises FrozenInstanceError, new names included (a frozen dataclass
+    with slots raises TypeError for those before Python 3.12)."""
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to {type(self).__name__}.{name}: read-only")
+
+    def __delattr__(self: Any, name: str) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot delete {type(self).__name__}.{name}: read-only")
+
+    cls.__setattr__ = __setattr__
+    cls.__delattr__ = __delattr__
+    return cls
+
+
+def _section_type(section: str) -> type:
+    """A frozen dataclass with one field per key of ``section``, e.g. DeliverySettings."""
+    fields = [(k.name, type(k.default), field(repr=k.name not in _HIDDEN_IN_REPR))
+              for k in _BY_SECTION[section].values()]
+    name = "".join(part.capitalize() for part in section.split("_")) + "Settings"
+    return _refuse_assignment(dataclasses.make_dataclass(
+        name, fields, frozen=True, slots=True,
+        namespace={"__module__": __name__, "__doc__": f"The effective [{section}] table (read-only)."}))
+
+
+SECTION_TYPES: dict[str, type] = {s: _section_type(s) for s in SECTIONS}
+NodeSettings = SECTION_TYPES["node"]
+TransportSettings = SECTION_TYPES["transport"]
+ClusterSettings = SECTION_TYPES["cluster"]
+FrontendSettings = SECTION_TYPES["frontend"]
+RoutingSettings = SECTION_TYPES["routing"]
+DeliverySettings = SECTION_TYPES["delivery"]
+MailboxSettings = SECTION_TYPES["mailbox"]
+ShadowRedundancySettings = SECTION_TYPES["shadow_redundancy"]
+SafetyNetSettings = SECTION_TYPES["safety_net"]
+TrackingSettings = SECTION_TYPES["tracking"]
+MetricsSettings = SECTION_TYPES["metrics"]
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    name: str
+    site: str
+    transport: str  # host:port of the peer's transport connector
 
 
 # --------------------------------------------------------------------------- loaded config
 
-class Config(SimpleNamespace):
-    """Effective configuration: ``cfg.frontend.max_message_size`` etc., plus ``cfg.path``."""
+@_refuse_assignment
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Effective configuration: ``cfg.frontend.max_message_size`` etc., plus ``cfg.path``. Read-only."""
 
-    path: Path | None
-    base_dir: Path
+    node: NodeSettings
+    transport: TransportSettings
+    cluster: ClusterSettings
+    frontend: FrontendSettings
+    routing: RoutingSettings
+    delivery: DeliverySettings
+    mailbox: MailboxSettings
+    shadow_redundancy: ShadowRedundancySettings
+    safety_net: SafetyNetSettings
+    tracking: TrackingSettings
+    metrics: MetricsSettings
+    peers: tuple[PeerConfig, ...] = ()
+    mailbox_databases: dict[str, str] = field(default_factory=dict)
+    path: Path | None = None
+    base_dir: Path = field(default_factory=Path.cwd)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def data_dir(self) -> Path:
@@ -401,68 +497,93 @@ class Config(SimpleNamespace):
     def effective(self) -> list[tuple[Key, Any]]:
         return [(k, getattr(getattr(self, k.section), k.name)) for k in KEYS]
 
+    def with_overrides(self, overrides: dict[str, dict[str, Any]]) -> Config:
+        """A copy with some keys changed, validated like a file:
+        ``cfg.with_overrides({"node": {"data_dir": d}})``."""
+        raw = {name: dict(table) if isinstance(table, dict) else table for name, table in self.raw.items()}
+        for section, table in overrides.items():
+            raw[section] = {**raw.get(section, {}), **table}
+        source = str(self.path) if self.path else "<config>"
+        return dataclasses.replace(load_dict(raw, source=source, base_dir=self.base_dir), path=self.path)
 
-def _section_of(raw: dict, section: str, source: str) -> dict:
-    value = raw.get(section, {})
-    if not isinstance(value, dict):
+
+def _did_you_mean(name: str, known: list[str] | tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(str(name), known, n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _unknown_key_hint(section: str, name: str) -> str:
+    hint = _did_you_mean(name, list(_BY_SECTION[section]))
+    if not hint:
+        elsewhere = [k.dotted for k in KEYS if k.name == name]
+        hint = f"; did you mean '{elsewhere[0]}'?" if elsewhere else ""
+    return hint
+
+
+def _check_range(key: Key, value: Any, source: str) -> None:
+    if key.limits is None:
+        return
+    low, high = key.limits
+    if not low <= value <= high:
+        raise ConfigError(f"{source}: {key.dotted}: {format_value(key, value)} is out of range ({key.range_text})")
+
+
+def _parse_section(raw: dict, section: str, source: str) -> dict[str, Any]:
+    """The values of one section: parsed, in range, defaults for the missing keys."""
+    table = raw.get(section, {})
+    if not isinstance(table, dict):
         raise ConfigError(f"{source}: [{section}] must be a table")
-    return value
+    keys = _BY_SECTION[section]
+    for name in table:
+        if name not in keys:
+            raise ConfigError(f"{source}: {section}.{name}: unknown key{_unknown_key_hint(section, name)}")
+    values = {}
+    for name, key in keys.items():
+        if name not in table:
+            values[name] = key.parse(key.default) if key.default != "" else key.default
+            continue
+        try:
+            values[name] = key.parse(table[name])
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {key.dotted}: {exc}") from None
+        _check_range(key, values[name], source)
+    return values
 
 
 def load_dict(raw: dict, source: str = "<config>", base_dir: Path | None = None,
               extra_sections: tuple[str, ...] = ("peers", "mailbox_databases")) -> Config:
     """Validate a parsed TOML document; ConfigError names the first bad key."""
-    by_section: dict[str, dict[str, Key]] = {}
-    for k in KEYS:
-        by_section.setdefault(k.section, {})[k.name] = k
     for name in raw:
-        if name not in by_section and name not in extra_sections:
-            raise ConfigError(f"{source}: unknown section [{name}] (known: {', '.join(SECTIONS)})")
-    cfg = Config(path=None, base_dir=base_dir or Path.cwd())
-    for section, keys in by_section.items():
-        table = _section_of(raw, section, source)
-        for name in table:
-            if name not in keys:
-                raise ConfigError(f"{source}: {section}.{name}: unknown key")
-        values = {}
-        for name, key in keys.items():
-            if name in table:
-                try:
-                    values[name] = key.parse(table[name])
-                except ValueError as exc:
-                    raise ConfigError(f"{source}: {section}.{name}: {exc}") from None
-            else:
-                values[name] = key.parse(key.default) if key.default != "" else key.default
-        setattr(cfg, section, SimpleNamespace(**values))
-    if not cfg.node.name:
-        cfg.node.name = socket.getfqdn() or "localhost"
-    cfg.raw = raw
-    cfg.peers = _peers(raw.get("peers", []), source, cfg.node.name)
-    cfg.mailbox_databases = _mailbox_databases(raw.get("mailbox_databases", {}), source)
+        if name not in _BY_SECTION and name not in extra_sections:
+            hint = _did_you_mean(name, SECTIONS + tuple(extra_sections)) or f" (known: {', '.join(SECTIONS)})"
+            raise ConfigError(f"{source}: unknown section [{name}]{hint}")
+    base = base_dir or Path.cwd()
+    values = {section: _parse_section(raw, section, source) for section in SECTIONS}
+    if not values["node"]["name"]:
+        values["node"]["name"] = socket.getfqdn() or "localhost"
+    peers = _peers(raw.get("peers", []), source, values["node"]["name"])
+    mailbox_databases = _mailbox_databases(raw.get("mailbox_databases", {}), source)
+    _resolve_tls_files(values, base, source)
+    cfg = Config(**{s: SECTION_TYPES[s](**v) for s, v in values.items()}, peers=tuple(peers),
+                 mailbox_databases=mailbox_databases, path=None, base_dir=base, raw=raw)
     _cross_checks(cfg, source)
     return cfg
-
-
-@dataclass(frozen=True)
-class PeerConfig:
-    name: str
-    site: str
-    transport: str  # host:port of the peer's transport connector
 
 
 def _peers(value: Any, source: str, me: str) -> list[PeerConfig]:
     """``[[peers]]`` tables: name (FQDN), site, transport (host:port)."""
     if not isinstance(value, list):
         raise ConfigError(f"{source}: peers: expected [[peers]] tables")
+    fields = ("name", "site", "transport")
     out: list[PeerConfig] = []
     for i, item in enumerate(value):
         where = f"{source}: peers[{i}]"
         if not isinstance(item, dict):
             raise ConfigError(f"{where}: expected a table with name, site and transport")
-        unknown = set(item) - {"name", "site", "transport"}
+        unknown = sorted(set(item) - set(fields))
         if unknown:
-            raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown key")
-        for key in ("name", "site", "transport"):
+            raise ConfigError(f"{where}.{unknown[0]}: unknown key{_did_you_mean(unknown[0], fields)}")
+        for key in fields:
             if not isinstance(item.get(key), str) or not item[key].strip():
                 raise ConfigError(f"{where}.{key}: required, a non-empty string")
         try:
@@ -490,21 +611,23 @@ def _mailbox_databases(value: Any, source: str) -> dict[str, str]:
     return out
 
 
-def _check_tls_files(cfg: Config, section: str, source: str) -> None:
-    """tls_certificate and tls_key of a connector: both or neither, existing files, made absolute."""
-    values = getattr(cfg, section)
-    if bool(values.tls_certificate) != bool(values.tls_key):
-        raise ConfigError(f"{source}: {section}.tls_key: tls_certificate and tls_key must be set together")
-    for key in ("tls_certificate", "tls_key"):
-        value = getattr(values, key)
-        if value:
-            p = Path(value) if Path(value).is_absolute() else cfg.base_dir / value
-            if not p.is_file():
-                raise ConfigError(f"{source}: {section}.{key}: no such file: {p}")
-            setattr(values, key, str(p))
+def _resolve_tls_files(values: dict[str, dict[str, Any]], base_dir: Path, source: str) -> None:
+    """A connector's tls_certificate and tls_key: both or neither, existing files, made absolute (tls_ca too)."""
+    for section, names in (("transport", ("tls_certificate", "tls_key", "tls_ca")),
+                           ("frontend", ("tls_certificate", "tls_key"))):
+        table = values[section]
+        if bool(table["tls_certificate"]) != bool(table["tls_key"]):
+            raise ConfigError(f"{source}: {section}.tls_key: tls_certificate and tls_key must be set together")
+        for name in names:
+            if table[name]:
+                p = Path(table[name]) if Path(table[name]).is_absolute() else base_dir / table[name]
+                if not p.is_file():
+                    raise ConfigError(f"{source}: {section}.{name}: no such file: {p}")
+                table[name] = str(p)
 
 
 def _cross_checks(cfg: Config, source: str) -> None:
+    """Values that are each in range but make no sense together; the message names both keys."""
     for rule in cfg.routing.mailbox_database_rules:
         pattern, eq, db = rule.partition("=")
         if not eq or not pattern.strip() or not db.strip():
@@ -517,28 +640,38 @@ def _cross_checks(cfg: Config, source: str) -> None:
         raise ConfigError(f"{source}: cluster.secret: required when [[peers]] are configured")
     if cfg.peers and not cfg.transport.listen:
         raise ConfigError(f"{source}: transport.listen: required when [[peers]] are configured")
-    _check_tls_files(cfg, "transport", source)
-    if cfg.transport.tls_ca:
-        p = Path(cfg.transport.tls_ca)
-        p = p if p.is_absolute() else cfg.base_dir / p
-        if not p.is_file():
-            raise ConfigError(f"{source}: transport.tls_ca: no such file: {p}")
-        if not cfg.transport.tls_certificate:
-            raise ConfigError(f"{source}: transport.tls_ca: needs transport.tls_certificate (peers use TLS)")
-        cfg.transport.tls_ca = str(p)
-    _check_tls_files(cfg, "frontend", source)
+    if cfg.transport.tls_ca and not cfg.transport.tls_certificate:
+        raise ConfigError(f"{source}: transport.tls_ca: needs transport.tls_certificate (peers use TLS)")
     fe = cfg.frontend
     if fe.require_tls and not fe.tls_certificate:
         raise ConfigError(f"{source}: frontend.require_tls: needs tls_certificate and tls_key")
     if fe.auth_users and not fe.tls_certificate:
         raise ConfigError(f"{source}: frontend.auth_users: AUTH is offered only after STARTTLS; "
                           "set tls_certificate and tls_key")
-    if fe.connection_inactivity_timeout <= 0 or fe.connection_timeout <= 0:
-        raise ConfigError(f"{source}: frontend.connection_timeout: timeouts must be > 0")
-    if cfg.delivery.queue_poll_interval <= 0:
-        raise ConfigError(f"{source}: delivery.queue_poll_interval: must be > 0")
-    if cfg.shadow_redundancy.shadow_heartbeat_frequency <= 0:
-        raise ConfigError(f"{source}: shadow_redundancy.shadow_heartbeat_frequency: must be > 0")
+    # Set-ReceiveConnector: ConnectionTimeout is the longer of the two (an idle limit past it never fires).
+    _require_longer(cfg, "frontend.connection_timeout", "frontend.connection_inactivity_timeout", source,
+                    "an idle limit longer than the session limit never applies", relation="is shorter than")
+    # A shadow asks its primary at most once per heartbeat: it gives up on the primary after
+    # ShadowResubmitTimeSpan of failed heartbeats, and the primary drops unasked-for discard events after
+    # ShadowMessageAutoDiscardInterval. Either one shorter than a heartbeat is over before the first poll.
+    _require_longer(cfg, "shadow_redundancy.shadow_resubmit_time_span",
+                    "shadow_redundancy.shadow_heartbeat_frequency", source,
+                    "a primary would be given up before its first heartbeat")
+    _require_longer(cfg, "shadow_redundancy.shadow_message_auto_discard_interval",
+                    "shadow_redundancy.shadow_heartbeat_frequency", source,
+                    "discard events would be dropped before the shadow's first poll")
+
+
+def _require_longer(cfg: Config, longer: str, shorter: str, source: str, why: str,
+                    relation: str = "is shorter than one") -> None:
+    """Duration ``longer`` >= duration ``shorter``, else one line naming both keys and their values."""
+    values = []
+    for dotted in (longer, shorter):
+        section, name = dotted.split(".")
+        values.append(getattr(getattr(cfg, section), name))
+    if values[0] < values[1]:
+        raise ConfigError(f"{source}: {longer}: {format_duration(values[0])} {relation} {shorter} "
+                          f"({format_duration(values[1])}): {why}")
 
 
 def load(path: str | Path) -> Config:
@@ -556,9 +689,7 @@ def load(path: str | Path) -> Config:
         raise ConfigError(f"{p}: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: TOML syntax error: {exc}") from None
-    cfg = load_dict(raw, source=str(p), base_dir=p.resolve().parent)
-    cfg.path = p
-    return cfg
+    return dataclasses.replace(load_dict(raw, source=str(p), base_dir=p.resolve().parent), path=p)
 
 
 def default_for_data_dir(data_dir: str | Path) -> Config:
@@ -601,7 +732,7 @@ def format_size(size: int) -> str:
 
 def markdown_reference() -> str:
     """The configuration reference table (README.md holds a copy; a test keeps them equal)."""
-    rows = ["| key | default | Exchange name | meaning |", "|---|---|---|---|"]
+    rows = ["| key | default | range | Exchange name | meaning |", "|---|---|---|---|---|"]
     for k in KEYS:
         default = k.parse(k.default) if k.default != "" else ""
         if k.dotted == "node.name":
@@ -610,7 +741,8 @@ def markdown_reference() -> str:
             shown = '""'
         else:
             shown = format_value(k, default)
-        rows.append(f"| `{k.dotted}` | `{shown}` | {k.exchange} | {k.meaning.replace('|', '/')} |")
+        allowed = f"`{k.range_text}`" if k.limits else ""
+        rows.append(f"| `{k.dotted}` | `{shown}` | {allowed} | {k.exchange} | {k.meaning.replace('|', '/')} |")
     return "\n".join(rows)
 
 

@@ -1,6 +1,6 @@
 """Message tracking log (MSGTRK) in the Exchange 2016/2019 format: writing and reading.
 
-This module owns the node's on-disk tracking log, as specified in TRACKING_LOG.md (the
+This module owns the node's on-disk tracking log, as specified in docs/TRACKING_LOG.md (the
 contract): ``TrackingLog`` appends one CSV row per message event to ``MSGTRK<yyyymmdd>-<n>.LOG``
 files (UTF-8 with BOM, CRLF, ``#`` header, rolled by UTC day and by size) and flushes each row
 as it is written; ``parse_log_file``, ``iter_log_files`` and ``search`` read our files and

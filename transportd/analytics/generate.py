@@ -1,6 +1,6 @@
 """``transportd analyze generate``: realistic multi-node MSGTRK logs with failures injected, and the truth.
 
-It simulates a cluster that follows PROTOCOL.md: a message enters a live node (RECEIVE), a shadow
+It simulates a cluster that follows docs/PROTOCOL.md: a message enters a live node (RECEIVE), a shadow
 is made on a peer in the other site before the 250 (HARECEIVE on the shadow, HAREDIRECT on the
 primary) or cannot be (HAREDIRECTFAIL); the primary delivers outside the boundary
 (SENDEXTERNAL), or fails (FAIL and a DSN), or hands local mail to the mailbox node hop by hop
@@ -15,21 +15,25 @@ rows. Rows are the shapes the daemon writes (see ``transportd.tracking`` and ``t
 ``truth.json`` beside the logs is computed from the simulation itself (which copies exist where,
 which node is alive), not from the logs: the analyzer must find the same numbers. The generator
 must keep every node's rows in time order and never hold more than a sliding window in memory.
+
+``Cluster`` is the simulated topology (sites, addresses, heartbeats, which node dies when, the
+span of the logs); ``Generator`` walks each message through receive, shadow, discard and
+promotion, handing each processing attempt to ``Delivery`` (mailbox hop, external send, failure
+and DSN); ``logfiles.Journal`` keeps the rows in time order on their way to disk; ``tally``
+turns the simulated fates into the truth.
 """
 
 from __future__ import annotations
 
-import heapq
 import json
 import os
 import random
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
-import transportd
-from transportd.tracking import FIELDS_2016
+from transportd.analytics.logfiles import Journal
 
 DOMAIN = "transportd.test"
 MAILBOX_DOMAIN = "example.test"
@@ -87,97 +91,44 @@ class Sim:
     stale_shadow: tuple[str, float] | None = None
 
 
-class Writer:
-    """Per-node MSGTRK files in the daemon's format, rolled by UTC day and by size."""
+class Cluster:
+    """The simulated nodes: names, sites and addresses, heartbeat phases, arrival times, the end of
+    the logs, and which node dies when. Draws from ``rng`` in a fixed order, so a seed fixes it."""
 
-    def __init__(self, directory: Path, hostname: str, max_file_size: int) -> None:
-        self.directory = directory
-        self.hostname = hostname
-        self.max_file_size = max_file_size
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.file: TextIO | None = None
-        self.day = ""
-        self.number = 0
-        self.size = 0
-        self.rows = 0
-
-    def header(self, when: str) -> str:
-        lines = ("#Software: transportd", f"#Version: {transportd.__version__}",
-                 "#Log-type: Message Tracking Log", f"#Date: {when}", "#Fields: " + ",".join(FIELDS_2016))
-        return "\ufeff" + "".join(line + "\r\n" for line in lines)
-
-    def write(self, stamp: str, line: str) -> None:
-        day = stamp[:10].replace("-", "")
-        if self.file is None or day != self.day or self.size + len(line) > self.max_file_size:
-            self.close()
-            self.number = 1 if day != self.day else self.number + 1
-            self.day = day
-            path = self.directory / f"MSGTRK{day}-{self.number}.LOG"
-            self.file = open(path, "w", encoding="utf-8", newline="")  # noqa: SIM115
-            head = self.header(stamp)
-            self.file.write(head)
-            self.size = len(head)
-        assert self.file is not None
-        self.file.write(line)
-        self.size += len(line)
-        self.rows += 1
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-
-
-def _quote(value: str) -> str:
-    if "," in value or '"' in value or "\r" in value or "\n" in value:
-        return '"' + value.replace('"', '""') + '"'
-    return value
-
-
-class Generator:
-    def __init__(self, settings: Settings, out: Path) -> None:
-        s = self.s = settings
+    def __init__(self, s: Settings, rng: random.Random) -> None:
         if s.nodes < 2:
             raise ValueError("need at least 2 nodes")
         if s.messages < 1:
             raise ValueError("need at least 1 message")
         if not 0 <= s.deaths <= s.nodes - 2:
             raise ValueError("deaths must leave the mailbox node and one more alive (0 <= deaths <= nodes - 2)")
-        self.out = out
-        self.rng = random.Random(s.seed)
+        self.s = s
+        self.rng = rng
         self.names = [f"node{i + 1}.{DOMAIN}" for i in range(s.nodes)]
         self.site = {n: ("site-a" if i < (s.nodes + 1) // 2 else "site-b") for i, n in enumerate(self.names)}
         self.ips = {n: f"127.0.0.{11 + i}" for i, n in enumerate(self.names)}
         self.mailbox_node = self.names[0]
         self.internal = dict.fromkeys(self.names, 0)
-        self.phase = {(a, b): self.rng.uniform(0, s.heartbeat) for a in self.names for b in self.names}
+        self.phase = {(a, b): rng.uniform(0, s.heartbeat) for a in self.names for b in self.names}
         self.rate = s.rate or min(50.0, max(0.01, s.messages / 600.0))
         t = s.start
         self.arrivals = []
         for _ in range(s.messages):
-            t += self.rng.expovariate(self.rate)
+            t += rng.expovariate(self.rate)
             self.arrivals.append(t)
         self.end = t + 0.5
         """The logs end here: events later are not written (messages still in flight)."""
         self.death: dict[str, float] = {}
         span = self.end - s.start
-        victims = self.rng.sample(self.names[1:], s.deaths)
+        victims = rng.sample(self.names[1:], s.deaths)
         latest = self.end - s.resubmit_span - 2 * s.heartbeat - 60.0
         for i, victim in enumerate(victims):
             lo = s.start + span * (0.2 + 0.5 * i / max(1, s.deaths))
             if latest <= lo:
                 raise ValueError("the logs are too short for a node death to be followed by promotions; "
                                  "generate more messages or lower --deaths")
-            self.death[victim] = self.rng.uniform(lo, min(latest, lo + span * 0.5 / max(1, s.deaths)))
+            self.death[victim] = rng.uniform(lo, min(latest, lo + span * 0.5 / max(1, s.deaths)))
         self.horizon = max(HORIZON, 2 * MAX_DEFER + s.resubmit_span + 2 * s.heartbeat + 60.0)
-        self.last_written = s.start
-        self.heap: list[tuple[float, int, str, tuple]] = []
-        self.writers = {n: Writer(out / n.split(".")[0] / "msgtrk", n, s.max_file_size) for n in self.names}
-        self.seq = 0
-        self.sims: list[Sim] = []
-        self.stamp_cache: tuple[int, str] = (-1, "")
-
-    # -- time and liveness -----------------------------------------------------------------
 
     def alive(self, node: str, t: float) -> bool:
         return t < self.death.get(node, float("inf"))
@@ -188,57 +139,9 @@ class Generator:
         phase = self.phase[(poller, target)]
         return t + ((phase - t) % hb or hb)
 
-    def stamp(self, t: float) -> str:
-        sec = int(t)
-        if self.stamp_cache[0] != sec:
-            self.stamp_cache = (sec, datetime.fromtimestamp(sec, UTC).strftime("%Y-%m-%dT%H:%M:%S"))
-        ms = min(999, int((t - sec) * 1000))
-        return f"{self.stamp_cache[1]}.{ms:03d}Z"
-
-    def guid(self) -> str:
-        h = f"{self.rng.getrandbits(128):032x}"
-        return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-
-    # -- rows ------------------------------------------------------------------------------
-
-    def emit(self, t: float, node: str, event: str, source: str, msg: dict, *, recipients: tuple[str, ...] = (),
-             status: str = "", context: str = "", client_hostname: str = "", client_ip: str = "",
-             reference: str = "", internal_id: int | None = None, connector: str = "",
-             directionality: str = "", server_ip: str | None = None) -> bool:
-        """Queue one row if ``node`` is alive at ``t`` and ``t`` is inside the logs; True if queued."""
-        if not self.alive(node, t) or t > self.end:
-            return False
-        self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, node, (
-            event, source, msg, recipients, status, context, client_hostname, client_ip, reference,
-            internal_id, connector, directionality, server_ip)))
-        return True
-
-    def flush(self, before: float) -> None:
-        while self.heap and self.heap[0][0] < before:
-            t, _, node, row = heapq.heappop(self.heap)
-            self.write_row(t, node, row)
-            self.last_written = t
-
-    def write_row(self, t: float, node: str, row: tuple) -> None:
-        (event, source, msg, recipients, status, context, client_hostname, client_ip, reference,
-         internal_id, connector, directionality, server_ip) = row
-        stamp = self.stamp(t)
-        rcpts = ";".join(recipients)
-        line = ",".join((
-            stamp, client_ip, client_hostname, self.ips[node] if server_ip is None else server_ip, node,
-            _quote(context), connector, source, event, str(internal_id if internal_id is not None else ""),
-            msg["message_id"], msg["netid"], rcpts, _quote(status), str(msg["size"]),
-            str(len(recipients)) if recipients else "", "", reference, _quote(msg["subject"]),
-            msg["sender"], msg["sender"], "", directionality, "", "", "", "", "Email",
-            self.guid(), transportd.__version__)) + "\r\n"
-        self.writers[node].write(stamp, line)
-
     def new_id(self, node: str) -> int:
         self.internal[node] += 1
         return self.internal[node]
-
-    # -- simulation --------------------------------------------------------------------------
 
     def pick_shadow(self, primary: str, t: float, exclude: tuple[str, ...] = ()) -> str | None:
         """PreferRemote: a live peer in another site, else one in the same site."""
@@ -246,6 +149,20 @@ class Generator:
         remote = [n for n in peers if self.site[n] != self.site[primary]]
         pool = remote or peers
         return self.rng.choice(pool) if pool else None
+
+
+class Delivery:
+    """What the current primary does with a message when it processes it: delivers local mail to
+    the mailbox node hop by hop, sends the rest outside the boundary, or fails it and writes a DSN;
+    and each recipient's first terminal outcome, for the truth."""
+
+    def __init__(self, s: Settings, rng: random.Random, cluster: Cluster, journal: Journal,
+                 sims: list[Sim]) -> None:
+        self.s = s
+        self.rng = rng
+        self.cluster = cluster
+        self.journal = journal
+        self.sims = sims
 
     def latency(self) -> float:
         if self.rng.random() < self.s.defer_rate:
@@ -255,61 +172,69 @@ class Generator:
     def deliver(self, sim: Sim, msg: dict, node: str, iid: int, t: float, copy: Copy) -> float | None:
         """``node`` (the current primary) processes the message at ``t``. Returns when it counts as
         processed (its shadow may then be discarded), or None if the node is dead by then."""
-        if not self.alive(node, t):
+        cluster, emit = self.cluster, self.journal.emit
+        if not cluster.alive(node, t):
             return None
         rcpts = msg["recipients"]
         if msg["local"]:
-            if node == self.mailbox_node:
-                self.emit(t, node, "DELIVER", "STOREDRIVER", msg, recipients=rcpts, internal_id=iid,
-                          status=";".join(["250 2.0.0 delivered"] * len(rcpts)), context="MDB:MDB01")
+            if node == cluster.mailbox_node:
+                emit(t, node, "DELIVER", "STOREDRIVER", msg, recipients=rcpts, internal_id=iid,
+                     status=";".join(["250 2.0.0 delivered"] * len(rcpts)), context="MDB:MDB01")
                 self.finish(sim, rcpts, t, True)
                 copy.released = t
                 return t
-            box = self.mailbox_node
-            reply = f"250 2.0.0 Ok: queued as {self.internal[box] + 1}"
-            self.emit(t, node, "SEND", "SMTP", msg, recipients=rcpts, internal_id=iid, status=";".join(
-                [reply] * len(rcpts)), context=reply, connector=f"mailbox:{box}", server_ip=self.ips[box])
-            biid = self.new_id(box)
-            t_recv = t + 0.004
-            first_copy = not any(c.node == box for c in sim.copies)
-            self.emit(t_recv, box, "RECEIVE", "SMTP", msg, recipients=rcpts, internal_id=biid,
-                      context="transport", connector=f"{box}\\transport", directionality="Incoming",
-                      client_hostname=node, client_ip=self.ips[node])
-            box_copy = Copy(box, t_recv, t + 0.008)
-            sim.copies.append(box_copy)
-            dup = not first_copy and any(ok for _, ok in sim.done.values())
-            event = "DUPLICATEDELIVER" if dup else "DELIVER"
-            if self.emit(t + 0.008, box, event, "STOREDRIVER", msg, recipients=rcpts, internal_id=biid,
-                         status=";".join(["250 2.0.0 " + ("duplicate dropped" if dup else "delivered")] * len(rcpts)),
-                         context="MDB:MDB01"):
-                if dup:
-                    sim.duplicate_dropped = True
-                self.finish(sim, rcpts, t + 0.008, True)
-            # The sender keeps a fork until the mailbox node's discard event, fetched at its next poll.
-            released = self.next_poll(node, box, t + 0.008)
-            copy.released = released if self.alive(node, released) else copy.released
-            self.emit(released, node, "HADISCARD", "SMTP", msg, internal_id=iid,
-                      context=f"ExplicitlyDiscarded;{self.guid()}", client_hostname=box)
+            self.to_mailbox(sim, msg, node, iid, t, copy)
             return t
         reply = "250 2.0.0 Ok: queued as " + f"{self.rng.getrandbits(40):010X}"
         if self.rng.random() < self.s.fail_rate and not sim.done:
-            self.emit(t, node, "FAIL", "SMTP", msg, recipients=rcpts, internal_id=iid, context="smarthost",
-                      status=";".join(["550 5.1.1 User unknown"] * len(rcpts)), connector="smarthost")
+            emit(t, node, "FAIL", "SMTP", msg, recipients=rcpts, internal_id=iid, context="smarthost",
+                 status=";".join(["550 5.1.1 User unknown"] * len(rcpts)), connector="smarthost")
             self.finish(sim, rcpts, t, False)
             copy.released = t
             self.dsn(msg, node, t, iid)
             return t
-        self.emit(t, node, "SENDEXTERNAL", "SMTP", msg, recipients=rcpts, internal_id=iid, context=reply,
-                  status=";".join([reply] * len(rcpts)), connector="smarthost", server_ip="127.0.0.10")
+        emit(t, node, "SENDEXTERNAL", "SMTP", msg, recipients=rcpts, internal_id=iid, context=reply,
+             status=";".join([reply] * len(rcpts)), connector="smarthost", server_ip="127.0.0.10")
         for r in rcpts:
-            if t <= self.end:
+            if t <= cluster.end:
                 sim.external_sends[r] = sim.external_sends.get(r, 0) + 1
         self.finish(sim, rcpts, t, True)
         copy.released = t
         return t
 
+    def to_mailbox(self, sim: Sim, msg: dict, node: str, iid: int, t: float, copy: Copy) -> None:
+        """SEND from ``node`` to the mailbox node at ``t``, RECEIVE and DELIVER (or DUPLICATEDELIVER)
+        there, and the sender's HADISCARD of its fork at its next poll."""
+        cluster, emit = self.cluster, self.journal.emit
+        rcpts = msg["recipients"]
+        box = cluster.mailbox_node
+        reply = f"250 2.0.0 Ok: queued as {cluster.internal[box] + 1}"
+        emit(t, node, "SEND", "SMTP", msg, recipients=rcpts, internal_id=iid, status=";".join(
+            [reply] * len(rcpts)), context=reply, connector=f"mailbox:{box}", server_ip=cluster.ips[box])
+        biid = cluster.new_id(box)
+        t_recv = t + 0.004
+        first_copy = not any(c.node == box for c in sim.copies)
+        emit(t_recv, box, "RECEIVE", "SMTP", msg, recipients=rcpts, internal_id=biid,
+             context="transport", connector=f"{box}\\transport", directionality="Incoming",
+             client_hostname=node, client_ip=cluster.ips[node])
+        box_copy = Copy(box, t_recv, t + 0.008)
+        sim.copies.append(box_copy)
+        dup = not first_copy and any(ok for _, ok in sim.done.values())
+        event = "DUPLICATEDELIVER" if dup else "DELIVER"
+        if emit(t + 0.008, box, event, "STOREDRIVER", msg, recipients=rcpts, internal_id=biid,
+                status=";".join(["250 2.0.0 " + ("duplicate dropped" if dup else "delivered")] * len(rcpts)),
+                context="MDB:MDB01"):
+            if dup:
+                sim.duplicate_dropped = True
+            self.finish(sim, rcpts, t + 0.008, True)
+        # The sender keeps a fork until the mailbox node's discard event, fetched at its next poll.
+        released = cluster.next_poll(node, box, t + 0.008)
+        copy.released = released if cluster.alive(node, released) else copy.released
+        emit(released, node, "HADISCARD", "SMTP", msg, internal_id=iid,
+             context=f"ExplicitlyDiscarded;{self.journal.guid()}", client_hostname=box)
+
     def finish(self, sim: Sim, rcpts: tuple[str, ...], t: float, ok: bool) -> None:
-        if t > self.end:
+        if t > self.cluster.end:
             return
         for r in rcpts:
             # A success wins over an earlier failure (a promoted copy delivered after a FAIL).
@@ -317,32 +242,49 @@ class Generator:
                 sim.done[r] = (t, ok)
 
     def dsn(self, original: dict, node: str, t: float, original_iid: int) -> None:
-        netid = self.guid()
+        cluster, emit = self.cluster, self.journal.emit
+        netid = self.journal.guid()
         msg = {"netid": netid, "message_id": f"<{netid[:13]}@{node}>", "sender": "",
                "recipients": (original["sender"],), "subject": "Undeliverable: " + original["subject"],
                "size": 2048, "local": False}
         sim = Sim(key=netid, received=False, recipients=msg["recipients"])
-        iid = self.new_id(node)
+        iid = cluster.new_id(node)
         t0 = t + 0.001
-        if not self.emit(t0, node, "DSN", "DSN", msg, recipients=msg["recipients"], internal_id=iid,
-                         reference=original["message_id"],
-                         context=f"original internal id {original_iid}; failed"):
+        if not emit(t0, node, "DSN", "DSN", msg, recipients=msg["recipients"], internal_id=iid,
+                    reference=original["message_id"],
+                    context=f"original internal id {original_iid}; failed"):
             return
         self.sims.append(sim)
         copy = Copy(node, t0)
         sim.copies.append(copy)
         t1 = t0 + 0.05
-        if self.alive(node, t1) and t1 <= self.end:
-            self.emit(t1, node, "SENDEXTERNAL", "SMTP", msg, recipients=msg["recipients"], internal_id=iid,
-                      context="250 2.0.0 Ok", status="250 2.0.0 Ok", connector="smarthost", server_ip="127.0.0.10")
+        if cluster.alive(node, t1) and t1 <= cluster.end:
+            emit(t1, node, "SENDEXTERNAL", "SMTP", msg, recipients=msg["recipients"], internal_id=iid,
+                 context="250 2.0.0 Ok", status="250 2.0.0 Ok", connector="smarthost", server_ip="127.0.0.10")
             self.finish(sim, msg["recipients"], t1, True)
             copy.released = t1
 
+
+class Generator:
+    """Runs the simulation: each arriving message is received, shadowed on a peer (or not),
+    processed by ``Delivery``, its shadow discarded, or promoted when its primary died first; rows
+    are flushed behind a sliding window, and the truth is written beside the logs."""
+
+    def __init__(self, settings: Settings, out: Path) -> None:
+        s = self.s = settings
+        self.out = out
+        self.rng = random.Random(s.seed)
+        self.cluster = Cluster(s, self.rng)
+        c = self.cluster
+        self.journal = Journal(out, c.names, c.ips, c.alive, c.end, s.start, self.rng, s.max_file_size)
+        self.sims: list[Sim] = []
+        self.delivery = Delivery(s, self.rng, c, self.journal, self.sims)
+
     def message(self, t0: float) -> None:
-        s, rng = self.s, self.rng
-        live = [n for n in self.names if self.alive(n, t0)]
+        s, rng, cluster, emit = self.s, self.rng, self.cluster, self.journal.emit
+        live = [n for n in cluster.names if cluster.alive(n, t0)]
         primary = rng.choice(live)
-        netid = self.guid()
+        netid = self.journal.guid()
         local = rng.random() < s.local_rate
         count = rng.choice((1, 1, 1, 2, 3))
         if local:
@@ -356,143 +298,139 @@ class Generator:
                "size": rng.randrange(2000, 60000), "local": local}
         sim = Sim(key=netid, recipients=rcpts)
         self.sims.append(sim)
-        iid = self.new_id(primary)
-        shadow = None if rng.random() < s.redirect_fail_rate else self.pick_shadow(primary, t0)
-        guid = self.guid()
+        iid = cluster.new_id(primary)
+        shadow = None if rng.random() < s.redirect_fail_rate else cluster.pick_shadow(primary, t0)
+        guid = self.journal.guid()
         if shadow is not None:
-            siid = self.new_id(shadow)
-            self.emit(t0 - 0.002, shadow, "HARECEIVE", "SMTP", msg, recipients=rcpts, internal_id=siid,
-                      context=guid, client_hostname=primary, client_ip=self.ips[primary])
+            siid = cluster.new_id(shadow)
+            emit(t0 - 0.002, shadow, "HARECEIVE", "SMTP", msg, recipients=rcpts, internal_id=siid,
+                 context=guid, client_hostname=primary, client_ip=cluster.ips[primary])
             sim.copies.append(Copy(shadow, t0 - 0.002))
-        self.emit(t0, primary, "RECEIVE", "SMTP", msg, recipients=rcpts, internal_id=iid, context="frontend",
-                  connector=f"{primary}\\frontend", directionality="Incoming", client_ip="127.0.0.1",
-                  client_hostname="client.test")
+        emit(t0, primary, "RECEIVE", "SMTP", msg, recipients=rcpts, internal_id=iid, context="frontend",
+             connector=f"{primary}\\frontend", directionality="Incoming", client_ip="127.0.0.1",
+             client_hostname="client.test")
         pcopy = Copy(primary, t0)
         sim.copies.append(pcopy)
         if shadow is not None:
             sim.redundant = True
-            self.emit(t0 + 0.001, primary, "HAREDIRECT", "SMTP", msg, recipients=rcpts, internal_id=iid,
-                      context=f"{shadow}=250 2.6.0 {msg['message_id']} [InternalId={siid}, Hostname={shadow}] "
-                              "Queued mail for redundancy")
+            emit(t0 + 0.001, primary, "HAREDIRECT", "SMTP", msg, recipients=rcpts, internal_id=iid,
+                 context=f"{shadow}=250 2.6.0 {msg['message_id']} [InternalId={siid}, Hostname={shadow}] "
+                         "Queued mail for redundancy")
         else:
             sim.unprotected = True
-            self.emit(t0 + 0.001, primary, "HAREDIRECTFAIL", "SMTP", msg, recipients=rcpts, internal_id=iid,
-                      context="No suitable shadow servers")
-        td = t0 + 0.002 + self.latency()
+            emit(t0 + 0.001, primary, "HAREDIRECTFAIL", "SMTP", msg, recipients=rcpts, internal_id=iid,
+                 context="No suitable shadow servers")
+        td = t0 + 0.002 + self.delivery.latency()
         if td - t0 > 2.0:
-            self.emit(t0 + 1.0, primary, "DEFER", "SMTP", msg, recipients=rcpts, internal_id=iid,
-                      status=";".join(["451 4.4.1 Connection refused"] * len(rcpts)), context="smarthost",
-                      connector="smarthost")
-        processed = self.deliver(sim, msg, primary, iid, td, pcopy)
+            emit(t0 + 1.0, primary, "DEFER", "SMTP", msg, recipients=rcpts, internal_id=iid,
+                 status=";".join(["451 4.4.1 Connection refused"] * len(rcpts)), context="smarthost",
+                 connector="smarthost")
+        processed = self.delivery.deliver(sim, msg, primary, iid, td, pcopy)
         if shadow is None:
             return
         scopy = sim.copies[0]
-        death = self.death.get(primary)
+        death = cluster.death.get(primary)
         if processed is not None:
-            discard = self.next_poll(shadow, primary, processed)
+            discard = cluster.next_poll(shadow, primary, processed)
             if death is None or discard < death:
-                lost_discard = (death is None and shadow not in self.death and rng.random() < s.lost_discard_rate)
+                lost_discard = (death is None and shadow not in cluster.death and rng.random() < s.lost_discard_rate)
                 if lost_discard:
                     sim.stale_shadow = (shadow, processed)
                     return
-                if self.emit(discard, shadow, "HADISCARD", "SMTP", msg, internal_id=siid,
-                             context=f"ExplicitlyDiscarded;{guid}", client_hostname=primary):
+                if emit(discard, shadow, "HADISCARD", "SMTP", msg, internal_id=siid,
+                        context=f"ExplicitlyDiscarded;{guid}", client_hostname=primary):
                     scopy.released = discard
                 return
         # The primary died before the shadow heard it processed the message: promotion.
         assert death is not None
-        promote = self.next_poll(shadow, primary, death + s.resubmit_span - 1e-6)
-        if not self.alive(shadow, promote) or promote > self.end:
+        promote = cluster.next_poll(shadow, primary, death + s.resubmit_span - 1e-6)
+        if not cluster.alive(shadow, promote) or promote > cluster.end:
             return
         if processed is None:
             pcopy.released = min(pcopy.released, death)
-        self.emit(promote, shadow, "RESUBMIT", "REDUNDANCY", msg, recipients=rcpts, internal_id=siid,
-                  context=f"{primary} (ShadowHeartbeatFailure)", reference=str(iid))
+        self.promote(sim, msg, primary, iid, shadow, siid, scopy, promote)
+
+    def promote(self, sim: Sim, msg: dict, primary: str, iid: int, shadow: str, siid: int, scopy: Copy,
+                promote: float) -> None:
+        """``shadow`` promotes its copy at ``promote``, its first heartbeat after ShadowResubmitTimeSpan
+        past the primary's death: RESUBMIT REDUNDANCY, a new shadow, delivery again, that shadow's discard."""
+        cluster, emit = self.cluster, self.journal.emit
+        rcpts = msg["recipients"]
+        emit(promote, shadow, "RESUBMIT", "REDUNDANCY", msg, recipients=rcpts, internal_id=siid,
+             context=f"{primary} (ShadowHeartbeatFailure)", reference=str(iid))
         sim.promoted_at = promote
-        other = self.pick_shadow(shadow, promote, exclude=(primary,))
-        guid2 = self.guid()
+        other = cluster.pick_shadow(shadow, promote, exclude=(primary,))
+        guid2 = self.journal.guid()
         if other is not None:
-            oiid = self.new_id(other)
-            self.emit(promote + 0.002, other, "HARECEIVE", "SMTP", msg, recipients=rcpts, internal_id=oiid,
-                      context=guid2, client_hostname=shadow, client_ip=self.ips[shadow])
+            oiid = cluster.new_id(other)
+            emit(promote + 0.002, other, "HARECEIVE", "SMTP", msg, recipients=rcpts, internal_id=oiid,
+                 context=guid2, client_hostname=shadow, client_ip=cluster.ips[shadow])
             ocopy = Copy(other, promote + 0.002)
             sim.copies.append(ocopy)
-            self.emit(promote + 0.003, shadow, "HAREDIRECT", "SMTP", msg, recipients=rcpts, internal_id=siid,
-                      context=f"{other}=250 2.6.0 {msg['message_id']} [InternalId={oiid}, Hostname={other}] "
-                              "Queued mail for redundancy")
+            emit(promote + 0.003, shadow, "HAREDIRECT", "SMTP", msg, recipients=rcpts, internal_id=siid,
+                 context=f"{other}=250 2.6.0 {msg['message_id']} [InternalId={oiid}, Hostname={other}] "
+                         "Queued mail for redundancy")
         else:
-            self.emit(promote + 0.003, shadow, "HAREDIRECTFAIL", "SMTP", msg, recipients=rcpts, internal_id=siid,
-                      context="No suitable shadow servers")
-        processed2 = self.deliver(sim, msg, shadow, siid, promote + 0.005 + self.latency(), scopy)
+            emit(promote + 0.003, shadow, "HAREDIRECTFAIL", "SMTP", msg, recipients=rcpts, internal_id=siid,
+                 context="No suitable shadow servers")
+        processed2 = self.delivery.deliver(sim, msg, shadow, siid, promote + 0.005 + self.delivery.latency(), scopy)
         if other is not None and processed2 is not None:
-            discard2 = self.next_poll(other, shadow, processed2)
-            if self.emit(discard2, other, "HADISCARD", "SMTP", msg, internal_id=oiid,
-                         context=f"ExplicitlyDiscarded;{guid2}", client_hostname=shadow):
+            discard2 = cluster.next_poll(other, shadow, processed2)
+            if emit(discard2, other, "HADISCARD", "SMTP", msg, internal_id=oiid,
+                    context=f"ExplicitlyDiscarded;{guid2}", client_hostname=shadow):
                 ocopy.released = discard2
 
-    # -- run -------------------------------------------------------------------------------
-
     def run(self) -> dict[str, Any]:
-        for i, t in enumerate(self.arrivals):
+        for i, t in enumerate(self.cluster.arrivals):
             self.message(t)
             if i % 2000 == 0:
-                self.flush(t - self.horizon)
-        self.flush(float("inf"))
-        malformed = self.inject_malformed()
-        for w in self.writers.values():
-            w.close()
-        truth = self.truth()
+                self.journal.flush(t - self.cluster.horizon)
+        self.journal.flush(float("inf"))
+        malformed = self.journal.inject_malformed(self.s.malformed)
+        rows = self.journal.close()
+        truth = tally(self.sims, self.cluster, self.journal, self.s)
         truth["malformed"] = malformed
-        truth["rows"] = sum(w.rows for w in self.writers.values())
+        truth["rows"] = rows
         (self.out / "truth.json").write_text(json.dumps(truth, indent=2) + "\n")
         return truth
 
-    def inject_malformed(self) -> int:
-        """Bad rows at the end of random nodes' last files: a stray quote, too few fields, a bad date."""
-        kinds = ('2026-11-22T00:00:00.000Z,"unterminated,field\r\n', "only,three,fields\r\n",
-                 "not-a-date" + "," * 29 + "\r\n")
-        for i in range(self.s.malformed):
-            w = self.writers[self.rng.choice(self.names)]
-            if w.file is None:
-                w.write(self.stamp(self.end), kinds[i % 3])
-            else:
-                w.file.write(kinds[i % 3])
-        return self.s.malformed
 
-    def truth(self) -> dict[str, Any]:
-        end = self.end
-        states = dict.fromkeys(("delivered", "failed", "in flight protected", "in flight unprotected", "lost",
-                                "incomplete"), 0)
-        received = redundant = unprotected = promoted = dup_in = dup_out = stale = 0
-        for sim in self.sims:
-            if sim.received:
-                received += 1
-                redundant += sim.redundant
-                unprotected += sim.unprotected
-            promoted += sim.promoted_at is not None and sim.promoted_at <= end
-            dup_in += sim.duplicate_dropped
-            dup_out += any(n > 1 for n in sim.external_sends.values())
-            done = [sim.done.get(r) for r in sim.recipients]
-            if all(d is not None for d in done):
-                state = "delivered" if all(ok for _, ok in done) else "failed"  # type: ignore[misc]
-                last = max(when for when, _ in done)  # type: ignore[misc]
-                # The analyzer's end of the logs is the last row written.
-                if sim.stale_shadow and last < self.last_written - self.s.grace:
-                    stale += 1
-            else:
-                live = sum(1 for c in sim.copies if c.taken <= end < c.released and self.alive(c.node, end))
-                state = ("in flight protected" if live >= 2 else "in flight unprotected" if live == 1
-                         else "lost")
-            states[state] += 1
-        return {
-            "messages": len(self.sims), "received": received, "redundant": redundant,
-            "states": states, "lost": states["lost"], "unprotected": unprotected, "promoted": promoted,
-            "duplicates": {"inside_boundary": dup_in, "outside_boundary": dup_out},
-            "stale_shadows": stale, "grace_seconds": self.s.grace,
-            "deaths": [{"node": n, "time": self.stamp(t)} for n, t in sorted(self.death.items())],
-            "log_end": self.stamp(end), "nodes": self.names, "seed": self.s.seed,
-            "heartbeat_seconds": self.s.heartbeat, "resubmit_span_seconds": self.s.resubmit_span,
-        }
+def tally(sims: list[Sim], cluster: Cluster, journal: Journal, s: Settings) -> dict[str, Any]:
+    """The truth from the simulated fates: each message's state at the end of the logs, from the
+    copies that exist where and which node is alive, never from the rows written."""
+    end = cluster.end
+    states = dict.fromkeys(("delivered", "failed", "in flight protected", "in flight unprotected", "lost",
+                            "incomplete"), 0)
+    received = redundant = unprotected = promoted = dup_in = dup_out = stale = 0
+    for sim in sims:
+        if sim.received:
+            received += 1
+            redundant += sim.redundant
+            unprotected += sim.unprotected
+        promoted += sim.promoted_at is not None and sim.promoted_at <= end
+        dup_in += sim.duplicate_dropped
+        dup_out += any(n > 1 for n in sim.external_sends.values())
+        done = [sim.done.get(r) for r in sim.recipients]
+        if all(d is not None for d in done):
+            state = "delivered" if all(ok for _, ok in done) else "failed"  # type: ignore[misc]
+            last = max(when for when, _ in done)  # type: ignore[misc]
+            # The analyzer's end of the logs is the last row written.
+            if sim.stale_shadow and last < journal.last_written - s.grace:
+                stale += 1
+        else:
+            live = sum(1 for c in sim.copies if c.taken <= end < c.released and cluster.alive(c.node, end))
+            state = ("in flight protected" if live >= 2 else "in flight unprotected" if live == 1
+                     else "lost")
+        states[state] += 1
+    return {
+        "messages": len(sims), "received": received, "redundant": redundant,
+        "states": states, "lost": states["lost"], "unprotected": unprotected, "promoted": promoted,
+        "duplicates": {"inside_boundary": dup_in, "outside_boundary": dup_out},
+        "stale_shadows": stale, "grace_seconds": s.grace,
+        "deaths": [{"node": n, "time": journal.stamp(t)} for n, t in sorted(cluster.death.items())],
+        "log_end": journal.stamp(end), "nodes": cluster.names, "seed": s.seed,
+        "heartbeat_seconds": s.heartbeat, "resubmit_span_seconds": s.resubmit_span,
+    }
 
 
 def generate(out: str | os.PathLike[str], messages: int, nodes: int = 3, seed: int = 1,

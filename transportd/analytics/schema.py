@@ -48,7 +48,7 @@ RELEASE_EVENTS = (
     "HADISCARD", "DELIVER", "DUPLICATEDELIVER", "SENDEXTERNAL", "FAIL", "DROP", "REDIRECT",
 )
 """The node no longer holds the copy it took. SEND is not one: the sender keeps the message
-as a shadow (hop-by-hop, PROTOCOL.md section 3) until the next hop's discard, logged as
+as a shadow (hop-by-hop, docs/PROTOCOL.md section 3) until the next hop's discard, logged as
 HADISCARD on the sender."""
 
 SUCCESS_EVENTS = ("DELIVER", "SENDEXTERNAL", "DUPLICATEDELIVER")

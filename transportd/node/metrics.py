@@ -3,8 +3,9 @@
 It owns the node's metric registry (a private CollectorRegistry, so several nodes
 in one process never share counters), the mapping from message tracking events to
 counters (a counter moves only after the commit its tracking row describes), and a
-collector that computes queue lengths, shadow queue lengths and the Safety Net size
-at scrape time with a few grouped COUNT queries, so nothing is counted per message.
+collector that reads queue lengths, shadow queue lengths and the Safety Net size at
+scrape time through the queue layer's grouped COUNT queries (``queue.admin.queue_gauges``),
+so nothing is counted per message. It never runs SQL of its own.
 The HTTP endpoint is served only when ``metrics.listen`` is set (a bare port binds
 127.0.0.1). Metric names and meanings: docs/operations.md.
 """
@@ -17,10 +18,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
-from sqlalchemy import func, select
 
-from transportd.queue.messages import NOT_REDUNDANT, QUEUED, SAFETY_NET, TERMINAL
-from transportd.queue.store import messages, queues, recipients
+from transportd.queue.admin import queue_gauges
+from transportd.queue.messages import NOT_REDUNDANT
 
 log = logging.getLogger("transportd.node.metrics")
 
@@ -131,7 +131,7 @@ class QueueDatabaseCollector:
         up = GaugeMetricFamily("transportd_queue_database_up",
                                "1 when the queue database could be read for this scrape")
         try:
-            rows = self.store.read(_gauge_rows)
+            rows = self.store.read(queue_gauges)
         except Exception as exc:  # noqa: BLE001 - a scrape must never fail the node
             log.warning("metrics: cannot read the queue database: %s", exc)
             up.add_metric([], 0)
@@ -153,26 +153,3 @@ class QueueDatabaseCollector:
         up.add_metric([], 1)
         yield from (queue_len, shadow_len, safety_net, not_redundant, poison_len, up)
 
-
-def _gauge_rows(conn: Any) -> dict[str, list]:
-    q = conn.execute(
-        select(queues.c.identity, recipients.c.status, func.count(func.distinct(recipients.c.message_id)))
-        .join(recipients, recipients.c.queue_id == queues.c.id)
-        .join(messages, messages.c.id == recipients.c.message_id)
-        .where(recipients.c.status.not_in(TERMINAL), messages.c.role == "primary",
-               messages.c.state == QUEUED, messages.c.poisoned == 0)
-        .group_by(queues.c.identity, recipients.c.status)).all()
-    shadows = conn.execute(
-        select(messages.c.primary_node, func.count())
-        .where(messages.c.role == "shadow", messages.c.state == QUEUED)
-        .group_by(messages.c.primary_node)).all()
-    nets = conn.execute(
-        select(messages.c.role, func.count()).where(messages.c.state == SAFETY_NET)
-        .group_by(messages.c.role)).all()
-    exposed = conn.execute(
-        select(messages.c.redundancy, func.count())
-        .where(messages.c.role == "primary", messages.c.state == QUEUED, messages.c.redundancy.in_(NOT_REDUNDANT))
-        .group_by(messages.c.redundancy)).all()
-    poison = conn.execute(select(func.count()).select_from(messages).where(
-        messages.c.poisoned == 1, messages.c.state == QUEUED)).scalar() or 0
-    return {"queues": q, "shadows": shadows, "safety_net": nets, "not_redundant": exposed, "poison": poison}

@@ -16,8 +16,8 @@ from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, updat
 from sqlalchemy.engine import Connection
 
 from transportd.queue.routing import NextHop
-from transportd.queue.store import (delivered_to, discard_events, message_bodies, message_shadows, messages, queues,
-                    recipients, shadow_forks)
+from transportd.queue.store import (delivered_to, discard_events, message_bodies, message_shadows, messages,
+                                    meta, queues, recipients, shadow_forks)
 
 # recipient statuses
 READY, RETRY, ACTIVE, DELIVERED, FAILED, REMOVED = "Ready", "Retry", "Active", "Delivered", "Failed", "Removed"
@@ -186,6 +186,30 @@ _POISON_STATE = select(messages.c.poison_count, messages.c.poisoned).where(messa
 _RESET_POISON_COUNT = update(messages).where(messages.c.id == bindparam("b_id"), messages.c.poison_count > 0)
 
 
+# meta key written by a clean stop; its absence at start means the node crashed.
+CLEAN_STOP = "clean_stop"
+
+
+def remember_config_path(conn: Connection, path: str) -> None:
+    """The config file the daemon runs with (the CLI given only --data-dir reads it from here)."""
+    conn.execute(meta.delete().where(meta.c.key == "config_path"))
+    conn.execute(meta.insert().values(key="config_path", value=path))
+
+
+def mark_clean_stop(conn: Connection) -> None:
+    conn.execute(meta.insert().values(key=CLEAN_STOP, value="1"))
+
+
+def recover_at_start(conn: Connection, poison_threshold: int | None) -> tuple[list[dict], int]:
+    """Start-up: a crash (no clean-stop mark) counts against each message whose delivery it
+    interrupted (the Poison queue); recipients left Active are Ready again. Returns (messages
+    moved to the Poison queue now, recipients made Ready)."""
+    crashed = conn.execute(meta.select().where(meta.c.key == CLEAN_STOP)).first() is None
+    conn.execute(meta.delete().where(meta.c.key == CLEAN_STOP))
+    poisoned = count_crashes(conn, poison_threshold) if crashed else []
+    return poisoned, recover_after_restart(conn)
+
+
 def count_internal_failure(conn: Connection, message_id: int, threshold: int | None) -> bool:
     """One more internal failure while handling a message; at ``threshold`` (None: detection off)
     it is moved to the Poison queue. Returns True when it was moved just now."""
@@ -349,6 +373,12 @@ def delayed_messages(conn: Connection, now: float, timeout: float, limit: int = 
     return rows
 
 
+def record_delay_dsn(conn: Connection, message_id: int, dsn: NewMessage | None, now: float) -> int | None:
+    """A delay DSN was sent for ``message_id`` (never again); returns the DSN's id, if one was made."""
+    conn.execute(UPDATE_MESSAGE, {"b_id": message_id, "delay_dsn_at": now})
+    return enqueue(conn, dsn) if dsn is not None else None
+
+
 def retry_delay(attempt: int, interval: float, count: int, long_interval: float) -> float:
     """Exchange's schedule: ``count`` retries ``interval`` apart, then ``long_interval``."""
     return interval if attempt <= count else long_interval
@@ -396,7 +426,7 @@ def finish_if_done(conn: Connection, message_id: int, now: float, safety_net_hol
     state, dsn_of = conn.execute(_MESSAGE_STATE, key).one()
     if state != QUEUED:
         return False
-    # The message is processed: one discard event per shadow context (PROTOCOL.md section 4),
+    # The message is processed: one discard event per shadow context (docs/PROTOCOL.md section 4),
     # unless a DSN about it is not out yet: its shadows stay until then (a DSN is protected by
     # them: if this node is lost first, the promoted copy fails again and makes the DSN again).
     if not conn.execute(_DSN_PENDING, key).scalar():

@@ -11,10 +11,10 @@ per next hop (bifurcation): one recipient row per (recipient, queue).
 from __future__ import annotations
 
 import fnmatch
-import ipaddress
-import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
+
+from transportd.smtp.addresses import domain_of, is_accepted
 
 MAILBOX = "SmtpDeliveryToMailbox"
 SMART_HOST = "SmartHostConnectorDelivery"
@@ -31,22 +31,6 @@ class NextHop:
     @property
     def is_local(self) -> bool:
         return self.delivery_type == MAILBOX
-
-
-def domain_of(address: str) -> str:
-    return address.rpartition("@")[2].lower().rstrip(".")
-
-
-def is_accepted(domain: str, accepted_domains: Iterable[str]) -> bool:
-    d = domain.lower().rstrip(".")
-    for accepted in accepted_domains:
-        if accepted.startswith("*."):
-            base = accepted[2:]
-            if d == base or d.endswith("." + base):
-                return True
-        elif d == accepted:
-            return True
-    return False
 
 
 def mailbox_database_for(address: str, rules: Sequence[str], default: str) -> str:
@@ -95,31 +79,3 @@ def bifurcate(recipients: Sequence[str], cfg) -> dict[NextHop, list[str]]:
     return out
 
 
-def relay_allowed(client_ip: str, networks: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> bool:
-    try:
-        ip = ipaddress.ip_address(client_ip.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
-        ip = ip.ipv4_mapped
-    return any(ip in net for net in networks)
-
-
-_LOCAL_PART = re.compile(r"^[A-Za-z0-9!#$%&'*+/=?^_`{|}~.\-\u0080-\U0010ffff]+$")
-_DOMAIN = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9\u0080-\U0010ffff]([A-Za-z0-9\-\u0080-\U0010ffff]*"
-                     r"[A-Za-z0-9\u0080-\U0010ffff])?(\.[A-Za-z0-9\u0080-\U0010ffff]([A-Za-z0-9\-"
-                     r"\u0080-\U0010ffff]*[A-Za-z0-9\u0080-\U0010ffff])?)*)$")
-
-
-def valid_address(address: str) -> bool:
-    """A forward-path we can route: local@domain, no quoting games, at most 254 octets."""
-    if not address or len(address.encode("utf-8", "surrogateescape")) > 254:
-        return False
-    if re.search(r"[\ud800-\udfff]", address):  # undecodable bytes (surrogateescape): not UTF-8
-        return False
-    local, at, domain = address.rpartition("@")
-    if not at or not local or not domain or len(local) > 64:
-        return False
-    if local.startswith(".") or local.endswith(".") or ".." in local:
-        return False
-    return bool(_LOCAL_PART.match(local)) and bool(_DOMAIN.match(domain))

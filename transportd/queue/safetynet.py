@@ -1,4 +1,4 @@
-"""Safety Net resubmission (PROTOCOL.md section 5): copies kept after processing, replayed on request.
+"""Safety Net resubmission (docs/PROTOCOL.md section 5): copies kept after processing, replayed on request.
 
 It owns choosing, from this node's Primary or Shadow Safety Net, the messages of a
 time window that went (or would go) to one destination (a mailbox database or a
@@ -10,7 +10,6 @@ itself is the delivery agent's housekeeping.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +19,8 @@ from sqlalchemy.engine import Connection
 
 from transportd import faults
 from transportd.queue import messages as mq
-from transportd.queue.routing import bifurcate, domain_of, is_accepted, mailbox_database_for
+from transportd.queue.routing import bifurcate, mailbox_database_for
+from transportd.smtp.addresses import domain_of, is_accepted
 from transportd.queue.store import meta, messages, recipients
 
 
@@ -112,12 +112,3 @@ def _resubmit_one(conn: Connection, cfg: Any, m: Any, destination: str, now: flo
                        [a for v in chosen.values() for a in v], m["role"])
 
 
-def parse_resubmit_arg(arg: str | None) -> tuple[str, float, float]:
-    """``XRESUBMIT <destination> <start epoch> <end epoch>`` arguments; ValueError when malformed."""
-    parts = (arg or "").split()
-    if len(parts) != 3:
-        raise ValueError("XRESUBMIT needs <destination> <start> <end>")
-    start, end = float(parts[1]), float(parts[2])
-    if not (math.isfinite(start) and math.isfinite(end)) or end < start:
-        raise ValueError("bad time window")
-    return parts[0], start, end

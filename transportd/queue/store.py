@@ -12,10 +12,10 @@ Schema (version in ``PRAGMA user_version``):
   ``mailbox:local``, ``dns:example.org``, later ``peer:<node>``); suspended flag, retry state.
 - ``messages`` + ``message_bodies``: every message the node holds. ``role`` is ``primary`` or
   ``shadow``; ``state`` is ``Queued``, ``SafetyNet`` (processed, held for resubmission until
-  ``safety_net_until``) or ``Removed``. Shadow copies (issue 3) live in the same table.
+  ``safety_net_until``) or ``Removed``. Shadow copies live in the same table.
 - ``recipients``: per recipient and next hop: Ready / Retry / Active / Delivered / Failed / Removed.
-- ``delivered_to``: duplicate detection at final delivery (PROTOCOL.md section 6).
-- ``shadow_contexts``, ``message_shadows``, ``discard_events``: shadow redundancy (issue 3).
+- ``delivered_to``: duplicate detection at final delivery (docs/PROTOCOL.md section 6).
+- ``shadow_contexts``, ``message_shadows``, ``discard_events``: shadow redundancy.
 - schema 3 adds to ``messages`` how it was received (``smtputf8``, ``body_type``) and poison
   message detection (``poison_count``, ``poisoned``: the Poison queue).
 """
@@ -40,6 +40,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DatabaseError, OperationalError
+
+from transportd.errors import CorruptDatabase, StoreError
 
 log = logging.getLogger("transportd.queue.store")
 
@@ -90,7 +92,7 @@ messages = Table(
     Column("suppress_dsn", Integer, nullable=False, default=0),
     Column("completed_at", Float),
     Column("safety_net_until", Float),
-    # shadow redundancy (issue 3): the shadow-message GUID and, on a shadow, its primary
+    # shadow redundancy: the shadow-message GUID and, on a shadow, its primary
     Column("shadow_guid", String),
     Column("primary_node", String),
     Column("primary_internal_id", Integer),
@@ -185,7 +187,7 @@ discard_events = Table(
 Index("ix_discard_events_node", discard_events.c.shadow_node, discard_events.c.id)
 
 
-# Hop-by-hop shadows (PROTOCOL.md section 3): after a peer took a message (or one fork of it) as
+# Hop-by-hop shadows (docs/PROTOCOL.md section 3): after a peer took a message (or one fork of it) as
 # primary, the sender keeps its copy until that peer's discard. Added in schema version 2.
 shadow_forks = Table(
     "shadow_forks", metadata,
@@ -253,12 +255,6 @@ def _migration_3(conn: Connection) -> None:
 MIGRATIONS: list[Callable[[Connection], None]] = [_migration_1, _migration_2, _migration_3]
 
 
-class StoreError(Exception):
-    """The queue database cannot be used (the receive path answers 451 4.3.0)."""
-
-
-class CorruptDatabase(StoreError):
-    """The file is not a usable queue database."""
 
 
 # SQLite primary result codes that describe the environment, not the file's content.
@@ -350,6 +346,7 @@ class QueueStore:
         self.read_engine = read_engine
         self.queue_database_id = dbid
         self.writer: GroupCommitWriter | None = None
+        self._queue_changed: asyncio.Event | None = None
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -463,11 +460,25 @@ class QueueStore:
         self.writer = GroupCommitWriter(self.write_engine, max_batch=max_batch)
         return self.writer
 
-    async def write(self, fn: Callable[[Connection], T]) -> T:
-        """Run ``fn`` in the group-commit writer; returns after its commit is on disk."""
+    async def write(self, fn: Callable[[Connection], T], *, queue_changed: bool = False) -> T:
+        """Run ``fn`` in the group-commit writer; returns after its commit is on disk.
+
+        ``queue_changed``: the transaction may have made work due (a message enqueued, promoted,
+        resubmitted, released): the queue-changed event is set after the commit."""
         if self.writer is None:
-            return await asyncio.to_thread(self.transaction, fn)
-        return await asyncio.wrap_future(self.writer.submit(fn))
+            result = await asyncio.to_thread(self.transaction, fn)
+        else:
+            result = await asyncio.wrap_future(self.writer.submit(fn))
+        if queue_changed:
+            self.queue_changed.set()
+        return result
+
+    @property
+    def queue_changed(self) -> asyncio.Event:
+        """Set after a commit that may have made work due; the scheduler waits on it and clears it."""
+        if self._queue_changed is None:
+            self._queue_changed = asyncio.Event()
+        return self._queue_changed
 
     async def aread(self, fn: Callable[[Connection], T]) -> T:
         return await asyncio.to_thread(self.read, fn)

@@ -1,4 +1,4 @@
-"""The shadow redundancy wire protocol (PROTOCOL.md) as pure functions: parse, format, decide.
+"""The shadow redundancy wire protocol (docs/PROTOCOL.md) as pure functions: parse, format, decide.
 
 It owns the text of XSHADOWREQUEST, XSHADOW, XQDISCARD and MAIL ``XSHADOW=``,
 the encodings of queue database IDs and FQDNs, shadow placement
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -226,3 +227,14 @@ def unreachable_since(*, previous: float | None, last_ok: float | None, now: flo
     if last_ok is not None and now - last_ok <= 2 * heartbeat_frequency + exchange_limit:
         return last_ok
     return now
+
+
+def parse_resubmit_arg(arg: str | None) -> tuple[str, float, float]:
+    """``XRESUBMIT <destination> <start epoch> <end epoch>`` arguments; ValueError when malformed."""
+    parts = (arg or "").split()
+    if len(parts) != 3:
+        raise ValueError("XRESUBMIT needs <destination> <start> <end>")
+    start, end = float(parts[1]), float(parts[2])
+    if not (math.isfinite(start) and math.isfinite(end)) or end < start:
+        raise ValueError("bad time window")
+    return parts[0], start, end

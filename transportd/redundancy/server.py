@@ -3,7 +3,7 @@
 It owns peer authentication (AUTH PLAIN with the node's FQDN as user and the
 cluster secret as password; over STARTTLS when the connector has a
 certificate), and the server side of XSHADOWREQUEST, XSHADOW, XQDISCARD and
-MAIL ``XSHADOW=`` (PROTOCOL.md sections 2-4). Every X-verb from a session that
+MAIL ``XSHADOW=`` (docs/PROTOCOL.md sections 2-4). Every X-verb from a session that
 has not proven membership gets ``550 5.7.1 Not authorized``. It decides nothing
 about promotion or storage itself: it calls the node's shadow manager.
 """
@@ -18,17 +18,17 @@ from typing import Any, Callable
 
 from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session, syntax
 
+from transportd.errors import MessageRejected
+from transportd.redundancy.connection import (DiscardRequested, Event, MailWithShadow, Refusal, ResubmitRequested,
+                                              ServerConnection, ShadowRequestReceived, XShadowReceived)
+from transportd.redundancy.protocol import redundancy_reply
 from transportd.smtp import replies
-from transportd.redundancy.protocol import (ProtocolError, encode_dbid, encode_fqdn, format_discard_reply, parse_xqdiscard,
-                       parse_xshadow, parse_xshadowrequest, redundancy_reply, split_xshadow_param)
-from transportd.smtp.server import FrontendHandler, LimitedSMTP, MessageRejected
+from transportd.smtp.addresses import valid_address
+from transportd.smtp.frontend import FrontendHandler
+from transportd.smtp.headers import network_id_from
+from transportd.smtp.server import LimitedSMTP
 
 log = logging.getLogger("transportd.redundancy.server")
-
-S501_INVALID_ARGUMENTS = "501 5.5.4 Invalid arguments"
-S503_BAD_SEQUENCE = "503 5.5.1 Bad sequence of commands"
-S421_NOT_AVAILABLE = "421 4.3.2 Service not available"
-
 
 def peer_name(session: Session) -> str | None:
     """The authenticated boundary peer of a session, or None."""
@@ -51,22 +51,25 @@ def make_peer_authenticator(peers: set[str], secret: str) -> Callable[..., AuthR
 
 
 class TransportSMTP(LimitedSMTP):
-    """LimitedSMTP plus the X-verbs, for the transport connector."""
+    """LimitedSMTP plus the X-verbs: each is judged by this session's ``ServerConnection``."""
 
     def __init__(self, handler: "TransportHandler", **kwargs: Any):
         super().__init__(handler, **kwargs)
         self.manager = handler.manager
+        self.conn = ServerConnection(self.manager.node_name, self.manager.queue_database_id,
+                                     shadow_redundancy_enabled=self.manager.sr.shadow_redundancy_enabled)
         self._discard_token = uuid.uuid4().hex
-        # Discard ids may be handed out on this session and not yet acknowledged. Set before the
-        # ids are taken, so a session that breaks while they are being taken hands them back too.
-        self._discards_out = False
         self.manager.live_discard_tokens.add(self._discard_token)
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.session.redundancy = self.conn  # the handler reads the session's protocol state here
+
     async def smtp_QUIT(self, arg: str | None) -> None:
-        if self._discards_out:
+        if self.conn.discards_out:
             # A clean QUIT after XQDISCARD: the shadow has applied the ids; forget them (shielded:
             # a client that hangs up right after its QUIT must not leave them handed out).
-            self._discards_out = False
+            self.conn.discards_out = False
             try:
                 await asyncio.shield(self.manager.settle_discard_events(self._discard_token, acknowledged=True))
             except asyncio.CancelledError:
@@ -76,132 +79,73 @@ class TransportSMTP(LimitedSMTP):
         await super().smtp_QUIT(arg)
 
     def connection_lost(self, error: Exception | None) -> None:
-        if self._discards_out:
+        if self.conn.discards_out:
             # The session broke: hand those ids out again on the shadow's next exchange.
-            self._discards_out = False
+            self.conn.discards_out = False
             task = asyncio.ensure_future(
                 self.manager.settle_discard_events(self._discard_token, acknowledged=False))
             task.add_done_callback(_log_settle_failure)
         self.manager.live_discard_tokens.discard(self._discard_token)
         super().connection_lost(error)
 
-    # -- helpers --------------------------------------------------------------------
-
-    async def _authorized(self) -> str | None:
-        name = peer_name(self.session)
-        if name is None:
-            log.warning("X-verb from unauthenticated session %s refused", self.session.peer)
-            await self.push(replies.S550_NOT_AUTHORIZED)
-        return name
-
-    async def _push_raw(self, line: str) -> None:
-        """A reply exactly as PROTOCOL.md writes it (no enhanced status code added)."""
-        self._writer.write(line.encode("ascii") + b"\r\n")
+    async def _write(self, data: bytes) -> None:
+        """Replies exactly as the connection words them (docs/PROTOCOL.md; no enhanced code added)."""
+        self._writer.write(data)
         await self._writer.drain()
 
-    # -- verbs ----------------------------------------------------------------------
-
-    async def _outside_transaction(self) -> str | None:
-        """The authenticated peer, when the verb may run here (a member, no mail transaction open)."""
-        name = await self._authorized()
-        if name is not None and self.envelope.mail_from is not None:
-            await self.push(S503_BAD_SEQUENCE)
-            return None
-        return name
+    async def _judge(self, verb: str, arg: str | None) -> Event:
+        """The connection's verdict on one command; refusals are answered here."""
+        name = peer_name(self.session)
+        if name is not None and self.conn.peer_fqdn is None:
+            self.conn.authenticated(name)
+        if self.envelope.mail_from is None:
+            self.conn.transaction_ended()
+        self.conn.accepting = self.manager.accepting
+        [event] = self.conn.receive_command(verb, arg)
+        if isinstance(event, Refusal):
+            log.warning("%s from %s (%s) refused: %s", verb, self.session.peer, name or "not a peer",
+                        event.reply.decode("ascii", "replace").strip())
+            await self._write(event.reply)
+        return event
 
     @syntax("XSHADOWREQUEST fqdn base64-queue-database-id")
     async def smtp_XSHADOWREQUEST(self, arg: str | None) -> None:
-        if await self._outside_transaction() is None:
-            return
-        if not self.manager.sr.shadow_redundancy_enabled:
-            await self.push(replies.S502_NOT_IMPLEMENTED)  # a member, but this node stores no shadows
-            return
-        try:
-            request = parse_xshadowrequest(arg)
-        except ProtocolError as exc:
-            log.warning("XSHADOWREQUEST from %s: %s", self.session.peer, exc)
-            await self.push(S501_INVALID_ARGUMENTS)
-            return
-        if not self.manager.accepting:
-            await self.push(S421_NOT_AVAILABLE)
-            return
-        if request.primary_fqdn != peer_name(self.session):
-            log.warning("XSHADOWREQUEST: peer %s claims to be %s", peer_name(self.session), request.primary_fqdn)
-            await self.push(replies.S550_NOT_AUTHORIZED)
-            return
-        await self.manager.primary_seen(request.primary_fqdn, request.primary_dbid)
-        self.session.shadow_request = request
-        await self._push_raw(f"250 {encode_fqdn(self.manager.node_name)}")
+        event = await self._judge("XSHADOWREQUEST", arg)
+        if isinstance(event, ShadowRequestReceived):
+            await self.manager.heartbeat.primary_seen(event.primary_fqdn, event.primary_queue_database_id)
+            await self._write(self.conn.accept_shadow_request())
 
     @syntax("XSHADOW base64-fqdn")
     async def smtp_XSHADOW(self, arg: str | None) -> None:
-        name = await self._outside_transaction()
-        if name is None:
-            return
-        try:
-            fqdn = parse_xshadow(arg)
-        except ProtocolError as exc:
-            log.warning("XSHADOW from %s: %s", self.session.peer, exc)
-            await self.push(S501_INVALID_ARGUMENTS)
-            return
-        if fqdn != name:
-            log.warning("XSHADOW: peer %s claims to be %s", name, fqdn)
-            await self.push(replies.S550_NOT_AUTHORIZED)
-            return
-        self.session.xshadow_peer = fqdn
-        await self._push_raw(f"250 {encode_dbid(self.manager.queue_database_id)}")
+        event = await self._judge("XSHADOW", arg)
+        if isinstance(event, XShadowReceived):
+            await self._write(event.reply)
 
     @syntax("XQDISCARD max-count")
     async def smtp_XQDISCARD(self, arg: str | None) -> None:
-        if await self._authorized() is None:
-            return
-        peer = getattr(self.session, "xshadow_peer", None)
-        if peer is None:
-            await self.push(S503_BAD_SEQUENCE)
-            return
-        try:
-            n = parse_xqdiscard(arg)
-        except ProtocolError:
-            await self.push(S501_INVALID_ARGUMENTS)
-            return
-        self._discards_out = True
-        guids = await self.manager.take_discard_events(peer, n, self._discard_token)
-        for line in format_discard_reply(guids):
-            self._writer.write(line.encode("ascii") + b"\r\n")
-        await self._writer.drain()
+        event = await self._judge("XQDISCARD", arg)
+        if isinstance(event, DiscardRequested):
+            entries = await self.manager.take_discard_events(event.peer_fqdn, event.max_count, self._discard_token)
+            await self._write(self.conn.discard_reply(entries))
 
     @syntax("XRESUBMIT destination start-epoch end-epoch")
     async def smtp_XRESUBMIT(self, arg: str | None) -> None:
         """Safety Net: the asking primary could not cover a window; resubmit our shadow copies of it."""
-        name = await self._outside_transaction()
-        if name is None:
-            return
-        from transportd.queue.safetynet import parse_resubmit_arg
-        try:
-            destination, start, end = parse_resubmit_arg(arg)
-        except ValueError:
-            await self.push(S501_INVALID_ARGUMENTS)
-            return
-        n = await self.manager.resubmit_for(name, destination, start, end)
-        await self.push(f"250 2.0.0 {n} message(s) resubmitted from the Shadow Safety Net")
+        event = await self._judge("XRESUBMIT", arg)
+        if isinstance(event, ResubmitRequested):
+            n = await self.manager.shadow_queues.resubmit_for(event.peer_fqdn, event.destination, event.start,
+                                                              event.end)
+            await self._write(self.conn.resubmit_reply(n))
 
     async def smtp_MAIL(self, arg: str | None) -> None:
         if arg and "XSHADOW=" in arg.upper():
-            if await self._authorized() is None:
+            event = await self._judge("MAIL", arg)
+            if not isinstance(event, MailWithShadow):
                 return
-            if not (getattr(self.session, "shadow_request", None) or getattr(self.session, "xshadow_peer", None)):
-                await self.push(S503_BAD_SEQUENCE)
-                return
-            try:
-                rest, guid = split_xshadow_param(arg)
-            except ProtocolError:
-                await self.push(S501_INVALID_ARGUMENTS)
-                return
-            await super().smtp_MAIL(rest)
-            if self.envelope.mail_from is not None:
-                self.envelope.xshadow_guid = guid
-            return
+            arg = event.rest_of_arg
         await super().smtp_MAIL(arg)
+        if self.envelope.mail_from is not None:
+            self.conn.transaction_started()
 
 
 def _log_settle_failure(task: asyncio.Task) -> None:
@@ -229,7 +173,6 @@ class TransportHandler(FrontendHandler):
         if peer_name(session) is not None:
             # A boundary peer relays for the whole boundary: no relay check, no recipient limit
             # beyond its own (the primary already applied them).
-            from transportd.queue.routing import valid_address
             if not valid_address(address):
                 return replies.S501_BAD_ADDRESS
             envelope.rcpt_tos.append(address)
@@ -238,11 +181,11 @@ class TransportHandler(FrontendHandler):
         return await super().handle_RCPT(server, session, envelope, address, rcpt_options)
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
-        guid = getattr(envelope, "xshadow_guid", None)
-        request = getattr(session, "shadow_request", None)
+        conn: ServerConnection | None = getattr(session, "redundancy", None)
+        guid = conn.shadow_guid if conn is not None else None
+        request = conn.shadow_request if conn is not None else None
         if guid and request is not None:
-            import asyncio
-            task = asyncio.ensure_future(self.manager.store_shadow(envelope, session, request, guid))
+            task = asyncio.ensure_future(self.manager.shadow_queues.store_shadow(envelope, session, request, guid))
             try:
                 internal_id, message_id = await asyncio.shield(task)
             except MessageRejected as exc:
@@ -250,10 +193,9 @@ class TransportHandler(FrontendHandler):
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001
-                from transportd.redundancy.manager import _network_id_from
                 log.exception("storing a shadow copy for %s failed", request.primary_fqdn,
                               extra={"internal_message_id": None,
-                                     "network_message_id": _network_id_from(envelope.original_content or b"")})
+                                     "network_message_id": network_id_from(envelope.original_content or b"")})
                 return replies.S451_INTERNAL
             return redundancy_reply(message_id, internal_id, self.manager.node_name)
         return await super().handle_DATA(server, session, envelope)

@@ -1,4 +1,4 @@
-"""Fault injection with a total-queue checker (issue 6): ``transportd chaos``.
+"""Fault injection with a total-queue checker: ``transportd chaos``.
 
 proxy.py (a loopback fault proxy on the peer links), workload.py (real SMTP
 clients recording every attempt), nemesis.py (a seeded fault schedule, one

@@ -1,0 +1,83 @@
+"""Plain helpers shared by several test files (not fixtures: those are in conftest.py).
+
+- ``scrape`` / ``value`` / ``scrape_until``: a node's Prometheus /metrics, parsed;
+- ``fill``: fill a (small, test-mounted) disk to the last byte;
+- ``run_cli`` / ``assert_one_error_line``: the real ``python -m transportd`` and its one-line errors.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from conftest import wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+# ------------------------------------------------------------------------------ metrics
+
+
+def scrape(host: str, port: int) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as resp:
+        assert resp.status == 200
+        text = resp.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def scrape_until(host: str, port: int, predicate, what: str, timeout: float = 20) -> dict:
+    """Scrape until ``predicate(samples)`` holds; the samples that satisfied it."""
+    last: dict = {}
+
+    def ok() -> bool:
+        nonlocal last
+        last = scrape(host, port)
+        return predicate(last)
+    wait_for(ok, timeout=timeout, what=what)
+    return last
+
+
+# ------------------------------------------------------------------------------ storage
+
+
+def fill(disk: Path) -> None:
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+        try:
+            os.fsync(f.fileno())
+        except OSError:
+            pass
+
+
+# ------------------------------------------------------------------------------ the real command line
+
+
+def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    """The real ``python -m transportd`` (used where the process itself is what is tested)."""
+    return subprocess.run([sys.executable, "-m", "transportd", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def assert_one_error_line(res: subprocess.CompletedProcess, code: int, *needles: str) -> str:
+    assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected exactly one stderr line, got:\n{res.stderr}"
+    assert "Traceback" not in res.stderr
+    for n in needles:
+        assert n in lines[0], f"{n!r} not in {lines[0]!r}"
+    assert res.stdout == ""
+    return lines[0]

@@ -1,0 +1,169 @@
+"""The scheduler and each delivery connector built alone, over a real queue database: no node, no daemon.
+
+The scheduler is driven with recording connectors (what it hands out, in which
+batches, and what it commits); the mailbox connector writes a real Maildir; the
+SMTP connector talks to Postfix's smtp-sink.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from transportd.config import load_dict
+from transportd.node.connectors import MailboxConnector, SmtpConnector
+from transportd.node.events import NodeEvents
+from transportd.node.maintenance import Maintenance
+from transportd.node.metrics import NodeMetrics
+from transportd.node.outcomes import Delivered, OutcomeRecorder
+from transportd.node.scheduler import Scheduler
+from transportd.queue import messages as mq
+from transportd.queue.mailbox import MailboxStore
+from transportd.queue.messages import NewMessage, Outcome
+from transportd.queue.routing import MAILBOX, SMART_HOST, NextHop
+from transportd.queue.store import QueueStore
+
+
+class RecordingTracking:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, list[str]]] = []
+
+    def write(self, event_id: str, source: str, **fields) -> None:
+        self.events.append((event_id, list(fields.get("recipients") or [])))
+
+    def close(self) -> None:
+        pass
+
+
+def _cfg(tmp_path: Path, **delivery):
+    return load_dict({"node": {"name": "unit.transportd.test", "data_dir": str(tmp_path)},
+                      "frontend": {"listen": "127.0.0.1:2525"},
+                      "delivery": {"queue_poll_interval": 0.05, **delivery},
+                      "shadow_redundancy": {"shadow_redundancy_enabled": False}})
+
+
+def _message(hop: NextHop, recipients: list[str], n: int) -> NewMessage:
+    now = time.time()
+    data = f"Subject: part {n}\r\nMessage-ID: <part-{n}@unit.test>\r\n\r\nbody {n}\r\n".encode()
+    return NewMessage(network_message_id=f"00000000-0000-4000-8000-{n:012d}", sender="bob@remote.test", data=data,
+                      recipients={hop: recipients}, received_at=now, expires_at=now + 3600,
+                      message_id=f"<part-{n}@unit.test>", submit_time="Wed, 25 Nov 2026 05:00:00 +0000",
+                      subject=f"part {n}")
+
+
+@pytest.fixture
+async def parts(tmp_path):
+    cfg = _cfg(tmp_path, max_messages_per_connection=2, max_per_domain_outbound_connections=1)
+    store = QueueStore.open(tmp_path / "queue.db")
+    store.start_writer()
+    tracking = RecordingTracking()
+    events = NodeEvents(cfg, NodeMetrics(cfg.node.name), store, tracking)
+    try:
+        yield cfg, store, events, tracking
+    finally:
+        store.close()
+
+
+class RecordingConnector:
+    """Delivers everything it is given, a report per message, and remembers the batches."""
+
+    def __init__(self, status: str = mq.DELIVERED, reply: str = "250 2.0.0 Ok"):
+        self.batches: list[list[int]] = []
+        self.status, self.reply = status, reply
+
+    async def deliver(self, batch):
+        self.batches.append([it.message_id for it in batch])
+        for it in batch:
+            await asyncio.sleep(0)
+            yield Delivered([it], {it.message_id: [Outcome(r, self.status, self.reply) for r in it.recipient_ids]})
+
+
+async def _wait(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_scheduler_hands_due_work_to_connectors_in_batches_and_commits(parts) -> None:
+    cfg, store, events, tracking = parts
+    hop = NextHop(f"{SMART_HOST}:x", SMART_HOST, "127.0.0.1:9")
+    ids = [await store.write(lambda c, n=n: mq.enqueue(c, _message(hop, [f"r{n}@far.test"], n)))
+           for n in range(5)]
+    smtp = RecordingConnector()
+    recorder = OutcomeRecorder(cfg, store, events)
+    scheduler = Scheduler(cfg, store, recorder, Maintenance(cfg, store, events, recorder, set()),
+                          {MAILBOX: RecordingConnector(), "smtp": smtp})
+    task = asyncio.ensure_future(scheduler.run())
+    try:
+        store.queue_changed.set()
+        await _wait(lambda: sum(len(b) for b in smtp.batches) == 5)
+        await _wait(lambda: all(store.read(lambda c: mq.message_row(c, i))["state"] == mq.SAFETY_NET for i in ids))
+    finally:
+        await scheduler.stop()
+        task.cancel()
+    # max_messages_per_connection = 2, one session at a time for the queue: 2 + 2 + 1, each once.
+    assert sorted(len(b) for b in smtp.batches) == [1, 2, 2]
+    assert sorted(i for b in smtp.batches for i in b) == ids
+    assert [e for e, _ in tracking.events].count("SENDEXTERNAL") == 5
+    assert scheduler.in_flight == set()
+
+
+async def test_scheduler_leaves_work_in_retry_when_the_connector_defers(parts) -> None:
+    cfg, store, events, tracking = parts
+    hop = NextHop(f"{SMART_HOST}:y", SMART_HOST, "127.0.0.1:9")
+    mid = await store.write(lambda c: mq.enqueue(c, _message(hop, ["a@far.test"], 1)))
+    smtp = RecordingConnector(mq.RETRY, "451 4.3.0 try later")
+    recorder = OutcomeRecorder(cfg, store, events)
+    scheduler = Scheduler(cfg, store, recorder, Maintenance(cfg, store, events, recorder, set()), {"smtp": smtp})
+    await scheduler.tick()
+    await _wait(lambda: smtp.batches and not scheduler.in_flight)
+    detail = store.read(lambda c: mq.message_detail(c, mid))
+    assert [r["status"] for r in detail["recipients"]] == [mq.RETRY]
+    await scheduler.tick()  # not due again before the retry interval
+    assert len(smtp.batches) == 1
+    assert ("DEFER", ["a@far.test"]) in tracking.events
+
+
+async def test_mailbox_connector_alone_delivers_and_drops_the_duplicate(parts, tmp_path) -> None:
+    cfg, store, events, _ = parts
+    hop = NextHop("mailbox:MDB01", MAILBOX, "MDB01")
+    first = await store.write(lambda c: mq.enqueue(c, _message(hop, ["alice@example.test"], 7)))
+    again = await store.write(lambda c: mq.enqueue(c, _message(hop, ["alice@example.test"], 7)))
+    mailboxes = MailboxStore(tmp_path / "mailboxes", "unit")
+    connector = MailboxConnector(cfg, store, mailboxes)
+    work = store.read(lambda c: mq.due_work(c, time.time()))
+    reports = [d async for d in connector.deliver(work)]
+    outs = {d.items[0].message_id: d.outcomes[d.items[0].message_id][0] for d in reports}
+    assert outs[first].status == mq.DELIVERED and not outs[first].duplicate
+    assert outs[again].status == mq.DELIVERED and outs[again].duplicate  # same Message-ID and Date
+    assert len(mailboxes.list("alice@example.test")) == 1
+
+
+async def test_smtp_connector_alone_against_smtp_sink(parts, sink) -> None:
+    cfg, store, _, _ = parts
+    sink.start()
+    hop = NextHop(f"smarthost:{sink.address}", SMART_HOST, sink.address)
+    mids = [await store.write(lambda c, n=n: mq.enqueue(c, _message(hop, ["x@far.test", "y@far.test"], n)))
+            for n in (1, 2)]
+    work = store.read(lambda c: mq.due_work(c, time.time()))
+    reports = [d async for d in SmtpConnector(cfg, store).deliver(work)]
+    assert [d.items[0].message_id for d in reports] == mids  # one report per message, in order
+    assert all(o.status == mq.DELIVERED and o.reply.startswith("250") for d in reports
+               for outs in d.outcomes.values() for o in outs)
+    assert len(sink.messages()) == 2
+
+
+async def test_smtp_connector_reports_an_unreachable_next_hop_as_a_queue_retry(parts) -> None:
+    cfg, store, _, _ = parts
+    from conftest import free_port
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    hop = NextHop(f"smarthost:{address}", SMART_HOST, address)
+    await store.write(lambda c: mq.enqueue(c, _message(hop, ["x@far.test"], 3)))
+    work = store.read(lambda c: mq.due_work(c, time.time()))
+    [report] = [d async for d in SmtpConnector(cfg, store).deliver(work)]
+    assert report.queue_error and report.queue_error.startswith("451 4.4.0 Unable to connect")
+    assert [o.status for outs in report.outcomes.values() for o in outs] == [mq.RETRY]

@@ -1,0 +1,63 @@
+"""``transportd chaos``: fault injection on a local 3-node cluster with a total-queue check.
+
+It owns the command's options, stopping cleanly on SIGTERM, printing the summary
+(and writing it as JSON) and the exit code from the checker's verdict. The run itself
+is ``devtools.chaos``; this module never starts nodes or injects faults on its own.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+@click.command("chaos")
+@click.option("--messages", default=300, show_default=True, type=click.IntRange(1, 1_000_000))
+@click.option("--faults", default=6, show_default=True, type=click.IntRange(0, 10_000))
+@click.option("--seed", default=None, type=int, help="fault schedule seed (printed; default: random)")
+@click.option("--no-shadow", is_flag=True, help="control run: shadow_redundancy_enabled = false")
+@click.option("--expect-loss", is_flag=True, help="exit 0 only if lost > 0 (for the control run)")
+@click.option("--clients", default=6, show_default=True, type=click.IntRange(1, 200))
+@click.option("--rate", default=None, type=click.FloatRange(0.1, 10_000),
+              help="messages per second in all (default: spread over the fault schedule)")
+@click.option("--ip-base", default=101, show_default=True, type=click.IntRange(3, 250),
+              help="node N listens on 127.0.0.(ip-base + N - 1), the sink on ip-base - 1")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="run folder (configs, node data, logs); default: a new temporary folder")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
+              help="write the summary as JSON here")
+@click.option("--drain-timeout", default=120.0, show_default=True, type=click.FloatRange(1, 3600))
+def chaos(messages: int, faults: int, seed: int | None, no_shadow: bool, expect_loss: bool, clients: int,
+          rate: float | None, ip_base: int, directory: str | None, json_out: str | None,
+          drain_timeout: float) -> None:
+    """Fault injection on a local 3-node cluster with a total-queue check (docs/reliability.md).
+
+    Exit 0 when lost = 0, unexpected = 0 and no mailbox duplicates (with --expect-loss: when lost > 0
+    and unexpected = 0), 1 otherwise."""
+    import json
+    import random
+    import tempfile
+    from transportd.devtools.chaos.harness import format_summary, run
+    import signal
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds through run(): its cluster and proxy are stopped
+    signal.signal(signal.SIGTERM, stop)
+    if seed is None:
+        seed = random.SystemRandom().randrange(1, 2**31)
+    folder = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="transportd-chaos-"))
+    summary = run(messages=messages, faults=faults, seed=seed, shadow=not no_shadow, directory=folder.resolve(),
+                  clients=clients, ip_base=ip_base, rate=rate, drain_timeout=drain_timeout,
+                  say=lambda m: click.echo(m))
+    click.echo(format_summary(summary))
+    if json_out:
+        Path(json_out).write_text(json.dumps(summary, indent=2))
+    if expect_loss:
+        good = summary.get("lost", 0) > 0 and summary.get("unexpected", 1) == 0
+        click.echo(f"control run: {'lost > 0 as expected' if good else 'expected lost > 0: checker did not fail'}")
+    else:
+        good = bool(summary.get("ok"))
+    sys.exit(0 if good else 1)

@@ -1,0 +1,146 @@
+"""``transportd cluster``: a local multi-node cluster on loopback (127.0.0.x) for development.
+
+It owns writing the node configs of such a cluster, running it in the foreground and
+showing each node alive or not with its queue and shadow counts (read through the
+queue and shadow views). It is a development aid: it never touches a node that is
+not on loopback and never writes to a queue database.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable
+
+import click
+
+from transportd import config as config_mod
+from transportd.cli.common import CliError, ConfigCliError, emit_json, load_config, table
+from transportd.cli.queue import queue_rows
+from transportd.cli.shadow import shadow_rows
+
+
+@click.group("cluster")
+def cluster_group() -> None:
+    """A local multi-node cluster on loopback (127.0.0.x addresses)."""
+
+
+def _cluster_options(fn: Callable) -> Callable:
+    options = [
+        click.option("--nodes", default=3, show_default=True, type=click.IntRange(1, 200)),
+        click.option("--sites", default=2, show_default=True, type=click.IntRange(1, 200)),
+        click.option("--ip-base", default=11, show_default=True, type=click.IntRange(2, 254),
+                     help="node N listens on 127.0.0.(ip-base + N - 1)"),
+        click.option("--frontend-port", default=2525, show_default=True, type=click.IntRange(1, 65535)),
+        click.option("--transport-port", default=2526, show_default=True, type=click.IntRange(1, 65535)),
+        click.option("--sink", "sink_address", default="127.0.0.10:2500", show_default=True,
+                     help="address of the external sink (outside the boundary)"),
+        click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
+                     help="a config value for every node, e.g. --set shadow_redundancy.shadow_heartbeat_frequency=2"),
+    ]
+    for opt in reversed(options):
+        fn = opt(fn)
+    return fn
+
+
+def _generate(directory: Path, nodes: int, sites: int, ip_base: int, frontend_port: int, transport_port: int,
+              sink_address: str, overrides: tuple[str, ...], secret: str | None = None):
+    from transportd.devtools.cluster import generate, parse_overrides
+    if sites > nodes:
+        raise click.BadParameter(f"{sites} sites need at least {sites} nodes", param_hint="--sites")
+    try:
+        host, _ = config_mod.parse_hostport(sink_address)
+        extra = parse_overrides(overrides)
+        specs = generate(directory, nodes=nodes, sites=sites, ip_base=ip_base, frontend_port=frontend_port,
+                         transport_port=transport_port, sink_address=sink_address, overrides=extra,
+                         secret=secret)
+    except ValueError as exc:
+        raise ConfigCliError(str(exc)) from None
+    if not host.startswith("127."):
+        raise ConfigCliError("--sink: the local cluster stays on loopback (127.0.0.0/8)")
+    for spec in specs:
+        load_config(spec.config, None)  # a bad --set fails here, naming the key
+    return specs
+
+
+@cluster_group.command("config")
+@click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="folder for the node configs")
+@_cluster_options
+def cluster_config(out: str, nodes: int, sites: int, ip_base: int, frontend_port: int, transport_port: int,
+                   sink_address: str, overrides: tuple[str, ...]) -> None:
+    """Write the node configs of a local cluster without starting it."""
+    specs = _generate(Path(out), nodes, sites, ip_base, frontend_port, transport_port, sink_address, overrides)
+    for s in specs:
+        click.echo(f"{s.config}  {s.name}  {s.site}  frontend {s.frontend}  transport {s.transport}")
+
+
+@cluster_group.command("up")
+@click.option("--data-dir", "data_dir", type=click.Path(file_okay=False), default="./data/cluster",
+              show_default=True, help="folder for configs, node data, the sink and cluster.json")
+@_cluster_options
+def cluster_up(data_dir: str, nodes: int, sites: int, ip_base: int, frontend_port: int, transport_port: int,
+               sink_address: str, overrides: tuple[str, ...]) -> None:
+    """Start the cluster in the foreground (Ctrl-C or SIGTERM stops every process)."""
+    from transportd.devtools.cluster import Cluster
+    directory = Path(data_dir).resolve()
+    secret = None
+    old = directory / "node1.toml"
+    if old.exists():  # keep the secret of an existing cluster so its data dirs stay usable
+        import tomllib
+        try:
+            secret = tomllib.loads(old.read_text()).get("cluster", {}).get("secret")
+        except (tomllib.TOMLDecodeError, OSError):
+            secret = None
+    specs = _generate(directory, nodes, sites, ip_base, frontend_port, transport_port, sink_address,
+                      overrides, secret=secret)
+    cluster = Cluster(directory, specs, sink_address)
+    cluster.start()
+    first = specs[0]
+    host, _, port = first.frontend.rpartition(":")
+    click.echo(f"[cluster] {len(specs)} nodes in {sites} site(s), sink on {sink_address} "
+               f"storing mail in {directory / 'sink' / 'new'}; cluster.json in {directory}")
+    click.echo(f"[cluster] try: swaks --server {host}:{port} --to someone@elsewhere.test  "
+               f"(or --to alice@example.test for a local mailbox)")
+    click.echo(f"[cluster]      transportd shadow list --config {specs[-1].config}   "
+               "(the shadows it holds for its peers)")
+    sys.exit(cluster.wait())
+
+
+@cluster_group.command("status")
+@click.option("--data-dir", "data_dir", type=click.Path(file_okay=False), default="./data/cluster",
+              show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+def cluster_status(data_dir: str, as_json: bool) -> None:
+    """Each node alive or not, with its queue and shadow counts."""
+    import socket as socket_mod
+    from transportd.devtools.cluster import load_cluster_json, pid_alive
+    try:
+        doc = load_cluster_json(Path(data_dir).resolve())
+    except FileNotFoundError as exc:
+        raise CliError(str(exc)) from None
+    rows = []
+    for n in doc["nodes"]:
+        host, _, port = n["frontend"].rpartition(":")
+        listening = False
+        try:
+            with socket_mod.create_connection((host, int(port)), timeout=0.5):
+                listening = True
+        except OSError:
+            pass
+        queued = shadows = None
+        cfg = load_config(n["config"], None)
+        if cfg.db_path.exists():
+            try:
+                queued = sum(q["message_count"] for q in queue_rows(cfg))
+                shadows = sum(r["shadows"] for r in shadow_rows(cfg))
+            except CliError:
+                pass
+        rows.append({"name": n["name"], "site": n["site"], "frontend": n["frontend"], "transport": n["transport"],
+                     "pid": n.get("pid"), "alive": pid_alive(n.get("pid")) and listening,
+                     "queued": queued, "shadows": shadows})
+    if as_json:
+        emit_json(rows)
+        return
+    click.echo(table(["node", "site", "frontend", "transport", "pid", "alive", "queued", "shadows held"],
+                     [(r["name"], r["site"], r["frontend"], r["transport"], r["pid"], "yes" if r["alive"] else "NO",
+                       r["queued"], r["shadows"]) for r in rows]))

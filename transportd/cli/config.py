@@ -1,0 +1,41 @@
+"""``transportd config``: the configuration reference and a node's effective configuration.
+
+It owns printing every key (its value, Exchange name and meaning) as a table or JSON
+lines. It never changes a config file and never opens the queue database.
+"""
+
+from __future__ import annotations
+
+import click
+
+from transportd import config as config_mod
+from transportd.cli.common import emit_json, node_options, table
+from transportd.config import Config
+
+
+@click.group("config")
+def config_group() -> None:
+    """Inspect configuration."""
+
+
+@config_group.command("reference")
+def config_reference() -> None:
+    """Print the configuration reference as a Markdown table (as in the README)."""
+    click.echo(config_mod.markdown_reference())
+
+
+@config_group.command("show")
+@node_options
+@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+def config_show(cfg: Config, as_json: bool) -> None:
+    """Print every key's effective value, with its Exchange name and meaning."""
+    rows = []
+    for key, value in cfg.effective():
+        rows.append({"key": key.dotted, "value": config_mod.format_value(key, value),
+                     "exchange_name": key.exchange, "meaning": key.meaning})
+    if as_json:
+        emit_json(rows)
+        return
+    click.echo(f"# {cfg.path or 'defaults'}; data dir {cfg.data_dir}")
+    click.echo(table(["key", "value", "exchange name", "meaning"],
+                     [(r["key"], r["value"], r["exchange_name"], r["meaning"]) for r in rows], max_width=90))

@@ -1,0 +1,54 @@
+"""``transportd health``: the container healthcheck, an SMTP 220 greeting from each listener.
+
+It owns connecting to the node's frontend and transport connectors (or each
+``--server``), reading the greeting and the exit code (0 healthy, 1 not). It never
+sends mail, never opens the queue database and never reads tracking logs.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from transportd import config as config_mod
+from transportd.cli.common import load_config
+
+
+def smtp_greets(address: str, timeout: float) -> str | None:
+    """None when ``host:port`` answers with an SMTP 220 greeting, else what went wrong."""
+    import socket as socket_mod
+    try:
+        host, port = config_mod.parse_hostport(address)
+        with socket_mod.create_connection((host.strip("[]"), port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            greeting = s.recv(512)
+            s.sendall(b"QUIT\r\n")
+    except ValueError as exc:
+        return str(exc)
+    except OSError as exc:
+        return exc.strerror or str(exc) or exc.__class__.__name__
+    return None if greeting.startswith(b"220") else f"answered {greeting[:60]!r}"
+
+
+@click.command("health")
+@click.option("--config", "-c", "config", type=click.Path(dir_okay=False), default=None,
+              help="node config file (TOML; or TRANSPORTD_CONFIG)")
+@click.option("--server", "servers", multiple=True, metavar="HOST:PORT",
+              help="check this SMTP listener instead of the node's (repeatable)")
+@click.option("--timeout", type=float, default=5.0, show_default=True, help="seconds per listener")
+def health(config: str | None, servers: tuple[str, ...], timeout: float) -> None:
+    """Exit 0 when the node's frontend and transport connectors (or each --server) greet with 220.
+
+    The container healthcheck: ``transportd health`` in a node, ``transportd health --server
+    sink:2500`` for the sink.
+    """
+    if not servers:
+        cfg = load_config(config, None)
+        servers = tuple(a for a in (cfg.frontend.listen, cfg.transport.listen) if a)
+    bad = [(a, why) for a in servers if (why := smtp_greets(a, timeout)) is not None]
+    for address, why in bad:
+        click.echo(f"transportd: unhealthy: {address}: {why}", err=True)
+    if bad:
+        sys.exit(1)
+    click.echo("healthy: " + ", ".join(servers))

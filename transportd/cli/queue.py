@@ -1,0 +1,141 @@
+"""``transportd queue`` and ``transportd redirect``: delivery queues and draining them to a peer.
+
+It owns the queue commands (list, suspend, resume, retry, like Exchange's Get-Queue,
+Suspend-Queue, Resume-Queue, Retry-Queue) and ``redirect`` (Redirect-Message), their
+output and their ADMIN tracking rows. It never writes SQL: each read and each action
+is one queue-layer function run in ``QueueStore.read`` or ``QueueStore.transaction``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from typing import Any, Callable
+
+import click
+
+from transportd.cli.common import (CliError, ConfigCliError, admin_event, emit_json, fmt_time, iso, json_default,
+                                   node_options, open_store, table, tracking_log_for)
+from transportd.config import Config
+from transportd.queue import admin
+from transportd.queue import messages as mq
+
+
+@click.group("queue")
+def queue_group() -> None:
+    """Delivery queues (like Exchange's Get-Queue, Retry-Queue, Suspend-Queue, Resume-Queue)."""
+
+
+def queue_rows(cfg: Config) -> list[dict]:
+    store = open_store(cfg)
+    try:
+        rows = store.read(functools.partial(mq.list_queues, now=time.time()))
+        for r in rows:
+            r["next_retry_at"] = iso(r["next_retry_at"])
+        return rows
+    finally:
+        store.close()
+
+
+def render_queues(rows: list[dict]) -> str:
+    return table(["identity", "delivery type", "state", "messages", "next retry", "last error"],
+                 [(r["identity"], r["delivery_type"], r["state"], r["message_count"],
+                   r["next_retry_at"] or "", r["last_error"]) for r in rows], max_width=70)
+
+
+@queue_group.command("list")
+@node_options
+@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+@click.option("--watch", "watch", is_flag=True, help="refresh in place until Ctrl-C")
+@click.option("--interval", type=float, default=1.0, show_default=True, help="--watch refresh seconds")
+def queue_list(cfg: Config, as_json: bool, watch: bool, interval: float) -> None:
+    """List delivery queues: identity, delivery type, state, message count, next retry, last error."""
+    if not watch:
+        rows = queue_rows(cfg)
+        if as_json:
+            emit_json(rows)
+        else:
+            click.echo(render_queues(rows))
+        return
+    try:
+        while True:
+            rows = queue_rows(cfg)
+            out = "\n".join(json.dumps(r, default=json_default) for r in rows) if as_json else render_queues(rows)
+            click.echo("\x1b[H\x1b[2J" + f"transportd queue list  {fmt_time(time.time())} UTC  (Ctrl-C stops)\n\n"
+                       + out, nl=True)
+            time.sleep(max(0.1, interval))
+    except KeyboardInterrupt:
+        pass
+
+
+def queue_action(cfg: Config, name: str, action: Callable[[Any], dict | None]) -> dict:
+    """Run ``action`` (a queue-layer function of the connection returning the queue row or None)."""
+    store = open_store(cfg)
+    try:
+        q = store.transaction(action)
+    finally:
+        store.close()
+    if q is None:
+        raise CliError(f"no queue {name!r} (see 'transportd queue list')")
+    return q
+
+
+@queue_group.command("suspend")
+@node_options
+@click.argument("queue")
+def queue_suspend(cfg: Config, queue: str) -> None:
+    """Stop delivery from a queue (messages stay queued)."""
+    q = queue_action(cfg, queue, functools.partial(admin.set_queue_suspended_by_name, name=queue, suspended=True))
+    click.echo(f"queue {q['identity']} suspended")
+
+
+@queue_group.command("resume")
+@node_options
+@click.argument("queue")
+def queue_resume(cfg: Config, queue: str) -> None:
+    """Resume delivery from a suspended queue."""
+    q = queue_action(cfg, queue, functools.partial(admin.set_queue_suspended_by_name, name=queue, suspended=False))
+    click.echo(f"queue {q['identity']} resumed")
+
+
+@queue_group.command("retry")
+@node_options
+@click.argument("queue")
+def queue_retry(cfg: Config, queue: str) -> None:
+    """Retry a queue now, ignoring its back-off."""
+    q = queue_action(cfg, queue, functools.partial(admin.retry_queue_by_name, name=queue))
+    click.echo(f"queue {q['identity']} will be retried now")
+
+
+@click.command("redirect")
+@node_options
+@click.option("--target", required=True, help="the peer (FQDN) that takes over this node's queued messages")
+def redirect(cfg: Config, target: str) -> None:
+    """Drain this node's queues to a peer before maintenance (Exchange's Redirect-Message).
+
+    Every queued message goes to the peer hop by hop with XSHADOW: the peer becomes primary and
+    this node keeps a shadow until the peer's discard. A running daemon starts within a second;
+    a stopped one at its next start.
+    """
+    target = target.strip().lower()
+    if target not in {p.name for p in cfg.peers}:
+        known = ", ".join(p.name for p in cfg.peers) or "none configured"
+        raise ConfigCliError(f"--target: {target} is not a peer of {cfg.node.name} (peers: {known})")
+    store = open_store(cfg)
+    try:
+        moved = store.transaction(functools.partial(mq.redirect_to_peer, target=target, now=time.time()))
+        held = store.read(mq.held_messages)
+        trk = tracking_log_for(cfg, store)
+    finally:
+        store.close()
+    if trk is not None:
+        try:
+            for row in moved:
+                admin_event(trk, "REDIRECT", row, f"transportd redirect --target {target}")
+        finally:
+            trk.close()
+    click.echo(f"{len(moved)} message(s) redirected to {target} (queue peer:{target})")
+    if held:
+        click.echo(f"{held} suspended or poison message(s) stay here, held: resume them and redirect again "
+                   f"to move them")

@@ -1,0 +1,179 @@
+"""``transportd safetynet``: the Primary and Shadow Safety Net of a node, listed and resubmitted.
+
+It owns listing the copies held after processing, resubmitting those of a time
+window to a destination (also for an unreachable primary, or by filing a shadow
+resubmit request the running node carries out), asking the peers' Shadow Safety
+Nets for what predates this queue database, and the RESUBMIT tracking rows. It never
+writes SQL: reads and transactions are queue-layer functions run through QueueStore.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import click
+
+from transportd import config as config_mod
+from transportd.cli.common import (CliError, emit_json, fmt_time, iso, node_options, open_store, parse_when, table,
+                                   tracking_log_for)
+from transportd.config import Config
+from transportd.queue import admin
+
+
+@click.group("safetynet")
+def safetynet_group() -> None:
+    """Safety Net: copies kept after processing, for resubmission (Exchange's Safety Net)."""
+
+
+@safetynet_group.command("list")
+@node_options
+@click.option("--from", "source", type=click.Choice(["primary", "shadow", "both"]), default="both",
+              show_default=True, help="which Safety Net")
+@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+def safetynet_list(cfg: Config, source: str, as_json: bool) -> None:
+    """Messages held in this node's Primary and Shadow Safety Net, with their hold time."""
+    roles = ("primary", "shadow") if source == "both" else (source,)
+    store = open_store(cfg)
+    try:
+        rows = store.read(functools.partial(admin.safety_net_messages, roles=roles))
+    finally:
+        store.close()
+    out = [{"id": r["id"], "safety_net": "Primary" if r["role"] == "primary" else "Shadow",
+            "network_message_id": r["network_message_id"], "message_id": r["message_id"], "from": r["sender"],
+            "primary": r["primary_node"] or cfg.node.name, "received_at": iso(r["received_at"]),
+            "processed_at": iso(r["completed_at"]), "held_until": iso(r["safety_net_until"])} for r in rows]
+    if as_json:
+        emit_json(out)
+        return
+    click.echo(table(["id", "safety net", "from", "message-id", "primary", "received", "held until"],
+                     [(r["id"], r["safety_net"], r["from"] or "<>", r["message_id"], r["primary"], r["received_at"],
+                       r["held_until"]) for r in out]))
+
+
+@safetynet_group.command("resubmit")
+@node_options
+@click.option("--destination", required=True,
+              help="a mailbox database (MDB01) or a queue identity (smarthost:127.0.0.1:2500)")
+@click.option("--start", required=True, help="window start (ISO 8601)")
+@click.option("--end", default=None, help="window end (ISO 8601; default now)")
+@click.option("--from", "source", type=click.Choice(["primary", "shadow", "both"]), default="both",
+              show_default=True, help="which Safety Net of this node to resubmit from")
+@click.option("--for-primary", "for_primary", default=None, metavar="NODE",
+              help="on a shadow node: resubmit the Shadow Safety Net copies of NODE, which has been "
+                   "unreachable longer than safety_net.primary_safety_net_unreachable_time")
+@click.option("--force", is_flag=True, help="with --for-primary: even if NODE answered recently")
+def safetynet_resubmit(cfg: Config, destination: str, start: str, end: str | None, source: str,
+                       for_primary: str | None, force: bool) -> None:
+    """Queue again what this node's Safety Net holds for DESTINATION in a time window."""
+    from transportd.queue.safetynet import database_created_at, resubmit
+    if for_primary:
+        _resubmit_for_unreachable_primary(cfg, destination, start, end, for_primary.lower(), force)
+        return
+    s = parse_when(start, "--start").timestamp()
+    e = parse_when(end, "--end").timestamp() if end else time.time()
+    if e < s:
+        raise click.BadParameter("the window ends before it starts", param_hint="--end")
+    sources = ("primary", "shadow") if source == "both" else (source,)
+    store = open_store(cfg)
+    try:
+        failures: list = []
+        done = store.transaction(functools.partial(resubmit, cfg=cfg, destination=destination, start=s, end=e,
+                                                   sources=sources, failures=failures))
+        created = store.read(database_created_at)
+        trk = tracking_log_for(cfg, store)
+    finally:
+        store.close()
+    log_resubmits(trk, done, destination)
+    click.echo(f"{len(done)} message(s) resubmitted to {destination} from this node's Safety Net")
+    report_resubmit_failures(failures)
+    if created > s and "primary" in sources:
+        gap_end = min(created, e)
+        if not cfg.peers:
+            click.echo(f"note: this queue database was created at {fmt_time(created)} UTC; nothing here covers "
+                       f"the window before that, and no peers are configured to ask", err=True)
+        else:
+            click.echo(f"this queue database was created at {fmt_time(created)} UTC: asking the peers' Shadow "
+                       f"Safety Nets for {fmt_time(s)} - {fmt_time(gap_end)} UTC")
+            for peer, answer in ask_peers_to_resubmit(cfg, destination, s, gap_end):
+                click.echo(f"  {peer}: {answer}")
+
+
+def _resubmit_for_unreachable_primary(cfg: Config, destination: str, start: str, end: str | None,
+                                      primary: str, force: bool) -> None:
+    from transportd.queue.safetynet import resubmit
+    from transportd.queue.shadows import shadow_context
+    s = parse_when(start, "--start").timestamp()
+    e = parse_when(end, "--end").timestamp() if end else time.time()
+    limit = cfg.safety_net.primary_safety_net_unreachable_time
+    store = open_store(cfg)
+    try:
+        ctx = store.read(functools.partial(shadow_context, primary=primary))
+        last = ctx["last_heartbeat_at"] if ctx else None
+        if not force and ctx is None:
+            raise CliError(f"this node holds nothing of {primary} (never polled it): nothing to resubmit")
+        if not force and last is not None and time.time() - last < limit:
+            store.transaction(functools.partial(admin.file_resubmit_request, primary=primary, destination=destination,
+                                                start=s, end=e, now=time.time()))
+            click.echo(f"{primary} answered a heartbeat at {fmt_time(last)} UTC, within "
+                       f"{config_mod.format_duration(limit)}: ask it (transportd safetynet resubmit on {primary}). "
+                       f"The request is filed: the running node resubmits it from its Shadow Safety Net on its own "
+                       f"once {primary} has been unreachable for {config_mod.format_duration(limit)} "
+                       f"(--force does it now)")
+            return
+        failures: list = []
+        done = store.transaction(functools.partial(resubmit, cfg=cfg, destination=destination, start=s, end=e,
+                                                   sources=("shadow",), for_primary=primary, failures=failures))
+        trk = tracking_log_for(cfg, store)
+    finally:
+        store.close()
+    log_resubmits(trk, done, destination)
+    click.echo(f"{len(done)} message(s) of {primary} resubmitted to {destination} from this node's Shadow Safety Net")
+    report_resubmit_failures(failures)
+
+
+def report_resubmit_failures(failures: list) -> None:
+    """Each Safety Net copy that could not be resubmitted (the others were), on stderr."""
+    for row, exc in failures:
+        click.echo(f"message {row['id']} (network id {row['network_message_id']}) could not be resubmitted: "
+                   f"{exc.__class__.__name__}: {exc}", err=True)
+
+
+def log_resubmits(trk: Any, done: list, destination: str) -> None:
+    """RESUBMIT rows (source SAFETYNET) for copies queued again; closes the tracking log."""
+    if trk is None:
+        return
+    try:
+        for r in done:
+            trk.write("RESUBMIT", "SAFETYNET", internal_message_id=r.new_id, network_message_id=r.network_message_id,
+                      recipients=r.recipients, reference=str(r.original_id),
+                      source_context=f"{destination};MessageResubmit")
+    finally:
+        trk.close()
+
+
+def ask_peers_to_resubmit(cfg: Config, destination: str, start: float, end: float) -> list[tuple[str, str]]:
+    """XRESUBMIT to every peer's transport connector (authenticated with the cluster secret)."""
+    import asyncio
+    import aiosmtplib
+
+    async def one(peer) -> tuple[str, str]:
+        host, _, port = peer.transport.rpartition(":")
+        client = aiosmtplib.SMTP(hostname=host, port=int(port), local_hostname=cfg.node.name, timeout=30,
+                                 **config_mod.peer_tls_options(cfg))
+        try:
+            await client.connect()
+            await client.ehlo()
+            await client.auth_plain(cfg.node.name.lower(), cfg.cluster.secret)
+            resp = await client.execute_command(b"XRESUBMIT", destination.encode("utf-8"),
+                                                f"{start:.3f}".encode(), f"{end:.3f}".encode())
+            return peer.name, f"{resp.code} {resp.message}"
+        except (aiosmtplib.SMTPException, OSError, asyncio.TimeoutError) as exc:
+            return peer.name, f"unreachable: {exc or exc.__class__.__name__}"
+        finally:
+            client.close()
+
+    async def run() -> list[tuple[str, str]]:
+        return list(await asyncio.gather(*(one(p) for p in cfg.peers)))
+    return asyncio.run(run())

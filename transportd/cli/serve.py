@@ -1,0 +1,52 @@
+"""``transportd serve`` and ``transportd sink``: the two commands that run a server in the foreground.
+
+It owns turning their options into a running node (``node.daemon``) or a development
+sink (``devtools.sink``) and their exit codes. It never opens the queue database
+itself: the daemon does, and the sink has none.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from transportd import config as config_mod
+from transportd.cli.common import CliError, load_config
+
+
+@click.command("serve")
+@click.option("--config", "-c", "config", type=click.Path(dir_okay=False), required=True,
+              help="node config file (TOML)")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default=None,
+              help="operational log format (overrides node.log_format)")
+def serve(config: str, log_format: str | None) -> None:
+    """Run a node: frontend receive connector, queues and delivery."""
+    from transportd.node.daemon import serve as run
+    from transportd.node.logs import setup_logging
+    cfg = load_config(config, None)
+    setup_logging(cfg.node.log_level, log_format or cfg.node.log_format)
+    sys.exit(run(cfg))
+
+
+@click.command("sink")
+@click.option("--listen", default="127.0.0.1:2500", show_default=True, help="address:port to listen on")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default="./data/sink", show_default=True,
+              help="Maildir where every received message is stored")
+@click.option("--smtputf8/--no-smtputf8", default=True, show_default=True,
+              help="advertise SMTPUTF8 (RFC 6531); --no-smtputf8 stands for an older server")
+@click.option("--8bitmime/--no-8bitmime", "eightbitmime", default=True, show_default=True,
+              help="advertise 8BITMIME (RFC 6152); --no-8bitmime refuses 8-bit data")
+def sink(listen: str, directory: str, smtputf8: bool, eightbitmime: bool) -> None:
+    """Run a development sink: an SMTP server outside the boundary that stores all it receives."""
+    import asyncio
+    from transportd.devtools.sink import run_sink
+    try:
+        host, port = config_mod.parse_hostport(listen)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--listen") from None
+    try:
+        asyncio.run(run_sink(host, port, Path(directory).resolve(), smtputf8=smtputf8, eightbitmime=eightbitmime))
+    except OSError as exc:
+        raise CliError(f"sink cannot listen on {listen}: {exc.strerror or exc}") from None

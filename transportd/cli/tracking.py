@@ -1,0 +1,51 @@
+"""``transportd tracking``: searching this node's message tracking logs (like Get-MessageTrackingLog).
+
+It owns the search options (message ids, sender, recipient, event id, time window)
+and printing the matching MSGTRK rows as a table or JSON lines. It only reads the
+tracking files: it never writes them and never opens the queue database.
+"""
+
+from __future__ import annotations
+
+import click
+
+from transportd.cli.common import CliError, emit_json, node_options, parse_when, table
+from transportd.config import Config
+
+
+@click.group("tracking")
+def tracking_group() -> None:
+    """Message tracking logs (like Get-MessageTrackingLog)."""
+
+
+@tracking_group.command("search")
+@node_options
+@click.option("--message-id", default=None, help="Message-ID header (with or without <>)")
+@click.option("--network-message-id", default=None)
+@click.option("--internal-message-id", default=None)
+@click.option("--sender", default=None)
+@click.option("--recipient", default=None)
+@click.option("--event-id", default=None, help="RECEIVE, DELIVER, SENDEXTERNAL, DEFER, FAIL, DSN, ...")
+@click.option("--start", default=None, help="from this time (ISO 8601, UTC by default)")
+@click.option("--end", default=None, help="up to this time (ISO 8601)")
+@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+def tracking_search(cfg: Config, message_id: str | None, network_message_id: str | None,
+                    internal_message_id: str | None, sender: str | None, recipient: str | None,
+                    event_id: str | None, start: str | None, end: str | None, as_json: bool) -> None:
+    """Search this node's MSGTRK files."""
+    from transportd.tracking import search
+    s, e = parse_when(start, "--start"), parse_when(end, "--end")
+    if not cfg.tracking_dir.is_dir():
+        raise CliError(f"no tracking logs at {cfg.tracking_dir}")
+    rows = search(cfg.tracking_dir, message_id=message_id, network_message_id=network_message_id,
+                  internal_message_id=internal_message_id, sender=sender, recipient=recipient,
+                  event_id=event_id, start=s, end=e)
+    if as_json:
+        emit_json(rows)
+        return
+    rows = list(rows)
+    click.echo(table(["date-time", "event", "source", "internal id", "sender", "recipients", "message-id",
+                      "status / context"],
+                     [(r["date-time"], r["event-id"], r["source"], r["internal-message-id"], r["sender-address"],
+                       r["recipient-address"], r["message-id"], r["recipient-status"] or r["source-context"])
+                      for r in rows], max_width=48))

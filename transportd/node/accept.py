@@ -1,0 +1,173 @@
+"""The accept path: from a received DATA to a durable message, shadowed before the 250.
+
+It owns what happens between the end of DATA and the reply: headers added
+(Received, Message-ID, Date), the loop check (hop count), bifurcation per next
+hop, the local commit and the shadow copy made concurrently (shadow
+redundancy), settling where the shadow went (or accepting unprotected, or
+refusing with 451 4.4.0 under *RejectMessageOnShadowFailure*), and the RECEIVE
+and HAREDIRECT tracking events, written before delivery may take the message.
+A message it cannot make durable is refused with a 4xx, never acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from aiosmtpd.smtp import Envelope, Session
+
+from transportd import faults
+from transportd.errors import MessageRejected, StoreError
+from transportd.node.events import NodeEvents, message_ids
+from transportd.queue import messages as mq
+from transportd.queue import shadows as sq
+from transportd.queue.messages import NewMessage
+from transportd.queue.routing import bifurcate
+from transportd.queue.store import QueueStore
+from transportd.redundancy.manager import ShadowManager, ShadowResult
+from transportd.redundancy.server import peer_name
+from transportd.smtp.frontend import new_network_message_id, prepare_message, received_as
+from transportd.smtp.headers import hop_count, network_id_from
+from transportd.smtp.replies import (S451_NOT_REDUNDANT, S451_STORE_UNAVAILABLE, S554_HOP_COUNT,
+                                     S554_NO_VALID_RECIPIENTS)
+
+log = logging.getLogger("transportd")
+
+
+class AcceptPath:
+    def __init__(self, cfg: Any, store: QueueStore, events: NodeEvents, shadow: ShadowManager | None):
+        self.cfg = cfg
+        self.store = store
+        self.events = events
+        self.shadow = shadow
+        self.accepting: set[int] = set()  # messages between their local commit and their settle
+
+    def _message(self, envelope: Envelope, session: Session, connector: str, now: float) -> NewMessage:
+        cfg = self.cfg
+        client_ip = str((session.peer or ("", 0))[0])
+        data = envelope.original_content or b""
+        netid = (peer_name(session) and network_id_from(data)) or new_network_message_id()
+        prepared = prepare_message(data, node_name=cfg.node.name, client_ip=client_ip,
+                                   helo=session.host_name or "", network_message_id=netid, now=now,
+                                   connector=connector, tls=session.ssl is not None)
+        smtputf8, body_type = received_as(envelope)
+        return NewMessage(
+            network_message_id=netid, data=prepared.data,
+            sender="" if envelope.mail_from in (None, "<>") else envelope.mail_from,
+            recipients=bifurcate(envelope.rcpt_tos, cfg), received_at=now,
+            expires_at=now + cfg.delivery.message_expiration_timeout,
+            message_id=prepared.message_id, submit_time=prepared.submit_time, subject=prepared.subject,
+            client_ip=client_ip, client_hostname=session.host_name or "", origin="smtp",
+            smtputf8=smtputf8, body_type=body_type,
+        )
+
+    async def accept(self, envelope: Envelope, session: Session, connector: str) -> int:
+        """Make the message durable and return its internal id (the 250 follows)."""
+        now = time.time()
+        if not envelope.rcpt_tos:
+            raise MessageRejected(S554_NO_VALID_RECIPIENTS)
+        msg = self._message(envelope, session, connector, now)
+        netid = msg.network_message_id
+        hops = hop_count(msg.data)
+        if hops > self.cfg.frontend.max_hop_count:
+            log.warning("message from %s looped (%d Received headers): refused", msg.client_ip, hops,
+                        extra=message_ids({"network_message_id": netid}))
+            raise MessageRejected(S554_HOP_COUNT)
+        shadow_plan: list[tuple[str, str]] = []
+        peer_conn = getattr(session, "redundancy", None)  # the transport connector's protocol state
+        if peer_conn is not None and peer_conn.shadow_guid and peer_conn.xshadow_peer:
+            # Hop-by-hop (docs/PROTOCOL.md section 3): the sending peer keeps the shadow; we are primary.
+            shadow_plan = [(peer_conn.xshadow_peer, peer_conn.shadow_guid)]
+            msg.redundancy = "shadowed"
+        elif self.shadow is not None and self.shadow.enabled:
+            msg.redundancy = "pending"
+        guid = str(uuid.uuid4())
+        recipients = list(dict.fromkeys(a for addrs in msg.recipients.values() for a in addrs))
+
+        def commit(conn):
+            mid = mq.enqueue(conn, msg)
+            for node, g in shadow_plan:
+                sq.record_shadow(conn, mid, node, g, now)
+            return mid
+
+        local = asyncio.ensure_future(self.store.write(commit, queue_changed=msg.redundancy != "pending"))
+        remote = None
+        if msg.redundancy == "pending":
+            remote = asyncio.ensure_future(self.shadow.make_shadow(msg, guid, recipients))
+        try:
+            internal_id = await local
+        except StoreError as exc:
+            log.error("queue database unavailable, answering 451: %s", exc,
+                      extra=message_ids({"network_message_id": netid}))
+            if remote is not None:
+                await self._discard_orphan_copy(await remote, guid, netid, now)
+            raise MessageRejected(S451_STORE_UNAVAILABLE) from None
+        self.accepting.add(internal_id)  # "pending" belongs to this call until it settles
+        try:
+            await self._settle_and_track(internal_id, msg, connector, remote, guid, recipients, now)
+            log.info("queued message %d (network id %s) from <%s> for %d recipient(s)",
+                     internal_id, netid, msg.sender, sum(len(v) for v in msg.recipients.values()),
+                     extra=message_ids({"id": internal_id, "network_message_id": netid}))
+            self.events.metrics.accept_latency.observe(time.time() - now)
+            return internal_id
+        finally:
+            self.accepting.discard(internal_id)
+
+    async def _discard_orphan_copy(self, result: ShadowResult, guid: str, netid: str, now: float) -> None:
+        """The local commit failed: a peer may hold a copy nobody will discard; ask it to, if we can."""
+        peers = tuple(p for p in (result.peer, *result.uncertain) if p)
+        if peers:
+            try:
+                await self.store.write(lambda c: sq.discard_uncertain(c, peers, guid, now))
+            except StoreError:
+                log.error("could not queue a discard for shadow %s on %s; it expires on its own",
+                          guid, ", ".join(peers), extra=message_ids({"network_message_id": netid}))
+
+    async def _settle_and_track(self, internal_id: int, msg: NewMessage, connector: str, remote: Any, guid: str,
+                                recipients: list[str], now: float) -> None:
+        shadow_result = None
+        shadow_error: Exception | None = None
+        if remote is not None:
+            try:
+                shadow_result = await remote
+            except Exception as exc:  # noqa: BLE001 - the local copy exists: settle it, never strand it
+                shadow_error = exc
+                shadow_result = ShadowResult(None, f"internal error: {exc.__class__.__name__}: {exc}")
+        if shadow_result is not None and not shadow_result.peer \
+                and self.cfg.shadow_redundancy.reject_message_on_shadow_failure:
+            await self._settle(internal_id, msg, shadow_result, guid, now)  # raises 451 4.4.0
+        row = {"id": internal_id, "network_message_id": msg.network_message_id, "message_id": msg.message_id,
+               "sender": msg.sender, "subject": msg.subject, "size": len(msg.data),
+               "client_ip": msg.client_ip, "client_hostname": msg.client_hostname}
+        self.events.track("RECEIVE", "SMTP", row, recipients=recipients, source_context=f"{connector}",
+                          connector_id=f"{self.cfg.node.name}\\{connector}", directionality="Incoming",
+                          client_ip=msg.client_ip, client_hostname=msg.client_hostname)
+        if shadow_result is None:
+            return
+        if shadow_result.peer:
+            self.events.track("HAREDIRECT", "SMTP", row, recipients=recipients,
+                              source_context=f"{shadow_result.peer}={shadow_result.reply}")
+        else:
+            self.events.track("HAREDIRECTFAIL", "SMTP", row, recipients=recipients,
+                              source_context=shadow_result.reply)
+        # Only now may delivery take it: its tracking rows never precede RECEIVE/HAREDIRECT.
+        await self._settle(internal_id, msg, shadow_result, guid, now)
+        if shadow_error is not None:
+            await self.events.message_failed(row, "shadow", shadow_error)
+
+    async def _settle(self, internal_id: int, msg: NewMessage, result: ShadowResult, guid: str, now: float) -> None:
+        """Record where the shadow went; with no shadow, accept unprotected or refuse (451 4.4.0)."""
+        faults.check("settle", msg)
+        if result.uncertain:
+            await self.store.write(lambda c: sq.discard_uncertain(c, result.uncertain, guid, now))
+        if result.peer or not self.cfg.shadow_redundancy.reject_message_on_shadow_failure:
+            await self.store.write(lambda c: sq.settle_accepted(c, internal_id, result.peer, guid, now),
+                                   queue_changed=True)
+            return
+        await self.store.write(lambda c: sq.drop_unacknowledged(c, internal_id))
+        log.warning("no shadow could be made (%s): message refused with 451 4.4.0", result.reply,
+                    extra=message_ids({"id": internal_id, "network_message_id": msg.network_message_id}))
+        raise MessageRejected(S451_NOT_REDUNDANT)

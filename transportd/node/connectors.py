@@ -1,0 +1,240 @@
+"""Delivery agents, as Postfix's are to its qmgr: mailbox, SMTP (smart host, MX) and peer.
+
+Each connector has ``deliver(batch)``: it takes a batch of one queue's work
+items and yields ``Delivered`` reports (outcomes per recipient) as it goes, so
+the scheduler commits each message's outcome before the next is sent. A
+connector reads the message it delivers from the queue database and never
+writes an outcome itself; one message's failure is reported as an internal
+failure of that message only, and the rest of the batch goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+import weakref
+from typing import Any, AsyncIterator
+
+import aiosmtplib
+
+from transportd import faults
+from transportd.errors import NextHopPermanentError, NextHopUnavailable, PEER_FAILURES, StoreError
+from transportd.node.outcomes import Delivered, internal_failure
+from transportd.queue import messages as mq
+from transportd.queue.mailbox import MailboxStore
+from transportd.queue.messages import Outcome, WorkItem
+from transportd.queue.routing import DNS
+from transportd.queue.store import QueueStore
+from transportd.redundancy.manager import ShadowManager
+from transportd.redundancy.peers import PeerSession, start_peer_session
+from transportd.smtp import client as smtpclient
+from transportd.smtp.client import SmtpTarget, describe, reply_of, resolve_mx
+from transportd.smtp.envelope import plan_send
+
+log = logging.getLogger("transportd.node.connectors")
+
+MISSING_BODY = "550 5.3.0 message body missing from the queue database"
+
+
+class MailboxConnector:
+    """Local delivery into the Maildir mailbox store, with duplicate detection."""
+
+    def __init__(self, cfg: Any, store: QueueStore, mailboxes: MailboxStore):
+        self.cfg = cfg
+        self.store = store
+        self.mailboxes = mailboxes
+        # One lock per mailbox being delivered to right now: held only by the deliveries using it.
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+
+    async def deliver(self, batch: list[WorkItem]) -> AsyncIterator[Delivered]:
+        for it in batch:
+            try:
+                outs = await self._deliver_one(it)
+            except asyncio.CancelledError:
+                raise
+            except StoreError as exc:  # left Active: released by the maintenance once the store is back
+                log.error("queue database unavailable while delivering message %s: %s", it.message_id, exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - one message never holds up the others
+                yield internal_failure([it], "deliver", exc)
+                continue
+            yield Delivered([it], {it.message_id: outs})
+
+    async def _deliver_one(self, it: WorkItem) -> list[Outcome]:
+        window = self.cfg.mailbox.duplicate_detection_window
+        row, body = await self.store.aread(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
+        now = time.time()
+        if row is None or body is None:
+            return [Outcome(r, mq.FAILED, MISSING_BODY) for r in it.recipient_ids]
+        await faults.acheck("deliver", row)
+        outs: list[Outcome] = []
+        for rid, address in zip(it.recipient_ids, it.addresses):
+            lock = self._locks.get(address.lower())
+            if lock is None:
+                lock = self._locks[address.lower()] = asyncio.Lock()
+            async with lock:
+                dup = await self.store.aread(lambda c, a=address: mq.already_delivered(
+                    c, a, row["message_id"], row["submit_time"], now, window))
+                if dup:
+                    outs.append(Outcome(rid, mq.DELIVERED, "250 2.0.0 duplicate", duplicate=True))
+                    continue
+                try:
+                    _, stored = await asyncio.to_thread(self.mailboxes.deliver, address, row["network_message_id"],
+                                                        body, row["received_at"])
+                except OSError as exc:
+                    outs.append(Outcome(rid, mq.RETRY, f"451 4.3.0 mailbox store error: {exc.strerror}"))
+                    continue
+                outs.append(Outcome(rid, mq.DELIVERED, "250 2.0.0 delivered", duplicate=not stored))
+                # Remembered before the mailbox lock is released, so that a copy of the same
+                # message in a concurrent batch sees this delivery and is dropped as a duplicate.
+                await self.store.write(lambda c, a=address: mq.remember_delivery(
+                    c, a, row["message_id"], row["submit_time"], now))
+        return outs
+
+
+class SmtpConnector:
+    """Delivery over SMTP: one session per batch, several messages per session."""
+
+    def __init__(self, cfg: Any, store: QueueStore):
+        self.cfg = cfg
+        self.store = store
+
+    async def targets(self, item: WorkItem) -> list[SmtpTarget]:
+        if item.delivery_type == DNS:
+            return await resolve_mx(item.next_hop, self.cfg.delivery.mx_port)
+        host, _, port = item.next_hop.rpartition(":")
+        return [SmtpTarget(host.strip("[]"), int(port))]
+
+    async def open(self, item: WorkItem) -> tuple[aiosmtplib.SMTP, SmtpTarget, PeerSession | None]:
+        d = self.cfg.delivery
+        client, target = await smtpclient.connect(
+            await self.targets(item), local_hostname=self.cfg.node.name, timeout=d.send_connection_inactivity_timeout,
+            connect_timeout=d.send_connect_timeout, tls={"start_tls": None, "validate_certs": False})
+        return client, target, None
+
+    async def deliver(self, batch: list[WorkItem]) -> AsyncIterator[Delivered]:
+        try:
+            client, target, peer_session = await self.open(batch[0])
+        except NextHopPermanentError as exc:
+            yield Delivered.every_recipient(batch, mq.FAILED, exc.reply)
+            return
+        except NextHopUnavailable as exc:
+            reply = f"451 4.4.0 Unable to connect to {batch[0].next_hop}: {exc}"
+            yield Delivered.every_recipient(batch, mq.RETRY, reply, queue_error=reply)
+            return
+        remote = target.host
+        progressed = False  # anything delivered or failed in this session
+        try:
+            for i, it in enumerate(batch):
+                hop = peer_session is not None and peer_session.peer_queue_database_id is not None
+                guid = str(uuid.uuid4()) if hop else None
+                try:
+                    outs = await self._send_one(client, it, xshadow=guid)
+                except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError, OSError) as exc:
+                    reply = f"451 4.4.2 Connection to {target.host}:{target.port} lost: {describe(exc)}"
+                    yield Delivered.every_recipient(batch[i:], mq.RETRY, reply, queue_error=reply, remote=remote)
+                    return
+                except (asyncio.CancelledError, StoreError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - this message only: the others go on
+                    yield internal_failure([it], "deliver", exc, remote=remote)
+                    if i + 1 < len(batch) and not await smtpclient.rset_ok(client):
+                        # The session cannot go on: the rest is retried on a new one, not counted.
+                        reply = f"451 4.4.2 Session to {target.host}:{target.port} reset after an internal error"
+                        yield Delivered.every_recipient(batch[i + 1:], mq.RETRY, reply, remote=remote)
+                        return
+                    continue
+                progressed = progressed or any(o.status != mq.RETRY for o in outs)
+                # A session in which the next hop deferred everything puts the queue in Retry,
+                # with the reply as its last error, as a failed connection does.
+                queue_error = outs[-1].reply if outs and not progressed and i == len(batch) - 1 else None
+                forks = [(it.message_id, it.next_hop, guid, it.queue_id, peer_session.peer_queue_database_id)] \
+                    if guid and peer_session and any(o.status == mq.DELIVERED for o in outs) else []
+                yield Delivered([it], {it.message_id: outs}, queue_error=queue_error, remote=remote, forks=forks)
+        finally:
+            if peer_session is not None:
+                await peer_session.quit()  # no QUIT after a discard reply we could not apply
+            else:
+                await smtpclient.quit(client)
+
+    async def _send_one(self, client: aiosmtplib.SMTP, it: WorkItem, xshadow: str | None = None) -> list[Outcome]:
+        row, body = await self.store.aread(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
+        if row is None or body is None:
+            return [Outcome(r, mq.FAILED, MISSING_BODY) for r in it.recipient_ids]
+        await faults.acheck("deliver", row)
+        # SMTPUTF8 and 8BITMIME as the message needs them and the next hop offers them; a next hop
+        # that cannot take it gets no attempt (5.6.7 / 5.6.9 / 5.6.3 and a DSN).
+        plan = plan_send(row["sender"], it.addresses, body, smtputf8=bool(row["smtputf8"]),
+                         body_type=row["body_type"] or "",
+                         next_hop_smtputf8=client.supports_extension("smtputf8"),
+                         next_hop_8bitmime=client.supports_extension("8bitmime"))
+        if plan.error:
+            return [Outcome(r, mq.FAILED, plan.error) for r in it.recipient_ids]
+        body = plan.data
+        options = list(plan.options)
+        if client.supports_extension("size"):
+            options.append(f"SIZE={len(body)}")
+        if xshadow:
+            options.append(f"XSHADOW={xshadow}")
+        try:
+            await smtpclient.mail(client, row["sender"], options)
+        except aiosmtplib.SMTPResponseException as exc:
+            await smtpclient.rset(client)
+            return [Outcome(r, mq.FAILED if exc.code >= 500 else mq.RETRY, reply_of(exc)) for r in it.recipient_ids]
+        outs: dict[int, Outcome] = {}
+        accepted: list[int] = []
+        for rid, address in zip(it.recipient_ids, it.addresses):
+            try:
+                resp = await smtpclient.rcpt(client, address)
+                accepted.append(rid)
+                outs[rid] = Outcome(rid, mq.DELIVERED, f"{resp.code} {resp.message}")
+            except aiosmtplib.SMTPResponseException as exc:
+                outs[rid] = Outcome(rid, mq.FAILED if exc.code >= 500 else mq.RETRY, reply_of(exc))
+        if not accepted:
+            await smtpclient.rset(client)
+            return list(outs.values())
+        try:
+            resp = await client.data(body)
+            for rid in accepted:
+                outs[rid] = Outcome(rid, mq.DELIVERED, f"{resp.code} {resp.message}")
+        except aiosmtplib.SMTPResponseException as exc:
+            for rid in accepted:
+                outs[rid] = Outcome(rid, mq.FAILED if exc.code >= 500 else mq.RETRY, reply_of(exc))
+            await smtpclient.rset(client)
+        return list(outs.values())
+
+
+class PeerConnector(SmtpConnector):
+    """Delivery to a peer's transport connector as primary: authenticated, and hop by hop (the
+    peer becomes primary, we keep a fork as its shadow) when both sides run shadow redundancy."""
+
+    def __init__(self, cfg: Any, store: QueueStore, shadow: ShadowManager):
+        super().__init__(cfg, store)
+        self.shadow = shadow
+
+    async def targets(self, item: WorkItem) -> list[SmtpTarget]:
+        peer = self.shadow.by_name.get(item.next_hop)
+        if peer is None:
+            raise NextHopUnavailable(f"{item.next_hop} is not a configured peer")
+        host, _, port = peer.transport.rpartition(":")
+        return [SmtpTarget(host, int(port))]
+
+    async def open(self, item: WorkItem) -> tuple[aiosmtplib.SMTP, SmtpTarget, PeerSession | None]:
+        d = self.cfg.delivery
+        client, target = await smtpclient.connect(
+            await self.targets(item), local_hostname=self.cfg.node.name, timeout=d.send_connection_inactivity_timeout,
+            connect_timeout=d.send_connect_timeout, tls=self.shadow.pool.tls)
+        peer = self.shadow.by_name[item.next_hop]
+        try:
+            hop = self.shadow.enabled and client.supports_extension("xshadowrequest")
+            await start_peer_session(client, peer.name, local_fqdn=self.shadow.node_name,
+                                     secret=self.cfg.cluster.secret, shadows=hop)
+            session = PeerSession(client, peer, self.shadow.node_name)
+            if hop:
+                await self.shadow.heartbeat.hop_session_start(session)
+        except PEER_FAILURES as exc:
+            smtpclient.close(client)
+            raise NextHopUnavailable(f"{target.host}:{target.port}: {describe(exc)}") from None
+        return client, target, session

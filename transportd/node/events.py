@@ -1,0 +1,120 @@
+"""Event fan-out: every tracking event goes to the MSGTRK log, the metrics and the operational log.
+
+It owns writing one tracking row per event (after the commit it describes),
+moving the metrics that go with it, the operational log line, and counting a
+message's internal failures towards the Poison queue. It never raises into the
+loop that reports: a failing tracking log or metric is itself logged, and mail
+goes on. Every loop (accept, delivery, redundancy) reports through one instance.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from transportd.queue import messages as mq
+from transportd.queue.messages import NewMessage
+from transportd.queue.store import QueueStore
+
+log = logging.getLogger("transportd")
+
+# Operational log level of the line each tracking event also writes (RECEIVE has its own "queued" line).
+EVENT_LOG_LEVELS = {e: logging.INFO for e in ("DELIVER", "DUPLICATEDELIVER", "SEND", "SENDEXTERNAL", "DEFER",
+                                              "FAIL", "DSN", "DROP", "RESUBMIT", "HAREDIRECTFAIL")}
+EVENT_LOG_LEVELS["POISONMESSAGE"] = logging.WARNING
+
+
+def message_ids(row: dict) -> dict[str, Any]:
+    """``extra=`` for a log line about a message: its internal and network message ids."""
+    return {"internal_message_id": row.get("id"), "network_message_id": row.get("network_message_id") or ""}
+
+
+class NullTrackingLog:
+    def write(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class NodeEvents:
+    """The one place a node reports what happened to a message."""
+
+    def __init__(self, cfg: Any, metrics: Any, store: QueueStore | None = None, tracking: Any = None):
+        self.cfg = cfg
+        self.metrics = metrics
+        self.store = store
+        self.tracking = tracking or NullTrackingLog()
+
+    @property
+    def poison_threshold(self) -> int | None:
+        d = self.cfg.delivery
+        return d.poison_threshold if d.poison_message_detection_enabled else None
+
+    async def message_failed(self, row: dict, step: str, exc: BaseException) -> bool:
+        """One message's handling failed with an internal error in ``step`` (any loop): log it with
+        its ids and the error, count it towards the Poison queue. Never raises; returns True when
+        the message was moved to the Poison queue now."""
+        ids = message_ids(row)
+        log.error("%s of message %s failed with an internal error: %s: %s", step, ids["internal_message_id"],
+                  exc.__class__.__name__, exc, exc_info=exc, extra=ids)
+        self.metrics.internal_failures.labels(step).inc()
+        if row.get("id") is None or self.store is None:
+            return False
+        threshold = self.poison_threshold
+        try:
+            moved = await self.store.write(lambda c: mq.count_internal_failure(c, row["id"], threshold))
+        except Exception as err:  # noqa: BLE001 - counting is best effort; the message stays where it is
+            log.error("could not count the failure of message %s: %s", row.get("id"), err, extra=ids)
+            return False
+        if moved:
+            self.poisoned(row, f"{step}: {exc.__class__.__name__}: {exc}")
+        return moved
+
+    def poisoned(self, row: dict, reason: str) -> None:
+        """Tell that a message was moved to the Poison queue (after the commit that moved it)."""
+        self.metrics.poisoned.inc()
+        log.warning("message %s moved to the Poison queue after %d internal failure(s) (last: %s); "
+                    "'transportd message resume %s' releases it, 'message remove' drops it",
+                    row.get("id"), self.poison_threshold or 0, reason, row.get("id"), extra=message_ids(row))
+        self.track("POISONMESSAGE", "QUEUE", row, source_context=f"PoisonThreshold={self.poison_threshold};{reason}"[:500])
+
+    # ------------------------------------------------------------------ tracking helpers
+
+    def track(self, event_id: str, source: str, row: dict, *, recipients: list[str] | None = None,
+              **fields: Any) -> None:
+        """Write one tracking row for a message row, move the metrics, log a line; never raises."""
+        ids = message_ids(row)
+        try:
+            self.tracking.write(
+                event_id, source,
+                internal_message_id=row.get("id"), message_id=row.get("message_id") or "",
+                network_message_id=row.get("network_message_id") or "",
+                recipients=recipients or [], total_bytes=row.get("size"),
+                message_subject=row.get("subject") or "", sender_address=row.get("sender") or "",
+                return_path=row.get("sender") or "", **fields)
+        except Exception as exc:  # noqa: BLE001 - logging must not fail mail
+            log.error("cannot write tracking log (%s %s): %s", event_id, row.get("id"), exc, extra=ids)
+        try:
+            self.metrics.on_event(event_id, row, str(fields.get("source_context") or ""))
+            level = EVENT_LOG_LEVELS.get(event_id, logging.DEBUG)
+            if event_id != "RECEIVE" and log.isEnabledFor(level):
+                status = fields.get("recipient_status")
+                detail = (status[0] if status else "") or fields.get("source_context") or ""
+                shown = ", ".join((recipients or [])[:5]) + (" ..." if len(recipients or []) > 5 else "")
+                log.log(level, "%s message %s (network id %s)%s%s", event_id, ids["internal_message_id"],
+                        ids["network_message_id"], f" for {shown}" if shown else "",
+                        f": {detail}" if detail else "", extra=ids)
+        except Exception as exc:  # noqa: BLE001 - metrics and logs must not fail mail
+            log.error("cannot record %s for message %s: %s", event_id, row.get("id"), exc, extra=ids)
+
+    def log_dsn(self, original: dict, dsn_id: int, dsn: NewMessage) -> None:
+        self.track("DSN", "DSN", {"id": dsn_id, "network_message_id": dsn.network_message_id,
+                                  "message_id": dsn.message_id, "sender": "", "subject": dsn.subject,
+                                  "size": len(dsn.data)},
+                   recipients=[a for v in dsn.recipients.values() for a in v],
+                   reference=original.get("message_id") or "",
+                   related_recipient_address=original.get("sender") or "",
+                   source_context=f"original internal id {original.get('id')}; "
+                                  f"network id {original.get('network_message_id')}")
+

@@ -1,0 +1,222 @@
+"""Delivery outcomes made durable: recipient states, queue retry state, DSNs, forks, then tracking.
+
+It owns turning what a connector reports (a ``Delivered`` batch: outcomes per
+recipient, the queue's error, hop-by-hop forks, internal failures) into one
+commit through the store's group-commit writer, building the DSNs of failed
+recipients before that commit (one message at a time: a DSN that cannot be
+built keeps that message in Retry as an internal failure), counting internal
+failures towards the Poison queue, and only after the commit the tracking
+events. It never sends a DSN to the null sender, nor for a DSN, nor for a copy
+marked suppress_dsn (resubmitted from the Safety Net). It never talks SMTP.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import logging
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Sequence
+
+from transportd import faults
+from transportd.node.events import NodeEvents
+from transportd.queue import messages as mq
+from transportd.queue import shadows as sq
+from transportd.queue.messages import NewMessage, Outcome, WorkItem
+from transportd.queue.routing import MAILBOX, PEER, bifurcate
+from transportd.queue.store import QueueStore
+from transportd.smtp.client import describe
+from transportd.smtp.dsn import RecipientReport, build_dsn, dsn_needs_utf8, status_from_reply
+from transportd.smtp.headers import field_value
+
+log = logging.getLogger("transportd.node.outcomes")
+
+
+@dataclass
+class Delivered:
+    """What a connector reports for some messages of a batch, committed as one."""
+    items: list[WorkItem]
+    outcomes: dict[int, list[Outcome]]  # message id -> one outcome per recipient row
+    queue_error: str | None = None  # the next hop itself failed (the queue goes to Retry)
+    remote: str = ""  # the host that answered
+    forks: Sequence[tuple[int, str, str, int, str | None]] = ()  # hop-by-hop shadows kept here
+    internal: dict[int, tuple[str, BaseException]] = field(default_factory=dict)  # message id -> (step, error)
+    expiry: bool = False  # expiries: FAIL from ROUTING, DSN 4.4.7, no queue attempt
+
+    @classmethod
+    def every_recipient(cls, items: list[WorkItem], status: str, reply: str, **kw: Any) -> "Delivered":
+        return cls(items, {it.message_id: [Outcome(r, status, reply) for r in it.recipient_ids] for it in items},
+                   **kw)
+
+
+def internal_failure(items: list[WorkItem], step: str, exc: BaseException, remote: str = "") -> Delivered:
+    """Handling ``items`` failed with an internal error: Retry with 451 4.3.0, counted."""
+    reply = internal_reply(step, exc)
+    return Delivered.every_recipient(items, mq.RETRY, reply, remote=remote,
+                                     internal={it.message_id: (step, exc) for it in items}, expiry=step == "expire")
+
+
+def internal_reply(step: str, exc: BaseException) -> str:
+    return f"{mq.INTERNAL_ERROR} in {step}: {exc.__class__.__name__}: {describe(exc)}"[:500]
+
+
+def status_of(reply: str) -> str:
+    """The enhanced status code of a reply, from its text or else its code."""
+    try:
+        code = int(reply[:3])
+    except ValueError:
+        return "5.0.0"
+    return status_from_reply(code, reply[4:])
+
+
+def dsn_message(cfg: Any, original: dict, original_body: bytes, reports: Sequence[RecipientReport],
+                now: float) -> NewMessage | None:
+    """The DSN (a new message from <>) for failed recipients, or None when none may be sent."""
+    sender = original.get("sender") or ""
+    if not sender or original.get("origin") == "dsn" or original.get("suppress_dsn") or not reports:
+        return None
+    # RFC 6533: a UTF-8 DSN when the original came with SMTPUTF8 (its sender's side speaks it) and
+    # holds UTF-8; it then travels with SMTPUTF8 itself. Otherwise the classic 7-bit DSN.
+    utf8 = dsn_needs_utf8(sender, list(reports), original_body, bool(original.get("smtputf8")))
+    data = build_dsn(
+        reporting_mta=cfg.node.name, original_sender=sender, original_message=original_body,
+        recipients=list(reports), arrival_date=_dt(original.get("received_at") or now), now=_dt(now), utf8=utf8,
+    )
+    return NewMessage(
+        network_message_id=str(uuid.uuid4()), sender="", data=data,
+        recipients=bifurcate([sender], cfg), received_at=now,
+        expires_at=now + cfg.delivery.message_expiration_timeout,
+        message_id=field_value(data, "Message-ID"), submit_time=email.utils.formatdate(now, usegmt=True),
+        subject="Delivery delayed" if all(r.action == "delayed" for r in reports) else "Undeliverable",
+        origin="dsn", smtputf8=utf8, body_type="8BITMIME" if utf8 else "",
+        dsn_of=original.get("id"),
+    )
+
+
+def _dt(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, tz=timezone.utc)
+
+
+class OutcomeRecorder:
+    def __init__(self, cfg: Any, store: QueueStore, events: NodeEvents):
+        self.cfg = cfg
+        self.store = store
+        self.events = events
+
+    def _dsn_for(self, it: WorkItem, row: dict, body: bytes, failed: list[Outcome], remote: str,
+                 expiry: bool, now: float) -> NewMessage | None:
+        faults.check("dsn", row)
+        addr = dict(zip(it.recipient_ids, it.addresses))
+        reports = [RecipientReport(address=addr[o.recipient_id], action="failed",
+                                   status="4.4.7" if expiry else status_of(o.reply), diagnostic=o.reply,
+                                   remote_mta="" if expiry else remote) for o in failed]
+        return dsn_message(self.cfg, row, body, reports, now)
+
+    async def _build_dsns(self, d: Delivered, now: float) -> dict[int, tuple[dict, NewMessage]]:
+        """DSNs built before the commit, one message at a time: a DSN that cannot be built keeps
+        that message's recipients in Retry (an internal failure), never failed silently."""
+        dsns: dict[int, tuple[dict, NewMessage]] = {}
+        for it in d.items:
+            outs = d.outcomes.get(it.message_id, [])
+            failed = [o for o in outs if o.status == mq.FAILED]
+            if not failed or it.message_id in d.internal:
+                continue
+            row, body = await self.store.aread(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
+            if row is None or body is None:
+                continue
+            try:
+                dsn = self._dsn_for(it, row, body, failed, d.remote, d.expiry, now)
+            except Exception as exc:  # noqa: BLE001 - isolated per message (Poison queue)
+                d.internal[it.message_id] = ("dsn", exc)
+                reply = internal_reply("dsn", exc)
+                d.outcomes[it.message_id] = [Outcome(o.recipient_id, mq.RETRY, reply) if o.status == mq.FAILED
+                                             else o for o in outs]
+                continue
+            if dsn is not None:
+                dsns[it.message_id] = (row, dsn)
+        return dsns
+
+    async def commit(self, d: Delivered, now: float | None = None) -> None:
+        """Write the outcomes (and DSNs, forks, poison counts) durably, then log the tracking events.
+        A message delivered to some recipient has its earlier internal failures forgotten."""
+        now = time.time() if now is None else now
+        dl = self.cfg.delivery
+        hold = self.cfg.safety_net.safety_net_hold_time
+        retry = {"retry_interval": dl.transient_failure_retry_interval,
+                 "retry_count": dl.transient_failure_retry_count,
+                 "long_interval": dl.outbound_connection_failure_retry_interval}
+        dsns = await self._build_dsns(d, now)
+        threshold = self.events.poison_threshold
+
+        def job(conn):
+            created, poisoned = {}, []
+            if d.items and not d.expiry:
+                mq.queue_attempt_result(conn, d.items[0].queue_id, now, error=d.queue_error, **retry)
+            for it in d.items:
+                mid = it.message_id
+                mq.record_outcomes(conn, d.outcomes.get(mid, []), now, **retry)
+                if mid in d.internal:
+                    if mq.count_internal_failure(conn, mid, threshold):
+                        poisoned.append(mid)
+                elif any(o.status == mq.DELIVERED for o in d.outcomes.get(mid, ())):
+                    mq.reset_poison_count(conn, mid)  # it got through: earlier failures no longer count
+                if mid in dsns:
+                    created[mid] = (mq.enqueue(conn, dsns[mid][1]), dsns[mid][1])
+                sq.record_forks(conn, [f for f in d.forks if f[0] == mid], now)
+                mq.finish_if_done(conn, mid, now, hold)
+            return created, poisoned
+
+        created, poisoned = await self.store.write(job, queue_changed=bool(dsns))  # a DSN is new work
+        rows = await self.store.aread(lambda c: {it.message_id: mq.message_row(c, it.message_id) for it in d.items})
+        for it in d.items:
+            row = rows.get(it.message_id) or {"id": it.message_id}
+            if it.message_id in d.internal:
+                step, exc = d.internal[it.message_id]
+                ids = {"internal_message_id": it.message_id, "network_message_id": row.get("network_message_id", "")}
+                log.error("%s of message %s to %s failed with an internal error: %s: %s", step, it.message_id,
+                          it.queue_identity, exc.__class__.__name__, exc, exc_info=exc, extra=ids)
+                self.events.metrics.internal_failures.labels(step).inc()
+            self._track(row, it, d.outcomes.get(it.message_id, []), d.remote, expiry=d.expiry)
+            if it.message_id in created:
+                dsn_id, dsn = created[it.message_id]
+                self.events.log_dsn(row, dsn_id, dsn)
+            if it.message_id in poisoned:
+                step, exc = d.internal[it.message_id]
+                self.events.poisoned(row, f"{step}: {exc.__class__.__name__}: {exc}")
+
+    async def commit_safely(self, d: Delivered, item: WorkItem) -> None:
+        """Commit an internal failure; if even that fails, its recipients are left to the next tick."""
+        try:
+            await self.commit(d)
+        except Exception:  # noqa: BLE001
+            log.exception("could not record the internal failure of message %s", item.message_id,
+                          extra={"internal_message_id": item.message_id, "network_message_id": ""})
+
+    def _track(self, row: dict, it: WorkItem, outs: list[Outcome], remote: str, expiry: bool = False) -> None:
+        addr = dict(zip(it.recipient_ids, it.addresses))
+        groups: dict[tuple[str, str, bool], list[str]] = defaultdict(list)
+        for o in outs:
+            groups[(o.status, o.reply, o.duplicate)].append(addr.get(o.recipient_id, ""))
+        track = self.events.track
+        for (status, reply, dup), rcpts in groups.items():
+            statuses = [reply] * len(rcpts)
+            if status == mq.DELIVERED and it.delivery_type == MAILBOX:
+                track("DUPLICATEDELIVER" if dup else "DELIVER", "STOREDRIVER", row, recipients=rcpts,
+                      recipient_status=["250 2.0.0 " + ("duplicate dropped" if dup else "delivered")] * len(rcpts),
+                      source_context=f"MDB:{it.next_hop}")
+            elif status == mq.DELIVERED:
+                track("SEND" if it.delivery_type == PEER else "SENDEXTERNAL", "SMTP", row, recipients=rcpts,
+                      recipient_status=statuses, source_context=reply, connector_id=it.queue_identity,
+                      server_ip=remote)
+            elif status == mq.RETRY:
+                track("DEFER", "SMTP", row, recipients=rcpts, recipient_status=statuses,
+                      source_context=it.queue_identity, connector_id=it.queue_identity)
+            elif expiry:
+                track("FAIL", "ROUTING", row, recipients=rcpts, recipient_status=statuses,
+                      source_context="MessageExpired")
+            else:
+                track("FAIL", "SMTP", row, recipients=rcpts, recipient_status=statuses,
+                      source_context=it.queue_identity, connector_id=it.queue_identity)

@@ -1,0 +1,138 @@
+"""The delivery scheduler: due work from the queue database, fairly, to the connectors.
+
+It owns deciding what is sent now: it wakes on the store's queue-changed event
+(or every *queue_poll_interval*), takes due recipients from every queue round
+robin within the session limits (*max_outbound_connections*, per next hop,
+messages per session), claims them (Active), hands each batch to its connector
+and commits what the connector reports through the outcome recorder. It runs
+the periodic maintenance (expiry, housekeeping, delay DSNs, orphaned states) at
+its own pace. It never talks SMTP and never builds a DSN itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from typing import Any
+
+from transportd.node.maintenance import Maintenance
+from transportd.node.outcomes import OutcomeRecorder, internal_failure
+from transportd.queue import messages as mq
+from transportd.queue.messages import WorkItem
+from transportd.queue.routing import MAILBOX, PEER
+from transportd.queue.store import QueueStore
+
+log = logging.getLogger("transportd.node.scheduler")
+
+
+class Scheduler:
+    """Runs in the node's event loop: scheduler tick, one task per session, maintenance."""
+
+    def __init__(self, cfg: Any, store: QueueStore, recorder: OutcomeRecorder, maintenance: Maintenance,
+                 connectors: dict[str, Any]):
+        self.cfg = cfg
+        self.store = store
+        self.recorder = recorder
+        self.maintenance = maintenance
+        self.connectors = connectors  # by delivery type; "smtp" for every other type
+        self.in_flight: set[int] = set()  # recipient ids claimed by a running session
+        self._sessions_per_queue: dict[int, int] = defaultdict(int)
+        self._sessions_total = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._rotate = 0  # round-robin start over the due queues
+        self._stopping = False
+        self.ticks = 0  # scheduler passes completed (an observable for tests)
+
+    async def run(self) -> None:
+        interval = self.cfg.delivery.queue_poll_interval
+        changed = self.store.queue_changed
+        while not self._stopping:
+            try:
+                await asyncio.wait_for(changed.wait(), timeout=interval)
+            except asyncio.TimeoutError:
+                pass
+            changed.clear()
+            if self._stopping:
+                break
+            try:
+                await self.maintenance.due(time.time(), self.in_flight)
+                await self.tick()
+            except Exception:  # noqa: BLE001 - the loop must survive; the queue is the truth
+                log.exception("delivery scheduler tick failed; retrying in %.1fs", interval)
+            self.ticks += 1
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self.store.queue_changed.set()
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def tick(self) -> None:
+        now = time.time()
+        d = self.cfg.delivery
+        busy = dict(self._sessions_per_queue)
+        free_total = max(0, d.max_outbound_connections - self._sessions_total)
+
+        def quota(qid: int) -> int:
+            # As many recipients as this queue's free sessions can take: a saturated queue is skipped.
+            free = min(d.max_per_domain_outbound_connections - busy.get(qid, 0), free_total)
+            return max(0, free) * d.max_messages_per_connection
+        self._rotate += 1
+        work = await self.store.aread(lambda c: mq.due_work(c, now, exclude=self.in_flight, quota=quota,
+                                                            start=self._rotate))
+        by_queue: dict[int, list[WorkItem]] = defaultdict(list)
+        for item in work:
+            by_queue[item.queue_id].append(item)
+        for qid, items in by_queue.items():
+            while items and self._sessions_per_queue[qid] < d.max_per_domain_outbound_connections \
+                    and self._sessions_total < d.max_outbound_connections:
+                batch, items = items[:d.max_messages_per_connection], items[d.max_messages_per_connection:]
+                batch = await self._claim(batch, now)
+                if not batch:
+                    continue
+                self.in_flight.update(r for it in batch for r in it.recipient_ids)
+                self._sessions_per_queue[qid] += 1
+                self._sessions_total += 1
+                task = asyncio.ensure_future(self._run_batch(qid, batch))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _claim(self, batch: list[WorkItem], now: float) -> list[WorkItem]:
+        """Mark the batch's recipients Active; keep only those this claim got."""
+        ids = [r for it in batch for r in it.recipient_ids]
+        claimed = set(await self.store.write(lambda c: mq.mark_active(c, ids, now)))
+        for it in batch:
+            keep = [(r, a) for r, a in zip(it.recipient_ids, it.addresses) if r in claimed]
+            it.recipient_ids = [r for r, _ in keep]
+            it.addresses = [a for _, a in keep]
+        return [it for it in batch if it.recipient_ids]
+
+    def connector_for(self, delivery_type: str) -> Any:
+        if delivery_type in (MAILBOX, PEER):
+            return self.connectors[delivery_type]
+        return self.connectors["smtp"]
+
+    async def _run_batch(self, qid: int, batch: list[WorkItem]) -> None:
+        pending = {it.message_id: it for it in batch}
+        try:
+            async for report in self.connector_for(batch[0].delivery_type).deliver(batch):
+                await self.recorder.commit(report)
+                for it in report.items:
+                    pending.pop(it.message_id, None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - per-message failures are the connector's; this is the rest
+            log.exception("delivery to queue %s failed unexpectedly", batch[0].queue_identity)
+            # Back to Retry (counted per message) so they are not stuck until a restart.
+            if pending:
+                await self.recorder.commit_safely(internal_failure(list(pending.values()), "deliver", exc), batch[0])
+        finally:
+            for it in batch:
+                self.in_flight.difference_update(it.recipient_ids)
+            self._sessions_per_queue[qid] -= 1
+            self._sessions_total -= 1
+            self.store.queue_changed.set()

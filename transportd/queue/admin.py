@@ -1,0 +1,206 @@
+"""Operator queries and actions on the queue database, for the CLI and the metrics collector.
+
+It owns every query the ``transportd`` command line and the Prometheus collector run:
+resolving a queue by name and acting on it, listing and acting on one message, the
+Safety Net and shadow views, filing a shadow resubmit request, the node's recorded
+name and config path, and the grouped counts behind the scrape-time gauges. Each
+function takes an open SQLAlchemy connection (inside ``QueueStore.read`` or
+``QueueStore.transaction``) and builds on ``messages`` and ``safetynet`` where those
+already have the query. It never formats output, never speaks SMTP, never writes
+tracking logs and never composes a DSN: the caller passes a builder for that.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from sqlalchemy import func, insert, select
+from sqlalchemy.engine import Connection
+
+from transportd.queue import messages as mq
+from transportd.queue.store import messages, meta, queues, recipients, resubmit_requests, shadow_contexts
+
+# Builds the NDR of a removed message: (message row, its body, the removed recipients) -> a new
+# message, or None when none may be sent.
+NdrBuilder = Callable[[dict, bytes, list[dict]], mq.NewMessage | None]
+
+
+# --------------------------------------------------------------------------- node facts
+
+def recorded_config_path(db_path: Path) -> str | None:
+    """The config file the node's daemon last ran with, read without changing the file (no WAL
+    switch, no migration); None when the database is absent, unreadable or has none."""
+    if not db_path.is_file():
+        return None
+    try:
+        con = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=5)
+        try:
+            row = con.execute("SELECT value FROM meta WHERE key = 'config_path'").fetchone()
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return None
+    return row[0] if row else None
+
+
+def recorded_node_name(conn: Connection) -> str | None:
+    """The node name the queue database was created for, or None when it has none."""
+    row = conn.execute(meta.select().where(meta.c.key == "node_name")).mappings().first()
+    return row["value"] if row and row["value"] else None
+
+
+# --------------------------------------------------------------------------- queues
+
+def set_queue_suspended_by_name(conn: Connection, name: str, suspended: bool) -> dict | None:
+    """Suspend-Queue / Resume-Queue by identity or id; the queue row, or None when there is none."""
+    q = mq.resolve_queue(conn, name)
+    if q is not None:
+        mq.set_queue_suspended(conn, q["id"], suspended)
+    return q
+
+
+def retry_queue_by_name(conn: Connection, name: str) -> dict | None:
+    """Retry-Queue by identity or id; the queue row, or None when there is none."""
+    q = mq.resolve_queue(conn, name)
+    if q is not None:
+        mq.retry_queue_now(conn, q["id"])
+    return q
+
+
+# --------------------------------------------------------------------------- messages
+
+def messages_in_queue(conn: Connection, queue: str | None, include_done: bool) -> list[dict] | None:
+    """Primary messages, of one queue (identity, id or ``Poison``) when given; None when no such queue."""
+    if queue is not None and queue.lower() == mq.POISON.lower():
+        return mq.list_messages(conn, mq.POISON, include_done=include_done)
+    qid = None
+    if queue is not None:
+        q = mq.resolve_queue(conn, queue)
+        if q is None:
+            return None
+        qid = q["id"]
+    return mq.list_messages(conn, qid, include_done=include_done)
+
+
+def message_with_body(conn: Connection, message_id: int) -> dict | None:
+    """One message's detail (recipients, shadows, status) with its ``body``; None when there is none."""
+    m = mq.message_detail(conn, message_id)
+    if m is not None:
+        m["body"] = mq.body(conn, message_id)
+    return m
+
+
+def suspend_message(conn: Connection, message_id: int) -> bool:
+    """Suspend-Message; False when no queued message has that id."""
+    return mq.set_message_suspended(conn, message_id, True)
+
+
+def resume_message(conn: Connection, message_id: int) -> tuple[dict | None, bool, bool]:
+    """Resume-Message, also out of the Poison queue (its failure count reset).
+
+    Returns (the message row, released from the Poison queue, resumed at all)."""
+    row = mq.message_row(conn, message_id)
+    released = mq.release_from_poison(conn, message_id)
+    resumed = mq.set_message_suspended(conn, message_id, False)
+    return row, released, resumed or released
+
+
+def remove_queued_message(conn: Connection, message_id: int, now: float, make_ndr: NdrBuilder | None = None
+                          ) -> tuple[dict, list[dict], tuple[int, Any] | None] | None:
+    """Remove-Message: its pending recipients become Removed; with ``make_ndr``, the NDR it builds
+    is queued in the same transaction.
+
+    Returns (the message row, the removed recipients, (NDR id, NDR) or None), or None when no
+    queued message has that id."""
+    row = mq.message_row(conn, message_id)
+    if row is None or row["state"] != mq.QUEUED:
+        return None
+    body = mq.body(conn, message_id)
+    removed = mq.remove_message(conn, message_id, now)
+    created = None
+    if make_ndr is not None and body is not None and removed:
+        dsn = make_ndr(row, body, removed)
+        if dsn is not None:
+            created = (mq.enqueue(conn, dsn), dsn)
+    return row, removed, created
+
+
+# --------------------------------------------------------------------------- Safety Net
+
+def safety_net_messages(conn: Connection, roles: Sequence[str]) -> list[dict]:
+    """Messages held in the Safety Net of the given roles (``primary``, ``shadow``), oldest first."""
+    return [dict(r) for r in conn.execute(
+        select(messages).where(messages.c.state == mq.SAFETY_NET, messages.c.role.in_(tuple(roles)))
+        .order_by(messages.c.id)).mappings()]
+
+
+def file_resubmit_request(conn: Connection, primary: str, destination: str, start: float, end: float,
+                          now: float) -> int:
+    """A shadow resubmit request, carried out by the running node once ``primary`` has been
+    unreachable long enough; returns its id."""
+    result = conn.execute(insert(resubmit_requests).values(
+        for_primary=primary, destination=destination, start_at=start, end_at=end, created_at=now))
+    return result.inserted_primary_key[0]
+
+
+# --------------------------------------------------------------------------- shadows
+
+def shadow_summary(conn: Connection) -> list[dict]:
+    """Per primary this node holds shadows for: shadows queued, Shadow Safety Net copies, and its
+    shadow context (last heartbeat, consecutive failures, queue database id, last error)."""
+    held = dict(conn.execute(select(messages.c.primary_node, func.count()).where(
+        messages.c.role == "shadow", messages.c.state == mq.QUEUED).group_by(messages.c.primary_node)).all())
+    safety = dict(conn.execute(select(messages.c.primary_node, func.count()).where(
+        messages.c.role == "shadow", messages.c.state == mq.SAFETY_NET).group_by(messages.c.primary_node)).all())
+    ctx = {r["peer"]: dict(r) for r in conn.execute(select(shadow_contexts)).mappings()}
+    out = []
+    for primary in sorted(set(held) | set(safety) | set(ctx)):
+        c = ctx.get(primary, {})
+        out.append({"primary": primary, "shadows": held.get(primary, 0),
+                    "shadow_safety_net": safety.get(primary, 0),
+                    "last_heartbeat_at": c.get("last_heartbeat_at"),
+                    "consecutive_failures": c.get("consecutive_failures", 0),
+                    "queue_database_id": c.get("queue_database_id"),
+                    "last_error": c.get("last_error") or ""})
+    return out
+
+
+def shadow_copies(conn: Connection, primary: str, include_done: bool) -> list[dict]:
+    """The shadow copies held for ``primary``, queued ones only unless ``include_done``."""
+    stmt = select(messages).where(messages.c.role == "shadow",
+                                  messages.c.primary_node == primary.lower()).order_by(messages.c.id)
+    if not include_done:
+        stmt = stmt.where(messages.c.state == mq.QUEUED)
+    return [dict(r) for r in conn.execute(stmt).mappings()]
+
+
+# --------------------------------------------------------------------------- metrics
+
+def queue_gauges(conn: Connection) -> dict[str, Any]:
+    """Grouped counts for the scrape-time gauges: ``queues`` (identity, recipient status, messages),
+    ``shadows`` (primary, copies), ``safety_net`` (role, messages), ``not_redundant`` (redundancy
+    state, messages) and ``poison`` (messages held in the Poison queue)."""
+    q = conn.execute(
+        select(queues.c.identity, recipients.c.status, func.count(func.distinct(recipients.c.message_id)))
+        .join(recipients, recipients.c.queue_id == queues.c.id)
+        .join(messages, messages.c.id == recipients.c.message_id)
+        .where(recipients.c.status.not_in(mq.TERMINAL), messages.c.role == "primary",
+               messages.c.state == mq.QUEUED, messages.c.poisoned == 0)
+        .group_by(queues.c.identity, recipients.c.status)).all()
+    shadows = conn.execute(
+        select(messages.c.primary_node, func.count())
+        .where(messages.c.role == "shadow", messages.c.state == mq.QUEUED)
+        .group_by(messages.c.primary_node)).all()
+    nets = conn.execute(
+        select(messages.c.role, func.count()).where(messages.c.state == mq.SAFETY_NET)
+        .group_by(messages.c.role)).all()
+    exposed = conn.execute(
+        select(messages.c.redundancy, func.count())
+        .where(messages.c.role == "primary", messages.c.state == mq.QUEUED,
+               messages.c.redundancy.in_(mq.NOT_REDUNDANT))
+        .group_by(messages.c.redundancy)).all()
+    poison = conn.execute(select(func.count()).select_from(messages).where(
+        messages.c.poisoned == 1, messages.c.state == mq.QUEUED)).scalar() or 0
+    return {"queues": q, "shadows": shadows, "safety_net": nets, "not_redundant": exposed, "poison": poison}

@@ -1,0 +1,275 @@
+"""Shadow redundancy's tables: shadow copies, where our messages are shadowed, discard events, peers.
+
+It owns every query of shadow redundancy state in the queue database: the
+shadow copies we hold for primaries (``messages.role = shadow``), where each of
+our messages is shadowed (``message_shadows``) or forked hop by hop
+(``shadow_forks``), the discard events we owe each shadow (``discard_events``,
+handed out per session token and deleted only once acknowledged), what we know
+of each primary (``shadow_contexts``), and filed resubmit requests. Each
+function takes an open connection inside a transaction and the time as ``now``;
+none talks to a peer, logs a tracking event or decides policy
+(redundancy/ decides, node/ logs after the commit).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from sqlalchemy import bindparam, delete, func, insert, or_, select, update
+from sqlalchemy.engine import Connection
+
+from transportd import faults
+from transportd.queue import messages as mq
+from transportd.queue.store import (discard_events, message_bodies, message_shadows, messages, recipients,
+                                    resubmit_requests, shadow_contexts, shadow_forks)
+
+_INSERT_MESSAGE_SHADOW = insert(message_shadows)  # built once: on the path of every 250
+_INSERT_DISCARD = insert(discard_events)
+_INSERT_FORK = insert(shadow_forks)
+
+
+# --------------------------------------------------------------------------- primary side
+
+def record_shadow(conn: Connection, message_id: int, shadow_node: str, guid: str, now: float) -> None:
+    """``shadow_node`` holds a shadow copy of our message ``message_id`` under ``guid``."""
+    conn.execute(_INSERT_MESSAGE_SHADOW, {"message_id": message_id, "shadow_node": shadow_node,
+                                          "shadow_guid": guid, "created_at": now})
+
+
+def discard_uncertain(conn: Connection, peers: Iterable[str], guid: str, now: float) -> None:
+    """Discard events for copies a peer may hold that no message of ours refers to."""
+    for peer in peers:
+        conn.execute(_INSERT_DISCARD, {"shadow_node": peer, "shadow_guid": guid, "created_at": now})
+
+
+def record_forks(conn: Connection, forks: Iterable[tuple[int, str, str, int, str | None]], now: float) -> None:
+    """Hop-by-hop forks (message id, primary peer, guid, queue id, the peer's queue database ID)."""
+    for message_id, primary, guid, queue_id, primary_dbid in forks:
+        conn.execute(_INSERT_FORK, {"message_id": message_id, "primary_node": primary, "shadow_guid": guid,
+                                    "queue_id": queue_id, "created_at": now, "primary_dbid": primary_dbid})
+
+
+def settle_accepted(conn: Connection, message_id: int, shadow_node: str | None, guid: str, now: float) -> None:
+    """The shadow copy made at accept: recorded (``shadowed``), or none made (``unprotected``)."""
+    if shadow_node:
+        record_shadow(conn, message_id, shadow_node, guid, now)
+        conn.execute(mq.UPDATE_MESSAGE, {"b_id": message_id, "redundancy": "shadowed"})
+    else:
+        conn.execute(mq.UPDATE_MESSAGE, {"b_id": message_id, "redundancy": "unprotected"})
+
+
+def drop_unacknowledged(conn: Connection, message_id: int) -> None:
+    """Forget a message the sender was refused (no shadow and RejectMessageOnShadowFailure)."""
+    conn.execute(delete(recipients).where(recipients.c.message_id == message_id))
+    conn.execute(delete(message_bodies).where(message_bodies.c.message_id == message_id))
+    conn.execute(delete(messages).where(messages.c.id == message_id))
+
+
+def take_discard_events(conn: Connection, shadow_node: str, n: int, token: str) -> list[tuple[str, str | None]]:
+    """Up to ``n`` (guid, reason) discard events for ``shadow_node``, marked as handed out on ``token``."""
+    rows = conn.execute(select(discard_events.c.id, discard_events.c.shadow_guid, discard_events.c.reason)
+                        .where(discard_events.c.shadow_node == shadow_node, discard_events.c.sent_token.is_(None))
+                        .order_by(discard_events.c.id).limit(n)).all()
+    if rows:
+        conn.execute(update(discard_events).where(discard_events.c.id.in_([r.id for r in rows]))
+                     .values(sent_token=token))
+    return [(r.shadow_guid, r.reason) for r in rows]
+
+
+def settle_discard_events(conn: Connection, token: str, acknowledged: bool) -> None:
+    """Events handed out on ``token``: deleted when acknowledged (QUIT), else handed out again."""
+    cond = discard_events.c.sent_token == token
+    if acknowledged:
+        conn.execute(delete(discard_events).where(cond))
+    else:
+        conn.execute(update(discard_events).where(cond).values(sent_token=None))
+
+
+def claim_lost_shadows(conn: Connection, peer: str) -> list[dict]:
+    """Our queued messages shadowed on ``peer`` (which lost its queue database): forget those
+    shadows and mark the messages ``reshadowing``; returns their rows."""
+    rows = [dict(r) for r in conn.execute(
+        select(messages).join(message_shadows, message_shadows.c.message_id == messages.c.id)
+        .where(message_shadows.c.shadow_node == peer, messages.c.role == "primary",
+               messages.c.state == mq.QUEUED)).mappings()]
+    ids = list({r["id"] for r in rows})
+    if ids:
+        conn.execute(delete(message_shadows).where(message_shadows.c.message_id.in_(ids),
+                                                   message_shadows.c.shadow_node == peer))
+        conn.execute(update(messages).where(messages.c.id.in_(ids)).values(redundancy="reshadowing"))
+    return list({r["id"]: r for r in rows}.values())
+
+
+def claim_unprotected(conn: Connection, limit: int) -> list[dict]:
+    """Up to ``limit`` queued messages without a shadow, marked ``reshadowing``."""
+    rows = [dict(r) for r in conn.execute(
+        select(messages).where(messages.c.role == "primary", messages.c.state == mq.QUEUED,
+                               messages.c.redundancy == "unprotected", messages.c.poisoned == 0)
+        .order_by(messages.c.id).limit(limit)).mappings()]
+    if rows:
+        conn.execute(update(messages).where(messages.c.id.in_([r["id"] for r in rows]))
+                     .values(redundancy="reshadowing"))
+    return rows
+
+
+def mark_unprotected(conn: Connection, message_id: int) -> None:
+    """A re-shadow that failed: the message waits for the next round without a shadow."""
+    conn.execute(update(messages).where(messages.c.id == message_id, messages.c.redundancy == "reshadowing")
+                 .values(redundancy="unprotected"))
+
+
+def reshadow_inputs(conn: Connection, message_id: int) -> tuple[bytes | None, list[str]]:
+    """What a new shadow of ``message_id`` needs: its body and the recipients still to deliver."""
+    addrs = list(conn.execute(select(recipients.c.address).where(
+        recipients.c.message_id == message_id, recipients.c.status.not_in(mq.TERMINAL))).scalars())
+    return mq.body(conn, message_id), addrs
+
+
+def settle_reshadow(conn: Connection, message_id: int, shadow_node: str | None, guid: str,
+                    uncertain: Iterable[str], had_recipients: bool, now: float) -> str | None:
+    """Record a re-shadow's result; returns the message state. A copy made for a message that
+    was delivered (or removed) meanwhile gets its discard event at once."""
+    discard_uncertain(conn, uncertain, guid, now)
+    state = conn.execute(select(messages.c.state).where(messages.c.id == message_id)).scalar()
+    if shadow_node:
+        record_shadow(conn, message_id, shadow_node, guid, now)
+        if state != mq.QUEUED:
+            discard_uncertain(conn, [shadow_node], guid, now)
+    redundancy = "shadowed" if shadow_node else ("unprotected" if had_recipients else "none")
+    conn.execute(mq.UPDATE_MESSAGE, {"b_id": message_id, "redundancy": redundancy})
+    return state
+
+
+# --------------------------------------------------------------------------- shadow side
+
+def shadow_context(conn: Connection, primary: str) -> dict | None:
+    """What we know of ``primary``: its queue database ID, heartbeat times and failures."""
+    row = conn.execute(select(shadow_contexts).where(shadow_contexts.c.peer == primary)).mappings().first()
+    return dict(row) if row else None
+
+
+def upsert_context(conn: Connection, primary: str, **values: Any) -> None:
+    exists = conn.execute(select(func.count()).select_from(shadow_contexts)
+                          .where(shadow_contexts.c.peer == primary)).scalar()
+    if exists:
+        conn.execute(update(shadow_contexts).where(shadow_contexts.c.peer == primary).values(**values))
+    else:
+        conn.execute(insert(shadow_contexts).values(peer=primary, consecutive_failures=0, **values))
+
+
+def primaries_to_poll(conn: Connection) -> list[str]:
+    """Every primary we hold a shadow or a fork for, or have a resubmit request filed for."""
+    held = conn.execute(select(messages.c.primary_node).where(
+        messages.c.role == "shadow", messages.c.state == mq.QUEUED).distinct()).scalars().all()
+    forks = conn.execute(select(shadow_forks.c.primary_node).distinct()).scalars().all()
+    asked = conn.execute(select(resubmit_requests.c.for_primary).where(
+        resubmit_requests.c.done_at.is_(None)).distinct()).scalars().all()
+    return sorted({p for p in [*held, *forks, *asked] if p})
+
+
+def apply_discards(conn: Connection, primary: str, reasons: dict[str, str | None], now: float,
+                   hold: float) -> tuple[list[dict], list[tuple[dict, Exception]]]:
+    """Shadows of ``primary`` named in ``reasons``: processed ones (no reason) to the Shadow Safety
+    Net, ones removed by an operator there (a reason) removed here. One copy at a time: a copy
+    whose handling fails stays a shadow and is returned with its error; the others go on."""
+    rows, failed = [], []
+    for r in conn.execute(select(messages).where(
+            messages.c.role == "shadow", messages.c.primary_node == primary,
+            messages.c.state == mq.QUEUED, messages.c.shadow_guid.in_(list(reasons)))).mappings():
+        try:
+            faults.check("discard", r)
+            rows.append(dict(r))
+        except Exception as exc:  # noqa: BLE001 - isolated per message (Poison queue)
+            failed.append((dict(r), exc))
+    kept = [r["id"] for r in rows if not reasons.get(r["shadow_guid"])]
+    removed = [r["id"] for r in rows if reasons.get(r["shadow_guid"])]
+    if kept:
+        conn.execute(update(messages).where(messages.c.id.in_(kept)).values(
+            state=mq.SAFETY_NET, completed_at=now, safety_net_until=now + hold))
+    if removed:
+        conn.execute(update(messages).where(messages.c.id.in_(removed)).values(
+            state=mq.MSG_REMOVED, completed_at=now))
+    return rows, failed
+
+
+def release_forks(conn: Connection, primary: str, guids: list[str], now: float,
+                  hold: float) -> list[tuple[dict, str]]:
+    """Forks handed to ``primary`` that it discarded: our message may now leave the queue."""
+    found = conn.execute(select(shadow_forks.c.message_id, shadow_forks.c.shadow_guid).where(
+        shadow_forks.c.primary_node == primary, shadow_forks.c.shadow_guid.in_(guids))).all()
+    if not found:
+        return []
+    conn.execute(delete(shadow_forks).where(shadow_forks.c.primary_node == primary,
+                                            shadow_forks.c.shadow_guid.in_(guids)))
+    out = []
+    for message_id, guid in found:
+        mq.finish_if_done(conn, message_id, now, hold)
+        out.append((mq.message_row(conn, message_id) or {"id": message_id}, guid))
+    return out
+
+
+def _older(column: Any, keep_dbid: str | None) -> list:
+    return [] if keep_dbid is None else [or_(column.is_(None), column != keep_dbid)]
+
+
+def promote_page(conn: Connection, primary: str, keep_dbid: str | None, limit: int) -> list[dict]:
+    """Up to ``limit`` shadows of ``primary`` made primary copies of ours (``reshadowing``).
+    With ``keep_dbid``, shadows made from that queue database stay shadows."""
+    rows = conn.execute(select(messages).where(
+        messages.c.role == "shadow", messages.c.primary_node == primary,
+        messages.c.state == mq.QUEUED, messages.c.poisoned == 0,
+        *_older(messages.c.primary_dbid, keep_dbid)).order_by(messages.c.id).limit(limit)).mappings().all()
+    ids = [r["id"] for r in rows]
+    if ids:
+        conn.execute(update(messages).where(messages.c.id.in_(ids)).values(
+            role="primary", origin="promoted", redundancy="reshadowing"))
+    return [dict(r) for r in rows]
+
+
+def requeue_forks(conn: Connection, primary: str, keep_dbid: str | None) -> list[dict]:
+    """Forks handed to ``primary``: delivered again (the receiving store drops duplicates)."""
+    found = conn.execute(select(shadow_forks.c.message_id, shadow_forks.c.queue_id).where(
+        shadow_forks.c.primary_node == primary, *_older(shadow_forks.c.primary_dbid, keep_dbid))).all()
+    for message_id, queue_id in found:
+        conn.execute(update(recipients).where(
+            recipients.c.message_id == message_id, recipients.c.queue_id == queue_id,
+            recipients.c.status == mq.DELIVERED).values(status=mq.READY, next_retry_at=0.0, completed_at=None))
+    conn.execute(delete(shadow_forks).where(shadow_forks.c.primary_node == primary,
+                                            *_older(shadow_forks.c.primary_dbid, keep_dbid)))
+    return [mq.message_row(conn, m) or {"id": m} for m, _ in found]
+
+
+def open_resubmit_requests(conn: Connection, primary: str) -> list[dict]:
+    return [dict(r) for r in conn.execute(select(resubmit_requests).where(
+        resubmit_requests.c.for_primary == primary, resubmit_requests.c.done_at.is_(None))).mappings()]
+
+
+def close_resubmit_request(conn: Connection, request_id: int, now: float, result: str) -> None:
+    conn.execute(update(resubmit_requests).where(resubmit_requests.c.id == request_id)
+                 .values(done_at=now, result=result))
+
+
+_OPEN_TOKENS = select(discard_events.c.sent_token).where(discard_events.c.sent_token.is_not(None)).distinct()
+_EVENT_TOKEN = bindparam("b_tokens", expanding=True)
+
+
+def shadow_housekeeping(conn: Connection, now: float, *, auto_discard: float, expire_after: float,
+                        hold: float, live_tokens: set[str]) -> list[dict]:
+    """Drop discard events nobody asked for within ``auto_discard``, close resubmit requests older
+    than the Safety Net, hand out again the events of sessions gone (not in ``live_tokens``), and
+    remove shadows never discarded within ``expire_after``; returns those shadows' rows."""
+    conn.execute(delete(discard_events).where(discard_events.c.created_at < now - auto_discard))
+    conn.execute(update(resubmit_requests).where(
+        resubmit_requests.c.done_at.is_(None), resubmit_requests.c.created_at < now - hold)
+        .values(done_at=now, result="expired: its primary answered throughout"))
+    orphans = [t for t in conn.execute(_OPEN_TOKENS).scalars() if t not in live_tokens]
+    if orphans:
+        conn.execute(update(discard_events).where(discard_events.c.sent_token.in_(_EVENT_TOKEN))
+                     .values(sent_token=None), {"b_tokens": orphans})
+    rows = conn.execute(select(messages).where(
+        messages.c.role == "shadow", messages.c.state == mq.QUEUED,
+        messages.c.received_at < now - expire_after).limit(1000)).mappings().all()  # the rest next round
+    ids = [r["id"] for r in rows]
+    if ids:
+        conn.execute(update(messages).where(messages.c.id.in_(ids)).values(state=mq.MSG_REMOVED, completed_at=now))
+    return [dict(r) for r in rows]

@@ -1,0 +1,186 @@
+"""Watching primaries: the heartbeat (XSHADOW + XQDISCARD) and what its answers decide.
+
+It owns, for every primary we hold shadows or forks for: polling it each
+*ShadowHeartbeatFrequency* (every primary at once, each exchange bounded in
+time), applying the discard ids it hands out (on a heartbeat session or any
+hop-by-hop session), remembering its queue database ID, and promoting its
+shadows when it has been unreachable for *ShadowResubmitTimeSpan*
+(ShadowHeartbeatFailure) or answers with a new queue database ID
+(ShadowStateChange). The rules themselves are pure functions in protocol.py;
+the sessions are peers.py's; the copies are shadow_queue.py's. No SQL here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+from transportd.errors import PEER_FAILURES, ProtocolError
+from transportd.queue import shadows as sq
+from transportd.queue.store import QueueStore
+from transportd.redundancy.events import EventSink
+from transportd.redundancy.peers import PeerPool, PeerSession
+from transportd.redundancy.protocol import after_heartbeat, unreachable_since
+from transportd.redundancy.shadow_queue import ShadowQueues
+
+log = logging.getLogger("transportd.redundancy.heartbeat")
+
+
+class Heartbeat:
+    def __init__(self, cfg: Any, store: QueueStore, events: EventSink, pool: PeerPool, shadows: ShadowQueues,
+                 spawn: Callable[[Any, str], Any], reprotect: Callable[[str], Awaitable[int]]):
+        self.cfg = cfg
+        self.sr = cfg.shadow_redundancy
+        self.store = store
+        self.events = events
+        self.pool = pool
+        self.shadows = shadows
+        self._spawn = spawn
+        self._reprotect = reprotect  # our messages shadowed on a peer that lost its queue database
+        self._seen_lock = asyncio.Lock()
+        # Primaries whose ShadowStateChange promotion is running (primary -> its new queue database ID).
+        self._state_changes: dict[str, str] = {}
+
+    @property
+    def exchange_limit(self) -> float:
+        """The longest one heartbeat exchange may take (connect, AUTH, XSHADOW, XQDISCARD)."""
+        return min(30.0, max(1.0, self.sr.shadow_heartbeat_frequency / 2))
+
+    async def _context(self, primary: str, **values: Any) -> None:
+        await self.store.write(lambda c: sq.upsert_context(c, primary, **values))
+
+    # ------------------------------------------------------------------ queue database IDs
+
+    async def primary_seen(self, primary: str, dbid: str) -> None:
+        """A primary announced its queue database ID: promote at once on a change.
+
+        Shielded: it runs inside the announcing peer's session, and a peer that gives up and
+        disconnects cancels that handler; a promotion cut off after its first step would leave the
+        promoted copies unscheduled until a restart. One at a time, so two sessions announcing the
+        same new ID promote once."""
+        await asyncio.shield(self._primary_seen(primary, dbid))
+
+    async def _primary_seen(self, primary: str, dbid: str) -> None:
+        async with self._seen_lock:
+            ctx = await self.store.aread(lambda c: sq.shadow_context(c, primary))
+            recorded = ctx["queue_database_id"] if ctx else None
+            if not recorded:
+                await self._context(primary, queue_database_id=dbid)
+            elif recorded != dbid and self._state_changes.get(primary) != dbid:
+                log.warning("primary %s has a new queue database ID (%s, was %s): promoting its shadows",
+                            primary, dbid, recorded)
+                # In the background, out of the lock: the peer waits for its reply, and other
+                # sessions' shadow requests must not wait for a promotion of thousands.
+                self._state_changes[primary] = dbid
+                self._spawn(self._state_change(primary, dbid), f"promoting the shadows of {primary}")
+
+    async def _state_change(self, primary: str, dbid: str) -> None:
+        try:
+            await self.shadows.promote(primary, "ShadowStateChange", keep_dbid=dbid)
+            # Recorded only once every old copy is promoted: a crash half-way finds the change again.
+            await self._context(primary, queue_database_id=dbid)
+        finally:
+            if self._state_changes.get(primary) == dbid:
+                del self._state_changes[primary]
+        # The shadow copies it held of *our* messages went with its old database: make them again.
+        await self._reprotect(primary)
+
+    # ------------------------------------------------------------------ hop-by-hop sessions
+
+    async def hop_session_start(self, session: PeerSession) -> str:
+        """XSHADOW and the discard exchange on a hop-by-hop delivery session to a primary.
+
+        Returns the peer's queue database ID (a changed one promotes what we hold for it). The
+        discard exchange runs on every session to the primary and counts as a heartbeat; after a
+        malformed discard reply every shadow of it is kept and the session ends without QUIT."""
+        peer_name = session.peer.name
+        dbid = await session.identify()
+        await self.primary_seen(peer_name, dbid)
+        try:
+            discarded = await session.take_discards()
+        except ProtocolError as exc:
+            log.error("XQDISCARD on a session to %s: protocol violation: %s; keeping every shadow of it",
+                      peer_name, exc)
+            return dbid
+        await self._context(peer_name, last_heartbeat_at=time.time(), consecutive_failures=0, last_error=None)
+        if discarded:
+            await self.shadows.discard(peer_name, discarded, time.time())
+        return dbid
+
+    # ------------------------------------------------------------------ heartbeats
+
+    async def round(self) -> None:
+        """One heartbeat to every primary at once: a black-holed primary does not delay the others."""
+        primaries = await self.store.aread(sq.primaries_to_poll)
+        results = await asyncio.gather(*(self.heartbeat(p) for p in primaries), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+                log.error("a heartbeat failed unexpectedly: %r", r)
+
+    async def _exchange(self, primary: str, recorded: str | None, now: float
+                        ) -> tuple[bool, str | None, str]:
+        """XSHADOW (+ XQDISCARD unless the ID changed) with ``primary``: (ok, answered ID, error)."""
+        peer = self.pool.by_name.get(primary)
+        if peer is None:
+            return False, None, f"{primary} is not a configured peer"
+        s: PeerSession | None = None
+        answered: str | None = None
+        ok = False
+        try:
+            async with asyncio.timeout(self.exchange_limit):  # a black-holed primary costs one limit
+                s = await self.pool.open(peer, shadows=False)
+                answered = await s.identify()
+                if recorded and answered != recorded:
+                    ok = True  # the exchange worked; the state changed
+                else:
+                    discarded = await s.take_discards()
+                    ok = True
+                    if discarded:
+                        await self.shadows.discard(primary, discarded, now)
+                    await s.quit()  # acknowledges the discards we just applied
+            return True, answered, ""
+        except ProtocolError as exc:
+            log.error("heartbeat to %s: %s; keeping every shadow of it", primary, exc)
+            return False, answered, f"protocol violation: {exc}"
+        except PEER_FAILURES as exc:
+            return ok, answered, "" if ok else (str(exc) or exc.__class__.__name__)
+        finally:
+            if s is not None:
+                s.close()  # heartbeat sessions are not reused for shadow copies
+
+    async def heartbeat(self, primary: str) -> bool:
+        """One XSHADOW + XQDISCARD exchange with ``primary`` and what it decides; True on success."""
+        now = time.time()
+        ctx = await self.store.aread(lambda c: sq.shadow_context(c, primary))
+        recorded = ctx["queue_database_id"] if ctx else None
+        ok, answered, error = await self._exchange(primary, recorded, now)
+        failures = 0 if ok else (ctx["consecutive_failures"] if ctx else 0) + 1
+        now = time.time()
+        since = None if ok else unreachable_since(
+            previous=ctx["unreachable_since"] if ctx else None, last_ok=ctx["last_heartbeat_at"] if ctx else None,
+            now=now, heartbeat_frequency=self.sr.shadow_heartbeat_frequency, exchange_limit=self.exchange_limit)
+        decision = after_heartbeat(ok=ok, unreachable_for=0.0 if since is None else now - since,
+                                   recorded_dbid=recorded, answered_dbid=answered,
+                                   resubmit_time_span=self.sr.shadow_resubmit_time_span)
+        values: dict[str, Any] = {"consecutive_failures": failures, "last_error": error or None,
+                                  "unreachable_since": since}
+        state_change = decision.promote and decision.reason == "ShadowStateChange"
+        if ok:
+            values["last_heartbeat_at"] = now
+            if answered and not state_change:  # a new ID is recorded once its promotion is done
+                values["queue_database_id"] = answered
+        await self._context(primary, **values)
+        if not ok:
+            self.events.metrics.heartbeat_failures.labels(primary).inc()
+            log.warning("heartbeat to primary %s failed (%d in a row): %s", primary, failures, error)
+            if since is not None and now - since >= self.cfg.safety_net.primary_safety_net_unreachable_time:
+                await self.shadows.resubmit_requested(primary, now)
+        if decision.promote:
+            await self.shadows.promote(primary, decision.reason, keep_dbid=answered if state_change else None)
+            if decision.reason == "ShadowHeartbeatFailure":  # a new span starts
+                await self._context(primary, consecutive_failures=0, unreachable_since=time.time())
+            else:
+                await self._context(primary, queue_database_id=answered)
+        return ok

@@ -1,0 +1,235 @@
+"""Sessions to peers' transport connectors: the pool, the one AUTH, the shadow redundancy exchanges.
+
+It owns opening an authenticated session to a boundary peer (EHLO, STARTTLS
+where configured, AUTH PLAIN with this node's FQDN and the cluster secret: the
+only place a peer is authenticated), reusing idle sessions, and the client side
+of each exchange over such a session, driven by the sans-I/O
+``ClientConnection`` (redundancy/connection.py): a shadow copy
+(XSHADOWREQUEST once per session, then MAIL ``XSHADOW=``), the XSHADOW +
+XQDISCARD exchange (heartbeat and hop-by-hop start), XRESUBMIT. It never reads
+or writes the queue database and decides nothing: the Shadow Redundancy
+Manager does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import aiosmtplib
+
+from transportd.config import peer_tls_options
+from transportd.errors import PEER_FAILURES, ProtocolError
+from transportd.redundancy.connection import (ClientConnection, CommandRefused, DiscardBatch,
+                                              PrimaryIdentified, ResubmitAnswered, ShadowAccepted,
+                                              ShadowRequestAccepted)
+from transportd.redundancy.protocol import Peer
+from transportd.smtp import client as smtpclient
+
+DISCARD_BATCH = 50
+IDLE_SESSIONS_PER_PEER = 16
+
+
+def tls_options(cfg: Any) -> dict[str, Any]:
+    """aiosmtplib options for a session to a peer: STARTTLS with the cluster CA where configured."""
+    return peer_tls_options(cfg)
+
+
+@dataclass
+class ShadowCopyReply:
+    accepted: bool
+    reply: str  # the peer's DATA reply
+
+
+class PeerSession:
+    """One authenticated session to a peer's transport connector and its protocol state."""
+
+    def __init__(self, client: aiosmtplib.SMTP, peer: Peer, local_fqdn: str):
+        self.client = client
+        self.peer = peer
+        self.conn = ClientConnection(local_fqdn)
+        self.data_sent = False  # the last copy's DATA went out: the peer may hold it
+
+    @property
+    def usable(self) -> bool:
+        return self.client.is_connected
+
+    async def _exchange(self, line: bytes) -> list[Any]:
+        verb, _, arg = line.rstrip(b"\r\n").partition(b" ")
+        resp = await self.client.execute_command(verb, *([arg] if arg else []))
+        return self.conn.receive_reply(resp.code, resp.message.splitlines())
+
+    async def shadow_request(self, queue_database_id: str) -> None:
+        """XSHADOWREQUEST, once per session: this session carries our shadow copies from now on."""
+        if self.conn.shadow_requested:
+            return
+        events = await self._exchange(self.conn.send_shadow_request(queue_database_id))
+        if not any(isinstance(e, ShadowRequestAccepted) for e in events):
+            raise ProtocolError(_refusal("XSHADOWREQUEST", events))
+
+    async def copy(self, sender: str, params: list[str], recipients: list[str], data: bytes,
+                   guid: str) -> ShadowCopyReply:
+        """MAIL ``XSHADOW=<guid>``, RCPT, DATA: a shadow copy counts only when the peer says 2.6.0."""
+        self.data_sent = False
+        await smtpclient.mail(self.client, sender, [*params, self.conn.mail_parameter(guid)])
+        for r in recipients:
+            await smtpclient.rcpt(self.client, r)
+        self.conn.expect_shadow_data_reply()
+        self.data_sent = True
+        try:
+            resp = await self.client.data(data)
+            code, text = resp.code, resp.message
+        except aiosmtplib.SMTPResponseException as exc:  # refused: the session itself goes on
+            code, text = exc.code, exc.message
+        events = self.conn.receive_reply(code, text.splitlines())
+        return ShadowCopyReply(any(isinstance(e, ShadowAccepted) for e in events), f"{code} {text}")
+
+    async def identify(self) -> str:
+        """XSHADOW: announce ourselves as a shadow; returns the primary's queue database ID."""
+        events = await self._exchange(self.conn.send_xshadow())
+        for e in events:
+            if isinstance(e, PrimaryIdentified):
+                return e.queue_database_id
+        raise ProtocolError(_refusal("XSHADOW", events))
+
+    async def take_discards(self) -> list[tuple[str, str | None]]:
+        """XQDISCARD until a batch is shorter than asked: the ids the primary discarded.
+
+        A malformed reply raises ProtocolError; the session must then end without QUIT (a QUIT
+        acknowledges ids we did not apply): ``close()`` does that."""
+        entries: list[tuple[str, str | None]] = []
+        while True:
+            events = await self._exchange(self.conn.send_discard(DISCARD_BATCH))
+            batch = next((e for e in events if isinstance(e, DiscardBatch)), None)
+            if batch is None:
+                raise ProtocolError(_refusal("XQDISCARD", events))
+            entries.extend(batch.entries)
+            if batch.complete:
+                return entries
+
+    async def resubmit(self, destination: str, start: float, end: float) -> str:
+        events = await self._exchange(self.conn.send_resubmit(destination, start, end))
+        for e in events:
+            if isinstance(e, ResubmitAnswered):
+                return f"{e.code} {e.text}"
+        return _refusal("XRESUBMIT", events)
+
+    @property
+    def peer_queue_database_id(self) -> str | None:
+        return self.conn.peer_queue_database_id
+
+    async def quit(self) -> None:
+        """End the session; a QUIT acknowledges the discards taken on it, so after a protocol
+        violation the connection is only closed."""
+        if self.conn.discards_unapplied:
+            self.close()
+            return
+        try:
+            await asyncio.wait_for(self.client.quit(), 5)
+        except Exception:  # noqa: BLE001 - the session is over either way
+            self.close()
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _refusal(verb: str, events: list[Any]) -> str:
+    for e in events:
+        if isinstance(e, CommandRefused):
+            return f"{verb} answered {e.code} {e.text}"
+    return f"{verb}: no answer understood"
+
+
+async def authenticate(client: aiosmtplib.SMTP, local_fqdn: str, secret: str) -> None:
+    """Prove cluster membership on a session to a peer: AUTH PLAIN, user = our FQDN."""
+    await client.auth_plain(local_fqdn, secret)
+
+
+async def open_session(peer: Peer, *, local_fqdn: str, secret: str, tls: dict[str, Any], timeout: float,
+                       shadows: bool = True, connect_timeout: float | None = None) -> PeerSession:
+    """An authenticated session to ``peer``; ``shadows``: for making shadow copies (the peer must
+    offer XSHADOWREQUEST). A heartbeat needs only XSHADOW + XQDISCARD, which a peer with shadow
+    redundancy disabled still answers for the copies others hold of its mail."""
+    host, _, port = peer.transport.rpartition(":")
+    client = aiosmtplib.SMTP(hostname=host.strip("[]"), port=int(port), local_hostname=local_fqdn,
+                             timeout=timeout, **tls)
+    await client.connect(**({"timeout": connect_timeout} if connect_timeout else {}))
+    try:
+        await client.ehlo()
+        await start_peer_session(client, peer.name, local_fqdn=local_fqdn, secret=secret, shadows=shadows)
+    except BaseException:
+        client.close()
+        raise
+    return PeerSession(client, peer, local_fqdn)
+
+
+async def start_peer_session(client: aiosmtplib.SMTP, peer_name: str, *, local_fqdn: str, secret: str,
+                             shadows: bool) -> None:
+    """AUTH on a session whose EHLO is done; ``shadows``: the peer must offer XSHADOWREQUEST."""
+    if shadows and not client.supports_extension("xshadowrequest"):
+        raise ProtocolError(f"{peer_name} does not advertise XSHADOWREQUEST")
+    await authenticate(client, local_fqdn, secret)
+
+
+class PeerPool:
+    """Idle authenticated sessions per peer, reused for shadow copies."""
+
+    def __init__(self, cfg: Any, peers: list[Peer]):
+        self.cfg = cfg
+        self.local_fqdn = cfg.node.name.lower()
+        self.by_name = {p.name: p for p in peers}
+        self.tls = tls_options(cfg)
+        self._idle: dict[str, list[PeerSession]] = {}
+        self.closing = False
+
+    @property
+    def _timeout(self) -> float:
+        return max(5.0, min(30.0, self.cfg.shadow_redundancy.shadow_heartbeat_frequency))
+
+    async def open(self, peer: Peer, shadows: bool = True) -> PeerSession:
+        return await open_session(peer, local_fqdn=self.local_fqdn, secret=self.cfg.cluster.secret,
+                                  tls=self.tls, timeout=self._timeout, shadows=shadows)
+
+    async def session(self, peer: Peer) -> PeerSession:
+        """An idle session to ``peer`` if one is still connected, else a new one."""
+        idle = self._idle.setdefault(peer.name, [])
+        while idle:
+            s = idle.pop()
+            if s.usable:
+                return s
+            s.close()
+        return await self.open(peer)
+
+    def release(self, s: PeerSession, ok: bool) -> None:
+        if ok and s.usable and not self.closing:
+            idle = self._idle.setdefault(s.peer.name, [])
+            if len(idle) < IDLE_SESSIONS_PER_PEER:
+                idle.append(s)
+                return
+        s.close()
+
+    def close(self) -> None:
+        self.closing = True
+        for sessions in self._idle.values():
+            for s in sessions:
+                s.close()
+        self._idle.clear()
+
+
+async def ask_resubmit(cfg: Any, peer: Peer, destination: str, start: float, end: float) -> str:
+    """XRESUBMIT to one peer (the operator's Safety Net resubmit); returns its reply or the error."""
+    s: PeerSession | None = None
+    try:
+        s = await open_session(peer, local_fqdn=cfg.node.name.lower(), secret=cfg.cluster.secret,
+                               tls=tls_options(cfg), timeout=30.0, shadows=False)
+        reply = await s.resubmit(destination, start, end)
+        await s.quit()
+        return reply
+    except PEER_FAILURES as exc:
+        if s is not None:
+            s.close()
+        return f"failed: {str(exc) or exc.__class__.__name__}"

@@ -1,0 +1,174 @@
+"""The shadow queues: copies we hold for primaries, their discard, promotion and Safety Net resubmit.
+
+It owns what happens to a shadow copy here: stored when a primary sends it
+(HARECEIVE), moved to the Shadow Safety Net when the primary discards it
+(HADISCARD), promoted to a primary copy of ours when the primary is lost
+(RESUBMIT, in pages, delivered at once), and resubmitted from the Shadow Safety
+Net for a primary's resubmit request. Every query goes through
+queue/shadows.py; it never talks to a peer (redundancy/heartbeat.py does) and
+never schedules delivery itself: its commits set the store's queue-changed event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+from transportd import faults
+from transportd.queue import messages as mq
+from transportd.queue import safetynet
+from transportd.queue import shadows as sq
+from transportd.queue.messages import NewMessage
+from transportd.queue.routing import bifurcate
+from transportd.queue.store import QueueStore
+from transportd.redundancy.events import EventSink
+from transportd.smtp.frontend import new_network_message_id, received_as
+from transportd.smtp.headers import header_fields, network_id_from
+
+log = logging.getLogger("transportd.redundancy.shadow_queue")
+
+# Shadows promoted per commit (and tracked before the loop runs anything else).
+PROMOTE_PAGE = 500
+# What re-shadowing a promoted copy needs of its row (and its tracking rows show).
+RESHADOW_FIELDS = ("id", "network_message_id", "message_id", "sender", "subject", "size", "smtputf8", "body_type")
+
+
+class ShadowQueues:
+    """The shadow side of shadow redundancy, over the queue database."""
+
+    def __init__(self, cfg: Any, store: QueueStore, events: EventSink,
+                 reshadow: Callable[[list[dict], str], Awaitable[Any]]):
+        self.cfg = cfg
+        self.store = store
+        self.events = events
+        self._reshadow = reshadow  # the manager makes promoted copies redundant again
+
+    async def store_shadow(self, envelope: Any, session: Any, request: Any, guid: str) -> tuple[int, str]:
+        """Keep a shadow copy for ``request.primary_fqdn`` durably; returns (internal id, Message-ID)."""
+        now = time.time()
+        data = envelope.original_content or b""
+        message_id, submit_time, subject = header_fields(data)
+        smtputf8, body_type = received_as(envelope)
+        network_id = network_id_from(data) or new_network_message_id()
+        msg = NewMessage(
+            network_message_id=network_id, data=data,
+            sender="" if envelope.mail_from in (None, "<>") else envelope.mail_from,
+            recipients=bifurcate(envelope.rcpt_tos, self.cfg), received_at=now,
+            expires_at=now + self.cfg.delivery.message_expiration_timeout,
+            message_id=message_id, submit_time=submit_time,
+            subject=subject, client_ip=str((session.peer or ("",))[0]),
+            client_hostname=request.primary_fqdn, origin="shadow", role="shadow", redundancy="shadow",
+            shadow_guid=guid, primary_node=request.primary_fqdn, primary_dbid=request.primary_dbid,
+            smtputf8=smtputf8, body_type=body_type,
+        )
+        internal_id = await self.store.write(lambda c: mq.enqueue(c, msg))
+        row = {"id": internal_id, "network_message_id": network_id, "message_id": msg.message_id,
+               "sender": msg.sender, "subject": msg.subject, "size": len(data)}
+        self.events.track("HARECEIVE", "SMTP", row, recipients=list(envelope.rcpt_tos), source_context=guid,
+                          client_hostname=request.primary_fqdn, client_ip=msg.client_ip)
+        return internal_id, msg.message_id
+
+    async def discard(self, primary: str, entries: list[tuple[str, str | None]], now: float) -> int:
+        """Apply discard ids of ``primary``: processed copies go to the Shadow Safety Net; copies an
+        operator removed there (reason DeletedByAdmin) are removed here too (never resubmitted)."""
+        hold = self.cfg.safety_net.safety_net_hold_time
+        reasons = {g: r for g, r in entries}
+        rows, failed = await self.store.write(lambda c: sq.apply_discards(c, primary, reasons, now, hold))
+        for r in rows:
+            why = reasons.get(r["shadow_guid"]) or "ExplicitlyDiscarded"
+            self.events.track("HADISCARD", "SMTP", r, source_context=f"{why};{r['shadow_guid']}",
+                              client_hostname=primary)
+        for r, exc in failed:
+            await self.events.message_failed(r, "discard", exc)
+        released = await self.store.write(lambda c: sq.release_forks(c, primary, list(reasons), now, hold))
+        for row, guid in released:
+            self.events.track("HADISCARD", "SMTP", row,
+                              source_context=f"{reasons.get(guid) or 'ExplicitlyDiscarded'};{guid}",
+                              client_hostname=primary)
+        return len(rows) + len(released)
+
+    async def promote(self, primary: str, reason: str, keep_dbid: str | None = None) -> int:
+        """Make the shadows of ``primary`` primary messages of ours and deliver them.
+
+        ``keep_dbid`` (a state change): shadows made from that queue database, i.e. after the
+        primary came back with it, are current and stay shadows; only older ones are promoted.
+        The promoted copies are delivered at once (the promotion is the failover) while, in the
+        background, each gets a new shadow on another peer (``reshadowing`` until it has one).
+        """
+        total, promoted_all = 0, []
+        batch = await self.store.write(lambda c: sq.requeue_forks(c, primary, keep_dbid), queue_changed=True)
+        while True:
+            # One page at a time (bounded memory, a short commit each), the loop free in between.
+            # Tracked before delivery can take them: the scheduler runs only between awaits.
+            promoted = await self.store.write(lambda c: sq.promote_page(c, primary, keep_dbid, PROMOTE_PAGE))
+            rows, batch = batch + promoted, []
+            failed: list[tuple[dict, Exception]] = []
+            for r in rows:
+                try:
+                    faults.check("promote", r)
+                    self.events.track("RESUBMIT", "REDUNDANCY", r, source_context=f"{primary} ({reason})",
+                                      reference=str(r.get("primary_internal_id") or r.get("shadow_guid")
+                                                    or r.get("id")))
+                except Exception as exc:  # noqa: BLE001 - promoted all the same; counted, the others go on
+                    failed.append((r, exc))
+            for r, exc in failed:
+                await self.events.message_failed(r, "promote", exc)
+            total += len(rows)
+            promoted_all.extend({k: r[k] for k in RESHADOW_FIELDS} for r in promoted)  # a slim copy each
+            if rows:
+                self.store.queue_changed.set()
+            if len(promoted) < PROMOTE_PAGE:
+                break
+            await asyncio.sleep(0)
+        if total:
+            self.events.metrics.promotions.labels(primary, reason).inc(total)
+            log.warning("promoted %d shadow(s) of %s (%s)", total, primary, reason)
+        if promoted_all:
+            await self._reshadow(promoted_all, primary)
+        return total
+
+    async def resubmit_for(self, primary: str, destination: str, start: float, end: float) -> int:
+        """Resubmit our Shadow Safety Net copies of ``primary`` for a destination and window."""
+        failures: list = []
+        done = await self.store.write(lambda c: safetynet.resubmit(
+            c, self.cfg, destination=destination, start=start, end=end, sources=("shadow",),
+            for_primary=primary, failures=failures), queue_changed=True)
+        for row, exc in failures:
+            await self.events.message_failed(row, "resubmit", exc)
+        for r in done:
+            self.events.track("RESUBMIT", "SAFETYNET", {"id": r.new_id, "network_message_id": r.network_message_id},
+                              recipients=r.recipients, reference=str(r.original_id),
+                              source_context=f"{destination};MessageResubmit")
+        log.info("resubmitted %d Shadow Safety Net copies of %s for %s", len(done), primary, destination)
+        return len(done)
+
+    async def resubmit_requested(self, primary: str, now: float) -> int:
+        """``primary``'s Primary Safety Net has been unreachable for primary_safety_net_unreachable_time:
+        the resubmit requests filed for it here become shadow resubmit requests, served from this
+        node's Shadow Safety Net (as Exchange does after 12 hours). Returns how many were served."""
+        hold = self.cfg.safety_net.safety_net_hold_time
+        pending = await self.store.aread(lambda c: sq.open_resubmit_requests(c, primary))
+        for req in pending:
+            if req["created_at"] < now - hold:
+                result = "expired: the Safety Net no longer holds that window"
+            else:
+                n = await self.resubmit_for(primary, req["destination"], req["start_at"], req["end_at"])
+                result = f"{n} message(s) resubmitted from the Shadow Safety Net"
+                log.warning("%s unreachable for %s: resubmit request %d for %s served here: %s", primary,
+                            self.cfg.safety_net.primary_safety_net_unreachable_time, req["id"],
+                            req["destination"], result)
+            await self.store.write(lambda c, rid=req["id"], result=result: sq.close_resubmit_request(
+                c, rid, now, result))
+        return len(pending)
+
+    async def housekeeping(self, now: float, live_tokens: set[str]) -> None:
+        """Drop discard events nobody asked for; expire shadows never acknowledged."""
+        cfg = self.cfg
+        expired = await self.store.write(lambda c: sq.shadow_housekeeping(
+            c, now, auto_discard=cfg.shadow_redundancy.shadow_message_auto_discard_interval,
+            expire_after=cfg.safety_net.safety_net_hold_time + cfg.delivery.message_expiration_timeout,
+            hold=cfg.safety_net.safety_net_hold_time, live_tokens=live_tokens))
+        for r in expired:
+            self.events.track("HADISCARD", "SMTP", r, source_context="Expired")

@@ -1,0 +1,143 @@
+"""The frontend receive connector's rules: relay control, recipients, and DATA into the accept path.
+
+It owns what a client may send through the frontend (well-formed addresses,
+recipients in accepted domains or relay for trusted networks and authenticated
+users, the recipient limit), the headers a received message gets (Received,
+Message-ID and Date when missing), and the mapping of every internal error to
+``451 4.3.0``. It never writes the queue itself: ``handle_DATA`` hands the
+envelope to the node's ``accept`` coroutine, shielded so a client that
+disconnects cannot cancel a commit half-way, and answers 250 only when that returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from aiosmtpd.smtp import SMTP, Envelope, Session
+
+from transportd.errors import MessageRejected
+from transportd.smtp import replies
+from transportd.smtp.addresses import domain_of, is_accepted, relay_allowed, valid_address
+from transportd.smtp.headers import header_fields
+
+log = logging.getLogger("transportd.smtp.frontend")
+
+
+@dataclass
+class PreparedMessage:
+    data: bytes
+    message_id: str
+    submit_time: str
+    subject: str
+
+
+def received_as(envelope: Envelope) -> tuple[bool, str]:
+    """How the client sent it: (SMTPUTF8 given, BODY= value upper-cased or "")."""
+    body = ""
+    for option in getattr(envelope, "mail_options", None) or ():
+        if option.upper().startswith("BODY="):
+            body = option[5:].upper()
+    return bool(getattr(envelope, "smtp_utf8", False)), body
+
+
+def prepare_message(data: bytes, *, node_name: str, client_ip: str, helo: str, network_message_id: str,
+                    now: float, connector: str = "frontend", tls: bool = False) -> PreparedMessage:
+    """Add Received (always), Message-ID and Date (when missing); read Subject. Pure."""
+    message_id, submit_time, subject = header_fields(data)
+    extra: list[str] = []
+    date_text = email.utils.formatdate(now, usegmt=True)
+    helo_safe = re.sub(r"[^\x21-\x7e]", "?", helo or "unknown")[:255]
+    proto = "ESMTPS" if tls else "ESMTP"
+    extra.append(f"Received: from {helo_safe} ([{client_ip}])\r\n\tby {node_name} ({connector}) with {proto}"
+                 f" id {network_message_id};\r\n\t{date_text}")
+    if not message_id:
+        message_id = f"<{network_message_id}@{node_name}>"
+        extra.append(f"Message-ID: {message_id}")
+    if not submit_time:
+        submit_time = date_text
+        extra.append(f"Date: {date_text}")
+    prefix = ("\r\n".join(extra) + "\r\n").encode("ascii", "replace")
+    return PreparedMessage(prefix + data, message_id[:998], submit_time[:200], subject)
+
+
+AcceptFn = Callable[[Envelope, Session, str], Awaitable[int]]
+
+
+class FrontendHandler:
+    """aiosmtpd handler hooks: relay policy, limits, and DATA into the node's accept path."""
+
+    def __init__(self, cfg: Any, accept: AcceptFn, connector: str = "frontend"):
+        self.cfg = cfg
+        self.accept = accept
+        self.connector = connector
+
+    async def handle_EHLO(self, server: SMTP, session: Session, envelope: Envelope, hostname: str,
+                          responses: list[str]) -> list[str]:
+        session.host_name = hostname
+        out = [r for r in responses if not r.startswith("250 HELP")]
+        out.append("250-PIPELINING")
+        out.append("250-ENHANCEDSTATUSCODES")
+        out.append("250 HELP")
+        return out
+
+    async def handle_MAIL(self, server: SMTP, session: Session, envelope: Envelope, address: str,
+                          mail_options: list[str]) -> str:
+        # aiosmtpd hands the null sender over as "<>" (and needs a non-empty mail_from for RCPT):
+        # keep it as "<>" in the envelope; the accept path stores it as "".
+        if address and address != "<>" and not valid_address(address):
+            return replies.S501_BAD_SENDER
+        envelope.mail_from = address
+        envelope.mail_options.extend(mail_options)
+        return replies.S250_SENDER_OK
+
+    async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope, address: str,
+                          rcpt_options: list[str]) -> str:
+        if not valid_address(address):
+            return replies.S501_BAD_ADDRESS
+        if len(envelope.rcpt_tos) >= self.cfg.frontend.max_recipients_per_message:
+            return replies.S452_TOO_MANY_RECIPIENTS
+        if not is_accepted(domain_of(address), self.cfg.routing.accepted_domains):
+            peer = session.peer[0] if session.peer else ""
+            if not (session.authenticated or relay_allowed(str(peer), self.cfg.routing.trusted_networks)):
+                log.info("relay denied: %s -> %s", peer, address)
+                return replies.S550_RELAY_DENIED
+        envelope.rcpt_tos.append(address)
+        envelope.rcpt_options.extend(rcpt_options)
+        return replies.S250_RECIPIENT_OK
+
+    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        task = asyncio.ensure_future(self.accept(envelope, session, self.connector))
+        task.add_done_callback(_log_orphan_failure)
+        try:
+            internal_id = await asyncio.shield(task)
+        except MessageRejected as exc:
+            return exc.reply
+        except asyncio.CancelledError:
+            # The client went away; the shielded accept finishes on its own (the sender retries).
+            raise
+        except Exception:  # noqa: BLE001 - never a 5xx for our own failure
+            log.exception("accepting a message from %s failed", session.peer)
+            return replies.S451_INTERNAL
+        return replies.S250_QUEUED.format(id=internal_id)
+
+    async def handle_exception(self, error: Exception) -> str:
+        log.exception("SMTP session error: %s", error)
+        return replies.S451_INTERNAL
+
+
+def _log_orphan_failure(task: asyncio.Future) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None and not isinstance(exc, MessageRejected):
+        log.debug("accept failed: %r", exc)
+
+
+def new_network_message_id() -> str:
+    return str(uuid.uuid4())
