@@ -1,4 +1,4 @@
-"""A ShadowStateChange promotion of many shadows while clients send (issue 14, point 5).
+"""A ShadowStateChange promotion of many shadows while clients send.
 
 A 3-node, 2-site cluster on loopback delivering to Postfix's smtp-sink. Before it starts, node3's
 queue database is given N shadow copies of node1's messages, recorded under an older queue
@@ -7,7 +7,7 @@ first heartbeat) tells node3 the new ID, and node3 promotes all N at once. Meanw
 10 KiB messages to every node's frontend with a new connection each, timing every
 acknowledgement. Printed: ack latency of the other sessions (p50/p99/max), shadow requests that
 failed (HAREDIRECTFAIL on any node: a request timed out or was refused), how long the promotion
-took, node3's peak RSS, the load average. Targets (issue 14): p99 < 1 s, no shadow request
+took, node3's peak RSS, the load average. Targets (docs/reliability.md): p99 < 1 s, no shadow request
 failed, RSS < 150 MB per node (with --shadows 100000).
 
     python3 benchmarks/promotion_under_load.py --shadows 20000 --seconds 60

@@ -1,6 +1,6 @@
 """The parts of aiosmtpd we rely on that are not its public API.
 
-transportd extends aiosmtpd's SMTP class (transportd/receive.py, transportd/transport.py) through a
+transportd extends aiosmtpd's SMTP class (transportd/smtp/server.py, transportd/redundancy/server.py) through a
 few private members: a new aiosmtpd release that renames or drops one must fail here, by name, not
 as a strange error on a live connection. pyproject.toml pins aiosmtpd below its next minor
 version for the same reason; raise the pin only when this file still passes.
@@ -22,6 +22,7 @@ METHODS = {
     "smtp_DATA": "replaced by the chunked reader",
     "check_helo_needed": "DATA's checks, as aiosmtpd's own DATA does",
     "check_auth_needed": "DATA's checks, as aiosmtpd's own DATA does",
+    "_getaddr": "made total (the email package's parser raises IndexError on some malformed addresses)",
 }
 INSTANCE_ATTRIBUTES = {
     "_smtp_methods": "wrapping every verb with the command-rate limiter",

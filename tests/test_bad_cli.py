@@ -1,4 +1,4 @@
-"""Bad CLI arguments (issue 6): one clear line on stderr and exit code 2, never a traceback.
+"""Bad CLI arguments: one clear line on stderr and exit code 2, never a traceback.
 
 Usage errors (unknown command or option, a missing or out-of-range value) from the real
 ``python -m transportd``, for the daemon, the operator commands, the cluster runner, the

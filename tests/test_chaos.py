@@ -1,4 +1,4 @@
-"""The chaos harness (issue 6): checker and schedule as pure logic, then real runs.
+"""The chaos harness: checker and schedule as pure logic, then real runs.
 
 The real runs start ``python -m transportd chaos`` (3 nodes, 2 sites, a sink, a fault
 proxy on every peer link) at a small size: with shadow redundancy on, nothing

@@ -102,9 +102,13 @@ def test_primary_restarted_with_new_database_promotes_at_once(make_cluster, sink
     assert len(rows) == 1, rows
     assert rows[0]["source"] == "REDUNDANCY"
     assert rows[0]["source-context"] == f"{n1.name} (ShadowStateChange)"
-    ctx = n3.shadow_list()[n1.name]
-    assert ctx["queue_database_id"] and ctx["queue_database_id"] != old_dbid
+    ctx = wait_for(lambda: (c := n3.shadow_list()[n1.name])["queue_database_id"] not in (None, old_dbid) and c,
+                   timeout=5, what="node3 to record node1's new queue database ID")
     assert ctx["shadows"] == 0
+    # The promoted copy, queued (the sink is down), is made redundant again on another peer.
+    again = n3.wait_event("HAREDIRECT", netid, timeout=10)
+    assert again[0]["source-context"].split("=")[0] in (n1.name, c["node2"].name), again
+    assert "failed unexpectedly" not in n3.log()
 
     sink.start()
     wait_for(lambda: sink_copies(sink, netid), timeout=20, what="promoted copy at the sink")

@@ -598,3 +598,35 @@ def test_every_example_config_loads(path: Path) -> None:
 def test_example_configs_cover_single_node_cluster_and_compose() -> None:
     found = {p.relative_to(REPO / "config").parts[0] for p in (REPO / "config").rglob("*.toml")}
     assert {"single-node.toml", "cluster", "compose"} <= found
+
+
+def test_every_setting_the_code_reads_is_a_key() -> None:
+    """A typo in ``cfg.<section>.<key>`` anywhere in the package (or its benchmarks) is found here,
+    before a node runs the line that reads it (the settings are built from the key registry)."""
+    import ast
+
+    repo = Path(__file__).resolve().parent.parent
+    sections = {s: set(cfgmod._BY_SECTION[s]) for s in cfgmod.SECTIONS}
+    config_names = {"cfg", "config", "conf"}
+    aliases = {"sr": "shadow_redundancy", "fe": "frontend", "tr": "transport", "dl": "delivery"}
+
+    def name_of(expr: ast.expr) -> str | None:
+        return expr.attr if isinstance(expr, ast.Attribute) else getattr(expr, "id", None)
+
+    wrong, seen = [], 0
+    for path in [*(repo / "transportd").rglob("*.py"), *(repo / "benchmarks").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute) or node.attr.startswith("__"):
+                continue
+            if isinstance(node.value, ast.Attribute) and node.value.attr in sections \
+                    and name_of(node.value.value) in config_names:
+                section = node.value.attr  # cfg.delivery.x, self.cfg.delivery.x
+            elif name_of(node.value) in aliases:
+                section = aliases[name_of(node.value)]  # sr = cfg.shadow_redundancy; sr.x
+            else:
+                continue
+            seen += 1
+            if node.attr not in sections[section]:
+                wrong.append(f"{path.relative_to(repo)}:{node.lineno}: {section}.{node.attr}")
+    assert seen > 100, "the scan found the settings the code reads"
+    assert not wrong, "settings read that are no key: " + ", ".join(wrong)

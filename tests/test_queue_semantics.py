@@ -1,4 +1,4 @@
-"""Semantics that follow the seeds (issue 14, point 7), checked on real node processes.
+"""Semantics that follow the seeds, checked on real node processes.
 
 - ``shadow_redundancy_enabled = false`` (the 2010 seed): XSHADOWREQUEST is never advertised and
   never issued; mail to another node's mailbox database still travels there (authenticated),

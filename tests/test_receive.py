@@ -322,6 +322,12 @@ def test_garbage_gets_clean_errors_and_daemon_stays_up(make_node):
         (b"RCPT TO:<alice@example.test> FOO=BAR", "555 5."),
         (b"RCPT alice@example.test", "501 5.5.4"),
         (b"XYZZY\rinjected", "500 5.5.1"),
+        (b"VRFY <a\xff\xfe", "252 2.0.0"),
+        (b"VRFY \"", "502 5.5.1"),  # the email package's parser raised IndexError on these
+        (b"VRFY a@", "502 5.5.1"),
+        (b"VRFY (x\x1b[2J\xff", "502 5.5.1"),  # echoed back: control octets and bad UTF-8 become '?'
+        (b"MAIL FROM:\"", "553 5.1.3"),
+        (b"MAIL FROM:a@", "553 5.1.3"),
         (b"NOOP\x00", "500 5.5.1"),
         (b"RSET", "250 2.0.0"),
     ]
@@ -332,6 +338,7 @@ def test_garbage_gets_clean_errors_and_daemon_stays_up(make_node):
         assert r[0].startswith(expected if expected.endswith(".") else expected + " "), (line, r[0], expected)
         assert ENHANCED.match(r[0]), (line, r[0])
         assert not LEAK.search(r[0][10:]), (line, r[0])
+        assert r[0].isprintable(), (line, r[0])
     # A proper message on the same session, then from a real client.
     r = send_one(c, "a@remote.test", ["alice@example.test"], b"Subject: after-junk\r\n\r\nhi\r\n")
     assert r.startswith("250 2.0.0 Ok: queued as ")
@@ -340,6 +347,7 @@ def test_garbage_gets_clean_errors_and_daemon_stays_up(make_node):
                     "--header", "Subject: swaks-after-junk"))
     assert node.alive
     assert sorted(m["subject"] for m in messages(node)) == ["after-junk", "swaks-after-junk"]
+    assert "Traceback" not in node.log()
 
 
 def test_too_many_unknown_commands_closes(make_node):

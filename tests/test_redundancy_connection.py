@@ -354,7 +354,9 @@ XSHADOW = f"XSHADOW {b64(PRIMARY)}"
                                   f"MAIL FROM:<a@x> XSHADOW={G1}", "xshadow " + b64(PRIMARY)])
 def test_x_verbs_need_an_authenticated_peer(line: str) -> None:
     s = ServerConnection(SHADOW, S_DBID)
-    assert one(s, line) == Refusal(R550)
+    refusal = one(s, line)
+    assert refusal == Refusal(R550)
+    assert refusal.why == "X-verb from unauthenticated session"  # what the operational log says
     assert s.peer_fqdn is None and s.shadow_request is None and s.xshadow_peer is None
 
 
@@ -386,6 +388,13 @@ def test_shadow_request_refusals(setup, line: str, reply: bytes) -> None:
     assert s.shadow_request is None
     with pytest.raises(LocalProtocolError):
         s.accept_shadow_request()
+
+
+def test_a_peer_claiming_another_name_is_refused_with_both_names() -> None:
+    for line in (f"XSHADOWREQUEST other.example {b64_dbid(P_DBID)}", f"XSHADOW {b64('other.example')}"):
+        refusal = one(server(), line)
+        assert refusal == Refusal(R550)
+        assert refusal.why == f"peer {PRIMARY} claims to be other.example"
 
 
 def test_shadow_request_when_shadow_redundancy_is_disabled() -> None:

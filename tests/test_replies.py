@@ -77,8 +77,8 @@ def test_formatted_constants_keep_their_codes() -> None:
     ("252 Cannot VRFY user, but will accept message and attempt delivery",
      "252 2.0.0 Cannot VRFY user, but will accept message and attempt delivery"),
     ("250 node1.transportd.test", "250 2.0.0 node1.transportd.test"),
+    ("553 5.1.3 Error: malformed address", "553 5.1.3 Malformed address"),
     # already enhanced, or not a final reply: unchanged
-    ("553 5.1.3 Error: malformed address", "553 5.1.3 Error: malformed address"),
     ("538 5.7.11 Encryption required for requested authentication mechanism",
      "538 5.7.11 Encryption required for requested authentication mechanism"),
     ("235 2.7.0 Authentication successful", "235 2.7.0 Authentication successful"),

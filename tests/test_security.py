@@ -1,4 +1,4 @@
-"""Security defences (issue 6, docs/security.md), each shown against a real node process.
+"""Security defences (docs/security.md), each shown against a real node process.
 
 - no open relay: swaks from an untrusted address to a foreign domain, on both connectors
 - the command-rate limit per source IP (frontend.max_command_rate): unit tests with an

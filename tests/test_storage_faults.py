@@ -1,4 +1,4 @@
-"""Storage faults while running (issue 6): the disk holding the data dir fills up.
+"""Storage faults while running: the disk holding the data dir fills up.
 
 The node's data dir is a small tmpfs mounted for the test (conftest's ``small_disk``: needs
 root; skipped otherwise, saying so). While the disk is full the daemon answers 4xx (never 5xx, never a 250 it

@@ -1,4 +1,4 @@
-"""No state that only a restart clears (issue 14, point 2): each transient state has an owner
+"""No state that only a restart clears: each transient state has an owner
 and a time-out that returns it to a state the loops take. Every check here is made on the
 running node, before anything is restarted.
 

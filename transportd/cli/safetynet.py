@@ -154,26 +154,14 @@ def log_resubmits(trk: Any, done: list, destination: str) -> None:
 
 
 def ask_peers_to_resubmit(cfg: Config, destination: str, start: float, end: float) -> list[tuple[str, str]]:
-    """XRESUBMIT to every peer's transport connector (authenticated with the cluster secret)."""
+    """XRESUBMIT to every peer's transport connector, through the redundancy layer's peer sessions."""
     import asyncio
-    import aiosmtplib
 
-    async def one(peer) -> tuple[str, str]:
-        host, _, port = peer.transport.rpartition(":")
-        client = aiosmtplib.SMTP(hostname=host, port=int(port), local_hostname=cfg.node.name, timeout=30,
-                                 **config_mod.peer_tls_options(cfg))
-        try:
-            await client.connect()
-            await client.ehlo()
-            await client.auth_plain(cfg.node.name.lower(), cfg.cluster.secret)
-            resp = await client.execute_command(b"XRESUBMIT", destination.encode("utf-8"),
-                                                f"{start:.3f}".encode(), f"{end:.3f}".encode())
-            return peer.name, f"{resp.code} {resp.message}"
-        except (aiosmtplib.SMTPException, OSError, asyncio.TimeoutError) as exc:
-            return peer.name, f"unreachable: {exc or exc.__class__.__name__}"
-        finally:
-            client.close()
+    from transportd.redundancy.peers import ask_resubmit
+    from transportd.redundancy.protocol import Peer
 
-    async def run() -> list[tuple[str, str]]:
-        return list(await asyncio.gather(*(one(p) for p in cfg.peers)))
-    return asyncio.run(run())
+    peers = [Peer(p.name, p.site, p.transport) for p in cfg.peers]
+
+    async def run() -> list[str]:
+        return list(await asyncio.gather(*(ask_resubmit(cfg, p, destination, start, end) for p in peers)))
+    return list(zip((p.name for p in peers), asyncio.run(run())))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Iterator, Sequence
 
 from transportd.errors import ProtocolError
@@ -126,6 +126,7 @@ class MailWithShadow(Event):
 @dataclass(frozen=True)
 class Refusal(Event):
     reply: bytes
+    why: str = field(default="", compare=False)  # for the operational log; never on the wire
 
 
 @dataclass(frozen=True)
@@ -399,7 +400,7 @@ class ServerConnection:
         events: list[Event] = []
         while (line := self._lines.pop()) is not None:
             if line == _TOO_LONG:
-                events.append(Refusal(_wire(replies.S500_COMMAND_TOO_LONG)))
+                events.append(Refusal(_wire(replies.S500_COMMAND_TOO_LONG), "command line too long"))
                 continue
             line = line.rstrip(b"\r\n")
             verb, _, arg = line.decode("utf-8", "surrogateescape").partition(" ")
@@ -430,24 +431,25 @@ class ServerConnection:
     def _refusal(self, check_transaction: bool = True) -> Refusal | None:
         """550 to a session that is no boundary peer; 503 inside a mail transaction."""
         if self.peer_fqdn is None:
-            return Refusal(_wire(replies.S550_NOT_AUTHORIZED))
+            return Refusal(_wire(replies.S550_NOT_AUTHORIZED), "X-verb from unauthenticated session")
         if check_transaction and self._in_transaction:
-            return Refusal(_wire(S503_BAD_SEQUENCE))
+            return Refusal(_wire(S503_BAD_SEQUENCE), "inside a mail transaction")
         return None
 
     def _xshadowrequest(self, arg: str | None) -> Event:
         if refusal := self._refusal():
             return refusal
         if not self.shadow_redundancy_enabled:
-            return Refusal(_wire(replies.S502_NOT_IMPLEMENTED))  # a member, but no shadows stored here
+            return Refusal(_wire(replies.S502_NOT_IMPLEMENTED), "shadow redundancy is disabled here")
         try:
             request = parse_xshadowrequest(arg)
-        except ProtocolError:
-            return Refusal(_wire(S501_INVALID_ARGUMENTS))
+        except ProtocolError as exc:
+            return Refusal(_wire(S501_INVALID_ARGUMENTS), str(exc))
         if not self.accepting:
-            return Refusal(_wire(S421_NOT_AVAILABLE))
+            return Refusal(_wire(S421_NOT_AVAILABLE), "not accepting shadows (stopping)")
         if request.primary_fqdn != self.peer_fqdn:
-            return Refusal(_wire(replies.S550_NOT_AUTHORIZED))
+            return Refusal(_wire(replies.S550_NOT_AUTHORIZED),
+                           f"peer {self.peer_fqdn} claims to be {request.primary_fqdn}")
         return ShadowRequestReceived(request.primary_fqdn, request.primary_dbid)
 
     def _xshadow(self, arg: str | None) -> Event:
@@ -455,10 +457,10 @@ class ServerConnection:
             return refusal
         try:
             fqdn = parse_xshadow(arg)
-        except ProtocolError:
-            return Refusal(_wire(S501_INVALID_ARGUMENTS))
+        except ProtocolError as exc:
+            return Refusal(_wire(S501_INVALID_ARGUMENTS), str(exc))
         if fqdn != self.peer_fqdn:
-            return Refusal(_wire(replies.S550_NOT_AUTHORIZED))
+            return Refusal(_wire(replies.S550_NOT_AUTHORIZED), f"peer {self.peer_fqdn} claims to be {fqdn}")
         self.xshadow_peer = fqdn
         return XShadowReceived(fqdn, self._xshadow_reply)
 
@@ -466,11 +468,11 @@ class ServerConnection:
         if refusal := self._refusal(check_transaction=False):
             return refusal
         if self.xshadow_peer is None:
-            return Refusal(_wire(S503_BAD_SEQUENCE))
+            return Refusal(_wire(S503_BAD_SEQUENCE), "XQDISCARD before XSHADOW")
         try:
             n = parse_xqdiscard(arg, MAX_DISCARD_BATCH)
-        except ProtocolError:
-            return Refusal(_wire(S501_INVALID_ARGUMENTS))
+        except ProtocolError as exc:
+            return Refusal(_wire(S501_INVALID_ARGUMENTS), str(exc))
         self.discards_out = True
         return DiscardRequested(self.xshadow_peer, n)
 
@@ -479,8 +481,8 @@ class ServerConnection:
             return refusal
         try:
             destination, start, end = parse_resubmit_arg(arg)
-        except ValueError:
-            return Refusal(_wire(S501_INVALID_ARGUMENTS))
+        except ValueError as exc:
+            return Refusal(_wire(S501_INVALID_ARGUMENTS), str(exc))
         assert self.peer_fqdn is not None
         return ResubmitRequested(self.peer_fqdn, destination, start, end)
 
@@ -488,11 +490,11 @@ class ServerConnection:
         if refusal := self._refusal(check_transaction=False):
             return refusal  # a MAIL inside a transaction is the normal MAIL handling's to refuse
         if not (self.shadow_request or self.xshadow_peer):
-            return Refusal(_wire(S503_BAD_SEQUENCE))
+            return Refusal(_wire(S503_BAD_SEQUENCE), "MAIL XSHADOW= before XSHADOWREQUEST or XSHADOW")
         try:
             rest, guid = split_xshadow_param(arg)
-        except ProtocolError:
-            return Refusal(_wire(S501_INVALID_ARGUMENTS))
+        except ProtocolError as exc:
+            return Refusal(_wire(S501_INVALID_ARGUMENTS), str(exc))
         assert guid is not None
         self._mail_guid = guid
         return MailWithShadow(guid, rest)

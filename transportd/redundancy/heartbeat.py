@@ -117,7 +117,7 @@ class Heartbeat:
         results = await asyncio.gather(*(self.heartbeat(p) for p in primaries), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
-                log.error("a heartbeat failed unexpectedly: %r", r)
+                log.error("a heartbeat failed unexpectedly: %r", r, exc_info=r)
 
     async def _exchange(self, primary: str, recorded: str | None, now: float
                         ) -> tuple[bool, str | None, str]:

@@ -103,8 +103,8 @@ class TransportSMTP(LimitedSMTP):
         self.conn.accepting = self.manager.accepting
         [event] = self.conn.receive_command(verb, arg)
         if isinstance(event, Refusal):
-            log.warning("%s from %s (%s) refused: %s", verb, self.session.peer, name or "not a peer",
-                        event.reply.decode("ascii", "replace").strip())
+            log.warning("%s: %s (from %s, %s); refused: %s", verb, event.why or "refused", self.session.peer,
+                        name or "not a peer", event.reply.decode("ascii", "replace").strip())
             await self._write(event.reply)
         return event
 

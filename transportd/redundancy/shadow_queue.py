@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from transportd import faults
 from transportd.queue import messages as mq
@@ -39,11 +39,11 @@ class ShadowQueues:
     """The shadow side of shadow redundancy, over the queue database."""
 
     def __init__(self, cfg: Any, store: QueueStore, events: EventSink,
-                 reshadow: Callable[[list[dict], str], Awaitable[Any]]):
+                 reshadow: Callable[[list[dict], str], None]):
         self.cfg = cfg
         self.store = store
         self.events = events
-        self._reshadow = reshadow  # the manager makes promoted copies redundant again
+        self._reshadow = reshadow  # starts, in the background, new shadows of promoted copies
 
     async def store_shadow(self, envelope: Any, session: Any, request: Any, guid: str) -> tuple[int, str]:
         """Keep a shadow copy for ``request.primary_fqdn`` durably; returns (internal id, Message-ID)."""
@@ -126,7 +126,7 @@ class ShadowQueues:
             self.events.metrics.promotions.labels(primary, reason).inc(total)
             log.warning("promoted %d shadow(s) of %s (%s)", total, primary, reason)
         if promoted_all:
-            await self._reshadow(promoted_all, primary)
+            self._reshadow(promoted_all, primary)  # delivery does not wait for the new shadows
         return total
 
     async def resubmit_for(self, primary: str, destination: str, start: float, end: float) -> int:

@@ -52,6 +52,7 @@ _AIOSMTPD = {
     "530 Must issue a STARTTLS command first": S530_TLS_REQUIRED,
     "221 Bye": S221_BYE,
     "250 OK": S250_OK,
+    "553 5.1.3 Error: malformed address": "553 5.1.3 Malformed address",
 }
 _UNRECOGNIZED = re.compile(r'^500 Error: command "(.*)" not recognized$')
 _HAS_ENHANCED = re.compile(r"^\d{3}[ -][245]\.\d{1,3}\.\d{1,3}(\s|$)")
@@ -68,6 +69,15 @@ def translate(reply: str) -> str:
         # The client's bytes are echoed: no CR, NUL or other control character may reach the wire.
         return S500_UNRECOGNIZED.format(command=re.sub(r"[^\x20-\x7e]", "?", m.group(1)[:40]))
     return enhance(reply)
+
+
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")
+
+
+def wire_safe(reply: str) -> str:
+    """A reply line that can go on the wire: control characters and undecodable octets (surrogate
+    escapes of a client's bytes echoed back, e.g. by VRFY) become '?'."""
+    return _UNSAFE.sub("?", reply)
 
 
 def enhance(reply: str) -> str:

@@ -244,6 +244,14 @@ class LimitedSMTP(SMTP):
             self._reset_timeout()
         super().data_received(data)
 
+    def _getaddr(self, arg: str) -> tuple[Any, Any]:
+        """aiosmtpd's address parser, made total: the email package raises IndexError on some
+        malformed input (a lone '"', 'a@'); that is a malformed address, not an internal error."""
+        try:
+            return super()._getaddr(arg)
+        except (IndexError, ValueError):
+            return None, None
+
     async def smtp_HELO(self, hostname: str) -> None:
         self._plain_250 = True
         try:
@@ -306,8 +314,10 @@ class LimitedSMTP(SMTP):
         await self.push(replies.S502_NOT_IMPLEMENTED)
 
     async def push(self, status: Any) -> None:
-        if isinstance(status, str) and not (self._plain_250 and status.startswith("250")):
-            status = replies.translate(status)
+        if isinstance(status, str):
+            if not (self._plain_250 and status.startswith("250")):
+                status = replies.translate(status)
+            status = replies.wire_safe(status)
         await super().push(status)
 
 
