@@ -169,10 +169,12 @@ class Node:
             "delivery": {"transient_failure_retry_interval": 1, "outbound_connection_failure_retry_interval": 1,
                          "queue_poll_interval": 0.2, "send_connect_timeout": 3},
             "shadow_redundancy": {"shadow_redundancy_enabled": False},
+            "metrics": {"listen": f"127.0.0.1:{free_port()}"},  # scheduler passes, for wait_passes()
         }
         for section, values in (overrides or {}).items():
             sections.setdefault(section, {}).update(values)
         self.sections = sections
+        self.metrics_listen = sections["metrics"].get("listen", "")
         write_toml(self.config_path, sections)
         self.proc: subprocess.Popen | None = None
         self.env: dict[str, str] = {}  # extra environment of the process (test hooks)
@@ -203,6 +205,22 @@ class Node:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def scheduler_passes(self) -> int:
+        """The daemon's delivery scheduler passes so far (transportd_scheduler_passes_total)."""
+        import urllib.request
+        with urllib.request.urlopen(f"http://{self.metrics_listen}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        m = re.search(r"^transportd_scheduler_passes_total (\S+)$", text, re.MULTILINE)
+        assert m, "no transportd_scheduler_passes_total in /metrics"
+        return int(float(m.group(1)))
+
+    def wait_passes(self, n: int = 2, timeout: float = 10) -> None:
+        """Until the scheduler has completed ``n`` more passes: a change made before the call (an
+        operator action in the queue database) has been seen by at least one whole pass."""
+        start = self.scheduler_passes()
+        wait_for(lambda: self.scheduler_passes() >= start + n, timeout=timeout, interval=0.05,
+                 what=f"{n} scheduler passes of {self.name}")
 
     def cli(self, *args: str, check: bool = True, use_data_dir: bool = False, timeout: float = 60) -> subprocess.CompletedProcess:
         where = ["--data-dir", str(self.data_dir)] if use_data_dir else ["--config", str(self.config_path)]

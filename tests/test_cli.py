@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -205,9 +204,8 @@ def test_suspend_and_resume_queue_and_message(make_node, sink):
 
     res = node.cli("queue", "suspend", ident)
     assert "suspended" in res.stdout
-    time.sleep(0.5)  # the daemon's next scan (0.2 s)
     held = send(node, "dave@foreign.test")
-    time.sleep(2)
+    node.wait_passes(3)  # whole scheduler passes that saw the message due in a suspended queue
     assert len(sink.messages()) == 1, "a suspended queue delivered"
     q = queue_by_identity(node, ident, use_data_dir=True)
     assert q["state"] == "Suspended" and q["message_count"] == 1, q
@@ -219,12 +217,11 @@ def test_suspend_and_resume_queue_and_message(make_node, sink):
 
     # One message: hold it while its queue is suspended, then release the queue.
     cli(node, "queue", "suspend", ident)
-    time.sleep(0.5)
     one = send(node, "erin@foreign.test")
     res = cli(node, "message", "suspend", str(one), use_data_dir=True)
     assert f"message {one} suspended" in res.stdout
     cli(node, "queue", "resume", ident)
-    time.sleep(2)
+    node.wait_passes(3)
     assert len(sink.messages()) == 2, "a suspended message was delivered"
     rows = cli_json(node, "message", "list")
     assert [(r["id"], r["status"]) for r in rows] == [(one, "Suspended")], rows
@@ -241,13 +238,12 @@ def test_suspend_while_stopped_is_honoured_on_start(make_node, sink):
     send(node, "carol@foreign.test")
     wait_for(lambda: len(sink.messages()) == 1, what="first message at the sink")
     cli(node, "queue", "suspend", ident)
-    time.sleep(0.5)
     held = send(node, "dave@foreign.test")
     assert node.stop() == 0
     cli(node, "queue", "resume", ident, use_data_dir=True)
     cli(node, "message", "suspend", str(held), use_data_dir=True)
     node.start()
-    time.sleep(1.5)
+    node.wait_passes(3)
     assert len(sink.messages()) == 1, "a message suspended while the daemon was down was delivered"
     cli(node, "message", "resume", str(held))
     wait_for(lambda: len(sink.messages()) == 2, timeout=2.5, what="delivery after message resume")
@@ -261,7 +257,7 @@ def test_queue_retry_reaches_running_daemon(make_node, sink):
     send(node, "carol@foreign.test")
     wait_for(in_retry(node, ident, 1), timeout=10, what="queue in Retry")
     sink.start()
-    time.sleep(1.5)
+    node.wait_passes(3)
     assert sink.messages() == [], "delivered before its retry time: the test proves nothing"
     res = node.cli("queue", "retry", ident)
     assert ident in res.stdout
@@ -310,7 +306,7 @@ def test_message_remove_and_ndr_running(make_node, sink):
     assert drops[0]["sender-address"] == "zed@remote.test"
     assert track(node, event_id="RECEIVE", internal_message_id=str(m3))
     assert not dsn_events_for(node, m1), "an NDR without --ndr"
-    time.sleep(0.5)
+    node.wait_passes(2)
     assert node.maildir_files("zed@remote.test") == []
 
     res = node.cli("message", "remove", str(m2), "--ndr")

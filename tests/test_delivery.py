@@ -293,8 +293,8 @@ def test_permanent_failure_for_null_sender_sends_no_dsn(make_node, sink):
 
     fail = wait_events(node, "FAIL", internal_message_id=str(qid))
     assert fail[0]["recipient-status"].startswith("5")
-    # Waiting for absence: a DSN would be queued in the same commit and delivered within a poll or two.
-    time.sleep(1.5)
+    # Waiting for absence: a DSN would be queued in the same commit and delivered within a pass or two.
+    node.wait_passes(3)
     assert not events(node, "DSN")
     assert not events(node, "DELIVER")
     assert not all_mailbox_files(node)

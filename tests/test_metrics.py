@@ -106,7 +106,7 @@ def test_metrics_are_off_by_default_and_a_bare_port_binds_loopback(make_node, tm
     assert config_mod.load_dict({}).metrics.listen == ""
     with pytest.raises(config_mod.ConfigError, match=r"metrics\.listen"):
         config_mod.load_dict({"metrics": {"listen": "127.0.0.1:99999"}})
-    node = make_node().start()
+    node = make_node(overrides={"metrics": {"listen": ""}}).start()  # the test nodes serve metrics by default
     assert "Prometheus metrics" not in node.log()
 
 

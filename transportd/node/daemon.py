@@ -108,7 +108,8 @@ class Node:
                                    Maintenance(cfg, store, self.events, recorder, self.accept_path.accepting),
                                    {MAILBOX: MailboxConnector(cfg, store, self.mailboxes),
                                     PEER: PeerConnector(cfg, store, self.shadow),
-                                    "smtp": SmtpConnector(cfg, store)})
+                                    "smtp": SmtpConnector(cfg, store)},
+                                   on_pass=self.metrics.scheduler_passes.inc)
         self._tasks.append(asyncio.ensure_future(self.scheduler.run()))
         await self._listen_frontend()
         if cfg.transport.listen:

@@ -60,6 +60,10 @@ class NodeMetrics:
         self.poisoned = Counter("transportd_poison_messages",
                                 "messages moved to the Poison queue (PoisonThreshold internal failures)",
                                 registry=r)
+        self.scheduler_passes = Counter("transportd_scheduler_passes",
+                                        "delivery scheduler passes completed (maintenance due, due work read and "
+                                        "handed out): a counter that stops moving is a stuck scheduler",
+                                        registry=r)
         self.accept_latency = Histogram("transportd_accept_latency_seconds",
                                         "end of DATA to the 250: durable commit and shadow copy",
                                         buckets=LATENCY_BUCKETS, registry=r)

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 from transportd.node.maintenance import Maintenance
 from transportd.node.outcomes import OutcomeRecorder, internal_failure
@@ -31,7 +31,7 @@ class Scheduler:
     """Runs in the node's event loop: scheduler tick, one task per session, maintenance."""
 
     def __init__(self, cfg: Any, store: QueueStore, recorder: OutcomeRecorder, maintenance: Maintenance,
-                 connectors: dict[str, Any]):
+                 connectors: dict[str, Any], on_pass: Callable[[], Any] = lambda: None):
         self.cfg = cfg
         self.store = store
         self.recorder = recorder
@@ -43,7 +43,7 @@ class Scheduler:
         self._tasks: set[asyncio.Task] = set()
         self._rotate = 0  # round-robin start over the due queues
         self._stopping = False
-        self.ticks = 0  # scheduler passes completed (an observable for tests)
+        self._on_pass = on_pass  # told after every pass (the scheduler_passes counter)
 
     async def run(self) -> None:
         interval = self.cfg.delivery.queue_poll_interval
@@ -61,7 +61,7 @@ class Scheduler:
                 await self.tick()
             except Exception:  # noqa: BLE001 - the loop must survive; the queue is the truth
                 log.exception("delivery scheduler tick failed; retrying in %.1fs", interval)
-            self.ticks += 1
+            self._on_pass()
 
     async def stop(self) -> None:
         self._stopping = True
