@@ -2,7 +2,8 @@
 
 The scheduler is driven with recording connectors (what it hands out, in which
 batches, and what it commits); the mailbox connector writes a real Maildir; the
-SMTP connector talks to Postfix's smtp-sink.
+SMTP connector talks to Postfix's smtp-sink; the peer connector to a real node's transport
+connector.
 """
 
 from __future__ import annotations
@@ -167,3 +168,47 @@ async def test_smtp_connector_reports_an_unreachable_next_hop_as_a_queue_retry(p
     [report] = [d async for d in SmtpConnector(cfg, store).deliver(work)]
     assert report.queue_error and report.queue_error.startswith("451 4.4.0 Unable to connect")
     assert [o.status for outs in report.outcomes.values() for o in outs] == [mq.RETRY]
+
+
+async def test_peer_connector_alone_relays_to_a_real_peer_node(tmp_path, make_node) -> None:
+    """The peer connector with a Shadow Redundancy Manager built alone (shadow redundancy off: a
+    plain authenticated relay) against a real node's transport connector, which stores the message
+    in its mailbox store."""
+    from conftest import free_port, wait_port
+    from transportd.devtools import cluster as cluster_mod
+    from transportd.node.connectors import PeerConnector
+    from transportd.queue.routing import PEER
+    from transportd.redundancy.manager import ShadowManager
+
+    me, secret, tport = "unit.transportd.test", "s3cret-for-the-unit", free_port()
+    peer = make_node("peer", overrides={"transport": {"listen": f"127.0.0.1:{tport}"}, "cluster": {"secret": secret}})
+    peer.config_path.write_text(cluster_mod.render_toml(
+        peer.sections, [{"name": me, "site": "site-a", "transport": "127.0.0.1:9"}]))
+    peer.start()
+    wait_port("127.0.0.1", tport, proc=peer.proc)
+
+    cfg = load_dict({"node": {"name": me, "data_dir": str(tmp_path / "unit")}, "cluster": {"secret": secret},
+                     "frontend": {"listen": "127.0.0.1:2525"}, "transport": {"listen": "127.0.0.1:2526"},
+                     "shadow_redundancy": {"shadow_redundancy_enabled": False},
+                     "peers": [{"name": peer.name, "site": "site-a", "transport": f"127.0.0.1:{tport}"}]})
+    store = QueueStore.open(tmp_path / "unit.db")
+    store.start_writer()
+    try:
+        events = NodeEvents(cfg, NodeMetrics(me), store, RecordingTracking())
+        connector = PeerConnector(cfg, store, ShadowManager(cfg, store, events))
+        hop = NextHop(f"peer:{peer.name}", PEER, peer.name)
+        mid = await store.write(lambda c: mq.enqueue(c, _message(hop, ["alice@example.test"], 7)))
+        work = store.read(lambda c: mq.due_work(c, time.time()))
+        [report] = [d async for d in connector.deliver(work)]
+        [outcome] = report.outcomes[mid]
+        assert outcome.status == mq.DELIVERED and outcome.reply.startswith("250"), outcome
+        assert not report.forks  # no hop-by-hop shadow with shadow redundancy off
+        files = await asyncio.to_thread(lambda: _wait_files(peer, "alice@example.test"))
+        assert b"Subject: part 7" in files[0].read_bytes()
+    finally:
+        store.close()
+
+
+def _wait_files(node, address: str) -> list[Path]:
+    from conftest import wait_for
+    return wait_for(lambda: node.maildir_files(address), timeout=10, what="the relayed message in the peer's mailbox")
