@@ -31,6 +31,7 @@ INSTANCE_ATTRIBUTES = {
     "_timeout_handle": "activity timer",
     "_decode_data": "the chunked reader only works on undecoded data",
     "_handler_coroutine": "cancelled by aiosmtpd when the client goes away (we shield commits)",
+    "_auth_required": "BDAT refuses a chunk before AUTH where AUTH is required, as DATA does",
 }
 
 

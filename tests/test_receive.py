@@ -136,7 +136,7 @@ def test_ehlo_advertises_extensions_without_tls_or_auth(make_node):
     assert c.greeting[0].startswith(f"220 {NODE_NAME} ")
     lines = ehlo(c)
     assert lines == [f"250-{NODE_NAME}", "250-SIZE 123456", "250-8BITMIME", "250-SMTPUTF8",
-                     "250-PIPELINING", "250-ENHANCEDSTATUSCODES", "250 HELP"]
+                     "250-PIPELINING", "250-CHUNKING", "250-ENHANCEDSTATUSCODES", "250 HELP"]
     keywords = {l[4:].split()[0].upper() for l in lines[1:]}
     assert not keywords & {"STARTTLS", "AUTH"}
     # Without a certificate neither STARTTLS nor AUTH can be used.
@@ -750,3 +750,80 @@ async def test_accept_is_not_cancelled_when_client_vanishes(tmp_path):
         server.close()
         await server.wait_closed()
 
+
+
+# --------------------------------------------------------------------------- CHUNKING (BDAT, RFC 3030)
+
+def stored_bodies(node) -> dict[int, bytes]:
+    from conftest import read_db
+    return dict(read_db(node.data_dir / "queue.db", "SELECT message_id, data FROM message_bodies"))
+
+
+def bdat_message(c: Raw, chunks: list[bytes], sender: str = "a@remote.test", rcpt: str = "alice@example.test",
+                 ) -> list[str]:
+    """MAIL, RCPT and every chunk (the last with LAST) in one write; the final line of each reply."""
+    wire = f"MAIL FROM:<{sender}>\r\nRCPT TO:<{rcpt}>\r\n".encode()
+    for i, chunk in enumerate(chunks):
+        wire += f"BDAT {len(chunk)}{' LAST' if i == len(chunks) - 1 else ''}\r\n".encode() + chunk
+    c.send(wire)
+    return [c.reply()[-1] for _ in range(2 + len(chunks))]
+
+
+def test_bdat_split_and_pipelined_chunks_make_one_message(make_node):
+    """Chunks cut anywhere (inside CRLF, a lone dot line, an empty LAST chunk), all in one write:
+    one 250 per chunk, the message queued with exactly the octets sent (no dot-stuffing)."""
+    node = make_node().start()
+    c = Raw(node.port)
+    ehlo(c)
+    body = (b"From: a@remote.test\r\nSubject: chunked\r\n\r\nline one\r\n.\r\n..two dots\r\n"
+            + b"z" * 700 + b"\r\nend\r\n")
+    cuts = [0, 1, 38, 39, 52, 53, 54, 120, len(body)]
+    chunks = [body[a:b] for a, b in zip(cuts, cuts[1:])] + [b""]
+    got = bdat_message(c, chunks)
+    assert_reply(got[0], 250, "2.1.0")
+    assert_reply(got[1], 250, "2.1.5")
+    for size, r in zip((len(x) for x in chunks[:-1]), got[2:-1]):
+        assert r == f"250 2.0.0 {size} octets received", r
+    assert got[-1].startswith("250 2.0.0 Ok: queued as "), got[-1]
+    qid = int(got[-1].rsplit(" ", 1)[1])
+    assert stored_bodies(node)[qid].endswith(body)  # after the Received header we add
+    # The same session goes on with a plain DATA transaction.
+    assert send_one(c, "a@remote.test", ["alice@example.test"], b"Subject: after\r\n\r\nx\r\n").startswith("250 2.0.0")
+    assert [m["subject"] for m in messages(node)] == ["chunked", "after"]
+    assert "Traceback" not in node.log()
+
+
+def test_bdat_refusals_consume_the_chunk_and_change_nothing(make_node):
+    node = make_node(overrides={"frontend": {"max_message_size": 2000}}).start()
+    c = Raw(node.port)
+    ehlo(c)
+    smuggled = b"RSET\r\nMAIL FROM:<evil@remote.test>\r\nRCPT TO:<alice@example.test>\r\nDATA\r\n"
+    # Before MAIL: 503, and the chunk's octets are not read as commands.
+    c.send(f"BDAT {len(smuggled)} LAST\r\n".encode() + smuggled)
+    assert_reply(c.reply()[-1], 503, "5.5.1")
+    assert_reply(c.cmd("NOOP"), 250, "2.0.0")
+    # Syntax errors: 501, the session goes on.
+    for bad in ("BDAT", "BDAT x", "BDAT 5 FIRST", "BDAT -1 LAST", "BDAT 1 LAST extra"):
+        assert_reply(c.cmd(bad), 501, "5.5.4")
+    # Over the size limit: the chunk that crosses it and every later one are refused (552), the
+    # transaction ends at LAST, and the next one works.
+    got = bdat_message(c, [b"a" * 900 + b"\r\n", b"b" * 1500, b"c" * 10, b""])
+    assert got[2] == "250 2.0.0 902 octets received"
+    assert [r[:9] for r in got[3:]] == ["552 5.3.4"] * 3, got
+    # BDAT without LAST, then RSET: the chunk is dropped; DATA in the new transaction works.
+    assert_reply(c.cmd("MAIL FROM:<a@remote.test>"), 250, "2.1.0")
+    assert_reply(c.cmd("RCPT TO:<alice@example.test>"), 250, "2.1.5")
+    c.send(b"BDAT 9\r\nleftover!")
+    assert c.reply()[-1] == "250 2.0.0 9 octets received"
+    assert_reply(c.cmd("DATA"), 503, "5.5.1")  # no DATA once BDAT began (RFC 3030 2)
+    assert_reply(c.cmd("RSET"), 250, "2.0.0")
+    r = send_one(c, "a@remote.test", ["alice@example.test"], b"Subject: clean\r\n\r\nclean\r\n")
+    assert r.startswith("250 2.0.0 Ok: queued as ")
+    # An over-long line in a chunked message: refused like in DATA.
+    got = bdat_message(c, [b"Subject: long\r\n\r\n" + b"x" * 1200 + b"\r\n"])
+    assert_reply(got[-1], 500, "5.5.2")
+    assert_reply(c.cmd("QUIT"), 221, "2.0.0")
+    assert [m["subject"] for m in messages(node)] == ["clean"]
+    bodies = list(stored_bodies(node).values())
+    assert len(bodies) == 1 and b"leftover" not in bodies[0] and b"evil" not in bodies[0]
+    assert node.alive and "Traceback" not in node.log()

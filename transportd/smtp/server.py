@@ -2,7 +2,8 @@
 
 It owns the SMTP session rules every receive connector shares: EHLO keywords,
 limits (size, line length, commands per second, connections per connector and
-per source, absolute and inactivity timeouts), reading DATA in chunks, reply
+per source, absolute and inactivity timeouts), reading DATA in chunks, BDAT
+(CHUNKING, RFC 3030: every chunk read, also a refused one), reply
 wording with enhanced status codes, AUTH for configured users, and the factory
 that builds a session. It never decides relay or storage: a handler does
 (smtp/frontend.py, redundancy/server.py).
@@ -91,9 +92,43 @@ async def read_data(reader: asyncio.StreamReader, size_limit: int | None,
         return b"", error
     data = b"".join(parts)
     # Lines read in chunks were not measured one by one: measure them now (unstuffed ones were).
-    if data and max(map(len, data.split(b"\r\n"))) + 2 > line_limit:
+    if data and not _lines_fit(data, line_limit):
         return b"", DATA_TOO_LONG
     return data, None
+
+
+def _lines_fit(data: bytes, line_limit: int) -> bool:
+    """Every line of ``data``, its CRLF included, is at most ``line_limit`` octets."""
+    return max(map(len, data.split(b"\r\n"))) + 2 <= line_limit
+
+
+def _bdat_arg(arg: str | None) -> tuple[int, bool] | None:
+    """(chunk size, LAST) of ``BDAT <size> [LAST]`` (RFC 3030), or None when malformed."""
+    parts = (arg or "").split()
+    if not 1 <= len(parts) <= 2 or not (parts[0].isascii() and parts[0].isdigit()) or len(parts[0]) > 12:
+        return None
+    if len(parts) == 2 and parts[1].upper() != "LAST":
+        return None
+    return int(parts[0]), len(parts) == 2
+
+
+class _Chunks:
+    """The BDAT chunks of one transaction, and the reply that refused them, if one did."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.error: str | None = None
+
+    def add(self, data: bytes) -> None:
+        self.parts.append(data)
+        self.size += len(data)
+
+    def clear(self) -> None:
+        self.parts.clear()
+
+    def content(self) -> bytes:
+        return b"".join(self.parts)
 
 
 async def _rest_of_line(reader: asyncio.StreamReader) -> tuple[bytes, bool]:
@@ -266,7 +301,7 @@ class LimitedSMTP(SMTP):
         finally:
             self._plain_250 = False
 
-    async def smtp_DATA(self, arg: str) -> None:
+    async def _smtp_data(self, arg: str) -> None:
         """aiosmtpd's DATA, with the message read in chunks (read_data) instead of line by line."""
         if self._decode_data:
             await super().smtp_DATA(arg)
@@ -299,6 +334,84 @@ class LimitedSMTP(SMTP):
         status = await self._call_handler_hook("DATA")
         self._set_post_data_state()
         await self.push("250 OK" if status is MISSING else status)
+
+    async def smtp_BDAT(self, arg: str | None) -> None:
+        """CHUNKING (RFC 3030): ``BDAT <size> [LAST]``, the chunk's octets right after the line.
+
+        The chunk is always read, also when it is refused (a transaction not started, a size
+        over the limit, DATA's checks), so the octets that follow are the client's next command
+        and never the chunk's content. Chunks are kept on the envelope, so RSET and a new MAIL
+        drop them; after LAST the message goes to the handler as after DATA."""
+        parsed = _bdat_arg(arg)
+        if parsed is None:
+            await self.push(replies.S501_BDAT_SYNTAX)
+            return
+        size, last = parsed
+        envelope = self.envelope
+        assert envelope is not None
+        refusal = self._bdat_refusal(envelope)  # no transaction to add to: nothing is kept
+        chunks: _Chunks | None = getattr(envelope, "bdat", None)
+        over = bool(self.data_size_limit and (chunks.size if chunks else 0) + size > self.data_size_limit)
+        keep = refusal is None and not over and (chunks is None or chunks.error is None)
+        try:
+            data = await self._read_chunk(size, keep)
+        except asyncio.CancelledError:
+            log.info("connection lost during BDAT")
+            self._writer.close()
+            raise
+        except asyncio.IncompleteReadError:
+            self._writer.close()
+            return
+        if refusal is not None:
+            await self.push(refusal)
+            return
+        if chunks is None:
+            chunks = envelope.bdat = _Chunks()  # type: ignore[attr-defined]
+        if over and chunks.error is None:
+            chunks.error = replies.S552_MESSAGE_TOO_BIG  # the transaction failed; later chunks are read
+            chunks.clear()
+        if chunks.error is None:
+            chunks.add(data)
+        if not last:
+            await self.push(chunks.error or f"250 2.0.0 {size} octets received")
+            return
+        error = chunks.error
+        if error is None and chunks.size and not _lines_fit(chunks.content(), self.line_length_limit):
+            error = "500 Line too long (see RFC5321 4.5.3.1.6)"
+        if error is not None:
+            self._set_post_data_state()
+            await self.push(error)
+            return
+        envelope.content = envelope.original_content = chunks.content()
+        chunks.clear()
+        status = await self._call_handler_hook("DATA")
+        self._set_post_data_state()
+        await self.push("250 OK" if status is MISSING else status)
+
+    def _bdat_refusal(self, envelope: Envelope) -> str | None:
+        """Why a chunk cannot belong to a transaction now (None: it can)."""
+        if self.session is None or not self.session.host_name:
+            return replies.S503_HELO_FIRST
+        if self._auth_required and not self.session.authenticated:
+            return replies.S530_AUTH_REQUIRED
+        if envelope.mail_from is None or not envelope.rcpt_tos:
+            return replies.S503_NEED_MAIL_RCPT
+        return None
+
+    async def _read_chunk(self, size: int, keep: bool) -> bytes:
+        """``size`` octets from the client; when not kept, read and dropped piece by piece."""
+        if keep:
+            return await self._reader.readexactly(size)
+        left = size
+        while left:
+            left -= len(await self._reader.readexactly(min(left, 65536)))
+        return b""
+
+    async def smtp_DATA(self, arg: str) -> None:
+        if getattr(self.envelope, "bdat", None) is not None:
+            await self.push(replies.S503_DATA_AFTER_BDAT)  # RFC 3030 2: no DATA once BDAT began
+            return
+        await self._smtp_data(arg)
 
     # The shadow redundancy verbs exist only on the transport connector (docs/PROTOCOL.md section 1).
     async def smtp_XSHADOWREQUEST(self, arg: str | None) -> None:
