@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from pathlib import Path
 
 from clusters import FailoverNode, LocalCluster, accepted_with_shadow, send, sink_copies
 from conftest import wait_for
@@ -222,3 +223,34 @@ def test_primary_killed_after_delivery_before_discard_is_delivered_again(make_cl
     assert len(first) == 1 and len(second) == 1, (first, second)
     assert first[0]["network-message-id"] == second[0]["network-message-id"] == netid
     assert not n3.tracking(event_id="HADISCARD", network_message_id=netid)
+
+
+def test_a_peer_without_chunking_gets_shadow_copies_with_data_and_promotes_them(make_cluster, sink):
+    """Mixed peers: node3 offers no CHUNKING (transport.chunking_enabled = false), so node1's shadow
+    copies reach it with DATA, while node3's own copies go to site-a with BDAT; node3 promotes a
+    copy it got with DATA when node1 dies."""
+    import smtplib
+
+    c = make_cluster(heartbeat=0.5, resubmit=3)
+    n1, n3 = c["node1"], c["node3"]
+    config = Path(n3.spec.config)
+    config.write_text(config.read_text().replace("[transport]\n", "[transport]\nchunking_enabled = false\n", 1))
+    c.start()
+    for node, offered in ((n1, True), (n3, False)):
+        host, _, port = node.cfg.transport.listen.rpartition(":")
+        with smtplib.SMTP(host, int(port), timeout=10) as s:
+            s.ehlo("probe.test")
+            assert s.has_extn("chunking") is offered and s.has_extn("pipelining")
+
+    back = send(n3, "dave@foreign.test")  # node3 -> site-a, with BDAT
+    redirect = [r for r in n3.wait_event("HAREDIRECT") if r["internal-message-id"] == str(back)]
+    assert redirect and " 250 2.6.0 " in " " + redirect[0]["source-context"].split("=", 1)[1], redirect
+
+    mid = send(n1, "carol@foreign.test")  # node1 -> node3 (the other site), with DATA
+    netid = accepted_with_shadow(n1, n3, mid)
+    n1.wait_event("DEFER", netid)
+    n1.kill9()
+    sink.start()
+    n3.wait_event("RESUBMIT", netid, timeout=20)
+    wait_for(lambda: sink_copies(sink, netid), timeout=20, what="the copy made with DATA, promoted, at the sink")
+    assert "Traceback" not in n3.log()

@@ -27,6 +27,7 @@ from transportd.redundancy.connection import (
     ResubmitRequested,
     ServerConnection,
     ShadowAccepted,
+    SendBody,
     ShadowRefused,
     ShadowRequestAccepted,
     ShadowRequestReceived,
@@ -144,8 +145,7 @@ def test_malformed_reply_puts_the_client_in_error(send, reply: bytes) -> None:
     assert not c.discards_unapplied
     for call in (lambda: c.receive_data(b"250 x\r\n"), lambda: c.receive_reply(250, ["x"]), c.send_xshadow,
                  lambda: c.send_shadow_request(P_DBID), lambda: c.send_discard(),
-                 lambda: c.send_resubmit("db", 1, 2), lambda: c.mail_parameter(G1),
-                 c.expect_shadow_data_reply):
+                 lambda: c.send_resubmit("db", 1, 2), lambda: c.mail_parameter(G1), copy_of(c)):
         with pytest.raises(LocalProtocolError):
             call()
     assert c.state is ClientState.ERROR
@@ -237,6 +237,41 @@ def test_mail_parameter_needs_an_accepted_x_verb() -> None:
         c.mail_parameter(G1)  # the XSHADOWREQUEST reply is still awaited
 
 
+def copy_of(c: ClientConnection, chunking: bool = True, recipients: tuple[str, ...] = ("a@x.test",)):
+    return lambda: c.send_shadow_copy("s@y.test", ["BODY=8BITMIME"], list(recipients), BODY, G1, chunking=chunking)
+
+
+BODY = b"Subject: s\r\n\r\n.starts with a dot\r\nmid\r\n.\r\nend\r\n"
+
+
+def test_shadow_copy_is_one_pipelined_group_with_bdat() -> None:
+    c = shadowing_client()
+    wire = copy_of(c, recipients=("a@x.test", "ü@exämple.test"))()
+    assert wire == (b"MAIL FROM:<s@y.test> BODY=8BITMIME XSHADOW=" + G1.encode() + b"\r\n"
+                    b"RCPT TO:<a@x.test>\r\nRCPT TO:<" + "ü@exämple.test".encode() + b">\r\n"
+                    + f"BDAT {len(BODY)} LAST\r\n".encode() + BODY)
+    assert c.state is ClientState.AWAITING_COPY
+    replies = b"250 2.1.0 Ok\r\n250 2.1.5 Ok\r\n250 2.1.5 Ok\r\n250 2.6.0 <m@x> Queued mail for redundancy\r\n"
+    events = [e for i in range(len(replies)) for e in c.receive_data(replies[i:i + 1])]  # split at every byte
+    assert events == [ShadowAccepted("2.6.0 <m@x> Queued mail for redundancy")]
+    assert c.state is ClientState.IDLE
+
+
+def test_shadow_copy_with_data_where_the_peer_offers_no_chunking() -> None:
+    c = shadowing_client()
+    assert copy_of(c, chunking=False)().endswith(b"RCPT TO:<a@x.test>\r\nDATA\r\n")
+    assert c.receive_reply(250, ["2.1.0 Ok"]) == []
+    assert c.receive_reply(250, ["2.1.5 Ok"]) == []
+    [go] = c.receive_reply(354, ["End data with <CR><LF>.<CR><LF>"])
+    assert isinstance(go, SendBody)
+    assert go.data == b"Subject: s\r\n\r\n..starts with a dot\r\nmid\r\n..\r\nend\r\n.\r\n"
+    assert c.receive_reply(250, ["2.6.0 <m@x> queued"]) == [ShadowAccepted("2.6.0 <m@x> queued")]
+    c2 = shadowing_client()
+    c2.send_shadow_copy("s@y.test", [], ["a@x.test"], b".first line, no line end", G1, chunking=False)
+    c2.receive_reply(250, ["ok"]), c2.receive_reply(250, ["ok"])
+    assert c2.receive_reply(354, ["go"]) == [SendBody(b"..first line, no line end\r\n.\r\n")]
+
+
 @pytest.mark.parametrize("code, lines, accepted", [
     (250, [f"2.6.0 <m@x> [InternalId=7, Hostname={SHADOW}] Queued mail for redundancy"], True),
     (250, ["2.6.0 <m@x>", "Queued mail for redundancy"], True),
@@ -248,25 +283,43 @@ def test_shadow_counts_only_with_250_and_2_6_0(code: int, lines: list[str], acce
     text = "\n".join(lines)
     expected = ShadowAccepted(text) if accepted else ShadowRefused(code, text)
     c = shadowing_client()
-    c.expect_shadow_data_reply()
-    assert c.state is ClientState.AWAITING_DATA
+    copy_of(c)()
+    c.receive_reply(250, ["2.1.0 Ok"]), c.receive_reply(250, ["2.1.5 Ok"])
     assert c.receive_reply(code, lines) == [expected]
     wire = "".join(f"{code}{'-' if i < len(lines) - 1 else ' '}{t}\r\n" for i, t in enumerate(lines))
-    c.expect_shadow_data_reply()
-    assert c.receive_data(wire.encode()) == [expected]
+    copy_of(c)()
+    assert c.receive_data(b"250 2.1.0 Ok\r\n250 2.1.5 Ok\r\n" + wire.encode()) == [expected]
     assert c.state is ClientState.IDLE
 
 
-def test_shadow_data_reply_needs_a_shadow_request() -> None:
+@pytest.mark.parametrize("mail, rcpt, last, refused, held", [
+    ((550, "5.7.1 no"), (503, "5.5.1 need MAIL"), (503, "5.5.1 need MAIL and RCPT"), (550, "5.7.1 no"), False),
+    ((250, "ok"), (501, "5.1.3 bad address"), (503, "5.5.1 need MAIL and RCPT"), (501, "5.1.3 bad address"), False),
+    ((250, "ok"), (501, "5.1.3 bad address"), (250, "2.6.0 <m@x> queued"), (501, "5.1.3 bad address"), True),
+    ((250, "ok"), (250, "ok"), (452, "4.3.1 full"), (452, "4.3.1 full"), False),
+])
+def test_a_refused_step_refuses_the_copy_with_the_first_refusal(mail, rcpt, last, refused, held) -> None:
+    c = shadowing_client()
+    copy_of(c)()
+    assert c.receive_reply(*mail[:1], [mail[1]]) == [] and c.receive_reply(rcpt[0], [rcpt[1]]) == []
+    [event] = c.receive_reply(last[0], [last[1]])
+    assert event == ShadowRefused(*refused)
+    assert event.held is held  # stored all the same: the primary sends it a discard event
+    assert c.state is ClientState.IDLE
+
+
+def test_shadow_copy_needs_a_shadow_request_and_recipients() -> None:
     with pytest.raises(LocalProtocolError):
-        identified_client().expect_shadow_data_reply()
+        copy_of(identified_client())()
+    with pytest.raises(LocalProtocolError):
+        copy_of(shadowing_client(), recipients=())()
 
 
 def test_no_pipelining_of_x_verbs() -> None:
     c = identified_client()
     c.send_discard()
     for call in (c.send_xshadow, lambda: c.send_discard(), lambda: c.send_resubmit("db", 1, 2),
-                 lambda: c.send_shadow_request(P_DBID), c.expect_shadow_data_reply):
+                 lambda: c.send_shadow_request(P_DBID), copy_of(c)):
         with pytest.raises(LocalProtocolError):
             call()
     assert c.state is ClientState.AWAITING_DISCARD

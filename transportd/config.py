@@ -267,6 +267,9 @@ KEYS: tuple[Key, ...] = (
     Key("transport", "tls_ca", "", _str,
         "PEM CA bundle that signed the peers' transport certificates; when set, a peer's certificate is "
         "verified before the cluster secret is sent"),
+    Key("transport", "chunking_enabled", True, _bool,
+        "offer CHUNKING (BDAT) on the transport connector; peers send shadow copies with BDAT where it is "
+        "offered, else with DATA", "ChunkingEnabled"),
     Key("cluster", "secret", "", _str,
         "the cluster credential: peers authenticate with AUTH PLAIN (user = their FQDN, password = this)"),
     # frontend receive connector
@@ -292,6 +295,8 @@ KEYS: tuple[Key, ...] = (
     Key("frontend", "tls_certificate", "", _str, "PEM certificate chain; when set, STARTTLS is offered"),
     Key("frontend", "tls_key", "", _str, "PEM private key for tls_certificate"),
     Key("frontend", "require_tls", False, _bool, "refuse mail transactions before STARTTLS", "RequireTLS"),
+    Key("frontend", "chunking_enabled", True, _bool,
+        "offer CHUNKING (BDAT, RFC 3030) on the frontend receive connector", "ChunkingEnabled"),
     Key("frontend", "auth_users", {}, _credentials,
         "user = \"password\" pairs for AUTH PLAIN/LOGIN (offered only after STARTTLS); "
         "authenticated clients may relay"),

@@ -141,7 +141,8 @@ class Node:
         authenticator = make_peer_authenticator({p.name for p in cfg.peers}, cfg.cluster.secret)
         await self._serve(cfg.transport.listen, smtp_factory(
             cfg, handler, counter, tls_context, smtp_class=TransportSMTP, authenticator=authenticator,
-            auth_require_tls=tls_context is not None, require_tls=tls_context is not None))
+            auth_require_tls=tls_context is not None, require_tls=tls_context is not None,
+            chunking=cfg.transport.chunking_enabled))
         log.info("transport connector for %d peer(s) on %s%s", len(cfg.peers), cfg.transport.listen,
                  " (STARTTLS required)" if tls_context else "")
 

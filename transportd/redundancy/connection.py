@@ -82,6 +82,13 @@ class ShadowAccepted(Event):
 class ShadowRefused(Event):
     code: int
     text: str
+    held: bool = field(default=False, compare=False)  # the peer stored the data all the same
+
+
+@dataclass(frozen=True)
+class SendBody(Event):
+    """354 to a shadow copy's DATA: write ``data`` (the body, dot-stuffed and terminated) now."""
+    data: bytes
 
 
 @dataclass(frozen=True)
@@ -192,7 +199,7 @@ class ClientState(enum.Enum):
     AWAITING_XSHADOW = "XSHADOW"
     AWAITING_DISCARD = "XQDISCARD"
     AWAITING_RESUBMIT = "XRESUBMIT"
-    AWAITING_DATA = "DATA"  # the DATA reply of a shadow copy
+    AWAITING_COPY = "shadow copy"  # the replies of a shadow copy's MAIL, RCPTs and BDAT or DATA
     ERROR = "error"
 
 
@@ -210,6 +217,7 @@ class ClientConnection:
         self._lines = _Lines()
         self._partial: list[str] = []
         self._partial_code = 0
+        self._copy: _Copy | None = None
 
     @property
     def discards_unapplied(self) -> bool:
@@ -275,12 +283,25 @@ class ClientConnection:
         except ProtocolError:
             raise LocalProtocolError(f"not a GUID: {guid!r}") from None
 
-    def expect_shadow_data_reply(self) -> None:
-        """The next reply is the DATA reply of a shadow copy (it counts only with 250 and 2.6.0)."""
-        self._ready("DATA")
+    def send_shadow_copy(self, sender: str, params: Sequence[str], recipients: Sequence[str], data: bytes,
+                         guid: str, *, chunking: bool) -> bytes:
+        """One shadow copy as one pipelined group (RFC 2920): MAIL ``XSHADOW=<guid>``, a RCPT per
+        recipient, then ``BDAT <size> LAST`` and the body (CHUNKING, RFC 3030) or DATA, whose
+        body follows its 354 (``SendBody``). The copy counts only when MAIL and every RCPT got
+        250 and the last reply is 250 with 2.6.0 (``ShadowAccepted``)."""
+        self._ready("MAIL")
         if not self.shadow_requested:
             raise LocalProtocolError("a shadow copy before an accepted XSHADOWREQUEST")
-        self.state = ClientState.AWAITING_DATA
+        if not recipients:
+            raise LocalProtocolError("a shadow copy without recipients")
+        words = [b"MAIL FROM:" + envelope_path(sender),
+                 *(p.encode("ascii") for p in (*params, self.mail_parameter(guid)))]
+        lines = [b" ".join(words)] + [b"RCPT TO:" + envelope_path(r) for r in recipients]
+        self._copy = _Copy(["MAIL"] + ["RCPT"] * len(recipients) + ["BDAT" if chunking else "DATA"],
+                           b"" if chunking else dot_stuff(data))
+        self.state = ClientState.AWAITING_COPY
+        tail = f"BDAT {len(data)} LAST\r\n".encode("ascii") + data if chunking else b"DATA\r\n"
+        return b"\r\n".join(lines) + b"\r\n" + tail
 
     # -- replies --------------------------------------------------------------------
 
@@ -335,9 +356,10 @@ class ClientConnection:
     def _answer(self, code: int, lines: list[str]) -> list[Event]:
         awaiting = self.state
         text = "\n".join(lines)
-        if awaiting is ClientState.AWAITING_DATA:
-            event: Event = (ShadowAccepted(text) if code == 250 and "2.6.0" in text else ShadowRefused(code, text))
-        elif awaiting is ClientState.AWAITING_DISCARD and code in (250, 251):
+        if awaiting is ClientState.AWAITING_COPY:
+            return self._copy_reply(code, text)
+        event: Event
+        if awaiting is ClientState.AWAITING_DISCARD and code in (250, 251):
             entries = tuple(parse_discard_entries(code, lines))
             event = DiscardBatch(entries, len(entries) < self._asked)
         elif code != 250:
@@ -354,6 +376,46 @@ class ClientConnection:
             event = ResubmitAnswered(code, text)
         self.state = ClientState.IDLE
         return [event]
+
+    def _copy_reply(self, code: int, text: str) -> list[Event]:
+        copy = self._copy
+        assert copy is not None
+        step = copy.awaiting.pop(0)
+        if step in ("MAIL", "RCPT"):
+            if code not in ((250,) if step == "MAIL" else (250, 251)) and copy.refusal is None:
+                copy.refusal = (code, text)
+            return []
+        if step == "DATA" and code == 354:
+            copy.awaiting.append("end of data")
+            return [SendBody(copy.body)]
+        self.state, self._copy = ClientState.IDLE, None
+        if copy.refusal is None and code == 250 and "2.6.0" in text:
+            return [ShadowAccepted(text)]
+        refused = copy.refusal or (code, text)
+        return [ShadowRefused(refused[0], refused[1], held=code == 250)]
+
+
+@dataclass
+class _Copy:
+    """What a shadow copy in flight still awaits, and the first refusal it got."""
+    awaiting: list[str]
+    body: bytes  # DATA's body, dot-stuffed, with its terminating line
+    refusal: tuple[int, str] | None = None
+
+
+def envelope_path(address: str) -> bytes:
+    """``<address>`` exactly as received, UTF-8 (RFC 6531), as MAIL and RCPT carry it."""
+    return b"<" + address.encode("utf-8", "surrogateescape") + b">"
+
+
+def dot_stuff(data: bytes) -> bytes:
+    """A DATA body (RFC 5321 4.5.2): a leading dot doubled on every line, CRLF at the end, then
+    the lone-dot line."""
+    if not data.endswith(b"\r\n"):
+        data += b"\r\n"
+    if data.startswith(b"."):
+        data = b"." + data
+    return data.replace(b"\r\n.", b"\r\n..") + b".\r\n"
 
 
 # ----------------------------------------------------------------------------- server

@@ -179,6 +179,8 @@ class ShadowManager:
                 await s.shadow_request(self.queue_database_id)
                 result = await s.copy(msg.sender, params, recipients, msg.data, guid)
                 ok = True  # the session is fine, whatever the peer answered
+                if result.held and peer.name not in uncertain:
+                    uncertain.append(peer.name)  # refused, yet stored: it gets a discard event
                 return result.accepted, result.reply
         except aiosmtplib.SMTPResponseException as exc:
             if s is not None:

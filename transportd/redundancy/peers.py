@@ -4,8 +4,9 @@ It owns opening an authenticated session to a boundary peer (EHLO, STARTTLS
 where configured, AUTH PLAIN with this node's FQDN and the cluster secret: the
 only place a peer is authenticated), reusing idle sessions, and the client side
 of each exchange over such a session, driven by the sans-I/O
-``ClientConnection`` (redundancy/connection.py): a shadow copy
-(XSHADOWREQUEST once per session, then MAIL ``XSHADOW=``), the XSHADOW +
+``ClientConnection`` (redundancy/connection.py) over the stream of
+redundancy/wire.py: a shadow copy (XSHADOWREQUEST once per session, then MAIL
+``XSHADOW=``, RCPT and ``BDAT <n> LAST`` with the body in one write), the XSHADOW +
 XQDISCARD exchange (heartbeat and hop-by-hop start), XRESUBMIT. It never reads
 or writes the queue database and decides nothing: the Shadow Redundancy
 Manager does.
@@ -22,10 +23,10 @@ import aiosmtplib
 from transportd.config import peer_tls_options
 from transportd.errors import PEER_FAILURES, ProtocolError
 from transportd.redundancy.connection import (ClientConnection, CommandRefused, DiscardBatch,
-                                              PrimaryIdentified, ResubmitAnswered, ShadowAccepted,
-                                              ShadowRequestAccepted)
+                                              PrimaryIdentified, ResubmitAnswered, SendBody, ShadowAccepted,
+                                              ShadowRefused, ShadowRequestAccepted)
+from transportd.redundancy.wire import PeerWire
 from transportd.redundancy.protocol import Peer
-from transportd.smtp import client as smtpclient
 
 DISCARD_BATCH = 50
 IDLE_SESSIONS_PER_PEER = 16
@@ -39,13 +40,14 @@ def tls_options(cfg: Any) -> dict[str, Any]:
 @dataclass
 class ShadowCopyReply:
     accepted: bool
-    reply: str  # the peer's DATA reply
+    reply: str  # the peer's reply to the copy (or the first refusal of its MAIL or a RCPT)
+    held: bool = False  # refused, yet the peer stored the data: it gets a discard event
 
 
 class PeerSession:
     """One authenticated session to a peer's transport connector and its protocol state."""
 
-    def __init__(self, client: aiosmtplib.SMTP, peer: Peer, local_fqdn: str):
+    def __init__(self, client: aiosmtplib.SMTP | PeerWire, peer: Peer, local_fqdn: str):
         self.client = client
         self.peer = peer
         self.conn = ClientConnection(local_fqdn)
@@ -70,20 +72,26 @@ class PeerSession:
 
     async def copy(self, sender: str, params: list[str], recipients: list[str], data: bytes,
                    guid: str) -> ShadowCopyReply:
-        """MAIL ``XSHADOW=<guid>``, RCPT, DATA: a shadow copy counts only when the peer says 2.6.0."""
+        """MAIL ``XSHADOW=<guid>``, RCPT and ``BDAT <n> LAST`` (DATA where the peer offers no
+        CHUNKING) in one write, the replies read as they come: the copy counts only when the peer
+        says 2.6.0. A refused copy leaves the session usable."""
+        client = self.client
+        if not isinstance(client, PeerWire):
+            raise ProtocolError("shadow copies go over a pooled peer session")
         self.data_sent = False
-        await smtpclient.mail(self.client, sender, [*params, self.conn.mail_parameter(guid)])
-        for r in recipients:
-            await smtpclient.rcpt(self.client, r)
-        self.conn.expect_shadow_data_reply()
-        self.data_sent = True
-        try:
-            resp = await self.client.data(data)
-            code, text = resp.code, resp.message
-        except aiosmtplib.SMTPResponseException as exc:  # refused: the session itself goes on
-            code, text = exc.code, exc.message
-        events = self.conn.receive_reply(code, text.splitlines())
-        return ShadowCopyReply(any(isinstance(e, ShadowAccepted) for e in events), f"{code} {text}")
+        group = self.conn.send_shadow_copy(sender, params, recipients, data, guid,
+                                           chunking=client.supports_extension("chunking"))
+        client.write(group)
+        self.data_sent = True  # from here the peer may hold the copy
+        while True:
+            reply = await client.read_reply()
+            for event in self.conn.receive_reply(reply.code, reply.message.split("\n")):
+                if isinstance(event, SendBody):
+                    client.write(event.data)
+                elif isinstance(event, ShadowAccepted):
+                    return ShadowCopyReply(True, f"{reply.code} {event.reply_text}")
+                elif isinstance(event, ShadowRefused):
+                    return ShadowCopyReply(False, f"{event.code} {event.text}", held=event.held)
 
     async def identify(self) -> str:
         """XSHADOW: announce ourselves as a shadow; returns the primary's queue database ID."""
@@ -144,7 +152,7 @@ def _refusal(verb: str, events: list[Any]) -> str:
     return f"{verb}: no answer understood"
 
 
-async def authenticate(client: aiosmtplib.SMTP, local_fqdn: str, secret: str) -> None:
+async def authenticate(client: aiosmtplib.SMTP | PeerWire, local_fqdn: str, secret: str) -> None:
     """Prove cluster membership on a session to a peer: AUTH PLAIN, user = our FQDN."""
     await client.auth_plain(local_fqdn, secret)
 
@@ -155,8 +163,7 @@ async def open_session(peer: Peer, *, local_fqdn: str, secret: str, tls: dict[st
     offer XSHADOWREQUEST). A heartbeat needs only XSHADOW + XQDISCARD, which a peer with shadow
     redundancy disabled still answers for the copies others hold of its mail."""
     host, _, port = peer.transport.rpartition(":")
-    client = aiosmtplib.SMTP(hostname=host.strip("[]"), port=int(port), local_hostname=local_fqdn,
-                             timeout=timeout, **tls)
+    client = PeerWire(host.strip("[]"), int(port), local_hostname=local_fqdn, timeout=timeout, **tls)
     await client.connect(**({"timeout": connect_timeout} if connect_timeout else {}))
     try:
         await client.ehlo()
@@ -167,7 +174,7 @@ async def open_session(peer: Peer, *, local_fqdn: str, secret: str, tls: dict[st
     return PeerSession(client, peer, local_fqdn)
 
 
-async def start_peer_session(client: aiosmtplib.SMTP, peer_name: str, *, local_fqdn: str, secret: str,
+async def start_peer_session(client: aiosmtplib.SMTP | PeerWire, peer_name: str, *, local_fqdn: str, secret: str,
                              shadows: bool) -> None:
     """AUTH on a session whose EHLO is done; ``shadows``: the peer must offer XSHADOWREQUEST."""
     if shadows and not client.supports_extension("xshadowrequest"):

@@ -82,7 +82,8 @@ class FrontendHandler:
         session.host_name = hostname
         out = [r for r in responses if not r.startswith("250 HELP")]
         out.append("250-PIPELINING")
-        out.append("250-CHUNKING")
+        if getattr(server, "chunking", False):
+            out.append("250-CHUNKING")
         out.append("250-ENHANCEDSTATUSCODES")
         out.append("250 HELP")
         return out

@@ -198,7 +198,8 @@ class LimitedSMTP(SMTP):
     """aiosmtpd's SMTP with connection limits, an absolute timeout and our reply wording."""
 
     def __init__(self, handler: Any, *, counter: ConnectionCounter, connection_timeout: float,
-                 max_line_length: int, rate_limiter: CommandRateLimiter | None = None, **kwargs: Any):
+                 max_line_length: int, rate_limiter: CommandRateLimiter | None = None, chunking: bool = True,
+                 **kwargs: Any):
         # The StreamReader's limit is set from line_length_limit inside SMTP.__init__.
         self.line_length_limit = max_line_length + 2
         super().__init__(handler, **kwargs)
@@ -213,6 +214,7 @@ class LimitedSMTP(SMTP):
         self._counted_ip: str | None = None
         self._absolute_handle: asyncio.TimerHandle | None = None
         self._plain_250 = False  # HELO/EHLO replies carry no enhanced status code (RFC 2034)
+        self.chunking = chunking  # CHUNKING offered (EHLO) and BDAT served
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         first = self.transport is None
@@ -342,6 +344,9 @@ class LimitedSMTP(SMTP):
         over the limit, DATA's checks), so the octets that follow are the client's next command
         and never the chunk's content. Chunks are kept on the envelope, so RSET and a new MAIL
         drop them; after LAST the message goes to the handler as after DATA."""
+        if not self.chunking:
+            await self.push(replies.S502_NOT_IMPLEMENTED)  # not offered: the octets after it are commands
+            return
         parsed = _bdat_arg(arg)
         if parsed is None:
             await self.push(replies.S501_BDAT_SYNTAX)
@@ -466,7 +471,8 @@ def _consteq(a: str, b: str) -> bool:
 
 def smtp_factory(cfg: Any, handler: Any, counter: ConnectionCounter,
                  tls_context: Any = None, *, smtp_class: type = None, authenticator: Any = None,
-                 auth_require_tls: bool = True, require_tls: bool | None = None) -> Callable[[], LimitedSMTP]:
+                 auth_require_tls: bool = True, require_tls: bool | None = None,
+                 chunking: bool | None = None) -> Callable[[], LimitedSMTP]:
     fe = cfg.frontend
     auth_kwargs: dict[str, Any] = {}
     if authenticator is None and fe.auth_users and smtp_class is None:
@@ -487,6 +493,7 @@ def smtp_factory(cfg: Any, handler: Any, counter: ConnectionCounter,
         return cls(
             handler, counter=counter, connection_timeout=fe.connection_timeout,
             max_line_length=fe.max_line_length,
+            chunking=fe.chunking_enabled if chunking is None else chunking,
             hostname=cfg.node.name, ident="ESMTP transportd", data_size_limit=fe.max_message_size,
             enable_SMTPUTF8=True, decode_data=False, timeout=fe.connection_inactivity_timeout,
             tls_context=tls_context, require_starttls=starttls_required,

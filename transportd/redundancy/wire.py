@@ -1,0 +1,169 @@
+"""The asyncio adapter under a peer session: one TCP (or STARTTLS) stream to a peer's transport connector.
+
+It owns the socket: connecting and reading the greeting, EHLO and the keywords the
+peer offers, STARTTLS (the peer's certificate checked against ``transport.tls_ca``
+where set), AUTH PLAIN's exchange, writing bytes a caller (the sans-I/O
+``ClientConnection``) produced, and reading replies one at a time as they come,
+so a pipelined group's replies are taken from the stream in order. It never
+decides what to send or what a reply means for a shadow copy (connection.py does),
+and it holds no queue database. aiosmtplib stays the client for delivery outside
+the boundary; its protocol object reads one reply per command written, which
+pipelining cannot use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ssl
+from dataclasses import dataclass
+from typing import Any
+
+from transportd.errors import PeerPermanentError, PeerTransientError, ProtocolError
+
+MAX_REPLY_LINES = 200
+
+
+@dataclass(frozen=True)
+class Reply:
+    code: int
+    message: str  # its lines joined with LF, as aiosmtplib's SMTPResponse has it
+
+
+def tls_context(options: dict[str, Any]) -> ssl.SSLContext:
+    """The context for STARTTLS from aiosmtplib-style options (``validate_certs``, ``cert_bundle``)."""
+    if options.get("validate_certs"):
+        return ssl.create_default_context(cafile=options.get("cert_bundle"))
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+class PeerWire:
+    """One session's stream. Every read is bounded by ``timeout``; a closed stream raises
+    PeerTransientError, a reply that is no SMTP reply ProtocolError."""
+
+    def __init__(self, hostname: str, port: int, *, local_hostname: str, timeout: float,
+                 start_tls: bool = False, **tls: Any):
+        self.hostname = hostname
+        self.port = port
+        self.local_hostname = local_hostname
+        self.timeout = timeout
+        self.start_tls = start_tls
+        self.tls = tls
+        self.extensions: dict[str, str] = {}
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    # ------------------------------------------------------------------ the session
+
+    async def connect(self, timeout: float | None = None) -> Reply:
+        """Open the connection and read the greeting (220)."""
+        self._reader, self._writer = await asyncio.wait_for(
+            asyncio.open_connection(self.hostname, self.port, limit=1 << 20), timeout or self.timeout)
+        greeting = await self.read_reply()
+        if greeting.code != 220:
+            self.close()
+            raise PeerTransientError(f"greeting {greeting.code} {greeting.message}")
+        return greeting
+
+    async def ehlo(self) -> Reply:
+        """EHLO, with STARTTLS first where configured (then EHLO again, as RFC 3207 asks)."""
+        reply = await self._ehlo()
+        if self.start_tls:
+            if not self.supports_extension("starttls"):
+                raise PeerPermanentError(f"{self.hostname}:{self.port} does not offer STARTTLS")
+            answer = await self.execute_command(b"STARTTLS")
+            if answer.code != 220:
+                raise PeerPermanentError(f"STARTTLS answered {answer.code} {answer.message}")
+            assert self._writer is not None
+            await asyncio.wait_for(self._writer.start_tls(tls_context(self.tls), server_hostname=self.hostname),
+                                   self.timeout)
+            reply = await self._ehlo()
+        return reply
+
+    async def _ehlo(self) -> Reply:
+        reply = await self.execute_command(b"EHLO", self.local_hostname.encode("ascii"))
+        if reply.code != 250:
+            raise PeerPermanentError(f"EHLO answered {reply.code} {reply.message}")
+        self.extensions = {}
+        for line in reply.message.split("\n")[1:]:
+            keyword, _, rest = line.strip().partition(" ")
+            self.extensions[keyword.lower()] = rest
+        return reply
+
+    def supports_extension(self, name: str) -> bool:
+        return name.lower() in self.extensions
+
+    async def auth_plain(self, username: str, password: str) -> Reply:
+        token = base64.b64encode(b"\0" + username.encode("utf-8") + b"\0" + password.encode("utf-8"))
+        reply = await self.execute_command(b"AUTH", b"PLAIN", token)
+        if reply.code != 235:
+            raise PeerPermanentError(f"AUTH PLAIN answered {reply.code} {reply.message}")
+        return reply
+
+    @property
+    def is_connected(self) -> bool:
+        return self._writer is not None and not self._writer.is_closing()
+
+    # ------------------------------------------------------------------ bytes and replies
+
+    def write(self, data: bytes) -> None:
+        if not self.is_connected:
+            raise PeerTransientError(f"the session to {self.hostname}:{self.port} is closed")
+        assert self._writer is not None
+        self._writer.write(data)
+
+    async def execute_command(self, *words: bytes) -> Reply:
+        """One command line, one reply."""
+        self.write(b" ".join(words) + b"\r\n")
+        return await self.read_reply()
+
+    async def read_reply(self) -> Reply:
+        """The next reply from the stream (multi-line replies joined)."""
+        lines: list[str] = []
+        while True:
+            line = await self._read_line()
+            text = line.rstrip(b"\r\n").decode("utf-8", "replace")
+            code = text[:3]
+            if not (len(code) == 3 and code.isdigit()) or text[3:4] not in ("", " ", "-"):
+                raise ProtocolError(f"not an SMTP reply line from {self.hostname}: {text[:60]!r}")
+            lines.append(text[4:])
+            if text[3:4] != "-":
+                return Reply(int(code), "\n".join(lines))
+            if len(lines) > MAX_REPLY_LINES:
+                raise ProtocolError(f"a reply of more than {MAX_REPLY_LINES} lines from {self.hostname}")
+
+    async def _read_line(self) -> bytes:
+        if self._reader is None:
+            raise PeerTransientError("not connected")
+        try:
+            line = await asyncio.wait_for(self._reader.readuntil(b"\n"), self.timeout)
+        except asyncio.IncompleteReadError:
+            self.close()
+            raise PeerTransientError(f"{self.hostname}:{self.port} closed the connection") from None
+        except asyncio.LimitOverrunError:
+            self.close()
+            raise ProtocolError(f"a reply line too long from {self.hostname}") from None
+        return line
+
+    async def drain(self) -> None:
+        if self._writer is not None:
+            await asyncio.wait_for(self._writer.drain(), self.timeout)
+
+    async def rset(self) -> Reply:
+        return await self.execute_command(b"RSET")
+
+    async def quit(self) -> None:
+        try:
+            await self.execute_command(b"QUIT")
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except Exception:  # noqa: BLE001 - closing a broken stream
+                pass
