@@ -609,7 +609,7 @@ def test_node_options_before_or_after_the_command_and_the_environment(make_node,
 
     def real(*args: str, **extra_env: str) -> str:
         res = subprocess.run([sys.executable, "-m", "transportd", *args], capture_output=True, text=True,
-                             timeout=60, env={**env, **extra_env}, cwd=tmp_path)
+                             timeout=60, env={**env, **extra_env}, cwd=tmp_path, check=False)
         assert res.returncode == 0 and res.stderr == "", (args, res.returncode, res.stderr)
         return res.stdout
 
@@ -633,10 +633,10 @@ def test_node_options_before_or_after_the_command_and_the_environment(make_node,
     other.write_text(f'[node]\ndata_dir = "{tmp_path / "elsewhere"}"\n')
     assert real("queue", "list", "-d", data, TRANSPORTD_CONFIG=str(other)) == after
     res = subprocess.run([sys.executable, "-m", "transportd", "queue", "list"], capture_output=True, text=True,
-                         timeout=60, env={**env, "TRANSPORTD_CONFIG": str(other)}, cwd=tmp_path)
+                         timeout=60, env={**env, "TRANSPORTD_CONFIG": str(other)}, cwd=tmp_path, check=False)
     assert_one_error_line(res, 1, "no queue database", str(tmp_path / "elsewhere"))
     res = subprocess.run([sys.executable, "-m", "transportd", "-c", str(tmp_path / "nope.toml"), "queue", "list"],
-                         capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+                         capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path, check=False)
     assert_one_error_line(res, 2, "nope.toml", "no such config file")
 
 
@@ -644,10 +644,10 @@ def test_shell_completion_is_clicks():
     """docs/operations.md: eval "$(_TRANSPORTD_COMPLETE=bash_source transportd)"."""
     env = {**os.environ, "_TRANSPORTD_COMPLETE": "bash_source"}
     script = subprocess.run([sys.executable, "-m", "transportd"], capture_output=True, text=True, timeout=30,
-                            env=env).stdout
+                            env=env, check=False).stdout
     assert "_transportd_completion" in script and "complete " in script, script[:300]
     env = {**os.environ, "_TRANSPORTD_COMPLETE": "bash_complete", "COMP_WORDS": "transportd message re",
            "COMP_CWORD": "2"}
     out = subprocess.run([sys.executable, "-m", "transportd"], capture_output=True, text=True, timeout=30,
-                         env=env).stdout
+                         env=env, check=False).stdout
     assert out.split() == ["plain,remove", "plain,resume"], out
