@@ -96,7 +96,8 @@ class NodeEvents:
         except Exception as exc:  # noqa: BLE001 - logging must not fail mail
             log.error("cannot write tracking log (%s %s): %s", event_id, row.get("id"), exc, extra=ids)
         try:
-            self.metrics.on_event(event_id, row, str(fields.get("source_context") or ""))
+            self.metrics.on_event(event_id, row, str(fields.get("source_context") or ""),
+                                  str(fields.get("connector_id") or ""))
             level = EVENT_LOG_LEVELS.get(event_id, logging.DEBUG)
             if event_id != "RECEIVE" and log.isEnabledFor(level):
                 status = fields.get("recipient_status")

@@ -254,7 +254,9 @@ def shadow_copies(conn: Connection, primary: str, include_done: bool) -> list[di
 def queue_gauges(conn: Connection) -> dict[str, Any]:
     """Grouped counts for the scrape-time gauges: ``queues`` (identity, recipient status, messages),
     ``shadows`` (primary, copies), ``safety_net`` (role, messages), ``not_redundant`` (redundancy
-    state, messages) and ``poison`` (messages held in the Poison queue)."""
+    state, messages), ``poison`` (messages held in the Poison queue), ``oldest`` (identity, the
+    earliest received_at of a message waiting in it), ``poison_oldest``, ``suspended`` (identities)
+    and ``contexts`` (primary, last successful heartbeat, consecutive failures)."""
     q = conn.execute(
         select(queues.c.identity, recipients.c.status, func.count(func.distinct(recipients.c.message_id)))
         .join(recipients, recipients.c.queue_id == queues.c.id)
@@ -276,4 +278,17 @@ def queue_gauges(conn: Connection) -> dict[str, Any]:
         .group_by(messages.c.redundancy)).all()
     poison = conn.execute(select(func.count()).select_from(messages).where(
         messages.c.poisoned == 1, messages.c.state == mq.QUEUED)).scalar() or 0
-    return {"queues": q, "shadows": shadows, "safety_net": nets, "not_redundant": exposed, "poison": poison}
+    oldest = conn.execute(
+        select(queues.c.identity, func.min(messages.c.received_at))
+        .join(recipients, recipients.c.queue_id == queues.c.id)
+        .join(messages, messages.c.id == recipients.c.message_id)
+        .where(recipients.c.status.not_in(mq.TERMINAL), messages.c.role == "primary",
+               messages.c.state == mq.QUEUED, messages.c.poisoned == 0)
+        .group_by(queues.c.identity)).all()
+    poison_oldest = conn.execute(select(func.min(messages.c.received_at)).where(
+        messages.c.poisoned == 1, messages.c.state == mq.QUEUED)).scalar()
+    suspended = list(conn.execute(select(queues.c.identity).where(queues.c.suspended == 1)).scalars())
+    contexts = conn.execute(select(shadow_contexts.c.peer, shadow_contexts.c.last_heartbeat_at,
+                                   shadow_contexts.c.consecutive_failures)).all()
+    return {"queues": q, "shadows": shadows, "safety_net": nets, "not_redundant": exposed, "poison": poison,
+            "oldest": oldest, "poison_oldest": poison_oldest, "suspended": suspended, "contexts": contexts}
