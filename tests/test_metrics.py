@@ -229,6 +229,7 @@ def test_operator_gauges_queue_age_suspended_connections_and_standard_collectors
     node.cli("queue", "suspend", queue)
     s = scrape_until("127.0.0.1", node.metrics_port,
                      lambda s: value(s, "transportd_queue_suspended", queue=queue) == 1, "the queue suspended")
+    assert value(s, "transportd_queue_oldest_message_age_seconds", queue=queue) > age  # still waiting
     node.cli("queue", "resume", queue)
     scrape_until("127.0.0.1", node.metrics_port,
                  lambda s: value(s, "transportd_queue_suspended", queue=queue) == 0, "the queue resumed")
@@ -237,9 +238,9 @@ def test_operator_gauges_queue_age_suspended_connections_and_standard_collectors
     try:
         for c in held:
             assert c.recv(100).startswith(b"220")
-        s = scrape_until("127.0.0.1", node.metrics_port,
-                         lambda s: value(s, "transportd_connections_open", connector="frontend") == 3,
-                         "three open frontend sessions")
+        scrape_until("127.0.0.1", node.metrics_port,
+                     lambda s: value(s, "transportd_connections_open", connector="frontend") == 3,
+                     "three open frontend sessions")
     finally:
         for c in held:
             c.close()

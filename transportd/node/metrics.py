@@ -19,8 +19,14 @@ import logging
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram
-from prometheus_client import PlatformCollector, ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.core import GaugeMetricFamily
 
 from transportd.queue.admin import queue_gauges
