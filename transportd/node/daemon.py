@@ -16,7 +16,6 @@ import logging
 import signal
 import socket
 import ssl
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -201,7 +200,7 @@ async def _serve(cfg: Config) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"transportd: {cfg.node.name} ready on {cfg.frontend.listen}", file=sys.stderr, flush=True)
+    log.info("%s ready on %s", cfg.node.name, cfg.frontend.listen)  # a log line: JSON with --log-format json
     await stop.wait()
     log.info("shutting down")
     await node.stop()
