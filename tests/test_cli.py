@@ -592,3 +592,62 @@ def test_queue_list_watch(make_node, sink):
     assert proc.returncode == 0, (proc.returncode, err)
     assert b"Traceback" not in err, err
     assert piped_out.count("transportd queue list") >= 2 and ident in piped_out, piped_out
+
+
+# ------------------------------------------------------------------------------ 11. where the node options go
+
+def test_node_options_before_or_after_the_command_and_the_environment(make_node, sink, tmp_path):
+    """``transportd -c FILE queue list``, ``transportd queue list -c FILE`` and
+    ``TRANSPORTD_CONFIG=FILE transportd queue list`` print the same; so do --data-dir and --json
+    before the command. An option after the command wins over one before it."""
+    node = make_node(smart_host=sink.address, overrides=LONG_RETRY).start()
+    ident = smarthost(sink)
+    send(node, "carol@foreign.test")
+    wait_for(in_retry(node, ident, 1), timeout=10, what="queue in Retry")
+    assert node.stop() == 0  # the output must not change between the calls
+    env = {k: v for k, v in os.environ.items() if k != "TRANSPORTD_CONFIG"}
+
+    def real(*args: str, **extra_env: str) -> str:
+        res = subprocess.run([sys.executable, "-m", "transportd", *args], capture_output=True, text=True,
+                             timeout=60, env={**env, **extra_env}, cwd=tmp_path, check=False)
+        assert res.returncode == 0 and res.stderr == "", (args, res.returncode, res.stderr)
+        return res.stdout
+
+    cfg, data = str(node.config_path), str(node.data_dir)
+    after = real("queue", "list", "-c", cfg)
+    assert table_line(after, ident, "Retry") is not None, after
+    assert real("-c", cfg, "queue", "list") == after
+    assert real("--config", cfg, "queue", "list") == after
+    assert real("queue", "list", TRANSPORTD_CONFIG=cfg) == after
+    assert real("-d", data, "queue", "list") == after
+    as_json = real("queue", "list", "--json", "-c", cfg)
+    assert json.loads(as_json.splitlines()[0])["identity"] == ident
+    assert real("--json", "-c", cfg, "queue", "list") == as_json
+    assert real("--json", "queue", "list", TRANSPORTD_CONFIG=cfg) == as_json
+    assert real("--json", "message", "list", "-d", data) == real("message", "list", "--json", "-c", cfg)
+
+    # After the command wins: a config before it naming a missing file is not read.
+    assert real("-c", str(tmp_path / "missing.toml"), "queue", "list", "-c", cfg) == after
+    # --data-dir given: TRANSPORTD_CONFIG (another node's) is not used, the data dir's own config is.
+    other = tmp_path / "other.toml"
+    other.write_text(f'[node]\ndata_dir = "{tmp_path / "elsewhere"}"\n')
+    assert real("queue", "list", "-d", data, TRANSPORTD_CONFIG=str(other)) == after
+    res = subprocess.run([sys.executable, "-m", "transportd", "queue", "list"], capture_output=True, text=True,
+                         timeout=60, env={**env, "TRANSPORTD_CONFIG": str(other)}, cwd=tmp_path, check=False)
+    assert_one_error_line(res, 1, "no queue database", str(tmp_path / "elsewhere"))
+    res = subprocess.run([sys.executable, "-m", "transportd", "-c", str(tmp_path / "nope.toml"), "queue", "list"],
+                         capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path, check=False)
+    assert_one_error_line(res, 2, "nope.toml", "no such config file")
+
+
+def test_shell_completion_is_clicks():
+    """docs/operations.md: eval "$(_TRANSPORTD_COMPLETE=bash_source transportd)"."""
+    env = {**os.environ, "_TRANSPORTD_COMPLETE": "bash_source"}
+    script = subprocess.run([sys.executable, "-m", "transportd"], capture_output=True, text=True, timeout=30,
+                            env=env, check=False).stdout
+    assert "_transportd_completion" in script and "complete " in script, script[:300]
+    env = {**os.environ, "_TRANSPORTD_COMPLETE": "bash_complete", "COMP_WORDS": "transportd message re",
+           "COMP_CWORD": "2"}
+    out = subprocess.run([sys.executable, "-m", "transportd"], capture_output=True, text=True, timeout=30,
+                         env=env, check=False).stdout
+    assert out.split() == ["plain,remove", "plain,resume"], out

@@ -141,6 +141,84 @@ def test_prometheus_profile_config_is_valid_and_scrapes_every_node():
     assert targets == expected
 
 
+RULES = REPO / "config" / "compose" / "transportd-rules.yml"
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="Debian's prometheus (promtool) is not installed")
+def test_alerting_rules_ship_with_the_metrics_profile_and_pass_promtool():
+    compose = yaml.safe_load(COMPOSE.read_text())
+    mounts = {t: REPO / s for s, t, *_ in (v.split(":") for v in compose["services"]["prometheus"]["volumes"])}
+    prometheus_yml = yaml.safe_load(mounts["/etc/prometheus/prometheus.yml"].read_text())
+    for rule_file in prometheus_yml["rule_files"]:
+        assert mounts[f"/etc/prometheus/{rule_file}"] == RULES, rule_file
+    res = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    names = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]}
+    assert {"TransportdQueueOldestMessageAge", "TransportdMessagesNotRedundant", "TransportdHeartbeatFailures",
+            "TransportdPoisonMessages"} <= names
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="Debian's prometheus (promtool) is not installed")
+def test_alerting_rules_fire_when_a_queue_waits_too_long(tmp_path):
+    """``promtool test rules`` on the shipped file: the queue-age alert fires once a queue's oldest
+    message has been older than 1 h for 10 min, and not for a queue that keeps moving; the
+    heartbeat and poison alerts fire on their series."""
+    node = {"instance": "node1:9101", "job": "transportd"}
+
+    def series(name: str, values: str, **labels: str) -> dict:
+        body = ",".join(f'{k}="{v}"' for k, v in {**node, **labels}.items())
+        return {"series": f"{name}{{{body}}}", "values": values}
+
+    fired = {"instance": node["instance"], "severity": "warning"}  # the rules aggregate by instance
+    tests = {"rule_files": [str(RULES)], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [
+            # Stuck: the oldest message ages a minute per minute, from 50 min old.
+            series("transportd_queue_oldest_message_age_seconds", "3000+60x40", queue="dns:stuck.example"),
+            # Moving: its oldest message is never more than 5 min old.
+            series("transportd_queue_oldest_message_age_seconds", "300x40", queue="dns:moving.example"),
+            series("transportd_shadow_heartbeat_consecutive_failures", "0 0 1 2 3 4 5 6 7 8 9",
+                   primary="node2.transportd.test"),
+            series("transportd_poison_queue_length", "0 0 0 1 1 1 1 1"),
+        ],
+        "alert_rule_test": [
+            # 3600 s is passed at 10 min; pending for 10 min more: firing from 21 min, not at 15.
+            {"eval_time": "15m", "alertname": "TransportdQueueOldestMessageAge", "exp_alerts": []},
+            {"eval_time": "25m", "alertname": "TransportdQueueOldestMessageAge", "exp_alerts": [
+                {"exp_labels": {**fired, "queue": "dns:stuck.example"}, "exp_annotations": {
+                    "summary": "node1:9101: a message has waited over 1 h in queue dns:stuck.example",
+                    "description": "The oldest message in dns:stuck.example was received 1h 15m 0s ago. See "
+                                   "`transportd queue list` and `transportd message list --filter "
+                                   "queue=dns:stuck.example`."}}]},
+            {"eval_time": "3m", "alertname": "TransportdHeartbeatFailures", "exp_alerts": []},
+            {"eval_time": "8m", "alertname": "TransportdHeartbeatFailures", "exp_alerts": [
+                {"exp_labels": {**fired, "primary": "node2.transportd.test"}, "exp_annotations": {
+                    "summary": "node1:9101: 7 failed heartbeats in a row to node2.transportd.test",
+                    "description": "node2.transportd.test is unreachable from its shadow; its shadows are promoted "
+                                   "after shadow_resubmit_time_span. See `transportd shadow show "
+                                   "node2.transportd.test`."}}]},
+            {"eval_time": "3m", "alertname": "TransportdPoisonMessages", "exp_alerts": []},
+            {"eval_time": "5m", "alertname": "TransportdPoisonMessages", "exp_alerts": [{
+                "exp_labels": fired, "exp_annotations": {
+                    "summary": "node1:9101: 1 message(s) in the Poison queue",
+                    "description": "See `transportd message list --queue Poison`; release with `message resume`, "
+                                   "drop with `message remove`."}}]},
+        ],
+    }]}
+    spec = tmp_path / "rules.test.yml"
+    spec.write_text(yaml.safe_dump(tests))
+    res = subprocess.run(["promtool", "test", "rules", str(spec)], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    # The test can fail: the same series with a threshold the stuck queue never reaches.
+    tests["tests"][0]["input_series"][0]["values"] = "60x40"
+    spec.write_text(yaml.safe_dump(tests))
+    res = subprocess.run(["promtool", "test", "rules", str(spec)], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert res.returncode != 0 and "TransportdQueueOldestMessageAge" in res.stdout + res.stderr
+
+
 def config_of(compose: dict, service: str) -> Path:
     """The host file behind the service's TRANSPORTD_CONFIG (through its bind mounts)."""
     svc = compose["services"][service]
@@ -441,6 +519,14 @@ def test_compose_services_run_as_their_command_lines_and_deliver_mail(topology):
         while chunk := s.recv(65536):
             text += chunk
     assert re.search(rb'transportd_messages_received_total\{connector="frontend"\} 1\.0', text), text[-2000:]
+    # The series an on-call operator alerts on (config/compose/transportd-rules.yml uses them).
+    for series in (rb'transportd_delivery_attempts_total\{delivery_type="smtp",result="delivered"\} 1\.0',
+                   rb'transportd_connections_limit\{connector="frontend"\}', rb'transportd_connections_open\{',
+                   rb'# TYPE transportd_shadow_heartbeat_consecutive_failures gauge',
+                   rb'# TYPE transportd_queue_oldest_message_age_seconds gauge',
+                   rb'transportd_poison_queue_length 0\.0', rb'transportd_queue_database_up 1\.0',
+                   rb'process_cpu_seconds_total', rb'python_gc_objects_collected_total'):
+        assert re.search(series, text), (series, text[-3000:])
 
     # `docker compose restart node1` keeps a queued message: the sink is down, node1 restarts.
     t.stop("sink")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import time
 import urllib.parse
 import urllib.request
 
@@ -72,8 +73,10 @@ def test_counters_and_histograms_move_with_real_traffic(make_node, sink):
     assert value(after, "transportd_accept_latency_seconds_count") == 3
     assert value(after, "transportd_accept_latency_seconds_sum") > 0
     assert value(after, "transportd_delivery_latency_seconds_count") == 3
-    assert value(after, "transportd_messages_deferred_total") == 0
-    assert value(after, "transportd_messages_failed_total") == 0
+    assert value(after, "transportd_delivery_attempts_total", result="delivered", delivery_type="mailbox") == 2
+    assert value(after, "transportd_delivery_attempts_total", result="delivered", delivery_type="smtp") == 1
+    assert not [k for k in after if k[0] == "transportd_delivery_attempts_total"
+                and dict(k[1])["result"] != "delivered" and after[k]]
     # Shadow redundancy is off on this node: nothing was accepted "without a shadow".
     assert value(after, "transportd_messages_accepted_without_shadow_total") == 0
     # Delivered messages sit in the Primary Safety Net; no queue holds anything.
@@ -88,7 +91,8 @@ def test_deferred_message_shows_in_queue_gauge_until_the_next_hop_returns(make_n
     queued_id(swaks(node.port, "--to", "carol@elsewhere.test", "--from", "zed@example.test"))
     queue = f"smarthost:{sink.address}"
     s = scrape_until("127.0.0.1", node.metrics_port,
-                     lambda s: value(s, "transportd_messages_deferred_total") >= 1, "a deferral counted")
+                     lambda s: value(s, "transportd_delivery_attempts_total", result="deferred",
+                                     delivery_type="smtp") >= 1, "a deferral counted")
     assert value(s, "transportd_queue_messages", queue=queue, state="Retry") + \
         value(s, "transportd_queue_messages", queue=queue, state="Active") == 1
     sink.start()
@@ -145,9 +149,22 @@ def test_shadow_node_counts_heartbeat_failures_and_promotions(procs, sink, tmp_p
     s3 = scrape(n3.host, ports["node3"])
     assert value(s3, "transportd_shadow_queue_messages", primary=n1.name) == 1
     assert value(s3, "transportd_shadow_copies_received_total") == 1
-    assert value(scrape(n1.host, ports["node1"]), "transportd_messages_deferred_total") >= 1
+    assert value(scrape(n1.host, ports["node1"]), "transportd_delivery_attempts_total", result="deferred",
+                 delivery_type="smtp") >= 1
+
+    s3 = scrape_until(n3.host, ports["node3"], lambda s: value(
+        s, "transportd_shadow_heartbeat_last_success_timestamp_seconds", primary=n1.name) > 0, "a heartbeat")
+    assert value(s3, "transportd_shadow_heartbeat_consecutive_failures", primary=n1.name) == 0
 
     n1.kill9()
+    killed = time.time()
+    promoted = {"primary": n1.name, "reason": "ShadowHeartbeatFailure"}
+    s3 = scrape_until(n3.host, ports["node3"],
+                      lambda s: value(s, "transportd_shadow_heartbeat_consecutive_failures", primary=n1.name) >= 2
+                      or value(s, "transportd_promotions_total", **promoted),
+                      "failed heartbeats to the dead primary", timeout=20)
+    if not value(s3, "transportd_promotions_total", **promoted):  # seen before the promotion reset the count
+        assert value(s3, "transportd_shadow_heartbeat_last_success_timestamp_seconds", primary=n1.name) < killed
     sink.start()
     n3.wait_event("RESUBMIT", netid, timeout=20)
     s3 = scrape_until(n3.host, ports["node3"],
@@ -186,3 +203,82 @@ def test_debian_prometheus_scrapes_the_node(make_node, sink, procs, tmp_path):
     assert query('up{job="transportd"}')[0]["value"][1] == "1"
     wait_for(lambda: query('transportd_messages_delivered_total{delivery_type="mailbox"} >= 1'),
              timeout=30, interval=0.5, what="Prometheus to see the delivery")
+
+
+def test_operator_gauges_queue_age_suspended_connections_and_standard_collectors(make_node, sink):
+    """What an on-call operator alerts on: the oldest message's age per queue, a suspended queue,
+    open sessions against the connector's limit; and the standard process/platform/GC series."""
+    import socket
+    node = metrics_node(make_node, sink.address).start()  # the sink stays down: the message waits
+    queue = f"smarthost:{sink.address}"
+    queued_id(swaks(node.port, "--to", "carol@elsewhere.test", "--from", "zed@example.test"))
+    first = scrape_until("127.0.0.1", node.metrics_port,
+                         lambda s: value(s, "transportd_queue_oldest_message_age_seconds", queue=queue) > 0,
+                         "the queue's oldest message age")
+    age = value(first, "transportd_queue_oldest_message_age_seconds", queue=queue)
+    assert age < 60
+    scrape_until("127.0.0.1", node.metrics_port,
+                 lambda s: value(s, "transportd_queue_oldest_message_age_seconds", queue=queue) >= age + 1,
+                 "the age to grow with time")
+    assert value(first, "transportd_queue_suspended", queue=queue) == 0
+    assert value(first, "transportd_connections_limit", connector="frontend") == 5000  # MaxInboundConnection
+    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "python_info"):
+        assert any(k[0] == name for k in first), name
+    assert any(k[0] == "python_gc_objects_collected_total" for k in first)
+
+    node.cli("queue", "suspend", queue)
+    s = scrape_until("127.0.0.1", node.metrics_port,
+                     lambda s: value(s, "transportd_queue_suspended", queue=queue) == 1, "the queue suspended")
+    assert value(s, "transportd_queue_oldest_message_age_seconds", queue=queue) > age  # still waiting
+    node.cli("queue", "resume", queue)
+    scrape_until("127.0.0.1", node.metrics_port,
+                 lambda s: value(s, "transportd_queue_suspended", queue=queue) == 0, "the queue resumed")
+
+    held = [socket.create_connection(("127.0.0.1", node.port), timeout=5) for _ in range(3)]
+    try:
+        for c in held:
+            assert c.recv(100).startswith(b"220")
+        scrape_until("127.0.0.1", node.metrics_port,
+                     lambda s: value(s, "transportd_connections_open", connector="frontend") == 3,
+                     "three open frontend sessions")
+    finally:
+        for c in held:
+            c.close()
+    scrape_until("127.0.0.1", node.metrics_port,
+                 lambda s: value(s, "transportd_connections_open", connector="frontend") == 0, "sessions closed")
+
+
+def test_queue_label_is_capped_the_rest_summed_as_other(tmp_path):
+    """metrics.max_queue_series: with one queue per destination domain (MX routing) the queue label
+    would grow without bound; the fullest N keep their name, the rest are summed up as "other".
+    The collector runs its real queries on a real queue database."""
+    import time
+
+    from transportd.node.metrics import QueueDatabaseCollector
+    from transportd.queue import messages as mq
+    from transportd.queue.routing import NextHop
+    from transportd.queue.store import QueueStore
+
+    store = QueueStore.open(tmp_path / "queue.db", create=True, repair=False, node_name="n.test")
+    now = time.time()
+    try:
+        def fill(conn):
+            for d in range(10):  # domain d holds d + 1 messages, the oldest received d hours ago
+                hop = NextHop(f"dns:d{d}.test", "DnsConnectorDelivery", f"d{d}.test")
+                for i in range(d + 1):
+                    mq.enqueue(conn, mq.NewMessage(network_message_id=f"{d}-{i}", sender="a@x.test", data=b"x",
+                                                   recipients={hop: [f"r{i}@d{d}.test"]},
+                                                   received_at=now - 3600 * d + i, expires_at=now + 86400))
+            mq.set_queue_suspended(conn, mq.resolve_queue(conn, "dns:d0.test")["id"], True)
+        store.transaction(fill)
+        families = {f.name: f for f in QueueDatabaseCollector(store, max_queue_series=3).collect()}
+    finally:
+        store.close()
+    sizes = {s.labels["queue"]: s.value for s in families["transportd_queue_messages"].samples}
+    assert sizes == {"dns:d9.test": 10, "dns:d8.test": 9, "dns:d7.test": 8, "other": sum(range(1, 8))}
+    ages = {s.labels["queue"]: s.value for s in families["transportd_queue_oldest_message_age_seconds"].samples}
+    assert set(ages) == set(sizes)
+    assert 6 * 3600 - 60 < ages["other"] <= 6 * 3600 + 60  # the oldest of d0..d6 (d6, received 6 h ago)
+    assert 9 * 3600 - 60 < ages["dns:d9.test"] <= 9 * 3600 + 60
+    flags = {s.labels["queue"]: s.value for s in families["transportd_queue_suspended"].samples}
+    assert flags == {"dns:d9.test": 0, "dns:d8.test": 0, "dns:d7.test": 0, "other": 1}  # d0 is in "other"

@@ -8,7 +8,7 @@ import dns.resolver
 import pytest
 
 from transportd.errors import NextHopPermanentError, NextHopUnavailable
-from transportd.smtp.client import resolve_mx
+from transportd.smtp.client import order_mx, resolve_mx
 
 
 class MX:
@@ -54,3 +54,30 @@ async def test_dns_trouble_is_transient(monkeypatch):
     fake_resolver(monkeypatch, dns.resolver.LifetimeTimeout())
     with pytest.raises(NextHopUnavailable):
         await resolve_mx("slow.test", 25)
+
+
+def test_equal_preference_hosts_are_tried_in_random_order():
+    """RFC 5321 5.1: among MX hosts of equal preference the client picks at random; preference
+    order between groups is kept. Over 200 draws each of the three equal hosts comes first."""
+    import random
+    records = [(10, "a.far.test"), (10, "b.far.test"), (10, "c.far.test"), (5, "first.far.test"),
+               (20, "last.far.test")]
+    rng = random.Random(7)
+    firsts = {}
+    for _ in range(200):
+        order = order_mx(records, rng)
+        assert order[0] == "first.far.test" and order[-1] == "last.far.test"
+        assert sorted(order[1:4]) == ["a.far.test", "b.far.test", "c.far.test"]
+        firsts[order[1]] = firsts.get(order[1], 0) + 1
+    assert set(firsts) == {"a.far.test", "b.far.test", "c.far.test"}
+    assert min(firsts.values()) > 30  # each roughly a third of 200
+
+
+async def test_resolve_mx_shuffles_equal_preference(monkeypatch):
+    fake_resolver(monkeypatch, [MX(10, "mx-a.far.test."), MX(10, "mx-b.far.test."), MX(20, "backup.far.test.")])
+    seen = set()
+    for _ in range(60):
+        hosts = [t.host for t in await resolve_mx("far.test", 25)]
+        assert hosts[2] == "backup.far.test"
+        seen.add(hosts[0])
+    assert seen == {"mx-a.far.test", "mx-b.far.test"}

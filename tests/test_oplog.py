@@ -1,5 +1,7 @@
 """Operational logs from real node processes.
 
+- With ``--log-format json`` every line of the daemon's output is one JSON object, ``ts`` in UTC
+  (``Z``), the event, queue, peer and client address as fields, the "ready" line included.
 - Every log line about a message carries its internal and network message ids: as JSON fields
   with ``--log-format json`` / ``node.log_format = "json"``, as a ``[internal_message_id=...
   network_message_id=...]`` suffix in the readable text format. The ids must be the ones the
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -21,11 +24,19 @@ MESSAGE_LINE = re.compile(r"\bmessage (\d+)\b|\bnetwork id\b")
 
 
 def json_lines(node) -> list[dict]:
+    """Every line of the node's log, each one JSON object (anything else fails the test)."""
     out = []
     for line in node.log().splitlines():
-        if line.startswith("{"):
-            out.append(json.loads(line))  # every structured line is one JSON object
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            raise AssertionError(f"not a JSON line: {line!r}") from None
     return out
+
+
+# A local time zone 14 hours from UTC (POSIX form, no tz database needed): a timestamp written in
+# local time cannot pass for UTC.
+FAR_FROM_UTC = {"TZ": "XXX-14"}
 
 
 def start_json_node(node) -> None:
@@ -33,7 +44,8 @@ def start_json_node(node) -> None:
     with open(node.log_path, "ab") as log:
         node.proc = node.registry.add(subprocess.Popen(
             [sys.executable, "-m", "transportd", "serve", "--config", str(node.config_path),
-             "--log-format", "json"], stdout=log, stderr=subprocess.STDOUT, cwd=str(node.dir)))
+             "--log-format", "json"], stdout=log, stderr=subprocess.STDOUT, cwd=str(node.dir),
+            env={**os.environ, **FAR_FROM_UTC}))
     wait_port("127.0.0.1", node.port, proc=node.proc)
 
 
@@ -48,7 +60,7 @@ def test_json_log_lines_about_messages_carry_both_ids(make_node, sink):
              what="the local delivery")
 
     lines = json_lines(node)
-    assert lines and all({"time", "level", "logger", "message"} <= set(r) for r in lines)
+    assert lines and all({"ts", "level", "logger", "message"} <= set(r) for r in lines)
     about_messages = [r for r in lines if MESSAGE_LINE.search(r["message"])]
     assert about_messages
     for r in about_messages:
@@ -86,3 +98,39 @@ def test_text_log_lines_end_with_both_ids(make_node, sink):
     for ln in lines:
         assert ln.endswith(suffix), ln
     assert not any(ln.lstrip().startswith("{") for ln in node.log().splitlines())
+
+
+def test_every_line_of_a_json_log_is_json_in_utc_with_fields(make_node, sink):
+    from datetime import UTC, datetime
+
+    sink.start(("-f", "RCPT"))  # the smart host refuses every recipient: FAIL and a DSN
+    node = make_node(smart_host=sink.address, overrides={"node": {"log_format": "text"}})
+    start_json_node(node)
+    failed = queued_id(swaks(node.port, "--to", "carol@elsewhere.test", "--from", "zed@example.test"))
+    wait_for(lambda: node.tracking(event_id="DSN"), timeout=20, what="the DSN for the refused recipient")
+    assert node.stop() == 0  # the shutdown lines too
+    lines = json_lines(node)
+    assert len(lines) >= 5
+    now = datetime.now(UTC)
+    for r in lines:
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", r["ts"]), r
+        assert abs((now - datetime.fromisoformat(r["ts"])).total_seconds()) < 600, (r["ts"], now)
+    assert any(r["message"].endswith(f"ready on 127.0.0.1:{node.port}") for r in lines), "no JSON ready line"
+    fail = [r for r in lines if r.get("event") == "FAIL"]
+    assert len(fail) == 1, fail
+    assert fail[0]["internal_message_id"] == failed and fail[0]["queue"] == f"smarthost:{sink.address}"
+    assert fail[0]["client"] == "127.0.0.1" and fail[0]["network_message_id"]
+    assert [r for r in lines if r.get("event") == "DSN"]
+
+
+def test_text_log_timestamps_are_utc_with_z(make_node, sink):
+    node = make_node(smart_host=sink.address)
+    node.env.update(FAR_FROM_UTC)
+    node.start()
+    line = wait_for(lambda: next((ln for ln in node.log().splitlines() if "ready on" in ln), None), timeout=10,
+                    what="the ready line")
+    m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3})Z INFO transportd: ", line)
+    assert m, line
+    from datetime import UTC, datetime
+    ts = datetime.fromisoformat(m.group(1) + "Z")
+    assert abs((datetime.now(UTC) - ts).total_seconds()) < 600, line

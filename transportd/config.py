@@ -396,6 +396,9 @@ KEYS: tuple[Key, ...] = (
     # Prometheus metrics
     Key("metrics", "listen", "", _metrics_listen,
         "address:port of the Prometheus /metrics endpoint ('9101' alone = 127.0.0.1:9101); empty = off"),
+    Key("metrics", "max_queue_series", 50, _int,
+        "queues with their own 'queue' label in the per-queue gauges (the fullest ones; one per next hop, "
+        "so one per domain with MX routing); the rest are summed up under queue=\"other\"", limits=(1, 10000)),
     # frontend command-rate limit (docs/security.md)
     Key("frontend", "max_command_rate", 0, _int,
         "SMTP commands per second accepted from one IP address over all its frontend sessions (bursts up "

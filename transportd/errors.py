@@ -6,6 +6,7 @@ message's ids, counted towards the Poison queue, answered ``451 4.3.0``.
 
     TransportdError                    anything transportd raises on purpose
     ├── ConfigError                    a bad config file or key (the message names the key)
+    ├── FilterError                    an operator's --filter term that cannot be understood
     ├── StoreError                     the queue database cannot be used (receive answers 451 4.3.0)
     │   └── CorruptDatabase            the file is not a usable queue database (moved aside at start)
     ├── ProtocolError                  a malformed X-verb, argument or reply: a contract violation
@@ -35,6 +36,10 @@ class TransportdError(Exception):
 
 class ConfigError(TransportdError):
     """A configuration problem, with the key it concerns in the message."""
+
+
+class FilterError(TransportdError, ValueError):
+    """A ``--filter`` term of a bulk queue command that cannot be understood (names the term)."""
 
 
 class StoreError(TransportdError):

@@ -17,7 +17,6 @@ exit code 2; a missing or unreadable queue database is one line and exit 1.
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 import click
 
@@ -25,6 +24,7 @@ from transportd import __version__
 from transportd.cli.analyze import analyze_group
 from transportd.cli.chaos import chaos
 from transportd.cli.cluster import cluster_group
+from transportd.cli.common import root_options
 from transportd.cli.config import config_group
 from transportd.cli.health import health
 from transportd.cli.message import message_group
@@ -39,8 +39,14 @@ __all__ = ["cli", "main"]
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="transportd")
+@root_options
 def cli() -> None:
-    """transportd: an SMTP transport daemon that never loses an acknowledged message."""
+    """transportd: an SMTP transport daemon that never loses an acknowledged message.
+
+    --config/-c, --data-dir/-d and --json may come before the command (they apply to it) or
+    after it (those win); TRANSPORTD_CONFIG stands for --config. Shell completion: see
+    docs/operations.md (eval "$(_TRANSPORTD_COMPLETE=bash_source transportd)").
+    """
 
 
 for _command in (serve, sink, config_group, queue_group, message_group, redirect, safetynet_group, shadow_group,
@@ -49,18 +55,23 @@ for _command in (serve, sink, config_group, queue_group, message_group, redirect
 del _command
 
 
-def _show_usage_error(self: click.UsageError, file: Any = None) -> None:
-    """Bad CLI arguments: one line on stderr (exit code 2), like a bad config."""
-    where = self.ctx.command_path if self.ctx is not None else "transportd"
-    click.echo(f"transportd: error: {self.format_message()} (see '{where} --help')", err=True)
-
-
-def main() -> None:
-    click.UsageError.show = _show_usage_error  # the real CLI only; CliRunner tests keep click's text
+def main(args: list[str] | None = None) -> None:
+    """The entry point: click's own parsing and completion, with every CLI error as one line on
+    stderr (exit 2 for a bad argument, like a bad config)."""
     try:
-        cli.main(standalone_mode=True)
+        code = cli.main(args, prog_name="transportd", standalone_mode=False)
+    except click.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "transportd"
+        click.echo(f"transportd: error: {exc.format_message()} (see '{where} --help')", err=True)
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort as exc:
+        sys.exit(130 if isinstance(exc.__cause__, KeyboardInterrupt) else 1)
     except KeyboardInterrupt:
         sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,14 @@ from typing import Callable
 import click
 
 from transportd import config as config_mod
-from transportd.cli.common import CliError, ConfigCliError, emit_json, load_config, table
+from transportd.cli.common import (
+    CliError,
+    ConfigCliError,
+    emit_json,
+    json_option,
+    load_config,
+    table,
+)
 from transportd.cli.queue import queue_rows
 from transportd.cli.shadow import shadow_rows
 
@@ -109,7 +116,7 @@ def cluster_up(data_dir: str, nodes: int, sites: int, ip_base: int, frontend_por
 @cluster_group.command("status")
 @click.option("--data-dir", "data_dir", type=click.Path(file_okay=False), default="./data/cluster",
               show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+@json_option("JSON lines")
 def cluster_status(data_dir: str, as_json: bool) -> None:
     """Each node alive or not, with its queue and shadow counts."""
     import socket as socket_mod

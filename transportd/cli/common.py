@@ -1,7 +1,8 @@
 """What every command group shares: node options, config loading, opening the store, output helpers.
 
 It owns the CLI's error types (one line on stderr: exit 1, or 2 for a bad config or
-argument), ``--config``/``--data-dir`` and how they become a Config, opening the
+argument), ``--config``/``--data-dir``/``--json`` (after a command or before it, and
+TRANSPORTD_CONFIG through click's envvar) and how they become a Config, opening the
 queue database for a command, tables, JSON lines and time formatting, and the
 tracking log a command writes ADMIN rows to. It defines no command and never
 touches the queue database's tables: queries are queue-layer functions.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
-import os
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -35,7 +36,12 @@ class ConfigCliError(CliError):
     exit_code = 2
 
 
+CONFIG_ENVVAR = "TRANSPORTD_CONFIG"
+
+
 def load_config(config: str | None, data_dir: str | None) -> Config:
+    """The Config of ``--config`` (with ``--data-dir`` overriding its data_dir) or of ``--data-dir``
+    alone; ConfigCliError (exit 2) when neither is given or the file is bad."""
     try:
         if config:
             cfg = config_mod.load(config)
@@ -46,10 +52,7 @@ def load_config(config: str | None, data_dir: str | None) -> Config:
             return config_for_data_dir(data_dir)
     except ConfigError as exc:
         raise ConfigCliError(str(exc)) from None
-    env = os.environ.get("TRANSPORTD_CONFIG")
-    if env:
-        return load_config(env, None)
-    raise ConfigCliError("give --config FILE or --data-dir DIR (or set TRANSPORTD_CONFIG)")
+    raise ConfigCliError(f"give --config FILE or --data-dir DIR (or set {CONFIG_ENVVAR})")
 
 
 def config_for_data_dir(data_dir: str) -> Config:
@@ -65,16 +68,78 @@ def config_for_data_dir(data_dir: str) -> Config:
         return cfg
 
 
+@dataclass(frozen=True)
+class RootOptions:
+    """``--config``, ``--data-dir`` and ``--json`` given before the command (``transportd -c FILE
+    queue list``); ``config_from_env``: the config came from TRANSPORTD_CONFIG, not the line."""
+    config: str | None = None
+    data_dir: str | None = None
+    as_json: bool = False
+    config_from_env: bool = False
+
+
+def _config_option(**kw: Any) -> Callable:
+    return click.option("--config", "-c", "config", type=click.Path(dir_okay=False), default=None,
+                        help=f"node config file (TOML; or {CONFIG_ENVVAR})", **kw)
+
+
+def _data_dir_option() -> Callable:
+    return click.option("--data-dir", "-d", "data_dir", type=click.Path(file_okay=False), default=None,
+                        help="node data directory (instead of --config)")
+
+
+def root_options(fn: Callable) -> Callable:
+    """The root group's node options: they apply to every command after them, where the same
+    option given after the command wins. TRANSPORTD_CONFIG is read here, through click's envvar."""
+    @_config_option(envvar=CONFIG_ENVVAR, show_envvar=True)
+    @_data_dir_option()
+    @click.option("--json", "as_json", is_flag=True, help="JSON lines, for every command that prints a table")
+    @click.pass_context
+    @functools.wraps(fn)
+    def wrapper(ctx: click.Context, *args: Any, config: str | None, data_dir: str | None, as_json: bool,
+                **kwargs: Any) -> Any:
+        from click.core import ParameterSource
+        ctx.obj = RootOptions(config, data_dir, as_json,
+                              ctx.get_parameter_source("config") == ParameterSource.ENVIRONMENT)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def root() -> RootOptions:
+    ctx = click.get_current_context(silent=True)
+    obj = ctx.find_root().obj if ctx is not None else None
+    return obj if isinstance(obj, RootOptions) else RootOptions()
+
+
+def node_location(config: str | None, data_dir: str | None) -> tuple[str | None, str | None]:
+    """The config file and data dir a command runs on: its own options, else those given before
+    it, else TRANSPORTD_CONFIG (unless a --data-dir was given: that node's own config is used)."""
+    top = root()
+    data_dir = data_dir or top.data_dir
+    if config is None and top.config is not None and not (top.config_from_env and data_dir):
+        config = top.config
+    return config, data_dir
+
+
 def node_options(fn: Callable) -> Callable:
-    @click.option("--config", "-c", "config", type=click.Path(dir_okay=False), default=None,
-                  help="node config file (TOML)")
-    @click.option("--data-dir", "-d", "data_dir", type=click.Path(file_okay=False), default=None,
-                  help="node data directory (instead of --config)")
+    @_config_option()
+    @_data_dir_option()
     @functools.wraps(fn)
     def wrapper(*args: Any, config: str | None, data_dir: str | None, **kwargs: Any) -> Any:
-        cfg = load_config(config, data_dir)
+        cfg = load_config(*node_location(config, data_dir))
         return fn(cfg, *args, **kwargs)
     return wrapper
+
+
+def json_option(help: str = "JSON lines") -> Callable:
+    """``--json`` after the command, or before it (``transportd --json queue list``)."""
+    def decorate(fn: Callable) -> Callable:
+        @click.option("--json", "as_json", is_flag=True, help=help)
+        @functools.wraps(fn)
+        def wrapper(*args: Any, as_json: bool, **kwargs: Any) -> Any:
+            return fn(*args, as_json=as_json or root().as_json, **kwargs)
+        return wrapper
+    return decorate
 
 
 def open_store(cfg: Config) -> QueueStore:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import click
 
 from transportd import config as config_mod
-from transportd.cli.common import emit_json, node_options, table
+from transportd.cli.common import emit_json, json_option, node_options, table
 from transportd.config import Config
 
 
@@ -26,7 +26,7 @@ def config_reference() -> None:
 
 @config_group.command("show")
 @node_options
-@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+@json_option("JSON lines")
 def config_show(cfg: Config, as_json: bool) -> None:
     """Print every key's effective value, with its Exchange name and meaning."""
     rows = []

@@ -12,7 +12,7 @@ import sys
 import click
 
 from transportd import config as config_mod
-from transportd.cli.common import load_config
+from transportd.cli.common import load_config, node_location
 
 
 def smtp_greets(address: str, timeout: float) -> str | None:
@@ -44,7 +44,7 @@ def health(config: str | None, servers: tuple[str, ...], timeout: float) -> None
     sink:2500`` for the sink.
     """
     if not servers:
-        cfg = load_config(config, None)
+        cfg = load_config(node_location(config, None)[0], None)
         servers = tuple(a for a in (cfg.frontend.listen, cfg.transport.listen) if a)
     bad = [(a, why) for a in servers if (why := smtp_greets(a, timeout)) is not None]
     for address, why in bad:

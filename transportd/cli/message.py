@@ -2,9 +2,10 @@
 
 It owns listing and showing messages (envelope, headers, per-recipient status and
 tracking events), suspending, resuming (also out of the Poison queue) and removing
-one (optionally with an NDR), with the ADMIN and DSN tracking rows those actions
-write after their commit. It never writes SQL: each read and each action is one
-queue-layer function run in ``QueueStore.read`` or ``QueueStore.transaction``.
+them (optionally with an NDR): one, the ids given (``-``: on stdin) or those ``--filter``
+selects, a batch per transaction, with ``--dry-run``, and the ADMIN and DSN tracking
+rows those actions write after each commit. It never writes SQL: each read and each
+batch is one queue-layer function run in ``QueueStore.read`` or ``QueueStore.transaction``.
 """
 
 from __future__ import annotations
@@ -12,15 +13,19 @@ from __future__ import annotations
 import functools
 import json
 import time
-from typing import Any, Callable
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import click
 
-from transportd.cli.common import (CliError, admin_event, emit_json, iso, json_default, node_options, open_store,
-                                   table, tracking_log_for)
+from transportd.cli.common import (CliError, ConfigCliError, admin_event, emit_json, iso, json_default, json_option,
+                                   node_options, open_store, table, tracking_log_for)
 from transportd.config import Config
+from transportd.errors import FilterError
 from transportd.queue import admin
 from transportd.queue import messages as mq
+from transportd.queue.selection import Selection, parse_terms
 
 
 @click.group("message")
@@ -28,30 +33,103 @@ def message_group() -> None:
     """Messages in the queues (like Get-Message, Suspend-Message, Resume-Message, Remove-Message)."""
 
 
-@message_group.command("list")
-@node_options
-@click.option("--queue", "queue", default=None,
-              help="only messages in this queue (identity or id; 'Poison' for the Poison queue)")
-@click.option("--all", "include_done", is_flag=True, help="include Safety Net and removed messages")
-@click.option("--json", "as_json", is_flag=True, help="JSON lines")
-def message_list(cfg: Config, queue: str | None, include_done: bool, as_json: bool) -> None:
-    """List queued messages."""
+def selection_options(fn: Callable) -> Callable:
+    """IDS (numbers, ``-`` for ids on stdin, ``ALL``) and repeatable ``--filter`` terms (AND)."""
+    @click.argument("ids", nargs=-1, metavar="[ID...|-|ALL]")
+    @click.option("--filter", "filters", multiple=True, metavar="FIELD=VALUE",
+                  help="select by sender, recipient, subject (patterns with * and ?), queue, state, age or "
+                       "size (age>1h, size>=1MB); repeat for AND; see docs/operations.md")
+    @functools.wraps(fn)
+    def wrapper(*args: Any, ids: tuple[str, ...], filters: tuple[str, ...], **kwargs: Any) -> Any:
+        return fn(*args, selection=parse_selection(ids, filters), **kwargs)
+    return wrapper
+
+
+def parse_selection(words: Sequence[str], filters: Sequence[str]) -> Selection:
+    """The selection of the command line; a bad id or term is one line and exit 2, nothing done."""
+    try:
+        terms = parse_terms(filters)
+    except FilterError as exc:
+        raise ConfigCliError(str(exc)) from None
+    ids: list[int] = []
+    given = everything = False
+    for word in words:
+        if word.upper() == "ALL":
+            everything = True
+            continue
+        given = True
+        for token in (read_stdin_ids() if word == "-" else [word]):
+            if not token.isdigit():
+                raise ConfigCliError(f"message id {token!r}{' (on stdin)' if word == '-' else ''}: not a number")
+            ids.append(int(token))
+    if everything and given:
+        raise ConfigCliError("give message ids or ALL, not both")
+    return Selection(terms=terms, ids=tuple(dict.fromkeys(ids)) if given else None, everything=everything)
+
+
+def read_stdin_ids() -> list[str]:
+    """Ids on stdin (``postsuper -d -``): numbers separated by white space, or the JSON lines of
+    ``message list --json`` (their ``id``)."""
+    out = []
+    for line in click.get_text_stream("stdin").read().splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                out.append(str(json.loads(line)["id"]))
+            except (ValueError, KeyError, TypeError):
+                out.append(line[:40])
+        else:
+            out += line.split()
+    return out
+
+
+def list_rows(cfg: Config, queue: str | None, include_done: bool, selection: Selection,
+              limit: int | None) -> list[dict]:
     store = open_store(cfg)
     try:
-        rows = store.read(functools.partial(admin.messages_in_queue, queue=queue, include_done=include_done))
+        rows = store.read(functools.partial(admin.messages_in_queue, queue=queue, include_done=include_done,
+                                            selection=selection, now=time.time(), limit=limit))
     finally:
         store.close()
     if rows is None:
         raise CliError(f"no queue {queue!r} (see 'transportd queue list')")
+    return rows
+
+
+def print_rows(rows: list[dict], as_json: bool, **extra: Any) -> None:
     for r in rows:
         for k in ("received_at", "expires_at", "next_retry_at"):
             r[k] = iso(r[k])
+        r.update(extra)
     if as_json:
         emit_json(rows)
         return
     click.echo(table(["id", "from", "subject", "size", "status", "queue", "received", "last error"],
                      [(r["id"], r["from"] or "<>", r["subject"], r["size"], r["status"], ",".join(r["queues"]),
                        r["received_at"], r["last_error"]) for r in rows], max_width=50))
+
+
+@message_group.command("list")
+@node_options
+@selection_options
+@click.option("--queue", "queue", default=None,
+              help="only messages in this queue (identity or id; 'Poison' for the Poison queue)")
+@click.option("--all", "include_done", is_flag=True, help="include Safety Net and removed messages")
+@click.option("--limit", type=click.IntRange(0), default=1000, show_default=True, help="at most this many; 0: all")
+@json_option()
+def message_list(cfg: Config, selection: Selection, queue: str | None, include_done: bool, limit: int,
+                 as_json: bool) -> None:
+    """List queued messages (all, the ids given, or those --filter selects)."""
+    rows = list_rows(cfg, queue, include_done, selection, limit or None)
+    if not rows and not selection.empty and not selection.everything:
+        say(f"no message matches {selection.describe()}", as_json)
+        return
+    print_rows(rows, as_json)
+
+
+def say(text: str, as_json: bool) -> None:
+    """A summary line: on stdout, or on stderr where stdout holds JSON lines."""
+    click.echo(text, err=as_json)
 
 
 def get_message(cfg: Config, message_id: int) -> dict:
@@ -68,7 +146,7 @@ def get_message(cfg: Config, message_id: int) -> dict:
 @message_group.command("show")
 @node_options
 @click.argument("message_id", type=int)
-@click.option("--json", "as_json", is_flag=True, help="one JSON object")
+@json_option("one JSON object")
 def message_show(cfg: Config, message_id: int, as_json: bool) -> None:
     """Envelope, headers, per-recipient status and tracking events of one message."""
     from transportd.smtp.headers import split_headers
@@ -107,89 +185,195 @@ def message_show(cfg: Config, message_id: int, as_json: bool) -> None:
                        e["recipient-status"] or e["source-context"]) for e in events], max_width=70))
 
 
-def message_action(cfg: Config, action: Callable[[Any], Any]) -> Any:
-    """Run ``action`` (a queue-layer function of the connection) in one durable transaction."""
+# ------------------------------------------------------------------------------ actions on a selection
+#
+# One message (``message remove 12``) or many (ids, ``-``, ``ALL``, ``--filter``): the ids the
+# selection matches are read first, then changed a batch per transaction by the queue layer's
+# one-message action (so a removal tells the shadows as a single one does), with the tracking
+# rows of each batch written after its commit and the count at the end.
+
+def action_options(fn: Callable) -> Callable:
+    @selection_options
+    @click.option("--dry-run", "-n", "dry_run", is_flag=True, help="list what would change and change nothing")
+    @click.option("--batch-size", type=click.IntRange(1, 100_000), default=500, show_default=True,
+                  help="messages changed per transaction")
+    @json_option("one JSON line per message changed (the count on stderr)")
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+@dataclass
+class Action:
+    """What a bulk command does: its words, the queue-layer batch function, and what it writes
+    after each batch's commit (tracking rows, JSON lines)."""
+    verb: str        # "removed"
+    infinitive: str  # "remove"
+    batch: Callable[..., list]
+    after_batch: Callable[[Any, list, bool], list[dict]]
+
+
+def batches(ids: Sequence[int], size: int) -> Iterator[Sequence[int]]:
+    for start in range(0, len(ids), size):
+        yield ids[start:start + size]
+
+
+def run_action(cfg: Config, selection: Selection, action: Action, *, dry_run: bool, batch_size: int,
+               as_json: bool) -> list[dict]:
+    """Carry out ``action`` on ``selection``; returns the per-message results it reported."""
+    if selection.empty:
+        raise click.UsageError("give message ids, '-' (ids on stdin), ALL or --filter FIELD=VALUE")
+    now = time.time()
     store = open_store(cfg)
     try:
-        return store.transaction(action)
+        ids = store.read(functools.partial(admin.selected_ids, selection=selection, now=now))
+        unknown = store.read(functools.partial(admin.unknown_ids, ids=selection.ids)) if selection.ids else []
+        if dry_run:
+            for chunk in batches(ids, batch_size):
+                print_rows(store.read(functools.partial(admin.listed, ids=chunk)), as_json,
+                           action=action.infinitive, dry_run=True)
+            if ids:
+                say(f"{len(ids)} message(s) would be {action.verb} (dry run: nothing changed)", as_json)
+            return finish([], ids, unknown, selection, action, as_json, dry_run=True)
+        trk = tracking_log_for(cfg, store)
+        results: list[dict] = []
+        transactions = 0
+        try:
+            for chunk in batches(ids, batch_size):
+                changed = store.transaction(functools.partial(action.batch, ids=chunk, selection=selection, now=now))
+                transactions += 1
+                results += action.after_batch(trk, changed, as_json)
+        except Exception as exc:  # noqa: BLE001 - the batches committed so far stay; say how far it got
+            raise CliError(f"{len(results)} message(s) {action.verb} in {transactions} transaction(s), then: "
+                           f"{exc.__class__.__name__}: {exc}") from None
+        finally:
+            if trk is not None:
+                trk.close()
     finally:
         store.close()
+    if results and not single(selection):
+        say(f"{len(results)} message(s) {action.verb} in {transactions} transaction(s) "
+            f"(batches of at most {batch_size})", as_json)
+    return finish(results, ids, unknown, selection, action, as_json, dry_run=False)
+
+
+def single(selection: Selection) -> bool:
+    return selection.ids is not None and len(selection.ids) == 1 and not selection.terms
+
+
+def finish(results: list[dict], ids: Sequence[int], unknown: Sequence[int], selection: Selection,
+           action: Action, as_json: bool, dry_run: bool) -> list[dict]:
+    if unknown:
+        shown = ", ".join(str(i) for i in unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10
+                                                           else "")
+        raise CliError(f"no queued message {shown}")
+    if not ids:
+        say(f"no queued message matches {selection.describe()} (nothing {action.verb})", as_json)
+    elif not (results or dry_run):
+        say(f"no message {action.verb}: the {len(ids)} selected left the queue meanwhile", as_json)
+    return results
+
+
+def context(selection: Selection, infinitive: str) -> str:
+    how = "" if selection.ids is not None and not selection.terms else f" --filter {selection.describe()}"
+    return f"transportd message {infinitive}{how}"[:200]
+
+
+def one_line(row: dict, action: str, **extra: Any) -> dict:
+    return {"id": row["id"], "network_message_id": row["network_message_id"], "from": row["sender"],
+            "subject": row["subject"], "action": action, **extra}
 
 
 @message_group.command("suspend")
 @node_options
-@click.argument("message_id", type=int)
-def message_suspend(cfg: Config, message_id: int) -> None:
-    """Hold a message: no delivery attempts until resumed."""
-    if not message_action(cfg, functools.partial(admin.suspend_message, message_id=message_id)):
-        raise CliError(f"no queued message {message_id}")
-    click.echo(f"message {message_id} suspended")
+@action_options
+def message_suspend(cfg: Config, selection: Selection, dry_run: bool, batch_size: int, as_json: bool) -> None:
+    """Hold messages (Suspend-Message, postsuper -h): no delivery attempts until resumed."""
+    def after(trk: Any, rows: list[dict], as_json: bool) -> list[dict]:
+        out = [one_line(r, "suspended") for r in rows]
+        if as_json:
+            emit_json(out)
+        return out
+    done = run_action(cfg, selection, Action("suspended", "suspend", admin.suspend_batch, after),
+                      dry_run=dry_run, batch_size=batch_size, as_json=as_json)
+    if done and single(selection) and not as_json:
+        click.echo(f"message {done[0]['id']} suspended")
 
 
 @message_group.command("resume")
 @node_options
-@click.argument("message_id", type=int)
-def message_resume(cfg: Config, message_id: int) -> None:
-    """Release a suspended message, or one held in the Poison queue (its failure count is reset)."""
-    row, released, ok = message_action(cfg, functools.partial(admin.resume_message, message_id=message_id))
-    if not ok:
-        raise CliError(f"no queued message {message_id}")
-    if released:
-        log_poison_release(cfg, row, "Resumed")
-    click.echo(f"message {message_id} resumed" + (" from the Poison queue" if released else ""))
+@action_options
+def message_resume(cfg: Config, selection: Selection, dry_run: bool, batch_size: int, as_json: bool) -> None:
+    """Release suspended messages, or ones held in the Poison queue (their failure count is reset)
+    (Resume-Message, postsuper -H)."""
+    def after(trk: Any, changed: list[tuple[dict, bool]], as_json: bool) -> list[dict]:
+        out = []
+        for row, released in changed:
+            if released:
+                log_poison_release(trk, row, "Resumed")
+            out.append(one_line(row, "resumed", released_from_poison=released))
+        if as_json:
+            emit_json(out)
+        return out
+    done = run_action(cfg, selection, Action("resumed", "resume", admin.resume_batch, after),
+                      dry_run=dry_run, batch_size=batch_size, as_json=as_json)
+    if done and single(selection) and not as_json:
+        r = done[0]
+        click.echo(f"message {r['id']} resumed" + (" from the Poison queue" if r["released_from_poison"] else ""))
 
 
-def log_poison_release(cfg: Config, row: dict, how: str) -> None:
+def log_poison_release(trk: Any, row: dict, how: str) -> None:
     """POISONMESSAGE (source ADMIN): an operator took a message out of the Poison queue."""
-    store = open_store(cfg)
-    try:
-        trk = tracking_log_for(cfg, store)
-    finally:
-        store.close()
-    if trk is None:
-        return
-    try:
+    if trk is not None:
         admin_event(trk, "POISONMESSAGE", row, f"{how} from the Poison queue by transportd message")
-    finally:
-        trk.close()
 
 
 @message_group.command("remove")
 @node_options
-@click.argument("message_id", type=int)
-@click.option("--ndr", is_flag=True, help="send a non-delivery report to the sender")
-def message_remove(cfg: Config, message_id: int, ndr: bool) -> None:
-    """Remove a message from the queues (logged as DROP), optionally with an NDR."""
+@action_options
+@click.option("--ndr", is_flag=True, help="send a non-delivery report to each sender")
+def message_remove(cfg: Config, selection: Selection, dry_run: bool, batch_size: int, as_json: bool,
+                   ndr: bool) -> None:
+    """Remove messages from the queues (Remove-Message, postsuper -d), logged as DROP and told to
+    their shadows (DeletedByAdmin), optionally with an NDR."""
     from transportd.node.outcomes import dsn_message
     from transportd.smtp.dsn import RecipientReport
-    store = open_store(cfg)
     reply = "550 5.2.0 Message deleted by an administrator"
-    now = time.time()
+    how = context(selection, "remove")
 
     def make_ndr(row: dict, body: bytes, removed: list[dict]) -> mq.NewMessage | None:
         return dsn_message(cfg, row, body, [RecipientReport(r["address"], "failed", "5.2.0", reply)
-                                            for r in removed], now)
-    try:
-        result = store.transaction(functools.partial(admin.remove_queued_message, message_id=message_id, now=now,
-                                                     make_ndr=make_ndr if ndr else None))
-        if result is None:
-            raise CliError(f"no queued message {message_id}")
-        row, removed, created = result
-        trk = tracking_log_for(cfg, store)
-    finally:
-        store.close()
-    if trk is not None:
-        try:
-            admin_event(trk, "DROP", row, "transportd message remove", recipients=[r["address"] for r in removed],
-                        recipient_status=[reply] * len(removed))
-            if created:
-                dsn_id, dsn = created
-                trk.write("DSN", "DSN", internal_message_id=dsn_id, message_id=dsn.message_id,
-                          network_message_id=dsn.network_message_id, recipients=[row["sender"]],
-                          reference=row["message_id"], related_recipient_address=row["sender"],
-                          source_context=f"original internal id {row['id']}; network id {row['network_message_id']}")
-        finally:
-            trk.close()
-    if row.get("poisoned"):
-        log_poison_release(cfg, row, "Removed")
-    click.echo(f"message {message_id} removed" + (" (NDR queued to the sender)" if created else ""))
+                                            for r in removed], time.time())
+
+    def batch(conn: Any, ids: Sequence[int], selection: Selection, now: float) -> list:
+        return admin.remove_batch(conn, ids, selection, now, make_ndr if ndr else None)
+
+    def after(trk: Any, changed: list, as_json: bool) -> list[dict]:
+        out = []
+        for row, removed, created in changed:
+            if trk is not None:
+                log_removal(trk, row, removed, created, reply, how)
+                if row.get("poisoned"):
+                    log_poison_release(trk, row, "Removed")
+            out.append(one_line(row, "removed", ndr=created is not None))
+        if as_json:
+            emit_json(out)
+        return out
+    done = run_action(cfg, selection, Action("removed", "remove", batch, after),
+                      dry_run=dry_run, batch_size=batch_size, as_json=as_json)
+    if done and single(selection) and not as_json:
+        click.echo(f"message {done[0]['id']} removed" + (" (NDR queued to the sender)" if done[0]["ndr"] else ""))
+
+
+def log_removal(trk: Any, row: dict, removed: list[dict], created: tuple[int, Any] | None, reply: str,
+                how: str) -> None:
+    """DROP (source ADMIN) for a removed message, and DSN for its NDR."""
+    admin_event(trk, "DROP", row, how, recipients=[r["address"] for r in removed],
+                recipient_status=[reply] * len(removed))
+    if created:
+        dsn_id, dsn = created
+        trk.write("DSN", "DSN", internal_message_id=dsn_id, message_id=dsn.message_id,
+                  network_message_id=dsn.network_message_id, recipients=[row["sender"]],
+                  reference=row["message_id"], related_recipient_address=row["sender"],
+                  source_context=f"original internal id {row['id']}; network id {row['network_message_id']}")

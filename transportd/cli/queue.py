@@ -16,7 +16,7 @@ from typing import Any, Callable
 import click
 
 from transportd.cli.common import (CliError, ConfigCliError, admin_event, emit_json, fmt_time, iso, json_default,
-                                   node_options, open_store, table, tracking_log_for)
+                                   json_option, node_options, open_store, table, tracking_log_for)
 from transportd.config import Config
 from transportd.queue import admin
 from transportd.queue import messages as mq
@@ -46,7 +46,7 @@ def render_queues(rows: list[dict]) -> str:
 
 @queue_group.command("list")
 @node_options
-@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+@json_option("JSON lines")
 @click.option("--watch", "watch", is_flag=True, help="refresh in place until Ctrl-C")
 @click.option("--interval", type=float, default=1.0, show_default=True, help="--watch refresh seconds")
 def queue_list(cfg: Config, as_json: bool, watch: bool, interval: float) -> None:

@@ -16,8 +16,8 @@ from typing import Any
 import click
 
 from transportd import config as config_mod
-from transportd.cli.common import (CliError, emit_json, fmt_time, iso, node_options, open_store, parse_when, table,
-                                   tracking_log_for)
+from transportd.cli.common import (CliError, emit_json, fmt_time, iso, json_option, node_options, open_store,
+                                   parse_when, table, tracking_log_for)
 from transportd.config import Config
 from transportd.queue import admin
 
@@ -31,7 +31,7 @@ def safetynet_group() -> None:
 @node_options
 @click.option("--from", "source", type=click.Choice(["primary", "shadow", "both"]), default="both",
               show_default=True, help="which Safety Net")
-@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+@json_option("JSON lines")
 def safetynet_list(cfg: Config, source: str, as_json: bool) -> None:
     """Messages held in this node's Primary and Shadow Safety Net, with their hold time."""
     roles = ("primary", "shadow") if source == "both" else (source,)

@@ -13,18 +13,21 @@ from pathlib import Path
 import click
 
 from transportd import config as config_mod
-from transportd.cli.common import CliError, load_config
+from transportd.cli.common import CliError, load_config, node_location
 
 
 @click.command("serve")
-@click.option("--config", "-c", "config", type=click.Path(dir_okay=False), required=True,
-              help="node config file (TOML)")
+@click.option("--config", "-c", "config", type=click.Path(dir_okay=False), default=None,
+              help="node config file (TOML; or before the command, or TRANSPORTD_CONFIG)")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default=None,
               help="operational log format (overrides node.log_format)")
-def serve(config: str, log_format: str | None) -> None:
+def serve(config: str | None, log_format: str | None) -> None:
     """Run a node: frontend receive connector, queues and delivery."""
     from transportd.node.daemon import serve as run
     from transportd.node.logs import setup_logging
+    config = node_location(config, None)[0]
+    if config is None:
+        raise click.UsageError("Missing option '--config' / '-c' (or TRANSPORTD_CONFIG).")
     cfg = load_config(config, None)
     setup_logging(cfg.node.log_level, log_format or cfg.node.log_format)
     sys.exit(run(cfg))

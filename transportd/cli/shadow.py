@@ -12,7 +12,7 @@ import functools
 
 import click
 
-from transportd.cli.common import emit_json, iso, node_options, open_store, table
+from transportd.cli.common import emit_json, iso, json_option, node_options, open_store, table
 from transportd.config import Config
 from transportd.queue import admin
 from transportd.queue import messages as mq
@@ -36,7 +36,7 @@ def shadow_rows(cfg: Config) -> list[dict]:
 
 @shadow_group.command("list")
 @node_options
-@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+@json_option("JSON lines")
 def shadow_list(cfg: Config, as_json: bool) -> None:
     """Per primary: shadows held, last successful heartbeat, consecutive failures, recorded DB ID."""
     rows = shadow_rows(cfg)
@@ -53,7 +53,7 @@ def shadow_list(cfg: Config, as_json: bool) -> None:
 @node_options
 @click.argument("primary")
 @click.option("--all", "include_done", is_flag=True, help="include copies in the Shadow Safety Net")
-@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+@json_option("JSON lines")
 def shadow_show(cfg: Config, primary: str, include_done: bool, as_json: bool) -> None:
     """The shadow copies held for one primary."""
     store = open_store(cfg)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from transportd.cli.common import CliError, emit_json, node_options, parse_when, table
+from transportd.cli.common import CliError, emit_json, json_option, node_options, parse_when, table
 from transportd.config import Config
 
 
@@ -28,7 +28,7 @@ def tracking_group() -> None:
 @click.option("--event-id", default=None, help="RECEIVE, DELIVER, SENDEXTERNAL, DEFER, FAIL, DSN, ...")
 @click.option("--start", default=None, help="from this time (ISO 8601, UTC by default)")
 @click.option("--end", default=None, help="up to this time (ISO 8601)")
-@click.option("--json", "as_json", is_flag=True, help="JSON lines")
+@json_option("JSON lines")
 def tracking_search(cfg: Config, message_id: str | None, network_message_id: str | None,
                     internal_message_id: str | None, sender: str | None, recipient: str | None,
                     event_id: str | None, start: str | None, end: str | None, as_json: bool) -> None:

@@ -16,7 +16,6 @@ import logging
 import signal
 import socket
 import ssl
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +67,7 @@ class Node:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.store: QueueStore | None = None
-        self.metrics = NodeMetrics(cfg.node.name)
+        self.metrics = NodeMetrics(cfg.node.name, cfg.metrics.max_queue_series)
         self.events = NodeEvents(cfg, self.metrics)
         self.mailboxes = MailboxStore(cfg.mailbox_dir, cfg.node.name)
         self.shadow: ShadowManager | None = None
@@ -128,6 +127,7 @@ class Node:
     async def _listen_frontend(self) -> None:
         fe = self.cfg.frontend
         counter = ConnectionCounter(fe.max_inbound_connection, fe.max_inbound_connection_per_source)
+        self.metrics.watch_connections("frontend", counter)
         handler = FrontendHandler(self.cfg, self.accept_path.accept, "frontend")
         await self._serve(fe.listen, smtp_factory(self.cfg, handler, counter,
                                                   server_tls(fe.tls_certificate, fe.tls_key)))
@@ -137,6 +137,7 @@ class Node:
         tls_context = server_tls(cfg.transport.tls_certificate, cfg.transport.tls_key)
         counter = ConnectionCounter(cfg.frontend.max_inbound_connection,
                                     max(cfg.frontend.max_inbound_connection_per_source, 100))
+        self.metrics.watch_connections("transport", counter)
         handler = TransportHandler(cfg, self.accept_path.accept, self.shadow)
         authenticator = make_peer_authenticator({p.name for p in cfg.peers}, cfg.cluster.secret)
         await self._serve(cfg.transport.listen, smtp_factory(
@@ -200,7 +201,7 @@ async def _serve(cfg: Config) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"transportd: {cfg.node.name} ready on {cfg.frontend.listen}", file=sys.stderr, flush=True)
+    log.info("%s ready on %s", cfg.node.name, cfg.frontend.listen)  # a log line: JSON with --log-format json
     await stop.wait()
     log.info("shutting down")
     await node.stop()

@@ -1,7 +1,8 @@
 """Event fan-out: every tracking event goes to the MSGTRK log, the metrics and the operational log.
 
 It owns writing one tracking row per event (after the commit it describes),
-moving the metrics that go with it, the operational log line, and counting a
+moving the metrics that go with it, the operational log line (with the event, the
+message's ids, queue, peer and client as log-context fields), and counting a
 message's internal failures towards the Poison queue. It never raises into the
 loop that reports: a failing tracking log or metric is itself logged, and mail
 goes on. Every loop (accept, delivery, redundancy) reports through one instance.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from transportd.node.logs import message_context
 from transportd.queue import messages as mq
 from transportd.queue.messages import NewMessage
 from transportd.queue.store import QueueStore
@@ -22,6 +24,19 @@ log = logging.getLogger("transportd")
 EVENT_LOG_LEVELS = {e: logging.INFO for e in ("DELIVER", "DUPLICATEDELIVER", "SEND", "SENDEXTERNAL", "DEFER",
                                               "FAIL", "DSN", "DROP", "RESUBMIT", "HAREDIRECTFAIL")}
 EVENT_LOG_LEVELS["POISONMESSAGE"] = logging.WARNING
+
+
+def event_fields(event_id: str, row: dict, fields: dict[str, Any]) -> dict[str, Any]:
+    """The log fields of a tracking event: the event, its queue (connector), the peer it concerns
+    (a ``peer:`` queue's node, or the primary of a shadow event) and the client address."""
+    queue = fields.get("connector_id") or None
+    peer = None
+    if queue and queue.startswith("peer:"):
+        peer = queue.partition(":")[2]
+    elif event_id.startswith("HA") and fields.get("client_hostname"):
+        peer = fields["client_hostname"]
+    return {"event": event_id, "queue": queue, "peer": peer,
+            "client": fields.get("client_ip") or row.get("client_ip") or None}
 
 
 def message_ids(row: dict) -> dict[str, Any]:
@@ -55,36 +70,43 @@ class NodeEvents:
         """One message's handling failed with an internal error in ``step`` (any loop): log it with
         its ids and the error, count it towards the Poison queue. Never raises; returns True when
         the message was moved to the Poison queue now."""
-        ids = message_ids(row)
-        log.error("%s of message %s failed with an internal error: %s: %s", step, ids["internal_message_id"],
-                  exc.__class__.__name__, exc, exc_info=exc, extra=ids)
-        self.metrics.internal_failures.labels(step).inc()
-        if row.get("id") is None or self.store is None:
-            return False
-        threshold = self.poison_threshold
-        try:
-            moved = await self.store.write(lambda c: mq.count_internal_failure(c, row["id"], threshold))
-        except Exception as err:  # noqa: BLE001 - counting is best effort; the message stays where it is
-            log.error("could not count the failure of message %s: %s", row.get("id"), err, extra=ids)
-            return False
-        if moved:
-            self.poisoned(row, f"{step}: {exc.__class__.__name__}: {exc}")
-        return moved
+        with message_context(row):
+            log.error("%s of message %s failed with an internal error: %s: %s", step, row.get("id"),
+                      exc.__class__.__name__, exc, exc_info=exc)
+            self.metrics.internal_failures.labels(step).inc()
+            if row.get("id") is None or self.store is None:
+                return False
+            threshold = self.poison_threshold
+            try:
+                moved = await self.store.write(lambda c: mq.count_internal_failure(c, row["id"], threshold))
+            except Exception as err:  # noqa: BLE001 - counting is best effort; the message stays where it is
+                log.error("could not count the failure of message %s: %s", row.get("id"), err)
+                return False
+            if moved:
+                self.poisoned(row, f"{step}: {exc.__class__.__name__}: {exc}")
+            return moved
 
     def poisoned(self, row: dict, reason: str) -> None:
         """Tell that a message was moved to the Poison queue (after the commit that moved it)."""
         self.metrics.poisoned.inc()
-        log.warning("message %s moved to the Poison queue after %d internal failure(s) (last: %s); "
-                    "'transportd message resume %s' releases it, 'message remove' drops it",
-                    row.get("id"), self.poison_threshold or 0, reason, row.get("id"), extra=message_ids(row))
+        with message_context(row, queue=mq.POISON):
+            log.warning("message %s moved to the Poison queue after %d internal failure(s) (last: %s); "
+                        "'transportd message resume %s' releases it, 'message remove' drops it",
+                        row.get("id"), self.poison_threshold or 0, reason, row.get("id"))
         self.track("POISONMESSAGE", "QUEUE", row, source_context=f"PoisonThreshold={self.poison_threshold};{reason}"[:500])
 
     # ------------------------------------------------------------------ tracking helpers
 
     def track(self, event_id: str, source: str, row: dict, *, recipients: list[str] | None = None,
               **fields: Any) -> None:
-        """Write one tracking row for a message row, move the metrics, log a line; never raises."""
-        ids = message_ids(row)
+        """Write one tracking row for a message row, move the metrics, log a line; never raises.
+        The line (and any logged on the way) carries the event, the ids, the queue, the peer and
+        the client address as fields (JSON log)."""
+        with message_context(row, **event_fields(event_id, row, fields)):
+            self._track(event_id, source, row, recipients, fields)
+
+    def _track(self, event_id: str, source: str, row: dict, recipients: list[str] | None,
+               fields: dict[str, Any]) -> None:
         try:
             self.tracking.write(
                 event_id, source,
@@ -94,19 +116,20 @@ class NodeEvents:
                 message_subject=row.get("subject") or "", sender_address=row.get("sender") or "",
                 return_path=row.get("sender") or "", **fields)
         except Exception as exc:  # noqa: BLE001 - logging must not fail mail
-            log.error("cannot write tracking log (%s %s): %s", event_id, row.get("id"), exc, extra=ids)
+            log.error("cannot write tracking log (%s %s): %s", event_id, row.get("id"), exc)
         try:
-            self.metrics.on_event(event_id, row, str(fields.get("source_context") or ""))
+            self.metrics.on_event(event_id, row, str(fields.get("source_context") or ""),
+                                  str(fields.get("connector_id") or ""))
             level = EVENT_LOG_LEVELS.get(event_id, logging.DEBUG)
             if event_id != "RECEIVE" and log.isEnabledFor(level):
                 status = fields.get("recipient_status")
                 detail = (status[0] if status else "") or fields.get("source_context") or ""
                 shown = ", ".join((recipients or [])[:5]) + (" ..." if len(recipients or []) > 5 else "")
-                log.log(level, "%s message %s (network id %s)%s%s", event_id, ids["internal_message_id"],
-                        ids["network_message_id"], f" for {shown}" if shown else "",
-                        f": {detail}" if detail else "", extra=ids)
+                log.log(level, "%s message %s (network id %s)%s%s", event_id, row.get("id"),
+                        row.get("network_message_id") or "", f" for {shown}" if shown else "",
+                        f": {detail}" if detail else "")
         except Exception as exc:  # noqa: BLE001 - metrics and logs must not fail mail
-            log.error("cannot record %s for message %s: %s", event_id, row.get("id"), exc, extra=ids)
+            log.error("cannot record %s for message %s: %s", event_id, row.get("id"), exc)
 
     def log_dsn(self, original: dict, dsn_id: int, dsn: NewMessage) -> None:
         self.track("DSN", "DSN", {"id": dsn_id, "network_message_id": dsn.network_message_id,

@@ -216,7 +216,7 @@ class OutcomeRecorder:
                       source_context=it.queue_identity, connector_id=it.queue_identity)
             elif expiry:
                 track("FAIL", "ROUTING", row, recipients=rcpts, recipient_status=statuses,
-                      source_context="MessageExpired")
+                      source_context="MessageExpired", connector_id=it.queue_identity)
             else:
                 track("FAIL", "SMTP", row, recipients=rcpts, recipient_status=statuses,
                       source_context=it.queue_identity, connector_id=it.queue_identity)

@@ -1,9 +1,11 @@
 """Operator queries and actions on the queue database, for the CLI and the metrics collector.
 
 It owns every query the ``transportd`` command line and the Prometheus collector run:
-resolving a queue by name and acting on it, listing and acting on one message, the
-Safety Net and shadow views, filing a shadow resubmit request, the node's recorded
-name and config path, and the grouped counts behind the scrape-time gauges. Each
+resolving a queue by name and acting on it, listing and acting on one message or on
+every message a selection (``selection.py``: ids, ``--filter`` terms) matches, a batch
+per transaction, the Safety Net and shadow views, filing a shadow resubmit request, the
+node's recorded name and config path, and the grouped counts behind the scrape-time
+gauges. Each
 function takes an open SQLAlchemy connection (inside ``QueueStore.read`` or
 ``QueueStore.transaction``) and builds on ``messages`` and ``safetynet`` where those
 already have the query. It never formats output, never speaks SMTP, never writes
@@ -20,6 +22,8 @@ from sqlalchemy import func, insert, select
 from sqlalchemy.engine import Connection
 
 from transportd.queue import messages as mq
+from transportd.queue import selection as sel
+from transportd.queue.selection import Selection
 from transportd.queue.store import messages, meta, queues, recipients, resubmit_requests, shadow_contexts
 
 # Builds the NDR of a removed message: (message row, its body, the removed recipients) -> a new
@@ -71,17 +75,86 @@ def retry_queue_by_name(conn: Connection, name: str) -> dict | None:
 
 # --------------------------------------------------------------------------- messages
 
-def messages_in_queue(conn: Connection, queue: str | None, include_done: bool) -> list[dict] | None:
-    """Primary messages, of one queue (identity, id or ``Poison``) when given; None when no such queue."""
+def messages_in_queue(conn: Connection, queue: str | None, include_done: bool, selection: Selection | None = None,
+                      now: float = 0.0, limit: int | None = 1000) -> list[dict] | None:
+    """Primary messages, of one queue (identity, id or ``Poison``) when given, and matching
+    ``selection`` when given (at most ``limit``, oldest first); None when no such queue."""
+    ids = None
+    if selection is not None and not selection.empty:
+        ids = selected_ids(conn, selection, now, include_done=include_done)
     if queue is not None and queue.lower() == mq.POISON.lower():
-        return mq.list_messages(conn, mq.POISON, include_done=include_done)
+        return mq.list_messages(conn, mq.POISON, include_done=include_done, ids=ids, limit=limit)
     qid = None
     if queue is not None:
         q = mq.resolve_queue(conn, queue)
         if q is None:
             return None
         qid = q["id"]
-    return mq.list_messages(conn, qid, include_done=include_done)
+    return mq.list_messages(conn, qid, include_done=include_done, ids=ids, limit=limit)
+
+
+# --------------------------------------------------------------------------- many messages at once
+#
+# A bulk command first reads the ids its selection matches (``selected_ids``), then acts on them a
+# batch per transaction (``*_batch``): each batch selects again, among its ids, what still matches
+# (a message delivered meanwhile is left alone) and runs the one-message action on each, so a
+# removal by filter tells the shadows exactly as ``message remove ID`` does.
+
+def selected_ids(conn: Connection, selection: Selection, now: float, include_done: bool = False,
+                 limit: int | None = None) -> list[int]:
+    """The ids of the messages ``selection`` matches, oldest first."""
+    stmt = select(messages.c.id).where(sel.condition(selection, now, include_done)).order_by(messages.c.id)
+    if limit is not None:
+        stmt = stmt.limit(limit)
+    return list(conn.execute(stmt).scalars())
+
+
+def listed(conn: Connection, ids: Sequence[int], include_done: bool = False) -> list[dict]:
+    """``message list`` rows of these messages, in id order."""
+    return mq.list_messages(conn, include_done=include_done, ids=ids, limit=None)
+
+
+def unknown_ids(conn: Connection, ids: Sequence[int]) -> list[int]:
+    """Of ``ids``, those that are no queued message an operator command acts on."""
+    found = set(conn.execute(select(messages.c.id).where(
+        sel.condition(sel.Selection(ids=tuple(ids)), 0.0))).scalars())
+    return [i for i in ids if i not in found]
+
+
+def _still_matching(conn: Connection, ids: Sequence[int], selection: Selection, now: float) -> list[int]:
+    return list(conn.execute(select(messages.c.id).where(sel.condition(selection, now, among=ids))
+                             .order_by(messages.c.id)).scalars())
+
+
+def remove_batch(conn: Connection, ids: Sequence[int], selection: Selection, now: float,
+                 make_ndr: NdrBuilder | None = None) -> list[tuple[dict, list[dict], tuple[int, Any] | None]]:
+    """Remove-Message for the ``ids`` that still match ``selection``, each as ``remove_queued_message``."""
+    out = []
+    for mid in _still_matching(conn, ids, selection, now):
+        result = remove_queued_message(conn, mid, now, make_ndr)
+        if result is not None:
+            out.append(result)
+    return out
+
+
+def suspend_batch(conn: Connection, ids: Sequence[int], selection: Selection, now: float) -> list[dict]:
+    """Suspend-Message for the ``ids`` that still match ``selection``; their rows."""
+    out = []
+    for mid in _still_matching(conn, ids, selection, now):
+        if suspend_message(conn, mid):
+            out.append(mq.message_row(conn, mid))
+    return out
+
+
+def resume_batch(conn: Connection, ids: Sequence[int], selection: Selection, now: float
+                 ) -> list[tuple[dict, bool]]:
+    """Resume-Message for the ``ids`` that still match ``selection``: (row, released from the Poison queue)."""
+    out = []
+    for mid in _still_matching(conn, ids, selection, now):
+        row, released, ok = resume_message(conn, mid)
+        if ok:
+            out.append((row, released))
+    return out
 
 
 def message_with_body(conn: Connection, message_id: int) -> dict | None:
@@ -181,7 +254,9 @@ def shadow_copies(conn: Connection, primary: str, include_done: bool) -> list[di
 def queue_gauges(conn: Connection) -> dict[str, Any]:
     """Grouped counts for the scrape-time gauges: ``queues`` (identity, recipient status, messages),
     ``shadows`` (primary, copies), ``safety_net`` (role, messages), ``not_redundant`` (redundancy
-    state, messages) and ``poison`` (messages held in the Poison queue)."""
+    state, messages), ``poison`` (messages held in the Poison queue), ``oldest`` (identity, the
+    earliest received_at of a message waiting in it), ``poison_oldest``, ``suspended`` (identities)
+    and ``contexts`` (primary, last successful heartbeat, consecutive failures)."""
     q = conn.execute(
         select(queues.c.identity, recipients.c.status, func.count(func.distinct(recipients.c.message_id)))
         .join(recipients, recipients.c.queue_id == queues.c.id)
@@ -203,4 +278,17 @@ def queue_gauges(conn: Connection) -> dict[str, Any]:
         .group_by(messages.c.redundancy)).all()
     poison = conn.execute(select(func.count()).select_from(messages).where(
         messages.c.poisoned == 1, messages.c.state == mq.QUEUED)).scalar() or 0
-    return {"queues": q, "shadows": shadows, "safety_net": nets, "not_redundant": exposed, "poison": poison}
+    oldest = conn.execute(
+        select(queues.c.identity, func.min(messages.c.received_at))
+        .join(recipients, recipients.c.queue_id == queues.c.id)
+        .join(messages, messages.c.id == recipients.c.message_id)
+        .where(recipients.c.status.not_in(mq.TERMINAL), messages.c.role == "primary",
+               messages.c.state == mq.QUEUED, messages.c.poisoned == 0)
+        .group_by(queues.c.identity)).all()
+    poison_oldest = conn.execute(select(func.min(messages.c.received_at)).where(
+        messages.c.poisoned == 1, messages.c.state == mq.QUEUED)).scalar()
+    suspended = list(conn.execute(select(queues.c.identity).where(queues.c.suspended == 1)).scalars())
+    contexts = conn.execute(select(shadow_contexts.c.peer, shadow_contexts.c.last_heartbeat_at,
+                                   shadow_contexts.c.consecutive_failures)).all()
+    return {"queues": q, "shadows": shadows, "safety_net": nets, "not_redundant": exposed, "poison": poison,
+            "oldest": oldest, "poison_oldest": poison_oldest, "suspended": suspended, "contexts": contexts}

@@ -599,14 +599,21 @@ def message_status(rcpt_statuses: Sequence[str], suspended: bool, state: str, po
 
 
 def list_messages(conn: Connection, queue_id: int | str | None = None, include_done: bool = False,
-                  role: str = "primary", limit: int = 1000) -> list[dict]:
-    """Messages of one role, or of one queue: a next hop's id, or POISON (primary and shadow copies)."""
+                  role: str = "primary", limit: int | None = 1000, ids: Sequence[int] | None = None) -> list[dict]:
+    """Messages of one role, or of one queue: a next hop's id, or POISON (primary and shadow copies);
+    with ``ids``, those messages (whatever their role) and no others."""
     if queue_id == POISON:
         stmt = select(messages).where(messages.c.poisoned == 1, messages.c.state == QUEUED)
         queue_id = None
+    elif ids is not None:
+        stmt = select(messages)
     else:
         stmt = select(messages).where(messages.c.role == role)
-    stmt = stmt.order_by(messages.c.id).limit(limit)
+    if ids is not None:
+        stmt = stmt.where(messages.c.id.in_(list(ids)))
+    stmt = stmt.order_by(messages.c.id)
+    if limit is not None:
+        stmt = stmt.limit(limit)
     if not include_done:
         stmt = stmt.where(messages.c.state == QUEUED)
     if queue_id is not None:

@@ -1,6 +1,6 @@
 """Outbound SMTP sessions (aiosmtplib): next-hop hosts, connecting, the envelope sent byte for byte.
 
-It owns finding a next hop's hosts (MX by preference, RFC 5321 5.1; a null MX
+It owns finding a next hop's hosts (MX by preference, equal ones in random order, RFC 5321 5.1; a null MX
 is permanent, RFC 7505), opening a session to the first host that answers, and
 the MAIL/RCPT commands of every session of ours. It never reads the queue or
 decides an outcome (node/connectors.py does). aiosmtplib's ``mail()``/``rcpt()`` re-parse the address (``quote_address``) and
@@ -14,6 +14,7 @@ brackets. Deciding *whether* SMTPUTF8 may be used is ``envelope.plan_send``'s jo
 from __future__ import annotations
 
 import asyncio
+import random
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -28,15 +29,22 @@ class SmtpTarget:
     port: int
 
 
+def order_mx(records: Iterable[tuple[int, str]], rng: random.Random | None = None) -> list[str]:
+    """MX host names by preference, hosts of equal preference in a random order (RFC 5321 5.1:
+    "the SMTP client SHOULD pick one at random"), so their load is spread; empty names dropped."""
+    shuffle = (rng or random).random
+    keyed = sorted((pref, shuffle(), host) for pref, host in records)
+    return [host for _, _, host in keyed if host]
+
+
 async def resolve_mx(domain: str, port: int) -> list[SmtpTarget]:
-    """MX hosts by preference, else the domain's own address (RFC 5321 5.1); [] when none."""
+    """MX hosts by preference (equal ones shuffled), else the domain's own address (RFC 5321 5.1)."""
     import dns.asyncresolver
     import dns.exception
     import dns.resolver
     try:
         answer = await dns.asyncresolver.resolve(domain, "MX", lifetime=10)
-        mx = sorted((r.preference, str(r.exchange).rstrip(".")) for r in answer)
-        hosts = [h for _, h in mx if h]
+        hosts = order_mx((r.preference, str(r.exchange).rstrip(".")) for r in answer)
         if not hosts:
             raise NextHopPermanentError(f"556 5.1.10 {domain} does not accept mail (null MX, RFC 7505)")
         return [SmtpTarget(h, port) for h in hosts]
