@@ -90,7 +90,8 @@ class TransportSMTP(LimitedSMTP):
 
     async def _write(self, data: bytes) -> None:
         """Replies exactly as the connection words them (docs/PROTOCOL.md; no enhanced code added)."""
-        await self.push_raw(data)
+        self._writer.write(data)
+        await self._writer.drain()
 
     async def _judge(self, verb: str, arg: str | None) -> Event:
         """The connection's verdict on one command; refusals are answered here."""

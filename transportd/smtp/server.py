@@ -215,7 +215,6 @@ class LimitedSMTP(SMTP):
         self._absolute_handle: asyncio.TimerHandle | None = None
         self._plain_250 = False  # HELO/EHLO replies carry no enhanced status code (RFC 2034)
         self.chunking = chunking  # CHUNKING offered (EHLO) and BDAT served
-        self._held: list[bytes] = []  # replies of a pipelined group not written yet (push_raw)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         first = self.transport is None
@@ -259,8 +258,7 @@ class LimitedSMTP(SMTP):
     def _say_and_close(self, reply: str) -> None:
         if self.transport is not None and not self.transport.is_closing():
             try:
-                held, self._held = b"".join(self._held), []
-                self._writer.write(held + reply.encode("ascii") + b"\r\n")
+                self._writer.write(reply.encode("ascii") + b"\r\n")
             except Exception:  # noqa: BLE001 - the connection is going away anyway
                 pass
 
@@ -407,9 +405,6 @@ class LimitedSMTP(SMTP):
 
     async def _read_chunk(self, size: int, keep: bool) -> bytes:
         """``size`` octets from the client; when not kept, read and dropped piece by piece."""
-        buffered = getattr(self._reader, "_buffer", b"")
-        if len(buffered) < size:
-            await self.flush_replies()  # the client may wait for them before it sends the rest
         if keep:
             return await self._reader.readexactly(size)
         left = size
@@ -440,28 +435,8 @@ class LimitedSMTP(SMTP):
         if isinstance(status, str):
             if not (self._plain_250 and status.startswith("250")):
                 status = replies.translate(status)
-            status = replies.wire_safe(status).encode("utf-8")
-        await self.push_raw(status + b"\r\n")
-
-    async def push_raw(self, data: bytes) -> None:
-        """Reply lines, CRLF included. A positive reply (2xx, not 220/221) is held while another
-        command line of a pipelined group is already read in (RFC 2920: its replies go out
-        together, one write); anything else, or no more input at hand, writes every held reply."""
-        self._held.append(data)
-        if data[:1] == b"2" and data[:3] not in (b"220", b"221") and self._line_buffered():
-            return
-        await self.flush_replies()
-
-    async def flush_replies(self) -> None:
-        if self._held:
-            data, self._held = b"".join(self._held), []
-            self._writer.write(data)
-            await self._writer.drain()
-
-    def _line_buffered(self) -> bool:
-        """A whole command line (or more) is already in the stream's buffer."""
-        buffered = getattr(self._reader, "_buffer", None)
-        return bool(buffered) and b"\n" in buffered
+            status = replies.wire_safe(status)
+        await super().push(status)
 
 
 class _CommandLimits(dict):
