@@ -18,34 +18,7 @@ import urllib.request
 
 import pytest
 from conftest import free_port, queued_id, swaks, wait_for
-from prometheus_client.parser import text_string_to_metric_families
-
-
-def scrape(host: str, port: int) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as resp:
-        assert resp.status == 200
-        text = resp.read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def value(samples: dict, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def scrape_until(host: str, port: int, predicate, what: str, timeout: float = 20) -> dict:
-    """Scrape until ``predicate(samples)`` holds; the samples that satisfied it."""
-    last: dict = {}
-
-    def ok() -> bool:
-        nonlocal last
-        last = scrape(host, port)
-        return predicate(last)
-    wait_for(ok, timeout=timeout, what=what)
-    return last
+from helpers import scrape, scrape_until, value
 
 
 def metrics_node(make_node, sink_address: str):
