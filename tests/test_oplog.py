@@ -121,6 +121,9 @@ def test_every_line_of_a_json_log_is_json_in_utc_with_fields(make_node, sink):
     assert fail[0]["internal_message_id"] == failed and fail[0]["queue"] == f"smarthost:{sink.address}"
     assert fail[0]["client"] == "127.0.0.1" and fail[0]["network_message_id"]
     assert [r for r in lines if r.get("event") == "DSN"]
+    queued = [r for r in lines if r["message"].startswith(f"queued message {failed} ")]
+    assert len(queued) == 1 and queued[0]["client"] == "127.0.0.1", queued  # the accept path's context
+    assert queued[0]["network_message_id"] == fail[0]["network_message_id"]
 
 
 def test_text_log_timestamps_are_utc_with_z(make_node, sink):
@@ -134,3 +137,18 @@ def test_text_log_timestamps_are_utc_with_z(make_node, sink):
     from datetime import UTC, datetime
     ts = datetime.fromisoformat(m.group(1) + "Z")
     assert abs((datetime.now(UTC) - ts).total_seconds()) < 600, line
+
+
+def test_a_node_that_cannot_start_says_why_in_json_when_asked(tmp_path):
+    import json
+    import subprocess
+    import sys
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[delivery]\nretry_intervall = 5\n")
+    res = subprocess.run([sys.executable, "-m", "transportd", "serve", "--config", str(bad), "--log-format", "json"],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and res.stdout == ""
+    [line] = res.stderr.splitlines()
+    record = json.loads(line)
+    assert record["level"] == "error" and "delivery.retry_intervall: unknown key" in record["message"], record
+    assert record["ts"].endswith("Z")

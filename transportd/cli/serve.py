@@ -28,7 +28,18 @@ def serve(config: str | None, log_format: str | None) -> None:
     config = node_location(config, None)[0]
     if config is None:
         raise click.UsageError("Missing option '--config' / '-c' (or TRANSPORTD_CONFIG).")
-    cfg = load_config(config, None)
+    try:
+        cfg = load_config(config, None)
+    except click.ClickException as exc:
+        if log_format != "json":
+            raise
+        # Asked for JSON: the one line that says why the node cannot start is JSON too.
+        import json
+        import time
+        from transportd.node.logs import utc_timestamp
+        click.echo(json.dumps({"ts": utc_timestamp(time.time()), "level": "error", "logger": "transportd",
+                               "message": exc.format_message()}), err=True)
+        sys.exit(exc.exit_code)
     setup_logging(cfg.node.log_level, log_format or cfg.node.log_format)
     sys.exit(run(cfg))
 

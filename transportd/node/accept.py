@@ -22,6 +22,7 @@ from aiosmtpd.smtp import Envelope, Session
 from transportd import faults
 from transportd.errors import MessageRejected, StoreError
 from transportd.node.events import NodeEvents, message_ids
+from transportd.node.logs import log_context
 from transportd.queue import messages as mq
 from transportd.queue import shadows as sq
 from transportd.queue.messages import NewMessage
@@ -70,6 +71,12 @@ class AcceptPath:
         if not envelope.rcpt_tos:
             raise MessageRejected(S554_NO_VALID_RECIPIENTS)
         msg = self._message(envelope, session, connector, now)
+        # Every line logged while accepting it (the shadow copy's too) carries its id and client.
+        with log_context(network_message_id=msg.network_message_id, client=msg.client_ip or None,
+                         peer=peer_name(session)):
+            return await self._accept(msg, session, connector, now)
+
+    async def _accept(self, msg: NewMessage, session: Session, connector: str, now: float) -> int:
         netid = msg.network_message_id
         hops = hop_count(msg.data)
         if hops > self.cfg.frontend.max_hop_count:
