@@ -170,10 +170,12 @@ async def test_smtp_connector_reports_an_unreachable_next_hop_as_a_queue_retry(p
     assert [o.status for outs in report.outcomes.values() for o in outs] == [mq.RETRY]
 
 
-async def test_peer_connector_alone_relays_to_a_real_peer_node(tmp_path, make_node) -> None:
+@pytest.mark.parametrize("chunking", [True, False])
+async def test_peer_connector_alone_relays_to_a_real_peer_node(tmp_path, make_node, chunking) -> None:
     """The peer connector with a Shadow Redundancy Manager built alone (shadow redundancy off: a
     plain authenticated relay) against a real node's transport connector, which stores the message
-    in its mailbox store."""
+    in its mailbox store: one pipelined group ending in BDAT LAST, or in DATA where the peer
+    offers no CHUNKING; a recipient the peer refuses fails alone."""
     from conftest import free_port, wait_port
     from transportd.devtools import cluster as cluster_mod
     from transportd.node.connectors import PeerConnector
@@ -181,7 +183,8 @@ async def test_peer_connector_alone_relays_to_a_real_peer_node(tmp_path, make_no
     from transportd.redundancy.manager import ShadowManager
 
     me, secret, tport = "unit.transportd.test", "s3cret-for-the-unit", free_port()
-    peer = make_node("peer", overrides={"transport": {"listen": f"127.0.0.1:{tport}"}, "cluster": {"secret": secret}})
+    peer = make_node("peer", overrides={"transport": {"listen": f"127.0.0.1:{tport}", "chunking_enabled": chunking},
+                                        "cluster": {"secret": secret}})
     peer.config_path.write_text(cluster_mod.render_toml(
         peer.sections, [{"name": me, "site": "site-a", "transport": "127.0.0.1:9"}]))
     peer.start()
@@ -197,11 +200,12 @@ async def test_peer_connector_alone_relays_to_a_real_peer_node(tmp_path, make_no
         events = NodeEvents(cfg, NodeMetrics(me), store, RecordingTracking())
         connector = PeerConnector(cfg, store, ShadowManager(cfg, store, events))
         hop = NextHop(f"peer:{peer.name}", PEER, peer.name)
-        mid = await store.write(lambda c: mq.enqueue(c, _message(hop, ["alice@example.test"], 7)))
+        mid = await store.write(lambda c: mq.enqueue(c, _message(hop, ["alice@example.test", "bad address@x"], 7)))
         work = store.read(lambda c: mq.due_work(c, time.time()))
         [report] = [d async for d in connector.deliver(work)]
-        [outcome] = report.outcomes[mid]
-        assert outcome.status == mq.DELIVERED and outcome.reply.startswith("250"), outcome
+        good, bad = sorted(report.outcomes[mid], key=lambda o: o.recipient_id)
+        assert good.status == mq.DELIVERED and good.reply.startswith("250 2.0.0"), good
+        assert bad.status == mq.FAILED and bad.reply.startswith("501"), bad
         assert not report.forks  # no hop-by-hop shadow with shadow redundancy off
         files = await asyncio.to_thread(lambda: _wait_files(peer, "alice@example.test"))
         assert b"Subject: part 7" in files[0].read_bytes()

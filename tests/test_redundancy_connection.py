@@ -28,6 +28,7 @@ from transportd.redundancy.connection import (
     ServerConnection,
     ShadowAccepted,
     SendBody,
+    TransactionReplies,
     ShadowRefused,
     ShadowRequestAccepted,
     ShadowRequestReceived,
@@ -306,6 +307,29 @@ def test_a_refused_step_refuses_the_copy_with_the_first_refusal(mail, rcpt, last
     assert event == ShadowRefused(*refused)
     assert event.held is held  # stored all the same: the primary sends it a discard event
     assert c.state is ClientState.IDLE
+
+
+def test_relay_transaction_hop_by_hop_reports_every_reply() -> None:
+    c = identified_client()  # after XSHADOW: hop by hop, MAIL carries XSHADOW=
+    wire = c.send_transaction("s@y.test", ["SIZE=5"], ["a@x.test", "b@x.test"], b"hi\r\n", chunking=True, guid=G1)
+    assert wire == (b"MAIL FROM:<s@y.test> SIZE=5 XSHADOW=" + G1.encode() + b"\r\nRCPT TO:<a@x.test>\r\n"
+                    b"RCPT TO:<b@x.test>\r\nBDAT 4 LAST\r\nhi\r\n")
+    events = c.receive_data(b"250 2.1.0 ok\r\n550 5.1.1 no such user\r\n250 2.1.5 ok\r\n250 2.0.0 queued as 9\r\n")
+    assert events == [TransactionReplies((250, "2.1.0 ok"), ((550, "5.1.1 no such user"), (250, "2.1.5 ok")),
+                                         (250, "2.0.0 queued as 9"))]
+    assert c.state is ClientState.IDLE
+
+
+def test_relay_transaction_without_chunking_or_xshadow() -> None:
+    c = ClientConnection(SHADOW)  # a plain authenticated relay: no X-verb on this session
+    assert c.send_transaction("", [], ["a@x.test"], b".x\r\n", chunking=False) == (
+        b"MAIL FROM:<>\r\nRCPT TO:<a@x.test>\r\nDATA\r\n")
+    assert c.receive_reply(250, ["ok"]) == [] and c.receive_reply(250, ["ok"]) == []
+    assert c.receive_reply(354, ["go"]) == [SendBody(b"..x\r\n.\r\n")]
+    assert c.receive_reply(451, ["4.3.0 try later"]) == [
+        TransactionReplies((250, "ok"), ((250, "ok"),), (451, "4.3.0 try later"))]
+    with pytest.raises(LocalProtocolError):
+        ClientConnection(SHADOW).send_transaction("", [], ["a@x.test"], b"", chunking=True, guid=G1)  # no XSHADOW
 
 
 def test_shadow_copy_needs_a_shadow_request_and_recipients() -> None:

@@ -1,5 +1,9 @@
 """Delivery agents, as Postfix's are to its qmgr: mailbox, SMTP (smart host, MX) and peer.
 
+The SMTP connector talks aiosmtplib to next hops outside the boundary; the peer connector relays
+to a boundary peer over the redundancy layer's pipelining session (one write per message: MAIL,
+RCPT, BDAT LAST).
+
 Each connector has ``deliver(batch)``: it takes a batch of one queue's work
 items and yields ``Delivered`` reports (outcomes per recipient) as it goes, so
 the scheduler commits each message's outcome before the next is sent. A
@@ -20,7 +24,8 @@ from typing import Any, AsyncIterator
 import aiosmtplib
 
 from transportd import faults
-from transportd.errors import NextHopPermanentError, NextHopUnavailable, PEER_FAILURES, StoreError
+from transportd.errors import (NextHopPermanentError, NextHopUnavailable, PEER_FAILURES, PeerTransientError,
+                               ProtocolError, StoreError)
 from transportd.node.outcomes import Delivered, internal_failure
 from transportd.queue import messages as mq
 from transportd.queue.mailbox import MailboxStore
@@ -28,7 +33,7 @@ from transportd.queue.messages import Outcome, WorkItem
 from transportd.queue.routing import DNS
 from transportd.queue.store import QueueStore
 from transportd.redundancy.manager import ShadowManager
-from transportd.redundancy.peers import PeerSession, start_peer_session
+from transportd.redundancy.peers import PeerSession, open_session
 from transportd.smtp import client as smtpclient
 from transportd.smtp.client import SmtpTarget, describe, reply_of, resolve_mx
 from transportd.smtp.envelope import plan_send
@@ -132,7 +137,8 @@ class SmtpConnector:
                 guid = str(uuid.uuid4()) if hop else None
                 try:
                     outs = await self._send_one(client, it, xshadow=guid)
-                except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError, OSError) as exc:
+                except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError, OSError,
+                        PeerTransientError, ProtocolError) as exc:
                     reply = f"451 4.4.2 Connection to {target.host}:{target.port} lost: {describe(exc)}"
                     yield Delivered.every_recipient(batch[i:], mq.RETRY, reply, queue_error=reply, remote=remote)
                     return
@@ -221,20 +227,54 @@ class PeerConnector(SmtpConnector):
         host, _, port = peer.transport.rpartition(":")
         return [SmtpTarget(host, int(port))]
 
-    async def open(self, item: WorkItem) -> tuple[aiosmtplib.SMTP, SmtpTarget, PeerSession | None]:
+    async def open(self, item: WorkItem) -> tuple[Any, SmtpTarget, PeerSession | None]:
+        """An authenticated pipelining session to the peer (redundancy/wire.py), started hop by hop
+        (XSHADOW and the discard exchange) when both sides run shadow redundancy. The session is
+        also the connector's client: ``_send_one`` relays each message on it as one group."""
         d = self.cfg.delivery
-        client, target = await smtpclient.connect(
-            await self.targets(item), local_hostname=self.cfg.node.name, timeout=d.send_connection_inactivity_timeout,
-            connect_timeout=d.send_connect_timeout, tls=self.shadow.pool.tls)
+        [target] = await self.targets(item)
         peer = self.shadow.by_name[item.next_hop]
+        session: PeerSession | None = None
         try:
-            hop = self.shadow.enabled and client.supports_extension("xshadowrequest")
-            await start_peer_session(client, peer.name, local_fqdn=self.shadow.node_name,
-                                     secret=self.cfg.cluster.secret, shadows=hop)
-            session = PeerSession(client, peer, self.shadow.node_name)
-            if hop:
+            session = await open_session(peer, local_fqdn=self.shadow.node_name, secret=self.cfg.cluster.secret,
+                                         tls=self.shadow.pool.tls, timeout=d.send_connection_inactivity_timeout,
+                                         shadows=False, connect_timeout=d.send_connect_timeout)
+            if self.shadow.enabled and session.client.supports_extension("xshadowrequest"):
                 await self.shadow.heartbeat.hop_session_start(session)
         except PEER_FAILURES as exc:
-            smtpclient.close(client)
+            if session is not None:
+                session.close()
             raise NextHopUnavailable(f"{target.host}:{target.port}: {describe(exc)}") from None
-        return client, target, session
+        return session, target, session
+
+    async def _send_one(self, client: Any, it: WorkItem, xshadow: str | None = None) -> list[Outcome]:
+        """MAIL (``XSHADOW=`` hop by hop), RCPT and BDAT LAST (or DATA) in one write; each
+        recipient's outcome from its RCPT reply and the data reply."""
+        session: PeerSession = client
+        row, body = await self.store.aread(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
+        if row is None or body is None:
+            return [Outcome(r, mq.FAILED, MISSING_BODY) for r in it.recipient_ids]
+        await faults.acheck("deliver", row)
+        wire = session.client
+        plan = plan_send(row["sender"], it.addresses, body, smtputf8=bool(row["smtputf8"]),
+                         body_type=row["body_type"] or "",
+                         next_hop_smtputf8=wire.supports_extension("smtputf8"),
+                         next_hop_8bitmime=wire.supports_extension("8bitmime"))
+        if plan.error:
+            return [Outcome(r, mq.FAILED, plan.error) for r in it.recipient_ids]
+        options = list(plan.options)
+        if wire.supports_extension("size"):
+            options.append(f"SIZE={len(plan.data)}")
+        replies = await session.relay(row["sender"], options, list(it.addresses), plan.data, xshadow)
+        outs = [_outcome(rid, replies.mail if replies.mail[0] != 250 else
+                         rcpt if rcpt[0] not in (250, 251) else replies.data)
+                for rid, rcpt in zip(it.recipient_ids, replies.recipients)]
+        if any(o.status != mq.DELIVERED for o in outs):
+            await session.rset()  # a refused MAIL or RCPT may leave the transaction open
+        return outs
+
+
+def _outcome(recipient_id: int, reply: tuple[int, str]) -> Outcome:
+    code, text = reply
+    status = mq.DELIVERED if code == 250 else mq.FAILED if code >= 500 else mq.RETRY
+    return Outcome(recipient_id, status, f"{code} {text}")

@@ -86,6 +86,14 @@ class ShadowRefused(Event):
 
 
 @dataclass(frozen=True)
+class TransactionReplies(Event):
+    """Every reply of a relay transaction (``send_transaction``), in order."""
+    mail: tuple[int, str]
+    recipients: tuple[tuple[int, str], ...]
+    data: tuple[int, str]  # the reply to BDAT LAST or to the end of DATA (or DATA's refusal)
+
+
+@dataclass(frozen=True)
 class SendBody(Event):
     """354 to a shadow copy's DATA: write ``data`` (the body, dot-stuffed and terminated) now."""
     data: bytes
@@ -199,7 +207,7 @@ class ClientState(enum.Enum):
     AWAITING_XSHADOW = "XSHADOW"
     AWAITING_DISCARD = "XQDISCARD"
     AWAITING_RESUBMIT = "XRESUBMIT"
-    AWAITING_COPY = "shadow copy"  # the replies of a shadow copy's MAIL, RCPTs and BDAT or DATA
+    AWAITING_COPY = "transaction"  # the replies of a pipelined MAIL, RCPTs and BDAT or DATA
     ERROR = "error"
 
 
@@ -292,13 +300,25 @@ class ClientConnection:
         self._ready("MAIL")
         if not self.shadow_requested:
             raise LocalProtocolError("a shadow copy before an accepted XSHADOWREQUEST")
+        return self._group(sender, [*params, self.mail_parameter(guid)], recipients, data, chunking, shadow=True)
+
+    def send_transaction(self, sender: str, params: Sequence[str], recipients: Sequence[str], data: bytes, *,
+                         chunking: bool, guid: str | None = None) -> bytes:
+        """A relay to the peer as one pipelined group, as ``send_shadow_copy``; with ``guid`` (hop by
+        hop, after XSHADOW) MAIL carries ``XSHADOW=<guid>``. It ends with ``TransactionReplies``:
+        the outcome of each recipient is the caller's to read."""
+        self._ready("MAIL")
+        extra = [self.mail_parameter(guid)] if guid is not None else []
+        return self._group(sender, [*params, *extra], recipients, data, chunking, shadow=False)
+
+    def _group(self, sender: str, params: Sequence[str], recipients: Sequence[str], data: bytes, chunking: bool,
+               *, shadow: bool) -> bytes:
         if not recipients:
-            raise LocalProtocolError("a shadow copy without recipients")
-        words = [b"MAIL FROM:" + envelope_path(sender),
-                 *(p.encode("ascii") for p in (*params, self.mail_parameter(guid)))]
+            raise LocalProtocolError("a transaction without recipients")
+        words = [b"MAIL FROM:" + envelope_path(sender), *(p.encode("ascii") for p in params)]
         lines = [b" ".join(words)] + [b"RCPT TO:" + envelope_path(r) for r in recipients]
         self._copy = _Copy(["MAIL"] + ["RCPT"] * len(recipients) + ["BDAT" if chunking else "DATA"],
-                           b"" if chunking else dot_stuff(data))
+                           b"" if chunking else dot_stuff(data), shadow)
         self.state = ClientState.AWAITING_COPY
         tail = f"BDAT {len(data)} LAST\r\n".encode("ascii") + data if chunking else b"DATA\r\n"
         return b"\r\n".join(lines) + b"\r\n" + tail
@@ -382,6 +402,7 @@ class ClientConnection:
         assert copy is not None
         step = copy.awaiting.pop(0)
         if step in ("MAIL", "RCPT"):
+            copy.replies.append((code, text))
             if code not in ((250,) if step == "MAIL" else (250, 251)) and copy.refusal is None:
                 copy.refusal = (code, text)
             return []
@@ -389,6 +410,8 @@ class ClientConnection:
             copy.awaiting.append("end of data")
             return [SendBody(copy.body)]
         self.state, self._copy = ClientState.IDLE, None
+        if not copy.shadow:
+            return [TransactionReplies(copy.replies[0], tuple(copy.replies[1:]), (code, text))]
         if copy.refusal is None and code == 250 and "2.6.0" in text:
             return [ShadowAccepted(text)]
         refused = copy.refusal or (code, text)
@@ -400,7 +423,9 @@ class _Copy:
     """What a shadow copy in flight still awaits, and the first refusal it got."""
     awaiting: list[str]
     body: bytes  # DATA's body, dot-stuffed, with its terminating line
+    shadow: bool  # a shadow copy (ShadowAccepted / ShadowRefused), else a relay (TransactionReplies)
     refusal: tuple[int, str] | None = None
+    replies: list[tuple[int, str]] = field(default_factory=list)  # MAIL's and the RCPTs
 
 
 def envelope_path(address: str) -> bytes:

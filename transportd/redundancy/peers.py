@@ -24,7 +24,7 @@ from transportd.config import peer_tls_options
 from transportd.errors import PEER_FAILURES, ProtocolError
 from transportd.redundancy.connection import (ClientConnection, CommandRefused, DiscardBatch,
                                               PrimaryIdentified, ResubmitAnswered, SendBody, ShadowAccepted,
-                                              ShadowRefused, ShadowRequestAccepted)
+                                              ShadowRefused, ShadowRequestAccepted, TransactionReplies)
 from transportd.redundancy.wire import PeerWire
 from transportd.redundancy.protocol import Peer
 
@@ -75,23 +75,51 @@ class PeerSession:
         """MAIL ``XSHADOW=<guid>``, RCPT and ``BDAT <n> LAST`` (DATA where the peer offers no
         CHUNKING) in one write, the replies read as they come: the copy counts only when the peer
         says 2.6.0. A refused copy leaves the session usable."""
-        client = self.client
-        if not isinstance(client, PeerWire):
-            raise ProtocolError("shadow copies go over a pooled peer session")
+        wire = self._wire()
         self.data_sent = False
         group = self.conn.send_shadow_copy(sender, params, recipients, data, guid,
-                                           chunking=client.supports_extension("chunking"))
-        client.write(group)
-        self.data_sent = True  # from here the peer may hold the copy
+                                           chunking=wire.supports_extension("chunking"))
+        self.data_sent = True  # from the write on, the peer may hold the copy
+        event = await self._group(wire, group)
+        if isinstance(event, ShadowAccepted):
+            return ShadowCopyReply(True, f"250 {event.reply_text}")
+        assert isinstance(event, ShadowRefused)
+        return ShadowCopyReply(False, f"{event.code} {event.text}", held=event.held)
+
+    async def relay(self, sender: str, params: list[str], recipients: list[str], data: bytes,
+                    guid: str | None) -> TransactionReplies:
+        """A message relayed to the peer (hop by hop with ``guid``: MAIL ``XSHADOW=``), as one
+        pipelined group like ``copy``; every reply, for the caller to read per recipient."""
+        wire = self._wire()
+        group = self.conn.send_transaction(sender, params, recipients, data, guid=guid,
+                                           chunking=wire.supports_extension("chunking"))
+        event = await self._group(wire, group)
+        assert isinstance(event, TransactionReplies)
+        return event
+
+    def _wire(self) -> PeerWire:
+        if not isinstance(self.client, PeerWire):
+            raise ProtocolError("pipelined transactions go over a PeerWire session")
+        return self.client
+
+    async def _group(self, wire: PeerWire, group: bytes) -> Any:
+        """Write a pipelined group and read its replies as they come, until the connection says
+        how it ended (the body after a 354 written when it asks)."""
+        wire.write(group)
         while True:
-            reply = await client.read_reply()
+            reply = await wire.read_reply()
             for event in self.conn.receive_reply(reply.code, reply.message.split("\n")):
                 if isinstance(event, SendBody):
-                    client.write(event.data)
-                elif isinstance(event, ShadowAccepted):
-                    return ShadowCopyReply(True, f"{reply.code} {event.reply_text}")
-                elif isinstance(event, ShadowRefused):
-                    return ShadowCopyReply(False, f"{event.code} {event.text}", held=event.held)
+                    wire.write(event.data)
+                else:
+                    return event
+
+    @property
+    def is_connected(self) -> bool:
+        return self.client.is_connected
+
+    async def rset(self) -> Any:
+        return await self.client.rset()
 
     async def identify(self) -> str:
         """XSHADOW: announce ourselves as a shadow; returns the primary's queue database ID."""
