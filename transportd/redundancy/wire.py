@@ -105,7 +105,9 @@ class PeerWire:
 
     @property
     def is_connected(self) -> bool:
-        return self._writer is not None and not self._writer.is_closing()
+        """Open, and the peer has not closed its side (an idle pooled session it dropped is not reused)."""
+        return (self._writer is not None and not self._writer.is_closing()
+                and not (self._reader is not None and self._reader.at_eof()))
 
     # ------------------------------------------------------------------ bytes and replies
 
