@@ -3,16 +3,23 @@
 #   target "daemon":    python slim + transportd, non-root; ENTRYPOINT is the `transportd` CLI
 #   target "analytics": the daemon image plus Java 17 and PySpark for `transportd analyze`
 # docker build --target daemon -t transportd:0.1.0 .
+#
+# PYTHON_IMAGE: the official python image by default; `make compose-up` (scripts/compose.sh) passes
+# a base image made with debootstrap where no registry can be reached (Debian's python3 3.11 with
+# `python`/`pip` names and no EXTERNALLY-MANAGED marker, like the official image).
+# pip's downloads and the wheels it builds are kept in a build cache mount between builds.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # ---------------------------------------------------------------- build: a wheel of the project
-FROM python:3.11-slim-bookworm AS build
+FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY transportd ./transportd
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip wheel --wheel-dir /wheels .
 
 # ---------------------------------------------------------------- daemon
-FROM python:3.11-slim-bookworm AS daemon
+FROM ${PYTHON_IMAGE} AS daemon
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 RUN groupadd --system --gid 10025 transportd \
  && useradd --system --uid 10025 --gid transportd --home-dir /var/lib/transportd --shell /usr/sbin/nologin transportd \
@@ -35,7 +42,8 @@ USER root
 RUN apt-get update \
  && apt-get install -y --no-install-recommends openjdk-17-jre-headless procps \
  && rm -rf /var/lib/apt/lists/*
-RUN pip install --no-cache-dir "pyspark>=4.0,<5"
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install "pyspark>=4.0,<5"
 RUN mkdir -p /reports && chown transportd:transportd /reports
 USER transportd
 WORKDIR /reports
