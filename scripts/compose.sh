@@ -141,7 +141,9 @@ for key in ("index-url", "extra-index-url", "find-links"):
         if path is not None:
             if not os.path.isdir(path):
                 continue
-            mounts.append(f"{path}:{path}:ro")
+            # a "simple" index links to its files beside it (../files/...): mount the whole tree
+            top = os.path.dirname(path.rstrip("/")) if os.path.basename(path.rstrip("/")) == "simple" else path
+            mounts.append(f"{top}:{top}:ro")
         kept.append(url)
     if kept:
         lines.append(f"{key} = {' '.join(kept)}")

@@ -56,6 +56,13 @@ HOST_ADDRESS = "127.0.5.1"  # the Docker host's 127.0.0.1 in published ports
 SERVICE_NET = "127.0.5."
 
 
+def load_compose() -> dict:
+    """docker-compose.yml as compose reads it with nothing set: ``${VAR:-default}`` is the default."""
+    text = re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: m.group(2), COMPOSE.read_text())
+    assert "${" not in text, "give every variable in docker-compose.yml a default: ${VAR:-default}"
+    return yaml.safe_load(text)
+
+
 # ----------------------------------------------------------------------------- Dockerfile
 
 def dockerfile_stages() -> dict[str, list[tuple[str, str]]]:
@@ -87,7 +94,7 @@ def last(stage: list[tuple[str, str]], instr: str) -> str | None:
 
 def test_dockerfile_runs_the_transportd_cli_as_a_non_root_user():
     stages = dockerfile_stages()
-    compose = yaml.safe_load(COMPOSE.read_text())
+    compose = load_compose()
     targets = {s["build"]["target"] for s in compose["services"].values() if "build" in s}
     assert targets <= set(stages), f"compose builds targets the Dockerfile lacks: {targets - set(stages)}"
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
@@ -126,7 +133,7 @@ def test_docker_compose_config_validates(profiles):
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="Debian's prometheus (promtool) is not installed")
 def test_prometheus_profile_config_is_valid_and_scrapes_every_node():
-    compose = yaml.safe_load(COMPOSE.read_text())
+    compose = load_compose()
     mounts = [v.split(":") for v in compose["services"]["prometheus"]["volumes"]]
     src = next(REPO / s for s, t, *_ in mounts if t == "/etc/prometheus/prometheus.yml")
     res = subprocess.run(["promtool", "check", "config", str(src)], capture_output=True, text=True, timeout=60, check=False)
@@ -146,7 +153,7 @@ RULES = REPO / "config" / "compose" / "transportd-rules.yml"
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="Debian's prometheus (promtool) is not installed")
 def test_alerting_rules_ship_with_the_metrics_profile_and_pass_promtool():
-    compose = yaml.safe_load(COMPOSE.read_text())
+    compose = load_compose()
     mounts = {t: REPO / s for s, t, *_ in (v.split(":") for v in compose["services"]["prometheus"]["volumes"])}
     prometheus_yml = yaml.safe_load(mounts["/etc/prometheus/prometheus.yml"].read_text())
     for rule_file in prometheus_yml["rule_files"]:
@@ -288,7 +295,7 @@ class Forwarder:
 
 class ComposeTopology:
     def __init__(self, base: Path, procs: Any):
-        self.compose = yaml.safe_load(COMPOSE.read_text())
+        self.compose = load_compose()
         self.services: dict[str, dict] = self.compose["services"]
         self.stages = dockerfile_stages()
         self.base = base
@@ -325,8 +332,23 @@ class ComposeTopology:
         d.mkdir(parents=True, exist_ok=True)
         return d
 
+    def secrets_dir(self) -> Path:
+        """Compose secrets (files) appear in /run/secrets; the test makes its own secret files."""
+        d = self.base / "secrets"
+        if not d.exists():
+            d.mkdir()
+            for name in self.compose.get("secrets") or {}:
+                (d / name).write_text(f"test-secret-{uuid.uuid4()}\n")
+        return d
+
     def mounts(self, service: str) -> list[tuple[Path, str, bool]]:
         out = []
+        for spec in self.services[service].get("secrets") or []:
+            name = spec if isinstance(spec, str) else spec["source"]
+            assert name in (self.compose.get("secrets") or {}), f"{service}: secret {name} is not declared"
+            assert isinstance(spec, str) or "target" not in spec, f"{service}: secret {name}: a target"
+        if self.services[service].get("secrets"):
+            out.append((self.secrets_dir(), "/run/secrets", True))
         for spec in self.services[service].get("volumes") or []:
             parts = spec.split(":")
             src, target, ro = parts[0], parts[1], len(parts) > 2 and "ro" in parts[2].split(",")

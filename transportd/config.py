@@ -272,6 +272,9 @@ KEYS: tuple[Key, ...] = (
         "offered, else with DATA", "ChunkingEnabled"),
     Key("cluster", "secret", "", _str,
         "the cluster credential: peers authenticate with AUTH PLAIN (user = their FQDN, password = this)"),
+    Key("cluster", "secret_file", "", _str,
+        "a file holding the cluster secret (its first line; relative to the config file), e.g. a compose "
+        "secret at /run/secrets/NAME; instead of cluster.secret"),
     # frontend receive connector
     Key("frontend", "listen", "127.0.0.1:2525", _hostport_str, "address:port of the frontend receive connector"),
     Key("frontend", "max_message_size", 36 * MB, parse_size,
@@ -572,6 +575,7 @@ def load_dict(raw: dict, source: str = "<config>", base_dir: Path | None = None,
     peers = _peers(raw.get("peers", []), source, values["node"]["name"])
     mailbox_databases = _mailbox_databases(raw.get("mailbox_databases", {}), source)
     _resolve_tls_files(values, base, source)
+    _read_secret_file(values["cluster"], base, source)
     cfg = Config(**{s: SECTION_TYPES[s](**v) for s, v in values.items()}, peers=tuple(peers),
                  mailbox_databases=mailbox_databases, path=None, base_dir=base, raw=raw)
     _cross_checks(cfg, source)
@@ -632,6 +636,27 @@ def _resolve_tls_files(values: dict[str, dict[str, Any]], base_dir: Path, source
                 if not p.is_file():
                     raise ConfigError(f"{source}: {section}.{name}: no such file: {p}")
                 table[name] = str(p)
+
+
+def _read_secret_file(cluster: dict[str, Any], base_dir: Path, source: str) -> None:
+    """cluster.secret_file: its first line becomes cluster.secret (the two keys exclude each other)."""
+    if not cluster["secret_file"]:
+        return
+    if cluster["secret"]:
+        raise ConfigError(f"{source}: cluster.secret_file: set either cluster.secret or cluster.secret_file")
+    p = Path(cluster["secret_file"])
+    p = p if p.is_absolute() else base_dir / p
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: cluster.secret_file: no such file: {p}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{source}: cluster.secret_file: cannot read {p}: {getattr(exc, 'strerror', exc)}") from None
+    secret = lines[0].strip() if lines else ""
+    if not secret:
+        raise ConfigError(f"{source}: cluster.secret_file: {p} is empty")
+    cluster["secret_file"] = str(p)
+    cluster["secret"] = secret
 
 
 def _cross_checks(cfg: Config, source: str) -> None:
