@@ -5,6 +5,7 @@
 #   scripts/compose.sh down [-v]   stop and remove the cluster (-v: its volumes too)
 #   scripts/compose.sh build       base image if missing, build transportd:0.1.0 and transportd-analytics:0.1.0
 #   scripts/compose.sh base        the debootstrap base image only (podman; --force rebuilds it)
+#   scripts/compose.sh analyze [DIR]   the analytics service over the nodes' logs; report copied to DIR (data/reports)
 #   scripts/compose.sh compose ARGS...   the engine's compose command with this project: ps, logs, exec, ...
 #
 # Engine: `docker compose` where a Docker daemon answers (`docker info`), else podman + podman-compose
@@ -186,6 +187,42 @@ build_images() {
 
 # ------------------------------------------------------------------------------ cluster
 
+# podman-compose 1.0.3 (Debian 12) knows neither profiles nor ipam: the script names the default
+# services for `up` and creates the networks with their fixed subnets first (compose then uses them).
+compose_info() {  # "services": services without a profile; "networks": "NAME SUBNET" lines
+  python3 - "$1" <<'PY'
+import re, sys
+import yaml
+text = re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: m.group(2), open("docker-compose.yml").read())
+doc = yaml.safe_load(text)
+if sys.argv[1] == "services":
+    print(" ".join(n for n, s in doc["services"].items() if not s.get("profiles")))
+else:
+    for name, net in (doc.get("networks") or {}).items():
+        subnets = [c["subnet"] for c in ((net or {}).get("ipam") or {}).get("config", []) if "subnet" in c]
+        labels = (net or {}).get("labels") or {}
+        if isinstance(labels, list):
+            labels = dict(item.partition("=")[::2] for item in labels)
+        dns = "off" if str(labels.get("org.transportd.podman-dns", "")) == "off" else "on"
+        print(name, dns, subnets[0] if subnets else "")
+PY
+}
+
+create_networks() {
+  [ "$ENGINE" = podman ] || return 0
+  local name dns subnet full flags
+  while read -r name dns subnet; do
+    full=${PROJECT}_$name
+    podman network exists "$full" && continue
+    flags=()
+    [ "$dns" = off ] && flags+=(--disable-dns)
+    [ -n "$subnet" ] && flags+=(--subnet "$subnet")
+    podman network create --label "io.podman.compose.project=$PROJECT" \
+      --label "com.docker.compose.project=$PROJECT" "${flags[@]}" "$full" >/dev/null
+    log "network $full ${subnet:-} (DNS $dns)"
+  done < <(compose_info networks)
+}
+
 ensure_secret() {
   local f=$TRANSPORTD_SECRET_FILE
   [ -s "$f" ] && return
@@ -216,7 +253,7 @@ wait_healthy() {
       sed 's/^/  /' <<<"$lines" >&2; die "not healthy after $HEALTH_TIMEOUT s (scripts/compose.sh compose logs)"
     fi
     if [ "$ENGINE" = podman ]; then  # podman runs healthchecks from systemd timers; run them here too
-      awk '{print $1}' <<<"$lines" | while read -r c; do podman healthcheck run "$c" >/dev/null 2>&1 || true; done
+      awk '{print $1}' <<<"$lines" | while read -r c; do podman healthcheck run "$c" </dev/null >/dev/null 2>&1 || true; done
     fi
     sleep 2
   done
@@ -229,7 +266,15 @@ up() {
   if [ "$ENGINE" = docker ]; then
     compose up -d --no-build
   else
-    compose up -d --no-build >/dev/null
+    create_networks
+    # podman-compose is chatty on stderr (volume probes, no systemd for healthcheck timers): a log file
+    local upl
+    upl=$(mktemp "${TMPDIR:-/tmp}/transportd-up.XXXXXX")
+    # shellcheck disable=SC2046
+    if ! compose up -d --no-build $(compose_info services) >"$upl" 2>&1; then
+      tail -40 "$upl" >&2; rm -f "$upl"; die "podman-compose up failed"
+    fi
+    rm -f "$upl"
   fi
   wait_healthy
   cat >&2 <<EOF
@@ -241,9 +286,46 @@ EOF
 }
 
 down() {
-  local volumes=()
+  local volumes=() v
   [ "${1:-}" = -v ] && volumes=(-v)
-  compose --profile analytics --profile metrics down "${volumes[@]}"
+  if [ "$ENGINE" = docker ]; then
+    compose --profile analytics --profile metrics down "${volumes[@]}"
+    return
+  fi
+  # podman-compose 1.0.3's down leaves anonymous volumes (VOLUME in the image, no mount in the service)
+  # and the networks made above: containers, then networks and volumes, by project label and id.
+  local ids
+  ids=$(podman ps -aq --filter "label=io.podman.compose.project=$PROJECT")
+  if [ -n "$ids" ]; then
+    # shellcheck disable=SC2086
+    podman stop -t 30 $ids >/dev/null 2>&1 || true
+    # shellcheck disable=SC2086
+    podman rm -f "${volumes[@]}" $ids >/dev/null
+  fi
+  for v in $(podman network ls -q --filter "label=io.podman.compose.project=$PROJECT"); do
+    podman network rm -f "$v" >/dev/null
+  done
+  if [ ${#volumes[@]} -gt 0 ]; then
+    for v in $(podman volume ls -q --filter "label=io.podman.compose.project=$PROJECT"); do
+      podman volume rm -f "$v" >/dev/null
+    done
+  fi
+  log "project $PROJECT: $(containers | wc -l) container(s) left"
+}
+
+# transportd analyze over the nodes' MSGTRK volumes (the analytics service), the report copied out.
+analyze() {
+  local out=${1:-data/reports} cid
+  if [ "$ENGINE" = docker ]; then
+    compose --profile analytics run --rm analytics
+  else
+    compose run --rm analytics
+  fi
+  mkdir -p "$out"
+  cid=$($ENGINE create -v "${PROJECT}_reports:/reports:ro" "$DAEMON_IMAGE" health)
+  $ENGINE cp "$cid:/reports/." "$out/"
+  $ENGINE rm "$cid" >/dev/null
+  log "report: $out/report.html"
 }
 
 cmd=${1:-}
@@ -254,7 +336,8 @@ case "$cmd" in
   build) build_images ;;
   base) base_image "$@" ;;
   secret) ensure_secret; echo "$TRANSPORTD_SECRET_FILE" ;;
+  analyze) analyze "$@" ;;
   compose) compose "$@" ;;
   engine) echo "$ENGINE" ;;
-  *) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+  *) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
 esac
