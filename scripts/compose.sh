@@ -32,6 +32,10 @@ STATE_DIR=data/compose
 export TRANSPORTD_SECRET_FILE=${TRANSPORTD_SECRET_FILE:-./$STATE_DIR/cluster-secret}
 HEALTH_TIMEOUT=${TRANSPORTD_HEALTH_TIMEOUT:-180}
 
+# podman without systemd (containers, CI) says on every start and removal that it cannot add healthcheck
+# timers; the healthchecks are run by wait_healthy instead. Everything else on stderr is kept.
+podman_quiet() { podman "$@" 2> >(grep -v 'unable to get systemd connection' >&2); }
+
 log() { printf '[compose.sh %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
@@ -279,7 +283,7 @@ up() {
   wait_healthy
   cat >&2 <<EOF
 The cluster runs. Try:
-  swaks --server 127.0.0.1:2525 --to carol@elsewhere.test
+  swaks --server 127.0.0.1:${TRANSPORTD_PUBLISH_NODE1:-2525} --to carol@elsewhere.test
   scripts/compose.sh compose exec node1 transportd queue list
   make compose-down            # ARGS=-v removes the volumes too
 EOF
@@ -300,7 +304,7 @@ down() {
     # shellcheck disable=SC2086
     podman stop -t 30 $ids >/dev/null 2>&1 || true
     # shellcheck disable=SC2086
-    podman rm -f "${volumes[@]}" $ids >/dev/null
+    podman_quiet rm -f "${volumes[@]}" $ids >/dev/null
   fi
   for v in $(podman network ls -q --filter "label=io.podman.compose.project=$PROJECT"); do
     podman network rm -f "$v" >/dev/null
