@@ -28,6 +28,19 @@ bench-compare: install
 bench-promotion: install
 	$(PY) benchmarks/promotion_under_load.py --shadows 20000 --seconds 60 --rate-messages 6000
 
+# The cluster in containers (scripts/compose.sh): base image if missing, images, up, healthy.
+# podman + podman-compose here, `docker compose` where Docker runs. ARGS=-v: compose-down removes volumes.
+.PHONY: compose-up compose-down compose-test
+compose-up:
+	bash scripts/compose.sh up
+
+compose-down:
+	bash scripts/compose.sh down $(ARGS)
+
+# The end-to-end container test alone (tests/test_containers.py).
+compose-test:
+	$(PY) -m pytest -q -m containers tests/test_containers.py
+
 .PHONY: compose-check
 compose-check:
 	docker-compose config -q && docker-compose --profile analytics --profile metrics config -q

@@ -320,15 +320,22 @@ down() {
 # transportd analyze over the nodes' MSGTRK volumes (the analytics service), the report copied out.
 analyze() {
   local out=${1:-data/reports} cid
+  local runl
+  runl=$(mktemp "${TMPDIR:-/tmp}/transportd-analyze.XXXXXX")
   if [ "$ENGINE" = docker ]; then
-    compose --profile analytics run --rm analytics
+    compose --profile analytics run --rm --no-deps analytics 2>&1 | tee "$runl" >&2
   else
-    compose run --rm analytics
+    create_networks
+    # podman-compose prints every podman command and returns 0 whatever the container did
+    compose run --rm --no-deps analytics >"$runl" 2>&1 || true
+    grep -v -E "^\[?'?podman|^podman |volume inspect|no such volume|^exit code|systemd connection" "$runl" >&2 || true
   fi
+  rm -f "$runl"
   mkdir -p "$out"
   cid=$($ENGINE create -v "${PROJECT}_reports:/reports:ro" "$DAEMON_IMAGE" health)
   $ENGINE cp "$cid:/reports/." "$out/"
-  $ENGINE rm "$cid" >/dev/null
+  $ENGINE rm -v "$cid" >/dev/null
+  [ -s "$out/report.html" ] || die "the analytics service wrote no report.html"
   log "report: $out/report.html"
 }
 
