@@ -223,6 +223,25 @@ def test_peers_are_parsed_and_checked() -> None:
         load_dict({**raw, "peers": [{"name": "node1.t", "site": "a", "transport": "127.0.0.1:1"}]})
 
 
+def test_the_cluster_secret_can_come_from_a_file(tmp_path: Path) -> None:
+    """cluster.secret_file (a compose secret at /run/secrets/...): its first line is the secret."""
+    (tmp_path / "cluster-secret").write_text("from-a-file\nignored\n")
+    raw = {"node": {"name": "node1.t"}, "transport": {"listen": "127.0.0.11:2526"},
+           "cluster": {"secret_file": "cluster-secret"},
+           "peers": [{"name": "node2.t", "site": "site-b", "transport": "127.0.0.12:2526"}]}
+    cfg = load_dict(raw, base_dir=tmp_path)
+    assert cfg.cluster.secret == "from-a-file"
+    assert cfg.cluster.secret_file == str(tmp_path / "cluster-secret")
+    assert "from-a-file" not in repr(cfg.cluster)
+    with pytest.raises(ConfigError, match=r"cluster.secret_file: set either"):
+        load_dict({**raw, "cluster": {"secret": "s", "secret_file": "cluster-secret"}}, base_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"cluster.secret_file: no such file"):
+        load_dict({**raw, "cluster": {"secret_file": "missing"}}, base_dir=tmp_path)
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match=r"cluster.secret_file: .* is empty"):
+        load_dict({**raw, "cluster": {"secret_file": "empty"}}, base_dir=tmp_path)
+
+
 @pytest.mark.parametrize("value, expected", [
     ("1h", 3600.0), ("49d", 49 * 86400.0), ("49.00:00:00", 49 * 86400.0),
     ("50d", 86400.0), (49 * 86400 + 1, 86400.0), ("365d", 86400.0), (0, 0.0),
@@ -587,7 +606,20 @@ def test_values_that_fit_together_are_accepted(raw) -> None:
 
 @pytest.mark.parametrize("path", sorted((REPO / "config").rglob("*.toml")),
                          ids=lambda p: str(p.relative_to(REPO / "config")))
-def test_every_example_config_loads(path: Path) -> None:
+def test_every_example_config_loads(path: Path, tmp_path: Path, monkeypatch) -> None:
+    # The compose configs read the cluster secret from /run/secrets/ (a compose secret in the container).
+    secret = tmp_path / "cluster-secret"
+    secret.write_text("test-secret\n")
+    read = cfgmod._read_secret_file
+
+    def read_mounted(cluster: dict, base_dir: Path, source: str) -> None:
+        if cluster["secret_file"].startswith("/run/secrets/") and not Path(cluster["secret_file"]).exists():
+            cluster["secret_file"] = str(secret)
+            read(cluster, base_dir, source)
+            assert cluster["secret"] == "test-secret"
+            return
+        read(cluster, base_dir, source)
+    monkeypatch.setattr(cfgmod, "_read_secret_file", read_mounted)
     cfg = load(path)
     assert cfg.path == path and cfg.node.name
     for key, value in cfg.effective():
