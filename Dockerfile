@@ -31,8 +31,9 @@ RUN groupadd --system --gid 10025 transportd \
 FROM base AS daemon
 COPY --from=build /wheels /tmp/wheels
 RUN pip install --no-cache-dir /tmp/wheels/*.whl && rm -rf /tmp/wheels
-# Named volumes mounted here start with this ownership, so the non-root user can write them.
-VOLUME ["/var/lib/transportd", "/var/log/transportd/msgtrk"]
+# Named volumes mounted on these folders start with their ownership, so the non-root user can write
+# them. No VOLUME instruction: containers that mount nothing there (the sink, one-off `run`s) would
+# leave anonymous volumes behind.
 USER transportd
 WORKDIR /var/lib/transportd
 # frontend (SMTP), transport connector (peers), Prometheus metrics

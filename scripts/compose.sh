@@ -304,7 +304,7 @@ down() {
     # shellcheck disable=SC2086
     podman stop -t 30 $ids >/dev/null 2>&1 || true
     # shellcheck disable=SC2086
-    podman_quiet rm -f "${volumes[@]}" $ids >/dev/null
+    podman_quiet rm -f -v $ids >/dev/null  # -v: anonymous volumes only; named ones go below with -v
   fi
   for v in $(podman network ls -q --filter "label=io.podman.compose.project=$PROJECT"); do
     podman network rm -f "$v" >/dev/null
