@@ -112,7 +112,7 @@ base_image() {
   rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
   tar -C "$rootfs" -c . | podman import \
       --change 'ENV LANG=C.UTF-8' --change 'CMD ["python3"]' \
-      --message "debootstrap bookworm + python3 (scripts/compose.sh)" - "$BASE_IMAGE" >/dev/null
+      --quiet --message "debootstrap bookworm + python3 (scripts/compose.sh)" - "$BASE_IMAGE" >/dev/null
   rm -rf "$rootfs" "$rootfs.log"
   log "base image $BASE_IMAGE: built in $((SECONDS - start)) s"
 }
