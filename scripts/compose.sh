@@ -193,8 +193,10 @@ build_images() {
 
 # podman-compose 1.0.3 (Debian 12) knows neither profiles nor ipam: the script names the default
 # services for `up` and creates the networks with their fixed subnets first (compose then uses them).
-compose_info() {  # "services": services without a profile; "networks": "NAME SUBNET" lines
-  python3 - "$1" <<'PY'
+compose_info() {  # "services": services without a profile; "networks": "NAME DNS SUBNET" lines
+  local py=python3
+  python3 -c 'import yaml' 2>/dev/null || py=/usr/bin/python3  # Debian's python3-yaml (podman-compose needs it)
+  "$py" - "$1" <<'PY'
 import re, sys
 import yaml
 text = re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: m.group(2), open("docker-compose.yml").read())
@@ -230,8 +232,7 @@ create_networks() {
 ensure_secret() {
   local f=$TRANSPORTD_SECRET_FILE
   [ -s "$f" ] && return
-  mkdir -p "$(dirname "$f")"
-  chmod 700 "$(dirname "$f")"
+  [ -d "$(dirname "$f")" ] || mkdir -p -m 700 "$(dirname "$f")"
   # Readable by the containers' user (uid 10025) through the bind mount; the folder keeps others out.
   (umask 022; python3 -c 'import secrets; print(secrets.token_urlsafe(32))' >"$f")
   log "cluster secret generated in $f"
