@@ -30,6 +30,7 @@ import dataclasses
 import difflib
 import ipaddress
 import math
+import os
 import re
 import socket
 import tomllib
@@ -137,6 +138,26 @@ def _int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"expected an integer, got {value!r}")
     return value
+
+
+def _workers(value: Any) -> int | str:
+    """``auto`` (one receive process per usable core) or a number of processes."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected auto or a number of processes, got {value!r}")
+    return value
+
+
+def worker_count(cfg: Config) -> int:
+    """The frontend's receive processes: ``frontend.workers``, ``auto`` = the usable cores (1 on one core)."""
+    n = cfg.frontend.workers
+    if n == "auto":
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except (AttributeError, OSError):
+            return max(1, os.cpu_count() or 1)
+    return int(n)
 
 
 def _str(value: Any) -> str:
@@ -297,6 +318,9 @@ KEYS: tuple[Key, ...] = (
     Key("frontend", "require_tls", False, _bool, "refuse mail transactions before STARTTLS", "RequireTLS"),
     Key("frontend", "chunking_enabled", True, _bool,
         "offer CHUNKING (BDAT, RFC 3030) on the frontend receive connector", "ChunkingEnabled"),
+    Key("frontend", "workers", "auto", _workers,
+        "receive processes sharing the frontend's port (SO_REUSEPORT) and the queue database; auto = one per "
+        "usable core; the connection and command-rate limits are split between them", limits=(1, 256)),
     Key("frontend", "auth_users", {}, _credentials,
         "user = \"password\" pairs for AUTH PLAIN/LOGIN (offered only after STARTTLS); "
         "authenticated clients may relay"),
@@ -529,7 +553,7 @@ def _unknown_key_hint(section: str, name: str) -> str:
 
 
 def _check_range(key: Key, value: Any, source: str) -> None:
-    if key.limits is None:
+    if key.limits is None or isinstance(value, str):  # a word (auto) is checked by the key's parser
         return
     low, high = key.limits
     if not low <= value <= high:

@@ -30,18 +30,28 @@ import click
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
               help="write the summary as JSON here")
 @click.option("--drain-timeout", default=120.0, show_default=True, type=click.FloatRange(1, 3600))
+@click.option("--fault-types", default=None, metavar="TYPE,...",
+              help="draw faults only of these types (default: all; the first is the sink-refusing wipe "
+                   "when it is among them)")
 def chaos(messages: int, faults: int, seed: int | None, no_shadow: bool, expect_loss: bool, clients: int,
           rate: float | None, ip_base: int, directory: str | None, json_out: str | None,
-          drain_timeout: float) -> None:
+          drain_timeout: float, fault_types: str | None) -> None:
     """Fault injection on a local 3-node cluster with a total-queue check (docs/reliability.md).
 
     Exit 0 when lost = 0, unexpected = 0 and no mailbox duplicates (with --expect-loss: when lost > 0
     and unexpected = 0), 1 otherwise."""
     import json
     import random
-    import tempfile
-    from transportd.devtools.chaos.harness import format_summary, run
     import signal
+    import tempfile
+
+    from transportd.devtools.chaos.harness import format_summary, run
+    from transportd.devtools.chaos.nemesis import FAULT_TYPES
+    types = [t.strip() for t in fault_types.split(",") if t.strip()] if fault_types else None
+    unknown = [t for t in types or [] if t not in FAULT_TYPES]
+    if unknown or types == []:
+        raise click.BadParameter(f"unknown fault type(s) {', '.join(unknown) or '(none given)'}; known: "
+                                 f"{', '.join(FAULT_TYPES)}", param_hint="--fault-types")
 
     def stop(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)  # unwinds through run(): its cluster and proxy are stopped
@@ -50,7 +60,7 @@ def chaos(messages: int, faults: int, seed: int | None, no_shadow: bool, expect_
         seed = random.SystemRandom().randrange(1, 2**31)
     folder = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="transportd-chaos-"))
     summary = run(messages=messages, faults=faults, seed=seed, shadow=not no_shadow, directory=folder.resolve(),
-                  clients=clients, ip_base=ip_base, rate=rate, drain_timeout=drain_timeout,
+                  clients=clients, ip_base=ip_base, rate=rate, drain_timeout=drain_timeout, fault_types=types,
                   say=lambda m: click.echo(m))
     click.echo(format_summary(summary))
     if json_out:

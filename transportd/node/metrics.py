@@ -84,6 +84,9 @@ class NodeMetrics:
                                         "delivery scheduler passes completed (maintenance due, due work read and "
                                         "handed out): a counter that stops moving is a stuck scheduler",
                                         registry=r)
+        self.worker_restarts = Counter("transportd_receive_worker_restarts",
+                                       "receive worker processes (frontend.workers) that died and were started again",
+                                       registry=r)
         self.accept_latency = Histogram("transportd_accept_latency_seconds",
                                         "end of DATA to the 250: durable commit and shadow copy",
                                         buckets=LATENCY_BUCKETS, registry=r)
