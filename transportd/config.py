@@ -318,6 +318,9 @@ KEYS: tuple[Key, ...] = (
     Key("frontend", "require_tls", False, _bool, "refuse mail transactions before STARTTLS", "RequireTLS"),
     Key("frontend", "chunking_enabled", True, _bool,
         "offer CHUNKING (BDAT, RFC 3030) on the frontend receive connector", "ChunkingEnabled"),
+    Key("frontend", "max_acknowledgement_delay", 30.0, parse_duration,
+        "2010 mode: the longest the 250 is held for a sender that cannot keep a shadow, waiting for the message "
+        "to reach its next hops", "MaxAcknowledgementDelay", DUR, limits=(1 * SEC, 10 * MIN)),
     Key("frontend", "workers", "auto", _workers,
         "receive processes sharing the frontend's port (SO_REUSEPORT) and the queue database; auto = one per "
         "usable core; the connection and command-rate limits are split between them", limits=(1, 256)),
@@ -383,6 +386,20 @@ KEYS: tuple[Key, ...] = (
     # shadow redundancy
     Key("shadow_redundancy", "shadow_redundancy_enabled", True, _bool,
         "make a shadow copy on a peer before acknowledging", "ShadowRedundancyEnabled"),
+    Key("shadow_redundancy", "version", "2013", _enum("2013", "2010"),
+        "2013: shadow copies made before the 250 (XSHADOWREQUEST); 2010: the transport connector offers "
+        "XSHADOW only, a sender that cannot keep a shadow gets a delayed acknowledgement, and a primary is "
+        "declared failed after shadow_heartbeat_retry_count heartbeat time-outs"),
+    Key("shadow_redundancy", "promotion_enabled", False, _bool,
+        "2010: where delayed acknowledgement is bypassed (target queue in Retry, Suspended or over 100 "
+        "messages), relay the message to another node of the site first (shadow redundancy promotion, 2010 "
+        "SP1) instead of acknowledging at once", "ShadowRedundancyPromotionEnabled"),
+    Key("shadow_redundancy", "shadow_heartbeat_timeout_interval", 900.0, parse_duration,
+        "2010: a primary not heard from for this long is polled; each failed poll is one time-out",
+        "ShadowHeartbeatTimeoutInterval", DUR, limits=(0.1 * SEC, 1 * DAY)),
+    Key("shadow_redundancy", "shadow_heartbeat_retry_count", 12, _int,
+        "2010: time-outs in a row after which a primary is declared failed and its shadows promoted (RTM: 3)",
+        "ShadowHeartbeatRetryCount", limits=(1, 255)),
     Key("shadow_redundancy", "shadow_message_preference_setting", "PreferRemote",
         _enum("PreferRemote", "LocalOnly", "RemoteOnly"),
         "where shadows are placed", "ShadowMessagePreferenceSetting"),

@@ -90,6 +90,10 @@ class NodeMetrics:
         self.accept_latency = Histogram("transportd_accept_latency_seconds",
                                         "end of DATA to the 250: durable commit and shadow copy",
                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.acknowledgement_delay = Histogram(
+            "transportd_acknowledgement_delay_seconds",
+            "shadow redundancy 2010: end of DATA to the held 250, by why it went (Delivered, QueueRetry, "
+            "QueueSuspended, QueueLength, MaxAcknowledgementDelay)", ["reason"], buckets=LATENCY_BUCKETS, registry=r)
         self.delivery_latency = Histogram("transportd_delivery_latency_seconds",
                                           "receipt to successful delivery of a message at a next hop",
                                           buckets=LATENCY_BUCKETS, registry=r)
