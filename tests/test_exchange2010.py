@@ -80,6 +80,9 @@ def test_delayed_ack_waits_for_the_next_hop_then_answers(make_node, sink):
     samples = scrape("127.0.0.1", mport)
     assert value(samples, "transportd_acknowledgement_delay_seconds_count", reason="Delivered") == 1
     assert "acknowledged after" in node.log_path.read_text()
+    agentinfo = [line for f in (node.data_dir / "msgtrk").glob("MSGTRK*.LOG")
+                 for line in f.read_text(encoding="utf-8-sig").splitlines() if ",AGENTINFO," in line]
+    assert len(agentinfo) == 1 and "S:Reason=Delivered" in agentinfo[0] and "DelayedAcknowledgement" in agentinfo[0]
 
 
 def test_delayed_ack_with_a_silent_next_hop_answers_at_max_acknowledgement_delay(make_node, sink):
@@ -179,3 +182,24 @@ def test_mixed_cluster_2013_nodes_place_shadows_on_2013_peers_only(cluster, sink
     res = node1.swaks(FOREIGN, "--header", "Subject: from the 2010 node")
     queued_id(res)
     assert [m for m in sink.messages() if b"Subject: from the 2010 node" in m]
+
+
+def test_shadow_redundancy_promotion_relays_to_a_same_site_node_before_the_250(cluster, sink):
+    """promotion_enabled (2010 SP1): node1's next hop is down (queue in Retry), so instead of
+    acknowledging at once it relays the message to node2 (same site), which takes it as primary
+    while node1 keeps the shadow; then the 250. node1 killed right after it: nothing is lost."""
+    sink.start()
+    c = cluster(overrides={"shadow_redundancy": {"version": "2010", "promotion_enabled": True}},
+                nodes=2, sites=1)
+    c["node1"].set("routing", "smart_host", f"127.0.0.1:{free_port()}")  # nothing listens there
+    c.start()
+    node1, node2 = c["node1"], c["node2"]
+    netid = netid_of(node1, queued_id(node1.swaks(FOREIGN, "--header", "Subject: promoted")))
+    node1.proc.kill()
+    node1.proc.wait(10)
+    promoted = one(node1.tracking(event_id="HAREDIRECT", network_message_id=netid))
+    assert promoted["source-context"] == f"ShadowRedundancyPromotion;QueueRetry;{node2.name}"
+    assert one(node2.tracking(event_id="RECEIVE", network_message_id=netid))["source-context"] == "transport"
+    wait_for(lambda: [m for m in sink.messages() if b"Subject: promoted" in m], timeout=20,
+             what="node2 delivers the promoted message")
+    assert len([m for m in sink.messages() if b"Subject: promoted" in m]) == 1

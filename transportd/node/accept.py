@@ -42,6 +42,10 @@ from transportd.smtp.replies import (S451_NOT_REDUNDANT, S451_STORE_UNAVAILABLE,
 log = logging.getLogger("transportd")
 
 
+# Where the 2010 seed bypasses delayed acknowledgement (mq.acknowledgement_state's reasons).
+BYPASSES = ("QueueRetry", "QueueSuspended", "QueueLength")
+
+
 def tracking_row(internal_id: int, msg: NewMessage) -> dict:
     """The message fields a tracking event of the accept path carries."""
     return {"id": internal_id, "network_message_id": msg.network_message_id, "message_id": msg.message_id,
@@ -56,6 +60,7 @@ class AcceptPath:
         self.events = events
         self.shadow = shadow
         self.accepting: set[int] = set()  # messages between their local commit and their settle
+        self._promotions = 0  # shadow redundancy promotions made (2010): the same-site peers in turn
 
     def _message(self, envelope: Envelope, session: Session, connector: str, now: float) -> NewMessage:
         cfg = self.cfg
@@ -157,13 +162,35 @@ class AcceptPath:
         recipients = list(dict.fromkeys(a for addrs in msg.recipients.values() for a in addrs))
         self._track_receive(row, msg, connector, recipients)
         reason = await self._acknowledgement(internal_id, now)
+        if reason in BYPASSES and self.cfg.shadow_redundancy.promotion_enabled:
+            reason = await self._promote(internal_id, row, reason, now)
         delay = time.time() - now
         self.events.metrics.acknowledgement_delay.labels(reason).observe(delay)
+        # MSGTRK has no field for it: an AGENTINFO row (as Exchange's agents write) carries it.
+        self.events.track("AGENTINFO", "AGENT", row, recipients=recipients, source_context="DelayedAcknowledgement",
+                          custom_data=f"S:AckDelay={delay:.3f};S:Reason={reason}")
         log.info("queued message %d (network id %s) from <%s>; acknowledged after %.3fs (%s)", internal_id,
                  msg.network_message_id, msg.sender, delay, reason,
                  extra=message_ids({"id": internal_id, "network_message_id": msg.network_message_id}))
         self.events.metrics.accept_latency.observe(delay)
         return internal_id
+
+    async def _promote(self, internal_id: int, row: dict, bypass: str, started: float) -> str:
+        """Shadow redundancy promotion (2010 SP1): instead of acknowledging at once where delayed
+        acknowledgement is bypassed, relay the message to another node of this site, which takes it
+        as primary while this node keeps the shadow (hop by hop, XSHADOW); then acknowledge."""
+        site = [p.name for p in self.cfg.peers if p.site == self.cfg.node.site]
+        if not site:
+            return bypass  # nobody to promote to: acknowledge at once
+        self._promotions += 1
+        target = site[self._promotions % len(site)]
+        moved = await self.store.write(lambda c: mq.redirect_to_peer(c, target, time.time(), message_id=internal_id),
+                                       queue_changed=True)
+        if not moved:
+            return bypass
+        self.events.track("HAREDIRECT", "SMTP", row, source_context=f"ShadowRedundancyPromotion;{bypass};{target}")
+        reason = await self._acknowledgement(internal_id, started)
+        return f"Promoted:{reason}" if reason == "Delivered" else reason
 
     async def _acknowledgement(self, internal_id: int, started: float) -> str:
         """Wait for the delayed acknowledgement; returns why it may go (mq.acknowledgement_state's

@@ -702,20 +702,21 @@ def message_detail(conn: Connection, message_id: int) -> dict | None:
     return m
 
 
-def redirect_to_peer(conn: Connection, target: str, now: float) -> list[dict]:
-    """Redirect-Message: move every pending recipient of our primary messages to the queue for
-    ``target`` (delivered hop by hop with XSHADOW, so each message stays protected on the way).
-    Recipients being sent right now (Active) finish where they are. Messages an operator suspended
-    (or held in the Poison queue) stay here, held as they are: a redirect releases nothing.
-    Returns the moved messages."""
+def redirect_to_peer(conn: Connection, target: str, now: float, message_id: int | None = None) -> list[dict]:
+    """Redirect-Message: move every pending recipient of our primary messages (or of the one
+    ``message_id``: shadow redundancy promotion) to the queue for ``target`` (delivered hop by hop
+    with XSHADOW, so each message stays protected on the way). Recipients being sent right now
+    (Active) finish where they are. Messages an operator suspended (or held in the Poison queue)
+    stay here, held as they are: a redirect releases nothing. Returns the moved messages."""
     from transportd.queue.routing import PEER
     qid = queue_id_for(conn, NextHop(f"peer:{target}", PEER, target), now)
+    which = [] if message_id is None else [recipients.c.message_id == message_id]
     rows = conn.execute(
         select(recipients.c.message_id, func.count())
         .join(messages, messages.c.id == recipients.c.message_id)
         .where(recipients.c.status.in_(PENDING), recipients.c.queue_id != qid,
                messages.c.role == "primary", messages.c.state == QUEUED,
-               messages.c.suspended == 0, messages.c.poisoned == 0)
+               messages.c.suspended == 0, messages.c.poisoned == 0, *which)
         .group_by(recipients.c.message_id)).all()
     ids = [r[0] for r in rows]
     if ids:

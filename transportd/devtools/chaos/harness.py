@@ -284,7 +284,7 @@ def pick_ports(ip_base: int, nodes: int) -> tuple[int, int]:
 def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path, clients: int = 6,
         ip_base: int = 101, rate: float | None = None, heartbeat: float = 1.0, resubmit_span: float = 4.0,
         drain_timeout: float = 120.0, say: Callable[[str], None] = print,
-        fault_types: list[str] | None = None) -> dict[str, Any]:
+        fault_types: list[str] | None = None, versions: list[str] | None = None) -> dict[str, Any]:
     """One run; returns the summary (also written to ``directory/summary.json``)."""
     nodes = 3
     directory.mkdir(parents=True, exist_ok=True)
@@ -295,7 +295,8 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
     say(f"chaos run {run_id}: seed {seed}, {messages} messages, {faults} faults, "
         f"shadow redundancy {'on' if shadow else 'OFF (control run)'}; folder {directory}")
     say(f"replay with: transportd chaos --seed {seed} --messages {messages} --faults {faults}"
-        f"{'' if shadow else ' --no-shadow'}{' --fault-types ' + ','.join(fault_types) if fault_types else ''}")
+        f"{'' if shadow else ' --no-shadow'}{' --fault-types ' + ','.join(fault_types) if fault_types else ''}"
+        f"{' --versions ' + ','.join(versions) if versions else ''}")
     front, transport = pick_ports(ip_base, nodes)
     sink_address = f"127.0.0.{ip_base - 1}:{front}"
     proxy = FaultProxy()
@@ -310,16 +311,22 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
     overrides = {
         "node": {"log_level": "info"},
         "shadow_redundancy": {"shadow_redundancy_enabled": shadow, "shadow_heartbeat_frequency": heartbeat,
-                              "shadow_resubmit_time_span": resubmit_span, "shadow_copy_timeout": 5},
+                              "shadow_resubmit_time_span": resubmit_span, "shadow_copy_timeout": 5,
+                              # 2010-mode nodes (--versions): the same heartbeat, and promotion where
+                              # delayed acknowledgement is bypassed (a refusing sink), not acking unprotected
+                              "shadow_heartbeat_timeout_interval": heartbeat,
+                              "shadow_heartbeat_retry_count": max(1, round(resubmit_span / heartbeat)),
+                              "promotion_enabled": True},
         "delivery": {"queue_poll_interval": 0.2, "transient_failure_retry_interval": 1,
                      "outbound_connection_failure_retry_interval": 1, "send_connect_timeout": 2,
                      "send_connection_inactivity_timeout": 10},
         # Two receive processes per node whatever the machine's cores: kill-worker has one to kill.
-        "frontend": {"connection_inactivity_timeout": 30, "max_inbound_connection_per_source": 200, "workers": 2},
+        "frontend": {"connection_inactivity_timeout": 30, "max_inbound_connection_per_source": 200, "workers": 2,
+                     "max_acknowledgement_delay": 10},
     }
     specs = cluster_mod.generate(directory, nodes=nodes, sites=2, ip_base=ip_base, frontend_port=front,
                                  transport_port=transport, sink_address=sink_address, overrides=overrides,
-                                 peer_transport=peer_transport)
+                                 peer_transport=peer_transport, versions=versions)
     cluster = ChaosCluster(directory, specs, sink_address, proxy, say)
     frontends = [(s.frontend.rpartition(":")[0], front) for s in specs]
     mean_fault = 6.0 + 2.5
