@@ -83,6 +83,10 @@ def test_delayed_ack_waits_for_the_next_hop_then_answers(make_node, sink):
     agentinfo = [line for f in (node.data_dir / "msgtrk").glob("MSGTRK*.LOG")
                  for line in f.read_text(encoding="utf-8-sig").splitlines() if ",AGENTINFO," in line]
     assert len(agentinfo) == 1 and "S:Reason=Delivered" in agentinfo[0] and "DelayedAcknowledgement" in agentinfo[0]
+    # tracking.format auto: a 2010-mode node writes Exchange 2010's 26 fields (no network-message-id).
+    from transportd.tracking import FIELDS_2010
+    header = next((node.data_dir / "msgtrk").glob("MSGTRK*.LOG")).read_text(encoding="utf-8-sig")
+    assert "#Fields: " + ",".join(FIELDS_2010) in header.splitlines()
 
 
 def test_delayed_ack_with_a_silent_next_hop_answers_at_max_acknowledgement_delay(make_node, sink):

@@ -160,6 +160,15 @@ def worker_count(cfg: Config) -> int:
     return int(n)
 
 
+def tracking_fields(cfg: Config) -> tuple[str, ...]:
+    """The MSGTRK fields this node writes (``tracking.format``)."""
+    from transportd.tracking import FIELDS_2010, FIELDS_2016
+    fmt = cfg.tracking.format
+    if fmt == "auto":
+        fmt = "exchange2010" if cfg.shadow_redundancy.version == "2010" else "exchange2016"
+    return FIELDS_2010 if fmt == "exchange2010" else FIELDS_2016
+
+
 def _str(value: Any) -> str:
     if not isinstance(value, str):
         raise ValueError(f"expected a string, got {value!r}")
@@ -430,6 +439,9 @@ KEYS: tuple[Key, ...] = (
     # message tracking
     Key("tracking", "message_tracking_log_enabled", True, _bool,
         "write MSGTRK message tracking logs", "MessageTrackingLogEnabled"),
+    Key("tracking", "format", "auto", _enum("auto", "exchange2016", "exchange2010"),
+        "MSGTRK row format: exchange2016 (30 fields) or Exchange 2010's 26 (no network-message-id); auto = "
+        "exchange2010 with shadow_redundancy.version 2010, else exchange2016"),
     Key("tracking", "message_tracking_log_path", "", _str,
         "folder of the MSGTRK files; empty = <data_dir>/msgtrk", "MessageTrackingLogPath"),
     Key("tracking", "message_tracking_log_max_file_size", 10 * MB, parse_size,

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from transportd import __version__
-from transportd.config import Config, worker_count
+from transportd.config import Config, tracking_fields, worker_count
 from transportd.errors import StoreError
 from transportd.node.accept import AcceptPath
 from transportd.node.connectors import MailboxConnector, PeerConnector, SmtpConnector
@@ -89,7 +89,8 @@ class Node:
             host, _, _ = cfg.frontend.listen.rpartition(":")
             self.events.tracking = TrackingLog(
                 cfg.tracking_dir, cfg.node.name, server_ip=address_of(host.strip("[]")),
-                max_file_size=cfg.tracking.message_tracking_log_max_file_size, software_version=__version__)
+                max_file_size=cfg.tracking.message_tracking_log_max_file_size, software_version=__version__,
+                fields=tracking_fields(cfg))
         for row in poisoned:
             self.metrics.internal_failures.labels("crash").inc()
             self.events.poisoned(row, "the node crashed while delivering it")
