@@ -31,7 +31,10 @@ from transportd.queue.selection import FilterError, parse_term
 from transportd.queue.store import QueueStore, recipients
 
 LONG_RETRY = {"delivery": {"transient_failure_retry_interval": 300,
-                           "outbound_connection_failure_retry_interval": 300}}
+                           "outbound_connection_failure_retry_interval": 300},
+              # a node starting with thousands queued on a busy machine may miss a few heartbeats:
+              # no promotion here, where removal is what is watched
+              "shadow_redundancy": {"shadow_resubmit_time_span": 120}}
 
 
 def transportd(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:

@@ -207,3 +207,21 @@ def test_shadow_redundancy_promotion_relays_to_a_same_site_node_before_the_250(c
     wait_for(lambda: [m for m in sink.messages() if b"Subject: promoted" in m], timeout=20,
              what="node2 delivers the promoted message")
     assert len([m for m in sink.messages() if b"Subject: promoted" in m]) == 1
+
+
+def test_exchange_acceptance_reply_on_the_transport_connector(cluster, sink):
+    """transport.exchange_acceptance_reply: a message node1 takes as primary (hop by hop from node3)
+    is answered as an Exchange transport server answers it; node3 logs that reply on its SEND."""
+    sink.start()
+    c = cluster(overrides={"transport": {"exchange_acceptance_reply": True}}).start()
+    node1, node3 = c["node1"], c["node3"]
+    netid = netid_of(node3, queued_id(node3.swaks(LOCAL, "--header", "Subject: exchange reply")))
+    send = one(wait_for(lambda: node3.tracking(event_id="SEND", network_message_id=netid), timeout=10,
+                        what="node3's SEND to node1"))
+    received = one(node1.tracking(event_id="RECEIVE", network_message_id=netid))
+    status = send["recipient-status"]
+    assert re.fullmatch(rf"250 2\.6\.0 {re.escape(received['message-id'])} \[InternalId="
+                        rf"{received['internal-message-id']}, Hostname={re.escape(node1.name)}\] "
+                        r"Queued mail for delivery", status), status
+    # The frontend keeps the classic reply.
+    assert "250 2.0.0 Ok: queued as" in node1.swaks(FOREIGN).stdout

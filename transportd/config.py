@@ -297,6 +297,9 @@ KEYS: tuple[Key, ...] = (
     Key("transport", "tls_ca", "", _str,
         "PEM CA bundle that signed the peers' transport certificates; when set, a peer's certificate is "
         "verified before the cluster secret is sent"),
+    Key("transport", "exchange_acceptance_reply", False, _bool,
+        "answer a message taken as primary on the transport connector as Exchange does (250 2.6.0 <message-id> "
+        "[InternalId=..., Hostname=...] Queued mail for delivery) instead of 250 2.0.0 Ok: queued as <id>"),
     Key("transport", "chunking_enabled", True, _bool,
         "offer CHUNKING (BDAT) on the transport connector; peers send shadow copies with BDAT where it is "
         "offered, else with DATA", "ChunkingEnabled"),

@@ -87,6 +87,7 @@ class AcceptPath:
         if not envelope.rcpt_tos:
             raise MessageRejected(S554_NO_VALID_RECIPIENTS)
         msg = self._message(envelope, session, connector, now)
+        session.accepted_message_id = msg.message_id  # for a reply that names it (Exchange's acceptance reply)
         # Every line logged while accepting it (the shadow copy's too) carries its id and client.
         with log_context(network_message_id=msg.network_message_id, client=msg.client_ip or None,
                          peer=peer_name(session)):

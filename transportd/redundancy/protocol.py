@@ -149,9 +149,11 @@ def split_xshadow_param(arg: str) -> tuple[str, str | None]:
     return " ".join(kept), guid
 
 
-def redundancy_reply(message_id: str, internal_id: int, fqdn: str) -> str:
+def redundancy_reply(message_id: str, internal_id: int, fqdn: str, what: str = "redundancy") -> str:
+    """Exchange's acceptance reply: ``... Queued mail for redundancy`` (a shadow copy) or, with
+    ``what="delivery"``, the reply an Exchange transport server gives a message it took as primary."""
     mid = message_id if message_id else "<>"
-    return f"250 2.6.0 {mid} [InternalId={internal_id}, Hostname={fqdn}] Queued mail for redundancy"
+    return f"250 2.6.0 {mid} [InternalId={internal_id}, Hostname={fqdn}] Queued mail for {what}"
 
 
 # ------------------------------------------------------------------------- placement

@@ -209,3 +209,9 @@ class TransportHandler(FrontendHandler):
                 return replies.S451_INTERNAL
             return redundancy_reply(message_id, internal_id, self.manager.node_name)
         return await super().handle_DATA(server, session, envelope)
+
+    def accepted_reply(self, internal_id: int, session: Session) -> str:
+        if self.cfg.transport.exchange_acceptance_reply:
+            return redundancy_reply(getattr(session, "accepted_message_id", ""), internal_id, self.manager.node_name,
+                                    what="delivery")
+        return super().accepted_reply(internal_id, session)
