@@ -166,10 +166,10 @@ def stop_proc(p: subprocess.Popen, timeout: float = 10) -> None:
 # ---------------------------------------------------------------------- systems
 
 class TransportdCluster:
-    def __init__(self, work: Path, sink_port: int, shadow: bool, sessions: int, entry: str):
+    def __init__(self, work: Path, sink_port: int, shadow: bool, sessions: int, entry: str, workers: int = 1):
         import random
         from transportd.devtools.cluster import generate
-        self.name = "on" if shadow else "off"
+        self.name = ("on" if shadow else "off") + (f"-w{workers}" if workers > 1 else "")
         self.work = work / f"transportd-{self.name}"
         self.procs: list[subprocess.Popen] = []
         self.entry = entry
@@ -178,7 +178,8 @@ class TransportdCluster:
                               transport_port=free_port(), sink_address=f"127.0.0.1:{sink_port}",
                               overrides={"node": {"log_level": "warning"},
                                          "routing": {"trusted_networks": ["127.0.0.0/8"]},
-                                         "frontend": {"max_inbound_connection_per_source": max(50, sessions * 4)},
+                                         "frontend": {"max_inbound_connection_per_source": max(50, sessions * 4),
+                                                      "workers": workers},
                                          "shadow_redundancy": {"shadow_redundancy_enabled": shadow,
                                                                "shadow_heartbeat_frequency": 5}})
 
@@ -537,7 +538,8 @@ def measure(system: Any, sink: Sink, *, messages: int, sessions: int, size: int,
 def make_system(kind: str, work: Path, sink_port: int, args: argparse.Namespace) -> Any:
     if kind == "postfix":
         return PostfixRelay(work, sink_port, args.sessions)
-    return TransportdCluster(work, sink_port, kind == "on", args.sessions, args.entry)
+    shadow, _, workers = kind.partition("-w")  # on, off, on-w2 (2 receive processes per node), ...
+    return TransportdCluster(work, sink_port, shadow == "on", args.sessions, args.entry, int(workers or 1))
 
 
 def run_one(kind: str, shape: str, args: argparse.Namespace, messages: int | None = None,
@@ -640,7 +642,10 @@ def summarize(runs: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
             per[kind]["peak_rss_mb"] = rs[-1]["peak_rss_mb"]
             per[kind]["runs"] = len(rs)
         ratios = {}
-        for a, b in (("on", "postfix"), ("on", "off")):
+        pairs = [("on", "postfix"), ("on", "off")]
+        pairs += [(k, "off" + k[2:]) for k in per if k.startswith("on-w")]  # on/off at each worker count
+        pairs += [(k, k.partition("-w")[0]) for k in per if "-w" in k]  # what the workers change
+        for a, b in pairs:
             if a in per and b in per:
                 ratios[f"{a}/{b}"] = {
                     "accepted_per_s": _ratio(per[a]["accepted_per_s"], per[b]["accepted_per_s"]),
@@ -704,7 +709,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="10k-new,10k-reuse,100k-new",
                     help="comma-separated: " + ", ".join(SHAPES))
-    ap.add_argument("--systems", default="on,off,postfix", help="comma-separated: on, off, postfix")
+    ap.add_argument("--systems", default="on,off,postfix",
+                    help="comma-separated: on, off, postfix; on-wN / off-wN: N receive processes per node "
+                         "(frontend.workers; plain on/off run one)")
+    ap.add_argument("--scaling", action="store_true",
+                    help="add on-wN and off-wN for N = 2 .. the cores at hand (the workers' scaling table)")
     ap.add_argument("--messages", type=int, default=0, help="messages per smtp-source run (0: per shape)")
     ap.add_argument("--latency-messages", type=int, default=None,
                     help="messages for the latency client (default min(messages, 1000))")
@@ -726,6 +735,13 @@ def main() -> int:
         return 0
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if args.scaling:
+        cores = len(os.sched_getaffinity(0))
+        systems += [f"{k}-w{n}" for n in range(2, cores + 1) for k in ("on", "off") if f"{k}-w{n}" not in systems]
+    for s in systems:
+        base, _, n = s.partition("-w")
+        if base not in ("on", "off", "postfix") or (n and not n.isdigit()) or (n and base == "postfix"):
+            ap.error(f"--systems: unknown system {s!r}")
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     for s in shapes:
         if s not in SHAPES:

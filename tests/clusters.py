@@ -49,6 +49,7 @@ FAST: dict[str, dict[str, Any]] = {
     "delivery": {"queue_poll_interval": 0.2, "transient_failure_retry_interval": 1,
                  "outbound_connection_failure_retry_interval": 1, "send_connect_timeout": 2},
     "node": {"log_level": "debug"},
+    "frontend": {"workers": 1},  # one process per node; tests/test_workers.py covers several
 }
 FOREIGN = "bob@elsewhere.test"   # routed to the smart host (the sink), outside the boundary
 LOCAL = "alice@example.test"     # example.test lives in MDB01, on node1
@@ -408,7 +409,7 @@ class FailoverNode:
 class LocalCluster:
     def __init__(self, procs: Any, sink: Any, base: Path, overrides: dict[str, dict[str, Any]]):
         self.sink = sink
-        merged = {"delivery": dict(FAST_DELIVERY), "node": {"log_level": "debug"}}
+        merged = {"delivery": dict(FAST_DELIVERY), "node": {"log_level": "debug"}, "frontend": {"workers": 1}}
         for section, values in overrides.items():
             merged.setdefault(section, {}).update(values)
         self.specs = cluster_mod.generate(

@@ -163,7 +163,7 @@ class Node:
         self.log_path = self.dir / "node.log"
         sections: dict[str, dict[str, Any]] = {
             "node": {"name": self.name, "site": "site-a", "data_dir": str(self.data_dir), "log_level": "debug"},
-            "frontend": {"listen": f"127.0.0.1:{self.port}"},
+            "frontend": {"listen": f"127.0.0.1:{self.port}", "workers": 1},  # several: tests/test_workers.py
             "routing": {"accepted_domains": ["example.test"], "trusted_networks": ["127.0.0.1/32"],
                         "smart_host": smart_host},
             "delivery": {"transient_failure_retry_interval": 1, "outbound_connection_failure_retry_interval": 1,

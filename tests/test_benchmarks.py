@@ -28,13 +28,15 @@ def test_compare_postfix_benchmark_runs_small(tmp_path):
     out = tmp_path / "compare.json"
     res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compare_postfix.py"),
                           "--shapes", "10k-new", "--messages", "30", "--latency-messages", "12",
-                          "--sessions", "3", "--timeout", "90", "--json", str(out)],
+                          "--sessions", "3", "--timeout", "90", "--json", str(out),
+                          "--systems", "on,off,postfix,on-w2"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     result = json.loads(out.read_text())
     runs = {r["system"]: r for r in result["runs"]}
-    assert {"on", "off"} <= set(runs)
-    for kind in ("on", "off"):
+    assert {"on", "off", "on-w2"} <= set(runs)
+    assert result["summary"]["10k-new"]["ratios"]["on-w2/on"]["accepted_per_s"] > 0
+    for kind in ("on", "off", "on-w2"):
         assert runs[kind]["delivered"] == 30 and runs[kind]["latency_messages"] == 12
         assert runs[kind]["ack_p99_ms"] >= runs[kind]["ack_p50_ms"] > 0
         assert set(runs[kind]["peak_rss_mb"]) == {"node1", "node2", "node3"}

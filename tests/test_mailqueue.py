@@ -508,3 +508,43 @@ def test_a_dsn_keeps_the_originals_shadows_until_it_is_out(store) -> None:
     assert rows(store, discard_events) == []
     finish(dsn, T0 + 2)
     assert [(r["shadow_node"], r["shadow_guid"]) for r in rows(store, discard_events)] == [("node3.t", "g-1")]
+
+
+# --------------------------------------------------------------------------- delayed acknowledgement (2010)
+
+def test_acknowledgement_state_says_when_a_held_250_may_go(store) -> None:
+    mid = enqueue(store, {SMART: ["x@remote.test"], LOCAL: ["a@example.test"]})
+
+    def state(now: float = T0 + 1):
+        return store.read(lambda c: mq.acknowledgement_state(c, mid, now))
+
+    def set_rcpt(address: str, **values) -> None:
+        tx(store, lambda c: c.execute(update(recipients).where(recipients.c.message_id == mid,
+                                                               recipients.c.address == address).values(**values)))
+
+    def set_queue(identity: str, **values) -> None:
+        tx(store, lambda c: c.execute(update(queues).where(queues.c.identity == identity).values(**values)))
+
+    assert state() is None  # waiting: nothing delivered, no bypass
+    set_rcpt("a@example.test", status=mq.DELIVERED)
+    assert state() is None  # one next hop still to go
+    set_queue(SMART.identity, suspended=1)
+    assert state() == "QueueSuspended"
+    set_queue(SMART.identity, suspended=0, retry_count=1, next_retry_at=T0 + 60)
+    assert state() == "QueueRetry"
+    set_queue(SMART.identity, retry_count=0, next_retry_at=None)
+    set_rcpt("x@remote.test", status=mq.RETRY)
+    assert state() == "QueueRetry"  # it entered Retry since it was added
+    set_rcpt("x@remote.test", status=mq.ACTIVE)
+    assert state() is None
+    # A suspended message changes nothing (the seed): only its queue's state counts.
+    tx(store, lambda c: mq.set_message_suspended(c, mid, True))
+    assert state() is None
+    tx(store, lambda c: mq.set_message_suspended(c, mid, False))
+    for i in range(99):
+        enqueue(store, {SMART: [f"o{i}@remote.test"]}, nid=f"other-{i}")
+    assert state() is None  # 100 messages in the queue, this one included
+    enqueue(store, {SMART: ["o99@remote.test"]}, nid="other-99")
+    assert state() == "QueueLength"  # more than 100
+    set_rcpt("x@remote.test", status=mq.DELIVERED)
+    assert state() == "Delivered"

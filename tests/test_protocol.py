@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from transportd.redundancy.protocol import (Peer, ProtocolError, after_heartbeat, decode_dbid, decode_fqdn, encode_dbid,
+from transportd.redundancy.protocol import (Peer, ProtocolError, after_heartbeat, heartbeat_period, decode_dbid, decode_fqdn, encode_dbid,
                                  encode_fqdn, format_discard_reply, parse_discard_entries, parse_discard_reply,
                                  parse_guid, parse_xqdiscard, parse_xshadow, parse_xshadowrequest,
                                  redundancy_reply, shadow_attempts, split_xshadow_param,
@@ -125,6 +125,29 @@ def test_heartbeat_decisions():
     assert (d.promote, d.reason) == (True, "ShadowStateChange")
     assert not after_heartbeat(ok=True, unreachable_for=0, recorded_dbid=DBID, answered_dbid=DBID, **kw).promote
     assert not after_heartbeat(ok=True, unreachable_for=0, recorded_dbid=None, answered_dbid=other, **kw).promote
+
+
+def test_heartbeat_decisions_2010_count_time_outs_in_a_row():
+    """2010: the primary is declared failed after ShadowHeartbeatRetryCount time-outs in a row,
+    however long ago it was last seen; a state change still promotes at once."""
+    kw = dict(resubmit_time_span=3, retry_count=3)
+    for failures in (1, 2):
+        assert not after_heartbeat(ok=False, unreachable_for=99.0, recorded_dbid=DBID, answered_dbid=None,
+                                   failures=failures, **kw).promote
+    d = after_heartbeat(ok=False, unreachable_for=0.5, recorded_dbid=DBID, answered_dbid=None, failures=3, **kw)
+    assert (d.promote, d.reason) == (True, "ShadowHeartbeatFailure")
+    d = after_heartbeat(ok=True, unreachable_for=0, recorded_dbid=DBID, answered_dbid=str(uuid.uuid4()),
+                        failures=0, **kw)
+    assert (d.promote, d.reason) == (True, "ShadowStateChange")
+    assert not after_heartbeat(ok=True, unreachable_for=0, recorded_dbid=DBID, answered_dbid=DBID, failures=5,
+                               **kw).promote
+
+
+def test_heartbeat_period_is_the_frequency_or_the_2010_timeout_interval():
+    from types import SimpleNamespace
+    sr = SimpleNamespace(version="2013", shadow_heartbeat_frequency=120.0, shadow_heartbeat_timeout_interval=900.0)
+    assert heartbeat_period(sr) == 120.0
+    assert heartbeat_period(SimpleNamespace(**{**vars(sr), "version": "2010"})) == 900.0
 
 
 def test_unreachable_since_counts_from_the_last_success_of_the_previous_round():

@@ -486,6 +486,18 @@ def test_shadow_request_when_shadow_redundancy_is_disabled() -> None:
     assert one(s, "XQDISCARD 10") == DiscardRequested(PRIMARY, 10)
 
 
+def test_version_2010_takes_no_shadow_request_and_answers_xquerydiscard() -> None:
+    """The 2010 seed: XSHADOW only (hop-by-hop shadows and discard polling, under either name)."""
+    s = server(version="2010")
+    refusal = one(s, SHADOW_REQUEST)
+    assert refusal == Refusal(R502) and "version 2010" in refusal.why
+    assert s.shadow_request is None
+    assert isinstance(one(s, XSHADOW), XShadowReceived)
+    assert one(s, "XQUERYDISCARD 10") == DiscardRequested(PRIMARY, 10)
+    assert s.discard_reply([]) == b"251 OK, no discard events\r\n"
+    assert one(server(), "XQUERYDISCARD 5") == Refusal(R503)  # as XQDISCARD: after XSHADOW only
+
+
 def test_xshadow() -> None:
     s = server()
     assert one(s, f"XSHADOW {b64(PRIMARY.upper())}") == XShadowReceived(PRIMARY, XSHADOW_REPLY)

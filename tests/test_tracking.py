@@ -760,3 +760,36 @@ def test_parse_datetime():
     assert parse_datetime(format_datetime(T0)) == T0.replace(microsecond=123000)
     with pytest.raises(ValueError):
         parse_datetime("22/11/2026 03:06")
+
+
+# -- Exchange 2010's 26-field format (tracking.format) ---------------------------------------
+
+
+def test_exchange2010_format_writes_26_fields_and_reads_back(tmp_path):
+    log = make_log(tmp_path, fields=FIELDS_2010)
+    log.write("RECEIVE", "SMTP", internal_message_id=7, message_id="<a@b>", network_message_id="dropped",
+              recipients=["r@x.test"], custom_data="S:AckDelay=1.000")
+    log.close()
+    path = next(tmp_path.iterdir())
+    raw = path.read_bytes()
+    assert b"#Fields: " + ",".join(FIELDS_2010).encode() + b"\r\n" in raw
+    (line,) = data_lines(raw)
+    assert len(next(csv.reader(io.StringIO(line.decode())))) == 26
+    (row,) = parse_log_file(path)
+    assert (row["message-id"], row["network-message-id"], row["event-id"]) == ("<a@b>", "", "RECEIVE")
+    assert row["custom-data"] == "S:AckDelay=1.000"
+    with pytest.raises(ValueError):
+        make_log(tmp_path / "other", fields=FIELDS_2016[:5])
+
+
+def test_a_node_that_switches_format_starts_a_new_file(tmp_path):
+    clock = Clock()
+    with make_log(tmp_path, clock) as log:
+        log.write("RECEIVE", "SMTP", internal_message_id=1)
+    with make_log(tmp_path, clock, fields=FIELDS_2010) as log:
+        log.write("RECEIVE", "SMTP", internal_message_id=2)
+    with make_log(tmp_path, clock, fields=FIELDS_2010) as log:  # the same format again: appended
+        log.write("RECEIVE", "SMTP", internal_message_id=3)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["MSGTRK20261122-1.LOG", "MSGTRK20261122-2.LOG"]
+    assert [r["internal-message-id"] for r in parse_log_file(tmp_path / files[1])] == ["2", "3"]

@@ -30,6 +30,7 @@ import dataclasses
 import difflib
 import ipaddress
 import math
+import os
 import re
 import socket
 import tomllib
@@ -137,6 +138,35 @@ def _int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"expected an integer, got {value!r}")
     return value
+
+
+def _workers(value: Any) -> int | str:
+    """``auto`` (one receive process per usable core) or a number of processes."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected auto or a number of processes, got {value!r}")
+    return value
+
+
+def worker_count(cfg: Config) -> int:
+    """The frontend's receive processes: ``frontend.workers``, ``auto`` = the usable cores (1 on one core)."""
+    n = cfg.frontend.workers
+    if n == "auto":
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except (AttributeError, OSError):
+            return max(1, os.cpu_count() or 1)
+    return int(n)
+
+
+def tracking_fields(cfg: Config) -> tuple[str, ...]:
+    """The MSGTRK fields this node writes (``tracking.format``)."""
+    from transportd.tracking import FIELDS_2010, FIELDS_2016
+    fmt = cfg.tracking.format
+    if fmt == "auto":
+        fmt = "exchange2010" if cfg.shadow_redundancy.version == "2010" else "exchange2016"
+    return FIELDS_2010 if fmt == "exchange2010" else FIELDS_2016
 
 
 def _str(value: Any) -> str:
@@ -267,6 +297,9 @@ KEYS: tuple[Key, ...] = (
     Key("transport", "tls_ca", "", _str,
         "PEM CA bundle that signed the peers' transport certificates; when set, a peer's certificate is "
         "verified before the cluster secret is sent"),
+    Key("transport", "exchange_acceptance_reply", False, _bool,
+        "answer a message taken as primary on the transport connector as Exchange does (250 2.6.0 <message-id> "
+        "[InternalId=..., Hostname=...] Queued mail for delivery) instead of 250 2.0.0 Ok: queued as <id>"),
     Key("transport", "chunking_enabled", True, _bool,
         "offer CHUNKING (BDAT) on the transport connector; peers send shadow copies with BDAT where it is "
         "offered, else with DATA", "ChunkingEnabled"),
@@ -300,6 +333,12 @@ KEYS: tuple[Key, ...] = (
     Key("frontend", "require_tls", False, _bool, "refuse mail transactions before STARTTLS", "RequireTLS"),
     Key("frontend", "chunking_enabled", True, _bool,
         "offer CHUNKING (BDAT, RFC 3030) on the frontend receive connector", "ChunkingEnabled"),
+    Key("frontend", "max_acknowledgement_delay", 30.0, parse_duration,
+        "2010 mode: the longest the 250 is held for a sender that cannot keep a shadow, waiting for the message "
+        "to reach its next hops", "MaxAcknowledgementDelay", DUR, limits=(1 * SEC, 10 * MIN)),
+    Key("frontend", "workers", "auto", _workers,
+        "receive processes sharing the frontend's port (SO_REUSEPORT) and the queue database; auto = one per "
+        "usable core; the connection and command-rate limits are split between them", limits=(1, 256)),
     Key("frontend", "auth_users", {}, _credentials,
         "user = \"password\" pairs for AUTH PLAIN/LOGIN (offered only after STARTTLS); "
         "authenticated clients may relay"),
@@ -362,6 +401,20 @@ KEYS: tuple[Key, ...] = (
     # shadow redundancy
     Key("shadow_redundancy", "shadow_redundancy_enabled", True, _bool,
         "make a shadow copy on a peer before acknowledging", "ShadowRedundancyEnabled"),
+    Key("shadow_redundancy", "version", "2013", _enum("2013", "2010"),
+        "2013: shadow copies made before the 250 (XSHADOWREQUEST); 2010: the transport connector offers "
+        "XSHADOW only, a sender that cannot keep a shadow gets a delayed acknowledgement, and a primary is "
+        "declared failed after shadow_heartbeat_retry_count heartbeat time-outs"),
+    Key("shadow_redundancy", "promotion_enabled", False, _bool,
+        "2010: where delayed acknowledgement is bypassed (target queue in Retry, Suspended or over 100 "
+        "messages), relay the message to another node of the site first (shadow redundancy promotion, 2010 "
+        "SP1) instead of acknowledging at once", "ShadowRedundancyPromotionEnabled"),
+    Key("shadow_redundancy", "shadow_heartbeat_timeout_interval", 900.0, parse_duration,
+        "2010: a primary not heard from for this long is polled; each failed poll is one time-out",
+        "ShadowHeartbeatTimeoutInterval", DUR, limits=(0.1 * SEC, 1 * DAY)),
+    Key("shadow_redundancy", "shadow_heartbeat_retry_count", 12, _int,
+        "2010: time-outs in a row after which a primary is declared failed and its shadows promoted (RTM: 3)",
+        "ShadowHeartbeatRetryCount", limits=(1, 255)),
     Key("shadow_redundancy", "shadow_message_preference_setting", "PreferRemote",
         _enum("PreferRemote", "LocalOnly", "RemoteOnly"),
         "where shadows are placed", "ShadowMessagePreferenceSetting"),
@@ -392,6 +445,9 @@ KEYS: tuple[Key, ...] = (
     # message tracking
     Key("tracking", "message_tracking_log_enabled", True, _bool,
         "write MSGTRK message tracking logs", "MessageTrackingLogEnabled"),
+    Key("tracking", "format", "auto", _enum("auto", "exchange2016", "exchange2010"),
+        "MSGTRK row format: exchange2016 (30 fields) or Exchange 2010's 26 (no network-message-id); auto = "
+        "exchange2010 with shadow_redundancy.version 2010, else exchange2016"),
     Key("tracking", "message_tracking_log_path", "", _str,
         "folder of the MSGTRK files; empty = <data_dir>/msgtrk", "MessageTrackingLogPath"),
     Key("tracking", "message_tracking_log_max_file_size", 10 * MB, parse_size,
@@ -532,7 +588,7 @@ def _unknown_key_hint(section: str, name: str) -> str:
 
 
 def _check_range(key: Key, value: Any, source: str) -> None:
-    if key.limits is None:
+    if key.limits is None or isinstance(value, str):  # a word (auto) is checked by the key's parser
         return
     low, high = key.limits
     if not low <= value <= high:

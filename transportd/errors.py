@@ -54,6 +54,10 @@ class ProtocolError(TransportdError, ValueError):
     """A malformed X-verb argument or reply (a contract violation)."""
 
 
+class NoShadowRequests(ProtocolError):
+    """The peer does not advertise XSHADOWREQUEST (disabled, or shadow redundancy version 2010)."""
+
+
 class PeerError(TransportdError):
     """A peer's transport connector could not do what was asked."""
 

@@ -160,7 +160,11 @@ class TrackingLog:
         max_file_size: int = 10 * 1024 * 1024,
         software_version: str = transportd.__version__,
         clock: Callable[[], datetime] = utc_now,
+        fields: Sequence[str] = FIELDS_2016,
     ) -> None:
+        if tuple(fields) not in (FIELDS_2016, FIELDS_2010):
+            raise ValueError("fields: FIELDS_2016 or FIELDS_2010")
+        self.fields = tuple(fields)  # the 2016 format (30 fields) or Exchange 2010's (26)
         self.directory = Path(directory)
         self.server_hostname = server_hostname
         self.server_ip = server_ip
@@ -260,7 +264,7 @@ class TrackingLog:
                 "log-id": str(uuid.uuid4()),
                 "schema-version": self.software_version,
             }
-            data = _csv_line(str(values[name]) for name in FIELDS_2016).encode("utf-8")
+            data = _csv_line(str(values[name]) for name in self.fields).encode("utf-8")
             try:
                 if self._file is None or now.date() != self._day:
                     self._close_file()
@@ -300,7 +304,7 @@ class TrackingLog:
             f"#Version: {self.software_version}",
             "#Log-type: Message Tracking Log",
             f"#Date: {format_datetime(now)}",
-            "#Fields: " + ",".join(FIELDS_2016),
+            "#Fields: " + ",".join(self.fields),
         )
         return _BOM + "".join(line + _CRLF for line in lines).encode("utf-8")
 
@@ -319,10 +323,19 @@ class TrackingLog:
         if highest:
             path = self._path_for(day, highest)
             size = path.stat().st_size
-            if size < self.max_file_size:
+            if size < self.max_file_size and self._same_fields(path):
                 self._append_existing(path, day, highest, now)
                 return
         self._open_new(now, highest + 1)
+
+    def _same_fields(self, path: Path) -> bool:
+        """Whether the file's ``#Fields:`` line is ours (a node switched formats starts a new file)."""
+        with open(path, "rb") as f:
+            head = f.read(4096).decode("utf-8-sig", "replace")
+        for line in head.splitlines():
+            if line.startswith("#Fields:"):
+                return tuple(x.strip() for x in line[8:].split(",")) == self.fields
+        return True  # no header yet (an empty file): ours to start
 
     def _append_existing(self, path: Path, day: date, number: int, now: datetime) -> None:
         # Append mode (O_APPEND): the CLI (message remove) writes to the file the daemon has

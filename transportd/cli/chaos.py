@@ -30,18 +30,35 @@ import click
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
               help="write the summary as JSON here")
 @click.option("--drain-timeout", default=120.0, show_default=True, type=click.FloatRange(1, 3600))
+@click.option("--fault-types", default=None, metavar="TYPE,...",
+              help="draw faults only of these types (default: all; the first is the sink-refusing wipe "
+                   "when it is among them)")
+@click.option("--versions", default=None, metavar="V,V,V",
+              help="shadow redundancy version of node1..node3 (2010 or 2013), e.g. 2010,2013,2013")
 def chaos(messages: int, faults: int, seed: int | None, no_shadow: bool, expect_loss: bool, clients: int,
           rate: float | None, ip_base: int, directory: str | None, json_out: str | None,
-          drain_timeout: float) -> None:
+          drain_timeout: float, fault_types: str | None, versions: str | None) -> None:
     """Fault injection on a local 3-node cluster with a total-queue check (docs/reliability.md).
 
     Exit 0 when lost = 0, unexpected = 0 and no mailbox duplicates (with --expect-loss: when lost > 0
     and unexpected = 0), 1 otherwise."""
     import json
     import random
-    import tempfile
-    from transportd.devtools.chaos.harness import format_summary, run
     import signal
+    import tempfile
+
+    from transportd.devtools.chaos.harness import format_summary, run
+    from transportd.devtools.chaos.nemesis import FAULT_TYPES
+    types = [t.strip() for t in fault_types.split(",") if t.strip()] if fault_types else None
+    unknown = [t for t in types or [] if t not in FAULT_TYPES]
+    if unknown or types == []:
+        raise click.BadParameter(f"unknown fault type(s) {', '.join(unknown) or '(none given)'}; known: "
+                                 f"{', '.join(FAULT_TYPES)}", param_hint="--fault-types")
+
+    per_node = [v.strip() for v in versions.split(",")] if versions else None
+    if per_node is not None and (len(per_node) != 3 or not set(per_node) <= {"2010", "2013"}):
+        raise click.BadParameter(f"three versions (2010 or 2013), one per node, not {versions!r}",
+                                 param_hint="--versions")
 
     def stop(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)  # unwinds through run(): its cluster and proxy are stopped
@@ -50,7 +67,8 @@ def chaos(messages: int, faults: int, seed: int | None, no_shadow: bool, expect_
         seed = random.SystemRandom().randrange(1, 2**31)
     folder = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="transportd-chaos-"))
     summary = run(messages=messages, faults=faults, seed=seed, shadow=not no_shadow, directory=folder.resolve(),
-                  clients=clients, ip_base=ip_base, rate=rate, drain_timeout=drain_timeout,
+                  clients=clients, ip_base=ip_base, rate=rate, drain_timeout=drain_timeout, fault_types=types,
+                  versions=per_node,
                   say=lambda m: click.echo(m))
     click.echo(format_summary(summary))
     if json_out:

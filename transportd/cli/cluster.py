@@ -44,6 +44,9 @@ def _cluster_options(fn: Callable) -> Callable:
                      help="address of the external sink (outside the boundary)"),
         click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
                      help="a config value for every node, e.g. --set shadow_redundancy.shadow_heartbeat_frequency=2"),
+        click.option("--versions", default=None, metavar="V,V,...",
+                     help="shadow redundancy version per node, in order (2010 or 2013), e.g. 2010,2013,2013 "
+                          "for a mixed cluster; default: 2013 everywhere"),
     ]
     for opt in reversed(options):
         fn = opt(fn)
@@ -51,16 +54,20 @@ def _cluster_options(fn: Callable) -> Callable:
 
 
 def _generate(directory: Path, nodes: int, sites: int, ip_base: int, frontend_port: int, transport_port: int,
-              sink_address: str, overrides: tuple[str, ...], secret: str | None = None):
+              sink_address: str, overrides: tuple[str, ...], versions: str | None, secret: str | None = None):
     from transportd.devtools.cluster import generate, parse_overrides
     if sites > nodes:
         raise click.BadParameter(f"{sites} sites need at least {sites} nodes", param_hint="--sites")
+    per_node = [v.strip() for v in versions.split(",")] if versions else None
+    if per_node is not None and (len(per_node) != nodes or not set(per_node) <= {"2010", "2013"}):
+        raise click.BadParameter(f"give one version (2010 or 2013) per node: {nodes} node(s), got {versions!r}",
+                                 param_hint="--versions")
     try:
         host, _ = config_mod.parse_hostport(sink_address)
         extra = parse_overrides(overrides)
         specs = generate(directory, nodes=nodes, sites=sites, ip_base=ip_base, frontend_port=frontend_port,
                          transport_port=transport_port, sink_address=sink_address, overrides=extra,
-                         secret=secret)
+                         secret=secret, versions=per_node)
     except ValueError as exc:
         raise ConfigCliError(str(exc)) from None
     if not host.startswith("127."):
@@ -74,9 +81,10 @@ def _generate(directory: Path, nodes: int, sites: int, ip_base: int, frontend_po
 @click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="folder for the node configs")
 @_cluster_options
 def cluster_config(out: str, nodes: int, sites: int, ip_base: int, frontend_port: int, transport_port: int,
-                   sink_address: str, overrides: tuple[str, ...]) -> None:
+                   sink_address: str, overrides: tuple[str, ...], versions: str | None) -> None:
     """Write the node configs of a local cluster without starting it."""
-    specs = _generate(Path(out), nodes, sites, ip_base, frontend_port, transport_port, sink_address, overrides)
+    specs = _generate(Path(out), nodes, sites, ip_base, frontend_port, transport_port, sink_address, overrides,
+                      versions)
     for s in specs:
         click.echo(f"{s.config}  {s.name}  {s.site}  frontend {s.frontend}  transport {s.transport}")
 
@@ -86,7 +94,7 @@ def cluster_config(out: str, nodes: int, sites: int, ip_base: int, frontend_port
               show_default=True, help="folder for configs, node data, the sink and cluster.json")
 @_cluster_options
 def cluster_up(data_dir: str, nodes: int, sites: int, ip_base: int, frontend_port: int, transport_port: int,
-               sink_address: str, overrides: tuple[str, ...]) -> None:
+               sink_address: str, overrides: tuple[str, ...], versions: str | None) -> None:
     """Start the cluster in the foreground (Ctrl-C or SIGTERM stops every process)."""
     from transportd.devtools.cluster import Cluster
     directory = Path(data_dir).resolve()
@@ -99,7 +107,7 @@ def cluster_up(data_dir: str, nodes: int, sites: int, ip_base: int, frontend_por
         except (tomllib.TOMLDecodeError, OSError):
             secret = None
     specs = _generate(directory, nodes, sites, ip_base, frontend_port, transport_port, sink_address,
-                      overrides, secret=secret)
+                      overrides, versions, secret=secret)
     cluster = Cluster(directory, specs, sink_address)
     cluster.start()
     first = specs[0]

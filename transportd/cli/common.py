@@ -201,7 +201,8 @@ def tracking_log_for(cfg: Config, store: QueueStore):
     if not cfg.tracking.message_tracking_log_enabled:
         return None
     node_name = store.read(recorded_node_name) or cfg.node.name
-    return TrackingLog(cfg.tracking_dir, node_name, max_file_size=cfg.tracking.message_tracking_log_max_file_size)
+    return TrackingLog(cfg.tracking_dir, node_name, max_file_size=cfg.tracking.message_tracking_log_max_file_size,
+                       fields=config_mod.tracking_fields(cfg))
 
 
 def admin_event(trk: Any, event_id: str, row: dict, context: str, **fields: Any) -> None:

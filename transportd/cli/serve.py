@@ -41,7 +41,7 @@ def serve(config: str | None, log_format: str | None) -> None:
                                "message": exc.format_message()}), err=True)
         sys.exit(exc.exit_code)
     setup_logging(cfg.node.log_level, log_format or cfg.node.log_format)
-    sys.exit(run(cfg))
+    sys.exit(run(cfg, log_format or cfg.node.log_format))
 
 
 @click.command("sink")

@@ -90,8 +90,11 @@ def generate(directory: Path, *, nodes: int = 3, sites: int = 2, ip_base: int = 
              frontend_port: int = 2525, transport_port: int = 2526, sink_address: str = "127.0.0.10:2500",
              secret: str | None = None, overrides: dict[str, dict[str, Any]] | None = None,
              data_root: Path | None = None,
-             peer_transport: Callable[[NodeSpec, NodeSpec], str] | None = None) -> list[NodeSpec]:
+             peer_transport: Callable[[NodeSpec, NodeSpec], str] | None = None,
+             versions: list[str] | None = None) -> list[NodeSpec]:
     """Write one config per node under ``directory``; returns the node specs.
+
+    ``versions``: node N gets ``shadow_redundancy.version`` = the N-th (a mixed 2010/2013 cluster).
 
     ``peer_transport(node, peer)`` gives the address ``node`` uses for ``peer``'s transport
     connector (default: the peer's own; ``transportd chaos`` puts a fault proxy there)."""
@@ -129,6 +132,8 @@ def generate(directory: Path, *, nodes: int = 3, sites: int = 2, ip_base: int = 
         }
         for section, values in (overrides or {}).items():
             sections.setdefault(section, {}).update(values)
+        if versions:
+            sections["shadow_redundancy"]["version"] = versions[specs.index(spec)]
         peers = [{"name": o.name, "site": o.site,
                   "transport": peer_transport(spec, o) if peer_transport else o.transport}
                  for o in specs if o is not spec]

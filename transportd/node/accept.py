@@ -7,6 +7,10 @@ redundancy), settling where the shadow went (or accepting unprotected, or
 refusing with 451 4.4.0 under *RejectMessageOnShadowFailure*), and the RECEIVE
 and HAREDIRECT tracking events, written before delivery may take the message.
 A message it cannot make durable is refused with a 4xx, never acknowledged.
+With shadow redundancy version 2010 there is no copy before the 250: a sender
+that cannot keep a shadow itself gets a delayed acknowledgement instead (held
+until the message reached its next hops, a bypass applies, or
+*MaxAcknowledgementDelay* passed).
 """
 
 from __future__ import annotations
@@ -38,6 +42,17 @@ from transportd.smtp.replies import (S451_NOT_REDUNDANT, S451_STORE_UNAVAILABLE,
 log = logging.getLogger("transportd")
 
 
+# Where the 2010 seed bypasses delayed acknowledgement (mq.acknowledgement_state's reasons).
+BYPASSES = ("QueueRetry", "QueueSuspended", "QueueLength")
+
+
+def tracking_row(internal_id: int, msg: NewMessage) -> dict:
+    """The message fields a tracking event of the accept path carries."""
+    return {"id": internal_id, "network_message_id": msg.network_message_id, "message_id": msg.message_id,
+            "sender": msg.sender, "subject": msg.subject, "size": len(msg.data),
+            "client_ip": msg.client_ip, "client_hostname": msg.client_hostname}
+
+
 class AcceptPath:
     def __init__(self, cfg: Any, store: QueueStore, events: NodeEvents, shadow: ShadowManager | None):
         self.cfg = cfg
@@ -45,6 +60,7 @@ class AcceptPath:
         self.events = events
         self.shadow = shadow
         self.accepting: set[int] = set()  # messages between their local commit and their settle
+        self._promotions = 0  # shadow redundancy promotions made (2010): the same-site peers in turn
 
     def _message(self, envelope: Envelope, session: Session, connector: str, now: float) -> NewMessage:
         cfg = self.cfg
@@ -71,6 +87,7 @@ class AcceptPath:
         if not envelope.rcpt_tos:
             raise MessageRejected(S554_NO_VALID_RECIPIENTS)
         msg = self._message(envelope, session, connector, now)
+        session.accepted_message_id = msg.message_id  # for a reply that names it (Exchange's acceptance reply)
         # Every line logged while accepting it (the shadow copy's too) carries its id and client.
         with log_context(network_message_id=msg.network_message_id, client=msg.client_ip or None,
                          peer=peer_name(session)):
@@ -89,6 +106,9 @@ class AcceptPath:
             # Hop-by-hop (docs/PROTOCOL.md section 3): the sending peer keeps the shadow; we are primary.
             shadow_plan = [(peer_conn.xshadow_peer, peer_conn.shadow_guid)]
             msg.redundancy = "shadowed"
+        elif self.cfg.shadow_redundancy.shadow_redundancy_enabled and self.cfg.shadow_redundancy.version == "2010":
+            # 2010: a sender that cannot keep a shadow gets a delayed acknowledgement instead of a copy.
+            return await self._accept_delayed(msg, connector, now)
         elif self.shadow is not None and self.shadow.enabled:
             msg.redundancy = "pending"
         guid = str(uuid.uuid4())
@@ -123,6 +143,74 @@ class AcceptPath:
         finally:
             self.accepting.discard(internal_id)
 
+    def _track_receive(self, row: dict, msg: NewMessage, connector: str, recipients: list[str]) -> None:
+        self.events.track("RECEIVE", "SMTP", row, recipients=recipients, source_context=connector,
+                          connector_id=f"{self.cfg.node.name}\\{connector}", directionality="Incoming",
+                          client_ip=msg.client_ip, client_hostname=msg.client_hostname)
+
+    async def _accept_delayed(self, msg: NewMessage, connector: str, now: float) -> int:
+        """Shadow redundancy 2010: durable here, delivery starts at once, and the 250 waits until the
+        message has reached its next hops (or a peer holds it with us as its shadow), a bypass of the
+        seed applies (target queue in Retry, Suspended, over 100 messages), or
+        *MaxAcknowledgementDelay* has passed."""
+        try:
+            internal_id = await self.store.write(lambda c: mq.enqueue(c, msg), queue_changed=True)
+        except StoreError as exc:
+            log.error("queue database unavailable, answering 451: %s", exc,
+                      extra=message_ids({"network_message_id": msg.network_message_id}))
+            raise MessageRejected(S451_STORE_UNAVAILABLE) from None
+        row = tracking_row(internal_id, msg)
+        recipients = list(dict.fromkeys(a for addrs in msg.recipients.values() for a in addrs))
+        self._track_receive(row, msg, connector, recipients)
+        reason = await self._acknowledgement(internal_id, now)
+        if reason in BYPASSES and self.cfg.shadow_redundancy.promotion_enabled:
+            reason = await self._promote(internal_id, row, reason, now)
+        delay = time.time() - now
+        self.events.metrics.acknowledgement_delay.labels(reason).observe(delay)
+        # MSGTRK has no field for it: an AGENTINFO row (as Exchange's agents write) carries it.
+        self.events.track("AGENTINFO", "AGENT", row, recipients=recipients, source_context="DelayedAcknowledgement",
+                          custom_data=f"S:AckDelay={delay:.3f};S:Reason={reason}")
+        log.info("queued message %d (network id %s) from <%s>; acknowledged after %.3fs (%s)", internal_id,
+                 msg.network_message_id, msg.sender, delay, reason,
+                 extra=message_ids({"id": internal_id, "network_message_id": msg.network_message_id}))
+        self.events.metrics.accept_latency.observe(delay)
+        return internal_id
+
+    async def _promote(self, internal_id: int, row: dict, bypass: str, started: float) -> str:
+        """Shadow redundancy promotion (2010 SP1): instead of acknowledging at once where delayed
+        acknowledgement is bypassed, relay the message to another node of this site, which takes it
+        as primary while this node keeps the shadow (hop by hop, XSHADOW); then acknowledge."""
+        site = [p.name for p in self.cfg.peers if p.site == self.cfg.node.site]
+        if not site:
+            return bypass  # nobody to promote to: acknowledge at once
+        self._promotions += 1
+        target = site[self._promotions % len(site)]
+        moved = await self.store.write(lambda c: mq.redirect_to_peer(c, target, time.time(), message_id=internal_id),
+                                       queue_changed=True)
+        if not moved:
+            return bypass
+        self.events.track("HAREDIRECT", "SMTP", row, source_context=f"ShadowRedundancyPromotion;{bypass};{target}")
+        reason = await self._acknowledgement(internal_id, started)
+        return f"Promoted:{reason}" if reason == "Delivered" else reason
+
+    async def _acknowledgement(self, internal_id: int, started: float) -> str:
+        """Wait for the delayed acknowledgement; returns why it may go (mq.acknowledgement_state's
+        reasons, or MaxAcknowledgementDelay)."""
+        deadline = started + self.cfg.frontend.max_acknowledgement_delay
+        pause = 0.01
+        while True:
+            now = time.time()
+            try:
+                reason = await self.store.aread(lambda c: mq.acknowledgement_state(c, internal_id, now))
+            except StoreError:
+                reason = None  # durable already: wait out the delay rather than fail the sender
+            if reason is not None:
+                return reason
+            if now >= deadline:
+                return "MaxAcknowledgementDelay"
+            await asyncio.sleep(min(pause, deadline - now))
+            pause = min(pause * 2, 0.25)
+
     async def _discard_orphan_copy(self, result: ShadowResult, guid: str, netid: str, now: float) -> None:
         """The local commit failed: a peer may hold a copy nobody will discard; ask it to, if we can."""
         peers = tuple(p for p in (result.peer, *result.uncertain) if p)
@@ -146,12 +234,8 @@ class AcceptPath:
         if shadow_result is not None and not shadow_result.peer \
                 and self.cfg.shadow_redundancy.reject_message_on_shadow_failure:
             await self._settle(internal_id, msg, shadow_result, guid, now)  # raises 451 4.4.0
-        row = {"id": internal_id, "network_message_id": msg.network_message_id, "message_id": msg.message_id,
-               "sender": msg.sender, "subject": msg.subject, "size": len(msg.data),
-               "client_ip": msg.client_ip, "client_hostname": msg.client_hostname}
-        self.events.track("RECEIVE", "SMTP", row, recipients=recipients, source_context=f"{connector}",
-                          connector_id=f"{self.cfg.node.name}\\{connector}", directionality="Incoming",
-                          client_ip=msg.client_ip, client_hostname=msg.client_hostname)
+        row = tracking_row(internal_id, msg)
+        self._track_receive(row, msg, connector, recipients)
         if shadow_result is None:
             return
         if shadow_result.peer:

@@ -239,7 +239,9 @@ class PeerConnector(SmtpConnector):
             session = await open_session(peer, local_fqdn=self.shadow.node_name, secret=self.cfg.cluster.secret,
                                          tls=self.shadow.pool.tls, timeout=d.send_connection_inactivity_timeout,
                                          shadows=False, connect_timeout=d.send_connect_timeout)
-            if self.shadow.enabled and session.client.supports_extension("xshadowrequest"):
+            # Hop by hop with a peer of either version: 2013 advertises XSHADOWREQUEST, 2010 XSHADOW.
+            if self.shadow.enabled and (session.client.supports_extension("xshadowrequest")
+                                        or session.client.supports_extension("xshadow")):
                 await self.shadow.heartbeat.hop_session_start(session)
         except PEER_FAILURES as exc:
             if session is not None:

@@ -15,12 +15,11 @@ import ipaddress
 import logging
 import signal
 import socket
-import ssl
 from pathlib import Path
 from typing import Any
 
 from transportd import __version__
-from transportd.config import Config
+from transportd.config import Config, tracking_fields, worker_count
 from transportd.errors import StoreError
 from transportd.node.accept import AcceptPath
 from transportd.node.connectors import MailboxConnector, PeerConnector, SmtpConnector
@@ -29,6 +28,7 @@ from transportd.node.maintenance import Maintenance
 from transportd.node.metrics import NodeMetrics
 from transportd.node.outcomes import OutcomeRecorder
 from transportd.node.scheduler import Scheduler
+from transportd.node.workers import WorkerConnections, WorkerSupervisor, per_process
 from transportd.queue import messages as mq
 from transportd.queue.mailbox import MailboxStore
 from transportd.queue.routing import MAILBOX, PEER
@@ -36,7 +36,7 @@ from transportd.queue.store import QueueStore
 from transportd.redundancy.manager import ShadowManager
 from transportd.redundancy.server import TransportHandler, TransportSMTP, make_peer_authenticator
 from transportd.smtp.frontend import FrontendHandler
-from transportd.smtp.server import ConnectionCounter, smtp_factory
+from transportd.smtp.server import ConnectionCounter, server_tls, smtp_factory
 from transportd.tracking import TrackingLog
 
 log = logging.getLogger("transportd")
@@ -54,18 +54,11 @@ def address_of(host: str) -> str:
         return host
 
 
-def server_tls(certificate: str, key: str) -> ssl.SSLContext | None:
-    """The TLS context of a receive connector, or None without a certificate."""
-    if not certificate:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(certificate, key)
-    return context
-
-
 class Node:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, log_format: str = "text"):
         self.cfg = cfg
+        self.log_format = log_format
+        self.workers: WorkerSupervisor | None = None
         self.store: QueueStore | None = None
         self.metrics = NodeMetrics(cfg.node.name, cfg.metrics.max_queue_series)
         self.events = NodeEvents(cfg, self.metrics)
@@ -96,7 +89,8 @@ class Node:
             host, _, _ = cfg.frontend.listen.rpartition(":")
             self.events.tracking = TrackingLog(
                 cfg.tracking_dir, cfg.node.name, server_ip=address_of(host.strip("[]")),
-                max_file_size=cfg.tracking.message_tracking_log_max_file_size, software_version=__version__)
+                max_file_size=cfg.tracking.message_tracking_log_max_file_size, software_version=__version__,
+                fields=tracking_fields(cfg))
         for row in poisoned:
             self.metrics.internal_failures.labels("crash").inc()
             self.events.poisoned(row, "the node crashed while delivering it")
@@ -118,19 +112,28 @@ class Node:
                  __version__, cfg.node.name, cfg.node.site, cfg.frontend.listen, cfg.db_path,
                  store.queue_database_id)
 
-    async def _serve(self, listen: str, factory: Any) -> None:
+    async def _serve(self, listen: str, factory: Any, reuse_port: bool = False) -> None:
         host, _, port = listen.rpartition(":")
         server = await asyncio.get_running_loop().create_server(factory, host=host.strip("[]"), port=int(port),
-                                                                reuse_address=True)
+                                                                reuse_address=True, reuse_port=reuse_port or None)
         self.servers.append(server)
 
     async def _listen_frontend(self) -> None:
-        fe = self.cfg.frontend
+        """The frontend in this process and, with ``frontend.workers`` > 1, in receive workers
+        bound to the same address (SO_REUSEPORT), each with its share of the limits."""
+        processes = worker_count(self.cfg)
+        cfg = per_process(self.cfg, processes)
+        fe = cfg.frontend
         counter = ConnectionCounter(fe.max_inbound_connection, fe.max_inbound_connection_per_source)
-        self.metrics.watch_connections("frontend", counter)
-        handler = FrontendHandler(self.cfg, self.accept_path.accept, "frontend")
-        await self._serve(fe.listen, smtp_factory(self.cfg, handler, counter,
-                                                  server_tls(fe.tls_certificate, fe.tls_key)))
+        connections = WorkerConnections(counter, self.cfg.frontend.max_inbound_connection)
+        self.metrics.watch_connections("frontend", connections)
+        handler = FrontendHandler(cfg, self.accept_path.accept, "frontend")
+        await self._serve(fe.listen, smtp_factory(cfg, handler, counter, server_tls(fe.tls_certificate, fe.tls_key)),
+                          reuse_port=processes > 1)
+        if processes > 1:
+            self.workers = WorkerSupervisor(cfg, processes - 1, self.events, self.store.queue_changed, connections,
+                                            self.log_format)
+            await self.workers.start()
 
     async def _listen_transport(self) -> None:
         cfg = self.cfg
@@ -152,6 +155,8 @@ class Node:
             self.shadow.accepting = False
         for s in self.servers:
             s.close()
+        if self.workers is not None:
+            await self.workers.stop()
         for s in self.servers:
             try:
                 await asyncio.wait_for(s.wait_closed(), 2)
@@ -175,18 +180,18 @@ class Node:
         log.info("node %s stopped", self.cfg.node.name)
 
 
-def serve(cfg: Config) -> int:
+def serve(cfg: Config, log_format: str = "text") -> int:
     """Run the node until SIGTERM/SIGINT. Returns the process exit code."""
     try:
         import uvloop  # noqa: F401
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass
-    return asyncio.run(_serve(cfg))
+    return asyncio.run(_serve(cfg, log_format))
 
 
-async def _serve(cfg: Config) -> int:
-    node = Node(cfg)
+async def _serve(cfg: Config, log_format: str) -> int:
+    node = Node(cfg, log_format)
     try:
         await node.start()
     except OSError as exc:

@@ -84,9 +84,16 @@ class NodeMetrics:
                                         "delivery scheduler passes completed (maintenance due, due work read and "
                                         "handed out): a counter that stops moving is a stuck scheduler",
                                         registry=r)
+        self.worker_restarts = Counter("transportd_receive_worker_restarts",
+                                       "receive worker processes (frontend.workers) that died and were started again",
+                                       registry=r)
         self.accept_latency = Histogram("transportd_accept_latency_seconds",
                                         "end of DATA to the 250: durable commit and shadow copy",
                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.acknowledgement_delay = Histogram(
+            "transportd_acknowledgement_delay_seconds",
+            "shadow redundancy 2010: end of DATA to the held 250, by why it went (Delivered, QueueRetry, "
+            "QueueSuspended, QueueLength, MaxAcknowledgementDelay)", ["reason"], buckets=LATENCY_BUCKETS, registry=r)
         self.delivery_latency = Histogram("transportd_delivery_latency_seconds",
                                           "receipt to successful delivery of a message at a next hop",
                                           buckets=LATENCY_BUCKETS, registry=r)

@@ -87,19 +87,32 @@ class Scheduler:
         by_queue: dict[int, list[WorkItem]] = defaultdict(list)
         for item in work:
             by_queue[item.queue_id].append(item)
+        # Every session of this pass first, then one claim for all of them: a pass over many busy
+        # queues costs one commit, so a queue late in the round (a local mailbox) waits for none.
+        sessions = dict(self._sessions_per_queue)
+        total = self._sessions_total
+        plan: list[tuple[int, list[WorkItem]]] = []
         for qid, items in by_queue.items():
-            while items and self._sessions_per_queue[qid] < d.max_per_domain_outbound_connections \
-                    and self._sessions_total < d.max_outbound_connections:
+            while items and sessions.get(qid, 0) < d.max_per_domain_outbound_connections \
+                    and total < d.max_outbound_connections:
                 batch, items = items[:d.max_messages_per_connection], items[d.max_messages_per_connection:]
-                batch = await self._claim(batch, now)
-                if not batch:
-                    continue
-                self.in_flight.update(r for it in batch for r in it.recipient_ids)
-                self._sessions_per_queue[qid] += 1
-                self._sessions_total += 1
-                task = asyncio.ensure_future(self._run_batch(qid, batch))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                plan.append((qid, batch))
+                sessions[qid] = sessions.get(qid, 0) + 1
+                total += 1
+        if not plan:
+            return
+        claimed = await self._claim([it for _, batch in plan for it in batch], now)
+        kept = {id(it) for it in claimed}  # the items themselves (a message may be in several queues)
+        for qid, batch in plan:
+            batch = [it for it in batch if id(it) in kept]
+            if not batch:
+                continue
+            self.in_flight.update(r for it in batch for r in it.recipient_ids)
+            self._sessions_per_queue[qid] += 1
+            self._sessions_total += 1
+            task = asyncio.ensure_future(self._run_batch(qid, batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def _claim(self, batch: list[WorkItem], now: float) -> list[WorkItem]:
         """Mark the batch's recipients Active; keep only those this claim got."""

@@ -158,6 +158,35 @@ def body(conn: Connection, message_id: int) -> bytes | None:
     return conn.execute(select(message_bodies.c.data).where(message_bodies.c.message_id == message_id)).scalar()
 
 
+# Delayed acknowledgement (shadow redundancy 2010) is bypassed for a queue holding more than this.
+ACK_QUEUE_LIMIT = 100
+
+
+def acknowledgement_state(conn: Connection, message_id: int, now: float) -> str | None:
+    """Delayed acknowledgement (shadow redundancy 2010): why a held 250 may go now, or None to wait.
+
+    ``Delivered``: no recipient is pending any more (delivered to every next hop, failed, or handed
+    to a peer that made it redundant hop by hop). The bypasses of the 2010 seed: ``QueueRetry``
+    (a target queue is in Retry, or entered it since the message was added), ``QueueSuspended``,
+    ``QueueLength`` (a target queue holds more than ACK_QUEUE_LIMIT messages). A suspended message
+    changes nothing."""
+    rows = conn.execute(
+        select(recipients.c.status, recipients.c.queue_id, queues.c.suspended, queues.c.retry_count,
+               queues.c.next_retry_at)
+        .join(queues, recipients.c.queue_id == queues.c.id).where(recipients.c.message_id == message_id)).all()
+    pending = [r for r in rows if r.status not in TERMINAL]
+    if not pending:
+        return "Delivered"
+    if any(r.suspended for r in pending):
+        return "QueueSuspended"
+    if any(r.status == RETRY or r.retry_count or (r.next_retry_at or 0.0) > now for r in pending):
+        return "QueueRetry"
+    held = conn.execute(select(func.count(func.distinct(recipients.c.message_id))).where(
+        recipients.c.queue_id.in_({r.queue_id for r in pending}),
+        recipients.c.status.in_((READY, RETRY, ACTIVE)))).scalar() or 0
+    return "QueueLength" if held > ACK_QUEUE_LIMIT else None
+
+
 def message_row(conn: Connection, message_id: int) -> dict | None:
     row = conn.execute(select(messages).where(messages.c.id == message_id)).mappings().first()
     return dict(row) if row else None
@@ -673,20 +702,21 @@ def message_detail(conn: Connection, message_id: int) -> dict | None:
     return m
 
 
-def redirect_to_peer(conn: Connection, target: str, now: float) -> list[dict]:
-    """Redirect-Message: move every pending recipient of our primary messages to the queue for
-    ``target`` (delivered hop by hop with XSHADOW, so each message stays protected on the way).
-    Recipients being sent right now (Active) finish where they are. Messages an operator suspended
-    (or held in the Poison queue) stay here, held as they are: a redirect releases nothing.
-    Returns the moved messages."""
+def redirect_to_peer(conn: Connection, target: str, now: float, message_id: int | None = None) -> list[dict]:
+    """Redirect-Message: move every pending recipient of our primary messages (or of the one
+    ``message_id``: shadow redundancy promotion) to the queue for ``target`` (delivered hop by hop
+    with XSHADOW, so each message stays protected on the way). Recipients being sent right now
+    (Active) finish where they are. Messages an operator suspended (or held in the Poison queue)
+    stay here, held as they are: a redirect releases nothing. Returns the moved messages."""
     from transportd.queue.routing import PEER
     qid = queue_id_for(conn, NextHop(f"peer:{target}", PEER, target), now)
+    which = [] if message_id is None else [recipients.c.message_id == message_id]
     rows = conn.execute(
         select(recipients.c.message_id, func.count())
         .join(messages, messages.c.id == recipients.c.message_id)
         .where(recipients.c.status.in_(PENDING), recipients.c.queue_id != qid,
                messages.c.role == "primary", messages.c.state == QUEUED,
-               messages.c.suspended == 0, messages.c.poisoned == 0)
+               messages.c.suspended == 0, messages.c.poisoned == 0, *which)
         .group_by(recipients.c.message_id)).all()
     ids = [r[0] for r in rows]
     if ids:

@@ -448,10 +448,12 @@ def dot_stuff(data: bytes) -> bytes:
 class ServerConnection:
     """The transport connector's side: judges each X-verb and MAIL ``XSHADOW=``, words the replies."""
 
-    def __init__(self, local_fqdn: str, queue_database_id: str, *, shadow_redundancy_enabled: bool = True):
+    def __init__(self, local_fqdn: str, queue_database_id: str, *, shadow_redundancy_enabled: bool = True,
+                 version: str = "2013"):
         self.local_fqdn = local_fqdn
         self.queue_database_id = queue_database_id
         self.shadow_redundancy_enabled = shadow_redundancy_enabled
+        self.version = version  # "2010": XSHADOW only, no shadow requests (docs/PROTOCOL.md section 6)
         self.accepting = True  # False: the node refuses new work (XSHADOWREQUEST gets 421)
         self.peer_fqdn: str | None = None  # the boundary peer this session authenticated as
         self.shadow_request: ShadowRequest | None = None
@@ -507,7 +509,8 @@ class ServerConnection:
         if verb == "MAIL" and arg and "XSHADOW=" in arg.upper():
             return self._mail(arg)
         handler = {"XSHADOWREQUEST": self._xshadowrequest, "XSHADOW": self._xshadow,
-                   "XQDISCARD": self._xqdiscard, "XRESUBMIT": self._xresubmit}.get(verb)
+                   "XQDISCARD": self._xqdiscard, "XQUERYDISCARD": self._xqdiscard,
+                   "XRESUBMIT": self._xresubmit}.get(verb)
         if handler is None:
             return OtherCommand(line)
         event = handler(arg)
@@ -528,6 +531,9 @@ class ServerConnection:
             return refusal
         if not self.shadow_redundancy_enabled:
             return Refusal(_wire(replies.S502_NOT_IMPLEMENTED), "shadow redundancy is disabled here")
+        if self.version == "2010":
+            return Refusal(_wire(replies.S502_NOT_IMPLEMENTED), "shadow redundancy version 2010 takes no "
+                                                                "shadow requests (XSHADOW only)")
         try:
             request = parse_xshadowrequest(arg)
         except ProtocolError as exc:

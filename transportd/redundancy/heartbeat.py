@@ -22,7 +22,7 @@ from transportd.queue import shadows as sq
 from transportd.queue.store import QueueStore
 from transportd.redundancy.events import EventSink
 from transportd.redundancy.peers import PeerPool, PeerSession
-from transportd.redundancy.protocol import after_heartbeat, unreachable_since
+from transportd.redundancy.protocol import after_heartbeat, heartbeat_period, unreachable_since
 from transportd.redundancy.shadow_queue import ShadowQueues
 
 log = logging.getLogger("transportd.redundancy.heartbeat")
@@ -46,7 +46,7 @@ class Heartbeat:
     @property
     def exchange_limit(self) -> float:
         """The longest one heartbeat exchange may take (connect, AUTH, XSHADOW, XQDISCARD)."""
-        return min(30.0, max(1.0, self.sr.shadow_heartbeat_frequency / 2))
+        return min(30.0, max(1.0, heartbeat_period(self.sr) / 2))
 
     async def _context(self, primary: str, **values: Any) -> None:
         await self.store.write(lambda c: sq.upsert_context(c, primary, **values))
@@ -160,10 +160,12 @@ class Heartbeat:
         now = time.time()
         since = None if ok else unreachable_since(
             previous=ctx["unreachable_since"] if ctx else None, last_ok=ctx["last_heartbeat_at"] if ctx else None,
-            now=now, heartbeat_frequency=self.sr.shadow_heartbeat_frequency, exchange_limit=self.exchange_limit)
+            now=now, heartbeat_frequency=heartbeat_period(self.sr), exchange_limit=self.exchange_limit)
         decision = after_heartbeat(ok=ok, unreachable_for=0.0 if since is None else now - since,
                                    recorded_dbid=recorded, answered_dbid=answered,
-                                   resubmit_time_span=self.sr.shadow_resubmit_time_span)
+                                   resubmit_time_span=self.sr.shadow_resubmit_time_span, failures=failures,
+                                   retry_count=self.sr.shadow_heartbeat_retry_count if self.sr.version == "2010"
+                                   else None)
         values: dict[str, Any] = {"consecutive_failures": failures, "last_error": error or None,
                                   "unreachable_since": since}
         state_change = decision.promote and decision.reason == "ShadowStateChange"

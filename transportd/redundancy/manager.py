@@ -30,7 +30,7 @@ from transportd.queue.store import QueueStore
 from transportd.redundancy.events import EventSink
 from transportd.redundancy.heartbeat import Heartbeat
 from transportd.redundancy.peers import PeerPool, PeerSession
-from transportd.redundancy.protocol import Peer, shadow_attempts
+from transportd.redundancy.protocol import Peer, heartbeat_period, shadow_attempts
 from transportd.redundancy.shadow_queue import ShadowQueues
 from transportd.smtp.envelope import message_parameters
 
@@ -109,7 +109,7 @@ class ShadowManager:
         return task
 
     async def _loop(self) -> None:
-        freq = self.sr.shadow_heartbeat_frequency
+        freq = heartbeat_period(self.sr)
         loop = asyncio.get_running_loop()
         next_round = loop.time() + freq
         while not self._stopping:
@@ -142,7 +142,7 @@ class ShadowManager:
         # The copy travels as the message came: SMTPUTF8 and BODY=8BITMIME when it needs them.
         params = message_parameters(msg.sender, recipients, msg.data, smtputf8=msg.smtputf8,
                                     body_type=msg.body_type)
-        candidates = [p for p in self.attempts() if p.name != exclude]
+        candidates = [p for p in self.attempts() if p.name != exclude and self.pool.takes_shadows(p)]
         if not candidates:
             return ShadowResult(None, "No suitable shadow servers")
         reasons: list[str] = []

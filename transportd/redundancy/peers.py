@@ -15,18 +15,19 @@ Manager does.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import aiosmtplib
 
 from transportd.config import peer_tls_options
-from transportd.errors import PEER_FAILURES, ProtocolError
+from transportd.errors import PEER_FAILURES, NoShadowRequests, ProtocolError
 from transportd.redundancy.connection import (ClientConnection, CommandRefused, DiscardBatch,
                                               PrimaryIdentified, ResubmitAnswered, SendBody, ShadowAccepted,
                                               ShadowRefused, ShadowRequestAccepted, TransactionReplies)
 from transportd.redundancy.wire import PeerWire
-from transportd.redundancy.protocol import Peer
+from transportd.redundancy.protocol import Peer, heartbeat_period
 
 DISCARD_BATCH = 50
 IDLE_SESSIONS_PER_PEER = 16
@@ -206,7 +207,7 @@ async def start_peer_session(client: aiosmtplib.SMTP | PeerWire, peer_name: str,
                              shadows: bool) -> None:
     """AUTH on a session whose EHLO is done; ``shadows``: the peer must offer XSHADOWREQUEST."""
     if shadows and not client.supports_extension("xshadowrequest"):
-        raise ProtocolError(f"{peer_name} does not advertise XSHADOWREQUEST")
+        raise NoShadowRequests(f"{peer_name} does not advertise XSHADOWREQUEST")
     await authenticate(client, local_fqdn, secret)
 
 
@@ -219,15 +220,25 @@ class PeerPool:
         self.by_name = {p.name: p for p in peers}
         self.tls = tls_options(cfg)
         self._idle: dict[str, list[PeerSession]] = {}
+        self._no_shadows_until: dict[str, float] = {}  # peers that did not offer XSHADOWREQUEST lately
         self.closing = False
 
     @property
     def _timeout(self) -> float:
-        return max(5.0, min(30.0, self.cfg.shadow_redundancy.shadow_heartbeat_frequency))
+        return max(5.0, min(30.0, heartbeat_period(self.cfg.shadow_redundancy)))
+
+    def takes_shadows(self, peer: Peer) -> bool:
+        """False for a while after the peer's EHLO lacked XSHADOWREQUEST (a 2010-mode node or one with
+        shadow redundancy off): placement goes to the other peers without a session each time."""
+        return time.monotonic() >= self._no_shadows_until.get(peer.name, 0.0)
 
     async def open(self, peer: Peer, shadows: bool = True) -> PeerSession:
-        return await open_session(peer, local_fqdn=self.local_fqdn, secret=self.cfg.cluster.secret,
-                                  tls=self.tls, timeout=self._timeout, shadows=shadows)
+        try:
+            return await open_session(peer, local_fqdn=self.local_fqdn, secret=self.cfg.cluster.secret,
+                                      tls=self.tls, timeout=self._timeout, shadows=shadows)
+        except NoShadowRequests:
+            self._no_shadows_until[peer.name] = time.monotonic() + max(30.0, heartbeat_period(self.cfg.shadow_redundancy))
+            raise
 
     async def session(self, peer: Peer) -> PeerSession:
         """An idle session to ``peer`` if one is still connected, else a new one."""

@@ -14,7 +14,7 @@ import math
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from transportd.errors import ProtocolError  # noqa: F401 - raised by every parser here
 
@@ -149,9 +149,11 @@ def split_xshadow_param(arg: str) -> tuple[str, str | None]:
     return " ".join(kept), guid
 
 
-def redundancy_reply(message_id: str, internal_id: int, fqdn: str) -> str:
+def redundancy_reply(message_id: str, internal_id: int, fqdn: str, what: str = "redundancy") -> str:
+    """Exchange's acceptance reply: ``... Queued mail for redundancy`` (a shadow copy) or, with
+    ``what="delivery"``, the reply an Exchange transport server gives a message it took as primary."""
     mid = message_id if message_id else "<>"
-    return f"250 2.6.0 {mid} [InternalId={internal_id}, Hostname={fqdn}] Queued mail for redundancy"
+    return f"250 2.6.0 {mid} [InternalId={internal_id}, Hostname={fqdn}] Queued mail for {what}"
 
 
 # ------------------------------------------------------------------------- placement
@@ -200,19 +202,32 @@ class HeartbeatDecision:
 
 
 def after_heartbeat(*, ok: bool, unreachable_for: float, recorded_dbid: str | None,
-                    answered_dbid: str | None, resubmit_time_span: float) -> HeartbeatDecision:
+                    answered_dbid: str | None, resubmit_time_span: float, failures: int = 0,
+                    retry_count: int | None = None) -> HeartbeatDecision:
     """Decide promotion after one heartbeat exchange.
 
-    ``unreachable_for``: seconds since the primary was last known alive (its last successful
-    exchange), when ``ok`` is False. Promotion is decided by elapsed time, not by a count of
-    failures: a black-holed primary whose heartbeats each wait for a time-out is promoted after
-    *ShadowResubmitTimeSpan* all the same.
+    2013 (``retry_count`` None): ``unreachable_for`` is the seconds since the primary was last
+    known alive (its last successful exchange), when ``ok`` is False. Promotion is decided by
+    elapsed time, not by a count of failures: a black-holed primary whose heartbeats each wait
+    for a time-out is promoted after *ShadowResubmitTimeSpan* all the same.
+
+    2010: the primary is declared failed after ``retry_count`` (*ShadowHeartbeatRetryCount*)
+    time-outs in a row, ``failures`` counting this one (each poll comes one
+    *ShadowHeartbeatTimeoutInterval* after the last).
     """
     if ok and recorded_dbid and answered_dbid and recorded_dbid != answered_dbid:
         return HeartbeatDecision(True, "ShadowStateChange")
-    if not ok and unreachable_for >= resubmit_time_span:
+    if ok:
+        return HeartbeatDecision(False)
+    if (failures >= retry_count) if retry_count is not None else (unreachable_for >= resubmit_time_span):
         return HeartbeatDecision(True, "ShadowHeartbeatFailure")
     return HeartbeatDecision(False)
+
+
+def heartbeat_period(sr: Any) -> float:
+    """Seconds between two polls of a primary: *ShadowHeartbeatFrequency* (2013) or
+    *ShadowHeartbeatTimeoutInterval* (2010)."""
+    return sr.shadow_heartbeat_timeout_interval if sr.version == "2010" else sr.shadow_heartbeat_frequency
 
 
 def unreachable_since(*, previous: float | None, last_ok: float | None, now: float,

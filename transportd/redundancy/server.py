@@ -57,7 +57,8 @@ class TransportSMTP(LimitedSMTP):
         super().__init__(handler, **kwargs)
         self.manager = handler.manager
         self.conn = ServerConnection(self.manager.node_name, self.manager.queue_database_id,
-                                     shadow_redundancy_enabled=self.manager.sr.shadow_redundancy_enabled)
+                                     shadow_redundancy_enabled=self.manager.sr.shadow_redundancy_enabled,
+                                     version=self.manager.sr.version)
         self._discard_token = uuid.uuid4().hex
         self.manager.live_discard_tokens.add(self._discard_token)
 
@@ -123,7 +124,15 @@ class TransportSMTP(LimitedSMTP):
 
     @syntax("XQDISCARD max-count")
     async def smtp_XQDISCARD(self, arg: str | None) -> None:
-        event = await self._judge("XQDISCARD", arg)
+        await self._discards("XQDISCARD", arg)
+
+    @syntax("XQUERYDISCARD max-count")
+    async def smtp_XQUERYDISCARD(self, arg: str | None) -> None:
+        """Exchange 2010's name for XQDISCARD (the seed's XQUERYDISCARD): the same exchange."""
+        await self._discards("XQUERYDISCARD", arg)
+
+    async def _discards(self, verb: str, arg: str | None) -> None:
+        event = await self._judge(verb, arg)
         if isinstance(event, DiscardRequested):
             entries = await self.manager.take_discard_events(event.peer_fqdn, event.max_count, self._discard_token)
             await self._write(self.conn.discard_reply(entries))
@@ -166,7 +175,8 @@ class TransportHandler(FrontendHandler):
         out = await super().handle_EHLO(server, session, envelope, hostname, responses)
         if not self.manager.sr.shadow_redundancy_enabled:
             return out  # disabled: never advertised (the 2010 seed), so peers make no shadows here
-        return out[:-1] + ["250-XSHADOWREQUEST", out[-1]]
+        # 2013 takes shadow requests; 2010 advertises XSHADOW (hop-by-hop shadows, discard polling).
+        return out[:-1] + ["250-XSHADOW" if self.manager.sr.version == "2010" else "250-XSHADOWREQUEST", out[-1]]
 
     async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope, address: str,
                           rcpt_options: list[str]) -> str:
@@ -199,3 +209,9 @@ class TransportHandler(FrontendHandler):
                 return replies.S451_INTERNAL
             return redundancy_reply(message_id, internal_id, self.manager.node_name)
         return await super().handle_DATA(server, session, envelope)
+
+    def accepted_reply(self, internal_id: int, session: Session) -> str:
+        if self.cfg.transport.exchange_acceptance_reply:
+            return redundancy_reply(getattr(session, "accepted_message_id", ""), internal_id, self.manager.node_name,
+                                    what="delivery")
+        return super().accepted_reply(internal_id, session)

@@ -126,6 +126,10 @@ class FrontendHandler:
         except Exception:  # noqa: BLE001 - never a 5xx for our own failure
             log.exception("accepting a message from %s failed", session.peer)
             return replies.S451_INTERNAL
+        return self.accepted_reply(internal_id, session)
+
+    def accepted_reply(self, internal_id: int, session: Session) -> str:
+        """The 250 for a message made durable (the transport connector may word it as Exchange)."""
         return replies.S250_QUEUED.format(id=internal_id)
 
     async def handle_exception(self, error: Exception) -> str:

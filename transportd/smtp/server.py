@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from typing import Any, Awaitable, Callable
 
 from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, Session
@@ -502,3 +503,12 @@ def smtp_factory(cfg: Any, handler: Any, counter: ConnectionCounter,
             **auth_kwargs, **rate_kwargs,
         )
     return factory
+
+
+def server_tls(certificate: str, key: str) -> ssl.SSLContext | None:
+    """The TLS context of a receive connector, or None without a certificate."""
+    if not certificate:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(certificate, key)
+    return context

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from transportd.devtools import cluster as cluster_mod
-from transportd.queue.messages import NOT_REDUNDANT
 from transportd.devtools.chaos.checker import HeldRow, chaos_id, check, scan_maildir_tree
 from transportd.devtools.chaos.nemesis import FAULT_TYPES, Nemesis, schedule
 from transportd.devtools.chaos.proxy import FaultProxy
 from transportd.devtools.chaos.workload import Workload, WorkloadSettings
+from transportd.queue.messages import NOT_REDUNDANT
 
 
 def port_free(host: str, port: int) -> bool:
@@ -70,9 +70,11 @@ class ChaosCluster(cluster_mod.Cluster):
         (directory / "logs").mkdir(exist_ok=True)
 
     def _spawn(self, label: str, args: list[str]) -> subprocess.Popen:
+        # A node in its own process group: its receive workers are stopped and killed with it.
         with open(self.directory / "logs" / f"{label}.log", "ab") as log:
             proc = subprocess.Popen([sys.executable, "-m", "transportd", *args], stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=label != "sink")
         self.procs[label] = proc
         return proc
 
@@ -89,12 +91,49 @@ class ChaosCluster(cluster_mod.Cluster):
 
     # -- nodes -------------------------------------------------------------------------
 
+    def _signal_node(self, short: str, sig: int) -> None:
+        """``sig`` to the node's whole process group (owner and receive workers)."""
+        proc = self.procs[short]
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
     def kill(self, short: str) -> None:
         proc = self.procs[short]
         if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
+            self._signal_node(short, signal.SIGKILL)
             proc.wait(10)
         self.paused.discard(short)
+
+    def workers_of(self, short: str) -> list[int]:
+        """The PIDs of the node's receive worker processes (children of its process)."""
+        proc = self.procs[short]
+        try:
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        except OSError:
+            return []
+        out = []
+        for pid in children:
+            try:
+                if b"worker_entry" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    out.append(int(pid))
+            except OSError:
+                continue
+        return out
+
+    def kill_worker(self, short: str, pick: int) -> int | None:
+        """kill -9 one receive worker of the node (the node starts it again); its PID, or None."""
+        pids = self.workers_of(short)
+        if not pids:
+            return None
+        pid = pids[pick % len(pids)]
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return None
+        return pid
 
     def wipe(self, short: str) -> None:
         """Delete the node's queue database (its mailboxes and tracking logs stay)."""
@@ -114,12 +153,11 @@ class ChaosCluster(cluster_mod.Cluster):
         self._wait_node(spec)
 
     def pause(self, short: str) -> None:
-        self.procs[short].send_signal(signal.SIGSTOP)
+        self._signal_node(short, signal.SIGSTOP)
         self.paused.add(short)
 
     def resume(self, short: str) -> None:
-        if self.procs[short].poll() is None:
-            self.procs[short].send_signal(signal.SIGCONT)
+        self._signal_node(short, signal.SIGCONT)
         self.paused.discard(short)
 
     def _count(self, short: str, sql: str) -> int:
@@ -245,16 +283,20 @@ def pick_ports(ip_base: int, nodes: int) -> tuple[int, int]:
 
 def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path, clients: int = 6,
         ip_base: int = 101, rate: float | None = None, heartbeat: float = 1.0, resubmit_span: float = 4.0,
-        drain_timeout: float = 120.0, say: Callable[[str], None] = print) -> dict[str, Any]:
+        drain_timeout: float = 120.0, say: Callable[[str], None] = print,
+        fault_types: list[str] | None = None, versions: list[str] | None = None) -> dict[str, Any]:
     """One run; returns the summary (also written to ``directory/summary.json``)."""
     nodes = 3
     directory.mkdir(parents=True, exist_ok=True)
     run_id = secrets.token_hex(4)
-    plan = schedule(seed, faults, [f"node{i + 1}" for i in range(nodes)], resubmit_span=resubmit_span)
+    first = "wipe-behind-refusing-sink"
+    plan = schedule(seed, faults, [f"node{i + 1}" for i in range(nodes)], resubmit_span=resubmit_span,
+                    types=fault_types, first=first if not fault_types or first in fault_types else None)
     say(f"chaos run {run_id}: seed {seed}, {messages} messages, {faults} faults, "
         f"shadow redundancy {'on' if shadow else 'OFF (control run)'}; folder {directory}")
     say(f"replay with: transportd chaos --seed {seed} --messages {messages} --faults {faults}"
-        f"{'' if shadow else ' --no-shadow'}")
+        f"{'' if shadow else ' --no-shadow'}{' --fault-types ' + ','.join(fault_types) if fault_types else ''}"
+        f"{' --versions ' + ','.join(versions) if versions else ''}")
     front, transport = pick_ports(ip_base, nodes)
     sink_address = f"127.0.0.{ip_base - 1}:{front}"
     proxy = FaultProxy()
@@ -269,15 +311,22 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
     overrides = {
         "node": {"log_level": "info"},
         "shadow_redundancy": {"shadow_redundancy_enabled": shadow, "shadow_heartbeat_frequency": heartbeat,
-                              "shadow_resubmit_time_span": resubmit_span, "shadow_copy_timeout": 5},
+                              "shadow_resubmit_time_span": resubmit_span, "shadow_copy_timeout": 5,
+                              # 2010-mode nodes (--versions): the same heartbeat, and promotion where
+                              # delayed acknowledgement is bypassed (a refusing sink), not acking unprotected
+                              "shadow_heartbeat_timeout_interval": heartbeat,
+                              "shadow_heartbeat_retry_count": max(1, round(resubmit_span / heartbeat)),
+                              "promotion_enabled": True},
         "delivery": {"queue_poll_interval": 0.2, "transient_failure_retry_interval": 1,
                      "outbound_connection_failure_retry_interval": 1, "send_connect_timeout": 2,
                      "send_connection_inactivity_timeout": 10},
-        "frontend": {"connection_inactivity_timeout": 30, "max_inbound_connection_per_source": 200},
+        # Two receive processes per node whatever the machine's cores: kill-worker has one to kill.
+        "frontend": {"connection_inactivity_timeout": 30, "max_inbound_connection_per_source": 200, "workers": 2,
+                     "max_acknowledgement_delay": 10},
     }
     specs = cluster_mod.generate(directory, nodes=nodes, sites=2, ip_base=ip_base, frontend_port=front,
                                  transport_port=transport, sink_address=sink_address, overrides=overrides,
-                                 peer_transport=peer_transport)
+                                 peer_transport=peer_transport, versions=versions)
     cluster = ChaosCluster(directory, specs, sink_address, proxy, say)
     frontends = [(s.frontend.rpartition(":")[0], front) for s in specs]
     mean_fault = 6.0 + 2.5

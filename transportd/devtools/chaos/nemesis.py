@@ -28,6 +28,7 @@ FAULT_TYPES: dict[str, str] = {
                                  "delete its queue database, restart it; the sink accepts again",
     "kill-mid-shadow": "slow the links of a node (replies held back), then kill -9 it while messages sit "
                        "between the shadow's 250 and its own; restart with its database",
+    "kill-worker": "kill -9 one receive worker process of a node under load (the node starts it again)",
     "pause": "SIGSTOP a node (heartbeats fail while it still holds mail), SIGCONT it later",
     "partition": "cut the links between two nodes (a black hole: bytes swallowed)",
     "delay": "delay every chunk on the links between two nodes",
@@ -35,7 +36,7 @@ FAULT_TYPES: dict[str, str] = {
     "sink-refuse": "the external sink answers 451 for a while",
     "sink-restart": "kill -9 the external sink, start it again",
 }
-WEIGHTS = {"kill": 3, "kill-wipe": 2, "wipe-behind-refusing-sink": 1, "kill-mid-shadow": 2, "pause": 2,
+WEIGHTS = {"kill": 3, "kill-worker": 2, "kill-wipe": 2, "wipe-behind-refusing-sink": 1, "kill-mid-shadow": 2, "pause": 2,
            "partition": 2, "delay": 2, "reset": 2, "sink-refuse": 2, "sink-restart": 1}
 
 
@@ -187,6 +188,11 @@ class Nemesis:
         self.cluster.proxy.set(links, "ok", 0.0)
         self._sleep(f.duration)
         self.cluster.start_node(node)
+
+    def _kill_worker(self, f: Fault) -> None:
+        pid = self.cluster.kill_worker(f.targets[0], f.index)
+        f.note = f"worker pid {pid} killed" if pid else "no receive worker to kill"
+        self._sleep(f.duration)
 
     def _pause(self, f: Fault) -> None:
         self.cluster.pause(f.targets[0])

@@ -1,0 +1,204 @@
+"""Receive worker processes (``frontend.workers``): several processes serve one node's frontend.
+
+Real nodes on loopback with Postfix's smtp-sink as the next hop: the kernel spreads sessions over
+the owner and its workers (SO_REUSEPORT); a worker's message is tracked and counted by the owner
+and reaches its scheduler at once (the poll interval here is a minute); a worker killed with
+SIGKILL under load loses no acknowledged message and is started again; workers stop with their
+node and die with it. The settings themselves (auto, limits split) are checked without processes.
+"""
+
+from __future__ import annotations
+
+import signal
+import smtplib
+import threading
+import time
+from email.message import EmailMessage
+from pathlib import Path
+
+import pytest
+from conftest import free_port, wait_for
+from helpers import scrape, scrape_until, value
+
+from transportd import config as cfgmod
+from transportd.node.metrics import NodeMetrics
+from transportd.node.receiver import Forward
+from transportd.node.workers import per_process, replay
+
+
+def worker_pids(pid: int) -> list[int]:
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    out = []
+    for child in children:
+        try:
+            if b"worker_entry" in Path(f"/proc/{child}/cmdline").read_bytes():
+                out.append(int(child))
+        except OSError:
+            pass
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def send(port: int, subject: str, to: str = "carol@elsewhere.test") -> None:
+    msg = EmailMessage()
+    msg["From"] = "zed@example.test"
+    msg["To"] = to
+    msg["Subject"] = subject
+    msg.set_content(f"body of {subject}\n")
+    with smtplib.SMTP("127.0.0.1", port, timeout=30) as s:
+        s.send_message(msg)
+
+
+def subjects(sink) -> set[str]:
+    out = set()
+    for raw in sink.messages():
+        for line in raw.split(b"\n"):
+            if line.startswith(b"Subject: "):
+                out.add(line[9:].strip().decode())
+                break
+    return out
+
+
+def workers_node(make_node, sink, workers: int, **delivery):
+    port = free_port()
+    node = make_node(smart_host=sink.address, overrides={
+        "frontend": {"workers": workers}, "metrics": {"listen": f"127.0.0.1:{port}"},
+        "delivery": delivery})
+    node.metrics_port = port
+    node.start()
+    wait_for(lambda: len(worker_pids(node.proc.pid)) == workers - 1 and "receive worker" in node.log_path.read_text(),
+             timeout=30, what=f"{workers - 1} receive worker(s) serving")
+    wait_for(lambda: node.log_path.read_text().count("serving the frontend on") == workers - 1, timeout=30,
+             what="every worker listening")
+    return node
+
+
+def test_workers_share_the_frontend_and_the_owner_tracks_counts_and_delivers_at_once(make_node, sink):
+    sink.start()
+    # A minute between queue scans: only the workers' "queue changed" can make delivery this quick.
+    node = workers_node(make_node, sink, 3, queue_poll_interval=60)
+    for i in range(12):
+        subject = f"seq-{i}"
+        send(node.port, subject)
+        wait_for(lambda s=subject: s in subjects(sink), timeout=10, what=f"{subject} delivered at once")
+    log = node.log_path.read_text()
+    by_worker = {w: log.count(f"/w{w} INFO transportd: queued message") for w in (1, 2)}
+    assert sum(by_worker.values()) >= 1, by_worker  # (2/3)^12 of the time no worker would take one
+    # Every message, whichever process took it: one RECEIVE row in the owner's tracking log, counted once.
+    rows = [line for p in (node.data_dir / "msgtrk").glob("MSGTRK*.LOG")
+            for line in p.read_text(encoding="utf-8-sig").splitlines() if ",RECEIVE," in line]
+    assert len(rows) == 12
+    samples = scrape_until("127.0.0.1", node.metrics_port,
+                           lambda s: value(s, "transportd_messages_received_total", connector="frontend") == 12,
+                           "12 receptions counted by the owner")
+    assert value(samples, "transportd_accept_latency_seconds_count") == 12
+    assert value(samples, "transportd_connections_limit", connector="frontend") == 5000
+
+
+def test_a_worker_killed_under_load_loses_nothing_and_is_started_again(make_node, sink):
+    sink.start()
+    node = workers_node(make_node, sink, 2)
+    victim = worker_pids(node.proc.pid)[0]
+    acknowledged: list[str] = []
+    refused: list[str] = []
+    lock = threading.Lock()
+    counter = iter(range(100000))
+    deadline = time.monotonic() + 60
+
+    def client() -> None:
+        while time.monotonic() < deadline:
+            with lock:
+                n = next(counter)
+            if n >= 160:
+                return
+            subject = f"load-{n}"
+            try:
+                send(node.port, subject)
+            except (smtplib.SMTPException, OSError):
+                refused.append(subject)  # a session the dead worker held: the client retries later
+                continue
+            with lock:
+                acknowledged.append(subject)
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: len(acknowledged) >= 40, timeout=30, what="load under way")
+    import os
+    os.kill(victim, signal.SIGKILL)
+    for t in threads:
+        t.join(90)
+    assert len(acknowledged) >= 100
+    wait_for(lambda: set(acknowledged) <= subjects(sink), timeout=60,
+             what=f"all {len(acknowledged)} acknowledged messages at the sink")
+    wait_for(lambda: [p for p in worker_pids(node.proc.pid) if p != victim], timeout=30,
+             what="the worker started again")
+    assert "receive worker 1 exited (signal 9)" in node.log_path.read_text()
+    assert value(scrape("127.0.0.1", node.metrics_port), "transportd_receive_worker_restarts_total") == 1
+    # The node still serves on every process.
+    send(node.port, "after-restart")
+    wait_for(lambda: "after-restart" in subjects(sink), timeout=15, what="mail after the restart")
+
+
+def test_workers_stop_with_their_node_and_die_with_it(make_node, sink):
+    sink.start()
+    node = workers_node(make_node, sink, 3)
+    pids = worker_pids(node.proc.pid)
+    assert node.stop() == 0
+    assert not [p for p in pids if alive(p)]
+    node.start()
+    wait_for(lambda: len(worker_pids(node.proc.pid)) == 2, timeout=30, what="workers after the restart")
+    pids = worker_pids(node.proc.pid)
+    node.kill9()  # the kernel ends the workers with their owner (PR_SET_PDEATHSIG)
+    wait_for(lambda: not [p for p in pids if alive(p)], timeout=10, what="workers gone with their owner")
+
+
+# ------------------------------------------------------------------------------ settings, no processes
+
+def _cfg(**frontend) -> cfgmod.Config:
+    return cfgmod.load_dict({"node": {"name": "n1.transportd.test"}, "frontend": frontend})
+
+
+def test_workers_setting_auto_a_number_or_a_clear_error() -> None:
+    assert _cfg().frontend.workers == "auto"
+    assert cfgmod.worker_count(_cfg()) >= 1
+    assert cfgmod.worker_count(_cfg(workers=4)) == 4
+    for bad, needle in ((0, "out of range (1..256)"), (300, "out of range"), ("many", "expected auto or a number"),
+                        (True, "expected auto or a number")):
+        with pytest.raises(cfgmod.ConfigError, match="frontend.workers") as err:
+            _cfg(workers=bad)
+        assert needle in str(err.value)
+
+
+def test_limits_are_split_between_the_processes() -> None:
+    cfg = _cfg(max_inbound_connection=5000, max_inbound_connection_per_source=20, max_command_rate=0)
+    assert per_process(cfg, 1) is cfg
+    fe = per_process(cfg, 3).frontend
+    assert (fe.max_inbound_connection, fe.max_inbound_connection_per_source, fe.max_command_rate) == (1667, 7, 0)
+    assert per_process(_cfg(max_command_rate=10), 4).frontend.max_command_rate == 3
+
+
+def test_forwarded_metric_calls_replay_on_the_owners_metrics() -> None:
+    """What a worker records (attribute reads, labels(), then inc/observe/on_event) is applied to
+    the owner's real counters by replaying the steps."""
+    sent: list = []
+    remote = Forward(sent.append, "metric")
+    remote.internal_failures.labels("shadow").inc()
+    remote.accept_latency.observe(0.25)
+    remote.on_event("RECEIVE", {"id": 1}, "frontend", "")
+    assert [f[0] for f in sent] == ["metric"] * 3
+    owner = NodeMetrics("n1.transportd.test", 50)
+    for frame in sent:
+        replay(owner, frame[1])
+    assert owner.internal_failures.labels("shadow")._value.get() == 1
+    assert owner.received.labels("frontend")._value.get() == 1

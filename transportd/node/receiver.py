@@ -1,0 +1,172 @@
+"""One receive worker process: the frontend's accept path, and nothing else, beside the node's owner.
+
+It owns running the frontend receive connector in a worker (node/workers.py
+starts it): the shared queue database opened as it is (never created, repaired or
+recovered: the owner did that before starting any worker) with this process's own
+group-commit writer, the accept path with shadow copies through its own peer
+sessions, and the link back to the owner (tracking rows, metric moves, open
+sessions, "queue changed"). It stops on SIGTERM after closing its listener and
+letting the sessions in progress finish (up to a few seconds), or at once when
+the owner's end of the link closes. It never delivers, never serves X-verbs and
+never writes the tracking log itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+from typing import Any
+
+from transportd.config import Config
+from transportd.errors import StoreError
+from transportd.node.accept import AcceptPath
+from transportd.node.events import NodeEvents
+from transportd.node.workers import TERMINAL, encode
+from transportd.queue.store import QueueStore
+from transportd.redundancy.manager import ShadowManager
+from transportd.smtp.frontend import FrontendHandler
+from transportd.smtp.server import ConnectionCounter, server_tls, smtp_factory
+
+log = logging.getLogger("transportd.node.receiver")
+
+
+class Forward:
+    """A metric or tracking log in the owner's process, reached through the worker's socket pair:
+    attribute reads and calls are recorded and sent when a terminal call (inc, observe,
+    write...) is made."""
+
+    def __init__(self, send: Any, kind: str, steps: tuple = ()):
+        self._send = send
+        self._kind = kind
+        self._steps = steps
+
+    def __getattr__(self, name: str) -> Forward:
+        return Forward(self._send, self._kind, (*self._steps, name))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._kind == "track":
+            self._send(("track", args, kwargs))
+            return None
+        steps = (*self._steps, (args, kwargs))
+        if self._steps and self._steps[-1] in TERMINAL:
+            self._send(("metric", steps))
+            return None
+        return Forward(self._send, self._kind, steps)
+
+
+class ForwardedTracking:
+    def __init__(self, send: Any):
+        self.write = Forward(send, "track")
+
+    def close(self) -> None:
+        pass
+
+
+def _die_with_owner(owner: int) -> None:
+    """PR_SET_PDEATHSIG: the kernel kills this worker when the owner dies (even by SIGKILL)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != owner:  # the owner died before the call
+        os._exit(1)
+
+
+def worker_entry() -> None:
+    """The worker process: its settings come pickled on stdin from the owner (never a file)."""
+    spec = pickle.loads(sys.stdin.buffer.read())
+    _die_with_owner(spec["owner"])
+    cfg: Config = spec["cfg"]
+    from transportd.node.logs import setup_logging
+    setup_logging(cfg.node.log_level, spec["log_format"], f"{cfg.node.name}/w{spec['index']}")
+    try:
+        import uvloop
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+    sys.exit(asyncio.run(ReceiveWorker(cfg, spec["index"], spec["fd"]).run()))
+
+
+class ReceiveWorker:
+    def __init__(self, cfg: Config, index: int, fd: int):
+        self.cfg = cfg
+        self.index = index
+        self.fd = fd
+        self._writer: asyncio.StreamWriter | None = None
+
+    def send(self, frame: tuple) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(encode(frame))
+
+    async def run(self) -> int:
+        cfg = self.cfg
+        reader, self._writer = await asyncio.open_connection(sock=socket.socket(fileno=self.fd))
+        try:
+            store = QueueStore.open(cfg.db_path, create=False, repair=False, node_name=cfg.node.name)
+        except StoreError as exc:
+            log.error("receive worker %d cannot open the queue database: %s", self.index, exc)
+            return 1
+        store.start_writer()
+        events = NodeEvents(cfg, Forward(self.send, "metric"), store, ForwardedTracking(self.send))
+        shadow = ShadowManager(cfg, store, events)
+        accept_path = AcceptPath(cfg, store, events, shadow)
+        fe = cfg.frontend
+        counter = ConnectionCounter(fe.max_inbound_connection, fe.max_inbound_connection_per_source)
+        host, _, port = fe.listen.rpartition(":")
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            smtp_factory(cfg, FrontendHandler(cfg, accept_path.accept, "frontend"), counter,
+                         server_tls(fe.tls_certificate, fe.tls_key)),
+            host=host.strip("[]"), port=int(port), reuse_address=True, reuse_port=True)
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C reaches the owner, which stops us
+        tasks = [asyncio.ensure_future(self._report(store, counter, stop)),
+                 asyncio.ensure_future(self._owner_gone(reader, stop))]
+        log.info("receive worker %d (pid %d) serving the frontend on %s", self.index, os.getpid(), fe.listen)
+        await stop.wait()
+        server.close()
+        try:
+            await asyncio.wait_for(server.wait_closed(), 5)
+        except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - stopping anyway
+            pass
+        shadow.pool.close()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.send(("connections", 0))
+        store.close()
+        self._writer.close()
+        return 0
+
+    async def _report(self, store: QueueStore, counter: ConnectionCounter, stop: asyncio.Event) -> None:
+        """'Queue changed' as soon as a commit made work due; open sessions when their number moves."""
+        last = -1
+        changed = store.queue_changed
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(changed.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+            if changed.is_set():
+                changed.clear()
+                self.send(("wake",))
+            if counter.total != last:
+                last = counter.total
+                self.send(("connections", last))
+
+    async def _owner_gone(self, reader: asyncio.StreamReader, stop: asyncio.Event) -> None:
+        try:
+            await reader.read()  # the owner never writes: EOF means it is gone
+        finally:
+            if not stop.is_set():
+                log.error("receive worker %d: the node's owner process is gone; stopping", self.index)
+            stop.set()
+
