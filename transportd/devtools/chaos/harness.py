@@ -28,6 +28,7 @@ from typing import Any
 from transportd.devtools import cluster as cluster_mod
 from transportd.devtools.chaos.checker import HeldRow, chaos_id, check, scan_maildir_tree
 from transportd.devtools.chaos.nemesis import FAULT_TYPES, Nemesis, schedule
+from transportd.devtools.chaos.preconditions import between_acks
 from transportd.devtools.chaos.proxy import FaultProxy
 from transportd.devtools.chaos.workload import Workload, WorkloadSettings
 from transportd.queue.messages import NOT_REDUNDANT
@@ -174,12 +175,45 @@ class ChaosCluster(cluster_mod.Cluster):
         except sqlite3.Error:
             return 0
 
-    def queued_external(self, short: str) -> int:
-        """Primary messages on the node waiting for the sink."""
+    def queued_external(self, short: str, statuses: tuple[str, ...] = ("Ready", "Retry", "Active")) -> int:
+        """Primary messages on the node waiting for the sink (recipients in ``statuses``)."""
         return self._count(short, (
             "SELECT count(DISTINCT m.id) FROM messages m JOIN recipients r ON r.message_id = m.id "
             "JOIN queues q ON q.id = r.queue_id WHERE m.role = 'primary' AND m.state = 'Queued' "
-            "AND r.status IN ('Ready', 'Retry', 'Active') AND q.delivery_type = 'SmartHostConnectorDelivery'"))
+            f"AND r.status IN ({', '.join(repr(s) for s in statuses)}) "
+            "AND q.delivery_type = 'SmartHostConnectorDelivery'"))
+
+    def queued_behind_sink(self) -> dict[str, int]:
+        """Per node: primary messages the refusing sink has already deferred (Retry): settled, so
+        acknowledged to their client, and held nowhere else when shadow redundancy is off."""
+        return {short: self.queued_external(short, ("Retry",)) for short in self.by_short}
+
+    def _read(self, short: str, sql: str) -> list[tuple]:
+        """Rows from a read-only look at the node's queue database ([] if none or unreadable)."""
+        db = Path(self.by_short[short].data_dir) / "queue.db"
+        if not db.exists():
+            return []
+        try:
+            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2)
+            try:
+                return con.execute(sql).fetchall()
+            finally:
+                con.close()
+        except sqlite3.Error:
+            return []
+
+    def between_acks(self, short: str) -> int:
+        """Messages the node has committed but not yet acknowledged (redundancy ``pending``) whose
+        shadow copy a peer already holds: between the shadow's 250 and the client's."""
+        pending = [r[0] for r in self._read(short, "SELECT network_message_id FROM messages WHERE "
+                                                   "role = 'primary' AND redundancy = 'pending'")]
+        if not pending:
+            return 0
+        ids = ", ".join("'" + n.replace("'", "''") + "'" for n in pending)
+        shadows = [r[0] for peer in self.by_short if peer != short
+                   for r in self._read(peer, "SELECT network_message_id FROM messages WHERE role = 'shadow' "
+                                             f"AND network_message_id IN ({ids})")]
+        return len(between_acks(pending, shadows))
 
     def held_rows(self, short: str, attempts: int = 3) -> list[HeldRow] | None:
         """What the checker's internal-errors invariant needs from the node's queue database.
@@ -284,8 +318,10 @@ def pick_ports(ip_base: int, nodes: int) -> tuple[int, int]:
 def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path, clients: int = 6,
         ip_base: int = 101, rate: float | None = None, heartbeat: float = 1.0, resubmit_span: float = 4.0,
         drain_timeout: float = 120.0, say: Callable[[str], None] = print,
-        fault_types: list[str] | None = None) -> dict[str, Any]:
-    """One run; returns the summary (also written to ``directory/summary.json``)."""
+        fault_types: list[str] | None = None, expect_loss: bool = False) -> dict[str, Any]:
+    """One run; returns the summary (also written to ``directory/summary.json``).
+
+    ``expect_loss``: a control run (shadow redundancy off), which passes only if it lost mail."""
     nodes = 3
     directory.mkdir(parents=True, exist_ok=True)
     run_id = secrets.token_hex(4)
@@ -359,7 +395,9 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
             "clients": clients, "heartbeat": heartbeat, "resubmit_span": resubmit_span,
             "utf8_sent": sum(1 for h in workload.history.values() if h.utf8),
             "faults": nemesis.log.as_json(),
-            "fault_counts": _count_types(nemesis.log.faults),
+            "fault_counts": _count_types([f for f in nemesis.log.faults if f.done]),
+            # Faults whose precondition never held: not applied, not counted above.
+            "faults_not_done": [f"{f.describe()}: {f.note}" for f in nemesis.log.faults if not f.done],
             # How long the cluster took to be redundant again before each fault (the nemesis waits).
             "recovery_wait_max": max((f.recovery_wait for f in nemesis.log.faults), default=0.0),
             "recovery_wait_total": round(sum(f.recovery_wait for f in nemesis.log.faults), 1),
@@ -367,7 +405,9 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
             "duration_seconds": round(time.monotonic() - t0, 1),
             "drain_seconds": round(time.monotonic() - healed_at, 1),
             "directory": str(directory),
+            "expect_loss": expect_loss,
         })
+        summary["passed"], summary["verdict_reason"] = judge(summary, expect_loss)
     finally:
         workload.stop.set()
         nemesis.stop.set()
@@ -382,6 +422,24 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
              "attempts": [asdict(a) for a in h.attempts]}
          for n, h in workload.history.items()}))
     return summary
+
+
+def judge(summary: dict[str, Any], expect_loss: bool) -> tuple[bool, str]:
+    """Whether the run passed, and why not. A run passes on the checker's verdict (lost 0,
+    unexpected 0, no mailbox duplicate, no internal error); a control run (``expect_loss``,
+    shadow redundancy off) passes only if it lost mail and nothing unexpected arrived: a control
+    that loses nothing fails, whatever the seed (the harness did not show it can see a loss)."""
+    lost, unexpected = summary.get("lost", 0), summary.get("unexpected", 1)
+    if expect_loss:
+        if unexpected:
+            return False, f"control run: {unexpected} unexpected deliveries"
+        if not lost:
+            return False, "control run lost nothing: the harness did not show it can see a loss"
+        return True, f"control run lost {lost}, as it must"
+    if summary.get("ok"):
+        return True, "lost 0, unexpected 0, no mailbox duplicate, no internal error"
+    return False, (f"lost {lost}, unexpected {unexpected}, mailbox duplicates "
+                   f"{summary.get('duplicates', {}).get('mailbox')}, internal errors {summary.get('internal_errors')}")
 
 
 def _count_types(faults: list) -> dict[str, int]:
@@ -430,8 +488,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  sent {s.get('sent')} messages in {s.get('attempts')} attempts: acknowledged {s.get('acknowledged')}, "
         f"rejected {s.get('rejected')}, unknown {s.get('unknown')}; internationalized (SMTPUTF8) "
         f"{s.get('utf8_sent')}",
-        f"  faults: {len(s.get('faults', []))} "
-        + ", ".join(f"{k} {v}" for k, v in sorted(s.get("fault_counts", {}).items())),
+        f"  faults: {sum(s.get('fault_counts', {}).values())} done "
+        + ", ".join(f"{k} {v}" for k, v in sorted(s.get("fault_counts", {}).items()))
+        + (f"; {len(s['faults_not_done'])} not done (precondition never held)" if s.get("faults_not_done") else ""),
         f"  waited for redundancy before faults: {s.get('recovery_wait_total')} s in all, "
         f"{s.get('recovery_wait_max')} s at most",
         f"  lost {s.get('lost')}   unexpected {s.get('unexpected')}   duplicates mailbox "
@@ -444,8 +503,12 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  unexpected: {', '.join(s['unexpected_examples'][:10])}")
     if s.get("internal_error_examples"):
         lines.append(f"  internal errors: {', '.join(s['internal_error_examples'][:10])}")
-    lines.append(f"  verdict: {'OK' if s.get('ok') else 'FAILED'}")
+    for line in s.get("faults_not_done", []):
+        lines.append(f"  not done: {line}")
+    passed = s.get("passed", s.get("ok"))
+    lines.append(f"  verdict: {'OK' if passed else 'FAILED'}"
+                 + (f" ({s['verdict_reason']})" if s.get("verdict_reason") else ""))
     return "\n".join(lines)
 
 
-__all__ = ["FAULT_TYPES", "format_summary", "run"]
+__all__ = ["FAULT_TYPES", "format_summary", "judge", "run"]

@@ -8,7 +8,10 @@ node that lost its queue database gets time to settle (the shadows of its old
 database promoted) before anything else happens, and no fault starts while a node
 still holds queued mail without a shadow (promoted copies being made redundant
 again, shadows lost with a wiped peer being re-made): at most one failure at a
-time. How long each recovery took is recorded (``recovery_wait``).
+time. How long each recovery took is recorded (``recovery_wait``). A fault that exists for a
+situation (mail queued behind a refusing sink, messages between the shadow's 250 and the
+client's) waits for it, up to a limit (``preconditions``); if it never comes the fault is not
+applied and is recorded as not done (``done`` false, the reason in ``note``).
 """
 
 from __future__ import annotations
@@ -20,14 +23,20 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from transportd.devtools.chaos.preconditions import (MID_SHADOW_LIMIT, WIPE_LIMIT, Waited, wait_until,
+                                                     wipe_target)
+
 # name: what it does (the harness prints this list)
 FAULT_TYPES: dict[str, str] = {
     "kill": "kill -9 a node, restart it with its queue database",
     "kill-wipe": "kill -9 a node, delete its queue database, restart it",
-    "wipe-behind-refusing-sink": "the sink answers 4xx until a node holds queued mail; kill -9 that node, "
-                                 "delete its queue database, restart it; the sink accepts again",
-    "kill-mid-shadow": "slow the links of a node (replies held back), then kill -9 it while messages sit "
-                       "between the shadow's 250 and its own; restart with its database",
+    "wipe-behind-refusing-sink": "the sink answers 4xx until a node holds queued mail (the scheduled node, "
+                                 "or after a grace time the one holding most); kill -9 that node, delete its "
+                                 "queue database, restart it; the sink accepts again (not done if no mail "
+                                 "was queued within the limit)",
+    "kill-mid-shadow": "slow the links of a node (replies held back), then kill -9 it as soon as a message sits "
+                       "between the shadow's 250 and its own; restart with its database (not done if none "
+                       "did within the limit)",
     "kill-worker": "kill -9 one receive worker process of a node under load (the node starts it again)",
     "pause": "SIGSTOP a node (heartbeats fail while it still holds mail), SIGCONT it later",
     "partition": "cut the links between two nodes (a black hole: bytes swallowed)",
@@ -52,6 +61,8 @@ class Fault:
     ended_at: float | None = None
     note: str = ""
     recovery_wait: float = 0.0  # seconds waited before it for the cluster to be redundant again
+    done: bool = True           # False: its precondition never held, it was not applied (see note)
+    precondition_wait: float = 0.0  # seconds it waited for its precondition
 
     def describe(self) -> str:
         extra = f" delay {self.delay:.2f}s" if self.delay else ""
@@ -102,8 +113,11 @@ class Nemesis:
     """Runs a schedule against a cluster (see harness.ChaosCluster for the operations)."""
 
     def __init__(self, cluster: Any, plan: list[Fault], *, settle: float, say: Callable[[str], None],
-                 recovery_timeout: float = 60.0):
+                 recovery_timeout: float = 60.0, wipe_limit: float = WIPE_LIMIT,
+                 mid_shadow_limit: float = MID_SHADOW_LIMIT):
         self.cluster = cluster
+        self.wipe_limit = wipe_limit
+        self.mid_shadow_limit = mid_shadow_limit
         self.plan = plan
         self.settle = settle
         self.recovery_timeout = recovery_timeout
@@ -130,6 +144,8 @@ class Nemesis:
                 self.say(fault.describe())
                 getattr(self, "_" + fault.type.replace("-", "_"))(fault)
                 fault.ended_at = time.time()
+                if not fault.done:
+                    self.say(f"fault {fault.index} ({fault.type}) not done: {fault.note}")
                 self.log.faults.append(fault)
         except BaseException as exc:  # noqa: BLE001 - reported by the harness
             self.error = exc
@@ -165,27 +181,53 @@ class Nemesis:
         self.cluster.start_node(f.targets[0])
         self._sleep(self.settle)  # the peers see the new queue database ID and promote its shadows
 
+    def _precondition(self, f: Fault, probe: Callable[[float], Any], limit: float, poll: float) -> Waited:
+        w = wait_until(probe, limit=limit, poll=poll, sleep=self._sleep, stopped=self.stop.is_set)
+        f.precondition_wait = w.waited
+        f.done = w.held
+        return w
+
     def _wipe_behind_refusing_sink(self, f: Fault) -> None:
-        node = f.targets[0]
+        scheduled = f.targets[0]
+        grace = min(self.wipe_limit / 2, f.duration * 3)
         self.cluster.sink_refuse(True)
-        deadline = time.monotonic() + max(15.0, f.duration * 4)
-        self._sleep(f.duration)
-        while self.cluster.queued_external(node) == 0 and time.monotonic() < deadline and not self.stop.is_set():
-            self._sleep(0.3)
-        f.note = f"{self.cluster.queued_external(node)} message(s) queued for the sink on {node} when killed"
-        self.cluster.kill(node)
-        self.cluster.wipe(node)
-        self.cluster.start_node(node)
-        self._sleep(self.settle)
-        self.cluster.sink_refuse(False)
+        try:
+            # At least ``duration`` under the refusing sink, so that mail piles up (and is acknowledged).
+            w = self._precondition(f, lambda elapsed: None if elapsed < f.duration else wipe_target(
+                self.cluster.queued_behind_sink(), scheduled, elapsed, grace), self.wipe_limit, 0.3)
+            if not w.held:
+                f.note = (f"precondition never held: no mail queued behind the refusing sink on any node "
+                          f"after {w.waited:g} s")
+                return
+            node = w.value
+            f.targets = [node]
+            held = self.cluster.queued_behind_sink().get(node, 0)
+            self.cluster.kill(node)
+            self.cluster.wipe(node)
+            f.note = (f"{held} message(s) queued behind the refusing sink on {node} when killed "
+                      f"(after {w.waited:g} s)" + (f"; scheduled {scheduled}, which held none" if node != scheduled
+                                                   else ""))
+            self.cluster.start_node(node)
+            self._sleep(self.settle)
+        finally:
+            self.cluster.sink_refuse(False)
 
     def _kill_mid_shadow(self, f: Fault) -> None:
         node = f.targets[0]
         links = self.cluster.links_of(node)
         self.cluster.proxy.set(links, "ok", f.delay)
-        self._sleep(1.0 + f.delay)
-        self.cluster.kill(node)
-        self.cluster.proxy.set(links, "ok", 0.0)
+        try:
+            w = self._precondition(f, lambda _: self.cluster.between_acks(node) or None,
+                                   self.mid_shadow_limit, 0.05)
+            if w.held:
+                self.cluster.kill(node)
+        finally:
+            self.cluster.proxy.set(links, "ok", 0.0)
+        if not w.held:
+            f.note = (f"precondition never held: no message between the shadow's 250 and the client's on "
+                      f"{node} within {w.waited:g} s")
+            return
+        f.note = f"{w.value} message(s) between the shadow's 250 and the client's when killed (after {w.waited:g} s)"
         self._sleep(f.duration)
         self.cluster.start_node(node)
 
