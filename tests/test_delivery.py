@@ -401,6 +401,30 @@ def test_duplicate_after_window_is_stored(make_node):
     assert len(events(node, "DELIVER")) == 2
 
 
+def test_duplicate_after_the_queue_database_was_wiped_is_stored_once(make_node):
+    """A kill -9 and a deleted queue database between a message's delivery and a client's retry of it
+    (new network id, same Message-ID and Date: the client never saw the 250): DeliveredTo lives with
+    the mailbox store (issue 18), so the retry is still dropped as a duplicate."""
+    node = make_node().start()
+    tag = uuid.uuid4().hex[:12]
+    data = message(f"wiped {tag}", msgid=f"<wiped-{tag}@test>", date=FIXED_DATE)
+    first = smtp_send(node.port, "bob@remote.test", ["alice@example.test"], data)
+    wait_events(node, "DELIVER", internal_message_id=str(first))
+    node.kill9()
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        (node.data_dir / f"queue.db{suffix}").unlink(missing_ok=True)
+    node.start()
+    second = smtp_send(node.port, "bob@remote.test", ["alice@example.test"], data)
+    dup = wait_events(node, "DUPLICATEDELIVER")
+    time.sleep(0.5)  # waiting for absence: a second stored copy would show up by now
+    files = node.maildir_files("alice@example.test")
+    assert len(files) == 1, files
+    assert len(events(node, "DELIVER")) == 1 and len(dup) == 1
+    assert dup[0]["internal-message-id"] == str(second)
+    assert dup[0]["network-message-id"] not in files[0].name  # the retry: another network id
+    assert events(node, "DELIVER")[0]["network-message-id"] in files[0].name
+
+
 # ------------------------------------------------------------------ 6. 4xx -> Retry, queue retry
 
 def test_soft_reject_defers_then_queue_retry_delivers(make_node, sink):
