@@ -369,6 +369,61 @@ def test_a_control_run_that_loses_nothing_fails_and_faults_not_done_are_shown():
     assert "verdict: FAILED (control run lost nothing" in text
 
 
+# ------------------------------------------------------------------------------ disk full
+
+def test_replies_while_full_counts_what_the_clients_got_from_the_full_node():
+    from transportd.devtools.chaos.disk import replies_while_full
+    attempts = [("127.0.0.1", ACK, "250 ok", 9.0),                          # before
+                ("127.0.0.1", REFUSED, "452 4.3.1 Insufficient system storage", 10.5),
+                ("127.0.0.1", REFUSED, "451 4.3.0 queue database unavailable", 11.0),
+                ("127.0.0.1", ACK, "250 2.0.0 queued as 3", 11.5),
+                ("127.0.0.1", UNKNOWN, "TimeoutError()", 12.0),
+                ("127.0.0.1", REFUSED, "ConnectionRefusedError(111)", 12.1),  # not a reply
+                ("127.0.0.2", REJECTED, "554 5.0.0 no", 11.0),              # another node
+                ("127.0.0.1", REJECTED, "554 5.3.4 no", 13.0),
+                ("127.0.0.1", ACK, "250 ok", 13.5)]                         # after
+    assert replies_while_full(attempts, "127.0.0.1", 10.0, 13.0) == {"ack": 1, "4xx": 2, "5xx": 1, "unknown": 1}
+    from transportd.devtools.chaos.harness import format_summary, judge
+    s = {"lost": 0, "unexpected": 0, "ok": True,
+         "disk_full": [{"fault": 2, "node": "node3", "ack": 1, "4xx": 2, "5xx": 1, "unknown": 1}]}
+    good, reason = judge(s, expect_loss=False)
+    assert not good and "node3 (fault 2: 1)" in reason
+    assert "disk full on node3 (fault 2): clients got 1 ack, 2 4xx, 1 5xx" in format_summary(s)
+    s["disk_full"][0]["5xx"] = 0
+    assert judge(s, expect_loss=False)[0]
+
+
+def test_tmpfs_disk_fills_frees_and_keeps_the_data_when_unmounted(tmp_path):
+    from transportd.devtools.chaos.disk import FILLER, TmpfsDisks, cannot_mount
+    reason = cannot_mount(tmp_path)
+    if reason:
+        pytest.skip(f"disk-full faults need a tmpfs mount: {reason}")
+    disks = TmpfsDisks(size_mb=64)
+    data = tmp_path / "node2"
+    try:
+        disks.mount("node2", data)
+        assert os.path.ismount(data)
+        (data / "queue.db").write_bytes(b"q" * 300_000)
+        assert disks.fill("node2") >= 300_000
+        with pytest.raises(OSError) as err:
+            with open(data / "more", "wb") as f:
+                f.write(b"m" * 200_000)
+                f.flush()
+                os.fsync(f.fileno())
+        assert err.value.errno == 28   # ENOSPC
+        assert os.statvfs(data).f_blocks * os.statvfs(data).f_frsize < 2 * 1024 * 1024  # shrunk, cheap
+        disks.free("node2")
+        (data / "more").write_bytes(b"m" * 2_000_000)      # room again
+        assert not (data / FILLER).exists()
+        disks.fill("node2")
+    finally:
+        disks.free_all()
+        disks.unmount_all()
+    assert not os.path.ismount(data) and disks.mounted == {}
+    assert (data / "queue.db").read_bytes() == b"q" * 300_000 and (data / "more").stat().st_size == 2_000_000
+    assert not (data / FILLER).exists() and sorted(p.name for p in tmp_path.iterdir()) == ["node2"]
+
+
 # ------------------------------------------------------------------------------ fault proxy
 
 def _echo(c: socket.socket) -> None:

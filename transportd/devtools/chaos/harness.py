@@ -27,7 +27,8 @@ from typing import Any
 
 from transportd.devtools import cluster as cluster_mod
 from transportd.devtools.chaos.checker import HeldRow, chaos_id, check, scan_maildir_tree
-from transportd.devtools.chaos.nemesis import FAULT_TYPES, Nemesis, schedule
+from transportd.devtools.chaos.disk import TmpfsDisks, cannot_mount, replies_while_full
+from transportd.devtools.chaos.nemesis import FAULT_TYPES, WEIGHTS, Nemesis, schedule
 from transportd.devtools.chaos.preconditions import between_acks
 from transportd.devtools.chaos.proxy import FaultProxy
 from transportd.devtools.chaos.workload import Workload, WorkloadSettings
@@ -68,6 +69,7 @@ class ChaosCluster(cluster_mod.Cluster):
         self.by_short = {s.short: s for s in specs}
         self.paused: set[str] = set()
         self.sink_refusing = False
+        self.disks = TmpfsDisks()  # data directories on a tmpfs, for disk-full faults
         (directory / "logs").mkdir(exist_ok=True)
 
     def _spawn(self, label: str, args: list[str]) -> subprocess.Popen:
@@ -162,18 +164,9 @@ class ChaosCluster(cluster_mod.Cluster):
         self.paused.discard(short)
 
     def _count(self, short: str, sql: str) -> int:
-        """A read-only look at the node's queue database (0 if there is none yet)."""
-        db = Path(self.by_short[short].data_dir) / "queue.db"
-        if not db.exists():
-            return 0
-        try:
-            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2)
-            try:
-                return int(con.execute(sql).fetchone()[0])
-            finally:
-                con.close()
-        except sqlite3.Error:
-            return 0
+        """A read-only look at the node's queue database (0 if there is none yet, or unreadable)."""
+        rows = self._read(short, sql)
+        return int(rows[0][0]) if rows else 0
 
     def queued_external(self, short: str, statuses: tuple[str, ...] = ("Ready", "Retry", "Active")) -> int:
         """Primary messages on the node waiting for the sink (recipients in ``statuses``)."""
@@ -297,6 +290,7 @@ class ChaosCluster(cluster_mod.Cluster):
 
     def heal_all(self) -> None:
         self.proxy.heal()
+        self.disks.free_all()
         for short in list(self.paused):
             self.resume(short)
         for spec in self.specs:
@@ -326,8 +320,13 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
     directory.mkdir(parents=True, exist_ok=True)
     run_id = secrets.token_hex(4)
     first = "wipe-behind-refusing-sink"
+    no_disk = cannot_mount(directory) if "disk-full" in (fault_types or WEIGHTS) else None
+    if no_disk:
+        say(f"disk-full faults not scheduled: {no_disk}")
+        fault_types = [t for t in (fault_types or WEIGHTS) if t != "disk-full"]
     plan = schedule(seed, faults, [f"node{i + 1}" for i in range(nodes)], resubmit_span=resubmit_span,
-                    types=fault_types, first=first if not fault_types or first in fault_types else None)
+                    types=fault_types, first=first if not fault_types or first in fault_types else None
+                    ) if fault_types != [] else []
     say(f"chaos run {run_id}: seed {seed}, {messages} messages, {faults} faults, "
         f"shadow redundancy {'on' if shadow else 'OFF (control run)'}; folder {directory}")
     say(f"replay with: transportd chaos --seed {seed} --messages {messages} --faults {faults}"
@@ -357,6 +356,9 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
                                  transport_port=transport, sink_address=sink_address, overrides=overrides,
                                  peer_transport=peer_transport)
     cluster = ChaosCluster(directory, specs, sink_address, proxy, say)
+    for short in sorted({f.targets[0] for f in plan if f.type == "disk-full"}):
+        cluster.disks.mount(short, Path(cluster.by_short[short].data_dir))
+        say(f"{short}: data directory on a tmpfs (disk-full faults)")
     frontends = [(s.frontend.rpartition(":")[0], front) for s in specs]
     mean_fault = 6.0 + 2.5
     span = max(10.0, faults * mean_fault)
@@ -402,6 +404,8 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
             "recovery_wait_max": max((f.recovery_wait for f in nemesis.log.faults), default=0.0),
             "recovery_wait_total": round(sum(f.recovery_wait for f in nemesis.log.faults), 1),
             "nemesis_error": repr(nemesis.error) if nemesis.error else None,
+            "disk_full_unavailable": no_disk,
+            "disk_full": _disk_full_replies(nemesis.log.faults, workload, cluster),
             "duration_seconds": round(time.monotonic() - t0, 1),
             "drain_seconds": round(time.monotonic() - healed_at, 1),
             "directory": str(directory),
@@ -414,6 +418,7 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
         for short in list(cluster.paused):
             cluster.resume(short)
         cluster.stop()
+        cluster.disks.unmount_all()
         proxy.stop()
     (directory / "summary.json").write_text(json.dumps(summary, indent=2))
     # Every attempt of every message, for looking into a lost or duplicated one.
@@ -430,6 +435,10 @@ def judge(summary: dict[str, Any], expect_loss: bool) -> tuple[bool, str]:
     shadow redundancy off) passes only if it lost mail and nothing unexpected arrived: a control
     that loses nothing fails, whatever the seed (the harness did not show it can see a loss)."""
     lost, unexpected = summary.get("lost", 0), summary.get("unexpected", 1)
+    rejected_full = [d for d in summary.get("disk_full") or [] if d.get("5xx")]
+    if rejected_full:
+        return False, "a node answered 5xx while its disk was full: " + ", ".join(
+            f"{d['node']} (fault {d['fault']}: {d['5xx']})" for d in rejected_full)
     if expect_loss:
         if unexpected:
             return False, f"control run: {unexpected} unexpected deliveries"
@@ -440,6 +449,18 @@ def judge(summary: dict[str, Any], expect_loss: bool) -> tuple[bool, str]:
         return True, "lost 0, unexpected 0, no mailbox duplicate, no internal error"
     return False, (f"lost {lost}, unexpected {unexpected}, mailbox duplicates "
                    f"{summary.get('duplicates', {}).get('mailbox')}, internal errors {summary.get('internal_errors')}")
+
+
+def _disk_full_replies(faults: list, workload: Workload, cluster: ChaosCluster) -> list[dict[str, Any]]:
+    """Per disk-full fault, what the clients got from the full node while its disk was full."""
+    attempts = [(a.node, a.outcome, a.detail, a.at) for h in workload.history.values() for a in h.attempts]
+    out = []
+    for f in faults:
+        if f.type == "disk-full" and f.done and f.started_at:
+            ip = cluster.by_short[f.targets[0]].frontend.rpartition(":")[0]
+            out.append({"fault": f.index, "node": f.targets[0],
+                        **replies_while_full(attempts, ip, f.started_at, f.ended_at or f.started_at)})
+    return out
 
 
 def _count_types(faults: list) -> dict[str, int]:
@@ -503,6 +524,11 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  unexpected: {', '.join(s['unexpected_examples'][:10])}")
     if s.get("internal_error_examples"):
         lines.append(f"  internal errors: {', '.join(s['internal_error_examples'][:10])}")
+    for d in s.get("disk_full") or []:
+        lines.append(f"  disk full on {d['node']} (fault {d['fault']}): clients got {d['ack']} ack, {d['4xx']} 4xx, "
+                     f"{d['5xx']} 5xx, {d['unknown']} unknown from it")
+    if s.get("disk_full_unavailable"):
+        lines.append(f"  disk-full faults not scheduled: {s['disk_full_unavailable']}")
     for line in s.get("faults_not_done", []):
         lines.append(f"  not done: {line}")
     passed = s.get("passed", s.get("ok"))

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from transportd.devtools.chaos.disk import DiskNotFilled
 from transportd.devtools.chaos.preconditions import (MID_SHADOW_LIMIT, WIPE_LIMIT, Waited, wait_until,
                                                      wipe_target)
 
@@ -42,11 +43,13 @@ FAULT_TYPES: dict[str, str] = {
     "partition": "cut the links between two nodes (a black hole: bytes swallowed)",
     "delay": "delay every chunk on the links between two nodes",
     "reset": "reset (TCP RST) every connection on the links between two nodes, and new ones",
+    "disk-full": "fill the disk of a node's data directory (a tmpfs the harness mounted: root only, else "
+                 "not scheduled); it must answer 4xx, lose nothing, and take mail again once it is freed",
     "sink-refuse": "the external sink answers 451 for a while",
     "sink-restart": "kill -9 the external sink, start it again",
 }
 WEIGHTS = {"kill": 3, "kill-worker": 2, "kill-wipe": 2, "wipe-behind-refusing-sink": 1, "kill-mid-shadow": 2, "pause": 2,
-           "partition": 2, "delay": 2, "reset": 2, "sink-refuse": 2, "sink-restart": 1}
+           "partition": 2, "delay": 2, "reset": 2, "sink-refuse": 2, "sink-restart": 1, "disk-full": 1}
 
 
 @dataclass
@@ -235,6 +238,19 @@ class Nemesis:
         pid = self.cluster.kill_worker(f.targets[0], f.index)
         f.note = f"worker pid {pid} killed" if pid else "no receive worker to kill"
         self._sleep(f.duration)
+
+    def _disk_full(self, f: Fault) -> None:
+        node = f.targets[0]
+        try:
+            held = self.cluster.disks.fill(node)
+        except DiskNotFilled as exc:
+            f.done, f.note = False, str(exc)
+            return
+        try:
+            self._sleep(f.duration)
+        finally:
+            self.cluster.disks.free(node)
+        f.note = f"data directory of {node} full for {f.duration:g} s ({held // 1024} KiB of data on it)"
 
     def _pause(self, f: Fault) -> None:
         self.cluster.pause(f.targets[0])
