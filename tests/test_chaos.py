@@ -573,6 +573,49 @@ def test_chaos_control_run_without_shadow_redundancy_loses_mail(chaos_runs):
     assert s["lost"] > 0, report
     assert s["unexpected"] == 0, report
     assert code == 0, report
+    assert s["fault_counts"].get("wipe-behind-refusing-sink") == 1, report  # its precondition held
+
+
+# Control runs at a small size (the first fault only: the sink-refusing wipe) for several seeds:
+# 5936 is issue 18's (node1 scheduled, no client sending to node1: it used to lose nothing); the
+# others are random seeds that passed at CI size. And a run of disk-full faults only.
+CONTROL_SEEDS = (5936, 2095264729, 652681491)
+
+
+@pytest.fixture(scope="module")
+def small_runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("chaos-small")
+    runs = {seed: ChaosRun(base / f"control-{seed}", "--messages", "100", "--faults", "1", "--seed", str(seed),
+                           "--no-shadow", "--expect-loss", ip_base=131 + 10 * i)
+            for i, seed in enumerate(CONTROL_SEEDS)}
+    runs["disk"] = ChaosRun(base / "disk-full", "--messages", "60", "--faults", "2", "--seed", "77",
+                            "--fault-types", "disk-full", ip_base=171)
+    try:
+        yield runs
+    finally:
+        for r in runs.values():
+            r.stop()
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("seed", CONTROL_SEEDS)
+def test_control_runs_lose_mail_whatever_the_seed(small_runs, seed):
+    code, s, report = small_runs[seed].result()
+    assert s["fault_counts"] == {"wipe-behind-refusing-sink": 1} and not s["faults_not_done"], report
+    assert s["lost"] > 0 and s["unexpected"] == 0, report
+    assert s["passed"] and code == 0, report
+
+
+@pytest.mark.chaos
+def test_disk_full_faults_lose_nothing_and_never_answer_5xx(small_runs):
+    code, s, report = small_runs["disk"].result()
+    if s.get("disk_full_unavailable"):   # not root, or no tmpfs: not scheduled, and said so
+        assert "disk-full faults not scheduled" in report and not s["faults"]
+        pytest.skip(s["disk_full_unavailable"])
+    assert s["fault_counts"] == {"disk-full": 2}, report
+    assert [d["5xx"] for d in s["disk_full"]] == [0, 0], report
+    assert s["lost"] == 0 and s["unexpected"] == 0 and s["internal_errors"] == 0, report
+    assert code == 0 and s["passed"], report
 
 
 def test_sink_refuses_on_sigusr1_and_accepts_on_sigusr2(procs, tmp_path):
