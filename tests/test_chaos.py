@@ -332,7 +332,7 @@ def test_wipe_behind_refusing_sink_waits_for_queued_mail_and_takes_the_node_hold
     assert cluster.events[:4] == ["sink_refuse True", "kill node2", "wipe node2", "start_node node2"]
     assert cluster.events[4] == "sink_refuse False"
     # The scheduled node as soon as it holds some.
-    cluster = _PreconditionCluster(queued=[empty, {"node1": 1, "node2": 9, "node3": 0}])
+    cluster = _PreconditionCluster(queued=[empty, {"node1": 1, "node2": 0, "node3": 0}, {"node1": 2, "node2": 9, "node3": 0}])
     f, _ = _run_nemesis(cluster, Fault(1, "wipe-behind-refusing-sink", ["node1"], 0.05, 0.0), wipe_limit=20)
     assert f.done and f.targets == ["node1"] and "kill node1" in cluster.events
 

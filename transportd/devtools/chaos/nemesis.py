@@ -196,8 +196,9 @@ class Nemesis:
         self.cluster.sink_refuse(True)
         try:
             # At least ``duration`` under the refusing sink, so that mail piles up (and is acknowledged).
+            # Two at least: one deferred a moment ago may not have had its 250 yet (its client would retry).
             w = self._precondition(f, lambda elapsed: None if elapsed < f.duration else wipe_target(
-                self.cluster.queued_behind_sink(), scheduled, elapsed, grace), self.wipe_limit, 0.3)
+                self.cluster.queued_behind_sink(), scheduled, elapsed, grace, minimum=2), self.wipe_limit, 0.3)
             if not w.held:
                 f.note = (f"precondition never held: no mail queued behind the refusing sink on any node "
                           f"after {w.waited:g} s")
