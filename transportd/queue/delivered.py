@@ -81,8 +81,12 @@ class DeliveredLog:
         text = str(exc).lower()
         return "malformed" in text or "not a database" in text
 
-    def _run(self, fn):
+    def _run(self, fn, *, empty=None):
+        """``fn(connection)`` under the lock; a read (``empty`` given) of records never written
+        answers ``empty`` without making the file (a node with no local delivery has none)."""
         with self._lock:
+            if empty is not None and self._conn is None and not self.path.exists():
+                return empty
             try:
                 return fn(self._open())
             except sqlite3.Error as exc:
@@ -97,8 +101,8 @@ class DeliveredLog:
             return False
         row = self._run(lambda c: c.execute(
             "SELECT 1 FROM delivered_to WHERE recipient = ? AND message_id = ? AND submit_time = ? "
-            "AND delivered_at > ?", (recipient.lower(), message_id, submit_time, now - window)).fetchone())
-        return row is not None
+            "AND delivered_at > ?", (recipient.lower(), message_id, submit_time, now - window)).fetchone(), empty=())
+        return bool(row)
 
     def remember(self, recipient: str, message_id: str, submit_time: str, now: float) -> None:
         """Record a delivery (durably: the commit is fsynced); again refreshes the time."""
@@ -130,10 +134,10 @@ class DeliveredLog:
     def purge(self, now: float, window: float) -> int:
         """Drop records older than the window; returns how many."""
         return self._run(lambda c: c.execute("DELETE FROM delivered_to WHERE delivered_at < ?",
-                                             (now - window,)).rowcount)
+                                             (now - window,)).rowcount, empty=0)
 
     def count(self) -> int:
-        return self._run(lambda c: c.execute("SELECT count(*) FROM delivered_to").fetchone()[0])
+        return self._run(lambda c: c.execute("SELECT count(*) FROM delivered_to").fetchone()[0], empty=0)
 
     def close(self) -> None:
         with self._lock:
