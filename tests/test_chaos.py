@@ -393,6 +393,21 @@ def test_replies_while_full_counts_what_the_clients_got_from_the_full_node():
     assert judge(s, expect_loss=False)[0]
 
 
+def test_disk_full_is_not_scheduled_where_no_tmpfs_can_be_mounted(tmp_path, monkeypatch):
+    from transportd.devtools.chaos import disk
+    from transportd.devtools.chaos.harness import schedulable
+    monkeypatch.setattr(disk.os, "geteuid", lambda: 1000)
+    reason = disk.cannot_mount(tmp_path)
+    assert reason == "mounting a tmpfs needs root"
+    types = schedulable(None, reason)
+    assert "disk-full" not in types and set(types) == set(FAULT_TYPES) - {"disk-full"}
+    plan = schedule(7, 300, ["node1", "node2", "node3"], resubmit_span=4, types=types)
+    assert "disk-full" not in {f.type for f in plan} and plan[0].type == "wipe-behind-refusing-sink"
+    assert schedulable(["disk-full"], reason) == []
+    assert schedulable(["kill", "disk-full"], reason) == ["kill"]
+    assert schedulable(None, None) is None and schedulable(["disk-full"], None) == ["disk-full"]
+
+
 def test_tmpfs_disk_fills_frees_and_keeps_the_data_when_unmounted(tmp_path):
     from transportd.devtools.chaos.disk import FILLER, TmpfsDisks, cannot_mount
     reason = cannot_mount(tmp_path)

@@ -425,6 +425,37 @@ def test_duplicate_after_the_queue_database_was_wiped_is_stored_once(make_node):
     assert events(node, "DELIVER")[0]["network-message-id"] in files[0].name
 
 
+def test_delivered_to_rows_of_an_older_queue_database_are_moved_beside_the_mailboxes(make_node):
+    """A queue database from before issue 18 holds DeliveredTo rows: the node moves them to the
+    mailbox store's records at start, and a copy they describe is still dropped."""
+    from sqlalchemy import insert
+
+    from transportd.queue.delivered import DeliveredLog
+    from transportd.queue.store import QueueStore, delivered_to
+    node = make_node()
+    tag = uuid.uuid4().hex[:12]
+    store = QueueStore.open(node.data_dir / "queue.db", create=True, node_name=node.name)
+    try:
+        store.transaction(lambda c: c.execute(insert(delivered_to).values(
+            recipient="alice@example.test", message_id=f"<old-{tag}@test>", submit_time=FIXED_DATE,
+            delivered_at=time.time() - 60)))
+    finally:
+        store.close()
+    node.start()
+    data = message(f"old {tag}", msgid=f"<old-{tag}@test>", date=FIXED_DATE)
+    second = smtp_send(node.port, "bob@remote.test", ["alice@example.test"], data)
+    dup = wait_events(node, "DUPLICATEDELIVER", internal_message_id=str(second))
+    assert dup[0]["recipient-address"].lower() == "alice@example.test"
+    assert not node.maildir_files("alice@example.test")
+    assert "1 DeliveredTo record(s) moved from the queue database" in node.log()
+    assert node.stop() == 0
+    from conftest import read_db
+    assert read_db(node.data_dir / "queue.db", "SELECT count(*) FROM delivered_to") == [(0,)]
+    log = DeliveredLog(node.data_dir / "mailboxes")
+    assert log.seen("alice@example.test", f"<old-{tag}@test>", FIXED_DATE, time.time(), 3600)
+    log.close()
+
+
 # ------------------------------------------------------------------ 6. 4xx -> Retry, queue retry
 
 def test_soft_reject_defers_then_queue_retry_delivers(make_node, sink):

@@ -299,6 +299,14 @@ class ChaosCluster(cluster_mod.Cluster):
         self.sink_refuse(False)
 
 
+def schedulable(fault_types: list[str] | None, no_disk: str | None) -> list[str] | None:
+    """The fault types to draw from (None: all): without a tmpfs (``no_disk``, why not), no disk-full;
+    [] when nothing is left (then no fault at all)."""
+    if not no_disk:
+        return fault_types
+    return [t for t in (fault_types or WEIGHTS) if t != "disk-full"]
+
+
 def pick_ports(ip_base: int, nodes: int) -> tuple[int, int]:
     """A frontend/transport port pair free on every node address, and room for the proxy ports."""
     for front in range(25300, 26000, 10):
@@ -323,7 +331,7 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
     no_disk = cannot_mount(directory) if "disk-full" in (fault_types or WEIGHTS) else None
     if no_disk:
         say(f"disk-full faults not scheduled: {no_disk}")
-        fault_types = [t for t in (fault_types or WEIGHTS) if t != "disk-full"]
+    fault_types = schedulable(fault_types, no_disk)
     plan = schedule(seed, faults, [f"node{i + 1}" for i in range(nodes)], resubmit_span=resubmit_span,
                     types=fault_types, first=first if not fault_types or first in fault_types else None
                     ) if fault_types != [] else []
