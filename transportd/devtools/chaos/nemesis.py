@@ -209,7 +209,7 @@ class Nemesis:
             self.cluster.kill(node)
             self.cluster.wipe(node)
             f.note = (f"{held} message(s) queued behind the refusing sink on {node} when killed "
-                      f"(after {w.waited:g} s)" + (f"; scheduled {scheduled}, which held none" if node != scheduled
+                      f"(after {w.waited:g} s)" + (f"; scheduled {scheduled}, which held fewer" if node != scheduled
                                                    else ""))
             self.cluster.start_node(node)
             self._sleep(self.settle)
