@@ -112,19 +112,7 @@ class ChaosCluster(cluster_mod.Cluster):
 
     def workers_of(self, short: str) -> list[int]:
         """The PIDs of the node's receive worker processes (children of its process)."""
-        proc = self.procs[short]
-        try:
-            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        except OSError:
-            return []
-        out = []
-        for pid in children:
-            try:
-                if b"worker_entry" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    out.append(int(pid))
-            except OSError:
-                continue
-        return out
+        return receive_workers(self.procs[short].pid)
 
     def kill_worker(self, short: str, pick: int) -> int | None:
         """kill -9 one receive worker of the node (the node starts it again); its PID, or None."""
@@ -305,6 +293,22 @@ def schedulable(fault_types: list[str] | None, no_disk: str | None) -> list[str]
     if not no_disk:
         return fault_types
     return [t for t in (fault_types or WEIGHTS) if t != "disk-full"]
+
+
+def receive_workers(owner: int) -> list[int]:
+    """The PIDs of the receive worker processes (frontend.workers) of the node process ``owner``."""
+    try:
+        children = Path(f"/proc/{owner}/task/{owner}/children").read_text().split()
+    except OSError:
+        return []
+    out = []
+    for pid in children:
+        try:
+            if b"worker_entry" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(int(pid))
+        except OSError:
+            continue
+    return out
 
 
 def pick_ports(ip_base: int, nodes: int) -> tuple[int, int]:
