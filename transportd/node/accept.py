@@ -36,8 +36,12 @@ from transportd.redundancy.manager import ShadowManager, ShadowResult
 from transportd.redundancy.server import peer_name
 from transportd.smtp.frontend import new_network_message_id, prepare_message, received_as
 from transportd.smtp.headers import hop_count, network_id_from
-from transportd.smtp.replies import (S451_NOT_REDUNDANT, S451_STORE_UNAVAILABLE, S554_HOP_COUNT,
-                                     S554_NO_VALID_RECIPIENTS)
+from transportd.smtp.replies import (
+    S451_NOT_REDUNDANT,
+    S451_STORE_UNAVAILABLE,
+    S554_HOP_COUNT,
+    S554_NO_VALID_RECIPIENTS,
+)
 
 log = logging.getLogger("transportd")
 
