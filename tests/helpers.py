@@ -2,7 +2,8 @@
 
 - ``scrape`` / ``value`` / ``scrape_until``: a node's Prometheus /metrics, parsed;
 - ``fill``: fill a (small, test-mounted) disk to the last byte;
-- ``run_cli`` / ``assert_one_error_line``: the real ``python -m transportd`` and its one-line errors.
+- ``run_cli`` / ``assert_one_error_line``: the real ``python -m transportd`` and its one-line errors;
+- ``backlog``: messages queued straight into a (stopped) node's queue database.
 """
 
 from __future__ import annotations
@@ -81,3 +82,29 @@ def assert_one_error_line(res: subprocess.CompletedProcess, code: int, *needles:
         assert n in lines[0], f"{n!r} not in {lines[0]!r}"
     assert res.stdout == ""
     return lines[0]
+
+
+# ------------------------------------------------------------------------------ queue database
+
+
+def backlog(db_path, hops: list, per_queue: int) -> None:
+    """``per_queue`` one-recipient messages queued for each next hop in ``hops`` (NextHop), in one
+    transaction, in the queue database at ``db_path`` (created if missing; the node is stopped)."""
+    import time
+
+    from transportd.queue import messages as mq
+    from transportd.queue.store import QueueStore
+    store = QueueStore.open(db_path)
+    now = time.time()
+    try:
+        def job(conn):
+            for hop in hops:
+                for i in range(per_queue):
+                    mq.enqueue(conn, mq.NewMessage(
+                        network_message_id=f"backlog-{hop.identity}-{i}", sender="bulk@example.test",
+                        data=b"Subject: backlog\r\n\r\nbulk\r\n", recipients={hop: [f"r{i}@elsewhere.test"]},
+                        received_at=now, expires_at=now + 86400, subject="backlog"))
+        store.transaction(job)
+    finally:
+        store.close()
+

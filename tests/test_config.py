@@ -432,7 +432,7 @@ def test_config_error_is_the_one_from_errors() -> None:
 WORDS = {"auto"}  # a numeric key may also take a word (frontend.workers = auto)
 NUMERIC = [k for k in KEYS if k.kind in (cfgmod.DUR, cfgmod.SIZE)
            or (isinstance(k.default, int) and not isinstance(k.default, bool))
-           or (isinstance(k.default, str) and k.default in WORDS)]
+           or k.parse is cfgmod._workers]
 RANGED = [k for k in KEYS if k.limits is not None]
 
 

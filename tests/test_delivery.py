@@ -401,6 +401,61 @@ def test_duplicate_after_window_is_stored(make_node):
     assert len(events(node, "DELIVER")) == 2
 
 
+def test_duplicate_after_the_queue_database_was_wiped_is_stored_once(make_node):
+    """A kill -9 and a deleted queue database between a message's delivery and a client's retry of it
+    (new network id, same Message-ID and Date: the client never saw the 250): DeliveredTo lives with
+    the mailbox store (issue 18), so the retry is still dropped as a duplicate."""
+    node = make_node().start()
+    tag = uuid.uuid4().hex[:12]
+    data = message(f"wiped {tag}", msgid=f"<wiped-{tag}@test>", date=FIXED_DATE)
+    first = smtp_send(node.port, "bob@remote.test", ["alice@example.test"], data)
+    wait_events(node, "DELIVER", internal_message_id=str(first))
+    node.kill9()
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        (node.data_dir / f"queue.db{suffix}").unlink(missing_ok=True)
+    node.start()
+    second = smtp_send(node.port, "bob@remote.test", ["alice@example.test"], data)
+    dup = wait_events(node, "DUPLICATEDELIVER")
+    time.sleep(0.5)  # waiting for absence: a second stored copy would show up by now
+    files = node.maildir_files("alice@example.test")
+    assert len(files) == 1, files
+    assert len(events(node, "DELIVER")) == 1 and len(dup) == 1
+    assert dup[0]["internal-message-id"] == str(second)
+    assert dup[0]["network-message-id"] not in files[0].name  # the retry: another network id
+    assert events(node, "DELIVER")[0]["network-message-id"] in files[0].name
+
+
+def test_delivered_to_rows_of_an_older_queue_database_are_moved_beside_the_mailboxes(make_node):
+    """A queue database from before issue 18 holds DeliveredTo rows: the node moves them to the
+    mailbox store's records at start, and a copy they describe is still dropped."""
+    from sqlalchemy import insert
+
+    from transportd.queue.delivered import DeliveredLog
+    from transportd.queue.store import QueueStore, delivered_to
+    node = make_node()
+    tag = uuid.uuid4().hex[:12]
+    store = QueueStore.open(node.data_dir / "queue.db", create=True, node_name=node.name)
+    try:
+        store.transaction(lambda c: c.execute(insert(delivered_to).values(
+            recipient="alice@example.test", message_id=f"<old-{tag}@test>", submit_time=FIXED_DATE,
+            delivered_at=time.time() - 60)))
+    finally:
+        store.close()
+    node.start()
+    data = message(f"old {tag}", msgid=f"<old-{tag}@test>", date=FIXED_DATE)
+    second = smtp_send(node.port, "bob@remote.test", ["alice@example.test"], data)
+    dup = wait_events(node, "DUPLICATEDELIVER", internal_message_id=str(second))
+    assert dup[0]["recipient-address"].lower() == "alice@example.test"
+    assert not node.maildir_files("alice@example.test")
+    assert "1 DeliveredTo record(s) moved from the queue database" in node.log()
+    assert node.stop() == 0
+    from conftest import read_db
+    assert read_db(node.data_dir / "queue.db", "SELECT count(*) FROM delivered_to") == [(0,)]
+    log = DeliveredLog(node.data_dir / "mailboxes")
+    assert log.seen("alice@example.test", f"<old-{tag}@test>", FIXED_DATE, time.time(), 3600)
+    log.close()
+
+
 # ------------------------------------------------------------------ 6. 4xx -> Retry, queue retry
 
 def test_soft_reject_defers_then_queue_retry_delivers(make_node, sink):

@@ -16,10 +16,14 @@ import re
 import socket
 import subprocess
 import time
+from pathlib import Path
 
+import pytest
 from clusters import FOREIGN, LOCAL, auth_plain, invoke, netid_of, one, reply, smtp
 from conftest import free_port, queued_id, swaks, wait_for
-from helpers import scrape, value
+from helpers import backlog, scrape, value
+
+from transportd.queue.routing import SMART_HOST, NextHop
 
 V2010 = {"shadow_redundancy": {"version": "2010"}}
 
@@ -45,9 +49,15 @@ class SilentNextHop:
         self.sock.close()
 
 
-def timed_swaks(port: int, *args: str) -> tuple[subprocess.CompletedProcess, float]:
+def mid_of(node, qid: int) -> str:
+    """The Message-ID of a message a node received (its RECEIVE row; 2010-format rows carry no
+    network-message-id, so rows are found by internal id on the node and by Message-ID elsewhere)."""
+    return one(node.tracking(event_id="RECEIVE", internal_message_id=str(qid)))["message-id"]
+
+
+def timed_swaks(port: int, *args: str, server: str = "127.0.0.1") -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
-    res = swaks(port, "--from", "zed@example.test", *args, timeout=60)
+    res = swaks(port, "--from", "zed@example.test", *args, timeout=90, server=server)
     return res, time.monotonic() - t0
 
 
@@ -153,15 +163,15 @@ def test_2010_heartbeat_declares_a_primary_failed_after_retry_count_time_outs(cl
     queued_id(node1.swaks(LOCAL))  # creates node1's mailbox:MDB01 queue, then it is held
     wait_for(lambda: len(node1.maildir(LOCAL)) == 1, timeout=10, what="the first delivery on node1")
     invoke("queue", "suspend", "mailbox:MDB01", "--config", node1.config)
-    netid = netid_of(node3, queued_id(node3.swaks(LOCAL, "--header", "Subject: held on node1")))
-    wait_for(lambda: node1.tracking(event_id="RECEIVE", network_message_id=netid), timeout=10,
+    mid = mid_of(node3, queued_id(node3.swaks(LOCAL, "--header", "Subject: held on node1")))
+    wait_for(lambda: node1.tracking(event_id="RECEIVE", message_id=mid), timeout=10,
              what="node1 primary for node3's message")
     node3.wait_heartbeats(node1.name, 2, timeout=15)
     node1.proc.kill()
     node1.proc.wait(10)
     killed = time.time()
     last_ok = node3.last_heartbeat_at(node1.name)
-    resubmit = one(wait_for(lambda: node3.tracking(event_id="RESUBMIT", network_message_id=netid), timeout=30,
+    resubmit = one(wait_for(lambda: node3.tracking(event_id="RESUBMIT", message_id=mid), timeout=30,
                             what="node3 promotes its copy"))
     from transportd.tracking import parse_datetime
     promoted = parse_datetime(resubmit["date-time"]).timestamp()
@@ -198,12 +208,12 @@ def test_shadow_redundancy_promotion_relays_to_a_same_site_node_before_the_250(c
     c["node1"].set("routing", "smart_host", f"127.0.0.1:{free_port()}")  # nothing listens there
     c.start()
     node1, node2 = c["node1"], c["node2"]
-    netid = netid_of(node1, queued_id(node1.swaks(FOREIGN, "--header", "Subject: promoted")))
+    qid = queued_id(node1.swaks(FOREIGN, "--header", "Subject: promoted"))
     node1.proc.kill()
     node1.proc.wait(10)
-    promoted = one(node1.tracking(event_id="HAREDIRECT", network_message_id=netid))
+    promoted = one(node1.tracking(event_id="HAREDIRECT", internal_message_id=str(qid)))
     assert promoted["source-context"] == f"ShadowRedundancyPromotion;QueueRetry;{node2.name}"
-    assert one(node2.tracking(event_id="RECEIVE", network_message_id=netid))["source-context"] == "transport"
+    assert one(node2.tracking(event_id="RECEIVE", message_id=mid_of(node1, qid)))["source-context"] == "transport"
     wait_for(lambda: [m for m in sink.messages() if b"Subject: promoted" in m], timeout=20,
              what="node2 delivers the promoted message")
     assert len([m for m in sink.messages() if b"Subject: promoted" in m]) == 1
@@ -225,3 +235,45 @@ def test_exchange_acceptance_reply_on_the_transport_connector(cluster, sink):
                         r"Queued mail for delivery", status), status
     # The frontend keeps the classic reply.
     assert "250 2.0.0 Ok: queued as" in node1.swaks(FOREIGN).stdout
+
+
+# ------------------------------------------------------------------------------ the seed's bypass table
+
+@pytest.mark.parametrize("promotion", [False, True], ids=["skip", "promotion"])
+@pytest.mark.parametrize("bypass", ["QueueSuspended", "QueueLength"])
+def test_bypass_table_row_in_both_behaviours(cluster, sink, bypass, promotion):
+    """A target queue suspended, or holding more than 100 messages: node1 (2010) does not hold the
+    250. Skip (default): acknowledged at once, the message stays on node1. Promotion (SP1):
+    relayed first to node2 (same site), which delivers it; node1 killed after the 250 loses nothing."""
+    sink.start()
+    c = cluster(overrides={"shadow_redundancy": {"version": "2010", "promotion_enabled": promotion},
+                           "frontend": {"max_acknowledgement_delay": 60}}, nodes=2, sites=1)
+    node1, node2 = c["node1"], c["node2"]
+    if bypass == "QueueLength":
+        silent = SilentNextHop()  # node1's smart host never answers: its queue only grows (closed at exit)
+        node1.set("routing", "smart_host", silent.address)
+        node1.set("delivery", "send_connect_timeout", 120)
+        backlog(Path(node1.cfg.db_path), [NextHop(f"smarthost:{silent.address}", SMART_HOST, silent.address)], 101)
+        c.start()
+    else:
+        c.start()
+        queued_id(node1.swaks(FOREIGN, "--header", "Subject: first"))  # makes the queue; delivered
+        wait_for(lambda: [m for m in sink.messages() if b"Subject: first" in m], timeout=15, what="the first")
+        invoke("queue", "suspend", f"smarthost:{sink.address}", "--config", node1.config)
+    res, took = timed_swaks(node1.frontend_port, "--to", FOREIGN, "--header", f"Subject: {bypass}",
+                            server=node1.host)
+    qid = queued_id(res)
+    assert took < 30, took  # not held for MaxAcknowledgementDelay (60 s)
+    agentinfo = one(node1.tracking(event_id="AGENTINFO", internal_message_id=str(qid)))
+    if not promotion:
+        assert agentinfo["custom-data"].endswith(f"S:Reason={bypass}"), agentinfo
+        assert not node1.tracking(event_id="HAREDIRECT", internal_message_id=str(qid))
+        assert not node2.tracking(event_id="RECEIVE", message_id=mid_of(node1, qid))
+        return
+    assert agentinfo["custom-data"].endswith("S:Reason=Promoted:Delivered"), agentinfo
+    row = one(node1.tracking(event_id="HAREDIRECT", internal_message_id=str(qid)))
+    assert row["source-context"] == f"ShadowRedundancyPromotion;{bypass};{node2.name}"
+    node1.proc.kill()
+    node1.proc.wait(10)
+    wait_for(lambda: [m for m in sink.messages() if f"Subject: {bypass}".encode() in m], timeout=20,
+             what="node2 delivers the promoted message")

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import func, insert, select, update
 
 from transportd.queue import messages as mq
+from transportd.queue.delivered import DeliveredLog
 from transportd.queue.mailbox import MailboxStore, mailbox_name
 from transportd.queue.routing import DNS, MAILBOX, SMART_HOST, NextHop
 from transportd.queue.store import QueueStore, delivered_to, message_bodies, messages, queues, recipients
@@ -303,7 +304,8 @@ def test_purge_expired(store) -> None:
     tx(store, lambda c: mq.finish_if_done(c, gone, T0, 3600))
     tx(store, lambda c: mq.remove_message(c, removed, T0))
     for i, at in enumerate((T0 + 3600 - 1800 - 1, T0 + 3600 - 1800 + 1, T0 + 3600)):
-        tx(store, lambda c, i=i, at=at: mq.remember_delivery(c, f"r{i}@example.test", f"<m{i}>", "d", at))
+        tx(store, lambda c, i=i, at=at: c.execute(insert(delivered_to).values(
+            recipient=f"r{i}@example.test", message_id=f"<m{i}>", submit_time="d", delivered_at=at)))
 
     n_msgs, n_dup = tx(store, lambda c: mq.purge_expired(c, T0 + 3600, duplicate_window=1800))
     assert (n_msgs, n_dup) == (2, 1)
@@ -320,26 +322,63 @@ def test_purge_expired(store) -> None:
 
 # --------------------------------------------------------------------------- duplicate detection
 
-def test_already_delivered_honours_the_window(store) -> None:
+def test_delivered_log_honours_the_window(tmp_path) -> None:
+    """DeliveredTo beside the mailboxes (queue/delivered.py)."""
+    log = DeliveredLog(tmp_path / "mailboxes")
     args = ("Alice@Example.Test", "<m1@s>", "Mon, 06 Jan 2025 10:00:00 +0000")
-    assert not store.read(lambda c: mq.already_delivered(c, *args, T0, 3600))
-    tx(store, lambda c: mq.remember_delivery(c, *args, T0))
-    assert store.read(lambda c: mq.already_delivered(c, "alice@example.test", *args[1:], T0 + 10, 3600))
-    assert store.read(lambda c: mq.already_delivered(c, *args, T0 + 3599, 3600))
-    assert not store.read(lambda c: mq.already_delivered(c, *args, T0 + 3600, 3600))  # window over
-    assert not store.read(lambda c: mq.already_delivered(c, "bob@example.test", *args[1:], T0, 3600))
-    assert not store.read(lambda c: mq.already_delivered(c, args[0], "<other@s>", args[2], T0, 3600))
-    assert not store.read(lambda c: mq.already_delivered(c, args[0], args[1], "Tue", T0, 3600))
-    # remembering again refreshes the row instead of failing on the unique constraint
-    tx(store, lambda c: mq.remember_delivery(c, *args, T0 + 5000))
-    assert store.read(lambda c: mq.already_delivered(c, *args, T0 + 5000 + 3599, 3600))
-    assert store.read(lambda c: c.execute(select(func.count()).select_from(delivered_to)).scalar()) == 1
+    assert not log.seen(*args, T0, 3600)
+    log.remember(*args, T0)
+    assert log.path.parent == tmp_path / "mailboxes" and log.path.name.startswith(".")
+    assert log.seen("alice@example.test", *args[1:], T0 + 10, 3600)
+    assert log.seen(*args, T0 + 3599, 3600)
+    assert not log.seen(*args, T0 + 3600, 3600)  # window over
+    assert not log.seen("bob@example.test", *args[1:], T0, 3600)
+    assert not log.seen(args[0], "<other@s>", args[2], T0, 3600)
+    assert not log.seen(args[0], args[1], "Tue", T0, 3600)
+    # remembering again refreshes the row
+    log.remember(*args, T0 + 5000)
+    assert log.seen(*args, T0 + 5000 + 3599, 3600)
+    assert log.count() == 1
+    log.close()
+    # a new process (or a node whose queue database was deleted) reads the same records
+    again = DeliveredLog(tmp_path / "mailboxes")
+    assert again.seen(*args, T0 + 5001, 3600)
+    log.remember("b@example.test", "<m2@s>", "d", T0 + 100)
+    assert again.purge(T0 + 3701, 3600) == 1 and again.count() == 1
+    again.close()
 
 
-def test_messages_without_message_id_are_never_duplicates(store) -> None:
-    tx(store, lambda c: mq.remember_delivery(c, "a@example.test", "", "d", T0))
-    assert store.read(lambda c: c.execute(select(func.count()).select_from(delivered_to)).scalar()) == 0
-    assert not store.read(lambda c: mq.already_delivered(c, "a@example.test", "", "d", T0, 3600))
+def test_delivered_log_merges_legacy_rows_and_survives_a_corrupt_file(store, tmp_path) -> None:
+    for i, at in enumerate((T0, T0 + 10)):
+        tx(store, lambda c, i=i, at=at: c.execute(insert(delivered_to).values(
+            recipient=f"r{i}@example.test", message_id=f"<m{i}>", submit_time="d", delivered_at=at)))
+    log = DeliveredLog(tmp_path / "mailboxes")
+    log.remember("r1@example.test", "<m1>", "d", T0 + 50)
+    rows = store.read(mq.legacy_delivered_to)
+    assert sorted(rows) == [("r0@example.test", "<m0>", "d", T0), ("r1@example.test", "<m1>", "d", T0 + 10)]
+    assert log.merge(rows) == 2
+    tx(store, lambda c: mq.drop_legacy_delivered_to(c, rows))
+    assert store.read(mq.legacy_delivered_to) == []
+    assert log.seen("r0@example.test", "<m0>", "d", T0 + 1, 3600)
+    assert log.seen("r1@example.test", "<m1>", "d", T0 + 3600 + 40, 3600)  # the later time kept
+    log.close()
+    log.path.write_bytes(b"this is not a database" * 100)
+    for suffix in ("-wal", "-shm"):
+        Path(f"{log.path}{suffix}").unlink(missing_ok=True)
+    fresh = DeliveredLog(tmp_path / "mailboxes")
+    assert not fresh.seen("r0@example.test", "<m0>", "d", T0 + 1, 3600)   # moved aside, started afresh
+    assert list((tmp_path / "mailboxes").glob(".delivered_to.sqlite.corrupt-*"))
+    fresh.remember("r0@example.test", "<m0>", "d", T0)
+    assert fresh.count() == 1
+    fresh.close()
+
+
+def test_messages_without_message_id_are_never_duplicates(tmp_path) -> None:
+    log = DeliveredLog(tmp_path)
+    log.remember("a@example.test", "", "d", T0)
+    assert log.count() == 0
+    assert not log.seen("a@example.test", "", "d", T0, 3600)
+    log.close()
 
 
 # --------------------------------------------------------------------------- restart, removal, views

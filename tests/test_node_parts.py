@@ -22,6 +22,7 @@ from transportd.node.metrics import NodeMetrics
 from transportd.node.outcomes import Delivered, OutcomeRecorder
 from transportd.node.scheduler import Scheduler
 from transportd.queue import messages as mq
+from transportd.queue.delivered import DeliveredLog
 from transportd.queue.mailbox import MailboxStore
 from transportd.queue.messages import NewMessage, Outcome
 from transportd.queue.routing import MAILBOX, SMART_HOST, NextHop
@@ -135,13 +136,45 @@ async def test_mailbox_connector_alone_delivers_and_drops_the_duplicate(parts, t
     first = await store.write(lambda c: mq.enqueue(c, _message(hop, ["alice@example.test"], 7)))
     again = await store.write(lambda c: mq.enqueue(c, _message(hop, ["alice@example.test"], 7)))
     mailboxes = MailboxStore(tmp_path / "mailboxes", "unit")
-    connector = MailboxConnector(cfg, store, mailboxes)
+    delivered = DeliveredLog(tmp_path / "mailboxes")
+    connector = MailboxConnector(cfg, store, mailboxes, delivered)
     work = store.read(lambda c: mq.due_work(c, time.time()))
     reports = [d async for d in connector.deliver(work)]
     outs = {d.items[0].message_id: d.outcomes[d.items[0].message_id][0] for d in reports}
     assert outs[first].status == mq.DELIVERED and not outs[first].duplicate
     assert outs[again].status == mq.DELIVERED and outs[again].duplicate  # same Message-ID and Date
     assert len(mailboxes.list("alice@example.test")) == 1
+    delivered.close()
+
+
+async def test_mailbox_duplicate_detection_survives_a_new_queue_database(parts, tmp_path) -> None:
+    """DeliveredTo lives beside the mailboxes: a node whose queue database was deleted still drops
+    a client's retry of a message it delivered (new network id, same Message-ID and Date)."""
+    cfg, store, events, _ = parts
+    hop = NextHop("mailbox:MDB01", MAILBOX, "MDB01")
+    await store.write(lambda c: mq.enqueue(c, _message(hop, ["alice@example.test"], 8)))
+    mailboxes = MailboxStore(tmp_path / "mailboxes", "unit")
+    delivered = DeliveredLog(tmp_path / "mailboxes")
+    [report] = [d async for d in MailboxConnector(cfg, store, mailboxes, delivered).deliver(
+        store.read(lambda c: mq.due_work(c, time.time())))]
+    assert not next(iter(report.outcomes.values()))[0].duplicate
+    delivered.close()
+    # The queue database is gone: a fresh one, and the node's records reopened from the mailbox folder.
+    fresh = QueueStore.open(tmp_path / "wiped" / "queue.db", create=True)
+    fresh.start_writer()
+    try:
+        retry = _message(hop, ["Alice@Example.test"], 8)
+        retry.network_message_id = "00000000-0000-4000-8000-999999999999"
+        await fresh.write(lambda c: mq.enqueue(c, retry))
+        delivered = DeliveredLog(tmp_path / "mailboxes")
+        [report] = [d async for d in MailboxConnector(cfg, fresh, mailboxes, delivered).deliver(
+            fresh.read(lambda c: mq.due_work(c, time.time())))]
+        [out] = next(iter(report.outcomes.values()))
+        assert out.status == mq.DELIVERED and out.duplicate and out.reply == "250 2.0.0 duplicate"
+        assert len(mailboxes.list("alice@example.test")) == 1
+        delivered.close()
+    finally:
+        fresh.close()
 
 
 async def test_smtp_connector_alone_against_smtp_sink(parts, sink) -> None:

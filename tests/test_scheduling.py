@@ -13,27 +13,9 @@ import time
 
 import pytest
 from conftest import wait_for
+from helpers import backlog
 
-from transportd.queue import messages as mq
-from transportd.queue.messages import NewMessage
 from transportd.queue.routing import SMART_HOST, NextHop
-from transportd.queue.store import QueueStore
-
-
-def backlog(db_path, hops: list[NextHop], per_queue: int) -> None:
-    store = QueueStore.open(db_path)
-    now = time.time()
-    try:
-        def job(conn):
-            for hop in hops:
-                for i in range(per_queue):
-                    mq.enqueue(conn, NewMessage(
-                        network_message_id=f"backlog-{hop.identity}-{i}", sender="bulk@example.test",
-                        data=b"Subject: backlog\r\n\r\nbulk\r\n", recipients={hop: [f"r{i}@elsewhere.test"]},
-                        received_at=now, expires_at=now + 86400, subject="backlog"))
-        store.transaction(job)
-    finally:
-        store.close()
 
 
 @pytest.mark.parametrize("queues,per_queue", [(1, 5000), (50, 1000)], ids=["one queue of 5000", "50 queues of 1000"])

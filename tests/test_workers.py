@@ -21,24 +21,10 @@ from conftest import free_port, wait_for
 from helpers import scrape, scrape_until, value
 
 from transportd import config as cfgmod
+from transportd.devtools.chaos.harness import receive_workers
 from transportd.node.metrics import NodeMetrics
 from transportd.node.receiver import Forward
 from transportd.node.workers import per_process, replay
-
-
-def worker_pids(pid: int) -> list[int]:
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return []
-    out = []
-    for child in children:
-        try:
-            if b"worker_entry" in Path(f"/proc/{child}/cmdline").read_bytes():
-                out.append(int(child))
-        except OSError:
-            pass
-    return out
 
 
 def alive(pid: int) -> bool:
@@ -76,7 +62,7 @@ def workers_node(make_node, sink, workers: int, **delivery):
         "delivery": delivery})
     node.metrics_port = port
     node.start()
-    wait_for(lambda: len(worker_pids(node.proc.pid)) == workers - 1 and "receive worker" in node.log_path.read_text(),
+    wait_for(lambda: len(receive_workers(node.proc.pid)) == workers - 1 and "receive worker" in node.log_path.read_text(),
              timeout=30, what=f"{workers - 1} receive worker(s) serving")
     wait_for(lambda: node.log_path.read_text().count("serving the frontend on") == workers - 1, timeout=30,
              what="every worker listening")
@@ -108,7 +94,7 @@ def test_workers_share_the_frontend_and_the_owner_tracks_counts_and_delivers_at_
 def test_a_worker_killed_under_load_loses_nothing_and_is_started_again(make_node, sink):
     sink.start()
     node = workers_node(make_node, sink, 2)
-    victim = worker_pids(node.proc.pid)[0]
+    victim = receive_workers(node.proc.pid)[0]
     acknowledged: list[str] = []
     refused: list[str] = []
     lock = threading.Lock()
@@ -141,7 +127,7 @@ def test_a_worker_killed_under_load_loses_nothing_and_is_started_again(make_node
     assert len(acknowledged) >= 100
     wait_for(lambda: set(acknowledged) <= subjects(sink), timeout=60,
              what=f"all {len(acknowledged)} acknowledged messages at the sink")
-    wait_for(lambda: [p for p in worker_pids(node.proc.pid) if p != victim], timeout=30,
+    wait_for(lambda: [p for p in receive_workers(node.proc.pid) if p != victim], timeout=30,
              what="the worker started again")
     assert "receive worker 1 exited (signal 9)" in node.log_path.read_text()
     assert value(scrape("127.0.0.1", node.metrics_port), "transportd_receive_worker_restarts_total") == 1
@@ -153,12 +139,12 @@ def test_a_worker_killed_under_load_loses_nothing_and_is_started_again(make_node
 def test_workers_stop_with_their_node_and_die_with_it(make_node, sink):
     sink.start()
     node = workers_node(make_node, sink, 3)
-    pids = worker_pids(node.proc.pid)
+    pids = receive_workers(node.proc.pid)
     assert node.stop() == 0
     assert not [p for p in pids if alive(p)]
     node.start()
-    wait_for(lambda: len(worker_pids(node.proc.pid)) == 2, timeout=30, what="workers after the restart")
-    pids = worker_pids(node.proc.pid)
+    wait_for(lambda: len(receive_workers(node.proc.pid)) == 2, timeout=30, what="workers after the restart")
+    pids = receive_workers(node.proc.pid)
     node.kill9()  # the kernel ends the workers with their owner (PR_SET_PDEATHSIG)
     wait_for(lambda: not [p for p in pids if alive(p)], timeout=10, what="workers gone with their owner")
 

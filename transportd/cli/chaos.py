@@ -47,7 +47,7 @@ def chaos(messages: int, faults: int, seed: int | None, no_shadow: bool, expect_
     import signal
     import tempfile
 
-    from transportd.devtools.chaos.harness import format_summary, run
+    from transportd.devtools.chaos.harness import format_summary, judge, run
     from transportd.devtools.chaos.nemesis import FAULT_TYPES
     types = [t.strip() for t in fault_types.split(",") if t.strip()] if fault_types else None
     unknown = [t for t in types or [] if t not in FAULT_TYPES]
@@ -68,14 +68,11 @@ def chaos(messages: int, faults: int, seed: int | None, no_shadow: bool, expect_
     folder = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="transportd-chaos-"))
     summary = run(messages=messages, faults=faults, seed=seed, shadow=not no_shadow, directory=folder.resolve(),
                   clients=clients, ip_base=ip_base, rate=rate, drain_timeout=drain_timeout, fault_types=types,
-                  versions=per_node,
-                  say=lambda m: click.echo(m))
+                  versions=per_node, expect_loss=expect_loss, say=lambda m: click.echo(m))
     click.echo(format_summary(summary))
     if json_out:
         Path(json_out).write_text(json.dumps(summary, indent=2))
+    good, reason = judge(summary, expect_loss)
     if expect_loss:
-        good = summary.get("lost", 0) > 0 and summary.get("unexpected", 1) == 0
-        click.echo(f"control run: {'lost > 0 as expected' if good else 'expected lost > 0: checker did not fail'}")
-    else:
-        good = bool(summary.get("ok"))
+        click.echo(f"control run: {'lost > 0 as expected' if good else 'FAILED: ' + reason}")
     sys.exit(0 if good else 1)

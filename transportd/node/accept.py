@@ -36,8 +36,12 @@ from transportd.redundancy.manager import ShadowManager, ShadowResult
 from transportd.redundancy.server import peer_name
 from transportd.smtp.frontend import new_network_message_id, prepare_message, received_as
 from transportd.smtp.headers import hop_count, network_id_from
-from transportd.smtp.replies import (S451_NOT_REDUNDANT, S451_STORE_UNAVAILABLE, S554_HOP_COUNT,
-                                     S554_NO_VALID_RECIPIENTS)
+from transportd.smtp.replies import (
+    S451_NOT_REDUNDANT,
+    S451_STORE_UNAVAILABLE,
+    S554_HOP_COUNT,
+    S554_NO_VALID_RECIPIENTS,
+)
 
 log = logging.getLogger("transportd")
 
@@ -152,9 +156,19 @@ class AcceptPath:
         """Shadow redundancy 2010: durable here, delivery starts at once, and the 250 waits until the
         message has reached its next hops (or a peer holds it with us as its shadow), a bypass of the
         seed applies (target queue in Retry, Suspended, over 100 messages), or
-        *MaxAcknowledgementDelay* has passed."""
+        *MaxAcknowledgementDelay* has passed. With *shadow redundancy promotion* a bypass relays the
+        message to a node of the site first; one found at once is decided in the commit itself, so
+        the message never waits in the bypassed queue."""
+        target = self._promotion_target()
+
+        def commit(c):
+            mid = mq.enqueue(c, msg)
+            bypass = mq.acknowledgement_state(c, mid, now)
+            moved = bypass in BYPASSES and target is not None and bool(
+                mq.redirect_to_peer(c, target, now, message_id=mid))
+            return mid, bypass, moved
         try:
-            internal_id = await self.store.write(lambda c: mq.enqueue(c, msg), queue_changed=True)
+            internal_id, bypass, moved = await self.store.write(commit, queue_changed=True)
         except StoreError as exc:
             log.error("queue database unavailable, answering 451: %s", exc,
                       extra=message_ids({"network_message_id": msg.network_message_id}))
@@ -162,9 +176,18 @@ class AcceptPath:
         row = tracking_row(internal_id, msg)
         recipients = list(dict.fromkeys(a for addrs in msg.recipients.values() for a in addrs))
         self._track_receive(row, msg, connector, recipients)
-        reason = await self._acknowledgement(internal_id, now)
-        if reason in BYPASSES and self.cfg.shadow_redundancy.promotion_enabled:
-            reason = await self._promote(internal_id, row, reason, now)
+        if moved:
+            reason = await self._promoted(internal_id, row, bypass, target, now)
+        elif bypass in BYPASSES:
+            reason = bypass
+        else:
+            reason = await self._acknowledgement(internal_id, now)
+            if reason in BYPASSES and target is not None:  # entered Retry since: promote now
+                moved = await self.store.write(lambda c: mq.redirect_to_peer(c, target, time.time(),
+                                                                             message_id=internal_id),
+                                               queue_changed=True)
+                if moved:
+                    reason = await self._promoted(internal_id, row, reason, target, now)
         delay = time.time() - now
         self.events.metrics.acknowledgement_delay.labels(reason).observe(delay)
         # MSGTRK has no field for it: an AGENTINFO row (as Exchange's agents write) carries it.
@@ -176,19 +199,20 @@ class AcceptPath:
         self.events.metrics.accept_latency.observe(delay)
         return internal_id
 
-    async def _promote(self, internal_id: int, row: dict, bypass: str, started: float) -> str:
-        """Shadow redundancy promotion (2010 SP1): instead of acknowledging at once where delayed
-        acknowledgement is bypassed, relay the message to another node of this site, which takes it
-        as primary while this node keeps the shadow (hop by hop, XSHADOW); then acknowledge."""
+    def _promotion_target(self) -> str | None:
+        """Shadow redundancy promotion (2010 SP1): the node of this site a bypassed message is relayed
+        to (the site's peers in turn), or None (promotion off, or no other node in the site)."""
+        if not self.cfg.shadow_redundancy.promotion_enabled:
+            return None
         site = [p.name for p in self.cfg.peers if p.site == self.cfg.node.site]
         if not site:
-            return bypass  # nobody to promote to: acknowledge at once
+            return None
         self._promotions += 1
-        target = site[self._promotions % len(site)]
-        moved = await self.store.write(lambda c: mq.redirect_to_peer(c, target, time.time(), message_id=internal_id),
-                                       queue_changed=True)
-        if not moved:
-            return bypass
+        return site[self._promotions % len(site)]
+
+    async def _promoted(self, internal_id: int, row: dict, bypass: str, target: str, started: float) -> str:
+        """The message was relayed to ``target`` instead of being acknowledged at once: it takes the
+        message as primary while this node keeps the shadow (hop by hop); the 250 waits for that."""
         self.events.track("HAREDIRECT", "SMTP", row, source_context=f"ShadowRedundancyPromotion;{bypass};{target}")
         reason = await self._acknowledgement(internal_id, started)
         return f"Promoted:{reason}" if reason == "Delivered" else reason

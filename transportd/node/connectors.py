@@ -28,6 +28,7 @@ from transportd.errors import (NextHopPermanentError, NextHopUnavailable, PEER_F
                                ProtocolError, StoreError)
 from transportd.node.outcomes import Delivered, internal_failure
 from transportd.queue import messages as mq
+from transportd.queue.delivered import DeliveredLog, DeliveredLogError
 from transportd.queue.mailbox import MailboxStore
 from transportd.queue.messages import Outcome, WorkItem
 from transportd.queue.routing import DNS
@@ -44,12 +45,14 @@ MISSING_BODY = "550 5.3.0 message body missing from the queue database"
 
 
 class MailboxConnector:
-    """Local delivery into the Maildir mailbox store, with duplicate detection."""
+    """Local delivery into the Maildir mailbox store, with duplicate detection (DeliveredTo kept
+    beside the mailboxes, so a lost queue database does not forget what they hold)."""
 
-    def __init__(self, cfg: Any, store: QueueStore, mailboxes: MailboxStore):
+    def __init__(self, cfg: Any, store: QueueStore, mailboxes: MailboxStore, delivered: DeliveredLog):
         self.cfg = cfg
         self.store = store
         self.mailboxes = mailboxes
+        self.delivered = delivered
         # One lock per mailbox being delivered to right now: held only by the deliveries using it.
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
@@ -80,8 +83,12 @@ class MailboxConnector:
             if lock is None:
                 lock = self._locks[address.lower()] = asyncio.Lock()
             async with lock:
-                dup = await self.store.aread(lambda c, a=address: mq.already_delivered(
-                    c, a, row["message_id"], row["submit_time"], now, window))
+                try:
+                    dup = await asyncio.to_thread(self.delivered.seen, address, row["message_id"],
+                                                  row["submit_time"], now, window)
+                except DeliveredLogError as exc:
+                    outs.append(Outcome(rid, mq.RETRY, f"451 4.3.0 mailbox store error: {exc}"))
+                    continue
                 if dup:
                     outs.append(Outcome(rid, mq.DELIVERED, "250 2.0.0 duplicate", duplicate=True))
                     continue
@@ -94,8 +101,12 @@ class MailboxConnector:
                 outs.append(Outcome(rid, mq.DELIVERED, "250 2.0.0 delivered", duplicate=not stored))
                 # Remembered before the mailbox lock is released, so that a copy of the same
                 # message in a concurrent batch sees this delivery and is dropped as a duplicate.
-                await self.store.write(lambda c, a=address: mq.remember_delivery(
-                    c, a, row["message_id"], row["submit_time"], now))
+                try:
+                    await asyncio.to_thread(self.delivered.remember, address, row["message_id"],
+                                            row["submit_time"], now)
+                except DeliveredLogError as exc:  # stored: a later copy may be stored again, never lost
+                    log.error("message %s stored for %s but its delivery not remembered: %s",
+                              it.message_id, address, exc)
         return outs
 
 

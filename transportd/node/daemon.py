@@ -30,6 +30,7 @@ from transportd.node.outcomes import OutcomeRecorder
 from transportd.node.scheduler import Scheduler
 from transportd.node.workers import WorkerConnections, WorkerSupervisor, per_process
 from transportd.queue import messages as mq
+from transportd.queue.delivered import DeliveredLog
 from transportd.queue.mailbox import MailboxStore
 from transportd.queue.routing import MAILBOX, PEER
 from transportd.queue.store import QueueStore
@@ -63,6 +64,7 @@ class Node:
         self.metrics = NodeMetrics(cfg.node.name, cfg.metrics.max_queue_series)
         self.events = NodeEvents(cfg, self.metrics)
         self.mailboxes = MailboxStore(cfg.mailbox_dir, cfg.node.name)
+        self.delivered = DeliveredLog(cfg.mailbox_dir)
         self.shadow: ShadowManager | None = None
         self.accept_path: AcceptPath | None = None
         self.scheduler: Scheduler | None = None
@@ -85,6 +87,7 @@ class Node:
         poisoned, recovered = await store.write(lambda c: mq.recover_at_start(c, threshold))
         if recovered:
             log.info("crash recovery: %d recipient(s) left Active are Ready again", recovered)
+        await self._move_legacy_delivered_to(store)
         if cfg.tracking.message_tracking_log_enabled:
             host, _, _ = cfg.frontend.listen.rpartition(":")
             self.events.tracking = TrackingLog(
@@ -98,8 +101,9 @@ class Node:
         self.accept_path = AcceptPath(cfg, store, self.events, self.shadow)
         recorder = OutcomeRecorder(cfg, store, self.events)
         self.scheduler = Scheduler(cfg, store, recorder,
-                                   Maintenance(cfg, store, self.events, recorder, self.accept_path.accepting),
-                                   {MAILBOX: MailboxConnector(cfg, store, self.mailboxes),
+                                   Maintenance(cfg, store, self.events, recorder, self.accept_path.accepting,
+                                               self.delivered),
+                                   {MAILBOX: MailboxConnector(cfg, store, self.mailboxes, self.delivered),
                                     PEER: PeerConnector(cfg, store, self.shadow),
                                     "smtp": SmtpConnector(cfg, store)},
                                    on_pass=self.metrics.scheduler_passes.inc)
@@ -150,6 +154,20 @@ class Node:
         log.info("transport connector for %d peer(s) on %s%s", len(cfg.peers), cfg.transport.listen,
                  " (STARTTLS required)" if tls_context else "")
 
+    async def _move_legacy_delivered_to(self, store: QueueStore) -> None:
+        """DeliveredTo rows an older version kept in the queue database go to the mailbox store's
+        records (copied, then dropped here: a crash in between only copies them again)."""
+        moved = 0
+        try:
+            while rows := await store.aread(lambda c: mq.legacy_delivered_to(c)):
+                await asyncio.to_thread(self.delivered.merge, rows)
+                await store.write(lambda c, r=rows: mq.drop_legacy_delivered_to(c, r))
+                moved += len(rows)
+        except (OSError, StoreError) as exc:  # tried again at the next start; duplicates possible meanwhile
+            log.error("cannot move DeliveredTo records from the queue database: %s", exc)
+        if moved:
+            log.info("%d DeliveredTo record(s) moved from the queue database to %s", moved, self.delivered.path)
+
     async def stop(self) -> None:
         if self.shadow is not None:
             self.shadow.accepting = False
@@ -176,6 +194,7 @@ class Node:
             except Exception as exc:  # noqa: BLE001 - then the next start counts them, as after a crash
                 log.error("cannot mark the clean stop: %s", exc)
             self.store.close()
+        self.delivered.close()
         self.events.tracking.close()
         log.info("node %s stopped", self.cfg.node.name)
 

@@ -11,6 +11,7 @@ talks SMTP.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import defaultdict
 from typing import Any
@@ -19,6 +20,7 @@ from transportd import faults
 from transportd.node.events import NodeEvents
 from transportd.node.outcomes import Delivered, OutcomeRecorder, dsn_message, internal_failure, status_of
 from transportd.queue import messages as mq
+from transportd.queue.delivered import DeliveredLog
 from transportd.queue.messages import Outcome, WorkItem
 from transportd.queue.store import QueueStore
 from transportd.smtp.dsn import RecipientReport
@@ -30,8 +32,9 @@ EXPIRED_REPLY = "550 4.4.7 QUEUE.Expired; message expired"
 
 class Maintenance:
     def __init__(self, cfg: Any, store: QueueStore, events: NodeEvents, recorder: OutcomeRecorder,
-                 accepting: set[int]):
+                 accepting: set[int], delivered: DeliveredLog | None = None):
         self.cfg = cfg
+        self.delivered = delivered  # DeliveredTo beside the mailboxes: purged past the window here
         self.store = store
         self.events = events
         self.recorder = recorder
@@ -117,6 +120,11 @@ class Maintenance:
     async def housekeeping(self, now: float) -> None:
         window = self.cfg.mailbox.duplicate_detection_window
         n_msgs, n_dup = await self.store.write(lambda c: mq.purge_expired(c, now, window))
+        if self.delivered is not None:
+            try:
+                n_dup += await asyncio.to_thread(self.delivered.purge, now, window)
+            except OSError as exc:  # tried again at the next housekeeping
+                log.error("purging DeliveredTo records failed: %s", exc)
         if n_msgs or n_dup:
             log.info("housekeeping: %d message(s) left the Safety Net, %d DeliveredTo entries expired",
                      n_msgs, n_dup)

@@ -4,8 +4,8 @@ It owns file layout and durable writes (tmp/, fsync, rename into new/, fsync the
 folder). A delivered file is named after the message's network-message-id, so
 a copy re-delivered after a crash (between the file write and the queue
 database commit) is recognised and not stored twice. Duplicate detection by
-(recipient, Message-ID, Date) lives in the queue database (``delivered_to``);
-this module never touches the database.
+(recipient, Message-ID, Date) lives beside the Maildirs in ``queue/delivered.py``
+(so it survives a lost queue database); this module never touches a database.
 """
 
 from __future__ import annotations

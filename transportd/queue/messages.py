@@ -498,25 +498,20 @@ def purge_expired(conn: Connection, now: float, duplicate_window: float) -> tupl
 
 # --------------------------------------------------------------------------- duplicate detection
 
-def already_delivered(conn: Connection, recipient: str, message_id: str, submit_time: str,
-                      now: float, window: float) -> bool:
-    if not message_id:
-        return False
-    return conn.execute(select(func.count()).select_from(delivered_to).where(
-        delivered_to.c.recipient == recipient.lower(), delivered_to.c.message_id == message_id,
-        delivered_to.c.submit_time == submit_time,
-        delivered_to.c.delivered_at > now - window)).scalar() > 0
+def legacy_delivered_to(conn: Connection, limit: int = 10_000) -> list[tuple[str, str, str, float]]:
+    """DeliveredTo rows an older version kept in the queue database (duplicate detection now lives
+    with the mailbox store, queue/delivered.py): the daemon moves them there at start."""
+    return [tuple(r) for r in conn.execute(select(
+        delivered_to.c.recipient, delivered_to.c.message_id, delivered_to.c.submit_time,
+        delivered_to.c.delivered_at).limit(limit)).all()]
 
 
-def remember_delivery(conn: Connection, recipient: str, message_id: str, submit_time: str,
-                      now: float) -> None:
-    if not message_id:
-        return
-    conn.execute(delete(delivered_to).where(
-        delivered_to.c.recipient == recipient.lower(), delivered_to.c.message_id == message_id,
-        delivered_to.c.submit_time == submit_time))
-    conn.execute(insert(delivered_to).values(recipient=recipient.lower(), message_id=message_id,
-                                             submit_time=submit_time, delivered_at=now))
+def drop_legacy_delivered_to(conn: Connection, rows: Sequence[tuple[str, str, str, float]]) -> None:
+    """Forget the rows once the mailbox store's records hold them."""
+    for recipient, message_id, submit_time, _ in rows:
+        conn.execute(delete(delivered_to).where(
+            delivered_to.c.recipient == recipient, delivered_to.c.message_id == message_id,
+            delivered_to.c.submit_time == submit_time))
 
 
 # --------------------------------------------------------------------------- operator actions

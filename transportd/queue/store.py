@@ -14,7 +14,8 @@ Schema (version in ``PRAGMA user_version``):
   ``shadow``; ``state`` is ``Queued``, ``SafetyNet`` (processed, held for resubmission until
   ``safety_net_until``) or ``Removed``. Shadow copies live in the same table.
 - ``recipients``: per recipient and next hop: Ready / Retry / Active / Delivered / Failed / Removed.
-- ``delivered_to``: duplicate detection at final delivery (docs/PROTOCOL.md section 6).
+- ``delivered_to``: duplicate detection at final delivery as older versions kept it; the records now
+  live with the mailbox store (``queue/delivered.py``) and rows found here are moved there at start.
 - ``shadow_contexts``, ``message_shadows``, ``discard_events``: shadow redundancy.
 - schema 3 adds to ``messages`` how it was received (``smtputf8``, ``body_type``) and poison
   message detection (``poison_count``, ``poisoned``: the Poison queue).

@@ -27,7 +27,9 @@ from typing import Any
 
 from transportd.devtools import cluster as cluster_mod
 from transportd.devtools.chaos.checker import HeldRow, chaos_id, check, scan_maildir_tree
-from transportd.devtools.chaos.nemesis import FAULT_TYPES, Nemesis, schedule
+from transportd.devtools.chaos.disk import TmpfsDisks, cannot_mount, replies_while_full
+from transportd.devtools.chaos.nemesis import FAULT_TYPES, WEIGHTS, Nemesis, schedule
+from transportd.devtools.chaos.preconditions import between_acks
 from transportd.devtools.chaos.proxy import FaultProxy
 from transportd.devtools.chaos.workload import Workload, WorkloadSettings
 from transportd.queue.messages import NOT_REDUNDANT
@@ -67,6 +69,7 @@ class ChaosCluster(cluster_mod.Cluster):
         self.by_short = {s.short: s for s in specs}
         self.paused: set[str] = set()
         self.sink_refusing = False
+        self.disks = TmpfsDisks()  # data directories on a tmpfs, for disk-full faults
         (directory / "logs").mkdir(exist_ok=True)
 
     def _spawn(self, label: str, args: list[str]) -> subprocess.Popen:
@@ -109,19 +112,7 @@ class ChaosCluster(cluster_mod.Cluster):
 
     def workers_of(self, short: str) -> list[int]:
         """The PIDs of the node's receive worker processes (children of its process)."""
-        proc = self.procs[short]
-        try:
-            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        except OSError:
-            return []
-        out = []
-        for pid in children:
-            try:
-                if b"worker_entry" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    out.append(int(pid))
-            except OSError:
-                continue
-        return out
+        return receive_workers(self.procs[short].pid)
 
     def kill_worker(self, short: str, pick: int) -> int | None:
         """kill -9 one receive worker of the node (the node starts it again); its PID, or None."""
@@ -161,25 +152,49 @@ class ChaosCluster(cluster_mod.Cluster):
         self.paused.discard(short)
 
     def _count(self, short: str, sql: str) -> int:
-        """A read-only look at the node's queue database (0 if there is none yet)."""
-        db = Path(self.by_short[short].data_dir) / "queue.db"
-        if not db.exists():
-            return 0
-        try:
-            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2)
-            try:
-                return int(con.execute(sql).fetchone()[0])
-            finally:
-                con.close()
-        except sqlite3.Error:
-            return 0
+        """A read-only look at the node's queue database (0 if there is none yet, or unreadable)."""
+        rows = self._read(short, sql)
+        return int(rows[0][0]) if rows else 0
 
-    def queued_external(self, short: str) -> int:
-        """Primary messages on the node waiting for the sink."""
+    def queued_external(self, short: str, statuses: tuple[str, ...] = ("Ready", "Retry", "Active")) -> int:
+        """Primary messages on the node waiting for the sink (recipients in ``statuses``)."""
         return self._count(short, (
             "SELECT count(DISTINCT m.id) FROM messages m JOIN recipients r ON r.message_id = m.id "
             "JOIN queues q ON q.id = r.queue_id WHERE m.role = 'primary' AND m.state = 'Queued' "
-            "AND r.status IN ('Ready', 'Retry', 'Active') AND q.delivery_type = 'SmartHostConnectorDelivery'"))
+            f"AND r.status IN ({', '.join(repr(s) for s in statuses)}) "
+            "AND q.delivery_type = 'SmartHostConnectorDelivery'"))
+
+    def queued_behind_sink(self) -> dict[str, int]:
+        """Per node: primary messages the refusing sink has already deferred (Retry): settled, so
+        acknowledged to their client, and held nowhere else when shadow redundancy is off."""
+        return {short: self.queued_external(short, ("Retry",)) for short in self.by_short}
+
+    def _read(self, short: str, sql: str) -> list[tuple]:
+        """Rows from a read-only look at the node's queue database ([] if none or unreadable)."""
+        db = Path(self.by_short[short].data_dir) / "queue.db"
+        if not db.exists():
+            return []
+        try:
+            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2)
+            try:
+                return con.execute(sql).fetchall()
+            finally:
+                con.close()
+        except sqlite3.Error:
+            return []
+
+    def between_acks(self, short: str) -> int:
+        """Messages the node has committed but not yet acknowledged (redundancy ``pending``) whose
+        shadow copy a peer already holds: between the shadow's 250 and the client's."""
+        pending = [r[0] for r in self._read(short, "SELECT network_message_id FROM messages WHERE "
+                                                   "role = 'primary' AND redundancy = 'pending'")]
+        if not pending:
+            return 0
+        ids = ", ".join("'" + n.replace("'", "''") + "'" for n in pending)
+        shadows = [r[0] for peer in self.by_short if peer != short
+                   for r in self._read(peer, "SELECT network_message_id FROM messages WHERE role = 'shadow' "
+                                             f"AND network_message_id IN ({ids})")]
+        return len(between_acks(pending, shadows))
 
     def held_rows(self, short: str, attempts: int = 3) -> list[HeldRow] | None:
         """What the checker's internal-errors invariant needs from the node's queue database.
@@ -263,12 +278,37 @@ class ChaosCluster(cluster_mod.Cluster):
 
     def heal_all(self) -> None:
         self.proxy.heal()
+        self.disks.free_all()
         for short in list(self.paused):
             self.resume(short)
         for spec in self.specs:
             self.start_node(spec.short)
         self.start_sink()
         self.sink_refuse(False)
+
+
+def schedulable(fault_types: list[str] | None, no_disk: str | None) -> list[str] | None:
+    """The fault types to draw from (None: all): without a tmpfs (``no_disk``, why not), no disk-full;
+    [] when nothing is left (then no fault at all)."""
+    if not no_disk:
+        return fault_types
+    return [t for t in (fault_types or WEIGHTS) if t != "disk-full"]
+
+
+def receive_workers(owner: int) -> list[int]:
+    """The PIDs of the receive worker processes (frontend.workers) of the node process ``owner``."""
+    try:
+        children = Path(f"/proc/{owner}/task/{owner}/children").read_text().split()
+    except OSError:
+        return []
+    out = []
+    for pid in children:
+        try:
+            if b"worker_entry" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(int(pid))
+        except OSError:
+            continue
+    return out
 
 
 def pick_ports(ip_base: int, nodes: int) -> tuple[int, int]:
@@ -284,14 +324,23 @@ def pick_ports(ip_base: int, nodes: int) -> tuple[int, int]:
 def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path, clients: int = 6,
         ip_base: int = 101, rate: float | None = None, heartbeat: float = 1.0, resubmit_span: float = 4.0,
         drain_timeout: float = 120.0, say: Callable[[str], None] = print,
-        fault_types: list[str] | None = None, versions: list[str] | None = None) -> dict[str, Any]:
-    """One run; returns the summary (also written to ``directory/summary.json``)."""
+        fault_types: list[str] | None = None, versions: list[str] | None = None,
+        expect_loss: bool = False) -> dict[str, Any]:
+    """One run; returns the summary (also written to ``directory/summary.json``).
+
+    ``expect_loss``: a control run (shadow redundancy off), which passes only if it lost mail.
+    ``versions``: shadow redundancy version per node (a mixed 2010/2013 cluster)."""
     nodes = 3
     directory.mkdir(parents=True, exist_ok=True)
     run_id = secrets.token_hex(4)
     first = "wipe-behind-refusing-sink"
+    no_disk = cannot_mount(directory) if "disk-full" in (fault_types or WEIGHTS) else None
+    if no_disk:
+        say(f"disk-full faults not scheduled: {no_disk}")
+    fault_types = schedulable(fault_types, no_disk)
     plan = schedule(seed, faults, [f"node{i + 1}" for i in range(nodes)], resubmit_span=resubmit_span,
-                    types=fault_types, first=first if not fault_types or first in fault_types else None)
+                    types=fault_types, first=first if not fault_types or first in fault_types else None
+                    ) if fault_types != [] else []
     say(f"chaos run {run_id}: seed {seed}, {messages} messages, {faults} faults, "
         f"shadow redundancy {'on' if shadow else 'OFF (control run)'}; folder {directory}")
     say(f"replay with: transportd chaos --seed {seed} --messages {messages} --faults {faults}"
@@ -328,6 +377,9 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
                                  transport_port=transport, sink_address=sink_address, overrides=overrides,
                                  peer_transport=peer_transport, versions=versions)
     cluster = ChaosCluster(directory, specs, sink_address, proxy, say)
+    for short in sorted({f.targets[0] for f in plan if f.type == "disk-full"}):
+        cluster.disks.mount(short, Path(cluster.by_short[short].data_dir))
+        say(f"{short}: data directory on a tmpfs (disk-full faults)")
     frontends = [(s.frontend.rpartition(":")[0], front) for s in specs]
     mean_fault = 6.0 + 2.5
     span = max(10.0, faults * mean_fault)
@@ -366,21 +418,28 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
             "clients": clients, "heartbeat": heartbeat, "resubmit_span": resubmit_span,
             "utf8_sent": sum(1 for h in workload.history.values() if h.utf8),
             "faults": nemesis.log.as_json(),
-            "fault_counts": _count_types(nemesis.log.faults),
+            "fault_counts": _count_types([f for f in nemesis.log.faults if f.done]),
+            # Faults whose precondition never held: not applied, not counted above.
+            "faults_not_done": [f"{f.describe()}: {f.note}" for f in nemesis.log.faults if not f.done],
             # How long the cluster took to be redundant again before each fault (the nemesis waits).
             "recovery_wait_max": max((f.recovery_wait for f in nemesis.log.faults), default=0.0),
             "recovery_wait_total": round(sum(f.recovery_wait for f in nemesis.log.faults), 1),
             "nemesis_error": repr(nemesis.error) if nemesis.error else None,
+            "disk_full_unavailable": no_disk,
+            "disk_full": _disk_full_replies(nemesis.log.faults, workload, cluster),
             "duration_seconds": round(time.monotonic() - t0, 1),
             "drain_seconds": round(time.monotonic() - healed_at, 1),
             "directory": str(directory),
+            "expect_loss": expect_loss,
         })
+        summary["passed"], summary["verdict_reason"] = judge(summary, expect_loss)
     finally:
         workload.stop.set()
         nemesis.stop.set()
         for short in list(cluster.paused):
             cluster.resume(short)
         cluster.stop()
+        cluster.disks.unmount_all()
         proxy.stop()
     (directory / "summary.json").write_text(json.dumps(summary, indent=2))
     # Every attempt of every message, for looking into a lost or duplicated one.
@@ -389,6 +448,40 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
              "attempts": [asdict(a) for a in h.attempts]}
          for n, h in workload.history.items()}))
     return summary
+
+
+def judge(summary: dict[str, Any], expect_loss: bool) -> tuple[bool, str]:
+    """Whether the run passed, and why not. A run passes on the checker's verdict (lost 0,
+    unexpected 0, no mailbox duplicate, no internal error); a control run (``expect_loss``,
+    shadow redundancy off) passes only if it lost mail and nothing unexpected arrived: a control
+    that loses nothing fails, whatever the seed (the harness did not show it can see a loss)."""
+    lost, unexpected = summary.get("lost", 0), summary.get("unexpected", 1)
+    rejected_full = [d for d in summary.get("disk_full") or [] if d.get("5xx")]
+    if rejected_full:
+        return False, "a node answered 5xx while its disk was full: " + ", ".join(
+            f"{d['node']} (fault {d['fault']}: {d['5xx']})" for d in rejected_full)
+    if expect_loss:
+        if unexpected:
+            return False, f"control run: {unexpected} unexpected deliveries"
+        if not lost:
+            return False, "control run lost nothing: the harness did not show it can see a loss"
+        return True, f"control run lost {lost}, as it must"
+    if summary.get("ok"):
+        return True, "lost 0, unexpected 0, no mailbox duplicate, no internal error"
+    return False, (f"lost {lost}, unexpected {unexpected}, mailbox duplicates "
+                   f"{summary.get('duplicates', {}).get('mailbox')}, internal errors {summary.get('internal_errors')}")
+
+
+def _disk_full_replies(faults: list, workload: Workload, cluster: ChaosCluster) -> list[dict[str, Any]]:
+    """Per disk-full fault, what the clients got from the full node while its disk was full."""
+    attempts = [(a.node, a.outcome, a.detail, a.at) for h in workload.history.values() for a in h.attempts]
+    out = []
+    for f in faults:
+        if f.type == "disk-full" and f.done and f.started_at:
+            ip = cluster.by_short[f.targets[0]].frontend.rpartition(":")[0]
+            out.append({"fault": f.index, "node": f.targets[0],
+                        **replies_while_full(attempts, ip, f.started_at, f.ended_at or f.started_at)})
+    return out
 
 
 def _count_types(faults: list) -> dict[str, int]:
@@ -437,8 +530,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  sent {s.get('sent')} messages in {s.get('attempts')} attempts: acknowledged {s.get('acknowledged')}, "
         f"rejected {s.get('rejected')}, unknown {s.get('unknown')}; internationalized (SMTPUTF8) "
         f"{s.get('utf8_sent')}",
-        f"  faults: {len(s.get('faults', []))} "
-        + ", ".join(f"{k} {v}" for k, v in sorted(s.get("fault_counts", {}).items())),
+        f"  faults: {sum(s.get('fault_counts', {}).values())} done "
+        + ", ".join(f"{k} {v}" for k, v in sorted(s.get("fault_counts", {}).items()))
+        + (f"; {len(s['faults_not_done'])} not done (precondition never held)" if s.get("faults_not_done") else ""),
         f"  waited for redundancy before faults: {s.get('recovery_wait_total')} s in all, "
         f"{s.get('recovery_wait_max')} s at most",
         f"  lost {s.get('lost')}   unexpected {s.get('unexpected')}   duplicates mailbox "
@@ -451,8 +545,17 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  unexpected: {', '.join(s['unexpected_examples'][:10])}")
     if s.get("internal_error_examples"):
         lines.append(f"  internal errors: {', '.join(s['internal_error_examples'][:10])}")
-    lines.append(f"  verdict: {'OK' if s.get('ok') else 'FAILED'}")
+    for d in s.get("disk_full") or []:
+        lines.append(f"  disk full on {d['node']} (fault {d['fault']}): clients got {d['ack']} ack, {d['4xx']} 4xx, "
+                     f"{d['5xx']} 5xx, {d['unknown']} unknown from it")
+    if s.get("disk_full_unavailable"):
+        lines.append(f"  disk-full faults not scheduled: {s['disk_full_unavailable']}")
+    for line in s.get("faults_not_done", []):
+        lines.append(f"  not done: {line}")
+    passed = s.get("passed", s.get("ok"))
+    lines.append(f"  verdict: {'OK' if passed else 'FAILED'}"
+                 + (f" ({s['verdict_reason']})" if s.get("verdict_reason") else ""))
     return "\n".join(lines)
 
 
-__all__ = ["FAULT_TYPES", "format_summary", "run"]
+__all__ = ["FAULT_TYPES", "format_summary", "judge", "run"]

@@ -8,7 +8,10 @@ node that lost its queue database gets time to settle (the shadows of its old
 database promoted) before anything else happens, and no fault starts while a node
 still holds queued mail without a shadow (promoted copies being made redundant
 again, shadows lost with a wiped peer being re-made): at most one failure at a
-time. How long each recovery took is recorded (``recovery_wait``).
+time. How long each recovery took is recorded (``recovery_wait``). A fault that exists for a
+situation (mail queued behind a refusing sink, messages between the shadow's 250 and the
+client's) waits for it, up to a limit (``preconditions``); if it never comes the fault is not
+applied and is recorded as not done (``done`` false, the reason in ``note``).
 """
 
 from __future__ import annotations
@@ -20,24 +23,33 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from transportd.devtools.chaos.disk import DiskNotFilled
+from transportd.devtools.chaos.preconditions import (MID_SHADOW_LIMIT, WIPE_LIMIT, Waited, wait_until,
+                                                     wipe_target)
+
 # name: what it does (the harness prints this list)
 FAULT_TYPES: dict[str, str] = {
     "kill": "kill -9 a node, restart it with its queue database",
     "kill-wipe": "kill -9 a node, delete its queue database, restart it",
-    "wipe-behind-refusing-sink": "the sink answers 4xx until a node holds queued mail; kill -9 that node, "
-                                 "delete its queue database, restart it; the sink accepts again",
-    "kill-mid-shadow": "slow the links of a node (replies held back), then kill -9 it while messages sit "
-                       "between the shadow's 250 and its own; restart with its database",
+    "wipe-behind-refusing-sink": "the sink answers 4xx until a node holds queued mail (the scheduled node, "
+                                 "or after a grace time the one holding most); kill -9 that node, delete its "
+                                 "queue database, restart it; the sink accepts again (not done if no mail "
+                                 "was queued within the limit)",
+    "kill-mid-shadow": "slow the links of a node (replies held back), then kill -9 it as soon as a message sits "
+                       "between the shadow's 250 and its own; restart with its database (not done if none "
+                       "did within the limit)",
     "kill-worker": "kill -9 one receive worker process of a node under load (the node starts it again)",
     "pause": "SIGSTOP a node (heartbeats fail while it still holds mail), SIGCONT it later",
     "partition": "cut the links between two nodes (a black hole: bytes swallowed)",
     "delay": "delay every chunk on the links between two nodes",
     "reset": "reset (TCP RST) every connection on the links between two nodes, and new ones",
+    "disk-full": "fill the disk of a node's data directory (a tmpfs the harness mounted: root only, else "
+                 "not scheduled); it must answer 4xx, lose nothing, and take mail again once it is freed",
     "sink-refuse": "the external sink answers 451 for a while",
     "sink-restart": "kill -9 the external sink, start it again",
 }
 WEIGHTS = {"kill": 3, "kill-worker": 2, "kill-wipe": 2, "wipe-behind-refusing-sink": 1, "kill-mid-shadow": 2, "pause": 2,
-           "partition": 2, "delay": 2, "reset": 2, "sink-refuse": 2, "sink-restart": 1}
+           "partition": 2, "delay": 2, "reset": 2, "sink-refuse": 2, "sink-restart": 1, "disk-full": 1}
 
 
 @dataclass
@@ -52,6 +64,8 @@ class Fault:
     ended_at: float | None = None
     note: str = ""
     recovery_wait: float = 0.0  # seconds waited before it for the cluster to be redundant again
+    done: bool = True           # False: its precondition never held, it was not applied (see note)
+    precondition_wait: float = 0.0  # seconds it waited for its precondition
 
     def describe(self) -> str:
         extra = f" delay {self.delay:.2f}s" if self.delay else ""
@@ -102,8 +116,11 @@ class Nemesis:
     """Runs a schedule against a cluster (see harness.ChaosCluster for the operations)."""
 
     def __init__(self, cluster: Any, plan: list[Fault], *, settle: float, say: Callable[[str], None],
-                 recovery_timeout: float = 60.0):
+                 recovery_timeout: float = 60.0, wipe_limit: float = WIPE_LIMIT,
+                 mid_shadow_limit: float = MID_SHADOW_LIMIT):
         self.cluster = cluster
+        self.wipe_limit = wipe_limit
+        self.mid_shadow_limit = mid_shadow_limit
         self.plan = plan
         self.settle = settle
         self.recovery_timeout = recovery_timeout
@@ -130,6 +147,8 @@ class Nemesis:
                 self.say(fault.describe())
                 getattr(self, "_" + fault.type.replace("-", "_"))(fault)
                 fault.ended_at = time.time()
+                if not fault.done:
+                    self.say(f"fault {fault.index} ({fault.type}) not done: {fault.note}")
                 self.log.faults.append(fault)
         except BaseException as exc:  # noqa: BLE001 - reported by the harness
             self.error = exc
@@ -165,27 +184,54 @@ class Nemesis:
         self.cluster.start_node(f.targets[0])
         self._sleep(self.settle)  # the peers see the new queue database ID and promote its shadows
 
+    def _precondition(self, f: Fault, probe: Callable[[float], Any], limit: float, poll: float) -> Waited:
+        w = wait_until(probe, limit=limit, poll=poll, sleep=self._sleep, stopped=self.stop.is_set)
+        f.precondition_wait = w.waited
+        f.done = w.held
+        return w
+
     def _wipe_behind_refusing_sink(self, f: Fault) -> None:
-        node = f.targets[0]
+        scheduled = f.targets[0]
+        grace = min(self.wipe_limit / 2, f.duration * 3)
         self.cluster.sink_refuse(True)
-        deadline = time.monotonic() + max(15.0, f.duration * 4)
-        self._sleep(f.duration)
-        while self.cluster.queued_external(node) == 0 and time.monotonic() < deadline and not self.stop.is_set():
-            self._sleep(0.3)
-        f.note = f"{self.cluster.queued_external(node)} message(s) queued for the sink on {node} when killed"
-        self.cluster.kill(node)
-        self.cluster.wipe(node)
-        self.cluster.start_node(node)
-        self._sleep(self.settle)
-        self.cluster.sink_refuse(False)
+        try:
+            # At least ``duration`` under the refusing sink, so that mail piles up (and is acknowledged).
+            # Two at least: one deferred a moment ago may not have had its 250 yet (its client would retry).
+            w = self._precondition(f, lambda elapsed: None if elapsed < f.duration else wipe_target(
+                self.cluster.queued_behind_sink(), scheduled, elapsed, grace, minimum=2), self.wipe_limit, 0.3)
+            if not w.held:
+                f.note = (f"precondition never held: no mail queued behind the refusing sink on any node "
+                          f"after {w.waited:g} s")
+                return
+            node = w.value
+            f.targets = [node]
+            held = self.cluster.queued_behind_sink().get(node, 0)
+            self.cluster.kill(node)
+            self.cluster.wipe(node)
+            f.note = (f"{held} message(s) queued behind the refusing sink on {node} when killed "
+                      f"(after {w.waited:g} s)" + (f"; scheduled {scheduled}, which held fewer" if node != scheduled
+                                                   else ""))
+            self.cluster.start_node(node)
+            self._sleep(self.settle)
+        finally:
+            self.cluster.sink_refuse(False)
 
     def _kill_mid_shadow(self, f: Fault) -> None:
         node = f.targets[0]
         links = self.cluster.links_of(node)
         self.cluster.proxy.set(links, "ok", f.delay)
-        self._sleep(1.0 + f.delay)
-        self.cluster.kill(node)
-        self.cluster.proxy.set(links, "ok", 0.0)
+        try:
+            w = self._precondition(f, lambda _: self.cluster.between_acks(node) or None,
+                                   self.mid_shadow_limit, 0.05)
+            if w.held:
+                self.cluster.kill(node)
+        finally:
+            self.cluster.proxy.set(links, "ok", 0.0)
+        if not w.held:
+            f.note = (f"precondition never held: no message between the shadow's 250 and the client's on "
+                      f"{node} within {w.waited:g} s")
+            return
+        f.note = f"{w.value} message(s) between the shadow's 250 and the client's when killed (after {w.waited:g} s)"
         self._sleep(f.duration)
         self.cluster.start_node(node)
 
@@ -193,6 +239,19 @@ class Nemesis:
         pid = self.cluster.kill_worker(f.targets[0], f.index)
         f.note = f"worker pid {pid} killed" if pid else "no receive worker to kill"
         self._sleep(f.duration)
+
+    def _disk_full(self, f: Fault) -> None:
+        node = f.targets[0]
+        try:
+            held = self.cluster.disks.fill(node)
+        except DiskNotFilled as exc:
+            f.done, f.note = False, str(exc)
+            return
+        try:
+            self._sleep(f.duration)
+        finally:
+            self.cluster.disks.free(node)
+        f.note = f"data directory of {node} full for {f.duration:g} s ({held // 1024} KiB of data on it)"
 
     def _pause(self, f: Fault) -> None:
         self.cluster.pause(f.targets[0])
