@@ -64,7 +64,7 @@ def write_log(path: Path, fields: tuple[str, ...], rows: list[dict[str, str]], *
 
 def parsed_rows(spark, paths: list[str]) -> list[dict]:
     """Test only: the parsed rows of tiny inputs, collected."""
-    df = job.normalize(job.parse_lines(job.read_raw(spark, paths)))
+    df = job.read_events(spark, paths)
     return [r.asDict() for r in df.orderBy("file", "time").collect()]
 
 
@@ -225,7 +225,7 @@ def test_crafted_journeys_final_states_anomalies_and_summary(spark, tmp_path):
     assert messages[ids["lost"]]["unprotected_seconds"] == pytest.approx(690.999)  # to the end, 701 s
 
     assert summary["states"] == {"delivered": 5, "failed": 1, "in flight protected": 1,
-                                 "in flight unprotected": 1, "lost": 1, "incomplete": 0}
+                                 "in flight unprotected": 1, "left the logs": 0, "lost": 1, "incomplete": 0}
     assert summary["lost"] == 1 and summary["promoted"] == 3
     assert summary["received"] == 9 and summary["redundant"] == 7
     assert summary["redundancy_coverage"] == pytest.approx(7 / 9)
