@@ -367,3 +367,147 @@ def test_analytics_scale_benchmark_runs_small(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert figures["matches_truth"] and figures["rows_per_s"] > 0 and figures["driver_jvm_peak_mib"] > 0
+
+
+# ------------------------------------------------------------------------------ real Exchange shapes
+
+
+def exchange_row(fields: tuple[str, ...], **values: str) -> dict[str, str]:
+    """A row keyed by Exchange's field names (``client_hostname`` -> ``client-hostname``), only
+    those the format has."""
+    row = {k.replace("_", "-"): v for k, v in values.items()}
+    unknown = set(row) - set(FIELDS_2016)
+    assert not unknown, unknown
+    return {k: v for k, v in row.items() if k in fields}
+
+
+def exchange_logs(base: Path) -> dict[str, str]:
+    """Logs shaped as Exchange 2016, 2013 and 2010 write them (built from the field tables):
+    SEND/SENDEXTERNAL rows name the local server in client-hostname and the next hop in
+    server-hostname; NOTIFYMAPI and STOREDRIVER notices carry no message id; AGENTINFO rows,
+    ``<>`` senders, ``Internal`` directionality; a short host name beside its FQDN."""
+    f16, f13, f10 = FIELDS_2016, FIELDS_2013, FIELDS_2010
+    ex1, ex2 = "EX1.contoso.test", "EX2.contoso.test"
+
+    def r16(**kw):
+        return exchange_row(f16, transport_traffic_type="Email", schema_version="15.01.2507.009", **kw)
+
+    ids = {"left": "11111111-aaaa-4aaa-8aaa-000000000001", "external": "11111111-aaaa-4aaa-8aaa-000000000002",
+           "redirect_only": "11111111-aaaa-4aaa-8aaa-000000000003"}
+    rows_ex1 = [
+        # received from the Internet on EX1 (written with its short name), shadowed on EX2, sent on to EX3
+        r16(date_time="2016-03-01T10:00:00.000Z", client_ip="203.0.113.9", client_hostname="mail.fabrikam.test",
+            server_ip="10.0.0.1", server_hostname="EX1", source_context="08D3D1F6B0E8C1A2;250 2.6.0",
+            connector_id="EX1\\Default Frontend EX1", source="SMTP", event_id="RECEIVE", internal_message_id="101",
+            message_id="<left@fabrikam.test>", network_message_id=ids["left"],
+            recipient_address="ann@contoso.test", recipient_count="1", sender_address="bob@fabrikam.test",
+            return_path="bob@fabrikam.test", directionality="Incoming", original_client_ip="203.0.113.9"),
+        r16(date_time="2016-03-01T10:00:00.010Z", client_hostname="", server_hostname="EX1",
+            source_context=f"{ex2}=250 2.6.0 <left@fabrikam.test> Queued", source="SMTP", event_id="HAREDIRECT",
+            internal_message_id="101", message_id="<left@fabrikam.test>", network_message_id=ids["left"],
+            recipient_address="ann@contoso.test", sender_address="bob@fabrikam.test", directionality="Incoming"),
+        r16(date_time="2016-03-01T10:00:00.020Z", client_hostname="", server_hostname="EX1", source="AGENT",
+            event_id="AGENTINFO", internal_message_id="101", message_id="<left@fabrikam.test>",
+            network_message_id=ids["left"], recipient_address="ann@contoso.test",
+            sender_address="bob@fabrikam.test", custom_data="S:CFA=SUM|SFV=NSPM", directionality="Incoming"),
+        r16(date_time="2016-03-01T10:00:01.000Z", client_ip="10.0.0.1", client_hostname=ex1, server_ip="10.0.0.3",
+            server_hostname="EX3.contoso.test", source_context="08D3D1F6B0E8C1A2;250 2.6.0 Queued",
+            connector_id="Intra-Organization SMTP Send Connector", source="SMTP", event_id="SEND",
+            internal_message_id="101", message_id="<left@fabrikam.test>", network_message_id=ids["left"],
+            recipient_address="ann@contoso.test", recipient_status="250 2.1.5 Recipient OK",
+            sender_address="bob@fabrikam.test", directionality="Incoming"),
+        # a DSN-ish message with a null sender sent outside: the remote MX must not become a node
+        r16(date_time="2016-03-01T10:01:00.000Z", client_ip="10.0.0.2", client_hostname=ex2, server_ip="10.0.0.1",
+            server_hostname=ex1, source="SMTP", event_id="RECEIVE", internal_message_id="102",
+            message_id="<ext@contoso.test>", network_message_id=ids["external"],
+            recipient_address="zoe@fabrikam.test", sender_address="<>", directionality="Originating"),
+        r16(date_time="2016-03-01T10:01:00.010Z", server_hostname=ex1, source="SMTP", event_id="HAREDIRECTFAIL",
+            source_context="No suitable shadow servers", internal_message_id="102",
+            message_id="<ext@contoso.test>", network_message_id=ids["external"],
+            recipient_address="zoe@fabrikam.test", sender_address="<>"),
+        r16(date_time="2016-03-01T10:01:02.000Z", client_ip="10.0.0.1", client_hostname=ex1,
+            server_ip="198.51.100.25", server_hostname="mx.fabrikam.test",
+            source_context="250 2.0.0 OK", connector_id="Internet", source="SMTP", event_id="SENDEXTERNAL",
+            internal_message_id="102", message_id="<ext@contoso.test>", network_message_id=ids["external"],
+            recipient_address="zoe@fabrikam.test", recipient_status="250 2.0.0 OK", sender_address="<>",
+            directionality="Originating"),
+        # mailbox notices: about no message (no message-id, no network-message-id)
+        r16(date_time="2016-03-01T10:02:00.000Z", client_ip="10.0.0.1", client_hostname=ex1, server_hostname="EX1",
+            source="STOREDRIVER", event_id="NOTIFYMAPI", sender_address="carl@contoso.test",
+            directionality="Undefined"),
+        r16(date_time="2016-03-01T10:02:00.100Z", client_ip="10.0.0.1", client_hostname=ex1, server_hostname="EX1",
+            source="STOREDRIVER", event_id="SUBMITDEFER", sender_address="carl@contoso.test",
+            directionality="Undefined", recipient_status="MapiExceptionNotFound"),
+        # shadowed only (no RECEIVE in the logs given): never counted as received nor redundant
+        r16(date_time="2016-03-01T10:03:00.000Z", server_hostname=ex1, source="SMTP", event_id="HAREDIRECT",
+            source_context=f"{ex2}=250 2.6.0 Queued", internal_message_id="103",
+            message_id="<r@x>", network_message_id=ids["redirect_only"], recipient_address="ann@contoso.test"),
+    ]
+    rows_ex2 = [
+        r16(date_time="2016-03-01T09:59:59.990Z", client_ip="10.0.0.1", client_hostname=ex1, server_ip="10.0.0.2",
+            server_hostname=ex2, source_context="08D3D1F6B0E8C1A2", source="SMTP", event_id="HARECEIVE",
+            internal_message_id="9001", message_id="<left@fabrikam.test>", network_message_id=ids["left"],
+            recipient_address="ann@contoso.test", sender_address="bob@fabrikam.test", directionality="Incoming"),
+        r16(date_time="2016-03-01T10:00:11.000Z", client_hostname=ex1, server_hostname=ex2,
+            source_context="ExplicitlyDiscarded;08D3D1F6B0E8C1A2", source="SMTP", event_id="HADISCARD",
+            internal_message_id="9001", message_id="<left@fabrikam.test>", network_message_id=ids["left"],
+            directionality="Incoming"),
+    ]
+    write_log(base / "ex2016" / "EX1" / "MSGTRK2016030110-1.LOG", f16, rows_ex1, header=True, bom=True,
+              newline="\r\n")
+    write_log(base / "ex2016" / "EX2" / "MSGTRK2016030110-1.LOG", f16, rows_ex2, header=True, bom=True,
+              newline="\r\n")
+    # Exchange 2013: an internal message with no network-message-id on its rows (keyed by message-id)
+    write_log(base / "ex2013" / "MBX1" / "MSGTRK2013050108-1.LOG", f13, [
+        exchange_row(f13, date_time="2013-05-01T08:00:00.000Z", client_hostname="mbx1.contoso.test",
+                     server_hostname="mbx1", source="STOREDRIVER", event_id="RECEIVE", internal_message_id="5",
+                     message_id="<int@contoso.test>", recipient_address="dan@contoso.test",
+                     sender_address="eve@contoso.test", directionality="Internal"),
+        exchange_row(f13, date_time="2013-05-01T08:00:01.000Z", client_hostname="mbx1.contoso.test",
+                     server_hostname="mbx1.contoso.test", source="STOREDRIVER", event_id="DELIVER",
+                     internal_message_id="5", message_id="<int@contoso.test>", recipient_address="dan@contoso.test",
+                     sender_address="eve@contoso.test", directionality="Internal"),
+        exchange_row(f13, date_time="2013-05-01T08:00:02.000Z", server_hostname="mbx1", source="STOREDRIVER",
+                     event_id="NOTIFYMAPI"),
+    ], header=True, bom=True, newline="\r\n")
+    # Exchange 2010: no header, 26 fields, no network-message-id; sent outside
+    write_log(base / "ex2010" / "HUB1" / "MSGTRK20100301-1.LOG", f10, [
+        exchange_row(f10, date_time="2010-03-01T10:00:00.000Z", client_ip="10.1.0.5", client_hostname="client1",
+                     server_ip="10.1.0.1", server_hostname="HUB1", source="SMTP", event_id="RECEIVE",
+                     internal_message_id="77", message_id="<old@contoso.test>", recipient_address="x@fabrikam.test",
+                     sender_address="fay@contoso.test"),
+        exchange_row(f10, date_time="2010-03-01T10:00:02.000Z", client_ip="10.1.0.1", client_hostname="HUB1",
+                     server_ip="198.51.100.25", server_hostname="198.51.100.25", source="SMTP",
+                     event_id="SENDEXTERNAL", internal_message_id="77", message_id="<old@contoso.test>",
+                     recipient_address="x@fabrikam.test", sender_address="fay@contoso.test"),
+    ], header=False, bom=False, newline="\n")
+    return ids
+
+
+def test_exchange_shaped_logs_are_read_as_exchange_means_them(spark, tmp_path):
+    ids = exchange_logs(tmp_path / "logs")
+    out = tmp_path / "out"
+    summary = job.analyze(spark, [str(tmp_path / "logs")], str(out), recursive=True, progress=False)
+    messages = {r["key"]: r.asDict(recursive=True) for r in spark.read.parquet(str(out / "messages")).collect()}
+
+    assert summary["malformed"]["rows"] == 0, summary["malformed"]
+    assert summary["non_message_rows"] == {"rows": 3, "by_event": {"NOTIFYMAPI": 2, "SUBMITDEFER": 1}}
+    # local nodes only: SEND/SENDEXTERNAL rows from client-hostname; EX1 and its FQDN are one node
+    assert set(summary["events_by_node"]) == {"ex1.contoso.test", "ex2.contoso.test", "mbx1.contoso.test", "hub1"}
+    assert summary["events_by_node"]["ex1.contoso.test"]["AGENTINFO"] == 1
+    assert summary["node_names"] == {"ex1": "ex1.contoso.test", "mbx1": "mbx1.contoso.test"}
+    # coverage counted once per message, over received messages only
+    assert summary["received"] == 4 and summary["redundant"] == 1
+    assert 0 <= summary["redundancy_coverage"] <= 1
+    left = messages[ids["left"]]
+    assert left["state"] == "left the logs" and left["receive_node"] == "ex1.contoso.test"
+    assert [(d["event"], d["node"], d["next_hop"]) for d in left["deliveries"]] == [
+        ("SEND", "ex1.contoso.test", "ex3.contoso.test")]
+    ext = messages[ids["external"]]
+    assert ext["state"] == "delivered" and ext["sender"] == "<>"
+    assert [(d["node"], d["next_hop"]) for d in ext["deliveries"]] == [("ex1.contoso.test", "mx.fabrikam.test")]
+    assert messages["<int@contoso.test>"]["state"] == "delivered"  # 2013, keyed by message-id
+    assert messages["<old@contoso.test>"]["state"] == "delivered"  # 2010, headerless
+    assert messages[ids["redirect_only"]]["state"] == "incomplete"
+    assert summary["states"]["left the logs"] == 1 and summary["lost"] == 0
+    assert summary["unprotected_messages"] == 1  # the HAREDIRECTFAIL of a received message

@@ -79,6 +79,10 @@ def spark_session(master: str | None = None, app_name: str = "transportd-analyze
         "spark.sql.adaptive.enabled": "true",
         "spark.sql.adaptive.coalescePartitions.enabled": "true",
         "spark.sql.parquet.compression.codec": "snappy",
+        # The job's generated code (one method per stage) is longer than the 8,000 bytes the
+        # JVM compiles by default: without this it runs interpreted, 2-3 times slower.
+        "spark.driver.extraJavaOptions": "-XX:-DontCompileHugeMethods",
+        "spark.executor.extraJavaOptions": "-XX:-DontCompileHugeMethods",
     }
     if chosen.startswith("local"):
         defaults["spark.ui.enabled"] = "false"
@@ -306,17 +310,57 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
                   _renamed("peer", rename).alias("peer"), "reason", "recipients", "context",
                   _renamed("client_hostname", rename).alias("client_hostname"), "sender",
                   "network_message_id", "message_id"))
+    # The one shuffle, then one sort inside each partition: the per-(key, node) aggregate and
+    # the per-key one after it are clustered and ordered by key, so Spark adds no other exchange,
+    # no join, and (with sort-based aggregation, see analyze) streams each message through with
+    # no hash map of every key in memory.
     ev = ev.repartition(partitions, "key") if partitions else ev.repartition("key")
+    ev = ev.sortWithinPartitions("key", "node")
 
-    # -- per (message, node): copies taken and released, shadow hold times
+    # -- per (message, node): the copy this node took and released, its shadow's hold time, and
+    # every journey figure computed per node first (merged per message below).
     cutoff = F.try_element_at(_map_lit(facts["cutoffs"], "timestamp"), F.col("node")) \
         if facts["cutoffs"] else F.lit(None).cast("timestamp")
+    node = F.col("node")
+    wanted_events = (*ENTRY_EVENTS, "HARECEIVE")
     kn = ev.groupBy("key", "node").agg(
         F.max(when_event(TAKE_EVENTS, t)).alias("last_take"),
         F.max(when_event(RELEASE_EVENTS, t)).alias("last_release"),
         F.min(when_event(["HARECEIVE"], t)).alias("shadow_received"),
         F.min(when_event(["HADISCARD"], t)).alias("shadow_discarded"),
-        F.min(F.when((e == "RESUBMIT") & (F.col("source") == "REDUNDANCY"), t)).alias("promoted"),
+        F.min(F.when((e == "RESUBMIT") & (F.col("source") == "REDUNDANCY"), t)).alias("promoted_here"),
+        F.max("network_message_id").alias("network_message_id"),
+        F.max("message_id").alias("message_id"),
+        F.max(when_event(["RECEIVE"], F.col("sender"))).alias("sender"),
+        F.min(when_event(["RECEIVE"], F.struct(t.alias("time"), node.alias("node")))).alias("first_receive"),
+        F.max(e == "DSN").alias("generated"),
+        F.min(when_event(["HAREDIRECT", "HAREDIRECTFAIL"], F.struct(t.alias("time"), e.alias("event"))))
+         .alias("first_redundancy"),
+        F.min(when_event(["HAREDIRECT"], F.struct(t.alias("time"), F.col("peer").alias("node")))).alias("shadow"),
+        F.min(when_event(["HAREDIRECTFAIL"], t)).alias("haredirectfail_time"),
+        F.sum((e == "HAREDIRECTFAIL").cast("int")).alias("haredirectfail_count"),
+        F.collect_list(when_event(["HAREDIRECT", "HAREDIRECTFAIL"], F.struct(
+            t.alias("time"), (e == "HAREDIRECTFAIL").alias("fail")))).alias("redundancy_events"),
+        F.collect_list(when_event(["HARECEIVE"], F.struct(
+            t.alias("time"), node.alias("node"), F.col("client_hostname").alias("primary")))).alias("hareceive"),
+        F.collect_list(when_event(["HADISCARD"], F.struct(
+            t.alias("time"), node.alias("node"), F.col("context").alias("context")))).alias("hadiscard"),
+        F.collect_list(when_event(DELIVERY_EVENTS, F.struct(
+            t.alias("time"), e.alias("event"), node.alias("node"),
+            F.col("recipients").alias("recipients"), F.col("peer").alias("next_hop")))).alias("deliveries"),
+        F.collect_list(when_event(["RECEIVE"], F.struct(t.alias("time"), node.alias("node")))).alias("receives"),
+        F.collect_list(when_event(["RESUBMIT"], F.struct(
+            t.alias("time"), node.alias("node"), F.col("source").alias("source"),
+            F.col("peer").alias("primary"), F.col("reason").alias("reason"),
+            F.col("context").alias("context")))).alias("resubmits"),
+        F.collect_list(when_event(["DUPLICATEDELIVER"], F.struct(
+            t.alias("time"), node.alias("node"), F.col("recipients").alias("recipients")))).alias("duplicate_delivers"),
+        F.collect_list(when_event((*wanted_events, *SUCCESS_EVENTS, *FAILED_EVENTS), F.struct(
+            e.alias("event"), t.alias("time"), F.col("recipients").alias("recipients")))).alias("recipient_events"),
+        F.max(F.col("event") == "HARECEIVE").alias("has_shadow_copy"),
+        F.max((e == "RESUBMIT") & (F.col("source") == "REDUNDANCY")).alias("promoted"),
+        F.count(F.lit(1)).alias("event_count"),
+        F.max(t).alias("last_event_time"),
     ).withColumn("cutoff", cutoff)
     dead = F.col("cutoff").isNotNull() & (F.col("last_take") < F.col("cutoff"))
     holds = (F.col("last_take").isNotNull() & ~F.coalesce(dead, F.lit(False))
@@ -324,78 +368,64 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
     hold = F.when(F.col("shadow_discarded") >= F.col("shadow_received"),
                   F.col("shadow_discarded").cast("double") - F.col("shadow_received").cast("double"))
     undiscarded = (F.col("shadow_received").isNotNull() & F.col("shadow_discarded").isNull()
-                   & F.col("promoted").isNull() & ~F.coalesce(dead, F.lit(False)))
-    copies = kn.groupBy("key").agg(
-        F.sum(holds.cast("int")).alias("live_copies"),
-        F.array_sort(F.collect_list(F.when(holds, F.col("node")))).alias("live_copy_nodes"),
-        F.collect_list(hold).alias("shadow_hold_seconds"),
-        F.array_sort(F.collect_list(F.when(undiscarded, F.col("node")))).alias("undiscarded_shadow_nodes"),
-    )
+                   & F.col("promoted_here").isNull() & ~F.coalesce(dead, F.lit(False)))
 
-    # -- per (message, recipient): done or not, duplicates
-    wanted_events = (*ENTRY_EVENTS, "HARECEIVE")
-    rk = (ev.filter(e.isin(*wanted_events, *SUCCESS_EVENTS, *FAILED_EVENTS))
-          .select("key", "event", "time", F.explode("recipients").alias("recipient"))
-          .groupBy("key", "recipient").agg(
-              F.max(F.col("event").isin(*wanted_events)).alias("wanted"),
-              F.min(when_event(SUCCESS_EVENTS, t)).alias("succeeded"),
-              F.min(when_event(FAILED_EVENTS, t)).alias("failed"),
-              F.sum((e == "SENDEXTERNAL").cast("int")).alias("external"),
-              F.sum((e == "DELIVER").cast("int")).alias("mailbox")))
-    ok = F.col("succeeded").isNotNull()
-    failed_only = ~ok & F.col("failed").isNotNull()
-    recipients = rk.filter("wanted").groupBy("key").agg(
-        F.count(F.lit(1)).alias("recipient_count"),
-        F.sum(ok.cast("int")).alias("recipients_delivered"),
-        F.sum(failed_only.cast("int")).alias("recipients_failed"),
-        F.max(F.coalesce("succeeded", "failed")).alias("last_done"),
-        F.array_sort(F.collect_list(F.when(F.col("external") > 1, F.col("recipient"))))
-         .alias("duplicate_external_recipients"),
-        F.array_sort(F.collect_list(F.when(F.col("mailbox") > 1, F.col("recipient"))))
-         .alias("duplicate_mailbox_recipients"),
-    )
+    def merged(name: str):
+        return F.sort_array(F.flatten(F.collect_list(name))).alias(name)
 
-    # -- per message: the journey
-    journey = ev.groupBy("key").agg(
+    # -- per message: the per-node rows merged (same partitions: no exchange)
+    m = kn.groupBy("key").agg(
         F.max("network_message_id").alias("network_message_id"),
         F.max("message_id").alias("message_id"),
-        F.max(when_event(["RECEIVE"], F.col("sender"))).alias("sender"),
-        F.min(when_event(["RECEIVE"], F.struct(t.alias("time"), F.col("node").alias("node"))))
-         .alias("first_receive"),
-        F.max(e == "DSN").alias("generated"),
-        F.min(when_event(["HAREDIRECT", "HAREDIRECTFAIL"], F.struct(t.alias("time"), e.alias("event"))))
-         .alias("first_redundancy"),
-        F.min(when_event(["HAREDIRECT"], F.struct(t.alias("time"), F.col("peer").alias("node"))))
-         .alias("shadow"),
-        F.min(when_event(["HAREDIRECTFAIL"], t)).alias("haredirectfail_time"),
-        F.sum((e == "HAREDIRECTFAIL").cast("int")).alias("haredirectfail_count"),
-        F.array_sort(F.collect_list(when_event(["HAREDIRECT", "HAREDIRECTFAIL"], F.struct(
-            t.alias("time"), (e == "HAREDIRECTFAIL").alias("fail"))))).alias("redundancy_events"),
-        F.array_sort(F.collect_list(when_event(["HARECEIVE"], F.struct(
-            t.alias("time"), F.col("node").alias("node"), F.col("client_hostname").alias("primary")))))
-         .alias("hareceive"),
-        F.array_sort(F.collect_list(when_event(["HADISCARD"], F.struct(
-            t.alias("time"), F.col("node").alias("node"), F.col("context").alias("context")))))
-         .alias("hadiscard"),
-        F.array_sort(F.collect_list(when_event(DELIVERY_EVENTS, F.struct(
-            t.alias("time"), e.alias("event"), F.col("node").alias("node"),
-            F.col("recipients").alias("recipients"), F.col("peer").alias("next_hop"))))).alias("deliveries"),
-        F.collect_list(when_event(["RECEIVE"], F.struct(t.alias("time"), F.col("node").alias("node"))))
-         .alias("receives"),
-        F.array_sort(F.collect_list(when_event(["RESUBMIT"], F.struct(
-            t.alias("time"), F.col("node").alias("node"), F.col("source").alias("source"),
-            F.col("peer").alias("primary"), F.col("reason").alias("reason"),
-            F.col("context").alias("context"))))).alias("resubmits"),
-        F.array_sort(F.collect_list(when_event(["DUPLICATEDELIVER"], F.struct(
-            t.alias("time"), F.col("node").alias("node"), F.col("recipients").alias("recipients")))))
-         .alias("duplicate_delivers"),
-        F.max(F.col("event") == "HARECEIVE").alias("has_shadow_copy"),
-        F.max((e == "RESUBMIT") & (F.col("source") == "REDUNDANCY")).alias("promoted"),
-        F.count(F.lit(1)).alias("event_count"),
-        F.max(t).alias("last_event_time"),
+        F.max("sender").alias("sender"),
+        F.min("first_receive").alias("first_receive"),
+        F.max("generated").alias("generated"),
+        F.min("first_redundancy").alias("first_redundancy"),
+        F.min("shadow").alias("shadow"),
+        F.min("haredirectfail_time").alias("haredirectfail_time"),
+        F.sum("haredirectfail_count").alias("haredirectfail_count"),
+        merged("redundancy_events"), merged("hareceive"), merged("hadiscard"), merged("deliveries"),
+        F.flatten(F.collect_list("receives")).alias("receives"),
+        merged("resubmits"), merged("duplicate_delivers"),
+        F.flatten(F.collect_list("recipient_events")).alias("recipient_events"),
+        F.max("has_shadow_copy").alias("has_shadow_copy"),
+        F.max("promoted").alias("promoted"),
+        F.sum("event_count").alias("event_count"),
+        F.max("last_event_time").alias("last_event_time"),
+        F.sum(holds.cast("int")).alias("live_copies"),
+        F.sort_array(F.collect_list(F.when(holds, node))).alias("live_copy_nodes"),
+        F.collect_list(hold).alias("shadow_hold_seconds"),
+        F.sort_array(F.collect_list(F.when(undiscarded, node))).alias("undiscarded_shadow_nodes"),
     )
 
-    m = journey.join(recipients, "key", "left").join(copies, "key", "left")
+    # -- per (message, recipient), from the message's few recipient rows: done or not, duplicates.
+    # The recipients of a message are those of its RECEIVE, HARECEIVE and DSN rows.
+    rev = F.col("recipient_events")
+    wanted = F.array_distinct(F.flatten(F.transform(
+        F.filter(rev, lambda x: x["event"].isin(*wanted_events)), lambda x: x["recipients"])))
+
+    def first(events: Sequence[str], r):
+        return F.array_min(F.transform(F.filter(rev, lambda x: x["event"].isin(*events) & F.array_contains(
+            x["recipients"], r)), lambda x: x["time"]))
+
+    def times(event: str, r):
+        return F.size(F.filter(rev, lambda x: (x["event"] == event) & F.array_contains(x["recipients"], r)))
+
+    per_rcpt = F.transform(wanted, lambda r: F.struct(
+        r.alias("recipient"), first(SUCCESS_EVENTS, r).alias("succeeded"), first(FAILED_EVENTS, r).alias("failed"),
+        times("SENDEXTERNAL", r).alias("external"), times("DELIVER", r).alias("mailbox")))
+    m = m.withColumn("rcpt", per_rcpt)
+    rc = F.col("rcpt")
+    m = (m.withColumn("recipient_count", F.when(F.size(rc) > 0, F.size(rc)))
+         .withColumn("recipients_delivered", F.size(F.filter(rc, lambda s: s["succeeded"].isNotNull())))
+         .withColumn("recipients_failed", F.size(F.filter(
+             rc, lambda s: s["succeeded"].isNull() & s["failed"].isNotNull())))
+         .withColumn("last_done", F.array_max(F.transform(rc, lambda s: F.coalesce(s["succeeded"], s["failed"]))))
+         .withColumn("duplicate_external_recipients", F.sort_array(F.transform(
+             F.filter(rc, lambda s: s["external"] > 1), lambda s: s["recipient"])))
+         .withColumn("duplicate_mailbox_recipients", F.sort_array(F.transform(
+             F.filter(rc, lambda s: s["mailbox"] > 1), lambda s: s["recipient"]))))
+
     terminal = (F.col("recipient_count") > 0) & (F.col("recipients_delivered") + F.col("recipients_failed")
                                                 == F.col("recipient_count"))
     received = (F.col("first_receive").isNotNull() | F.col("has_shadow_copy")
@@ -787,7 +817,20 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
         spark.conf.set("spark.sql.csv.parser.columnPruning.enabled", "false")
         step("list files")
         rows = reader.normalize(reader.read_rows(spark, files))
-        rows.write.mode("overwrite").partitionBy("valid").parquet(_join(out, "events"))
+        # Two writers per task (valid=true, valid=false) instead of a sort of every row by the
+        # partition column before writing.
+        planned = spark.conf.get("spark.sql.optimizer.plannedWrite.enabled", "true")
+        concurrent = spark.conf.get("spark.sql.maxConcurrentOutputFiles", "0")
+        spark.conf.set("spark.sql.optimizer.plannedWrite.enabled", "false")
+        spark.conf.set("spark.sql.maxConcurrentOutputFiles", "2")
+        try:
+            # no dictionary pages: most columns are unique per row (keys, contexts), and trying
+            # a dictionary first costs more than it saves
+            rows.write.option("parquet.enable.dictionary", "false").mode("overwrite").partitionBy(
+                "valid").parquet(_join(out, "events"))
+        finally:
+            spark.conf.set("spark.sql.optimizer.plannedWrite.enabled", planned)
+            spark.conf.set("spark.sql.maxConcurrentOutputFiles", concurrent)
         step("parse and write events")
         try:
             parsed = spark.read.parquet(_join(out, "events"))
@@ -809,7 +852,15 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
 
         shown.set_step("joining messages across nodes")
         spark.sparkContext.setJobDescription("per-message journeys")
-        build_messages(ev, end_lit, facts, partitions).write.mode("overwrite").parquet(_join(out, "messages"))
+        # Sort-based aggregation over the key-sorted partitions (the object hash aggregate
+        # falls back to sorting anyway past 128 keys per task, after hashing them).
+        hashed = spark.conf.get("spark.sql.execution.useObjectHashAggregateExec", "true")
+        spark.conf.set("spark.sql.execution.useObjectHashAggregateExec", "false")
+        try:
+            build_messages(ev, end_lit, facts, partitions).write.option(
+                "parquet.enable.dictionary", "false").mode("overwrite").parquet(_join(out, "messages"))
+        finally:
+            spark.conf.set("spark.sql.execution.useObjectHashAggregateExec", hashed)
         messages = spark.read.parquet(_join(out, "messages"))
         step("messages")
         shown.set_step("anomalies")

@@ -276,7 +276,7 @@ def normalize(rows: Any):
     redundancy_ctx = r"^\s*(\S+)\s*\(([^)]*)\)"
     ev = rows.select(
         "file", F.col("reason").alias("csv_reason"), "line",
-        F.try_to_timestamp(F.trim("date_time")).alias("time"),
+        F.trim("date_time").try_cast("timestamp").alias("time"),
         F.when(local != "", local).otherwise(folder_node).alias("node"),
         event.alias("event"),
         source.alias("source"),
@@ -284,8 +284,8 @@ def normalize(rows: Any):
         netid.alias("network_message_id"),
         message_id.alias("message_id"),
         F.trim("internal_message_id").alias("internal_message_id"),
-        F.filter(F.transform(F.split("recipient_address", ";"), lambda a: F.lower(F.trim(a))),
-                 lambda a: a != "").alias("recipients"),
+        # no lambda per row: split on ';' with the blanks around it, drop empty items
+        F.array_remove(F.split(F.lower(F.trim("recipient_address")), r"\s*;\s*"), "").alias("recipients"),
         ctx.alias("context"),
         F.when(sent_by_client, F.lit("")).otherwise(client).alias("client_hostname"),
         F.trim("reference").alias("reference"),
