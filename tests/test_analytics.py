@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("pyspark")
 
@@ -511,3 +513,52 @@ def test_exchange_shaped_logs_are_read_as_exchange_means_them(spark, tmp_path):
     assert messages[ids["redirect_only"]]["state"] == "incomplete"
     assert summary["states"]["left the logs"] == 1 and summary["lost"] == 0
     assert summary["unprotected_messages"] == 1  # the HAREDIRECTFAIL of a received message
+
+
+# ------------------------------------------------------------------------------ bounded by construction
+
+_NODES = ("n1.example.test", "n2.example.test", "n1", "n3.example.test")
+_EVENTS = ("RECEIVE", "HAREDIRECT", "HAREDIRECTFAIL", "HARECEIVE", "HADISCARD", "SEND", "SENDEXTERNAL", "DELIVER",
+           "DUPLICATEDELIVER", "RESUBMIT", "FAIL", "DSN", "DEFER", "DROP", "AGENTINFO", "NOTIFYMAPI")
+_row = st.fixed_dictionaries({
+    "at": st.integers(0, 200), "node": st.sampled_from(_NODES), "event": st.sampled_from(_EVENTS),
+    "key": st.integers(0, 5), "rcpts": st.lists(st.sampled_from(("a@x.test", "b@x.test")), max_size=2, unique=True),
+    "peer": st.sampled_from(_NODES + ("mx.remote.test",)), "client": st.booleans(),
+    "why": st.sampled_from(("ShadowHeartbeatFailure", "ShadowStateChange")),
+})
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rows=st.lists(_row, min_size=1, max_size=40))
+def test_summary_figures_are_bounded_by_construction_on_any_rows(spark, tmp_path_factory, rows):
+    """Rows of any events in any order: every ratio is in [0, 1], every message is in exactly one
+    state, and the states add up to the messages."""
+    from datetime import UTC, datetime, timedelta
+    base = tmp_path_factory.mktemp("any")
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    out_rows = []
+    for r in sorted(rows, key=lambda r: r["at"]):
+        ev = r["event"]
+        no_id = ev == "NOTIFYMAPI"
+        ctx = (f"{r['peer']}=250 ok" if ev == "HAREDIRECT" else f"{r['peer']} ({r['why']})" if ev == "RESUBMIT"
+               else "")
+        sending = ev in ("SEND", "SENDEXTERNAL") and r["client"]
+        out_rows.append({
+            "date-time": (t0 + timedelta(seconds=r["at"])).strftime("%Y-%m-%dT%H:%M:%S.000Z"),
+            "client-hostname": r["node"] if sending else (r["peer"] if ev == "HARECEIVE" else ""),
+            "server-hostname": r["peer"] if sending else r["node"],
+            "source-context": ctx, "source": "REDUNDANCY" if ev == "RESUBMIT" else "SMTP", "event-id": ev,
+            "network-message-id": "" if no_id else f"k{r['key']}", "message-id": "" if no_id else f"<{r['key']}@x>",
+            "recipient-address": ";".join(r["rcpts"]), "sender-address": "<>"})
+    write_log(base / "logs" / "MSGTRK20260101-1.LOG", FIELDS_2016, out_rows, header=True, bom=True, newline="\r\n")
+    summary = job.analyze(spark, [str(base / "logs")], str(base / "out"), progress=False, report=False)
+    messages = spark.read.parquet(str(base / "out" / "messages"))
+    states = [r["state"] for r in messages.select("state").collect()]
+    assert len(states) == messages.select("key").distinct().count() == summary["messages"]
+    assert set(states) <= set(job.STATES)
+    assert sum(summary["states"].values()) == summary["messages"]
+    ratios = [summary["redundancy_coverage"], summary["unprotected_share"],
+              *[c["coverage"] for c in summary["coverage_by_node"]], *[b["coverage"] for b in summary["timeline"]]]
+    assert all(v is None or 0.0 <= v <= 1.0 for v in ratios), ratios
+    assert summary["redundant"] <= summary["received"] <= summary["messages"]
+    assert summary["lost"] <= summary["received"] and summary["unprotected_messages"] <= summary["received"]
