@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -288,15 +289,31 @@ def test_report_opens_offline_in_headless_chromium_with_every_chart_drawn(genera
                           f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", report.as_uri()],
                          capture_output=True, text=True, timeout=120, check=False)
     dom = res.stdout
-    assert 'data-charts="5"' in dom, res.stderr[-2000:]
-    for chart in ("chart-messages", "chart-coverage", "chart-latency", "chart-hold", "chart-failover"):
+    assert 'data-charts="6"' in dom, res.stderr[-2000:]
+    # the operator's first question first, then the failover timeline, then the distributions
+    assert dom.index('id="first-question"') < dom.index('id="failover"') < dom.index('id="distributions"')
+    assert dom.index('id="verdict"') < dom.index('id="chart-risk"') < dom.index('id="anomalies"')
+    for chart in ("chart-risk", "chart-messages", "chart-coverage", "chart-latency", "chart-hold", "chart-failover"):
         start = dom.index(f'id="{chart}"')
         tag = dom[dom.rindex("<", 0, start):dom.index(">", start)]
         assert 'data-rendered="true"' in tag, tag
         assert int(tag.split('data-marks="')[1].split('"')[0]) > 0, tag
-    assert dom.count('class="series"') == 4 + 1  # one line per node, and coverage
+    assert dom.count('class="series"') == 2 + 4 + 1  # lost and unprotected, one line per node, coverage
     assert dom.count('class="episode"') == len(summary["failover_episodes"]) > 0
     assert dom.count("<tr>") >= summary["anomalies"]["counts"]["lost"]
+    # screenshots at a desktop and a phone width, kept with the test's output
+    shots = Path(os.environ.get("ANALYTICS_SCREENSHOTS", str(tmp_path)))
+    shots.mkdir(parents=True, exist_ok=True)
+    for name, size in (("report-1280x800.png", "1280,800"), ("report-390x844.png", "390,844")):
+        res = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                              "--hide-scrollbars", f"--user-data-dir={tmp_path / 'profile'}", f"--window-size={size}",
+                              f"--screenshot={shots / name}", report.as_uri()],
+                             capture_output=True, text=True, timeout=120, check=False)
+        png = (shots / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n", res.stderr[-2000:]
+        width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+        assert (width, height) == tuple(int(v) for v in size.split(",")), (width, height)
+        print(f"screenshot: {shots / name}")
 
 
 # ------------------------------------------------------------------------------ CLI
