@@ -43,6 +43,8 @@ HISTOGRAM_EDGES = (0.0, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800
 
 NICE_BUCKETS = (1, 5, 10, 30, 60, 300, 600, 900, 1800, 3600, 3 * 3600, 6 * 3600, 86400, 7 * 86400)
 MAX_TIME_BUCKETS = 120
+HASHED_KEYS = 1_000_000
+"""Keys one task may aggregate in its hash map before sorting instead (a bound on its memory)."""
 PARTITION_BYTES = 64 * 1024 * 1024
 """Input bytes per shuffle partition when the job picks the count (AQE coalesces smaller ones)."""
 
@@ -310,12 +312,10 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
                   _renamed("peer", rename).alias("peer"), "reason", "recipients", "context",
                   _renamed("client_hostname", rename).alias("client_hostname"), "sender",
                   "network_message_id", "message_id"))
-    # The one shuffle, then one sort inside each partition: the per-(key, node) aggregate and
-    # the per-key one after it are clustered and ordered by key, so Spark adds no other exchange,
-    # no join, and (with sort-based aggregation, see analyze) streams each message through with
-    # no hash map of every key in memory.
+    # The one shuffle: the per-(key, node) aggregate and the per-key one after it are both
+    # clustered by key, so Spark adds no other exchange and no join. Each task aggregates the
+    # keys of its partition in a hash map (see analyze: partitions are sized to the input).
     ev = ev.repartition(partitions, "key") if partitions else ev.repartition("key")
-    ev = ev.sortWithinPartitions("key", "node")
 
     # -- per (message, node): the copy this node took and released, its shadow's hold time, and
     # every journey figure computed per node first (merged per message below).
@@ -852,15 +852,15 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
 
         shown.set_step("joining messages across nodes")
         spark.sparkContext.setJobDescription("per-message journeys")
-        # Sort-based aggregation over the key-sorted partitions (the object hash aggregate
-        # falls back to sorting anyway past 128 keys per task, after hashing them).
-        hashed = spark.conf.get("spark.sql.execution.useObjectHashAggregateExec", "true")
-        spark.conf.set("spark.sql.execution.useObjectHashAggregateExec", "false")
+        # The object hash aggregate (collect_list) falls back to sorting every row past 128 keys
+        # per task by default: let it hash a partition's keys (a partition is ~64 MB of input).
+        fallback = spark.conf.get("spark.sql.objectHashAggregate.sortBased.fallbackThreshold", "128")
+        spark.conf.set("spark.sql.objectHashAggregate.sortBased.fallbackThreshold", str(HASHED_KEYS))
         try:
             build_messages(ev, end_lit, facts, partitions).write.option(
                 "parquet.enable.dictionary", "false").mode("overwrite").parquet(_join(out, "messages"))
         finally:
-            spark.conf.set("spark.sql.execution.useObjectHashAggregateExec", hashed)
+            spark.conf.set("spark.sql.objectHashAggregate.sortBased.fallbackThreshold", fallback)
         messages = spark.read.parquet(_join(out, "messages"))
         step("messages")
         shown.set_step("anomalies")
