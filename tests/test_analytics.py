@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,8 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("pyspark")
 
@@ -64,7 +67,7 @@ def write_log(path: Path, fields: tuple[str, ...], rows: list[dict[str, str]], *
 
 def parsed_rows(spark, paths: list[str]) -> list[dict]:
     """Test only: the parsed rows of tiny inputs, collected."""
-    df = job.normalize(job.parse_lines(job.read_raw(spark, paths)))
+    df = job.read_events(spark, paths)
     return [r.asDict() for r in df.orderBy("file", "time").collect()]
 
 
@@ -225,7 +228,7 @@ def test_crafted_journeys_final_states_anomalies_and_summary(spark, tmp_path):
     assert messages[ids["lost"]]["unprotected_seconds"] == pytest.approx(690.999)  # to the end, 701 s
 
     assert summary["states"] == {"delivered": 5, "failed": 1, "in flight protected": 1,
-                                 "in flight unprotected": 1, "lost": 1, "incomplete": 0}
+                                 "in flight unprotected": 1, "left the logs": 0, "lost": 1, "incomplete": 0}
     assert summary["lost"] == 1 and summary["promoted"] == 3
     assert summary["received"] == 9 and summary["redundant"] == 7
     assert summary["redundancy_coverage"] == pytest.approx(7 / 9)
@@ -286,15 +289,31 @@ def test_report_opens_offline_in_headless_chromium_with_every_chart_drawn(genera
                           f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", report.as_uri()],
                          capture_output=True, text=True, timeout=120, check=False)
     dom = res.stdout
-    assert 'data-charts="5"' in dom, res.stderr[-2000:]
-    for chart in ("chart-messages", "chart-coverage", "chart-latency", "chart-hold", "chart-failover"):
+    assert 'data-charts="6"' in dom, res.stderr[-2000:]
+    # the operator's first question first, then the failover timeline, then the distributions
+    assert dom.index('id="first-question"') < dom.index('id="failover"') < dom.index('id="distributions"')
+    assert dom.index('id="verdict"') < dom.index('id="chart-risk"') < dom.index('id="anomalies"')
+    for chart in ("chart-risk", "chart-messages", "chart-coverage", "chart-latency", "chart-hold", "chart-failover"):
         start = dom.index(f'id="{chart}"')
         tag = dom[dom.rindex("<", 0, start):dom.index(">", start)]
         assert 'data-rendered="true"' in tag, tag
         assert int(tag.split('data-marks="')[1].split('"')[0]) > 0, tag
-    assert dom.count('class="series"') == 4 + 1  # one line per node, and coverage
+    assert dom.count('class="series"') == 2 + 4 + 1  # lost and unprotected, one line per node, coverage
     assert dom.count('class="episode"') == len(summary["failover_episodes"]) > 0
     assert dom.count("<tr>") >= summary["anomalies"]["counts"]["lost"]
+    # screenshots at a desktop and a phone width, kept with the test's output
+    shots = Path(os.environ.get("ANALYTICS_SCREENSHOTS", str(tmp_path)))
+    shots.mkdir(parents=True, exist_ok=True)
+    for name, size in (("report-1280x800.png", "1280,800"), ("report-390x844.png", "390,844")):
+        res = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                              "--hide-scrollbars", f"--user-data-dir={tmp_path / 'profile'}", f"--window-size={size}",
+                              f"--screenshot={shots / name}", report.as_uri()],
+                             capture_output=True, text=True, timeout=120, check=False)
+        png = (shots / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n", res.stderr[-2000:]
+        width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+        assert (width, height) == tuple(int(v) for v in size.split(",")), (width, height)
+        print(f"screenshot: {shots / name}")
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -367,3 +386,196 @@ def test_analytics_scale_benchmark_runs_small(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert figures["matches_truth"] and figures["rows_per_s"] > 0 and figures["driver_jvm_peak_mib"] > 0
+
+
+# ------------------------------------------------------------------------------ real Exchange shapes
+
+
+def exchange_row(fields: tuple[str, ...], **values: str) -> dict[str, str]:
+    """A row keyed by Exchange's field names (``client_hostname`` -> ``client-hostname``), only
+    those the format has."""
+    row = {k.replace("_", "-"): v for k, v in values.items()}
+    unknown = set(row) - set(FIELDS_2016)
+    assert not unknown, unknown
+    return {k: v for k, v in row.items() if k in fields}
+
+
+def exchange_logs(base: Path) -> dict[str, str]:
+    """Logs shaped as Exchange 2016, 2013 and 2010 write them (built from the field tables):
+    SEND/SENDEXTERNAL rows name the local server in client-hostname and the next hop in
+    server-hostname; NOTIFYMAPI and STOREDRIVER notices carry no message id; AGENTINFO rows,
+    ``<>`` senders, ``Internal`` directionality; a short host name beside its FQDN."""
+    f16, f13, f10 = FIELDS_2016, FIELDS_2013, FIELDS_2010
+    ex1, ex2 = "EX1.contoso.test", "EX2.contoso.test"
+
+    def r16(**kw):
+        return exchange_row(f16, transport_traffic_type="Email", schema_version="15.01.2507.009", **kw)
+
+    ids = {"left": "11111111-aaaa-4aaa-8aaa-000000000001", "external": "11111111-aaaa-4aaa-8aaa-000000000002",
+           "redirect_only": "11111111-aaaa-4aaa-8aaa-000000000003"}
+    rows_ex1 = [
+        # received from the Internet on EX1 (written with its short name), shadowed on EX2, sent on to EX3
+        r16(date_time="2016-03-01T10:00:00.000Z", client_ip="203.0.113.9", client_hostname="mail.fabrikam.test",
+            server_ip="10.0.0.1", server_hostname="EX1", source_context="08D3D1F6B0E8C1A2;250 2.6.0",
+            connector_id="EX1\\Default Frontend EX1", source="SMTP", event_id="RECEIVE", internal_message_id="101",
+            message_id="<left@fabrikam.test>", network_message_id=ids["left"],
+            recipient_address="ann@contoso.test", recipient_count="1", sender_address="bob@fabrikam.test",
+            return_path="bob@fabrikam.test", directionality="Incoming", original_client_ip="203.0.113.9"),
+        r16(date_time="2016-03-01T10:00:00.010Z", client_hostname="", server_hostname="EX1",
+            source_context=f"{ex2}=250 2.6.0 <left@fabrikam.test> Queued", source="SMTP", event_id="HAREDIRECT",
+            internal_message_id="101", message_id="<left@fabrikam.test>", network_message_id=ids["left"],
+            recipient_address="ann@contoso.test", sender_address="bob@fabrikam.test", directionality="Incoming"),
+        r16(date_time="2016-03-01T10:00:00.020Z", client_hostname="", server_hostname="EX1", source="AGENT",
+            event_id="AGENTINFO", internal_message_id="101", message_id="<left@fabrikam.test>",
+            network_message_id=ids["left"], recipient_address="ann@contoso.test",
+            sender_address="bob@fabrikam.test", custom_data="S:CFA=SUM|SFV=NSPM", directionality="Incoming"),
+        r16(date_time="2016-03-01T10:00:01.000Z", client_ip="10.0.0.1", client_hostname=ex1, server_ip="10.0.0.3",
+            server_hostname="EX3.contoso.test", source_context="08D3D1F6B0E8C1A2;250 2.6.0 Queued",
+            connector_id="Intra-Organization SMTP Send Connector", source="SMTP", event_id="SEND",
+            internal_message_id="101", message_id="<left@fabrikam.test>", network_message_id=ids["left"],
+            recipient_address="ann@contoso.test", recipient_status="250 2.1.5 Recipient OK",
+            sender_address="bob@fabrikam.test", directionality="Incoming"),
+        # a DSN-ish message with a null sender sent outside: the remote MX must not become a node
+        r16(date_time="2016-03-01T10:01:00.000Z", client_ip="10.0.0.2", client_hostname=ex2, server_ip="10.0.0.1",
+            server_hostname=ex1, source="SMTP", event_id="RECEIVE", internal_message_id="102",
+            message_id="<ext@contoso.test>", network_message_id=ids["external"],
+            recipient_address="zoe@fabrikam.test", sender_address="<>", directionality="Originating"),
+        r16(date_time="2016-03-01T10:01:00.010Z", server_hostname=ex1, source="SMTP", event_id="HAREDIRECTFAIL",
+            source_context="No suitable shadow servers", internal_message_id="102",
+            message_id="<ext@contoso.test>", network_message_id=ids["external"],
+            recipient_address="zoe@fabrikam.test", sender_address="<>"),
+        r16(date_time="2016-03-01T10:01:02.000Z", client_ip="10.0.0.1", client_hostname=ex1,
+            server_ip="198.51.100.25", server_hostname="mx.fabrikam.test",
+            source_context="250 2.0.0 OK", connector_id="Internet", source="SMTP", event_id="SENDEXTERNAL",
+            internal_message_id="102", message_id="<ext@contoso.test>", network_message_id=ids["external"],
+            recipient_address="zoe@fabrikam.test", recipient_status="250 2.0.0 OK", sender_address="<>",
+            directionality="Originating"),
+        # mailbox notices: about no message (no message-id, no network-message-id)
+        r16(date_time="2016-03-01T10:02:00.000Z", client_ip="10.0.0.1", client_hostname=ex1, server_hostname="EX1",
+            source="STOREDRIVER", event_id="NOTIFYMAPI", sender_address="carl@contoso.test",
+            directionality="Undefined"),
+        r16(date_time="2016-03-01T10:02:00.100Z", client_ip="10.0.0.1", client_hostname=ex1, server_hostname="EX1",
+            source="STOREDRIVER", event_id="SUBMITDEFER", sender_address="carl@contoso.test",
+            directionality="Undefined", recipient_status="MapiExceptionNotFound"),
+        # shadowed only (no RECEIVE in the logs given): never counted as received nor redundant
+        r16(date_time="2016-03-01T10:03:00.000Z", server_hostname=ex1, source="SMTP", event_id="HAREDIRECT",
+            source_context=f"{ex2}=250 2.6.0 Queued", internal_message_id="103",
+            message_id="<r@x>", network_message_id=ids["redirect_only"], recipient_address="ann@contoso.test"),
+    ]
+    rows_ex2 = [
+        r16(date_time="2016-03-01T09:59:59.990Z", client_ip="10.0.0.1", client_hostname=ex1, server_ip="10.0.0.2",
+            server_hostname=ex2, source_context="08D3D1F6B0E8C1A2", source="SMTP", event_id="HARECEIVE",
+            internal_message_id="9001", message_id="<left@fabrikam.test>", network_message_id=ids["left"],
+            recipient_address="ann@contoso.test", sender_address="bob@fabrikam.test", directionality="Incoming"),
+        r16(date_time="2016-03-01T10:00:11.000Z", client_hostname=ex1, server_hostname=ex2,
+            source_context="ExplicitlyDiscarded;08D3D1F6B0E8C1A2", source="SMTP", event_id="HADISCARD",
+            internal_message_id="9001", message_id="<left@fabrikam.test>", network_message_id=ids["left"],
+            directionality="Incoming"),
+    ]
+    write_log(base / "ex2016" / "EX1" / "MSGTRK2016030110-1.LOG", f16, rows_ex1, header=True, bom=True,
+              newline="\r\n")
+    write_log(base / "ex2016" / "EX2" / "MSGTRK2016030110-1.LOG", f16, rows_ex2, header=True, bom=True,
+              newline="\r\n")
+    # Exchange 2013: an internal message with no network-message-id on its rows (keyed by message-id)
+    write_log(base / "ex2013" / "MBX1" / "MSGTRK2013050108-1.LOG", f13, [
+        exchange_row(f13, date_time="2013-05-01T08:00:00.000Z", client_hostname="mbx1.contoso.test",
+                     server_hostname="mbx1", source="STOREDRIVER", event_id="RECEIVE", internal_message_id="5",
+                     message_id="<int@contoso.test>", recipient_address="dan@contoso.test",
+                     sender_address="eve@contoso.test", directionality="Internal"),
+        exchange_row(f13, date_time="2013-05-01T08:00:01.000Z", client_hostname="mbx1.contoso.test",
+                     server_hostname="mbx1.contoso.test", source="STOREDRIVER", event_id="DELIVER",
+                     internal_message_id="5", message_id="<int@contoso.test>", recipient_address="dan@contoso.test",
+                     sender_address="eve@contoso.test", directionality="Internal"),
+        exchange_row(f13, date_time="2013-05-01T08:00:02.000Z", server_hostname="mbx1", source="STOREDRIVER",
+                     event_id="NOTIFYMAPI"),
+    ], header=True, bom=True, newline="\r\n")
+    # Exchange 2010: no header, 26 fields, no network-message-id; sent outside
+    write_log(base / "ex2010" / "HUB1" / "MSGTRK20100301-1.LOG", f10, [
+        exchange_row(f10, date_time="2010-03-01T10:00:00.000Z", client_ip="10.1.0.5", client_hostname="client1",
+                     server_ip="10.1.0.1", server_hostname="HUB1", source="SMTP", event_id="RECEIVE",
+                     internal_message_id="77", message_id="<old@contoso.test>", recipient_address="x@fabrikam.test",
+                     sender_address="fay@contoso.test"),
+        exchange_row(f10, date_time="2010-03-01T10:00:02.000Z", client_ip="10.1.0.1", client_hostname="HUB1",
+                     server_ip="198.51.100.25", server_hostname="198.51.100.25", source="SMTP",
+                     event_id="SENDEXTERNAL", internal_message_id="77", message_id="<old@contoso.test>",
+                     recipient_address="x@fabrikam.test", sender_address="fay@contoso.test"),
+    ], header=False, bom=False, newline="\n")
+    return ids
+
+
+def test_exchange_shaped_logs_are_read_as_exchange_means_them(spark, tmp_path):
+    ids = exchange_logs(tmp_path / "logs")
+    out = tmp_path / "out"
+    summary = job.analyze(spark, [str(tmp_path / "logs")], str(out), recursive=True, progress=False)
+    messages = {r["key"]: r.asDict(recursive=True) for r in spark.read.parquet(str(out / "messages")).collect()}
+
+    assert summary["malformed"]["rows"] == 0, summary["malformed"]
+    assert summary["non_message_rows"] == {"rows": 3, "by_event": {"NOTIFYMAPI": 2, "SUBMITDEFER": 1}}
+    # local nodes only: SEND/SENDEXTERNAL rows from client-hostname; EX1 and its FQDN are one node
+    assert set(summary["events_by_node"]) == {"ex1.contoso.test", "ex2.contoso.test", "mbx1.contoso.test", "hub1"}
+    assert summary["events_by_node"]["ex1.contoso.test"]["AGENTINFO"] == 1
+    assert summary["node_names"] == {"ex1": "ex1.contoso.test", "mbx1": "mbx1.contoso.test"}
+    # coverage counted once per message, over received messages only
+    assert summary["received"] == 4 and summary["redundant"] == 1
+    assert 0 <= summary["redundancy_coverage"] <= 1
+    left = messages[ids["left"]]
+    assert left["state"] == "left the logs" and left["receive_node"] == "ex1.contoso.test"
+    assert [(d["event"], d["node"], d["next_hop"]) for d in left["deliveries"]] == [
+        ("SEND", "ex1.contoso.test", "ex3.contoso.test")]
+    ext = messages[ids["external"]]
+    assert ext["state"] == "delivered" and ext["sender"] == "<>"
+    assert [(d["node"], d["next_hop"]) for d in ext["deliveries"]] == [("ex1.contoso.test", "mx.fabrikam.test")]
+    assert messages["<int@contoso.test>"]["state"] == "delivered"  # 2013, keyed by message-id
+    assert messages["<old@contoso.test>"]["state"] == "delivered"  # 2010, headerless
+    assert messages[ids["redirect_only"]]["state"] == "incomplete"
+    assert summary["states"]["left the logs"] == 1 and summary["lost"] == 0
+    assert summary["unprotected_messages"] == 1  # the HAREDIRECTFAIL of a received message
+
+
+# ------------------------------------------------------------------------------ bounded by construction
+
+_NODES = ("n1.example.test", "n2.example.test", "n1", "n3.example.test")
+_EVENTS = ("RECEIVE", "HAREDIRECT", "HAREDIRECTFAIL", "HARECEIVE", "HADISCARD", "SEND", "SENDEXTERNAL", "DELIVER",
+           "DUPLICATEDELIVER", "RESUBMIT", "FAIL", "DSN", "DEFER", "DROP", "AGENTINFO", "NOTIFYMAPI")
+_row = st.fixed_dictionaries({
+    "at": st.integers(0, 200), "node": st.sampled_from(_NODES), "event": st.sampled_from(_EVENTS),
+    "key": st.integers(0, 5), "rcpts": st.lists(st.sampled_from(("a@x.test", "b@x.test")), max_size=2, unique=True),
+    "peer": st.sampled_from(_NODES + ("mx.remote.test",)), "client": st.booleans(),
+    "why": st.sampled_from(("ShadowHeartbeatFailure", "ShadowStateChange")),
+})
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rows=st.lists(_row, min_size=1, max_size=40))
+def test_summary_figures_are_bounded_by_construction_on_any_rows(spark, tmp_path_factory, rows):
+    """Rows of any events in any order: every ratio is in [0, 1], every message is in exactly one
+    state, and the states add up to the messages."""
+    from datetime import UTC, datetime, timedelta
+    base = tmp_path_factory.mktemp("any")
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    out_rows = []
+    for r in sorted(rows, key=lambda r: r["at"]):
+        ev = r["event"]
+        no_id = ev == "NOTIFYMAPI"
+        ctx = (f"{r['peer']}=250 ok" if ev == "HAREDIRECT" else f"{r['peer']} ({r['why']})" if ev == "RESUBMIT"
+               else "")
+        sending = ev in ("SEND", "SENDEXTERNAL") and r["client"]
+        out_rows.append({
+            "date-time": (t0 + timedelta(seconds=r["at"])).strftime("%Y-%m-%dT%H:%M:%S.000Z"),
+            "client-hostname": r["node"] if sending else (r["peer"] if ev == "HARECEIVE" else ""),
+            "server-hostname": r["peer"] if sending else r["node"],
+            "source-context": ctx, "source": "REDUNDANCY" if ev == "RESUBMIT" else "SMTP", "event-id": ev,
+            "network-message-id": "" if no_id else f"k{r['key']}", "message-id": "" if no_id else f"<{r['key']}@x>",
+            "recipient-address": ";".join(r["rcpts"]), "sender-address": "<>"})
+    write_log(base / "logs" / "MSGTRK20260101-1.LOG", FIELDS_2016, out_rows, header=True, bom=True, newline="\r\n")
+    summary = job.analyze(spark, [str(base / "logs")], str(base / "out"), progress=False, report=False)
+    messages = spark.read.parquet(str(base / "out" / "messages"))
+    states = [r["state"] for r in messages.select("state").collect()]
+    assert len(states) == messages.select("key").distinct().count() == summary["messages"]
+    assert set(states) <= set(job.STATES)
+    assert sum(summary["states"].values()) == summary["messages"]
+    ratios = [summary["redundancy_coverage"], summary["unprotected_share"],
+              *[c["coverage"] for c in summary["coverage_by_node"]], *[b["coverage"] for b in summary["timeline"]]]
+    assert all(v is None or 0.0 <= v <= 1.0 for v in ratios), ratios
+    assert summary["redundant"] <= summary["received"] <= summary["messages"]
+    assert summary["lost"] <= summary["received"] and summary["unprotected_messages"] <= summary["received"]

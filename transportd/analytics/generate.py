@@ -399,8 +399,8 @@ def tally(sims: list[Sim], cluster: Cluster, journal: Journal, s: Settings) -> d
     """The truth from the simulated fates: each message's state at the end of the logs, from the
     copies that exist where and which node is alive, never from the rows written."""
     end = cluster.end
-    states = dict.fromkeys(("delivered", "failed", "in flight protected", "in flight unprotected", "lost",
-                            "incomplete"), 0)
+    states = dict.fromkeys(("delivered", "failed", "in flight protected", "in flight unprotected",
+                            "left the logs", "lost", "incomplete"), 0)
     received = redundant = unprotected = promoted = dup_in = dup_out = stale = 0
     for sim in sims:
         if sim.received:

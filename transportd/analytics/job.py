@@ -15,27 +15,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from transportd.analytics import reader
+from transportd.analytics.reader import DEFAULT_NAME_FILTER
 from transportd.analytics.schema import (
     DELIVERY_EVENTS,
     ENTRY_EVENTS,
     FAILED_EVENTS,
-    FIELDS_BY_COUNT,
-    GENERIC_FOLDERS,
-    MAX_FIELDS,
     RELEASE_EVENTS,
+    SEND_FOLLOW_SECONDS,
+    STATES,
     SUCCESS_EVENTS,
     TAKE_EVENTS,
 )
-
-DEFAULT_NAME_FILTER = "[Mm][Ss][Gg][Tt][Rr][Kk]*"
-"""Files read from folders: MSGTRK*.LOG in any case (Spark's pathGlobFilter)."""
 
 HISTOGRAM_EDGES = (0.0, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 10800,
                    43200, 86400, 172800)
@@ -43,8 +43,10 @@ HISTOGRAM_EDGES = (0.0, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800
 
 NICE_BUCKETS = (1, 5, 10, 30, 60, 300, 600, 900, 1800, 3600, 3 * 3600, 6 * 3600, 86400, 7 * 86400)
 MAX_TIME_BUCKETS = 120
-SENTINEL = "\u0001end-of-row"
-"""Appended to each line as one more field: its position is the row's field count."""
+HASHED_KEYS = 1_000_000
+"""Keys one task may aggregate in its hash map before sorting instead (a bound on its memory)."""
+PARTITION_BYTES = 64 * 1024 * 1024
+"""Input bytes per shuffle partition when the job picks the count (AQE coalesces smaller ones)."""
 
 
 class AnalyzeError(Exception):
@@ -73,7 +75,16 @@ def spark_session(master: str | None = None, app_name: str = "transportd-analyze
         "spark.sql.ansi.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.debug.maxToStringFields": "200",
-        "spark.sql.shuffle.partitions": "16" if chosen.startswith("local") else "200",
+        # Spark's CSV reader fills the corrupt-record column only when it parses every column
+        # (with column pruning a row of the wrong length passes unnoticed).
+        "spark.sql.csv.parser.columnPruning.enabled": "false",
+        "spark.sql.adaptive.enabled": "true",
+        "spark.sql.adaptive.coalescePartitions.enabled": "true",
+        "spark.sql.parquet.compression.codec": "snappy",
+        # The job's generated code (one method per stage) is longer than the 8,000 bytes the
+        # JVM compiles by default: without this it runs interpreted, 2-3 times slower.
+        "spark.driver.extraJavaOptions": "-XX:-DontCompileHugeMethods",
+        "spark.executor.extraJavaOptions": "-XX:-DontCompileHugeMethods",
     }
     if chosen.startswith("local"):
         defaults["spark.ui.enabled"] = "false"
@@ -169,270 +180,300 @@ def check_local_paths(paths: Sequence[str]) -> None:
             raise AnalyzeError(f"no such file or folder: {path}")
 
 
-def read_raw(spark: Any, paths: Sequence[str], name_filter: str = DEFAULT_NAME_FILTER,
-             recursive: bool = False):
-    """Every physical line of the given files, folders or globs, with the file it came from."""
-    from pyspark.sql import functions as F
-
-    reader = spark.read.option("pathGlobFilter", name_filter)
-    if recursive:
-        reader = reader.option("recursiveFileLookup", "true")
+def read_events(spark: Any, paths: Sequence[str], name_filter: str = DEFAULT_NAME_FILTER,
+                recursive: bool = False):
+    """Every row of the files the paths name, typed (``reader.normalize``); lazy."""
     try:
-        df = reader.text(list(paths))
-    except Exception as exc:  # noqa: BLE001 - AnalysisException: path does not exist, ...
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-        raise AnalyzeError(f"cannot read {', '.join(paths)}: {first}") from None
-    return df.select(F.col("value").alias("line"), F.col("_metadata.file_path").alias("file"))
+        return reader.read_events(spark, paths, name_filter, recursive)
+    except reader.InputError as exc:
+        raise AnalyzeError(str(exc)) from None
 
 
-def parse_lines(raw: Any):
-    """Parse raw lines into one column per needed field (snake_case) plus ``file``, ``reason``
-    (why the row is malformed, or null) and ``line`` (the raw text of a malformed row).
+# ---------------------------------------------------------------------------- facts per node
 
-    The field names of each row come from its file's ``#Fields:`` header or, without one, from
-    its own count. Lazy; one pass over the input.
-    """
+
+def _is_address(name: str) -> bool:
+    return bool(re.fullmatch(r"[0-9.]+|[0-9a-f:]*:[0-9a-f:.]*|\[.*\]", name))
+
+
+def node_names(names: set[str]) -> dict[str, str]:
+    """Host name -> node name: a first label and the one FQDN it begins are one node (the FQDN),
+    unless two FQDNs begin with that label (then nothing says which one it is). Addresses and
+    names already fully qualified map to themselves."""
+    by_label: dict[str, set[str]] = {}
+    for n in names:
+        if "." in n and not _is_address(n):
+            by_label.setdefault(n.split(".", 1)[0], set()).add(n)
+    out = {}
+    for n in names:
+        if n and "." not in n and len(by_label.get(n, ())) == 1:
+            out[n] = next(iter(by_label[n]))
+        # a short name seen only as a short name, or an FQDN: itself
+    return out
+
+
+def collect_facts(ev: Any) -> dict[str, Any]:
+    """One pass over the events for the small facts everything else needs (collected: at most
+    nodes x events x peers rows): the span of the logs, rows per node and event, rows about no
+    message, the node names, and per node the time before which its copies are gone."""
     from pyspark.sql import functions as F
 
-    line = F.regexp_replace(F.col("line"), "^\ufeff", "")
-    lines = raw.select(line.alias("line"), "file")
-    headers = (lines.filter(F.lower(F.substring("line", 1, 8)) == "#fields:")
-               .groupBy("file").agg(F.min("line").alias("header"))
-               .select("file", F.transform(F.split(F.substring("header", 9, 1 << 20), ","),
-                                           lambda name: F.lower(F.trim(name))).alias("header_names")))
-    data = lines.filter(~F.col("line").startswith("#") & (F.trim(F.col("line")) != ""))
-    data = data.join(F.broadcast(headers), "file", "left")
+    e = F.col("event")
+    head = e.isin("HAREDIRECT", "RESUBMIT")
+    rows = (ev.groupBy("node", "event", "source", F.when(head, F.col("peer")).alias("peer"),
+                       F.when(e == "RESUBMIT", F.col("reason")).alias("reason"),
+                       F.col("key").isNull().alias("no_key"))
+            .agg(F.min("time").alias("start"), F.max("time").alias("end"), F.count(F.lit(1)).alias("n"))
+            .collect())
+    names: set[str] = set()
+    for r in rows:
+        names.add(r["node"])
+        if r["peer"]:
+            names.add(r["peer"])
+    rename = node_names(names)
 
-    by_count = F.lit(None).cast("array<string>")
-    for n, fields in FIELDS_BY_COUNT.items():
-        by_count = F.when(F.col("n") == n, F.array(*[F.lit(f) for f in fields])).otherwise(by_count)
-    # One CSV parse per row gives both the fields and their count: a sentinel field appended to
-    # the line lands right after the last field (a stray quote swallows it; so do too many fields).
-    schema = ", ".join(f"c{i} STRING" for i in range(MAX_FIELDS + 1))
-    parsed = F.from_csv(F.concat(F.col("line"), F.lit("," + SENTINEL)), schema,
-                        {"quote": '"', "escape": '"', "mode": "PERMISSIVE", "ignoreLeadingWhiteSpace": "false"})
-    # from_csv once per row: a column of its own, then the array refers to that column (built
-    # from the expression itself, Spark would parse the line once per array element).
-    data = (data.withColumn("parsed", parsed)
-            .withColumn("tokens", F.array(*[F.col("parsed")[f"c{i}"] for i in range(MAX_FIELDS + 1)]))
-            .withColumn("n", (F.array_position(F.col("tokens"), SENTINEL) - 1).cast("int"))
-            .withColumn("names", F.coalesce(F.col("header_names"), by_count)))
+    def canon(name: str | None) -> str | None:
+        return rename.get(name, name) if name is not None else None
 
-    def field(name: str):
-        pos = F.array_position(F.col("names"), name).cast("int")
-        return F.coalesce(F.when(pos > 0, F.element_at(F.col("tokens"), pos)), F.lit(""))
+    facts: dict[str, Any] = {"rename": rename, "start": None, "end": None, "rows": 0,
+                             "events_by_node": {}, "non_message": {}, "nodes": set()}
+    last_row: dict[str, Any] = {}
+    promoted: dict[tuple[str, str], Any] = {}
+    for r in rows:
+        node = canon(r["node"])
+        facts["nodes"].add(node)
+        facts["rows"] += int(r["n"])
+        if facts["start"] is None or r["start"] < facts["start"]:
+            facts["start"] = r["start"]
+        if facts["end"] is None or r["end"] > facts["end"]:
+            facts["end"] = r["end"]
+        per = facts["events_by_node"].setdefault(node, {})
+        per[r["event"]] = per.get(r["event"], 0) + int(r["n"])
+        if r["no_key"]:
+            facts["non_message"][r["event"]] = facts["non_message"].get(r["event"], 0) + int(r["n"])
+        last_row[node] = max(last_row.get(node, r["end"]), r["end"])
+        if r["event"] == "RESUBMIT" and r["source"] == "REDUNDANCY" and r["peer"]:
+            k = (canon(r["peer"]), r["reason"])
+            promoted[k] = max(promoted.get(k, r["end"]), r["end"])
+    # A peer promoted a node's shadows: with ShadowStateChange it came back with a new queue
+    # database (every copy it took before is gone); with ShadowHeartbeatFailure its copies are
+    # gone only if it wrote no row after the promotion.
+    cutoffs: dict[str, Any] = {}
+    for (node, why), when in promoted.items():
+        last = last_row.get(node)
+        if why == "ShadowStateChange" or last is None or last <= when:
+            cutoffs[node] = max(cutoffs.get(node, when), when)
+    facts["cutoffs"] = cutoffs
+    facts["events_by_node"] = {n: dict(sorted(v.items())) for n, v in sorted(facts["events_by_node"].items())}
+    return facts
 
-    reason = (F.when(F.col("n") < 0, F.lit(f"unbalanced quote or more than {MAX_FIELDS} fields"))
-              .when(F.col("header_names").isNull() & F.col("names").isNull(),
-                    F.concat(F.col("n").cast("string"), F.lit(" fields and no #Fields header (expected 26, 27 or 30)")))
-              .when(F.size("names") != F.col("n"),
-                    F.concat(F.col("n").cast("string"), F.lit(" fields, #Fields names "),
-                             F.size("names").cast("string"))))
-    data = data.withColumn("reason", reason)
-    fields = ("date-time", "client-hostname", "server-hostname", "source-context", "source", "event-id",
-              "internal-message-id", "message-id", "network-message-id", "recipient-address",
-              "reference", "sender-address")
-    ok = F.col("reason").isNull()
-    return data.select(
-        "file", "reason", F.when(~ok, F.substring("line", 1, 500)).alias("line"),
-        *[F.when(ok, field(f)).otherwise(F.lit("")).alias(f.replace("-", "_")) for f in fields])
 
-
-def normalize(rows: Any):
-    """Typed, lower-cased events, with ``valid`` false and ``malformed_reason`` set for malformed rows
-    (bad CSV, or no usable date-time, event-id or message key)."""
+def _map_lit(mapping: dict[str, Any], value_type: str = "string"):
     from pyspark.sql import functions as F
 
-    folder = F.regexp_extract("file", r"([^/]+)/[^/]+$", 1)
-    grand = F.regexp_extract("file", r"([^/]+)/[^/]+/[^/]+$", 1)
-    folder_node = F.lower(F.when(F.lower(folder).isin(*GENERIC_FOLDERS) & (grand != ""), grand)
-                          .otherwise(folder))
-    server = F.lower(F.trim("server_hostname"))
-    netid = F.lower(F.trim("network_message_id"))
-    message_id = F.trim("message_id")
-    ctx = F.col("source_context")
-    event = F.upper(F.trim("event_id"))
-    source = F.upper(F.trim("source"))
-    redundancy_ctx = r"^\s*(\S+)\s*\(([^)]*)\)"
-    ev = rows.select(
-        "file", F.col("reason").alias("csv_reason"), "line",
-        F.try_to_timestamp(F.trim("date_time")).alias("time"),
-        F.when(server != "", server).otherwise(folder_node).alias("node"),
-        event.alias("event"),
-        source.alias("source"),
-        F.coalesce(F.when(netid != "", netid), F.when(message_id != "", message_id)).alias("key"),
-        netid.alias("network_message_id"),
-        message_id.alias("message_id"),
-        F.trim("internal_message_id").alias("internal_message_id"),
-        F.filter(F.transform(F.split("recipient_address", ";"), lambda a: F.lower(F.trim(a))),
-                 lambda a: a != "").alias("recipients"),
-        ctx.alias("context"),
-        F.lower(F.trim("client_hostname")).alias("client_hostname"),
-        F.trim("reference").alias("reference"),
-        F.lower(F.trim("sender_address")).alias("sender"),
-        F.when(event == "HAREDIRECT", F.lower(F.trim(F.substring_index(ctx, "=", 1))))
-         .when(event == "RESUBMIT", F.lower(F.regexp_extract(ctx, redundancy_ctx, 1)))
-         .alias("peer"),
-        F.when((event == "RESUBMIT") & (source == "REDUNDANCY"), F.regexp_extract(ctx, redundancy_ctx, 2))
-         .alias("reason"),
-    )
-    reason = (F.when(F.col("csv_reason").isNotNull(), F.col("csv_reason"))
-              .when(F.col("time").isNull(), F.lit("bad date-time"))
-              .when(F.col("event") == "", F.lit("no event-id"))
-              .when(F.col("key").isNull(), F.lit("no network-message-id or message-id")))
-    return (ev.withColumn("malformed_reason", reason).drop("csv_reason")
-            .withColumn("valid", F.col("malformed_reason").isNull())
-            .withColumn("line", F.when(~F.col("valid"), F.coalesce(
-                F.col("line"), F.concat_ws(",", F.col("event"), F.col("key"), F.col("context"))))))
+    if not mapping:
+        return F.create_map().cast(f"map<string,{value_type}>")
+    items = []
+    for k, v in sorted(mapping.items()):
+        items += [F.lit(k), F.lit(v).cast(value_type)]
+    return F.create_map(*items)
+
+
+def _renamed(col: str, rename: dict[str, str]):
+    from pyspark.sql import functions as F
+
+    if not rename:
+        return F.col(col)
+    return F.coalesce(F.try_element_at(_map_lit(rename), F.col(col)), F.col(col))
 
 
 # ---------------------------------------------------------------------------- per message
 
 
-def node_cutoffs(ev: Any):
-    """Per node, the time before which its copies are gone (small DataFrame: node, cutoff).
+def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, partitions: int | None = None):
+    """One row per message key with its journey and final state (lazy DataFrame).
 
-    A peer promoted its shadows (RESUBMIT REDUNDANCY naming it): with ShadowStateChange the
-    node came back with a new queue database, so everything it held before is gone; with
-    ShadowHeartbeatFailure its copies are gone only if it wrote no row after the promotion.
+    The rows are shuffled once, by message key; every per-message figure (per node, per
+    recipient, the journey) is an aggregate over that one partitioning, so Spark adds no other
+    exchange: the per-(key, node) and per-(key, recipient) groupings are clustered by key too.
     """
     from pyspark.sql import functions as F
 
-    promotions = (ev.filter((F.col("event") == "RESUBMIT") & (F.col("source") == "REDUNDANCY"))
-                  .groupBy(F.col("peer").alias("node"), "reason").agg(F.max("time").alias("promoted")))
-    last_row = ev.groupBy("node").agg(F.max("time").alias("last_row"))
-    joined = promotions.join(last_row, "node", "left")
-    gone = (F.col("reason") == "ShadowStateChange") | F.col("last_row").isNull() | (
-        F.col("last_row") <= F.col("promoted"))
-    return (joined.filter(gone).groupBy("node").agg(F.max("promoted").alias("cutoff")))
-
-
-def build_messages(ev: Any, log_end: Any):
-    """One row per message key with its journey and final state (lazy DataFrame)."""
-    from pyspark.sql import Window
-    from pyspark.sql import functions as F
-
+    facts = facts or {"rename": {}, "cutoffs": {}, "nodes": set()}
+    rename = facts["rename"]
     e = F.col("event")
+    t = F.col("time")
 
     def when_event(events: Sequence[str], value: Any):
         return F.when(e.isin(*events), value)
 
-    # -- per (message, node): copies taken and released, shadow hold times
-    cut = node_cutoffs(ev)
-    kn = (ev.groupBy("key", "node").agg(
-        F.max(when_event(TAKE_EVENTS, F.col("time"))).alias("last_take"),
-        F.max(when_event(RELEASE_EVENTS, F.col("time"))).alias("last_release"),
-        F.min(when_event(["HARECEIVE"], F.col("time"))).alias("shadow_received"),
-        F.min(when_event(["HADISCARD"], F.col("time"))).alias("shadow_discarded"),
-        F.min(F.when((e == "RESUBMIT") & (F.col("source") == "REDUNDANCY"), F.col("time"))).alias("promoted"),
-    ).join(F.broadcast(cut), "node", "left"))
+    ev = (ev.filter(F.col("key").isNotNull())
+          .select("key", "time", _renamed("node", rename).alias("node"), "event", "source",
+                  _renamed("peer", rename).alias("peer"), "reason", "recipients", "context",
+                  _renamed("client_hostname", rename).alias("client_hostname"), "sender",
+                  "network_message_id", "message_id"))
+    # The one shuffle: the per-(key, node) aggregate and the per-key one after it are both
+    # clustered by key, so Spark adds no other exchange and no join. Each task aggregates the
+    # keys of its partition in a hash map (see analyze: partitions are sized to the input).
+    ev = ev.repartition(partitions, "key") if partitions else ev.repartition("key")
+
+    # -- per (message, node): the copy this node took and released, its shadow's hold time, and
+    # every journey figure computed per node first (merged per message below).
+    cutoff = F.try_element_at(_map_lit(facts["cutoffs"], "timestamp"), F.col("node")) \
+        if facts["cutoffs"] else F.lit(None).cast("timestamp")
+    node = F.col("node")
+    wanted_events = (*ENTRY_EVENTS, "HARECEIVE")
+    kn = ev.groupBy("key", "node").agg(
+        F.max(when_event(TAKE_EVENTS, t)).alias("last_take"),
+        F.max(when_event(RELEASE_EVENTS, t)).alias("last_release"),
+        F.min(when_event(["HARECEIVE"], t)).alias("shadow_received"),
+        F.min(when_event(["HADISCARD"], t)).alias("shadow_discarded"),
+        F.min(F.when((e == "RESUBMIT") & (F.col("source") == "REDUNDANCY"), t)).alias("promoted_here"),
+        F.max("network_message_id").alias("network_message_id"),
+        F.max("message_id").alias("message_id"),
+        F.max(when_event(["RECEIVE"], F.col("sender"))).alias("sender"),
+        F.min(when_event(["RECEIVE"], F.struct(t.alias("time"), node.alias("node")))).alias("first_receive"),
+        F.max(e == "DSN").alias("generated"),
+        F.min(when_event(["HAREDIRECT", "HAREDIRECTFAIL"], F.struct(t.alias("time"), e.alias("event"))))
+         .alias("first_redundancy"),
+        F.min(when_event(["HAREDIRECT"], F.struct(t.alias("time"), F.col("peer").alias("node")))).alias("shadow"),
+        F.min(when_event(["HAREDIRECTFAIL"], t)).alias("haredirectfail_time"),
+        F.sum((e == "HAREDIRECTFAIL").cast("int")).alias("haredirectfail_count"),
+        F.collect_list(when_event(["HAREDIRECT", "HAREDIRECTFAIL"], F.struct(
+            t.alias("time"), (e == "HAREDIRECTFAIL").alias("fail")))).alias("redundancy_events"),
+        F.collect_list(when_event(["HARECEIVE"], F.struct(
+            t.alias("time"), node.alias("node"), F.col("client_hostname").alias("primary")))).alias("hareceive"),
+        F.collect_list(when_event(["HADISCARD"], F.struct(
+            t.alias("time"), node.alias("node"), F.col("context").alias("context")))).alias("hadiscard"),
+        F.collect_list(when_event(DELIVERY_EVENTS, F.struct(
+            t.alias("time"), e.alias("event"), node.alias("node"),
+            F.col("recipients").alias("recipients"), F.col("peer").alias("next_hop")))).alias("deliveries"),
+        F.collect_list(when_event(["RECEIVE"], F.struct(t.alias("time"), node.alias("node")))).alias("receives"),
+        F.collect_list(when_event(["RESUBMIT"], F.struct(
+            t.alias("time"), node.alias("node"), F.col("source").alias("source"),
+            F.col("peer").alias("primary"), F.col("reason").alias("reason"),
+            F.col("context").alias("context")))).alias("resubmits"),
+        F.collect_list(when_event(["DUPLICATEDELIVER"], F.struct(
+            t.alias("time"), node.alias("node"), F.col("recipients").alias("recipients")))).alias("duplicate_delivers"),
+        F.collect_list(when_event((*wanted_events, *SUCCESS_EVENTS, *FAILED_EVENTS), F.struct(
+            e.alias("event"), t.alias("time"), F.col("recipients").alias("recipients")))).alias("recipient_events"),
+        F.max(F.col("event") == "HARECEIVE").alias("has_shadow_copy"),
+        F.max((e == "RESUBMIT") & (F.col("source") == "REDUNDANCY")).alias("promoted"),
+        F.count(F.lit(1)).alias("event_count"),
+        F.max(t).alias("last_event_time"),
+    ).withColumn("cutoff", cutoff)
     dead = F.col("cutoff").isNotNull() & (F.col("last_take") < F.col("cutoff"))
     holds = (F.col("last_take").isNotNull() & ~F.coalesce(dead, F.lit(False))
              & (F.col("last_release").isNull() | (F.col("last_take") > F.col("last_release"))))
     hold = F.when(F.col("shadow_discarded") >= F.col("shadow_received"),
                   F.col("shadow_discarded").cast("double") - F.col("shadow_received").cast("double"))
     undiscarded = (F.col("shadow_received").isNotNull() & F.col("shadow_discarded").isNull()
-                   & F.col("promoted").isNull() & ~F.coalesce(dead, F.lit(False)))
-    copies = kn.groupBy("key").agg(
-        F.sum(holds.cast("int")).alias("live_copies"),
-        F.array_sort(F.collect_list(F.when(holds, F.col("node")))).alias("live_copy_nodes"),
-        F.collect_list(hold).alias("shadow_hold_seconds"),
-        F.array_sort(F.collect_list(F.when(undiscarded, F.col("node")))).alias("undiscarded_shadow_nodes"),
-    )
+                   & F.col("promoted_here").isNull() & ~F.coalesce(dead, F.lit(False)))
 
-    # -- per (message, recipient): done or not, duplicates
-    wanted_events = (*ENTRY_EVENTS, "HARECEIVE")
-    rk = (ev.filter(e.isin(*wanted_events, *SUCCESS_EVENTS, *FAILED_EVENTS))
-          .select("key", "event", "time", F.explode("recipients").alias("recipient"))
-          .groupBy("key", "recipient").agg(
-              F.max(F.col("event").isin(*wanted_events)).alias("wanted"),
-              F.min(when_event(SUCCESS_EVENTS, F.col("time"))).alias("succeeded"),
-              F.min(when_event(FAILED_EVENTS, F.col("time"))).alias("failed"),
-              F.sum((e == "SENDEXTERNAL").cast("int")).alias("external"),
-              F.sum((e == "DELIVER").cast("int")).alias("mailbox")))
-    ok = F.col("succeeded").isNotNull()
-    failed_only = ~ok & F.col("failed").isNotNull()
-    recipients = rk.filter("wanted").groupBy("key").agg(
-        F.count(F.lit(1)).alias("recipient_count"),
-        F.sum(ok.cast("int")).alias("recipients_delivered"),
-        F.sum(failed_only.cast("int")).alias("recipients_failed"),
-        F.max(F.coalesce("succeeded", "failed")).alias("last_done"),
-        F.array_sort(F.collect_list(F.when(F.col("external") > 1, F.col("recipient"))))
-         .alias("duplicate_external_recipients"),
-        F.array_sort(F.collect_list(F.when(F.col("mailbox") > 1, F.col("recipient"))))
-         .alias("duplicate_mailbox_recipients"),
-    )
+    def merged(name: str):
+        return F.sort_array(F.flatten(F.collect_list(name))).alias(name)
 
-    # -- per message: the journey
-    t = F.col("time")
-    journey = ev.groupBy("key").agg(
+    # -- per message: the per-node rows merged (same partitions: no exchange)
+    m = kn.groupBy("key").agg(
         F.max("network_message_id").alias("network_message_id"),
         F.max("message_id").alias("message_id"),
-        F.max(when_event(["RECEIVE"], F.col("sender"))).alias("sender"),
-        F.min(when_event(["RECEIVE"], F.struct(t.alias("time"), F.col("node").alias("node"))))
-         .alias("first_receive"),
-        F.max(e == "DSN").alias("generated"),
-        F.min(when_event(["HAREDIRECT", "HAREDIRECTFAIL"], F.struct(t.alias("time"), e.alias("event"))))
-         .alias("first_redundancy"),
-        F.min(when_event(["HAREDIRECT"], F.struct(t.alias("time"), F.col("peer").alias("node"))))
-         .alias("shadow"),
-        F.min(when_event(["HAREDIRECTFAIL"], t)).alias("haredirectfail_time"),
-        F.sum((e == "HAREDIRECTFAIL").cast("int")).alias("haredirectfail_count"),
-        F.array_sort(F.collect_list(when_event(["HARECEIVE"], F.struct(
-            t.alias("time"), F.col("node").alias("node"), F.col("client_hostname").alias("primary")))))
-         .alias("hareceive"),
-        F.array_sort(F.collect_list(when_event(["HADISCARD"], F.struct(
-            t.alias("time"), F.col("node").alias("node"), F.col("context").alias("context")))))
-         .alias("hadiscard"),
-        F.array_sort(F.collect_list(when_event(DELIVERY_EVENTS, F.struct(
-            t.alias("time"), e.alias("event"), F.col("node").alias("node"),
-            F.col("recipients").alias("recipients"))))).alias("deliveries"),
-        F.array_sort(F.collect_list(when_event(["RESUBMIT"], F.struct(
-            t.alias("time"), F.col("node").alias("node"), F.col("source").alias("source"),
-            F.col("peer").alias("primary"), F.col("reason").alias("reason"),
-            F.col("context").alias("context"))))).alias("resubmits"),
-        F.array_sort(F.collect_list(when_event(["DUPLICATEDELIVER"], F.struct(
-            t.alias("time"), F.col("node").alias("node"), F.col("recipients").alias("recipients")))))
-         .alias("duplicate_delivers"),
-        F.max(F.col("event") == "HARECEIVE").alias("has_shadow_copy"),
-        F.max((e == "RESUBMIT") & (F.col("source") == "REDUNDANCY")).alias("promoted"),
-        F.count(F.lit(1)).alias("event_count"),
-        F.max(t).alias("last_event_time"),
+        F.max("sender").alias("sender"),
+        F.min("first_receive").alias("first_receive"),
+        F.max("generated").alias("generated"),
+        F.min("first_redundancy").alias("first_redundancy"),
+        F.min("shadow").alias("shadow"),
+        F.min("haredirectfail_time").alias("haredirectfail_time"),
+        F.sum("haredirectfail_count").alias("haredirectfail_count"),
+        merged("redundancy_events"), merged("hareceive"), merged("hadiscard"), merged("deliveries"),
+        F.flatten(F.collect_list("receives")).alias("receives"),
+        merged("resubmits"), merged("duplicate_delivers"),
+        F.flatten(F.collect_list("recipient_events")).alias("recipient_events"),
+        F.max("has_shadow_copy").alias("has_shadow_copy"),
+        F.max("promoted").alias("promoted"),
+        F.sum("event_count").alias("event_count"),
+        F.max("last_event_time").alias("last_event_time"),
+        F.sum(holds.cast("int")).alias("live_copies"),
+        F.sort_array(F.collect_list(F.when(holds, node))).alias("live_copy_nodes"),
+        F.collect_list(hold).alias("shadow_hold_seconds"),
+        F.sort_array(F.collect_list(F.when(undiscarded, node))).alias("undiscarded_shadow_nodes"),
     )
 
-    m = journey.join(recipients, "key", "left").join(copies, "key", "left")
+    # -- per (message, recipient), from the message's few recipient rows: done or not, duplicates.
+    # The recipients of a message are those of its RECEIVE, HARECEIVE and DSN rows.
+    rev = F.col("recipient_events")
+    wanted = F.array_distinct(F.flatten(F.transform(
+        F.filter(rev, lambda x: x["event"].isin(*wanted_events)), lambda x: x["recipients"])))
+
+    def first(events: Sequence[str], r):
+        return F.array_min(F.transform(F.filter(rev, lambda x: x["event"].isin(*events) & F.array_contains(
+            x["recipients"], r)), lambda x: x["time"]))
+
+    def times(event: str, r):
+        return F.size(F.filter(rev, lambda x: (x["event"] == event) & F.array_contains(x["recipients"], r)))
+
+    per_rcpt = F.transform(wanted, lambda r: F.struct(
+        r.alias("recipient"), first(SUCCESS_EVENTS, r).alias("succeeded"), first(FAILED_EVENTS, r).alias("failed"),
+        times("SENDEXTERNAL", r).alias("external"), times("DELIVER", r).alias("mailbox")))
+    m = m.withColumn("rcpt", per_rcpt)
+    rc = F.col("rcpt")
+    m = (m.withColumn("recipient_count", F.when(F.size(rc) > 0, F.size(rc)))
+         .withColumn("recipients_delivered", F.size(F.filter(rc, lambda s: s["succeeded"].isNotNull())))
+         .withColumn("recipients_failed", F.size(F.filter(
+             rc, lambda s: s["succeeded"].isNull() & s["failed"].isNotNull())))
+         .withColumn("last_done", F.array_max(F.transform(rc, lambda s: F.coalesce(s["succeeded"], s["failed"]))))
+         .withColumn("duplicate_external_recipients", F.sort_array(F.transform(
+             F.filter(rc, lambda s: s["external"] > 1), lambda s: s["recipient"])))
+         .withColumn("duplicate_mailbox_recipients", F.sort_array(F.transform(
+             F.filter(rc, lambda s: s["mailbox"] > 1), lambda s: s["recipient"]))))
+
     terminal = (F.col("recipient_count") > 0) & (F.col("recipients_delivered") + F.col("recipients_failed")
                                                 == F.col("recipient_count"))
     received = (F.col("first_receive").isNotNull() | F.col("has_shadow_copy")
                 | F.coalesce(F.col("generated"), F.lit(False)))
     live = F.coalesce(F.col("live_copies"), F.lit(0))
+
+    # -- the journey left the logs given: a SEND to a named server whose logs were not read, or
+    # (the next hop unnamed, as in our rows) a SEND no other node read follows with a RECEIVE.
+    logged = F.array(*[F.lit(n) for n in sorted(facts["nodes"])]) if facts["nodes"] else F.array().cast(
+        "array<string>")
+    end_s = log_end.cast("double")
+
+    def unfollowed(s):
+        named_outside = s["next_hop"].isNotNull() & ~F.array_contains(logged, s["next_hop"])
+        no_receive = ~F.exists("receives", lambda r: (r["node"] != s["node"]) & (
+            r["time"].cast("double") >= s["time"].cast("double") - SEND_FOLLOW_SECONDS))
+        return (s["event"] == "SEND") & (named_outside | (
+            s["next_hop"].isNull() & no_receive & (s["time"].cast("double") < end_s - SEND_FOLLOW_SECONDS)))
+
+    left = F.exists("deliveries", unfollowed)
     state = (F.when(~received, F.lit("incomplete"))
              .when(terminal & (F.col("recipients_failed") == 0), F.lit("delivered"))
              .when(terminal, F.lit("failed"))
+             .when(left, F.lit("left the logs"))
              .when(live >= 2, F.lit("in flight protected"))
              .when(live == 1, F.lit("in flight unprotected"))
              .otherwise(F.lit("lost")))
     m = (m.withColumn("state", state)
          .withColumn("terminal_time", F.when(terminal, F.col("last_done"))))
 
-    # -- time spent unprotected: from each HAREDIRECTFAIL to the next HAREDIRECT, the message's
-    # terminal event, or the end of the logs, whichever comes first.
-    stops = m.select("key", F.coalesce(F.col("terminal_time"), log_end).alias("stop"))
-    window = Window.partitionBy("key").orderBy("time")
-    red = (ev.filter(e.isin("HAREDIRECT", "HAREDIRECTFAIL")).select("key", "time", "event")
-           .withColumn("next", F.lead("time").over(window))
-           .join(stops, "key"))
-    until = F.least(F.coalesce(F.col("next"), F.col("stop")), F.col("stop"))
-    gap = F.greatest(until.cast("double") - F.col("time").cast("double"), F.lit(0.0))
-    unprotected = red.groupBy("key").agg(
-        F.sum(F.when(F.col("event") == "HAREDIRECTFAIL", gap).otherwise(0.0)).alias("unprotected_seconds"))
-    m = m.join(unprotected, "key", "left")
+    # -- time spent unprotected: from each HAREDIRECTFAIL to the next HAREDIRECT (or
+    # HAREDIRECTFAIL), the message's terminal event, or the end of the logs, whichever comes first.
+    stop = F.coalesce(F.col("terminal_time"), log_end).cast("double")
+    reds = F.col("redundancy_events")
+    nexts = F.concat(F.transform(F.slice(reds, 2, 1 << 30), lambda r: r["time"].cast("double")),
+                     F.array(F.lit(None).cast("double")))
+    gaps = F.zip_with(reds, nexts, lambda r, n: F.when(
+        r["fail"], F.greatest(F.least(F.coalesce(n, stop), stop) - r["time"].cast("double"), F.lit(0.0))
+    ).otherwise(F.lit(0.0)))
+    unprotected = F.aggregate(gaps, F.lit(0.0), lambda acc, g: acc + g)
 
+    rec = F.col("first_receive").isNotNull()
     return m.select(
         "key", "network_message_id", "message_id", "sender",
         F.col("first_receive.node").alias("receive_node"),
         F.col("first_receive.time").alias("receive_time"),
-        (F.col("first_redundancy.event") == "HAREDIRECT").alias("redundant_at_receipt"),
+        (rec & F.coalesce(F.col("first_redundancy.event") == "HAREDIRECT", F.lit(False)))
+        .alias("redundant_at_receipt"),
         F.col("shadow.node").alias("shadow_node"),
         F.col("shadow.time").alias("haredirect_time"),
         "haredirectfail_time", "haredirectfail_count", "hareceive", "hadiscard", "deliveries",
@@ -442,7 +483,7 @@ def build_messages(ev: Any, log_end: Any):
         F.coalesce("duplicate_mailbox_recipients", F.array()).alias("duplicate_mailbox_recipients"),
         F.coalesce("live_copies", F.lit(0)).alias("live_copies"), "live_copy_nodes",
         "shadow_hold_seconds", "undiscarded_shadow_nodes",
-        F.coalesce("unprotected_seconds", F.lit(0.0)).alias("unprotected_seconds"),
+        F.coalesce(unprotected, F.lit(0.0)).alias("unprotected_seconds"),
         "state", "terminal_time",
         (F.col("terminal_time").cast("double") - F.col("first_receive.time").cast("double"))
         .alias("latency_seconds"),
@@ -492,26 +533,21 @@ def _bucket_col(col: Any, size: int):
     return (F.floor(F.col(col).cast("double") / size) * size).cast("long")
 
 
-def _histogram(df: Any, col: str) -> list[dict]:
+def _distribution(df: Any, col: str) -> tuple[dict[str, float | None], list[dict]]:
+    """Approximate percentiles (1/10,000 accuracy) and the histogram over HISTOGRAM_EDGES, in one pass."""
     from pyspark.sql import functions as F
     idx = F.lit(len(HISTOGRAM_EDGES) - 1)
     for i in range(len(HISTOGRAM_EDGES) - 1, 0, -1):
         idx = F.when(F.col(col) < HISTOGRAM_EDGES[i], F.lit(i - 1)).otherwise(idx)
-    rows = (df.filter(F.col(col).isNotNull()).groupBy(idx.alias("b")).count().collect())
-    counts = {r["b"]: r["count"] for r in rows}
+    counts = [F.sum((idx == i).cast("long")).alias(f"h{i}") for i in range(len(HISTOGRAM_EDGES))]
+    row = df.agg(F.percentile_approx(col, [0.5, 0.95, 0.99], 10000).alias("p"), F.count(col).alias("n"),
+                 *counts).first()
+    values = row["p"] or [None, None, None]
     out = []
     for i, low in enumerate(HISTOGRAM_EDGES):
         high = HISTOGRAM_EDGES[i + 1] if i + 1 < len(HISTOGRAM_EDGES) else None
-        out.append({"from": low, "to": high, "count": int(counts.get(i, 0))})
-    return out
-
-
-def _percentiles(df: Any, col: str) -> dict[str, float | None]:
-    from pyspark.sql import functions as F
-    row = df.filter(F.col(col).isNotNull()).agg(
-        F.percentile_approx(col, [0.5, 0.95, 0.99], 10000).alias("p"), F.count(col).alias("n")).first()
-    values = row["p"] or [None, None, None]
-    return {"count": int(row["n"]), "p50": values[0], "p95": values[1], "p99": values[2]}
+        out.append({"from": low, "to": high, "count": int(row[f"h{i}"] or 0)})
+    return {"count": int(row["n"]), "p50": values[0], "p95": values[1], "p99": values[2]}, out
 
 
 def _ts(value: Any) -> str | None:
@@ -520,82 +556,106 @@ def _ts(value: Any) -> str | None:
     return value.strftime("%Y-%m-%dT%H:%M:%S.") + f"{value.microsecond // 1000:03d}Z"
 
 
-def summarize(spark: Any, ev: Any, messages: Any, anomalies: Any, malformed: Any,
-              log_start: Any, log_end: Any, episode_gap: float, anomaly_sample: int = 200) -> dict:
-    """Aggregates only: every ``collect`` here returns per-node, per-bucket or bounded rows."""
+def summarize(spark: Any, messages: Any, anomalies: Any, malformed: Any, facts: dict[str, Any],
+              episode_gap: float, grace_seconds: float = 600.0, anomaly_sample: int = 200) -> dict:
+    """Aggregates only, from the per-message table (and the facts pass): every ``collect`` here
+    returns per-node, per-bucket, per-state or bounded rows."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
+    log_start, log_end = facts["start"], facts["end"]
     span = (log_end - log_start).total_seconds() if log_start and log_end else 0.0
     bucket = pick_bucket(span)
     summary: dict[str, Any] = {
         "log_start": _ts(log_start), "log_end": _ts(log_end), "bucket_seconds": bucket,
     }
+    end_lit = F.lit(log_end).cast("timestamp") if log_end else F.current_timestamp()
 
-    # states and totals
-    states = {r["state"]: int(r["count"]) for r in messages.groupBy("state").count().collect()}
-    tot = messages.agg(
+    # One pass: per receiving node, time bucket and state (at most nodes x 120 x states rows).
+    received = F.col("receive_node").isNotNull()
+    red = F.coalesce(F.col("redundant_at_receipt"), F.lit(False))
+    settled_early = F.col("terminal_time") < (end_lit - F.expr(f"INTERVAL {int(grace_seconds)} SECONDS"))
+    rows = messages.groupBy(
+        "receive_node", _bucket_col("receive_time", bucket).alias("bucket"), "state").agg(
         F.count(F.lit(1)).alias("messages"),
-        F.sum(F.col("receive_node").isNotNull().cast("int")).alias("received"),
-        F.sum(F.coalesce(F.col("redundant_at_receipt"), F.lit(False)).cast("int")).alias("redundant"),
-        F.sum((F.col("haredirectfail_count") > 0).cast("int")).alias("unprotected_messages"),
+        F.sum((received & red).cast("int")).alias("redundant"),
+        F.sum((received & (F.col("haredirectfail_count") > 0)).cast("int")).alias("unprotected_messages"),
+        F.sum(F.when(received, F.col("unprotected_seconds")).otherwise(0.0)).alias("unprotected_seconds"),
         F.sum(F.col("promoted").cast("int")).alias("promoted"),
         F.sum((F.size("duplicate_delivers") > 0).cast("int")).alias("dup_inside"),
         F.sum((F.size("duplicate_external_recipients") > 0).cast("int")).alias("dup_outside"),
         F.sum((F.size("duplicate_mailbox_recipients") > 0).cast("int")).alias("dup_mailbox"),
-        F.sum("unprotected_seconds").alias("unprotected_seconds"),
-    ).first()
-    received = int(tot["received"] or 0)
-    summary["messages"] = int(tot["messages"] or 0)
-    summary["states"] = {s: states.get(s, 0) for s in
-                         ("delivered", "failed", "in flight protected", "in flight unprotected", "lost",
-                          "incomplete")}
-    summary["received"] = received
-    summary["redundant"] = int(tot["redundant"] or 0)
-    summary["redundancy_coverage"] = (summary["redundant"] / received) if received else None
-    summary["unprotected_messages"] = int(tot["unprotected_messages"] or 0)
-    summary["unprotected_seconds"] = float(tot["unprotected_seconds"] or 0.0)
-    summary["promoted"] = int(tot["promoted"] or 0)
-    summary["lost"] = summary["states"]["lost"]
-    summary["duplicates"] = {"inside_boundary": int(tot["dup_inside"] or 0),
-                             "outside_boundary": int(tot["dup_outside"] or 0),
-                             "reached_mailbox": int(tot["dup_mailbox"] or 0)}
+        F.sum((settled_early & (F.size("undiscarded_shadow_nodes") > 0)).cast("int")).alias("stale"),
+    ).collect()
 
-    # coverage per node and over time, messages per node over time
-    rec = messages.filter(F.col("receive_node").isNotNull())
-    red = F.coalesce(F.col("redundant_at_receipt"), F.lit(False)).cast("int")
-    per_node = rec.groupBy("receive_node").agg(
-        F.count(F.lit(1)).alias("received"), F.sum(red).alias("redundant"),
-        F.sum("unprotected_seconds").alias("unprotected_seconds")).orderBy("receive_node").collect()
-    summary["coverage_by_node"] = [
-        {"node": r["receive_node"], "received": int(r["received"]), "redundant": int(r["redundant"]),
-         "coverage": r["redundant"] / r["received"] if r["received"] else None,
-         "unprotected_seconds": float(r["unprotected_seconds"] or 0.0)} for r in per_node]
-    over_time = (rec.withColumn("bucket", _bucket_col("receive_time", bucket))
-                 .groupBy("bucket", "receive_node").agg(F.count(F.lit(1)).alias("received"),
-                                                        F.sum(red).alias("redundant"))
-                 .orderBy("bucket", "receive_node").collect())
+    states = dict.fromkeys(STATES, 0)
+    tot: dict[str, float] = {}
+    per_node: dict[str, dict[str, float]] = {}
     timeline: dict[int, dict[str, Any]] = {}
-    for r in over_time:
-        slot = timeline.setdefault(int(r["bucket"]), {"received": 0, "redundant": 0, "by_node": {}})
-        slot["received"] += int(r["received"])
-        slot["redundant"] += int(r["redundant"])
-        slot["by_node"][r["receive_node"]] = int(r["received"])
+    keys = ("redundant", "unprotected_messages", "unprotected_seconds", "promoted", "dup_inside",
+            "dup_outside", "dup_mailbox", "stale")
+    for r in rows:
+        n = int(r["messages"])
+        states[r["state"]] = states.get(r["state"], 0) + n
+        for k in keys:
+            tot[k] = tot.get(k, 0) + (r[k] or 0)
+        if r["receive_node"] is None:
+            continue
+        tot["received"] = tot.get("received", 0) + n
+        node = per_node.setdefault(r["receive_node"], {"received": 0, "redundant": 0, "unprotected_seconds": 0.0,
+                                                       "unprotected_messages": 0, "lost": 0})
+        node["received"] += n
+        node["redundant"] += int(r["redundant"] or 0)
+        node["unprotected_seconds"] += float(r["unprotected_seconds"] or 0.0)
+        node["unprotected_messages"] += int(r["unprotected_messages"] or 0)
+        node["lost"] += n if r["state"] == "lost" else 0
+        if r["bucket"] is not None:
+            slot = timeline.setdefault(int(r["bucket"]), {"received": 0, "redundant": 0, "by_node": {},
+                                                          "lost": 0, "unprotected": 0})
+            slot["received"] += n
+            slot["redundant"] += int(r["redundant"] or 0)
+            slot["by_node"][r["receive_node"]] = slot["by_node"].get(r["receive_node"], 0) + n
+            slot["lost"] += n if r["state"] == "lost" else 0
+            slot["unprotected"] += int(r["unprotected_messages"] or 0)
+
+    received_n = int(tot.get("received", 0))
+    summary["messages"] = sum(states.values())
+    summary["states"] = states
+    summary["received"] = received_n
+    summary["redundant"] = int(tot.get("redundant", 0))
+    summary["redundancy_coverage"] = (summary["redundant"] / received_n) if received_n else None
+    summary["unprotected_messages"] = int(tot.get("unprotected_messages", 0))
+    summary["unprotected_share"] = (summary["unprotected_messages"] / received_n) if received_n else None
+    summary["unprotected_seconds"] = float(tot.get("unprotected_seconds", 0.0))
+    summary["promoted"] = int(tot.get("promoted", 0))
+    summary["lost"] = states["lost"]
+    summary["duplicates"] = {"inside_boundary": int(tot.get("dup_inside", 0)),
+                             "outside_boundary": int(tot.get("dup_outside", 0)),
+                             "reached_mailbox": int(tot.get("dup_mailbox", 0))}
+    summary["coverage_by_node"] = [
+        {"node": n, "received": int(c["received"]), "redundant": int(c["redundant"]),
+         "coverage": c["redundant"] / c["received"] if c["received"] else None,
+         "unprotected_messages": int(c["unprotected_messages"]),
+         "unprotected_seconds": float(c["unprotected_seconds"]), "lost": int(c["lost"])}
+        for n, c in sorted(per_node.items())]
     summary["timeline"] = [
         {"time": _ts_from_epoch(b), "received": s["received"], "redundant": s["redundant"],
-         "coverage": s["redundant"] / s["received"] if s["received"] else None, "by_node": s["by_node"]}
+         "coverage": s["redundant"] / s["received"] if s["received"] else None, "by_node": s["by_node"],
+         "lost": s["lost"], "unprotected": s["unprotected"]}
         for b, s in sorted(timeline.items())]
 
-    # percentiles and histograms
-    holds = messages.select(F.explode("shadow_hold_seconds").alias("hold"))
-    delivered = messages.filter(F.col("state") == "delivered")
-    summary["shadow_hold_seconds"] = _percentiles(holds, "hold")
-    summary["latency_seconds"] = _percentiles(delivered, "latency_seconds")
-    summary["histograms"] = {"latency_seconds": _histogram(delivered, "latency_seconds"),
-                             "shadow_hold_seconds": _histogram(holds, "hold")}
+    # percentiles and histograms: latency of delivered messages, hold time of each shadow copy
+    delivered = messages.filter((F.col("state") == "delivered") & F.col("latency_seconds").isNotNull())
+    holds = messages.select(F.explode("shadow_hold_seconds").alias("hold")).filter(F.col("hold").isNotNull())
+    summary["latency_seconds"], lat_hist = _distribution(delivered, "latency_seconds")
+    summary["shadow_hold_seconds"], hold_hist = _distribution(holds, "hold")
+    summary["histograms"] = {"latency_seconds": lat_hist, "shadow_hold_seconds": hold_hist}
 
     # failover episodes: RESUBMIT REDUNDANCY by promoting node, primary and reason, split by gaps
-    promos = ev.filter((F.col("event") == "RESUBMIT") & (F.col("source") == "REDUNDANCY"))
+    resubmits = (messages.filter(F.size("resubmits") > 0)
+                 .select("key", F.explode("resubmits").alias("r"))
+                 .select("key", "r.time", "r.node", "r.source", F.col("r.primary").alias("peer"), "r.reason"))
+    promos = resubmits.filter(F.col("source") == "REDUNDANCY")
     w = Window.partitionBy("node", "peer", "reason").orderBy("time")
     gap = F.col("time").cast("double") - F.lag("time").over(w).cast("double")
     episodes = (promos.withColumn("new", F.when(gap.isNull() | (gap > episode_gap), 1).otherwise(0))
@@ -607,17 +667,15 @@ def summarize(spark: Any, ev: Any, messages: Any, anomalies: Any, malformed: Any
     summary["failover_episodes"] = [
         {"shadow_node": r["node"], "primary": r["peer"], "reason": r["reason"], "start": _ts(r["start"]),
          "end": _ts(r["end"]), "messages": int(r["messages"])} for r in episodes]
-    safety = ev.filter((F.col("event") == "RESUBMIT") & (F.col("source") == "SAFETYNET")) \
-        .groupBy("node").agg(F.countDistinct("key").alias("messages")).collect()
+    safety = (resubmits.filter(F.col("source") == "SAFETYNET").groupBy("node")
+              .agg(F.countDistinct("key").alias("messages")).collect())
     summary["safety_net_resubmits"] = {r["node"]: int(r["messages"]) for r in safety}
 
-    # per-node event counts
-    counts = ev.groupBy("node", "event").count().collect()
-    per_node_events: dict[str, dict[str, int]] = {}
-    for r in counts:
-        per_node_events.setdefault(r["node"], {})[r["event"]] = int(r["count"])
-    summary["events_by_node"] = {n: dict(sorted(v.items())) for n, v in sorted(per_node_events.items())}
-    summary["events"] = int(sum(sum(v.values()) for v in per_node_events.values()))
+    summary["events_by_node"] = facts["events_by_node"]
+    summary["events"] = int(facts["rows"])
+    summary["non_message_rows"] = {"rows": int(sum(facts["non_message"].values())),
+                                   "by_event": dict(sorted(facts["non_message"].items()))}
+    summary["node_names"] = dict(sorted(facts["rename"].items()))
 
     # malformed rows
     bad = malformed.groupBy("file", "reason").count().orderBy(F.desc("count")).limit(200).collect()
@@ -626,10 +684,10 @@ def summarize(spark: Any, ev: Any, messages: Any, anomalies: Any, malformed: Any
                             "by_file": [{"file": r["file"], "reason": r["reason"], "rows": int(r["count"])}
                                         for r in bad]}
 
-    # anomalies
-    kinds = {r["kind"]: int(r["count"]) for r in anomalies.groupBy("kind").count().collect()}
+    # anomalies: counted in the pass above, a bounded sample read back
     summary["anomalies"] = {
-        "counts": {k: kinds.get(k, 0) for k in ("lost", "shadow never discarded", "duplicate outside boundary")},
+        "counts": {"lost": states["lost"], "shadow never discarded": int(tot.get("stale", 0)),
+                   "duplicate outside boundary": summary["duplicates"]["outside_boundary"]},
         "sample": [{**r.asDict(), "time": _ts(r["time"])}
                    for r in anomalies.orderBy("kind", "time", "key").limit(anomaly_sample).collect()],
     }
@@ -702,10 +760,33 @@ def console_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _partitions(spark: Any, files: Sequence[str]) -> int | None:
+    """Shuffle partitions fit to the input: one per PARTITION_BYTES, at least the default
+    parallelism; None (Spark's setting) when the user set spark.sql.shuffle.partitions."""
+    if spark.sparkContext.getConf().contains("spark.sql.shuffle.partitions"):
+        return None
+    size = 0
+    for f in files:
+        if "://" not in f:
+            try:
+                size += os.path.getsize(f)
+            except OSError:
+                pass
+        else:
+            return None
+    return max(spark.sparkContext.defaultParallelism, math.ceil(size / PARTITION_BYTES))
+
+
 def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DEFAULT_NAME_FILTER,
             recursive: bool = False, grace_seconds: float = 600.0, episode_gap: float = 60.0,
-            progress: bool = True, report: bool = True) -> dict:
-    """Run the whole job; returns the summary (also written to ``out``/summary.json)."""
+            progress: bool = True, report: bool = True, timings: dict[str, float] | None = None) -> dict:
+    """Run the whole job; returns the summary (also written to ``out``/summary.json).
+
+    Spark jobs, in order: parse every row and write ``events/`` (the only pass over the text);
+    the facts pass over ``events/`` (span, rows per node and event, node names, when each
+    node's copies died); the per-message table (one shuffle by key) written to ``messages/``;
+    ``anomalies/``; then the summary's aggregates, all from ``messages/``. ``timings`` (if
+    given) receives the seconds of each step."""
     from pyspark.sql import functions as F
 
     if not paths:
@@ -714,15 +795,46 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
     if isinstance(shown, Progress):
         shown.start()
     started = time.monotonic()
+    steps: dict[str, float] = timings if timings is not None else {}
+    mark = [started]
+
+    def step(name: str) -> None:
+        now = time.monotonic()
+        steps[name] = round(now - mark[0], 3)
+        mark[0] = now
+
     try:
         shown.set_step("reading and parsing logs")
         spark.sparkContext.setJobDescription("parse MSGTRK rows")
         check_local_paths(paths)
-        rows = normalize(parse_lines(read_raw(spark, paths, name_filter, recursive)))
-        rows.write.mode("overwrite").partitionBy("valid").parquet(_join(out, "events"))
+        try:
+            files = reader.list_files(spark, paths, name_filter, recursive)
+        except reader.InputError as exc:
+            raise AnalyzeError(str(exc)) from None
+        if not files:
+            raise AnalyzeError(f"no tracking log rows in {', '.join(paths)}")
+        partitions = _partitions(spark, files)
+        spark.conf.set("spark.sql.csv.parser.columnPruning.enabled", "false")
+        step("list files")
+        rows = reader.normalize(reader.read_rows(spark, files))
+        # Two writers per task (valid=true, valid=false) instead of a sort of every row by the
+        # partition column before writing.
+        planned = spark.conf.get("spark.sql.optimizer.plannedWrite.enabled", "true")
+        concurrent = spark.conf.get("spark.sql.maxConcurrentOutputFiles", "0")
+        spark.conf.set("spark.sql.optimizer.plannedWrite.enabled", "false")
+        spark.conf.set("spark.sql.maxConcurrentOutputFiles", "2")
+        try:
+            # no dictionary pages: most columns are unique per row (keys, contexts), and trying
+            # a dictionary first costs more than it saves
+            rows.write.option("parquet.enable.dictionary", "false").mode("overwrite").partitionBy(
+                "valid").parquet(_join(out, "events"))
+        finally:
+            spark.conf.set("spark.sql.optimizer.plannedWrite.enabled", planned)
+            spark.conf.set("spark.sql.maxConcurrentOutputFiles", concurrent)
+        step("parse and write events")
         try:
             parsed = spark.read.parquet(_join(out, "events"))
-        except Exception as exc:  # nothing was written: no file matched, or all were empty
+        except Exception as exc:  # nothing was written: all files were empty
             if "UNABLE_TO_INFER_SCHEMA" in str(exc) or "Unable to infer schema" in str(exc):
                 raise AnalyzeError(f"no tracking log rows in {', '.join(paths)}") from None
             raise
@@ -730,28 +842,43 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
         ev = parsed.filter(valid).drop("valid", "malformed_reason", "line")
         malformed = parsed.filter(~valid).select("file", F.col("malformed_reason").alias("reason"), "line")
 
-        shown.set_step("time range")
-        bounds = ev.agg(F.min("time").alias("start"), F.max("time").alias("end"),
-                        F.count(F.lit(1)).alias("n")).first()
-        log_start, log_end = bounds["start"], bounds["end"]
-        end_lit = F.lit(log_end).cast("timestamp") if log_end else F.current_timestamp()
+        shown.set_step("facts per node")
+        spark.sparkContext.setJobDescription("facts per node")
+        facts = collect_facts(ev)
+        if facts["end"] is None and not facts["rows"]:
+            facts["start"] = facts["end"] = None
+        end_lit = F.lit(facts["end"]).cast("timestamp") if facts["end"] else F.current_timestamp()
+        step("facts")
 
         shown.set_step("joining messages across nodes")
         spark.sparkContext.setJobDescription("per-message journeys")
-        build_messages(ev, end_lit).write.mode("overwrite").parquet(_join(out, "messages"))
+        # The object hash aggregate (collect_list) falls back to sorting every row past 128 keys
+        # per task by default: let it hash a partition's keys (a partition is ~64 MB of input).
+        fallback = spark.conf.get("spark.sql.objectHashAggregate.sortBased.fallbackThreshold", "128")
+        spark.conf.set("spark.sql.objectHashAggregate.sortBased.fallbackThreshold", str(HASHED_KEYS))
+        try:
+            build_messages(ev, end_lit, facts, partitions).write.option(
+                "parquet.enable.dictionary", "false").mode("overwrite").parquet(_join(out, "messages"))
+        finally:
+            spark.conf.set("spark.sql.objectHashAggregate.sortBased.fallbackThreshold", fallback)
         messages = spark.read.parquet(_join(out, "messages"))
+        step("messages")
         shown.set_step("anomalies")
         build_anomalies(messages, end_lit, grace_seconds).write.mode("overwrite").parquet(
             _join(out, "anomalies"))
         anomalies = spark.read.parquet(_join(out, "anomalies"))
+        step("anomalies")
 
         shown.set_step("summary")
         spark.sparkContext.setJobDescription("summary aggregates")
-        summary = summarize(spark, ev, messages, anomalies, malformed, log_start, log_end, episode_gap)
+        summary = summarize(spark, messages, anomalies, malformed, facts, episode_gap, grace_seconds)
         summary["inputs"] = list(paths)
-        summary["rows"] = int(bounds["n"]) + summary["malformed"]["rows"]
+        summary["files"] = len(files)
+        summary["rows"] = int(facts["rows"]) + summary["malformed"]["rows"]
+        step("summary")
         summary["seconds"] = round(time.monotonic() - started, 3)
         summary["rows_per_second"] = summary["rows"] / summary["seconds"] if summary["seconds"] else None
+        summary["step_seconds"] = dict(steps)
         write_text(spark, _join(out, "summary.json"), json.dumps(summary, indent=2, default=str) + "\n")
         if report:
             from transportd.analytics.report import render

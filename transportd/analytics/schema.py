@@ -22,6 +22,8 @@ __all__ = [
     "GENERIC_FOLDERS",
     "MAX_FIELDS",
     "RELEASE_EVENTS",
+    "SEND_EVENTS",
+    "SEND_FOLLOW_SECONDS",
     "STATES",
     "SUCCESS_EVENTS",
     "TAKE_EVENTS",
@@ -57,14 +59,25 @@ SUCCESS_EVENTS = ("DELIVER", "SENDEXTERNAL", "DUPLICATEDELIVER")
 FAILED_EVENTS = ("FAIL", "DROP")
 """A recipient is done, unsuccessfully: permanent failure or expiry, or removed by an operator."""
 
+SEND_EVENTS = ("SEND", "SENDEXTERNAL")
+"""Events written by the sending server about a hand-over: Exchange names the sending (local)
+server in client-hostname and the next hop in server-hostname (docs/TRACKING_LOG.md)."""
+
 DELIVERY_EVENTS = ("SEND", "SENDEXTERNAL", "DELIVER")
 """Every hand-over of a message, listed per message in ``messages/``."""
 
 STATES = (
-    "delivered", "failed", "in flight protected", "in flight unprotected", "lost", "incomplete",
+    "delivered", "failed", "in flight protected", "in flight unprotected", "left the logs", "lost",
+    "incomplete",
 )
-"""Final states; ``incomplete`` is a message whose entry (RECEIVE, HARECEIVE or DSN) is not
-in the logs given (only later hops were read)."""
+"""Final states, one per message; ``left the logs`` is a message not done whose journey went on
+with a SEND to a server whose logs were not given; ``incomplete`` is a message whose entry
+(RECEIVE, HARECEIVE or DSN) is not in the logs given (only later hops were read)."""
+
+SEND_FOLLOW_SECONDS = 1.0
+"""A SEND is followed in the logs when another node read writes a RECEIVE of the message no
+earlier than this before it (clocks of two servers may differ a little); a SEND this close to
+the end of the logs is taken as followed (the next hop's row may not be written yet)."""
 
 GENERIC_FOLDERS = ("msgtrk", "messagetracking", "logs", "log", "tracking")
 """When server-hostname is empty the node is the file's folder, or the folder above it when the

@@ -1,0 +1,315 @@
+"""Reading MSGTRK files into typed events with Spark's CSV data source (one pass, no Python UDF).
+
+The driver lists the input files and reads only the first lines of each (its ``#Fields:`` header,
+or, without one, the field count of its first data rows) to group the files by format; each group
+is read by Spark's CSV source with an explicit all-string schema in that order, ``comment='#'``,
+PERMISSIVE mode and a corrupt-record column. A row whose field count is not its file's, or that
+holds a stray quote, lands in that column with its raw text; only those rows are parsed again
+(``from_csv`` with a sentinel field that gives the row's own count) to decide whether they are
+another known format (a headerless file mixing 26 and 30 fields) or malformed, and why.
+Spark's line reader drops a UTF-8 byte-order mark at the start of a file and splits CRLF, LF
+and CR alike.
+
+``normalize`` types the rows: the local node of each row (the event-direction rule of
+docs/TRACKING_LOG.md), lower-cased names and keys, the message key, and the reason a row is
+malformed. A row with no network-message-id and no message-id is not malformed: it is a row
+that is not about a message (NOTIFYMAPI, a STOREDRIVER notice), counted apart.
+"""
+
+from __future__ import annotations
+
+import csv
+import fnmatch
+import glob
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from transportd.analytics.schema import (
+    FIELDS_2016,
+    FIELDS_BY_COUNT,
+    GENERIC_FOLDERS,
+    MAX_FIELDS,
+    SEND_EVENTS,
+)
+
+DEFAULT_NAME_FILTER = "[Mm][Ss][Gg][Tt][Rr][Kk]*"
+"""Files read from folders: MSGTRK*.LOG in any case."""
+
+SENTINEL = "\u0001end-of-row"
+"""Appended to a re-parsed row as one more field: its position is the row's field count."""
+
+NEEDED = ("date-time", "client-hostname", "server-hostname", "source-context", "source", "event-id",
+          "internal-message-id", "message-id", "network-message-id", "recipient-address",
+          "reference", "sender-address")
+"""The fields the job reads; any other field is parsed by the CSV reader and dropped."""
+
+SNIFF_LINES = 64
+"""Lines read from the start of each file on the driver to find its format."""
+
+CORRUPT = "_corrupt_record"
+
+
+class InputError(Exception):
+    """The inputs cannot be listed or read (one line for the user)."""
+
+
+# ------------------------------------------------------------------------- listing and sniffing
+
+
+def _is_local(path: str) -> bool:
+    return "://" not in path or path.startswith("file://")
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith((".", "_"))
+
+
+def list_files(spark: Any, paths: Sequence[str], name_filter: str = DEFAULT_NAME_FILTER,
+               recursive: bool = False) -> list[str]:
+    """Every input file: the files given, and in folders the files whose name matches
+    ``name_filter`` (sub-folders too with ``recursive``). Hidden files (``.``, ``_``) are skipped."""
+    found: list[str] = []
+    for path in paths:
+        if _is_local(path):
+            local = path.removeprefix("file://")
+            for hit in sorted(glob.glob(local)):
+                if os.path.isdir(hit):
+                    if recursive:
+                        for root, dirs, files in os.walk(hit):
+                            dirs[:] = sorted(d for d in dirs if not _hidden(d))
+                            found += [os.path.join(root, f) for f in sorted(files)
+                                      if not _hidden(f) and fnmatch.fnmatchcase(f, name_filter)]
+                    else:
+                        found += [os.path.join(hit, f) for f in sorted(os.listdir(hit))
+                                  if os.path.isfile(os.path.join(hit, f)) and not _hidden(f)
+                                  and fnmatch.fnmatchcase(f, name_filter)]
+                elif fnmatch.fnmatchcase(os.path.basename(hit), name_filter):
+                    found.append(hit)
+            continue
+        found += _list_hadoop(spark, path, name_filter, recursive)
+    seen: set[str] = set()
+    unique = []
+    for f in found:
+        key = os.path.abspath(f) if "://" not in f else f
+        if key not in seen:
+            seen.add(key)
+            unique.append(key)
+    return unique
+
+
+def _list_hadoop(spark: Any, path: str, name_filter: str, recursive: bool) -> list[str]:
+    jvm = spark.sparkContext._jvm
+    conf = spark.sparkContext._jsc.hadoopConfiguration()
+    try:
+        hpath = jvm.org.apache.hadoop.fs.Path(path)
+        fs = hpath.getFileSystem(conf)
+        statuses = fs.globStatus(hpath) or []
+    except Exception as exc:  # noqa: BLE001 - Py4JJavaError: no such bucket, no credentials, ...
+        raise InputError(f"cannot list {path}: {str(exc).strip().splitlines()[0]}") from None
+    out = []
+    for st in statuses:
+        if st.isDirectory():
+            it = fs.listFiles(st.getPath(), recursive)
+            while it.hasNext():
+                f = it.next()
+                name = f.getPath().getName()
+                if not _hidden(name) and fnmatch.fnmatchcase(name, name_filter):
+                    out.append(f.getPath().toString())
+        elif fnmatch.fnmatchcase(st.getPath().getName(), name_filter):
+            out.append(st.getPath().toString())
+    return out
+
+
+def _head_lines(spark: Any, path: str, limit: int = SNIFF_LINES) -> list[str]:
+    lines: list[str] = []
+    if "://" not in path:
+        with open(path, encoding="utf-8", errors="replace", newline="") as f:
+            for line in f:
+                lines.append(line)
+                if len(lines) >= limit:
+                    break
+    else:
+        jvm = spark.sparkContext._jvm
+        hpath = jvm.org.apache.hadoop.fs.Path(path)
+        fs = hpath.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+        stream = fs.open(hpath)
+        try:
+            reader = jvm.java.io.BufferedReader(jvm.java.io.InputStreamReader(stream, "UTF-8"))
+            while len(lines) < limit:
+                line = reader.readLine()
+                if line is None:
+                    break
+                lines.append(line)
+        finally:
+            stream.close()
+    return [ln.lstrip("\ufeff").rstrip("\r\n") for ln in lines]
+
+
+def file_format(lines: list[str]) -> tuple[tuple[str, ...], bool]:
+    """(field names, from a header?) of a file, from its first lines: the ``#Fields:`` header,
+    else the known format of the first data rows' field count (2016's when none is known)."""
+    counts: dict[int, int] = {}
+    for line in lines:
+        if line.lower().startswith("#fields:"):
+            return tuple(n.strip().lower() for n in line[8:].split(",")), True
+        if line.startswith("#") or not line.strip():
+            continue
+        try:
+            n = len(next(csv.reader([line])))
+        except (csv.Error, StopIteration):
+            continue
+        if n in FIELDS_BY_COUNT:
+            counts[n] = counts.get(n, 0) + 1
+    if counts:
+        return FIELDS_BY_COUNT[max(counts, key=lambda n: counts[n])], False
+    return FIELDS_2016, False
+
+
+def plan(spark: Any, files: Sequence[str]) -> dict[tuple[tuple[str, ...], bool], list[str]]:
+    """Files grouped by (field names, header given)."""
+    groups: dict[tuple[tuple[str, ...], bool], list[str]] = {}
+    for f in files:
+        try:
+            fmt = file_format(_head_lines(spark, f))
+        except (OSError, Exception):  # noqa: BLE001 - unreadable: Spark will say when it reads it
+            fmt = (FIELDS_2016, False)
+        groups.setdefault(fmt, []).append(f)
+    return groups
+
+
+# ------------------------------------------------------------------------- reading
+
+
+def _read_group(spark: Any, fields: tuple[str, ...], header: bool, files: list[str]):
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    schema = StructType([StructField(f"c{i}", StringType()) for i in range(len(fields))]
+                        + [StructField(CORRUPT, StringType())])
+    df = (spark.read.schema(schema)
+          .options(comment="#", quote='"', escape='"', mode="PERMISSIVE", multiLine="false",
+                   columnNameOfCorruptRecord=CORRUPT, ignoreLeadingWhiteSpace="false",
+                   ignoreTrailingWhiteSpace="false", enforceSchema="true", header="false")
+          .csv(list(files)))
+    index = {name: i for i, name in reversed(list(enumerate(fields)))}
+    cols = [F.col(f"c{index[name]}") if name in index else F.lit(None).cast("string") for name in NEEDED]
+    names = (F.array(*[F.lit(n) for n in fields]) if header else F.lit(None).cast("array<string>"))
+    return df.select(F.col("_metadata.file_path").alias("file"), F.col(CORRUPT).alias("bad_line"),
+                     names.alias("header_names"),
+                     *[c.alias(n.replace("-", "_")) for c, n in zip(cols, NEEDED, strict=True)])
+
+
+def read_rows(spark: Any, files: Sequence[str]):
+    """Every data row of ``files`` with the needed fields (snake_case), ``file``, ``reason`` (why
+    the row is malformed, or null) and ``line`` (the raw text of a malformed row). Lazy, one pass."""
+    from pyspark.sql import functions as F
+
+    groups = plan(spark, files)
+    if not groups:
+        raise InputError("no input files")
+    df = None
+    for (fields, header), members in sorted(groups.items()):
+        part = _read_group(spark, fields, header, members)
+        df = part if df is None else df.unionByName(part)
+    assert df is not None
+
+    bad = F.col("bad_line").isNotNull()
+    df = df.filter(~bad | (F.trim(F.col("bad_line")) != ""))
+    # Rows the CSV reader could not fit to their file's format: parse them again on their own,
+    # with a sentinel field appended (its position is the row's count; a stray quote or too many
+    # fields swallows it). Evaluated for those rows only.
+    by_count = F.lit(None).cast("array<string>")
+    for n, fields in FIELDS_BY_COUNT.items():
+        by_count = F.when(F.col("n") == n, F.array(*[F.lit(f) for f in fields])).otherwise(by_count)
+    schema = ", ".join(f"c{i} STRING" for i in range(MAX_FIELDS + 1))
+    parsed = F.from_csv(F.concat(F.col("bad_line"), F.lit("," + SENTINEL)), schema,
+                        {"quote": '"', "escape": '"', "mode": "PERMISSIVE", "ignoreLeadingWhiteSpace": "false"})
+    df = (df.withColumn("parsed", F.when(bad, parsed))
+          .withColumn("tokens", F.when(bad, F.array(*[F.col("parsed")[f"c{i}"] for i in range(MAX_FIELDS + 1)])))
+          .withColumn("n", F.when(bad, (F.array_position(F.col("tokens"), SENTINEL) - 1).cast("int")))
+          .withColumn("names", F.when(bad, F.coalesce(F.col("header_names"), by_count))))
+
+    def token(name: str):
+        pos = F.array_position(F.col("names"), name).cast("int")
+        return F.coalesce(F.when(pos > 0, F.element_at(F.col("tokens"), pos)), F.lit(""))
+
+    reason = F.when(bad, F.when(F.col("n") < 0, F.lit(f"unbalanced quote or more than {MAX_FIELDS} fields"))
+                    .when(F.col("header_names").isNull() & F.col("names").isNull(),
+                          F.concat(F.col("n").cast("string"),
+                                   F.lit(" fields and no #Fields header (expected 26, 27 or 30)")))
+                    .when(F.size("names") != F.col("n"),
+                          F.concat(F.col("n").cast("string"), F.lit(" fields, #Fields names "),
+                                   F.size("names").cast("string"))))
+    df = df.withColumn("reason", reason)
+    ok = F.col("reason").isNull()
+    out = []
+    for name in NEEDED:
+        col = name.replace("-", "_")
+        out.append(F.when(~ok, F.lit("")).when(bad, token(name))
+                   .otherwise(F.coalesce(F.col(col), F.lit(""))).alias(col))
+    return df.select("file", "reason", F.when(~ok, F.substring("bad_line", 1, 500)).alias("line"), *out)
+
+
+def normalize(rows: Any):
+    """Typed, lower-cased events, with ``valid`` false and ``malformed_reason`` set for malformed
+    rows (bad CSV, no usable date-time or event-id). ``key`` is null for a row about no message.
+
+    The node of a row is where it was written: server-hostname, except for SEND and SENDEXTERNAL
+    rows that name the sending server in client-hostname (Exchange's: server-hostname is then the
+    next hop); when empty, the file's folder."""
+    from pyspark.sql import functions as F
+
+    folder = F.regexp_extract("file", r"([^/]+)/[^/]+$", 1)
+    grand = F.regexp_extract("file", r"([^/]+)/[^/]+/[^/]+$", 1)
+    folder_node = F.lower(F.when(F.lower(folder).isin(*GENERIC_FOLDERS) & (grand != ""), grand)
+                          .otherwise(folder))
+    server = F.lower(F.trim("server_hostname"))
+    client = F.lower(F.trim("client_hostname"))
+    netid = F.lower(F.trim("network_message_id"))
+    message_id = F.trim("message_id")
+    ctx = F.col("source_context")
+    event = F.upper(F.trim("event_id"))
+    source = F.upper(F.trim("source"))
+    sent_by_client = event.isin(*SEND_EVENTS) & (client != "")
+    local = F.when(sent_by_client, client).otherwise(server)
+    redundancy_ctx = r"^\s*(\S+)\s*\(([^)]*)\)"
+    ev = rows.select(
+        "file", F.col("reason").alias("csv_reason"), "line",
+        F.trim("date_time").try_cast("timestamp").alias("time"),
+        F.when(local != "", local).otherwise(folder_node).alias("node"),
+        event.alias("event"),
+        source.alias("source"),
+        F.coalesce(F.when(netid != "", netid), F.when(message_id != "", message_id)).alias("key"),
+        netid.alias("network_message_id"),
+        message_id.alias("message_id"),
+        F.trim("internal_message_id").alias("internal_message_id"),
+        # no lambda per row: split on ';' with the blanks around it, drop empty items
+        F.array_remove(F.split(F.lower(F.trim("recipient_address")), r"\s*;\s*"), "").alias("recipients"),
+        ctx.alias("context"),
+        F.when(sent_by_client, F.lit("")).otherwise(client).alias("client_hostname"),
+        F.trim("reference").alias("reference"),
+        F.lower(F.trim("sender_address")).alias("sender"),
+        F.when(event == "HAREDIRECT", F.lower(F.trim(F.substring_index(ctx, "=", 1))))
+         .when(event == "RESUBMIT", F.lower(F.regexp_extract(ctx, redundancy_ctx, 1)))
+         .when(sent_by_client & (server != ""), server)
+         .alias("peer"),
+        F.when((event == "RESUBMIT") & (source == "REDUNDANCY"), F.regexp_extract(ctx, redundancy_ctx, 2))
+         .alias("reason"),
+    )
+    reason = (F.when(F.col("csv_reason").isNotNull(), F.col("csv_reason"))
+              .when(F.col("time").isNull(), F.lit("bad date-time"))
+              .when(F.col("event") == "", F.lit("no event-id")))
+    return (ev.withColumn("malformed_reason", reason).drop("csv_reason")
+            .withColumn("valid", F.col("malformed_reason").isNull())
+            .withColumn("line", F.when(~F.col("valid"), F.coalesce(
+                F.col("line"), F.concat_ws(",", F.col("event"), F.col("key"), F.col("context"))))))
+
+
+def read_events(spark: Any, paths: Sequence[str], name_filter: str = DEFAULT_NAME_FILTER,
+                recursive: bool = False):
+    """``normalize(read_rows(...))`` over the files the paths name (lazy)."""
+    files = list_files(spark, paths, name_filter, recursive)
+    if not files:
+        raise InputError(f"no tracking log files in {', '.join(paths)}")
+    return normalize(read_rows(spark, files))
