@@ -553,17 +553,22 @@ class ChaosRun:
                 self.proc.kill()
 
 
+def _stopped_after(runs: dict):
+    """A fixture's body for runs started together: yields them, stops every one afterwards."""
+    try:
+        yield runs
+    finally:
+        for r in runs.values():
+            r.stop()
+
+
 @pytest.fixture(scope="module")
 def chaos_runs(tmp_path_factory):
     """The shadow run and its control run (same seed, shadow redundancy off), side by side."""
     base = tmp_path_factory.mktemp("chaos")
     runs = {"shadow": ChaosRun(base / "shadow", ip_base=111),
             "control": ChaosRun(base / "control", "--no-shadow", "--expect-loss", ip_base=121)}
-    try:
-        yield runs
-    finally:
-        for r in runs.values():
-            r.stop()
+    yield from _stopped_after(runs)
 
 
 @pytest.mark.chaos
@@ -605,11 +610,7 @@ def small_runs(tmp_path_factory):
             for i, seed in enumerate(CONTROL_SEEDS)}
     runs["disk"] = ChaosRun(base / "disk-full", "--messages", "60", "--faults", "2", "--seed", "77",
                             "--fault-types", "disk-full", ip_base=171)
-    try:
-        yield runs
-    finally:
-        for r in runs.values():
-            r.stop()
+    yield from _stopped_after(runs)
 
 
 @pytest.mark.chaos
