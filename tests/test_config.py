@@ -458,6 +458,7 @@ COMPANIONS = {
                                                      "shadow_message_auto_discard_interval": "90d"},
     "shadow_redundancy.shadow_resubmit_time_span": {"shadow_heartbeat_frequency": 0.1},
     "shadow_redundancy.shadow_message_auto_discard_interval": {"shadow_heartbeat_frequency": 0.1},
+    "shadow_redundancy.min_shadow_copies": {"shadow_copies": 9},
 }
 
 

@@ -424,6 +424,17 @@ KEYS: tuple[Key, ...] = (
         "attempts to shadow within the site", "MaxRetriesForLocalSiteShadow", limits=(0, 255)),
     Key("shadow_redundancy", "reject_message_on_shadow_failure", False, _bool,
         "answer 451 4.4.0 when no shadow can be made", "RejectMessageOnShadowFailure"),
+    Key("shadow_redundancy", "shadow_copies", 1, _int,
+        "shadow copies made before the 250, each on its own peer (1: Exchange's two copies in all; "
+        "2 or more survives the primary and a shadow failing together)", "", limits=(1, 9)),
+    Key("shadow_redundancy", "min_shadow_copies", 1, _int,
+        "fewer shadows than this is a shadow failure (reject_message_on_shadow_failure decides); from "
+        "this up to shadow_copies the message is accepted, the missing copies logged and made later",
+        "", limits=(1, 9)),
+    Key("shadow_redundancy", "shadow_rank_delay", 5 * MIN, parse_duration,
+        "N-way: the shadow of rank k takes ownership of a lost primary's message only after "
+        "shadow_resubmit_time_span plus k - 1 of these (rank 1 first; it adopts the others); "
+        "at least one shadow_heartbeat_frequency", "", DUR, limits=(1 * SEC, 1 * DAY)),
     Key("shadow_redundancy", "shadow_copy_timeout", 30.0, parse_duration,
         "the longest a shadow copy may hold up the sender's 250 (all peers tried); then as if no shadow "
         "could be made", "", DUR, limits=(1 * SEC, 10 * MIN)),
@@ -746,6 +757,17 @@ def _cross_checks(cfg: Config, source: str) -> None:
     _require_longer(cfg, "shadow_redundancy.shadow_resubmit_time_span",
                     "shadow_redundancy.shadow_heartbeat_frequency", source,
                     "a primary would be given up before its first heartbeat")
+    sr = cfg.shadow_redundancy
+    if sr.min_shadow_copies > sr.shadow_copies:
+        raise ConfigError(f"{source}: shadow_redundancy.min_shadow_copies: {sr.min_shadow_copies} is more than "
+                          f"shadow_redundancy.shadow_copies ({sr.shadow_copies})")
+    if sr.shadow_copies > 1 and cfg.peers and len(cfg.peers) < sr.shadow_copies:
+        raise ConfigError(f"{source}: shadow_redundancy.shadow_copies: {sr.shadow_copies} shadows need as many "
+                          f"[[peers]], {len(cfg.peers)} configured")
+    if sr.shadow_copies > 1:
+        # Rank 1 must have a heartbeat round to notice the loss, promote and adopt the others.
+        _require_longer(cfg, "shadow_redundancy.shadow_rank_delay", "shadow_redundancy.shadow_heartbeat_frequency",
+                        source, "the next rank would promote before rank 1 could adopt it")
     _require_longer(cfg, "shadow_redundancy.shadow_message_auto_discard_interval",
                     "shadow_redundancy.shadow_heartbeat_frequency", source,
                     "discard events would be dropped before the shadow's first poll")

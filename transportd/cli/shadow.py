@@ -63,11 +63,12 @@ def shadow_show(cfg: Config, primary: str, include_done: bool, as_json: bool) ->
         store.close()
     out = [{"id": r["id"], "network_message_id": r["network_message_id"], "shadow_guid": r["shadow_guid"],
             "message_id": r["message_id"], "from": r["sender"], "size": r["size"],
-            "received_at": iso(r["received_at"]), "state": "Shadow" if r["state"] == mq.QUEUED else r["state"]}
+            "received_at": iso(r["received_at"]), "state": "Shadow" if r["state"] == mq.QUEUED else r["state"],
+            "shadow_rank": r["shadow_rank"]}
            for r in rows]
     if as_json:
         emit_json(out)
         return
-    click.echo(table(["id", "shadow guid", "from", "size", "received", "state"],
-                     [(r["id"], r["shadow_guid"], r["from"] or "<>", r["size"], r["received_at"], r["state"])
-                      for r in out]))
+    click.echo(table(["id", "shadow guid", "rank", "from", "size", "received", "state"],
+                     [(r["id"], r["shadow_guid"], r["shadow_rank"], r["from"] or "<>", r["size"], r["received_at"],
+                       r["state"]) for r in out]))

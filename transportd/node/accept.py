@@ -32,7 +32,8 @@ from transportd.queue import shadows as sq
 from transportd.queue.messages import NewMessage
 from transportd.queue.routing import bifurcate
 from transportd.queue.store import QueueStore
-from transportd.redundancy.manager import ShadowManager, ShadowResult
+from transportd.redundancy.copies import ShadowResult
+from transportd.redundancy.manager import ShadowManager
 from transportd.redundancy.server import peer_name
 from transportd.smtp.frontend import new_network_message_id, prepare_message, received_as
 from transportd.smtp.headers import hop_count, network_id_from
@@ -255,7 +256,7 @@ class AcceptPath:
             except Exception as exc:  # noqa: BLE001 - the local copy exists: settle it, never strand it
                 shadow_error = exc
                 shadow_result = ShadowResult(None, f"internal error: {exc.__class__.__name__}: {exc}")
-        if shadow_result is not None and not shadow_result.peer \
+        if shadow_result is not None and not self._enough(shadow_result) \
                 and self.cfg.shadow_redundancy.reject_message_on_shadow_failure:
             await self._settle(internal_id, msg, shadow_result, guid, now)  # raises 451 4.4.0
         row = tracking_row(internal_id, msg)
@@ -263,8 +264,13 @@ class AcceptPath:
         if shadow_result is None:
             return
         if shadow_result.peer:
-            self.events.track("HAREDIRECT", "SMTP", row, recipients=recipients,
-                              source_context=f"{shadow_result.peer}={shadow_result.reply}")
+            for peer, _rank, reply in shadow_result.holders:
+                self.events.track("HAREDIRECT", "SMTP", row, recipients=recipients, source_context=f"{peer}={reply}")
+            if shadow_result.failures:
+                log.warning("message %d has %d of %d shadow copies (on %s); the missing ones are made in later "
+                            "heartbeat rounds: %s", internal_id, len(shadow_result.holders),
+                            self.cfg.shadow_redundancy.shadow_copies, ", ".join(shadow_result.peers),
+                            shadow_result.failures, extra=message_ids(row))
         else:
             self.events.track("HAREDIRECTFAIL", "SMTP", row, recipients=recipients,
                               source_context=shadow_result.reply)
@@ -273,15 +279,23 @@ class AcceptPath:
         if shadow_error is not None:
             await self.events.message_failed(row, "shadow", shadow_error)
 
+    def _enough(self, result: ShadowResult) -> bool:
+        """At least *min_shadow_copies* shadows: fewer is a shadow failure."""
+        return len(result.holders) >= self.cfg.shadow_redundancy.min_shadow_copies
+
     async def _settle(self, internal_id: int, msg: NewMessage, result: ShadowResult, guid: str, now: float) -> None:
-        """Record where the shadow went; with no shadow, accept unprotected or refuse (451 4.4.0)."""
+        """Record where the shadows went; with too few, accept (unprotected or partial) or refuse
+        (451 4.4.0, and the copies made are discarded)."""
         faults.check("settle", msg)
         if result.uncertain:
             await self.store.write(lambda c: sq.discard_uncertain(c, result.uncertain, guid, now))
-        if result.peer or not self.cfg.shadow_redundancy.reject_message_on_shadow_failure:
-            await self.store.write(lambda c: sq.settle_accepted(c, internal_id, result.peer, guid, now),
+        if self._enough(result) or not self.cfg.shadow_redundancy.reject_message_on_shadow_failure:
+            wanted = self.cfg.shadow_redundancy.shadow_copies
+            await self.store.write(lambda c: sq.settle_accepted(c, internal_id, result.peers, guid, now, wanted),
                                    queue_changed=True)
             return
+        if result.peers:
+            await self.store.write(lambda c: sq.discard_uncertain(c, result.peers, guid, now))
         await self.store.write(lambda c: sq.drop_unacknowledged(c, internal_id))
         log.warning("no shadow could be made (%s): message refused with 451 4.4.0", result.reply,
                     extra=message_ids({"id": internal_id, "network_message_id": msg.network_message_id}))

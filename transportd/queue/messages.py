@@ -57,6 +57,7 @@ class NewMessage:
     primary_node: str | None = None
     primary_internal_id: int | None = None
     primary_dbid: str | None = None
+    shadow_rank: int = 1  # on a shadow: when it may take ownership (N-way)
     smtputf8: bool = False  # received with the SMTPUTF8 MAIL parameter (RFC 6531)
     body_type: str = ""     # the BODY= it was received with: "8BITMIME", "7BIT" or "" (not given)
     dsn_of: int | None = None  # a DSN: the message it reports on
@@ -140,7 +141,7 @@ def enqueue(conn: Connection, msg: NewMessage) -> int:
         role=msg.role, state=QUEUED, suspended=0, suppress_dsn=int(msg.suppress_dsn),
         shadow_guid=msg.shadow_guid, primary_node=msg.primary_node,
         primary_internal_id=msg.primary_internal_id, redundancy=msg.redundancy,
-        primary_dbid=msg.primary_dbid, smtputf8=int(msg.smtputf8), body_type=msg.body_type, dsn_of=msg.dsn_of,
+        primary_dbid=msg.primary_dbid, shadow_rank=msg.shadow_rank, smtputf8=int(msg.smtputf8), body_type=msg.body_type, dsn_of=msg.dsn_of,
     )).inserted_primary_key[0]
     conn.execute(_INSERT_BODY, {"message_id": mid, "data": msg.data})
     rows = []

@@ -20,8 +20,16 @@ from sqlalchemy.engine import Connection
 
 from transportd import faults
 from transportd.queue import messages as mq
-from transportd.queue.store import (discard_events, message_bodies, message_shadows, messages, recipients,
-                                    resubmit_requests, shadow_contexts, shadow_forks)
+from transportd.queue.store import (
+    discard_events,
+    message_bodies,
+    message_shadows,
+    messages,
+    recipients,
+    resubmit_requests,
+    shadow_contexts,
+    shadow_forks,
+)
 
 _INSERT_MESSAGE_SHADOW = insert(message_shadows)  # built once: on the path of every 250
 _INSERT_DISCARD = insert(discard_events)
@@ -49,13 +57,21 @@ def record_forks(conn: Connection, forks: Iterable[tuple[int, str, str, int, str
                                     "queue_id": queue_id, "created_at": now, "primary_dbid": primary_dbid})
 
 
-def settle_accepted(conn: Connection, message_id: int, shadow_node: str | None, guid: str, now: float) -> None:
-    """The shadow copy made at accept: recorded (``shadowed``), or none made (``unprotected``)."""
-    if shadow_node:
-        record_shadow(conn, message_id, shadow_node, guid, now)
-        conn.execute(mq.UPDATE_MESSAGE, {"b_id": message_id, "redundancy": "shadowed"})
-    else:
-        conn.execute(mq.UPDATE_MESSAGE, {"b_id": message_id, "redundancy": "unprotected"})
+def redundancy_of(holders: int, wanted: int) -> str:
+    """A message's redundancy for ``holders`` shadows of ``wanted``: ``shadowed``, ``partial``
+    (some, fewer than shadow_copies: the missing ones are made in later heartbeat rounds) or
+    ``unprotected``."""
+    return "shadowed" if holders >= wanted else ("partial" if holders else "unprotected")
+
+
+def settle_accepted(conn: Connection, message_id: int, shadow_nodes: Iterable[str], guid: str, now: float,
+                    wanted: int = 1) -> None:
+    """The shadow copies made at accept: recorded, and the message ``shadowed``, ``partial`` or
+    ``unprotected`` (none made)."""
+    nodes = list(shadow_nodes)
+    for node in nodes:
+        record_shadow(conn, message_id, node, guid, now)
+    conn.execute(mq.UPDATE_MESSAGE, {"b_id": message_id, "redundancy": redundancy_of(len(nodes), wanted)})
 
 
 def drop_unacknowledged(conn: Connection, message_id: int) -> None:
@@ -101,10 +117,10 @@ def claim_lost_shadows(conn: Connection, peer: str) -> list[dict]:
 
 
 def claim_unprotected(conn: Connection, limit: int) -> list[dict]:
-    """Up to ``limit`` queued messages without a shadow, marked ``reshadowing``."""
+    """Up to ``limit`` queued messages without a shadow or with fewer than wanted, marked ``reshadowing``."""
     rows = [dict(r) for r in conn.execute(
         select(messages).where(messages.c.role == "primary", messages.c.state == mq.QUEUED,
-                               messages.c.redundancy == "unprotected", messages.c.poisoned == 0)
+                               messages.c.redundancy.in_(("unprotected", "partial")), messages.c.poisoned == 0)
         .order_by(messages.c.id).limit(limit)).mappings()]
     if rows:
         conn.execute(update(messages).where(messages.c.id.in_([r["id"] for r in rows]))
@@ -118,26 +134,41 @@ def mark_unprotected(conn: Connection, message_id: int) -> None:
                  .values(redundancy="unprotected"))
 
 
-def reshadow_inputs(conn: Connection, message_id: int) -> tuple[bytes | None, list[str]]:
-    """What a new shadow of ``message_id`` needs: its body and the recipients still to deliver."""
+def reshadow_inputs(conn: Connection, message_id: int) -> tuple[bytes | None, list[str], list[str]]:
+    """What a new shadow of ``message_id`` needs: its body, the recipients still to deliver, and
+    the peers that hold a shadow of it already."""
     addrs = list(conn.execute(select(recipients.c.address).where(
         recipients.c.message_id == message_id, recipients.c.status.not_in(mq.TERMINAL))).scalars())
-    return mq.body(conn, message_id), addrs
+    holders = list(conn.execute(select(message_shadows.c.shadow_node).where(
+        message_shadows.c.message_id == message_id)).scalars())
+    return mq.body(conn, message_id), addrs, holders
 
 
-def settle_reshadow(conn: Connection, message_id: int, shadow_node: str | None, guid: str,
-                    uncertain: Iterable[str], had_recipients: bool, now: float) -> str | None:
-    """Record a re-shadow's result; returns the message state. A copy made for a message that
-    was delivered (or removed) meanwhile gets its discard event at once."""
+def settle_reshadow(conn: Connection, message_id: int, shadow_nodes: Iterable[str], guid: str,
+                    uncertain: Iterable[str], had_recipients: bool, now: float, wanted: int = 1) -> str | None:
+    """Record a re-shadow's result (the new copies, under ``guid``); returns the message state. A
+    copy made for a message that was delivered (or removed) meanwhile gets its discard event at once."""
     discard_uncertain(conn, uncertain, guid, now)
     state = conn.execute(select(messages.c.state).where(messages.c.id == message_id)).scalar()
-    if shadow_node:
-        record_shadow(conn, message_id, shadow_node, guid, now)
+    for node in shadow_nodes:
+        record_shadow(conn, message_id, node, guid, now)
         if state != mq.QUEUED:
-            discard_uncertain(conn, [shadow_node], guid, now)
-    redundancy = "shadowed" if shadow_node else ("unprotected" if had_recipients else "none")
+            discard_uncertain(conn, [node], guid, now)
+    held = conn.execute(select(func.count()).select_from(message_shadows)
+                        .where(message_shadows.c.message_id == message_id)).scalar() or 0
+    redundancy = redundancy_of(held, wanted) if had_recipients or held else "none"
     conn.execute(mq.UPDATE_MESSAGE, {"b_id": message_id, "redundancy": redundancy})
     return state
+
+
+def record_adopted(conn: Connection, peer: str, adopted: Iterable[tuple[int, str]], now: float) -> None:
+    """``peer`` kept its copies of promoted messages (message id, guid) as our shadows (XSHADOWADOPT).
+    A message finished meanwhile gets its discard event at once."""
+    for message_id, guid in adopted:
+        record_shadow(conn, message_id, peer, guid, now)
+        state = conn.execute(select(messages.c.state).where(messages.c.id == message_id)).scalar()
+        if state != mq.QUEUED:
+            discard_uncertain(conn, [peer], guid, now)
 
 
 # --------------------------------------------------------------------------- shadow side
@@ -212,18 +243,42 @@ def _older(column: Any, keep_dbid: str | None) -> list:
     return [] if keep_dbid is None else [or_(column.is_(None), column != keep_dbid)]
 
 
-def promote_page(conn: Connection, primary: str, keep_dbid: str | None, limit: int) -> list[dict]:
+def promote_page(conn: Connection, primary: str, keep_dbid: str | None, limit: int,
+                 max_rank: int | None = None) -> list[dict]:
     """Up to ``limit`` shadows of ``primary`` made primary copies of ours (``reshadowing``).
-    With ``keep_dbid``, shadows made from that queue database stay shadows."""
+    With ``keep_dbid``, shadows made from that queue database stay shadows; with ``max_rank``,
+    shadows of a higher rank wait (N-way: a lower rank promotes and adopts them first)."""
+    ranked = [] if max_rank is None else [messages.c.shadow_rank <= max_rank]
     rows = conn.execute(select(messages).where(
         messages.c.role == "shadow", messages.c.primary_node == primary,
-        messages.c.state == mq.QUEUED, messages.c.poisoned == 0,
+        messages.c.state == mq.QUEUED, messages.c.poisoned == 0, *ranked,
         *_older(messages.c.primary_dbid, keep_dbid)).order_by(messages.c.id).limit(limit)).mappings().all()
     ids = [r["id"] for r in rows]
     if ids:
         conn.execute(update(messages).where(messages.c.id.in_(ids)).values(
             role="primary", origin="promoted", redundancy="reshadowing"))
     return [dict(r) for r in rows]
+
+
+def waiting_ranks(conn: Connection, primary: str, rank: int) -> bool:
+    """Whether queued shadows of ``primary`` of a rank above ``rank`` wait for their turn."""
+    return conn.execute(select(messages.c.id).where(
+        messages.c.role == "shadow", messages.c.primary_node == primary, messages.c.state == mq.QUEUED,
+        messages.c.shadow_rank > rank).limit(1)).first() is not None
+
+
+def adopt_shadows(conn: Connection, old_primary: str, new_primary: str, new_dbid: str | None,
+                  guids: list[str]) -> list[dict]:
+    """XSHADOWADOPT: our queued shadows of ``old_primary`` named in ``guids`` become shadows of
+    ``new_primary`` (which promoted them), one rank closer to ownership; returns their rows. A copy
+    promoted or discarded here already is not adopted."""
+    rows = [dict(r) for r in conn.execute(select(messages).where(
+        messages.c.role == "shadow", messages.c.primary_node == old_primary, messages.c.state == mq.QUEUED,
+        messages.c.shadow_guid.in_(guids))).mappings()]
+    for r in rows:
+        conn.execute(update(messages).where(messages.c.id == r["id"]).values(
+            primary_node=new_primary, primary_dbid=new_dbid, shadow_rank=max(1, (r["shadow_rank"] or 1) - 1)))
+    return rows
 
 
 def requeue_forks(conn: Connection, primary: str, keep_dbid: str | None) -> list[dict]:

@@ -48,7 +48,7 @@ log = logging.getLogger("transportd.queue.store")
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 metadata = MetaData()
 
@@ -98,6 +98,9 @@ messages = Table(
     Column("primary_node", String),
     Column("primary_internal_id", Integer),
     Column("primary_dbid", String),  # on a shadow: the primary's queue database ID when it was made
+    # On a shadow (schema 4): its rank among the message's shadows (N-way, docs/PROTOCOL.md
+    # section 9): rank k takes ownership only after k - 1 rank delays more than rank 1.
+    Column("shadow_rank", Integer, nullable=False, default=1),
     Column("redundancy", String, nullable=False, default="none"),  # none | shadowed | unprotected
     # How it was received (schema 3): the SMTPUTF8 MAIL parameter (RFC 6531) and BODY= (RFC 6152,
     # "8BITMIME", "7BIT" or "" when not given), so every next hop is offered the same.
@@ -253,7 +256,11 @@ def _migration_3(conn: Connection) -> None:
                          "ON recipients (queue_id, status, next_retry_at)")
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_migration_1, _migration_2, _migration_3]
+def _migration_4(conn: Connection) -> None:
+    _add_columns(conn, "messages", {"shadow_rank": "INTEGER NOT NULL DEFAULT 1"})
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_migration_1, _migration_2, _migration_3, _migration_4]
 
 
 

@@ -1,7 +1,7 @@
 """Sans-I/O connection state machines for the shadow redundancy verbs (docs/PROTOCOL.md sections 2-5).
 
 It owns, for one session between boundary peers, when XSHADOWREQUEST, XSHADOW, XQDISCARD,
-XRESUBMIT and MAIL ``XSHADOW=<guid>`` may be sent or answered, the exact replies, and the
+XRESUBMIT, XSHADOWADOPT and MAIL ``XSHADOW=<guid>`` may be sent or answered, the exact replies, and the
 matching of each reply to the command awaiting it: ``ClientConnection`` for the node that sends
 them, ``ServerConnection`` for the transport connector that answers them. It never touches a
 socket, asyncio, a clock or the queue database, and decides nothing about storage or promotion:
@@ -13,8 +13,8 @@ kept and read after the next command is sent (``receive_data(b"")``). A malforme
 ``ProtocolError`` and leaves the connection in ``ClientState.ERROR``, where every call raises.
 
 Server: ``receive_data`` stops after an event that needs the application's answer
-(``ShadowRequestReceived``, ``DiscardRequested``, ``ResubmitRequested``, ``MailWithShadow``,
-``OtherCommand``), so pipelined commands are judged in the state the answer leaves; the
+(``ShadowRequestReceived``, ``DiscardRequested``, ``ResubmitRequested``, ``AdoptRequested``,
+``MailWithShadow``, ``OtherCommand``), so pipelined commands are judged in the state the answer leaves; the
 application answers, then calls ``receive_data(b"")`` (or with more bytes) to go on. A DATA body
 is never fed here: after an ``OtherCommand`` for DATA the adapter reads the body itself.
 """
@@ -23,14 +23,31 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from dataclasses import dataclass, field
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 from transportd.errors import ProtocolError
-from transportd.redundancy.protocol import (parse_resubmit_arg, ShadowRequest, decode_dbid, decode_fqdn, encode_dbid, encode_fqdn,
-                                            format_discard_reply, format_xshadowrequest, parse_discard_entries,
-                                            parse_guid, parse_xqdiscard, parse_xshadow, parse_xshadowrequest,
-                                            split_xshadow_param)
+from transportd.redundancy.protocol import (
+    MAX_SHADOW_RANK,
+    ShadowRequest,
+    decode_dbid,
+    decode_fqdn,
+    encode_dbid,
+    encode_fqdn,
+    format_adopt_reply,
+    format_discard_reply,
+    format_xshadowadopt,
+    format_xshadowrequest,
+    parse_adopt_reply,
+    parse_discard_entries,
+    parse_guid,
+    parse_resubmit_arg,
+    parse_xqdiscard,
+    parse_xshadow,
+    parse_xshadowadopt,
+    parse_xshadowrequest,
+    split_shadow_params,
+)
 from transportd.smtp import replies
 
 S501_INVALID_ARGUMENTS = "501 5.5.4 Invalid arguments"
@@ -65,6 +82,11 @@ class PrimaryIdentified(Event):
 class DiscardBatch(Event):
     entries: tuple[tuple[str, str | None], ...]
     complete: bool  # fewer ids than asked: nothing more is pending
+
+
+@dataclass(frozen=True)
+class Adopted(Event):
+    guids: tuple[str, ...]  # the copies the peer now holds as our shadows
 
 
 @dataclass(frozen=True)
@@ -133,9 +155,17 @@ class ResubmitRequested(Event):
 
 
 @dataclass(frozen=True)
+class AdoptRequested(Event):
+    peer_fqdn: str  # the new primary (it promoted the copies)
+    old_primary: str
+    guids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class MailWithShadow(Event):
     guid: str
     rest_of_arg: str
+    rank: int = 1  # XSHADOWRANK= (N-way): when this shadow may take ownership
 
 
 @dataclass(frozen=True)
@@ -207,6 +237,7 @@ class ClientState(enum.Enum):
     AWAITING_XSHADOW = "XSHADOW"
     AWAITING_DISCARD = "XQDISCARD"
     AWAITING_RESUBMIT = "XRESUBMIT"
+    AWAITING_ADOPT = "XSHADOWADOPT"
     AWAITING_COPY = "transaction"  # the replies of a pipelined MAIL, RCPTs and BDAT or DATA
     ERROR = "error"
 
@@ -226,6 +257,7 @@ class ClientConnection:
         self._partial: list[str] = []
         self._partial_code = 0
         self._copy: _Copy | None = None
+        self._adopt_asked: tuple[str, ...] = ()
 
     @property
     def discards_unapplied(self) -> bool:
@@ -281,18 +313,34 @@ class ClientConnection:
             raise LocalProtocolError(f"not a time window: {start!r} .. {end!r}") from None
         return self._send(ClientState.AWAITING_RESUBMIT, f"XRESUBMIT {arg}")
 
-    def mail_parameter(self, guid: str) -> str:
+    def send_adopt(self, old_primary: str, guids: Sequence[str]) -> bytes:
+        """XSHADOWADOPT: we promoted these shadows of ``old_primary``; the peer's copies of them
+        become our shadows (``Adopted`` names those it held)."""
+        self._ready("XSHADOWADOPT")
+        if not self.shadow_requested:
+            raise LocalProtocolError("XSHADOWADOPT before an accepted XSHADOWREQUEST")
+        try:
+            line = format_xshadowadopt(old_primary, guids)
+        except (ValueError, ProtocolError) as exc:
+            raise LocalProtocolError(str(exc)) from None
+        self._adopt_asked = tuple(g.lower() for g in guids)
+        return self._send(ClientState.AWAITING_ADOPT, line)
+
+    def mail_parameter(self, guid: str, rank: int = 1) -> str:
         """``XSHADOW=<guid>`` for MAIL FROM, on a session that carries shadows or hop-by-hop copies."""
         self._ready("MAIL")
         if not (self.shadow_requested or self.peer_queue_database_id):
             raise LocalProtocolError("MAIL XSHADOW= before an accepted XSHADOWREQUEST or XSHADOW")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= MAX_SHADOW_RANK:
+            raise LocalProtocolError(f"a shadow rank is 1 to {MAX_SHADOW_RANK}, not {rank!r}")
         try:
-            return f"XSHADOW={parse_guid(guid)}"
+            # Rank 1 is the default: a two-copy cluster's wire carries no rank (Exchange's protocol).
+            return f"XSHADOW={parse_guid(guid)}" + (f" XSHADOWRANK={rank}" if rank > 1 else "")
         except ProtocolError:
             raise LocalProtocolError(f"not a GUID: {guid!r}") from None
 
     def send_shadow_copy(self, sender: str, params: Sequence[str], recipients: Sequence[str], data: bytes,
-                         guid: str, *, chunking: bool) -> bytes:
+                         guid: str, *, chunking: bool, rank: int = 1) -> bytes:
         """One shadow copy as one pipelined group (RFC 2920): MAIL ``XSHADOW=<guid>``, a RCPT per
         recipient, then ``BDAT <size> LAST`` and the body (CHUNKING, RFC 3030) or DATA, whose
         body follows its 354 (``SendBody``). The copy counts only when MAIL and every RCPT got
@@ -300,7 +348,8 @@ class ClientConnection:
         self._ready("MAIL")
         if not self.shadow_requested:
             raise LocalProtocolError("a shadow copy before an accepted XSHADOWREQUEST")
-        return self._group(sender, [*params, self.mail_parameter(guid)], recipients, data, chunking, shadow=True)
+        return self._group(sender, [*params, self.mail_parameter(guid, rank)], recipients, data, chunking,
+                           shadow=True)
 
     def send_transaction(self, sender: str, params: Sequence[str], recipients: Sequence[str], data: bytes, *,
                          chunking: bool, guid: str | None = None) -> bytes:
@@ -382,6 +431,8 @@ class ClientConnection:
         if awaiting is ClientState.AWAITING_DISCARD and code in (250, 251):
             entries = tuple(parse_discard_entries(code, lines))
             event = DiscardBatch(entries, len(entries) < self._asked)
+        elif awaiting is ClientState.AWAITING_ADOPT and code in (250, 251):
+            event = Adopted(tuple(parse_adopt_reply(code, lines, self._adopt_asked)))
         elif code != 250:
             self._discards_failed |= awaiting is ClientState.AWAITING_DISCARD
             event = CommandRefused(awaiting.value, code, text)
@@ -462,9 +513,11 @@ class ServerConnection:
         # application takes them, so a session that breaks meanwhile hands them back too.
         self.discards_out = False
         self.shadow_guid: str | None = None
+        self.shadow_rank = 1  # the open transaction's XSHADOWRANK=
         self._xshadow_reply = _wire(f"250 {encode_dbid(queue_database_id)}")
         self._in_transaction = False
         self._mail_guid: str | None = None
+        self._mail_rank = 1
         self._pending: Event | None = None
         self._lines = _Lines()
 
@@ -477,10 +530,12 @@ class ServerConnection:
         """MAIL was accepted: a transaction is open (with the guid of a MAIL ``XSHADOW=``)."""
         self._in_transaction = True
         self.shadow_guid, self._mail_guid = self._mail_guid, None
+        self.shadow_rank, self._mail_rank = self._mail_rank, 1
 
     def transaction_ended(self) -> None:
         self._in_transaction = False
         self.shadow_guid = self._mail_guid = None
+        self.shadow_rank = self._mail_rank = 1
 
     # -- commands -------------------------------------------------------------------
 
@@ -510,7 +565,7 @@ class ServerConnection:
             return self._mail(arg)
         handler = {"XSHADOWREQUEST": self._xshadowrequest, "XSHADOW": self._xshadow,
                    "XQDISCARD": self._xqdiscard, "XQUERYDISCARD": self._xqdiscard,
-                   "XRESUBMIT": self._xresubmit}.get(verb)
+                   "XRESUBMIT": self._xresubmit, "XSHADOWADOPT": self._xshadowadopt}.get(verb)
         if handler is None:
             return OtherCommand(line)
         event = handler(arg)
@@ -579,18 +634,34 @@ class ServerConnection:
         assert self.peer_fqdn is not None
         return ResubmitRequested(self.peer_fqdn, destination, start, end)
 
+    def _xshadowadopt(self, arg: str | None) -> Event:
+        if refusal := self._refusal():
+            return refusal
+        if not self.shadow_redundancy_enabled:
+            return Refusal(_wire(replies.S502_NOT_IMPLEMENTED), "shadow redundancy is disabled here")
+        if self.shadow_request is None:
+            return Refusal(_wire(S503_BAD_SEQUENCE), "XSHADOWADOPT before XSHADOWREQUEST")
+        try:
+            old_primary, guids = parse_xshadowadopt(arg)
+        except ProtocolError as exc:
+            return Refusal(_wire(S501_INVALID_ARGUMENTS), str(exc))
+        assert self.peer_fqdn is not None
+        if old_primary == self.peer_fqdn:
+            return Refusal(_wire(S501_INVALID_ARGUMENTS), "a node cannot adopt its own shadows")
+        return AdoptRequested(self.peer_fqdn, old_primary, tuple(guids))
+
     def _mail(self, arg: str) -> Event:
         if refusal := self._refusal(check_transaction=False):
             return refusal  # a MAIL inside a transaction is the normal MAIL handling's to refuse
         if not (self.shadow_request or self.xshadow_peer):
             return Refusal(_wire(S503_BAD_SEQUENCE), "MAIL XSHADOW= before XSHADOWREQUEST or XSHADOW")
         try:
-            rest, guid = split_xshadow_param(arg)
+            rest, guid, rank = split_shadow_params(arg)
         except ProtocolError as exc:
             return Refusal(_wire(S501_INVALID_ARGUMENTS), str(exc))
         assert guid is not None
-        self._mail_guid = guid
-        return MailWithShadow(guid, rest)
+        self._mail_guid, self._mail_rank = guid, rank
+        return MailWithShadow(guid, rest, rank)
 
     # -- the application's answers ----------------------------------------------------
 
@@ -614,6 +685,14 @@ class ServerConnection:
             raise LocalProtocolError(f"{len(entries)} discard ids for {pending.max_count} asked")
         self._take(DiscardRequested, "XQDISCARD")
         return b"".join(_wire(line) for line in format_discard_reply(list(entries)))
+
+    def adopt_reply(self, adopted: Sequence[str]) -> bytes:
+        """The XSHADOWADOPT reply: the GUIDs of the copies now held for the new primary."""
+        pending = self._pending
+        if isinstance(pending, AdoptRequested) and not set(adopted) <= set(pending.guids):
+            raise LocalProtocolError("an adopted GUID that was not asked")
+        self._take(AdoptRequested, "XSHADOWADOPT")
+        return b"".join(_wire(line) for line in format_adopt_reply(list(adopted)))
 
     def resubmit_reply(self, count: int) -> bytes:
         self._take(ResubmitRequested, "XRESUBMIT")

@@ -165,7 +165,7 @@ class Heartbeat:
                                    recorded_dbid=recorded, answered_dbid=answered,
                                    resubmit_time_span=self.sr.shadow_resubmit_time_span, failures=failures,
                                    retry_count=self.sr.shadow_heartbeat_retry_count if self.sr.version == "2010"
-                                   else None)
+                                   else None, rank_delay=self.sr.shadow_rank_delay)
         values: dict[str, Any] = {"consecutive_failures": failures, "last_error": error or None,
                                   "unreachable_since": since}
         state_change = decision.promote and decision.reason == "ShadowStateChange"
@@ -180,9 +180,12 @@ class Heartbeat:
             if since is not None and now - since >= self.cfg.safety_net.primary_safety_net_unreachable_time:
                 await self.shadows.resubmit_requested(primary, now)
         if decision.promote:
-            await self.shadows.promote(primary, decision.reason, keep_dbid=answered if state_change else None)
-            if decision.reason == "ShadowHeartbeatFailure":  # a new span starts
-                await self._context(primary, consecutive_failures=0, unreachable_since=time.time())
-            else:
+            await self.shadows.promote(primary, decision.reason, keep_dbid=answered if state_change else None,
+                                       max_rank=None if state_change else decision.rank)
+            if state_change:
                 await self._context(primary, queue_database_id=answered)
+            elif not await self.store.aread(lambda c: sq.waiting_ranks(c, primary, decision.rank)):
+                # A new span starts. While shadows of a higher rank wait (N-way), the span runs on
+                # so that they are promoted when their delay has passed too.
+                await self._context(primary, consecutive_failures=0, unreachable_since=time.time())
         return ok

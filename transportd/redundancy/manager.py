@@ -1,9 +1,11 @@
 """The Shadow Redundancy Manager: a shadow copy before every acknowledgement, and redundancy regained.
 
-It owns the primary side's policy: which peer gets a message's shadow copy
+It owns the primary side's policy: which peers get a message's shadow copies
 (*ShadowMessagePreferenceSetting*, retry counts, a fair share of
-*shadow_copy_timeout* per peer), making copies redundant again after a
-promotion or a peer's lost queue database (``reshadowing``, a few at a time),
+*shadow_copy_timeout* per peer; ``shadow_copies`` of them at once, each with its
+rank), making copies redundant again after a promotion (the other shadows of a
+promoted message adopted first, XSHADOWADOPT) or a peer's lost queue database
+(``reshadowing``, a few at a time),
 retrying messages accepted without a shadow every heartbeat round, and the
 discard events handed to shadows over the transport connector. It composes the
 shadow side (shadow_queue.py) and the heartbeat (heartbeat.py) and runs their
@@ -16,8 +18,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import aiosmtplib
 
@@ -27,12 +28,12 @@ from transportd.queue import messages as mq
 from transportd.queue import shadows as sq
 from transportd.queue.messages import NewMessage
 from transportd.queue.store import QueueStore
+from transportd.redundancy.copies import ShadowCopier, ShadowResult
 from transportd.redundancy.events import EventSink
 from transportd.redundancy.heartbeat import Heartbeat
 from transportd.redundancy.peers import PeerPool, PeerSession
-from transportd.redundancy.protocol import Peer, heartbeat_period, shadow_attempts
+from transportd.redundancy.protocol import MAX_ADOPT_BATCH, Peer, heartbeat_period, shadow_attempts
 from transportd.redundancy.shadow_queue import ShadowQueues
-from transportd.smtp.envelope import message_parameters
 
 log = logging.getLogger("transportd.redundancy.manager")
 
@@ -41,15 +42,6 @@ log = logging.getLogger("transportd.redundancy.manager")
 RESHADOW_CONCURRENCY = 8
 # Unprotected messages retried per heartbeat round.
 REPROTECT_BATCH = 64
-
-
-@dataclass
-class ShadowResult:
-    peer: str | None
-    reply: str  # the peer's DATA reply, or the reasons no shadow could be made
-    # Peers that may hold a copy although we do not count it (the session broke after DATA):
-    # they get a discard event for the GUID, so no copy is left behind forever.
-    uncertain: tuple[str, ...] = ()
 
 
 class ShadowManager:
@@ -61,6 +53,7 @@ class ShadowManager:
         self.peers = [Peer(p.name, p.site, p.transport) for p in cfg.peers]
         self.by_name = {p.name: p for p in self.peers}
         self.pool = PeerPool(cfg, self.peers)
+        self.copier = ShadowCopier(self.sr, self.pool, lambda: self.store.queue_database_id)
         self.shadow_queues = ShadowQueues(cfg, store, events, self._reshadow_in_background)
         self.heartbeat = Heartbeat(cfg, store, events, self.pool, self.shadow_queues, self._spawn, self.reprotect)
         self.accepting = True
@@ -136,69 +129,14 @@ class ShadowManager:
                                self.sr.max_retries_for_local_site_shadow, rotate=self._rotate)
 
     async def make_shadow(self, msg: NewMessage, guid: str, recipients: list[str],
-                          exclude: str | None = None) -> ShadowResult:
-        """Copy ``msg`` to a peer before the sender gets its 250; tries peers as configured."""
+                          exclude: Iterable[str] = (), copies: int | None = None, first_rank: int = 1) -> ShadowResult:
+        """Copy ``msg`` to ``copies`` peers (default shadow_copies) before the sender gets its 250;
+        ``exclude`` are peers never tried. The copies themselves are copies.py's."""
         faults.check("shadow", msg)
-        # The copy travels as the message came: SMTPUTF8 and BODY=8BITMIME when it needs them.
-        params = message_parameters(msg.sender, recipients, msg.data, smtputf8=msg.smtputf8,
-                                    body_type=msg.body_type)
-        candidates = [p for p in self.attempts() if p.name != exclude and self.pool.takes_shadows(p)]
-        if not candidates:
-            return ShadowResult(None, "No suitable shadow servers")
-        reasons: list[str] = []
-        uncertain: list[str] = []
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.sr.shadow_copy_timeout
-        timed_out: set[str] = set()
-        for i, peer in enumerate(candidates):
-            if peer.name in timed_out:
-                continue  # a peer that hung once (partitioned, paused) would eat the others' time
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                reasons.append(f"no shadow within shadow_copy_timeout ({self.sr.shadow_copy_timeout:g}s)")
-                break
-            # Each distinct peer still to try gets a fair share of what is left, so one silent peer
-            # cannot leave a healthy one untried.
-            left = len({p.name for p in candidates[i:] if p.name not in timed_out})
-            accepted, reply = await self._copy_to(peer, msg, guid, recipients, params, remaining / max(1, left),
-                                                  timed_out, uncertain)
-            if accepted:
-                return ShadowResult(peer.name, reply, tuple(u for u in uncertain if u != peer.name))
-            reasons.append(f"{peer.name}: {reply}")
-        return ShadowResult(None, "; ".join(dict.fromkeys(reasons)) or "No suitable shadow servers",
-                            tuple(uncertain))
-
-    async def _copy_to(self, peer: Peer, msg: NewMessage, guid: str, recipients: list[str], params: list[str],
-                       limit: float, timed_out: set[str], uncertain: list[str]) -> tuple[bool, str]:
-        """One attempt on one peer: (whether it holds the copy, its reply or why not)."""
-        s: PeerSession | None = None
-        ok = False
-        try:
-            async with asyncio.timeout(limit):
-                s = await self.pool.session(peer)
-                await s.shadow_request(self.queue_database_id)
-                result = await s.copy(msg.sender, params, recipients, msg.data, guid)
-                ok = True  # the session is fine, whatever the peer answered
-                if result.held and peer.name not in uncertain:
-                    uncertain.append(peer.name)  # refused, yet stored: it gets a discard event
-                return result.accepted, result.reply
-        except aiosmtplib.SMTPResponseException as exc:
-            if s is not None:
-                try:
-                    await s.client.rset()
-                    ok = True  # the session itself is fine
-                except Exception:  # noqa: BLE001
-                    ok = False
-            return False, f"{exc.code} {exc.message}"
-        except PEER_FAILURES as exc:
-            if isinstance(exc, (asyncio.TimeoutError, aiosmtplib.SMTPTimeoutError)):
-                timed_out.add(peer.name)
-            if s is not None and s.data_sent and peer.name not in uncertain:
-                uncertain.append(peer.name)  # it may hold a copy we do not count
-            return False, str(exc) or exc.__class__.__name__
-        finally:
-            if s is not None:
-                self.pool.release(s, ok)
+        excluded = set(exclude)
+        candidates = [p for p in self.attempts() if p.name not in excluded and self.pool.takes_shadows(p)]
+        return await self.copier.make(msg, guid, recipients, candidates,
+                                      self.sr.shadow_copies if copies is None else copies, first_rank)
 
     async def take_discard_events(self, shadow_node: str, n: int, token: str) -> list[tuple[str, str | None]]:
         """Up to ``n`` discard ids for a shadow, marked as handed out on session ``token``: deleted
@@ -234,7 +172,49 @@ class ShadowManager:
         return made
 
     def _reshadow_in_background(self, rows: list[dict], exclude: str) -> None:
-        self._spawn(self._reshadow_all(rows, exclude=exclude), f"making the promoted copies of {exclude} redundant")
+        self._spawn(self._after_promotion(rows, exclude), f"making the promoted copies of {exclude} redundant")
+
+    async def _after_promotion(self, rows: list[dict], lost: str) -> None:
+        """Promoted copies of ``lost``'s messages: first every peer is asked to adopt the other
+        shadows it holds of them (XSHADOWADOPT: they become our shadows and are never promoted
+        themselves), then each copy gets the shadows it still lacks."""
+        if self.sr.shadow_copies > 1:
+            await self.adopt_others(rows, lost)
+        await self._reshadow_all(rows, exclude=lost)
+
+    async def adopt_others(self, rows: list[dict], lost: str) -> int:
+        """XSHADOWADOPT to every peer but ``lost``, in batches; the copies they keep are recorded as
+        our shadows of the promoted messages. A peer that cannot be reached keeps its copy as
+        ``lost``'s shadow: it promotes it after its rank's delay, as the rules say (PROTOCOL.md 9)."""
+        by_guid = {r["shadow_guid"]: r["id"] for r in rows if r.get("shadow_guid")}
+        guids = list(by_guid)
+        adopted_total = 0
+        for peer in self.peers:
+            if peer.name == lost or not self.pool.takes_shadows(peer) or not guids:
+                continue
+            adopted: list[str] = []
+            s: PeerSession | None = None
+            ok = False
+            try:
+                async with asyncio.timeout(self.sr.shadow_copy_timeout):
+                    s = await self.pool.session(peer)
+                    await s.shadow_request(self.queue_database_id)
+                    for i in range(0, len(guids), MAX_ADOPT_BATCH):
+                        adopted += await s.adopt(lost, guids[i:i + MAX_ADOPT_BATCH])
+                    ok = True
+            except (*PEER_FAILURES, aiosmtplib.SMTPResponseException) as exc:
+                log.warning("XSHADOWADOPT to %s for %d promoted message(s) of %s failed: %s", peer.name,
+                            len(guids), lost, exc)
+            finally:
+                if s is not None:
+                    self.pool.release(s, ok)
+            if adopted:
+                now = time.time()
+                await self.store.write(lambda c, p=peer.name, a=adopted: sq.record_adopted(
+                    c, p, [(by_guid[g], g) for g in a], now))
+                adopted_total += len(adopted)
+                log.info("%s adopted %d shadow(s) of %s's messages we promoted", peer.name, len(adopted), lost)
+        return adopted_total
 
     async def _reshadow_all(self, rows: list[dict], exclude: str | None, track_failure: bool = True) -> int:
         """Make each copy redundant again, RESHADOW_CONCURRENCY at a time (never a coroutine per
@@ -268,21 +248,23 @@ class ShadowManager:
             faults.check("reshadow", row)
             now = time.time()
             mid = row["id"]
-            body, addrs = await self.store.aread(lambda c: sq.reshadow_inputs(c, mid))
+            body, addrs, holders = await self.store.aread(lambda c: sq.reshadow_inputs(c, mid))
+            wanted = self.sr.shadow_copies
             result = ShadowResult(None, "No suitable shadow servers")
             guid = str(uuid.uuid4())
-            if self.enabled and body is not None and addrs:
+            missing = wanted - len(holders)
+            if self.enabled and body is not None and addrs and missing > 0:
                 msg = NewMessage(network_message_id=row["network_message_id"], sender=row["sender"], data=body,
                                  recipients={}, received_at=now, expires_at=now, subject=row.get("subject") or "",
                                  smtputf8=bool(row.get("smtputf8")), body_type=row.get("body_type") or "")
-                result = await self.make_shadow(msg, guid, addrs, exclude=exclude)
+                result = await self.make_shadow(msg, guid, addrs, exclude=[e for e in (exclude, *holders) if e],
+                                                copies=missing, first_rank=len(holders) + 1)
             state = await self.store.write(lambda c: sq.settle_reshadow(
-                c, mid, result.peer, guid, result.uncertain, bool(addrs), now))
+                c, mid, result.peers, guid, result.uncertain, bool(addrs), now, wanted))
             if not addrs:
                 return False
-            if result.peer:
-                self.events.track("HAREDIRECT", "SMTP", row, recipients=addrs,
-                                  source_context=f"{result.peer}={result.reply}")
-            elif state == mq.QUEUED and track_failure:
+            for peer, _rank, reply in result.holders:
+                self.events.track("HAREDIRECT", "SMTP", row, recipients=addrs, source_context=f"{peer}={reply}")
+            if not result.peer and not holders and state == mq.QUEUED and track_failure:
                 self.events.track("HAREDIRECTFAIL", "SMTP", row, recipients=addrs, source_context=result.reply)
-            return bool(result.peer)
+            return bool(result.peer) or (missing <= 0 and bool(holders))

@@ -23,11 +23,21 @@ import aiosmtplib
 
 from transportd.config import peer_tls_options
 from transportd.errors import PEER_FAILURES, NoShadowRequests, ProtocolError
-from transportd.redundancy.connection import (ClientConnection, CommandRefused, DiscardBatch,
-                                              PrimaryIdentified, ResubmitAnswered, SendBody, ShadowAccepted,
-                                              ShadowRefused, ShadowRequestAccepted, TransactionReplies)
-from transportd.redundancy.wire import PeerWire
+from transportd.redundancy.connection import (
+    Adopted,
+    ClientConnection,
+    CommandRefused,
+    DiscardBatch,
+    PrimaryIdentified,
+    ResubmitAnswered,
+    SendBody,
+    ShadowAccepted,
+    ShadowRefused,
+    ShadowRequestAccepted,
+    TransactionReplies,
+)
 from transportd.redundancy.protocol import Peer, heartbeat_period
+from transportd.redundancy.wire import PeerWire
 
 DISCARD_BATCH = 50
 IDLE_SESSIONS_PER_PEER = 16
@@ -72,14 +82,14 @@ class PeerSession:
             raise ProtocolError(_refusal("XSHADOWREQUEST", events))
 
     async def copy(self, sender: str, params: list[str], recipients: list[str], data: bytes,
-                   guid: str) -> ShadowCopyReply:
+                   guid: str, rank: int = 1) -> ShadowCopyReply:
         """MAIL ``XSHADOW=<guid>``, RCPT and ``BDAT <n> LAST`` (DATA where the peer offers no
         CHUNKING) in one write, the replies read as they come: the copy counts only when the peer
         says 2.6.0. A refused copy leaves the session usable."""
         wire = self._wire()
         self.data_sent = False
         group = self.conn.send_shadow_copy(sender, params, recipients, data, guid,
-                                           chunking=wire.supports_extension("chunking"))
+                                           chunking=wire.supports_extension("chunking"), rank=rank)
         self.data_sent = True  # from the write on, the peer may hold the copy
         event = await self._group(wire, group)
         if isinstance(event, ShadowAccepted):
@@ -144,6 +154,15 @@ class PeerSession:
             entries.extend(batch.entries)
             if batch.complete:
                 return entries
+
+    async def adopt(self, old_primary: str, guids: list[str]) -> list[str]:
+        """XSHADOWADOPT: we promoted these shadows of ``old_primary``; returns the GUIDs whose copy
+        the peer held and now keeps as our shadow. A peer that does not know the verb adopts none."""
+        events = await self._exchange(self.conn.send_adopt(old_primary, guids))
+        for e in events:
+            if isinstance(e, Adopted):
+                return list(e.guids)
+        return []
 
     async def resubmit(self, destination: str, start: float, end: float) -> str:
         events = await self._exchange(self.conn.send_resubmit(destination, start, end))

@@ -1,9 +1,10 @@
 """The shadow redundancy wire protocol (docs/PROTOCOL.md) as pure functions: parse, format, decide.
 
-It owns the text of XSHADOWREQUEST, XSHADOW, XQDISCARD and MAIL ``XSHADOW=``,
-the encodings of queue database IDs and FQDNs, shadow placement
-(*ShadowMessagePreferenceSetting* with its retry counts), and the heartbeat
-rule that decides promotion. No sockets, no clock: callers pass ``now``.
+It owns the text of XSHADOWREQUEST, XSHADOW, XQDISCARD, XSHADOWADOPT and MAIL
+``XSHADOW=`` / ``XSHADOWRANK=``, the encodings of queue database IDs and FQDNs,
+shadow placement (*ShadowMessagePreferenceSetting* with its retry counts), and
+the heartbeat rules that decide promotion, rank by rank when a message has
+several shadows (N-way). No sockets, no clock: callers pass ``now``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from transportd.errors import ProtocolError  # noqa: F401 - raised by every parser here
-
 
 # ------------------------------------------------------------------------- encodings
 
@@ -135,18 +135,82 @@ def parse_discard_reply(code: int, lines: Sequence[str]) -> list[str]:
     return [g for g, _ in parse_discard_entries(code, lines)]
 
 
-def split_xshadow_param(arg: str) -> tuple[str, str | None]:
-    """Remove ``XSHADOW=<guid>`` from a MAIL FROM argument; returns (rest, guid or None)."""
-    guid = None
+MAX_SHADOW_RANK = 9  # the most shadows one message may have (shadow_redundancy.shadow_copies)
+
+
+def parse_rank(text: str) -> int:
+    """A shadow rank: 1 to MAX_SHADOW_RANK."""
+    t = text.strip()
+    if not t.isdigit() or not 1 <= int(t) <= MAX_SHADOW_RANK:
+        raise ProtocolError(f"a shadow rank is 1 to {MAX_SHADOW_RANK}, not {text[:20]!r}")
+    return int(t)
+
+
+def split_shadow_params(arg: str) -> tuple[str, str | None, int]:
+    """Remove ``XSHADOW=<guid>`` and ``XSHADOWRANK=<k>`` from a MAIL FROM argument; returns
+    (rest, guid or None, rank: 1 when not given)."""
+    guid, rank = None, None
     kept = []
     for i, token in enumerate(arg.split(" ")):
-        if i > 0 and token.upper().startswith("XSHADOW="):
+        name, _, value = token.partition("=")
+        if i > 0 and name.upper() == "XSHADOW":
             if guid is not None:
                 raise ProtocolError("XSHADOW= given twice")
-            guid = parse_guid(token.split("=", 1)[1])
+            guid = parse_guid(value)
+        elif i > 0 and name.upper() == "XSHADOWRANK":
+            if rank is not None:
+                raise ProtocolError("XSHADOWRANK= given twice")
+            rank = parse_rank(value)
         else:
             kept.append(token)
-    return " ".join(kept), guid
+    if rank is not None and guid is None:
+        raise ProtocolError("XSHADOWRANK= without XSHADOW=")
+    return " ".join(kept), guid, rank or 1
+
+
+def split_xshadow_param(arg: str) -> tuple[str, str | None]:
+    """Remove ``XSHADOW=<guid>`` (and ``XSHADOWRANK=``) from a MAIL FROM argument; returns (rest, guid or None)."""
+    rest, guid, _ = split_shadow_params(arg)
+    return rest, guid
+
+
+MAX_ADOPT_BATCH = 20  # GUIDs per XSHADOWADOPT line (a line stays under 1,000 octets)
+
+
+def format_xshadowadopt(old_primary: str, guids: Sequence[str]) -> str:
+    """``XSHADOWADOPT <base64 FQDN of the lost primary> <guid> ...``: the sender promoted these
+    shadows of ``old_primary``; a copy of them held here becomes the sender's shadow."""
+    if not guids or len(guids) > MAX_ADOPT_BATCH:
+        raise ValueError(f"XSHADOWADOPT names 1 to {MAX_ADOPT_BATCH} GUIDs")
+    return " ".join(["XSHADOWADOPT", encode_fqdn(old_primary), *(parse_guid(g) for g in guids)])
+
+
+def parse_xshadowadopt(arg: str | None) -> tuple[str, list[str]]:
+    parts = (arg or "").split()
+    if len(parts) < 2:
+        raise ProtocolError("XSHADOWADOPT needs <base64 FQDN of the lost primary> <guid> ...")
+    if len(parts) - 1 > MAX_ADOPT_BATCH:
+        raise ProtocolError(f"XSHADOWADOPT names at most {MAX_ADOPT_BATCH} GUIDs")
+    return decode_fqdn(parts[0]), list(dict.fromkeys(parse_guid(g) for g in parts[1:]))
+
+
+def format_adopt_reply(adopted: Sequence[str]) -> list[str]:
+    """``250-<guid>`` ... for the copies adopted, or ``251`` when none was held here."""
+    if not adopted:
+        return ["251 OK, no shadow of those held here"]
+    return [f"250-{g}" for g in adopted[:-1]] + [f"250 {adopted[-1]}"]
+
+
+def parse_adopt_reply(code: int, lines: Sequence[str], asked: Sequence[str]) -> list[str]:
+    """The GUIDs the peer adopted (each one of those asked), from an XSHADOWADOPT reply."""
+    if code == 251:
+        return []
+    if code != 250:
+        raise ProtocolError(f"XSHADOWADOPT answered {code}")
+    out = [parse_guid(line) for line in lines if line.strip()]
+    if not set(out) <= set(asked):
+        raise ProtocolError("XSHADOWADOPT answered a GUID that was not asked")
+    return out
 
 
 def redundancy_reply(message_id: str, internal_id: int, fqdn: str, what: str = "redundancy") -> str:
@@ -199,11 +263,30 @@ def shadow_attempts(peers: Sequence[Peer], my_site: str, preference: str,
 class HeartbeatDecision:
     promote: bool
     reason: str = ""  # "ShadowHeartbeatFailure" or "ShadowStateChange"
+    # The highest shadow rank promoted now (N-way, docs/PROTOCOL.md section 9): a shadow of rank
+    # k waits (k - 1) more rank delays (2010: k times the retry count) before it takes ownership.
+    rank: int = MAX_SHADOW_RANK
+
+
+def promotable_rank(*, unreachable_for: float, resubmit_time_span: float, rank_delay: float,
+                    failures: int = 0, retry_count: int | None = None) -> int:
+    """The highest rank of shadows that may be promoted for a primary unreachable this long (0: none).
+
+    Rank 1 after *ShadowResubmitTimeSpan* (2010: *ShadowHeartbeatRetryCount* failures in a row),
+    rank k after the span plus (k - 1) rank delays (2010: k times the retry count), so the
+    shadow that would promote first has that much time to promote and adopt the others."""
+    if retry_count is not None:
+        return min(MAX_SHADOW_RANK, failures // max(1, retry_count))
+    if unreachable_for < resubmit_time_span:
+        return 0
+    if rank_delay <= 0:
+        return MAX_SHADOW_RANK
+    return min(MAX_SHADOW_RANK, 1 + int((unreachable_for - resubmit_time_span) // rank_delay))
 
 
 def after_heartbeat(*, ok: bool, unreachable_for: float, recorded_dbid: str | None,
                     answered_dbid: str | None, resubmit_time_span: float, failures: int = 0,
-                    retry_count: int | None = None) -> HeartbeatDecision:
+                    retry_count: int | None = None, rank_delay: float = 0.0) -> HeartbeatDecision:
     """Decide promotion after one heartbeat exchange.
 
     2013 (``retry_count`` None): ``unreachable_for`` is the seconds since the primary was last
@@ -214,13 +297,19 @@ def after_heartbeat(*, ok: bool, unreachable_for: float, recorded_dbid: str | No
     2010: the primary is declared failed after ``retry_count`` (*ShadowHeartbeatRetryCount*)
     time-outs in a row, ``failures`` counting this one (each poll comes one
     *ShadowHeartbeatTimeoutInterval* after the last).
+
+    A state change (the primary is back with a new queue database) promotes every rank at once:
+    the primary itself says it lost its copies. A heartbeat failure promotes up to
+    ``promotable_rank``.
     """
     if ok and recorded_dbid and answered_dbid and recorded_dbid != answered_dbid:
         return HeartbeatDecision(True, "ShadowStateChange")
     if ok:
         return HeartbeatDecision(False)
-    if (failures >= retry_count) if retry_count is not None else (unreachable_for >= resubmit_time_span):
-        return HeartbeatDecision(True, "ShadowHeartbeatFailure")
+    rank = promotable_rank(unreachable_for=unreachable_for, resubmit_time_span=resubmit_time_span,
+                           rank_delay=rank_delay, failures=failures, retry_count=retry_count)
+    if rank >= 1:
+        return HeartbeatDecision(True, "ShadowHeartbeatFailure", rank)
     return HeartbeatDecision(False)
 
 

@@ -19,8 +19,17 @@ from typing import Any, Callable
 from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session, syntax
 
 from transportd.errors import MessageRejected
-from transportd.redundancy.connection import (DiscardRequested, Event, MailWithShadow, Refusal, ResubmitRequested,
-                                              ServerConnection, ShadowRequestReceived, XShadowReceived)
+from transportd.redundancy.connection import (
+    AdoptRequested,
+    DiscardRequested,
+    Event,
+    MailWithShadow,
+    Refusal,
+    ResubmitRequested,
+    ServerConnection,
+    ShadowRequestReceived,
+    XShadowReceived,
+)
 from transportd.redundancy.protocol import redundancy_reply
 from transportd.smtp import replies
 from transportd.smtp.addresses import valid_address
@@ -146,6 +155,16 @@ class TransportSMTP(LimitedSMTP):
                                                               event.end)
             await self._write(self.conn.resubmit_reply(n))
 
+    @syntax("XSHADOWADOPT base64-fqdn-of-lost-primary guid ...")
+    async def smtp_XSHADOWADOPT(self, arg: str | None) -> None:
+        """N-way: the peer promoted these shadows of a lost primary; ours become its shadows."""
+        event = await self._judge("XSHADOWADOPT", arg)
+        if isinstance(event, AdoptRequested):
+            request = self.conn.shadow_request
+            adopted = await asyncio.shield(self.manager.shadow_queues.adopt(
+                event.old_primary, event.peer_fqdn, request.primary_dbid if request else None, list(event.guids)))
+            await self._write(self.conn.adopt_reply(adopted))
+
     async def smtp_MAIL(self, arg: str | None) -> None:
         if arg and "XSHADOW=" in arg.upper():
             event = await self._judge("MAIL", arg)
@@ -195,7 +214,8 @@ class TransportHandler(FrontendHandler):
         guid = conn.shadow_guid if conn is not None else None
         request = conn.shadow_request if conn is not None else None
         if guid and request is not None:
-            task = asyncio.ensure_future(self.manager.shadow_queues.store_shadow(envelope, session, request, guid))
+            task = asyncio.ensure_future(self.manager.shadow_queues.store_shadow(envelope, session, request, guid,
+                                                                                 conn.shadow_rank))
             try:
                 internal_id, message_id = await asyncio.shield(task)
             except MessageRejected as exc:

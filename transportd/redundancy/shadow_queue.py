@@ -3,8 +3,10 @@
 It owns what happens to a shadow copy here: stored when a primary sends it
 (HARECEIVE), moved to the Shadow Safety Net when the primary discards it
 (HADISCARD), promoted to a primary copy of ours when the primary is lost
-(RESUBMIT, in pages, delivered at once), and resubmitted from the Shadow Safety
-Net for a primary's resubmit request. Every query goes through
+(RESUBMIT, in pages, delivered at once; with several shadows per message only
+up to the rank the heartbeat allows), adopted by the shadow of a lower rank that
+promoted it (XSHADOWADOPT), and resubmitted from the Shadow Safety Net for a
+primary's resubmit request. Every query goes through
 queue/shadows.py; it never talks to a peer (redundancy/heartbeat.py does) and
 never schedules delivery itself: its commits set the store's queue-changed event.
 """
@@ -32,7 +34,8 @@ log = logging.getLogger("transportd.redundancy.shadow_queue")
 # Shadows promoted per commit (and tracked before the loop runs anything else).
 PROMOTE_PAGE = 500
 # What re-shadowing a promoted copy needs of its row (and its tracking rows show).
-RESHADOW_FIELDS = ("id", "network_message_id", "message_id", "sender", "subject", "size", "smtputf8", "body_type")
+RESHADOW_FIELDS = ("id", "network_message_id", "message_id", "sender", "subject", "size", "smtputf8", "body_type",
+                   "shadow_guid")
 
 
 class ShadowQueues:
@@ -45,7 +48,8 @@ class ShadowQueues:
         self.events = events
         self._reshadow = reshadow  # starts, in the background, new shadows of promoted copies
 
-    async def store_shadow(self, envelope: Any, session: Any, request: Any, guid: str) -> tuple[int, str]:
+    async def store_shadow(self, envelope: Any, session: Any, request: Any, guid: str,
+                           rank: int = 1) -> tuple[int, str]:
         """Keep a shadow copy for ``request.primary_fqdn`` durably; returns (internal id, Message-ID)."""
         now = time.time()
         data = envelope.original_content or b""
@@ -61,7 +65,7 @@ class ShadowQueues:
             subject=subject, client_ip=str((session.peer or ("",))[0]),
             client_hostname=request.primary_fqdn, origin="shadow", role="shadow", redundancy="shadow",
             shadow_guid=guid, primary_node=request.primary_fqdn, primary_dbid=request.primary_dbid,
-            smtputf8=smtputf8, body_type=body_type,
+            shadow_rank=rank, smtputf8=smtputf8, body_type=body_type,
         )
         internal_id = await self.store.write(lambda c: mq.enqueue(c, msg))
         row = {"id": internal_id, "network_message_id": network_id, "message_id": msg.message_id,
@@ -89,7 +93,20 @@ class ShadowQueues:
                               client_hostname=primary)
         return len(rows) + len(released)
 
-    async def promote(self, primary: str, reason: str, keep_dbid: str | None = None) -> int:
+    async def adopt(self, old_primary: str, new_primary: str, new_dbid: str | None, guids: list[str]) -> list[str]:
+        """XSHADOWADOPT from ``new_primary``: it promoted these shadows of ``old_primary``; the copies
+        we hold of them become its shadows (one rank closer). Returns the GUIDs adopted."""
+        rows = await self.store.write(lambda c: sq.adopt_shadows(c, old_primary, new_primary, new_dbid, guids))
+        for r in rows:
+            self.events.track("HARECEIVE", "SMTP", r, source_context=f"{r['shadow_guid']};AdoptedFrom={old_primary}",
+                              client_hostname=new_primary)
+        if rows:
+            log.info("%s promoted %d message(s) of %s we hold shadows of: they are its shadows now",
+                     new_primary, len(rows), old_primary)
+        return [r["shadow_guid"] for r in rows]
+
+    async def promote(self, primary: str, reason: str, keep_dbid: str | None = None,
+                      max_rank: int | None = None) -> int:
         """Make the shadows of ``primary`` primary messages of ours and deliver them.
 
         ``keep_dbid`` (a state change): shadows made from that queue database, i.e. after the
@@ -102,7 +119,8 @@ class ShadowQueues:
         while True:
             # One page at a time (bounded memory, a short commit each), the loop free in between.
             # Tracked before delivery can take them: the scheduler runs only between awaits.
-            promoted = await self.store.write(lambda c: sq.promote_page(c, primary, keep_dbid, PROMOTE_PAGE))
+            promoted = await self.store.write(lambda c: sq.promote_page(c, primary, keep_dbid, PROMOTE_PAGE,
+                                                                        max_rank))
             rows, batch = batch + promoted, []
             failed: list[tuple[dict, Exception]] = []
             for r in rows:

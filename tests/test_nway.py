@@ -1,0 +1,374 @@
+"""N-way shadow redundancy (docs/PROTOCOL.md section 9): ranks, XSHADOWADOPT and the promotion rules.
+
+Pure tests: the wire text and the sans-I/O connections without sockets, the rank rule with an
+injected clock, and the rules played out over three nodes' queue databases (real SQLite files,
+no processes): whoever loses, exactly one copy of each message is promoted.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+
+import pytest
+
+from transportd.errors import ProtocolError
+from transportd.queue import messages as mq
+from transportd.queue import shadows as sq
+from transportd.queue.messages import NewMessage
+from transportd.queue.routing import NextHop
+from transportd.queue.store import QueueStore
+from transportd.redundancy.connection import (
+    Adopted,
+    AdoptRequested,
+    ClientConnection,
+    ClientState,
+    CommandRefused,
+    LocalProtocolError,
+    MailWithShadow,
+    Refusal,
+    ServerConnection,
+)
+from transportd.redundancy.protocol import (
+    MAX_ADOPT_BATCH,
+    MAX_SHADOW_RANK,
+    after_heartbeat,
+    format_adopt_reply,
+    format_xshadowadopt,
+    parse_adopt_reply,
+    parse_xshadowadopt,
+    promotable_rank,
+    split_shadow_params,
+    split_xshadow_param,
+)
+
+PRIMARY = "p.example"
+SHADOW = "s.example"
+LOST = "lost.example"
+P_DBID = "6f1c2b1e-3d4a-4c5b-9e8f-0a1b2c3d4e5f"
+S_DBID = "0e9d8c7b-6a59-4837-a261-5f4e3d2c1b0a"
+G1 = "11111111-2222-4333-8444-555555555555"
+G2 = "aaaaaaaa-bbbb-4ccc-8ddd-eeeeeeeeeeee"
+R501 = b"501 5.5.4 Invalid arguments\r\n"
+R502 = b"502 5.3.3 Command not implemented\r\n"
+R503 = b"503 5.5.1 Bad sequence of commands\r\n"
+R550 = b"550 5.7.1 Not authorized\r\n"
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def b64_dbid(dbid: str) -> str:
+    return base64.b64encode(uuid.UUID(dbid).bytes).decode()
+
+
+# ============================================================================ wire text
+
+def test_rank_travels_beside_xshadow() -> None:
+    assert split_shadow_params(f"FROM:<a@x> XSHADOW={G1} XSHADOWRANK=2 SMTPUTF8") == \
+        ("FROM:<a@x> SMTPUTF8", G1, 2)
+    assert split_shadow_params(f"FROM:<a@x> xshadowrank=3 xshadow={G1.upper()}") == ("FROM:<a@x>", G1, 3)
+    assert split_shadow_params(f"FROM:<a@x> XSHADOW={G1}") == ("FROM:<a@x>", G1, 1)  # rank 1 by default
+    assert split_xshadow_param(f"FROM:<a@x> XSHADOW={G1} XSHADOWRANK=2") == ("FROM:<a@x>", G1)
+
+
+@pytest.mark.parametrize("arg", [f"FROM:<a@x> XSHADOW={G1} XSHADOWRANK=0",
+                                 f"FROM:<a@x> XSHADOW={G1} XSHADOWRANK={MAX_SHADOW_RANK + 1}",
+                                 f"FROM:<a@x> XSHADOW={G1} XSHADOWRANK=two",
+                                 f"FROM:<a@x> XSHADOW={G1} XSHADOWRANK=2 XSHADOWRANK=3",
+                                 "FROM:<a@x> XSHADOWRANK=2"])
+def test_bad_ranks_are_protocol_errors(arg: str) -> None:
+    with pytest.raises(ProtocolError):
+        split_shadow_params(arg)
+
+
+def test_xshadowadopt_text() -> None:
+    line = format_xshadowadopt(LOST, [G1, G2.upper()])
+    assert line == f"XSHADOWADOPT {b64(LOST)} {G1} {G2}"
+    assert parse_xshadowadopt(line.split(" ", 1)[1]) == (LOST, [G1, G2])
+    assert parse_xshadowadopt(f"{b64(LOST)} {G1} {G1}") == (LOST, [G1])  # named twice, adopted once
+    assert format_adopt_reply([]) == ["251 OK, no shadow of those held here"]
+    assert format_adopt_reply([G1, G2]) == [f"250-{G1}", f"250 {G2}"]
+    assert parse_adopt_reply(250, [G1, G2], [G1, G2]) == [G1, G2]
+    assert parse_adopt_reply(251, ["OK, no shadow of those held here"], [G1]) == []
+
+
+@pytest.mark.parametrize("arg", [None, "", b64(LOST), f"nope! {G1}", f"{b64(LOST)} not-a-guid",
+                                 " ".join([b64(LOST)] + [G1] * (MAX_ADOPT_BATCH + 1))])
+def test_malformed_xshadowadopt(arg) -> None:
+    with pytest.raises(ProtocolError):
+        parse_xshadowadopt(arg)
+
+
+def test_adopt_batches_are_bounded() -> None:
+    with pytest.raises(ValueError):
+        format_xshadowadopt(LOST, [])
+    with pytest.raises(ValueError):
+        format_xshadowadopt(LOST, [G1] * (MAX_ADOPT_BATCH + 1))
+    assert len(format_xshadowadopt("x" * 60 + ".example", [G1] * MAX_ADOPT_BATCH)) < 1000
+
+
+@pytest.mark.parametrize("code, lines", [(250, ["not-a-guid"]), (250, [G2]), (500, ["no"])])
+def test_malformed_adopt_replies(code: int, lines: list[str]) -> None:
+    with pytest.raises(ProtocolError):
+        parse_adopt_reply(code, lines, [G1])
+
+
+# ============================================================================ rank rule
+
+SPAN, DELAY = 10.0, 5.0
+
+
+@pytest.mark.parametrize("unreachable_for, rank", [
+    (0.0, 0), (9.99, 0), (10.0, 1), (14.99, 1), (15.0, 2), (19.99, 2), (20.0, 3), (10_000.0, MAX_SHADOW_RANK)])
+def test_rank_k_waits_k_minus_one_delays_after_the_span(unreachable_for: float, rank: int) -> None:
+    assert promotable_rank(unreachable_for=unreachable_for, resubmit_time_span=SPAN, rank_delay=DELAY) == rank
+
+
+@pytest.mark.parametrize("failures, rank", [(0, 0), (2, 0), (3, 1), (5, 1), (6, 2), (9, 3)])
+def test_2010_rank_k_waits_k_times_the_retry_count(failures: int, rank: int) -> None:
+    assert promotable_rank(unreachable_for=0.0, resubmit_time_span=SPAN, rank_delay=DELAY,
+                           failures=failures, retry_count=3) == rank
+
+
+def test_heartbeat_decisions_carry_the_rank() -> None:
+    decide = dict(recorded_dbid=P_DBID, answered_dbid=None, resubmit_time_span=SPAN, rank_delay=DELAY)
+    assert not after_heartbeat(ok=False, unreachable_for=9.0, **decide).promote
+    first = after_heartbeat(ok=False, unreachable_for=11.0, **decide)
+    assert (first.promote, first.reason, first.rank) == (True, "ShadowHeartbeatFailure", 1)
+    assert after_heartbeat(ok=False, unreachable_for=16.0, **decide).rank == 2
+    # A primary back with a new queue database lost its copies: every rank at once.
+    change = after_heartbeat(ok=True, unreachable_for=0.0, recorded_dbid=P_DBID, answered_dbid=S_DBID,
+                             resubmit_time_span=SPAN, rank_delay=DELAY)
+    assert (change.reason, change.rank) == ("ShadowStateChange", MAX_SHADOW_RANK)
+    assert not after_heartbeat(ok=True, unreachable_for=0.0, **decide).promote
+
+
+# ============================================================================ connections
+
+def shadowing_client() -> ClientConnection:
+    c = ClientConnection(PRIMARY)
+    c.send_shadow_request(P_DBID)
+    c.receive_data(f"250 {b64(SHADOW)}\r\n".encode())
+    return c
+
+
+def test_copy_carries_its_rank_and_rank_1_is_not_written() -> None:
+    c = shadowing_client()
+    assert c.mail_parameter(G1) == f"XSHADOW={G1}"
+    assert c.mail_parameter(G1, 3) == f"XSHADOW={G1} XSHADOWRANK=3"
+    group = c.send_shadow_copy("a@x", [], ["b@y"], b"body\r\n", G1, chunking=True, rank=2)
+    assert group.startswith(f"MAIL FROM:<a@x> XSHADOW={G1} XSHADOWRANK=2\r\n".encode())
+
+
+@pytest.mark.parametrize("rank", [0, MAX_SHADOW_RANK + 1, True, "2"])
+def test_a_bad_rank_is_a_local_error(rank) -> None:
+    with pytest.raises(LocalProtocolError):
+        shadowing_client().mail_parameter(G1, rank)
+
+
+def test_client_adopt() -> None:
+    c = shadowing_client()
+    assert c.send_adopt(LOST, [G1, G2]) == f"XSHADOWADOPT {b64(LOST)} {G1} {G2}\r\n".encode()
+    assert c.state is ClientState.AWAITING_ADOPT
+    assert c.receive_data(f"250-{G1}\r\n250 {G2}\r\n".encode()) == [Adopted((G1, G2))]
+    c.send_adopt(LOST, [G1])
+    assert c.receive_data(b"251 OK, no shadow of those held here\r\n") == [Adopted(())]
+    c.send_adopt(LOST, [G1])
+    assert c.receive_reply(500, ["5.5.2 Error: command not recognized"]) == [
+        CommandRefused("XSHADOWADOPT", 500, "5.5.2 Error: command not recognized")]  # an older peer
+    assert c.state is ClientState.IDLE
+
+
+def test_client_adopt_needs_a_shadow_request_and_guids() -> None:
+    with pytest.raises(LocalProtocolError):
+        ClientConnection(PRIMARY).send_adopt(LOST, [G1])
+    with pytest.raises(LocalProtocolError):
+        shadowing_client().send_adopt(LOST, [])
+    c = shadowing_client()
+    c.send_adopt(LOST, [G1])
+    with pytest.raises(ProtocolError):
+        c.receive_data(f"250 {G2}\r\n".encode())  # a GUID not asked
+    assert c.state is ClientState.ERROR
+
+
+def server(**kwargs) -> ServerConnection:
+    s = ServerConnection(SHADOW, S_DBID, **kwargs)
+    s.authenticated(PRIMARY)
+    return s
+
+
+def one(s: ServerConnection, line: str):
+    [event] = s.receive_data(line.encode() + b"\r\n")
+    return event
+
+
+def requested(s: ServerConnection) -> ServerConnection:
+    one(s, f"XSHADOWREQUEST {PRIMARY} {b64_dbid(P_DBID)}")
+    s.accept_shadow_request()
+    return s
+
+
+def test_server_adopt() -> None:
+    s = requested(server())
+    event = one(s, f"XSHADOWADOPT {b64(LOST)} {G1} {G2}")
+    assert event == AdoptRequested(PRIMARY, LOST, (G1, G2))
+    assert s.adopt_reply([G2]) == f"250 {G2}\r\n".encode()
+    one(s, f"XSHADOWADOPT {b64(LOST)} {G1}")
+    with pytest.raises(LocalProtocolError):
+        s.adopt_reply([G2])  # not asked
+    assert s.adopt_reply([]) == b"251 OK, no shadow of those held here\r\n"
+    with pytest.raises(LocalProtocolError):
+        s.adopt_reply([])  # nothing awaits an answer
+
+
+@pytest.mark.parametrize("prepare, line, reply", [
+    (lambda s: s, f"XSHADOWADOPT {b64(LOST)} {G1}", R503),  # no XSHADOWREQUEST
+    (requested, f"XSHADOWADOPT {b64(LOST)}", R501),
+    (requested, f"XSHADOWADOPT {b64(PRIMARY)} {G1}", R501),  # its own shadows
+    (lambda s: (requested(s), s.transaction_started())[0], f"XSHADOWADOPT {b64(LOST)} {G1}", R503),
+])
+def test_server_adopt_refusals(prepare, line: str, reply: bytes) -> None:
+    s = server()
+    prepare(s)
+    assert one(s, line) == Refusal(reply)
+
+
+def test_adopt_needs_an_authenticated_peer_with_shadow_redundancy_on() -> None:
+    assert one(ServerConnection(SHADOW, S_DBID), f"XSHADOWADOPT {b64(LOST)} {G1}") == Refusal(R550)
+    assert one(server(shadow_redundancy_enabled=False), f"XSHADOWADOPT {b64(LOST)} {G1}") == Refusal(R502)
+
+
+def test_server_reads_the_rank_of_a_copy() -> None:
+    s = requested(server())
+    assert one(s, f"MAIL FROM:<a@x> XSHADOW={G1} XSHADOWRANK=2") == MailWithShadow(G1, "FROM:<a@x>", 2)
+    s.transaction_started()
+    assert (s.shadow_guid, s.shadow_rank) == (G1, 2)
+    s.transaction_ended()
+    assert s.shadow_rank == 1
+    assert one(s, f"MAIL FROM:<a@x> XSHADOW={G1} XSHADOWRANK=0") == Refusal(R501)
+
+
+# ============================================================================ the rules played out
+
+NODES = ("n1", "n2", "n3", "n4")
+
+
+class Cluster:
+    """Each node's queue database (real SQLite), and the rules of PROTOCOL.md section 9 applied
+    by hand at injected times: what the heartbeat loop and the promotion do, without sockets."""
+
+    def __init__(self, tmp_path):
+        self.db = {n: QueueStore.open(tmp_path / f"{n}.db") for n in NODES}
+        self.delivered: list[tuple[str, str]] = []  # (node, network id) of every promoted copy
+
+    def close(self) -> None:
+        for s in self.db.values():
+            s.close()
+
+    def tx(self, node: str, fn):
+        with self.db[node].write_engine.begin() as conn:
+            return fn(conn)
+
+    def accept(self, primary: str, shadows: list[str], netid: str, now: float) -> str:
+        """``primary`` takes a message; ``shadows`` hold copies, ranked in that order."""
+        guid = str(uuid.uuid4())
+        msg = NewMessage(network_message_id=netid, sender="a@x", data=b"Subject: t\r\n\r\nbody\r\n",
+                         recipients={NextHop("sink.example", "DnsConnectorDelivery", "sink.example"): ["b@sink.example"]},
+                         received_at=now, expires_at=now + 3600)
+        mid = self.tx(primary, lambda c: mq.enqueue(c, msg))
+        self.tx(primary, lambda c: sq.settle_accepted(c, mid, shadows, guid, now, len(shadows)))
+        for rank, node in enumerate(shadows, 1):
+            copy = NewMessage(network_message_id=netid, sender="a@x", data=msg.data,
+                              recipients=msg.recipients, received_at=now, expires_at=now + 3600,
+                              role="shadow", redundancy="shadow", shadow_guid=guid, primary_node=primary,
+                              primary_dbid=P_DBID, shadow_rank=rank)
+            self.tx(node, lambda c, m=copy: mq.enqueue(c, m))
+        return guid
+
+    def heartbeat(self, node: str, primary: str, unreachable_for: float) -> list[dict]:
+        """One failed heartbeat of ``node`` to ``primary``: what it promotes."""
+        decision = after_heartbeat(ok=False, unreachable_for=unreachable_for, recorded_dbid=P_DBID,
+                                   answered_dbid=None, resubmit_time_span=SPAN, rank_delay=DELAY)
+        if not decision.promote:
+            return []
+        rows = self.tx(node, lambda c: sq.promote_page(c, primary, None, 500, decision.rank))
+        self.delivered += [(node, r["network_message_id"]) for r in rows]
+        return rows
+
+    def adopt(self, node: str, lost: str, rows: list[dict], alive: set[str]) -> None:
+        """``node`` promoted ``rows``: every live peer adopts the copies it holds (XSHADOWADOPT)."""
+        guids = [r["shadow_guid"] for r in rows]
+        for peer in NODES:
+            if peer in (node, lost) or peer not in alive:
+                continue
+            adopted = self.tx(peer, lambda c, p=peer: sq.adopt_shadows(c, lost, node, P_DBID, guids))
+            by_guid = {r["shadow_guid"]: r["id"] for r in rows}
+            self.tx(node, lambda c, p=peer, a=adopted: sq.record_adopted(
+                c, p, [(by_guid[r["shadow_guid"]], r["shadow_guid"]) for r in a], time.time()))
+
+    def shadows_of(self, node: str, primary: str) -> list[dict]:
+        return [dict(r) for r in self.db[node].read(lambda c: c.exec_driver_sql(
+            "SELECT shadow_guid, shadow_rank FROM messages WHERE role='shadow' AND state='Queued' "
+            "AND primary_node=?", (primary,)).mappings().all())]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    yield c
+    c.close()
+
+
+def run(cluster: Cluster, lost: str, alive: set[str], until: float, step: float = 1.0) -> None:
+    """Every live node polls ``lost`` each ``step`` seconds of injected time, as the loop does."""
+    t = 0.0
+    while t <= until:
+        for node in sorted(alive):
+            rows = cluster.heartbeat(node, lost, t)
+            if rows:
+                cluster.adopt(node, lost, rows, alive)
+        t += step
+
+
+def test_primary_lost_rank_1_promotes_once_and_adopts_rank_2(cluster) -> None:
+    guid = cluster.accept("n1", ["n2", "n3"], "m1", 0.0)
+    assert cluster.heartbeat("n2", "n1", SPAN - 0.1) == []  # not before the span
+    run(cluster, "n1", {"n2", "n3", "n4"}, until=SPAN + 3 * DELAY)
+    assert cluster.delivered == [("n2", "m1")]  # one promotion, by rank 1
+    # n3's copy is n2's shadow now, rank 1 under it, and the promoted message knows it.
+    assert cluster.shadows_of("n3", "n2") == [{"shadow_guid": guid, "shadow_rank": 1}]
+    assert cluster.shadows_of("n3", "n1") == []
+    holders = cluster.db["n2"].read(lambda c: sq.reshadow_inputs(c, 1))[2]
+    assert holders == ["n3"]
+
+
+def test_primary_and_rank_1_lost_together_rank_2_promotes_once(cluster) -> None:
+    cluster.accept("n1", ["n2", "n3"], "m1", 0.0)
+    run(cluster, "n1", {"n3", "n4"}, until=SPAN + DELAY - 0.5)
+    assert cluster.delivered == []  # rank 2 waits one delay more than rank 1 would have
+    run(cluster, "n1", {"n3", "n4"}, until=SPAN + 3 * DELAY)
+    assert cluster.delivered == [("n3", "m1")]
+
+
+def test_each_message_promoted_by_its_own_rank_1(cluster) -> None:
+    cluster.accept("n1", ["n2", "n3"], "a", 0.0)
+    cluster.accept("n1", ["n3", "n4"], "b", 0.0)
+    cluster.accept("n1", ["n4", "n2"], "c", 0.0)
+    run(cluster, "n1", {"n2", "n3", "n4"}, until=SPAN + 4 * DELAY)
+    assert sorted(cluster.delivered) == [("n2", "a"), ("n3", "b"), ("n4", "c")]
+
+
+def test_rank_3_after_two_losses_among_three_shadows(cluster) -> None:
+    cluster.accept("n1", ["n2", "n3", "n4"], "m1", 0.0)
+    run(cluster, "n1", {"n4"}, until=SPAN + 3 * DELAY)
+    assert cluster.delivered == [("n4", "m1")]
+
+
+def test_adoption_skips_a_copy_already_promoted(cluster) -> None:
+    guid = cluster.accept("n1", ["n2", "n3"], "m1", 0.0)
+    cluster.heartbeat("n3", "n1", SPAN + DELAY)  # rank 2 went first (rank 1 was slow)
+    adopted = cluster.tx("n3", lambda c: sq.adopt_shadows(c, "n1", "n2", P_DBID, [guid]))
+    assert adopted == []  # the other side learns it and keeps its own copy as primary

@@ -1,0 +1,86 @@
+"""N-way shadow redundancy on a real 3-node cluster (docs/PROTOCOL.md section 9).
+
+``shadow_copies = 2``: node1's message gets shadows on node3 (rank 1: the remote site first,
+PreferRemote) and node2 (rank 2) before its 250. Each test kills nodes with -9 and checks, from
+the tracking logs and the smtp-sink, that exactly one shadow takes ownership and the message is
+delivered once:
+
+1. node1 and node3 (the primary and the rank-1 shadow) die together: node2 promotes after the
+   span plus one rank delay, not before, and delivers once;
+2. node1 dies alone: node3 promotes after the span and node2 adopts (its copy becomes node3's
+   shadow, never promoted); once node3 delivers, node2's copy is discarded.
+"""
+
+from __future__ import annotations
+
+import time
+
+from clusters import LocalCluster, send, sink_copies
+from conftest import wait_for
+
+SPAN, RANK_DELAY = 3.0, 4.0
+
+
+def nway_cluster(procs, sink, tmp_path) -> LocalCluster:
+    c = LocalCluster(procs, sink, tmp_path, {"shadow_redundancy": {
+        "shadow_heartbeat_frequency": 0.5, "shadow_resubmit_time_span": SPAN,
+        "shadow_copies": 2, "shadow_rank_delay": RANK_DELAY}})
+    c.start()
+    return c
+
+
+def accepted_with_two_shadows(c: LocalCluster, internal_id: int) -> str:
+    n1, n2, n3 = c["node1"], c["node2"], c["node3"]
+    rows = [r for r in n1.wait_event("HAREDIRECT", n=2) if r["internal-message-id"] == str(internal_id)]
+    assert sorted(r["source-context"].split("=")[0] for r in rows) == sorted([n2.name, n3.name]), rows
+    netid = rows[0]["network-message-id"]
+    n2.wait_event("HARECEIVE", netid)
+    n3.wait_event("HARECEIVE", netid)
+    return netid
+
+
+def ranks(node, primary) -> dict[str, int]:
+    return {r["network_message_id"]: r["shadow_rank"] for r in node.cli_json("shadow", "show", primary.name)}
+
+
+def test_primary_and_rank_1_shadow_die_together_rank_2_delivers_once(procs, sink, tmp_path):
+    c = nway_cluster(procs, sink, tmp_path)
+    n1, n2, n3 = c["node1"], c["node2"], c["node3"]
+    netid = accepted_with_two_shadows(c, send(n1, "carol@foreign.test"))
+    n1.wait_event("DEFER", netid)  # the sink is down: queued on node1
+    assert ranks(n3, n1) == {netid: 1} and ranks(n2, n1) == {netid: 2}
+
+    n1.kill9()
+    n3.kill9()
+    killed = time.monotonic()
+    sink.start()
+    n2.wait_event("RESUBMIT", netid, timeout=40)
+    after = time.monotonic() - killed
+    assert after >= SPAN + RANK_DELAY - 1.0, f"rank 2 promoted {after:.1f}s after the loss"
+    wait_for(lambda: sink_copies(sink, netid), timeout=20, what="the promoted copy at the sink")
+    assert [r["source-context"] for r in n2.events("RESUBMIT", netid)] == [f"{n1.name} (ShadowHeartbeatFailure)"]
+    time.sleep(1.5)  # waiting for absence: nothing else may arrive
+    assert len(sink_copies(sink, netid)) == 1
+
+
+def test_primary_dies_rank_1_promotes_and_rank_2_is_adopted(procs, sink, tmp_path):
+    c = nway_cluster(procs, sink, tmp_path)
+    n1, n2, n3 = c["node1"], c["node2"], c["node3"]
+    netid = accepted_with_two_shadows(c, send(n1, "carol@foreign.test"))
+    n1.wait_event("DEFER", netid)
+
+    n1.kill9()
+    killed = time.monotonic()
+    n3.wait_event("RESUBMIT", netid, timeout=30)
+    assert time.monotonic() - killed >= SPAN - 1.0
+    # node2's copy is node3's shadow now (rank 1 under it): it is never promoted itself.
+    adopted = n2.wait_event("HARECEIVE", netid, n=2)
+    assert adopted[-1]["source-context"].endswith(f"AdoptedFrom={n1.name}"), adopted
+    assert ranks(n2, n3) == {netid: 1}
+    sink.start()
+    wait_for(lambda: sink_copies(sink, netid), timeout=20, what="the promoted copy at the sink")
+    # Delivered by node3: its discard reaches node2's adopted copy.
+    n2.wait_event("HADISCARD", netid, timeout=20)
+    time.sleep(SPAN + RANK_DELAY)  # past the time rank 2 would have promoted
+    assert not n2.events("RESUBMIT", netid)
+    assert len(sink_copies(sink, netid)) == 1
