@@ -85,18 +85,19 @@ def test_bad_ranks_are_protocol_errors(arg: str) -> None:
 
 
 def test_xshadowadopt_text() -> None:
-    line = format_xshadowadopt(LOST, [G1, G2.upper()])
-    assert line == f"XSHADOWADOPT {b64(LOST)} {G1} {G2}"
-    assert parse_xshadowadopt(line.split(" ", 1)[1]) == (LOST, [G1, G2])
-    assert parse_xshadowadopt(f"{b64(LOST)} {G1} {G1}") == (LOST, [G1])  # named twice, adopted once
+    line = format_xshadowadopt(LOST, 2, [G1, G2.upper()])
+    assert line == f"XSHADOWADOPT {b64(LOST)} 2 {G1} {G2}"
+    assert parse_xshadowadopt(line.split(" ", 1)[1]) == (LOST, 2, [G1, G2])
+    assert parse_xshadowadopt(f"{b64(LOST)} 1 {G1} {G1}") == (LOST, 1, [G1])  # named twice, adopted once
     assert format_adopt_reply([]) == ["251 OK, no shadow of those held here"]
-    assert format_adopt_reply([G1, G2]) == [f"250-{G1}", f"250 {G2}"]
-    assert parse_adopt_reply(250, [G1, G2], [G1, G2]) == [G1, G2]
+    assert format_adopt_reply([(G1, 1), (G2, 2)]) == [f"250-{G1} 1", f"250 {G2} 2"]
+    assert parse_adopt_reply(250, [f"{G1} 1", f"{G2} 2"], [G1, G2]) == [(G1, 1), (G2, 2)]
     assert parse_adopt_reply(251, ["OK, no shadow of those held here"], [G1]) == []
 
 
-@pytest.mark.parametrize("arg", [None, "", b64(LOST), f"nope! {G1}", f"{b64(LOST)} not-a-guid",
-                                 " ".join([b64(LOST)] + [G1] * (MAX_ADOPT_BATCH + 1))])
+@pytest.mark.parametrize("arg", [None, "", b64(LOST), f"{b64(LOST)} 1", f"nope! 1 {G1}", f"{b64(LOST)} 1 not-a-guid",
+                                 f"{b64(LOST)} 0 {G1}", f"{b64(LOST)} {G1}",
+                                 " ".join([b64(LOST), "1"] + [G1] * (MAX_ADOPT_BATCH + 1))])
 def test_malformed_xshadowadopt(arg) -> None:
     with pytest.raises(ProtocolError):
         parse_xshadowadopt(arg)
@@ -104,13 +105,16 @@ def test_malformed_xshadowadopt(arg) -> None:
 
 def test_adopt_batches_are_bounded() -> None:
     with pytest.raises(ValueError):
-        format_xshadowadopt(LOST, [])
+        format_xshadowadopt(LOST, 1, [])
     with pytest.raises(ValueError):
-        format_xshadowadopt(LOST, [G1] * (MAX_ADOPT_BATCH + 1))
-    assert len(format_xshadowadopt("x" * 60 + ".example", [G1] * MAX_ADOPT_BATCH)) < 1000
+        format_xshadowadopt(LOST, 1, [G1] * (MAX_ADOPT_BATCH + 1))
+    with pytest.raises(ProtocolError):
+        format_xshadowadopt(LOST, 0, [G1])
+    assert len(format_xshadowadopt("x" * 60 + ".example", 9, [G1] * MAX_ADOPT_BATCH)) < 1000
 
 
-@pytest.mark.parametrize("code, lines", [(250, ["not-a-guid"]), (250, [G2]), (500, ["no"])])
+@pytest.mark.parametrize("code, lines", [(250, ["not-a-guid 1"]), (250, [f"{G2} 1"]), (250, [G1]),
+                                         (250, [f"{G1} 0"]), (500, ["no"])])
 def test_malformed_adopt_replies(code: int, lines: list[str]) -> None:
     with pytest.raises(ProtocolError):
         parse_adopt_reply(code, lines, [G1])
@@ -171,12 +175,12 @@ def test_a_bad_rank_is_a_local_error(rank) -> None:
 
 def test_client_adopt() -> None:
     c = shadowing_client()
-    assert c.send_adopt(LOST, [G1, G2]) == f"XSHADOWADOPT {b64(LOST)} {G1} {G2}\r\n".encode()
+    assert c.send_adopt(LOST, 1, [G1, G2]) == f"XSHADOWADOPT {b64(LOST)} 1 {G1} {G2}\r\n".encode()
     assert c.state is ClientState.AWAITING_ADOPT
-    assert c.receive_data(f"250-{G1}\r\n250 {G2}\r\n".encode()) == [Adopted((G1, G2))]
-    c.send_adopt(LOST, [G1])
+    assert c.receive_data(f"250-{G1} 1\r\n250 {G2} 2\r\n".encode()) == [Adopted(((G1, 1), (G2, 2)))]
+    c.send_adopt(LOST, 1, [G1])
     assert c.receive_data(b"251 OK, no shadow of those held here\r\n") == [Adopted(())]
-    c.send_adopt(LOST, [G1])
+    c.send_adopt(LOST, 1, [G1])
     assert c.receive_reply(500, ["5.5.2 Error: command not recognized"]) == [
         CommandRefused("XSHADOWADOPT", 500, "5.5.2 Error: command not recognized")]  # an older peer
     assert c.state is ClientState.IDLE
@@ -184,13 +188,15 @@ def test_client_adopt() -> None:
 
 def test_client_adopt_needs_a_shadow_request_and_guids() -> None:
     with pytest.raises(LocalProtocolError):
-        ClientConnection(PRIMARY).send_adopt(LOST, [G1])
+        ClientConnection(PRIMARY).send_adopt(LOST, 1, [G1])
     with pytest.raises(LocalProtocolError):
-        shadowing_client().send_adopt(LOST, [])
+        shadowing_client().send_adopt(LOST, 1, [])
+    with pytest.raises(LocalProtocolError):
+        shadowing_client().send_adopt(LOST, 0, [G1])
     c = shadowing_client()
-    c.send_adopt(LOST, [G1])
+    c.send_adopt(LOST, 1, [G1])
     with pytest.raises(ProtocolError):
-        c.receive_data(f"250 {G2}\r\n".encode())  # a GUID not asked
+        c.receive_data(f"250 {G2} 1\r\n".encode())  # a GUID not asked
     assert c.state is ClientState.ERROR
 
 
@@ -213,22 +219,23 @@ def requested(s: ServerConnection) -> ServerConnection:
 
 def test_server_adopt() -> None:
     s = requested(server())
-    event = one(s, f"XSHADOWADOPT {b64(LOST)} {G1} {G2}")
-    assert event == AdoptRequested(PRIMARY, LOST, (G1, G2))
-    assert s.adopt_reply([G2]) == f"250 {G2}\r\n".encode()
-    one(s, f"XSHADOWADOPT {b64(LOST)} {G1}")
+    event = one(s, f"XSHADOWADOPT {b64(LOST)} 2 {G1} {G2}")
+    assert event == AdoptRequested(PRIMARY, LOST, 2, (G1, G2))
+    assert s.adopt_reply([(G2, 1)]) == f"250 {G2} 1\r\n".encode()
+    one(s, f"XSHADOWADOPT {b64(LOST)} 1 {G1}")
     with pytest.raises(LocalProtocolError):
-        s.adopt_reply([G2])  # not asked
+        s.adopt_reply([(G2, 1)])  # not asked
     assert s.adopt_reply([]) == b"251 OK, no shadow of those held here\r\n"
     with pytest.raises(LocalProtocolError):
         s.adopt_reply([])  # nothing awaits an answer
 
 
 @pytest.mark.parametrize("prepare, line, reply", [
-    (lambda s: s, f"XSHADOWADOPT {b64(LOST)} {G1}", R503),  # no XSHADOWREQUEST
-    (requested, f"XSHADOWADOPT {b64(LOST)}", R501),
-    (requested, f"XSHADOWADOPT {b64(PRIMARY)} {G1}", R501),  # its own shadows
-    (lambda s: (requested(s), s.transaction_started())[0], f"XSHADOWADOPT {b64(LOST)} {G1}", R503),
+    (lambda s: s, f"XSHADOWADOPT {b64(LOST)} 1 {G1}", R503),  # no XSHADOWREQUEST
+    (requested, f"XSHADOWADOPT {b64(LOST)} 1", R501),
+    (requested, f"XSHADOWADOPT {b64(LOST)} {G1}", R501),  # no rank
+    (requested, f"XSHADOWADOPT {b64(PRIMARY)} 1 {G1}", R501),  # its own shadows
+    (lambda s: (requested(s), s.transaction_started())[0], f"XSHADOWADOPT {b64(LOST)} 1 {G1}", R503),
 ])
 def test_server_adopt_refusals(prepare, line: str, reply: bytes) -> None:
     s = server()
@@ -237,8 +244,8 @@ def test_server_adopt_refusals(prepare, line: str, reply: bytes) -> None:
 
 
 def test_adopt_needs_an_authenticated_peer_with_shadow_redundancy_on() -> None:
-    assert one(ServerConnection(SHADOW, S_DBID), f"XSHADOWADOPT {b64(LOST)} {G1}") == Refusal(R550)
-    assert one(server(shadow_redundancy_enabled=False), f"XSHADOWADOPT {b64(LOST)} {G1}") == Refusal(R502)
+    assert one(ServerConnection(SHADOW, S_DBID), f"XSHADOWADOPT {b64(LOST)} 1 {G1}") == Refusal(R550)
+    assert one(server(shadow_redundancy_enabled=False), f"XSHADOWADOPT {b64(LOST)} 1 {G1}") == Refusal(R502)
 
 
 def test_server_reads_the_rank_of_a_copy() -> None:
@@ -300,14 +307,16 @@ class Cluster:
 
     def adopt(self, node: str, lost: str, rows: list[dict], alive: set[str]) -> None:
         """``node`` promoted ``rows``: every live peer adopts the copies it holds (XSHADOWADOPT)."""
-        guids = [r["shadow_guid"] for r in rows]
+        by_guid = {r["shadow_guid"]: r["id"] for r in rows}
         for peer in NODES:
             if peer in (node, lost) or peer not in alive:
                 continue
-            adopted = self.tx(peer, lambda c, p=peer: sq.adopt_shadows(c, lost, node, P_DBID, guids))
-            by_guid = {r["shadow_guid"]: r["id"] for r in rows}
-            self.tx(node, lambda c, p=peer, a=adopted: sq.record_adopted(
-                c, p, [(by_guid[r["shadow_guid"]], r["shadow_guid"]) for r in a], time.time()))
+            for row in rows:
+                adopted = self.tx(peer, lambda c, r=row: sq.adopt_shadows(c, lost, node, P_DBID, r["shadow_rank"],
+                                                                          [r["shadow_guid"]]))
+                self.tx(node, lambda c, p=peer, a=adopted: sq.record_adopted(
+                    c, p, [(by_guid[r["shadow_guid"]], r["shadow_guid"], r["shadow_rank"]) for r in a],
+                    time.time()))
 
     def shadows_of(self, node: str, primary: str) -> list[dict]:
         return [dict(r) for r in self.db[node].read(lambda c: c.exec_driver_sql(
@@ -342,7 +351,7 @@ def test_primary_lost_rank_1_promotes_once_and_adopts_rank_2(cluster) -> None:
     assert cluster.shadows_of("n3", "n2") == [{"shadow_guid": guid, "shadow_rank": 1}]
     assert cluster.shadows_of("n3", "n1") == []
     holders = cluster.db["n2"].read(lambda c: sq.reshadow_inputs(c, 1))[2]
-    assert holders == ["n3"]
+    assert holders == [("n3", 1)]
 
 
 def test_primary_and_rank_1_lost_together_rank_2_promotes_once(cluster) -> None:
@@ -367,8 +376,17 @@ def test_rank_3_after_two_losses_among_three_shadows(cluster) -> None:
     assert cluster.delivered == [("n4", "m1")]
 
 
+def test_ranks_close_up_under_the_new_primary(cluster) -> None:
+    guid = cluster.accept("n1", ["n2", "n3", "n4"], "m1", 0.0)
+    run(cluster, "n1", {"n3", "n4"}, until=SPAN + 3 * DELAY)  # the primary and rank 1 lost
+    assert cluster.delivered == [("n3", "m1")]
+    # n4 was rank 3 under n1; under n3 (which promoted a rank-2 copy) it is rank 1.
+    assert cluster.shadows_of("n4", "n3") == [{"shadow_guid": guid, "shadow_rank": 1}]
+    assert cluster.db["n3"].read(lambda c: sq.reshadow_inputs(c, 1))[2] == [("n4", 1)]
+
+
 def test_adoption_skips_a_copy_already_promoted(cluster) -> None:
     guid = cluster.accept("n1", ["n2", "n3"], "m1", 0.0)
     cluster.heartbeat("n3", "n1", SPAN + DELAY)  # rank 2 went first (rank 1 was slow)
-    adopted = cluster.tx("n3", lambda c: sq.adopt_shadows(c, "n1", "n2", P_DBID, [guid]))
+    adopted = cluster.tx("n3", lambda c: sq.adopt_shadows(c, "n1", "n2", P_DBID, 1, [guid]))
     assert adopted == []  # the other side learns it and keeps its own copy as primary

@@ -291,7 +291,8 @@ class AcceptPath:
             await self.store.write(lambda c: sq.discard_uncertain(c, result.uncertain, guid, now))
         if self._enough(result) or not self.cfg.shadow_redundancy.reject_message_on_shadow_failure:
             wanted = self.cfg.shadow_redundancy.shadow_copies
-            await self.store.write(lambda c: sq.settle_accepted(c, internal_id, result.peers, guid, now, wanted),
+            holders = [(p, r) for p, r, _ in result.holders]
+            await self.store.write(lambda c: sq.settle_accepted(c, internal_id, holders, guid, now, wanted),
                                    queue_changed=True)
             return
         if result.peers:

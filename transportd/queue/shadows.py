@@ -38,10 +38,16 @@ _INSERT_FORK = insert(shadow_forks)
 
 # --------------------------------------------------------------------------- primary side
 
-def record_shadow(conn: Connection, message_id: int, shadow_node: str, guid: str, now: float) -> None:
-    """``shadow_node`` holds a shadow copy of our message ``message_id`` under ``guid``."""
+def record_shadow(conn: Connection, message_id: int, shadow_node: str, guid: str, now: float,
+                  rank: int = 1) -> None:
+    """``shadow_node`` holds a shadow copy of our message ``message_id`` under ``guid`` (its ``rank``)."""
     conn.execute(_INSERT_MESSAGE_SHADOW, {"message_id": message_id, "shadow_node": shadow_node,
-                                          "shadow_guid": guid, "created_at": now})
+                                          "shadow_guid": guid, "created_at": now, "shadow_rank": rank})
+
+
+def _ranked(shadow_nodes: Iterable[str | tuple[str, int]]) -> list[tuple[str, int]]:
+    """Peers with their ranks; a bare name takes its position (1, 2, ...)."""
+    return [n if isinstance(n, tuple) else (n, i) for i, n in enumerate(shadow_nodes, 1)]
 
 
 def discard_uncertain(conn: Connection, peers: Iterable[str], guid: str, now: float) -> None:
@@ -64,13 +70,13 @@ def redundancy_of(holders: int, wanted: int) -> str:
     return "shadowed" if holders >= wanted else ("partial" if holders else "unprotected")
 
 
-def settle_accepted(conn: Connection, message_id: int, shadow_nodes: Iterable[str], guid: str, now: float,
-                    wanted: int = 1) -> None:
-    """The shadow copies made at accept: recorded, and the message ``shadowed``, ``partial`` or
-    ``unprotected`` (none made)."""
-    nodes = list(shadow_nodes)
-    for node in nodes:
-        record_shadow(conn, message_id, node, guid, now)
+def settle_accepted(conn: Connection, message_id: int, shadow_nodes: Iterable[str | tuple[str, int]], guid: str,
+                    now: float, wanted: int = 1) -> None:
+    """The shadow copies made at accept (peers, or (peer, rank)): recorded, and the message
+    ``shadowed``, ``partial`` or ``unprotected`` (none made)."""
+    nodes = _ranked(shadow_nodes)
+    for node, rank in nodes:
+        record_shadow(conn, message_id, node, guid, now, rank)
     conn.execute(mq.UPDATE_MESSAGE, {"b_id": message_id, "redundancy": redundancy_of(len(nodes), wanted)})
 
 
@@ -134,24 +140,25 @@ def mark_unprotected(conn: Connection, message_id: int) -> None:
                  .values(redundancy="unprotected"))
 
 
-def reshadow_inputs(conn: Connection, message_id: int) -> tuple[bytes | None, list[str], list[str]]:
+def reshadow_inputs(conn: Connection, message_id: int) -> tuple[bytes | None, list[str], list[tuple[str, int]]]:
     """What a new shadow of ``message_id`` needs: its body, the recipients still to deliver, and
-    the peers that hold a shadow of it already."""
+    the peers that hold a shadow of it already, with their ranks."""
     addrs = list(conn.execute(select(recipients.c.address).where(
         recipients.c.message_id == message_id, recipients.c.status.not_in(mq.TERMINAL))).scalars())
-    holders = list(conn.execute(select(message_shadows.c.shadow_node).where(
-        message_shadows.c.message_id == message_id)).scalars())
+    holders = [(r.shadow_node, r.shadow_rank) for r in conn.execute(
+        select(message_shadows.c.shadow_node, message_shadows.c.shadow_rank).where(
+            message_shadows.c.message_id == message_id))]
     return mq.body(conn, message_id), addrs, holders
 
 
-def settle_reshadow(conn: Connection, message_id: int, shadow_nodes: Iterable[str], guid: str,
+def settle_reshadow(conn: Connection, message_id: int, shadow_nodes: Iterable[str | tuple[str, int]], guid: str,
                     uncertain: Iterable[str], had_recipients: bool, now: float, wanted: int = 1) -> str | None:
     """Record a re-shadow's result (the new copies, under ``guid``); returns the message state. A
     copy made for a message that was delivered (or removed) meanwhile gets its discard event at once."""
     discard_uncertain(conn, uncertain, guid, now)
     state = conn.execute(select(messages.c.state).where(messages.c.id == message_id)).scalar()
-    for node in shadow_nodes:
-        record_shadow(conn, message_id, node, guid, now)
+    for node, rank in _ranked(shadow_nodes):
+        record_shadow(conn, message_id, node, guid, now, rank)
         if state != mq.QUEUED:
             discard_uncertain(conn, [node], guid, now)
     held = conn.execute(select(func.count()).select_from(message_shadows)
@@ -161,11 +168,11 @@ def settle_reshadow(conn: Connection, message_id: int, shadow_nodes: Iterable[st
     return state
 
 
-def record_adopted(conn: Connection, peer: str, adopted: Iterable[tuple[int, str]], now: float) -> None:
-    """``peer`` kept its copies of promoted messages (message id, guid) as our shadows (XSHADOWADOPT).
-    A message finished meanwhile gets its discard event at once."""
-    for message_id, guid in adopted:
-        record_shadow(conn, message_id, peer, guid, now)
+def record_adopted(conn: Connection, peer: str, adopted: Iterable[tuple[int, str, int]], now: float) -> None:
+    """``peer`` kept its copies of promoted messages (message id, guid, rank) as our shadows
+    (XSHADOWADOPT). A message finished meanwhile gets its discard event at once."""
+    for message_id, guid, rank in adopted:
+        record_shadow(conn, message_id, peer, guid, now, rank)
         state = conn.execute(select(messages.c.state).where(messages.c.id == message_id)).scalar()
         if state != mq.QUEUED:
             discard_uncertain(conn, [peer], guid, now)
@@ -267,17 +274,18 @@ def waiting_ranks(conn: Connection, primary: str, rank: int) -> bool:
         messages.c.shadow_rank > rank).limit(1)).first() is not None
 
 
-def adopt_shadows(conn: Connection, old_primary: str, new_primary: str, new_dbid: str | None,
+def adopt_shadows(conn: Connection, old_primary: str, new_primary: str, new_dbid: str | None, rank: int,
                   guids: list[str]) -> list[dict]:
     """XSHADOWADOPT: our queued shadows of ``old_primary`` named in ``guids`` become shadows of
-    ``new_primary`` (which promoted them), one rank closer to ownership; returns their rows. A copy
-    promoted or discarded here already is not adopted."""
+    ``new_primary`` (which promoted them from copies of ``rank``), ``rank`` closer to ownership;
+    returns their rows as updated. A copy promoted or discarded here already is not adopted."""
     rows = [dict(r) for r in conn.execute(select(messages).where(
         messages.c.role == "shadow", messages.c.primary_node == old_primary, messages.c.state == mq.QUEUED,
         messages.c.shadow_guid.in_(guids))).mappings()]
     for r in rows:
+        r.update(primary_node=new_primary, primary_dbid=new_dbid, shadow_rank=max(1, (r["shadow_rank"] or 1) - rank))
         conn.execute(update(messages).where(messages.c.id == r["id"]).values(
-            primary_node=new_primary, primary_dbid=new_dbid, shadow_rank=max(1, (r["shadow_rank"] or 1) - 1)))
+            primary_node=new_primary, primary_dbid=new_dbid, shadow_rank=r["shadow_rank"]))
     return rows
 
 

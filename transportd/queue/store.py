@@ -173,6 +173,7 @@ message_shadows = Table(
     Column("message_id", Integer, ForeignKey("messages.id", ondelete="CASCADE"), nullable=False),
     Column("shadow_node", String, nullable=False),
     Column("shadow_guid", String, nullable=False),
+    Column("shadow_rank", Integer, nullable=False, default=1),  # schema 4 (N-way, PROTOCOL.md section 9)
     Column("created_at", Float, nullable=False),
 )
 Index("ix_message_shadows_msg", message_shadows.c.message_id)
@@ -258,6 +259,7 @@ def _migration_3(conn: Connection) -> None:
 
 def _migration_4(conn: Connection) -> None:
     _add_columns(conn, "messages", {"shadow_rank": "INTEGER NOT NULL DEFAULT 1"})
+    _add_columns(conn, "message_shadows", {"shadow_rank": "INTEGER NOT NULL DEFAULT 1"})
 
 
 MIGRATIONS: list[Callable[[Connection], None]] = [_migration_1, _migration_2, _migration_3, _migration_4]

@@ -86,7 +86,7 @@ class DiscardBatch(Event):
 
 @dataclass(frozen=True)
 class Adopted(Event):
-    guids: tuple[str, ...]  # the copies the peer now holds as our shadows
+    entries: tuple[tuple[str, int], ...]  # (guid, rank) of each copy the peer now holds as our shadow
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,7 @@ class ResubmitRequested(Event):
 class AdoptRequested(Event):
     peer_fqdn: str  # the new primary (it promoted the copies)
     old_primary: str
+    rank: int  # the rank its own copies had: adopted ranks are lowered by that much
     guids: tuple[str, ...]
 
 
@@ -313,14 +314,14 @@ class ClientConnection:
             raise LocalProtocolError(f"not a time window: {start!r} .. {end!r}") from None
         return self._send(ClientState.AWAITING_RESUBMIT, f"XRESUBMIT {arg}")
 
-    def send_adopt(self, old_primary: str, guids: Sequence[str]) -> bytes:
+    def send_adopt(self, old_primary: str, rank: int, guids: Sequence[str]) -> bytes:
         """XSHADOWADOPT: we promoted these shadows of ``old_primary``; the peer's copies of them
         become our shadows (``Adopted`` names those it held)."""
         self._ready("XSHADOWADOPT")
         if not self.shadow_requested:
             raise LocalProtocolError("XSHADOWADOPT before an accepted XSHADOWREQUEST")
         try:
-            line = format_xshadowadopt(old_primary, guids)
+            line = format_xshadowadopt(old_primary, rank, guids)
         except (ValueError, ProtocolError) as exc:
             raise LocalProtocolError(str(exc)) from None
         self._adopt_asked = tuple(g.lower() for g in guids)
@@ -642,13 +643,13 @@ class ServerConnection:
         if self.shadow_request is None:
             return Refusal(_wire(S503_BAD_SEQUENCE), "XSHADOWADOPT before XSHADOWREQUEST")
         try:
-            old_primary, guids = parse_xshadowadopt(arg)
+            old_primary, rank, guids = parse_xshadowadopt(arg)
         except ProtocolError as exc:
             return Refusal(_wire(S501_INVALID_ARGUMENTS), str(exc))
         assert self.peer_fqdn is not None
         if old_primary == self.peer_fqdn:
             return Refusal(_wire(S501_INVALID_ARGUMENTS), "a node cannot adopt its own shadows")
-        return AdoptRequested(self.peer_fqdn, old_primary, tuple(guids))
+        return AdoptRequested(self.peer_fqdn, old_primary, rank, tuple(guids))
 
     def _mail(self, arg: str) -> Event:
         if refusal := self._refusal(check_transaction=False):
@@ -686,10 +687,10 @@ class ServerConnection:
         self._take(DiscardRequested, "XQDISCARD")
         return b"".join(_wire(line) for line in format_discard_reply(list(entries)))
 
-    def adopt_reply(self, adopted: Sequence[str]) -> bytes:
-        """The XSHADOWADOPT reply: the GUIDs of the copies now held for the new primary."""
+    def adopt_reply(self, adopted: Sequence[tuple[str, int]]) -> bytes:
+        """The XSHADOWADOPT reply: (GUID, new rank) of the copies now held for the new primary."""
         pending = self._pending
-        if isinstance(pending, AdoptRequested) and not set(adopted) <= set(pending.guids):
+        if isinstance(pending, AdoptRequested) and not {g for g, _ in adopted} <= set(pending.guids):
             raise LocalProtocolError("an adopted GUID that was not asked")
         self._take(AdoptRequested, "XSHADOWADOPT")
         return b"".join(_wire(line) for line in format_adopt_reply(list(adopted)))

@@ -32,7 +32,13 @@ from transportd.redundancy.copies import ShadowCopier, ShadowResult
 from transportd.redundancy.events import EventSink
 from transportd.redundancy.heartbeat import Heartbeat
 from transportd.redundancy.peers import PeerPool, PeerSession
-from transportd.redundancy.protocol import MAX_ADOPT_BATCH, Peer, heartbeat_period, shadow_attempts
+from transportd.redundancy.protocol import (
+    MAX_ADOPT_BATCH,
+    MAX_SHADOW_RANK,
+    Peer,
+    heartbeat_period,
+    shadow_attempts,
+)
 from transportd.redundancy.shadow_queue import ShadowQueues
 
 log = logging.getLogger("transportd.redundancy.manager")
@@ -187,20 +193,24 @@ class ShadowManager:
         our shadows of the promoted messages. A peer that cannot be reached keeps its copy as
         ``lost``'s shadow: it promotes it after its rank's delay, as the rules say (PROTOCOL.md 9)."""
         by_guid = {r["shadow_guid"]: r["id"] for r in rows if r.get("shadow_guid")}
-        guids = list(by_guid)
+        by_rank: dict[int, list[str]] = {}  # our copies' ranks: the others' are lowered by as much
+        for r in rows:
+            if r.get("shadow_guid"):
+                by_rank.setdefault(int(r.get("shadow_rank") or 1), []).append(r["shadow_guid"])
         adopted_total = 0
         for peer in self.peers:
-            if peer.name == lost or not self.pool.takes_shadows(peer) or not guids:
+            if peer.name == lost or not self.pool.takes_shadows(peer) or not by_guid:
                 continue
-            adopted: list[str] = []
+            adopted: list[tuple[str, int]] = []
             s: PeerSession | None = None
             ok = False
             try:
                 async with asyncio.timeout(self.sr.shadow_copy_timeout):
                     s = await self.pool.session(peer)
                     await s.shadow_request(self.queue_database_id)
-                    for i in range(0, len(guids), MAX_ADOPT_BATCH):
-                        adopted += await s.adopt(lost, guids[i:i + MAX_ADOPT_BATCH])
+                    for rank, guids in sorted(by_rank.items()):
+                        for i in range(0, len(guids), MAX_ADOPT_BATCH):
+                            adopted += await s.adopt(lost, rank, guids[i:i + MAX_ADOPT_BATCH])
                     ok = True
             except (*PEER_FAILURES, aiosmtplib.SMTPResponseException) as exc:
                 log.warning("XSHADOWADOPT to %s for %d promoted message(s) of %s failed: %s", peer.name,
@@ -211,7 +221,7 @@ class ShadowManager:
             if adopted:
                 now = time.time()
                 await self.store.write(lambda c, p=peer.name, a=adopted: sq.record_adopted(
-                    c, p, [(by_guid[g], g) for g in a], now))
+                    c, p, [(by_guid[g], g, rank) for g, rank in a], now))
                 adopted_total += len(adopted)
                 log.info("%s adopted %d shadow(s) of %s's messages we promoted", peer.name, len(adopted), lost)
         return adopted_total
@@ -257,10 +267,13 @@ class ShadowManager:
                 msg = NewMessage(network_message_id=row["network_message_id"], sender=row["sender"], data=body,
                                  recipients={}, received_at=now, expires_at=now, subject=row.get("subject") or "",
                                  smtputf8=bool(row.get("smtputf8")), body_type=row.get("body_type") or "")
-                result = await self.make_shadow(msg, guid, addrs, exclude=[e for e in (exclude, *holders) if e],
-                                                copies=missing, first_rank=len(holders) + 1)
+                # New copies rank after the shadows it has (no two shadows of a message share a rank).
+                first = min(MAX_SHADOW_RANK - missing + 1, 1 + max((r for _, r in holders), default=0))
+                result = await self.make_shadow(msg, guid, addrs,
+                                                exclude=[e for e in (exclude, *(h for h, _ in holders)) if e],
+                                                copies=missing, first_rank=max(1, first))
             state = await self.store.write(lambda c: sq.settle_reshadow(
-                c, mid, result.peers, guid, result.uncertain, bool(addrs), now, wanted))
+                c, mid, [(p, r) for p, r, _ in result.holders], guid, result.uncertain, bool(addrs), now, wanted))
             if not addrs:
                 return False
             for peer, _rank, reply in result.holders:

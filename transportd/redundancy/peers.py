@@ -155,13 +155,14 @@ class PeerSession:
             if batch.complete:
                 return entries
 
-    async def adopt(self, old_primary: str, guids: list[str]) -> list[str]:
-        """XSHADOWADOPT: we promoted these shadows of ``old_primary``; returns the GUIDs whose copy
-        the peer held and now keeps as our shadow. A peer that does not know the verb adopts none."""
-        events = await self._exchange(self.conn.send_adopt(old_primary, guids))
+    async def adopt(self, old_primary: str, rank: int, guids: list[str]) -> list[tuple[str, int]]:
+        """XSHADOWADOPT: we promoted these shadows of ``old_primary`` (ours had ``rank``); returns
+        (GUID, rank) of each copy the peer held and now keeps as our shadow. A peer that does not
+        know the verb adopts none."""
+        events = await self._exchange(self.conn.send_adopt(old_primary, rank, guids))
         for e in events:
             if isinstance(e, Adopted):
-                return list(e.guids)
+                return list(e.entries)
         return []
 
     async def resubmit(self, destination: str, start: float, end: float) -> str:

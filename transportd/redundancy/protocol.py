@@ -177,38 +177,45 @@ def split_xshadow_param(arg: str) -> tuple[str, str | None]:
 MAX_ADOPT_BATCH = 20  # GUIDs per XSHADOWADOPT line (a line stays under 1,000 octets)
 
 
-def format_xshadowadopt(old_primary: str, guids: Sequence[str]) -> str:
-    """``XSHADOWADOPT <base64 FQDN of the lost primary> <guid> ...``: the sender promoted these
-    shadows of ``old_primary``; a copy of them held here becomes the sender's shadow."""
+def format_xshadowadopt(old_primary: str, rank: int, guids: Sequence[str]) -> str:
+    """``XSHADOWADOPT <base64 FQDN of the lost primary> <rank> <guid> ...``: the sender promoted
+    these shadows of ``old_primary``, where its own copies had ``rank``; a copy of them held here
+    becomes the sender's shadow, its rank lowered by that much."""
     if not guids or len(guids) > MAX_ADOPT_BATCH:
         raise ValueError(f"XSHADOWADOPT names 1 to {MAX_ADOPT_BATCH} GUIDs")
-    return " ".join(["XSHADOWADOPT", encode_fqdn(old_primary), *(parse_guid(g) for g in guids)])
+    return " ".join(["XSHADOWADOPT", encode_fqdn(old_primary), str(parse_rank(str(rank))),
+                     *(parse_guid(g) for g in guids)])
 
 
-def parse_xshadowadopt(arg: str | None) -> tuple[str, list[str]]:
+def parse_xshadowadopt(arg: str | None) -> tuple[str, int, list[str]]:
     parts = (arg or "").split()
-    if len(parts) < 2:
-        raise ProtocolError("XSHADOWADOPT needs <base64 FQDN of the lost primary> <guid> ...")
-    if len(parts) - 1 > MAX_ADOPT_BATCH:
+    if len(parts) < 3:
+        raise ProtocolError("XSHADOWADOPT needs <base64 FQDN of the lost primary> <rank> <guid> ...")
+    if len(parts) - 2 > MAX_ADOPT_BATCH:
         raise ProtocolError(f"XSHADOWADOPT names at most {MAX_ADOPT_BATCH} GUIDs")
-    return decode_fqdn(parts[0]), list(dict.fromkeys(parse_guid(g) for g in parts[1:]))
+    return decode_fqdn(parts[0]), parse_rank(parts[1]), list(dict.fromkeys(parse_guid(g) for g in parts[2:]))
 
 
-def format_adopt_reply(adopted: Sequence[str]) -> list[str]:
-    """``250-<guid>`` ... for the copies adopted, or ``251`` when none was held here."""
+def format_adopt_reply(adopted: Sequence[tuple[str, int]]) -> list[str]:
+    """``250-<guid> <new rank>`` ... for the copies adopted, or ``251`` when none was held here."""
     if not adopted:
         return ["251 OK, no shadow of those held here"]
-    return [f"250-{g}" for g in adopted[:-1]] + [f"250 {adopted[-1]}"]
+    texts = [f"{g} {r}" for g, r in adopted]
+    return [f"250-{t}" for t in texts[:-1]] + [f"250 {texts[-1]}"]
 
 
-def parse_adopt_reply(code: int, lines: Sequence[str], asked: Sequence[str]) -> list[str]:
-    """The GUIDs the peer adopted (each one of those asked), from an XSHADOWADOPT reply."""
+def parse_adopt_reply(code: int, lines: Sequence[str], asked: Sequence[str]) -> list[tuple[str, int]]:
+    """(GUID, its rank under us) for each copy the peer adopted, from an XSHADOWADOPT reply."""
     if code == 251:
         return []
     if code != 250:
         raise ProtocolError(f"XSHADOWADOPT answered {code}")
-    out = [parse_guid(line) for line in lines if line.strip()]
-    if not set(out) <= set(asked):
+    out = []
+    for line in lines:
+        if line.strip():
+            guid, _, rank = line.strip().partition(" ")
+            out.append((parse_guid(guid), parse_rank(rank)))
+    if not {g for g, _ in out} <= set(asked):
         raise ProtocolError("XSHADOWADOPT answered a GUID that was not asked")
     return out
 

@@ -162,7 +162,8 @@ class TransportSMTP(LimitedSMTP):
         if isinstance(event, AdoptRequested):
             request = self.conn.shadow_request
             adopted = await asyncio.shield(self.manager.shadow_queues.adopt(
-                event.old_primary, event.peer_fqdn, request.primary_dbid if request else None, list(event.guids)))
+                event.old_primary, event.peer_fqdn, request.primary_dbid if request else None, event.rank,
+                list(event.guids)))
             await self._write(self.conn.adopt_reply(adopted))
 
     async def smtp_MAIL(self, arg: str | None) -> None:

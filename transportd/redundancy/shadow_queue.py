@@ -35,7 +35,7 @@ log = logging.getLogger("transportd.redundancy.shadow_queue")
 PROMOTE_PAGE = 500
 # What re-shadowing a promoted copy needs of its row (and its tracking rows show).
 RESHADOW_FIELDS = ("id", "network_message_id", "message_id", "sender", "subject", "size", "smtputf8", "body_type",
-                   "shadow_guid")
+                   "shadow_guid", "shadow_rank")
 
 
 class ShadowQueues:
@@ -93,17 +93,20 @@ class ShadowQueues:
                               client_hostname=primary)
         return len(rows) + len(released)
 
-    async def adopt(self, old_primary: str, new_primary: str, new_dbid: str | None, guids: list[str]) -> list[str]:
-        """XSHADOWADOPT from ``new_primary``: it promoted these shadows of ``old_primary``; the copies
-        we hold of them become its shadows (one rank closer). Returns the GUIDs adopted."""
-        rows = await self.store.write(lambda c: sq.adopt_shadows(c, old_primary, new_primary, new_dbid, guids))
+    async def adopt(self, old_primary: str, new_primary: str, new_dbid: str | None, rank: int,
+                    guids: list[str]) -> list[tuple[str, int]]:
+        """XSHADOWADOPT from ``new_primary``: it promoted these shadows of ``old_primary`` (its copies
+        had ``rank``); the copies we hold of them become its shadows, ``rank`` closer to ownership.
+        Returns (GUID, new rank) of each copy adopted."""
+        rows = await self.store.write(lambda c: sq.adopt_shadows(c, old_primary, new_primary, new_dbid, rank,
+                                                                 guids))
         for r in rows:
             self.events.track("HARECEIVE", "SMTP", r, source_context=f"{r['shadow_guid']};AdoptedFrom={old_primary}",
                               client_hostname=new_primary)
         if rows:
             log.info("%s promoted %d message(s) of %s we hold shadows of: they are its shadows now",
                      new_primary, len(rows), old_primary)
-        return [r["shadow_guid"] for r in rows]
+        return [(r["shadow_guid"], r["shadow_rank"]) for r in rows]
 
     async def promote(self, primary: str, reason: str, keep_dbid: str | None = None,
                       max_rank: int | None = None) -> int:
