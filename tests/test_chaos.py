@@ -34,7 +34,7 @@ from transportd.devtools.chaos.checker import (
     scan_maildir_tree,
 )
 from transportd.devtools.chaos.harness import ChaosCluster
-from transportd.devtools.chaos.nemesis import FAULT_TYPES, Fault, Nemesis, schedule
+from transportd.devtools.chaos.nemesis import FAULT_TYPES, PAIR_TYPES, Fault, Nemesis, schedule
 from transportd.devtools.chaos.proxy import FaultProxy
 from transportd.devtools.chaos.workload import message_bytes, recipients_for
 from transportd.devtools.cluster import NodeSpec
@@ -119,7 +119,14 @@ def test_schedule_is_reproducible_from_the_seed_and_covers_the_fault_types():
     assert [f.describe() for f in a] == [f.describe() for f in b]
     assert [f.describe() for f in a] != [f.describe() for f in schedule(8, 200, nodes, resubmit_span=4)]
     assert a[0].type == "wipe-behind-refusing-sink"
-    assert {f.type for f in a} == set(FAULT_TYPES)
+    assert {f.type for f in a} == set(FAULT_TYPES) - set(PAIR_TYPES)  # one at a time: no pair faults
+    assert not any(f.overlap for f in a)
+    # Up to two at once: the same seed, its double wipe first, pair faults drawn, about half overlapping.
+    two = schedule(7, 200, nodes, resubmit_span=4, concurrent=2)
+    assert two[0].type == "double-wipe-behind-refusing-sink" and not two[0].overlap
+    assert {f.type for f in two} == set(FAULT_TYPES)
+    assert 60 <= sum(f.overlap for f in two) <= 140
+    assert all(len(set(f.targets)) == 3 for f in two if f.type == "kill-and-partition")
     for f in a:
         if f.type in ("partition", "delay", "reset"):
             assert len(set(f.targets)) == 2

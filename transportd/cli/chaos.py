@@ -35,9 +35,15 @@ import click
                    "when it is among them)")
 @click.option("--versions", default=None, metavar="V,V,V",
               help="shadow redundancy version of node1..node3 (2010 or 2013), e.g. 2010,2013,2013")
+@click.option("--concurrent", default=1, show_default=True, type=click.IntRange(1, 3),
+              help="up to K faults at once: about half the faults overlap the ones before, and pair faults "
+                   "(two failures together) are drawn too; the first wipes a primary and its shadow holder")
+@click.option("--shadow-copies", default=1, show_default=True, type=click.IntRange(1, 2),
+              help="shadow_redundancy.shadow_copies of every node (2: survives two failures at once)")
 def chaos(messages: int, faults: int, seed: int | None, no_shadow: bool, expect_loss: bool, clients: int,
           rate: float | None, ip_base: int, directory: str | None, json_out: str | None,
-          drain_timeout: float, fault_types: str | None, versions: str | None) -> None:
+          drain_timeout: float, fault_types: str | None, versions: str | None, concurrent: int,
+          shadow_copies: int) -> None:
     """Fault injection on a local 3-node cluster with a total-queue check (docs/reliability.md).
 
     Exit 0 when lost = 0, unexpected = 0 and no mailbox duplicates (with --expect-loss: when lost > 0
@@ -48,12 +54,16 @@ def chaos(messages: int, faults: int, seed: int | None, no_shadow: bool, expect_
     import tempfile
 
     from transportd.devtools.chaos.harness import format_summary, judge, run
-    from transportd.devtools.chaos.nemesis import FAULT_TYPES
+    from transportd.devtools.chaos.nemesis import FAULT_TYPES, PAIR_TYPES
     types = [t.strip() for t in fault_types.split(",") if t.strip()] if fault_types else None
     unknown = [t for t in types or [] if t not in FAULT_TYPES]
     if unknown or types == []:
         raise click.BadParameter(f"unknown fault type(s) {', '.join(unknown) or '(none given)'}; known: "
                                  f"{', '.join(FAULT_TYPES)}", param_hint="--fault-types")
+    pairs = [t for t in types or [] if t in PAIR_TYPES]
+    if pairs and concurrent < 2:
+        raise click.BadParameter(f"{', '.join(pairs)}: two failures at once need --concurrent 2 or more",
+                                 param_hint="--fault-types")
 
     per_node = [v.strip() for v in versions.split(",")] if versions else None
     if per_node is not None and (len(per_node) != 3 or not set(per_node) <= {"2010", "2013"}):
@@ -68,7 +78,8 @@ def chaos(messages: int, faults: int, seed: int | None, no_shadow: bool, expect_
     folder = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="transportd-chaos-"))
     summary = run(messages=messages, faults=faults, seed=seed, shadow=not no_shadow, directory=folder.resolve(),
                   clients=clients, ip_base=ip_base, rate=rate, drain_timeout=drain_timeout, fault_types=types,
-                  versions=per_node, expect_loss=expect_loss, say=lambda m: click.echo(m))
+                  versions=per_node, expect_loss=expect_loss, concurrent=concurrent, shadow_copies=shadow_copies,
+                  say=lambda m: click.echo(m))
     click.echo(format_summary(summary))
     if json_out:
         Path(json_out).write_text(json.dumps(summary, indent=2))

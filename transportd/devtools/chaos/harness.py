@@ -28,7 +28,7 @@ from typing import Any
 from transportd.devtools import cluster as cluster_mod
 from transportd.devtools.chaos.checker import HeldRow, chaos_id, check, scan_maildir_tree
 from transportd.devtools.chaos.disk import TmpfsDisks, cannot_mount, replies_while_full
-from transportd.devtools.chaos.nemesis import FAULT_TYPES, WEIGHTS, Nemesis, schedule
+from transportd.devtools.chaos.nemesis import FAULT_TYPES, PAIR_WEIGHTS, WEIGHTS, Nemesis, schedule
 from transportd.devtools.chaos.preconditions import between_acks
 from transportd.devtools.chaos.proxy import FaultProxy
 from transportd.devtools.chaos.workload import Workload, WorkloadSettings
@@ -239,9 +239,22 @@ class ChaosCluster(cluster_mod.Cluster):
         """Messages (primary or shadow) the node still holds in its queues."""
         return self._count(short, "SELECT count(*) FROM messages WHERE state = 'Queued'")
 
+    def shadow_holder(self, primary: str) -> str | None:
+        """The peer holding most queued shadows of ``primary``'s messages (None: no peer holds one)."""
+        counts = {short: self.shadows_of(short, primary) for short in self.by_short if short != primary}
+        best = max(sorted(counts), key=lambda s: counts[s], default=None)
+        return best if best is not None and counts[best] else None
+
+    def shadows_of(self, holder: str, primary: str) -> int:
+        """Queued shadows ``holder`` keeps of ``primary``'s messages."""
+        fqdn = self.by_short[primary].name.lower().replace("'", "''")
+        return self._count(holder, "SELECT count(*) FROM messages WHERE role = 'shadow' AND state = 'Queued' "
+                                   f"AND primary_node = '{fqdn}'")
+
     def not_redundant(self) -> dict[str, int]:
-        """Nodes holding queued primary mail with no shadow on a peer (mailqueue.NOT_REDUNDANT)."""
-        states = ", ".join(f"'{s}'" for s in NOT_REDUNDANT)
+        """Nodes holding queued primary mail without all its shadows on peers (mailqueue.NOT_REDUNDANT,
+        and ``partial``: fewer than shadow_copies)."""
+        states = ", ".join(f"'{s}'" for s in (*NOT_REDUNDANT, "partial"))
         counts = {short: self._count(short, "SELECT count(*) FROM messages WHERE role = 'primary' AND "
                                             f"state = 'Queued' AND redundancy IN ({states})")
                   for short in self.by_short}
@@ -292,7 +305,7 @@ def schedulable(fault_types: list[str] | None, no_disk: str | None) -> list[str]
     [] when nothing is left (then no fault at all)."""
     if not no_disk:
         return fault_types
-    return [t for t in (fault_types or WEIGHTS) if t != "disk-full"]
+    return [t for t in (fault_types or [*WEIGHTS, *PAIR_WEIGHTS]) if t != "disk-full"]
 
 
 def receive_workers(owner: int) -> list[int]:
@@ -325,11 +338,13 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
         ip_base: int = 101, rate: float | None = None, heartbeat: float = 1.0, resubmit_span: float = 4.0,
         drain_timeout: float = 120.0, say: Callable[[str], None] = print,
         fault_types: list[str] | None = None, versions: list[str] | None = None,
-        expect_loss: bool = False) -> dict[str, Any]:
+        expect_loss: bool = False, concurrent: int = 1, shadow_copies: int = 1) -> dict[str, Any]:
     """One run; returns the summary (also written to ``directory/summary.json``).
 
-    ``expect_loss``: a control run (shadow redundancy off), which passes only if it lost mail.
-    ``versions``: shadow redundancy version per node (a mixed 2010/2013 cluster)."""
+    ``expect_loss``: a control run (shadow redundancy off, or too few shadows for the faults),
+    which passes only if it lost mail. ``versions``: shadow redundancy version per node (a mixed
+    2010/2013 cluster). ``concurrent``: up to that many faults at once (pair faults among them);
+    ``shadow_copies``: shadows per message (N-way, docs/PROTOCOL.md section 9)."""
     nodes = 3
     directory.mkdir(parents=True, exist_ok=True)
     run_id = secrets.token_hex(4)
@@ -339,13 +354,15 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
         say(f"disk-full faults not scheduled: {no_disk}")
     fault_types = schedulable(fault_types, no_disk)
     plan = schedule(seed, faults, [f"node{i + 1}" for i in range(nodes)], resubmit_span=resubmit_span,
-                    types=fault_types, first=first if not fault_types or first in fault_types else None
-                    ) if fault_types != [] else []
+                    types=fault_types, first=first if not fault_types or first in fault_types else None,
+                    concurrent=concurrent) if fault_types != [] else []
     say(f"chaos run {run_id}: seed {seed}, {messages} messages, {faults} faults, "
         f"shadow redundancy {'on' if shadow else 'OFF (control run)'}; folder {directory}")
     say(f"replay with: transportd chaos --seed {seed} --messages {messages} --faults {faults}"
         f"{'' if shadow else ' --no-shadow'}{' --fault-types ' + ','.join(fault_types) if fault_types else ''}"
-        f"{' --versions ' + ','.join(versions) if versions else ''}")
+        f"{' --versions ' + ','.join(versions) if versions else ''}"
+        f"{f' --concurrent {concurrent}' if concurrent > 1 else ''}"
+        f"{f' --shadow-copies {shadow_copies}' if shadow_copies > 1 else ''}")
     front, transport = pick_ports(ip_base, nodes)
     sink_address = f"127.0.0.{ip_base - 1}:{front}"
     proxy = FaultProxy()
@@ -365,7 +382,9 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
                               # delayed acknowledgement is bypassed (a refusing sink), not acking unprotected
                               "shadow_heartbeat_timeout_interval": heartbeat,
                               "shadow_heartbeat_retry_count": max(1, round(resubmit_span / heartbeat)),
-                              "promotion_enabled": True},
+                              "promotion_enabled": True,
+                              # N-way: rank k waits (k - 1) of these more than rank 1 (at least a heartbeat)
+                              "shadow_copies": shadow_copies, "shadow_rank_delay": max(heartbeat, resubmit_span / 2)},
         "delivery": {"queue_poll_interval": 0.2, "transient_failure_retry_interval": 1,
                      "outbound_connection_failure_retry_interval": 1, "send_connect_timeout": 2,
                      "send_connection_inactivity_timeout": 10},
@@ -385,7 +404,7 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
     span = max(10.0, faults * mean_fault)
     rate = rate or max(2.0, messages / span)
     workload = Workload(run_id, frontends, WorkloadSettings(messages, clients, rate), seed)
-    nemesis = Nemesis(cluster, plan, settle=settle, say=lambda m: say(f"[nemesis] {m}"))
+    nemesis = Nemesis(cluster, plan, settle=settle, say=lambda m: say(f"[nemesis] {m}"), concurrent=concurrent)
     t0 = time.monotonic()
     summary: dict[str, Any] = {}
     try:
@@ -415,6 +434,8 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
         summary = verdict.summary()
         summary.update({
             "seed": seed, "messages": messages, "faults_planned": faults, "shadow_redundancy": shadow,
+            "concurrent": concurrent, "shadow_copies": shadow_copies,
+            "faults_overlapping": sum(1 for f in nemesis.log.faults if f.overlap and f.done),
             "clients": clients, "heartbeat": heartbeat, "resubmit_span": resubmit_span,
             "utf8_sent": sum(1 for h in workload.history.values() if h.utf8),
             "faults": nemesis.log.as_json(),
@@ -456,6 +477,8 @@ def judge(summary: dict[str, Any], expect_loss: bool) -> tuple[bool, str]:
     shadow redundancy off) passes only if it lost mail and nothing unexpected arrived: a control
     that loses nothing fails, whatever the seed (the harness did not show it can see a loss)."""
     lost, unexpected = summary.get("lost", 0), summary.get("unexpected", 1)
+    if summary.get("nemesis_error"):
+        return False, f"the nemesis failed: {summary['nemesis_error']}"
     rejected_full = [d for d in summary.get("disk_full") or [] if d.get("5xx")]
     if rejected_full:
         return False, "a node answered 5xx while its disk was full: " + ", ".join(
