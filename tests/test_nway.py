@@ -39,6 +39,7 @@ from transportd.redundancy.protocol import (
     parse_adopt_reply,
     parse_xshadowadopt,
     promotable_rank,
+    state_change_rank,
     split_shadow_params,
     split_xshadow_param,
 )
@@ -146,8 +147,14 @@ def test_heartbeat_decisions_carry_the_rank() -> None:
     # A primary back with a new queue database lost its copies: every rank at once.
     change = after_heartbeat(ok=True, unreachable_for=0.0, recorded_dbid=P_DBID, answered_dbid=S_DBID,
                              resubmit_time_span=SPAN, rank_delay=DELAY)
-    assert (change.reason, change.rank) == ("ShadowStateChange", MAX_SHADOW_RANK)
+    assert (change.reason, change.rank) == ("ShadowStateChange", 1)  # rank 1 at once, the others later
     assert not after_heartbeat(ok=True, unreachable_for=0.0, **decide).promote
+
+
+@pytest.mark.parametrize("since, rank", [(0.0, 1), (4.99, 1), (5.0, 2), (12.0, 3), (-1.0, 1), (1e6, MAX_SHADOW_RANK)])
+def test_after_a_state_change_rank_k_waits_k_minus_one_delays(since: float, rank: int) -> None:
+    assert state_change_rank(since_change=since, rank_delay=DELAY) == rank
+    assert state_change_rank(since_change=since, rank_delay=0) == MAX_SHADOW_RANK
 
 
 # ============================================================================ connections
@@ -318,6 +325,14 @@ class Cluster:
                     c, p, [(by_guid[r["shadow_guid"]], r["shadow_guid"], r["shadow_rank"]) for r in a],
                     time.time()))
 
+    def state_change(self, node: str, primary: str, since_change: float, new_dbid: str) -> list[dict]:
+        """A heartbeat of ``node`` finds ``primary`` back with ``new_dbid``, ``since_change`` after
+        the change was first seen: what it promotes (the copies made from the old database)."""
+        rank = state_change_rank(since_change=since_change, rank_delay=DELAY)
+        rows = self.tx(node, lambda c: sq.promote_page(c, primary, new_dbid, 500, rank))
+        self.delivered += [(node, r["network_message_id"]) for r in rows]
+        return rows
+
     def shadows_of(self, node: str, primary: str) -> list[dict]:
         return [dict(r) for r in self.db[node].read(lambda c: c.exec_driver_sql(
             "SELECT shadow_guid, shadow_rank FROM messages WHERE role='shadow' AND state='Queued' "
@@ -383,6 +398,31 @@ def test_ranks_close_up_under_the_new_primary(cluster) -> None:
     # n4 was rank 3 under n1; under n3 (which promoted a rank-2 copy) it is rank 1.
     assert cluster.shadows_of("n4", "n3") == [{"shadow_guid": guid, "shadow_rank": 1}]
     assert cluster.db["n3"].read(lambda c: sq.reshadow_inputs(c, 1))[2] == [("n4", 1)]
+
+
+def run_state_change(cluster: Cluster, primary: str, alive: set[str], until: float) -> None:
+    t = 0.0
+    while t <= until:
+        for node in sorted(alive):
+            rows = cluster.state_change(node, primary, t, S_DBID)
+            if rows:
+                cluster.adopt(node, primary, rows, alive)
+        t += 1.0
+
+
+def test_primary_back_empty_rank_1_promotes_at_once_and_adopts_the_others(cluster) -> None:
+    guid = cluster.accept("n1", ["n2", "n3"], "m1", 0.0)
+    run_state_change(cluster, "n1", {"n2", "n3", "n4"}, until=3 * DELAY)
+    assert cluster.delivered == [("n2", "m1")]
+    assert cluster.shadows_of("n3", "n2") == [{"shadow_guid": guid, "shadow_rank": 1}]
+
+
+def test_primary_back_empty_and_rank_1_lost_rank_2_promotes_after_its_delay(cluster) -> None:
+    cluster.accept("n1", ["n2", "n3"], "m1", 0.0)
+    run_state_change(cluster, "n1", {"n3", "n4"}, until=DELAY - 1)
+    assert cluster.delivered == []
+    run_state_change(cluster, "n1", {"n3", "n4"}, until=3 * DELAY)
+    assert cluster.delivered == [("n3", "m1")]
 
 
 def test_adoption_skips_a_copy_already_promoted(cluster) -> None:

@@ -8,12 +8,15 @@ delivered once:
 1. node1 and node3 (the primary and the rank-1 shadow) die together: node2 promotes after the
    span plus one rank delay, not before, and delivers once;
 2. node1 dies alone: node3 promotes after the span and node2 adopts (its copy becomes node3's
-   shadow, never promoted); once node3 delivers, node2's copy is discarded.
+   shadow, never promoted); once node3 delivers, node2's copy is discarded;
+3. node1 comes back with an empty queue database: node3 (rank 1) promotes at once, node2 is
+   adopted and never promotes.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from clusters import LocalCluster, send, sink_copies
 from conftest import wait_for
@@ -82,5 +85,26 @@ def test_primary_dies_rank_1_promotes_and_rank_2_is_adopted(procs, sink, tmp_pat
     # Delivered by node3: its discard reaches node2's adopted copy.
     n2.wait_event("HADISCARD", netid, timeout=20)
     time.sleep(SPAN + RANK_DELAY)  # past the time rank 2 would have promoted
+    assert not n2.events("RESUBMIT", netid)
+    assert len(sink_copies(sink, netid)) == 1
+
+
+def test_primary_back_with_an_empty_database_one_shadow_promotes(procs, sink, tmp_path):
+    """A kill-wipe of the primary (ShadowStateChange): rank 1 promotes at once and adopts rank 2;
+    with every rank promoting at once, both would deliver."""
+    c = nway_cluster(procs, sink, tmp_path)
+    n1, n2, n3 = c["node1"], c["node2"], c["node3"]
+    netid = accepted_with_two_shadows(c, send(n1, "carol@foreign.test"))
+    n1.wait_event("DEFER", netid)
+    n1.kill9()
+    for f in Path(n1.spec.data_dir).glob("queue.db*"):
+        f.unlink()
+    n1.start()
+    sink.start()
+    promoted = n3.wait_event("RESUBMIT", netid, timeout=30)
+    assert promoted[0]["source-context"] == f"{n1.name} (ShadowStateChange)"
+    wait_for(lambda: sink_copies(sink, netid), timeout=20, what="the promoted copy at the sink")
+    n2.wait_event("HADISCARD", netid, timeout=20)  # adopted by node3, discarded once it delivered
+    time.sleep(RANK_DELAY + 1)
     assert not n2.events("RESUBMIT", netid)
     assert len(sink_copies(sink, netid)) == 1

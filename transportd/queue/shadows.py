@@ -267,11 +267,12 @@ def promote_page(conn: Connection, primary: str, keep_dbid: str | None, limit: i
     return [dict(r) for r in rows]
 
 
-def waiting_ranks(conn: Connection, primary: str, rank: int) -> bool:
-    """Whether queued shadows of ``primary`` of a rank above ``rank`` wait for their turn."""
+def waiting_ranks(conn: Connection, primary: str, rank: int, keep_dbid: str | None = None) -> bool:
+    """Whether queued shadows of ``primary`` of a rank above ``rank`` wait for their turn (with
+    ``keep_dbid``: only those made from an older queue database of it)."""
     return conn.execute(select(messages.c.id).where(
         messages.c.role == "shadow", messages.c.primary_node == primary, messages.c.state == mq.QUEUED,
-        messages.c.shadow_rank > rank).limit(1)).first() is not None
+        messages.c.shadow_rank > rank, *_older(messages.c.primary_dbid, keep_dbid)).limit(1)).first() is not None
 
 
 def adopt_shadows(conn: Connection, old_primary: str, new_primary: str, new_dbid: str | None, rank: int,

@@ -166,6 +166,9 @@ shadow_contexts = Table(
     # Failing heartbeats: since when the primary is taken as unreachable (schema 3); promotion
     # is decided by this elapsed time, not by a count of failures.
     Column("unreachable_since", Float),
+    # When its new queue database ID was first seen (schema 4): the shadows made from the old one
+    # are promoted rank by rank from then on (N-way, PROTOCOL.md section 9).
+    Column("state_changed_at", Float),
 )
 
 message_shadows = Table(
@@ -260,6 +263,7 @@ def _migration_3(conn: Connection) -> None:
 def _migration_4(conn: Connection) -> None:
     _add_columns(conn, "messages", {"shadow_rank": "INTEGER NOT NULL DEFAULT 1"})
     _add_columns(conn, "message_shadows", {"shadow_rank": "INTEGER NOT NULL DEFAULT 1"})
+    _add_columns(conn, "shadow_contexts", {"state_changed_at": "FLOAT"})
 
 
 MIGRATIONS: list[Callable[[Connection], None]] = [_migration_1, _migration_2, _migration_3, _migration_4]

@@ -22,7 +22,12 @@ from transportd.queue import shadows as sq
 from transportd.queue.store import QueueStore
 from transportd.redundancy.events import EventSink
 from transportd.redundancy.peers import PeerPool, PeerSession
-from transportd.redundancy.protocol import after_heartbeat, heartbeat_period, unreachable_since
+from transportd.redundancy.protocol import (
+    after_heartbeat,
+    heartbeat_period,
+    state_change_rank,
+    unreachable_since,
+)
 from transportd.redundancy.shadow_queue import ShadowQueues
 
 log = logging.getLogger("transportd.redundancy.heartbeat")
@@ -78,14 +83,24 @@ class Heartbeat:
 
     async def _state_change(self, primary: str, dbid: str) -> None:
         try:
-            await self.shadows.promote(primary, "ShadowStateChange", keep_dbid=dbid)
-            # Recorded only once every old copy is promoted: a crash half-way finds the change again.
-            await self._context(primary, queue_database_id=dbid)
+            # Rank 1 at once; copies of a higher rank (N-way) when their delay has passed
+            # (``_old_ranks``, in the heartbeats that follow).
+            await self.shadows.promote(primary, "ShadowStateChange", keep_dbid=dbid, max_rank=1)
+            # Recorded only once every rank-1 copy is promoted: a crash half-way finds the change again.
+            await self._context(primary, queue_database_id=dbid, state_changed_at=time.time())
         finally:
             if self._state_changes.get(primary) == dbid:
                 del self._state_changes[primary]
         # The shadow copies it held of *our* messages went with its old database: make them again.
         await self._reprotect(primary)
+
+    async def _old_ranks(self, primary: str, dbid: str | None, changed_at: float, now: float) -> None:
+        """Shadows made from ``primary``'s old queue database, of a rank above 1 (N-way): promoted
+        when their delay since the change has passed, unless rank 1 adopted them meanwhile."""
+        rank = state_change_rank(since_change=now - changed_at, rank_delay=self.sr.shadow_rank_delay)
+        await self.shadows.promote(primary, "ShadowStateChange", keep_dbid=dbid, max_rank=rank)
+        if not await self.store.aread(lambda c: sq.waiting_ranks(c, primary, rank, keep_dbid=dbid)):
+            await self._context(primary, state_changed_at=None)
 
     # ------------------------------------------------------------------ hop-by-hop sessions
 
@@ -174,6 +189,8 @@ class Heartbeat:
             if answered and not state_change:  # a new ID is recorded once its promotion is done
                 values["queue_database_id"] = answered
         await self._context(primary, **values)
+        if ok and not state_change and ctx and ctx.get("state_changed_at"):
+            await self._old_ranks(primary, answered, ctx["state_changed_at"], now)
         if not ok:
             self.events.metrics.heartbeat_failures.labels(primary).inc()
             log.warning("heartbeat to primary %s failed (%d in a row): %s", primary, failures, error)
@@ -181,9 +198,9 @@ class Heartbeat:
                 await self.shadows.resubmit_requested(primary, now)
         if decision.promote:
             await self.shadows.promote(primary, decision.reason, keep_dbid=answered if state_change else None,
-                                       max_rank=None if state_change else decision.rank)
+                                       max_rank=decision.rank)
             if state_change:
-                await self._context(primary, queue_database_id=answered)
+                await self._context(primary, queue_database_id=answered, state_changed_at=time.time())
             elif not await self.store.aread(lambda c: sq.waiting_ranks(c, primary, decision.rank)):
                 # A new span starts. While shadows of a higher rank wait (N-way), the span runs on
                 # so that they are promoted when their delay has passed too.

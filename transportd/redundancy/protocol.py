@@ -291,6 +291,15 @@ def promotable_rank(*, unreachable_for: float, resubmit_time_span: float, rank_d
     return min(MAX_SHADOW_RANK, 1 + int((unreachable_for - resubmit_time_span) // rank_delay))
 
 
+def state_change_rank(*, since_change: float, rank_delay: float) -> int:
+    """The highest rank of shadows made from a primary's old queue database that may be promoted
+    ``since_change`` seconds after its new ID was first seen: rank 1 at once, rank k after k - 1
+    rank delays (the lower rank has that long to promote and adopt them)."""
+    if rank_delay <= 0:
+        return MAX_SHADOW_RANK
+    return min(MAX_SHADOW_RANK, 1 + int(max(0.0, since_change) // rank_delay))
+
+
 def after_heartbeat(*, ok: bool, unreachable_for: float, recorded_dbid: str | None,
                     answered_dbid: str | None, resubmit_time_span: float, failures: int = 0,
                     retry_count: int | None = None, rank_delay: float = 0.0) -> HeartbeatDecision:
@@ -305,12 +314,12 @@ def after_heartbeat(*, ok: bool, unreachable_for: float, recorded_dbid: str | No
     time-outs in a row, ``failures`` counting this one (each poll comes one
     *ShadowHeartbeatTimeoutInterval* after the last).
 
-    A state change (the primary is back with a new queue database) promotes every rank at once:
-    the primary itself says it lost its copies. A heartbeat failure promotes up to
-    ``promotable_rank``.
+    A state change (the primary is back with a new queue database) promotes rank 1 at once, the
+    others by ``state_change_rank`` in the heartbeats that follow. A heartbeat failure promotes
+    up to ``promotable_rank``.
     """
     if ok and recorded_dbid and answered_dbid and recorded_dbid != answered_dbid:
-        return HeartbeatDecision(True, "ShadowStateChange")
+        return HeartbeatDecision(True, "ShadowStateChange", 1)
     if ok:
         return HeartbeatDecision(False)
     rank = promotable_rank(unreachable_for=unreachable_for, resubmit_time_span=resubmit_time_span,
