@@ -10,12 +10,12 @@ import time
 import uuid
 
 import pytest
+from conftest import free_port, queued_id, swaks, wait_for, wait_port
 from sqlalchemy import select, update
 
-from conftest import free_port, queued_id, swaks, wait_for, wait_port
-from transportd.queue import messages as mq
-from transportd.devtools.cluster import generate
 from transportd.config import load_dict
+from transportd.devtools.cluster import generate
+from transportd.queue import messages as mq
 from transportd.queue.routing import bifurcate
 from transportd.queue.safetynet import resubmit
 from transportd.queue.store import QueueStore, messages, recipients
@@ -138,10 +138,14 @@ def test_redirect_drains_a_node_to_its_peer_protected(two_nodes, sink):
     res = _cli(node1.config, "redirect", "--target", node2.name)
     assert res.returncode == 0, res.stderr
     assert "1 message(s) redirected" in res.stdout
-    assert [e["internal-message-id"] for e in _events(node1.config, event_id="REDIRECT")] == [str(qid)]
 
     # node2 becomes primary over XSHADOW; node1 keeps its copy as a hop-by-hop shadow until node2's discard.
+    # Tracked as Exchange tracks Redirect-Message: the hand-over (SEND to node2, RECEIVE there);
+    # REDIRECT is Exchange's event for a recipient redirected to an alternate recipient.
     sends = wait_for(lambda: _events(node1.config, event_id="SEND"), what="SEND from node1 to node2")
+    assert [e["internal-message-id"] for e in sends] == [str(qid)]
+    assert [e["source"] for e in sends] == ["SMTP"]
+    assert _events(node1.config, event_id="REDIRECT") == []
     netid = sends[0]["network-message-id"]
     received = wait_for(lambda: [e for e in _events(node2.config, event_id="RECEIVE")
                                  if e["network-message-id"] == netid], what="node2 RECEIVE")
@@ -169,6 +173,7 @@ def test_resubmit_gap_is_filled_from_the_peers_shadow_safety_net(two_nodes, proc
     import shutil
     import signal
     from datetime import datetime, timezone
+
     from transportd.queue.mailbox import MailboxStore
 
     node1, node2 = two_nodes
