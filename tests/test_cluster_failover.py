@@ -66,6 +66,15 @@ def test_primary_killed_with_message_queued_shadow_promotes_after_resubmit_span(
     assert len(rows) == 1, rows
     assert rows[0]["source"] == "REDUNDANCY"
     assert rows[0]["source-context"] == f"{n1.name} (ShadowHeartbeatFailure)"
+    # As Exchange: the shadow copy is discarded as resubmitted, and the RESUBMIT row's reference
+    # is the internal id of the copy it was made from (node3's HARECEIVE).
+    received = n3.tracking(event_id="HARECEIVE", network_message_id=netid)
+    assert len(received) == 1, received
+    assert rows[0]["reference"] == received[0]["internal-message-id"]
+    discarded = n3.tracking(event_id="HADISCARD", network_message_id=netid)
+    assert [d["source-context"].split(";")[0] for d in discarded] == ["Resubmitted"], discarded
+    assert discarded[0]["internal-message-id"] == received[0]["internal-message-id"]
+    assert discarded[0]["source-context"] == f"Resubmitted;{received[0]['source-context']}"
     original = n1.tracking(event_id="HAREDIRECT", network_message_id=netid)
     assert len(original) == 1 and original[0]["network-message-id"] == rows[0]["network-message-id"]
     sent = n3.tracking(event_id="SENDEXTERNAL", network_message_id=netid)
@@ -103,6 +112,8 @@ def test_primary_restarted_with_new_database_promotes_at_once(make_cluster, sink
     assert len(rows) == 1, rows
     assert rows[0]["source"] == "REDUNDANCY"
     assert rows[0]["source-context"] == f"{n1.name} (ShadowStateChange)"
+    discarded = n3.tracking(event_id="HADISCARD", network_message_id=netid)
+    assert [d["source-context"].split(";")[0] for d in discarded] == ["Resubmitted"], discarded
     ctx = wait_for(lambda: (c := n3.shadow_list()[n1.name])["queue_database_id"] not in (None, old_dbid) and c,
                    timeout=5, what="node3 to record node1's new queue database ID")
     assert ctx["shadows"] == 0
@@ -222,7 +233,9 @@ def test_primary_killed_after_delivery_before_discard_is_delivered_again(make_cl
     second = n3.tracking(event_id="SENDEXTERNAL", network_message_id=netid)
     assert len(first) == 1 and len(second) == 1, (first, second)
     assert first[0]["network-message-id"] == second[0]["network-message-id"] == netid
-    assert not n3.tracking(event_id="HADISCARD", network_message_id=netid)
+    # Never discarded as processed: only as resubmitted, by the promotion.
+    discarded = n3.tracking(event_id="HADISCARD", network_message_id=netid)
+    assert [d["source-context"].split(";")[0] for d in discarded] == ["Resubmitted"], discarded
 
 
 def test_a_peer_without_chunking_gets_shadow_copies_with_data_and_promotes_them(make_cluster, sink):

@@ -55,7 +55,9 @@ def test_message_remove_tells_the_shadows_and_a_promotion_does_not_deliver_it(cl
     invoke("message", "remove", str(removed), "--config", node1.config)
     discard = wait_for(lambda: node3.tracking(event_id="HADISCARD", network_message_id=netid), timeout=10,
                        what="node3 to discard the removed message's shadow")
-    assert discard[0]["source-context"].startswith("DeletedByAdmin;"), discard
+    # Exchange's discard reason, with the shadow-message GUID of the copy (its HARECEIVE context).
+    received = node3.tracking(event_id="HARECEIVE", network_message_id=netid)
+    assert discard[0]["source-context"] == f"DeletedByAdmin;{received[0]['source-context']}", discard
     con = sqlite3.connect(f"file:{node3.cfg.db_path}?mode=ro", uri=True)
     try:
         (state, role), = con.execute("SELECT state, role FROM messages WHERE network_message_id = ?", (netid,))

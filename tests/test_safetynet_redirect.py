@@ -10,12 +10,12 @@ import time
 import uuid
 
 import pytest
+from conftest import free_port, queued_id, swaks, wait_for, wait_port
 from sqlalchemy import select, update
 
-from conftest import free_port, queued_id, swaks, wait_for, wait_port
-from transportd.queue import messages as mq
-from transportd.devtools.cluster import generate
 from transportd.config import load_dict
+from transportd.devtools.cluster import generate
+from transportd.queue import messages as mq
 from transportd.queue.routing import bifurcate
 from transportd.queue.safetynet import resubmit
 from transportd.queue.store import QueueStore, messages, recipients
@@ -138,10 +138,14 @@ def test_redirect_drains_a_node_to_its_peer_protected(two_nodes, sink):
     res = _cli(node1.config, "redirect", "--target", node2.name)
     assert res.returncode == 0, res.stderr
     assert "1 message(s) redirected" in res.stdout
-    assert [e["internal-message-id"] for e in _events(node1.config, event_id="REDIRECT")] == [str(qid)]
 
     # node2 becomes primary over XSHADOW; node1 keeps its copy as a hop-by-hop shadow until node2's discard.
+    # Tracked as Exchange tracks Redirect-Message: the hand-over (SEND to node2, RECEIVE there);
+    # REDIRECT is Exchange's event for a recipient redirected to an alternate recipient.
     sends = wait_for(lambda: _events(node1.config, event_id="SEND"), what="SEND from node1 to node2")
+    assert [e["internal-message-id"] for e in sends] == [str(qid)]
+    assert [e["source"] for e in sends] == ["SMTP"]
+    assert _events(node1.config, event_id="REDIRECT") == []
     netid = sends[0]["network-message-id"]
     received = wait_for(lambda: [e for e in _events(node2.config, event_id="RECEIVE")
                                  if e["network-message-id"] == netid], what="node2 RECEIVE")
@@ -157,6 +161,44 @@ def test_redirect_drains_a_node_to_its_peer_protected(two_nodes, sink):
     assert _events(node1.config, event_id="SENDEXTERNAL") == []
 
 
+def test_redirected_copy_is_resubmitted_when_the_target_comes_back_empty(two_nodes, procs, tmp_path):
+    """node1 drained its message to node2 and keeps the hop-by-hop copy; node2 comes back with a new
+    queue database before delivering it: node1 resubmits its copy (ShadowStateChange), tracked as
+    Exchange tracks a resubmitted shadow: HADISCARD Resubmitted, then RESUBMIT REDUNDANCY whose
+    reference is the internal id of the copy resubmitted (node1's own message)."""
+    import shutil
+    import signal
+
+    node1, node2 = two_nodes
+    host, _, port = node1.frontend.rpartition(":")
+    qid = queued_id(swaks(int(port), "--to", "carol@elsewhere.test", "--from", "bob@example.test", server=host))
+    wait_for(lambda: _events(node1.config, event_id="DEFER"), what="a DEFER on node1")
+    assert _cli(node1.config, "redirect", "--target", node2.name).returncode == 0
+    netid = wait_for(lambda: _events(node1.config, event_id="SEND"), what="SEND to node2")[0]["network-message-id"]
+    wait_for(lambda: [e for e in _events(node2.config, event_id="RECEIVE") if e["network-message-id"] == netid],
+             what="node2 primary for the drained message")
+
+    proc2 = next(p for p in procs.procs if node2.config in p.args)
+    proc2.send_signal(signal.SIGKILL)
+    proc2.wait()
+    shutil.rmtree(node2.data_dir)
+    log = open(tmp_path / f"{node2.short}-again.log", "wb")
+    procs.add(subprocess.Popen([sys.executable, "-m", "transportd", "serve", "--config", node2.config],
+                               stdout=log, stderr=subprocess.STDOUT))
+
+    resub = wait_for(lambda: [e for e in _events(node1.config, event_id="RESUBMIT")
+                              if e["network-message-id"] == netid], timeout=25,
+                     what="node1 to resubmit its copy after node2's new queue database")
+    assert [(e["source"], e["source-context"]) for e in resub] == [
+        ("REDUNDANCY", f"{node2.name} (ShadowStateChange)")]
+    assert resub[0]["internal-message-id"] == resub[0]["reference"] == str(qid)
+    discards = [e for e in _events(node1.config, event_id="HADISCARD") if e["network-message-id"] == netid]
+    assert len(discards) == 1 and discards[0]["internal-message-id"] == str(qid), discards
+    reason, _, guid = discards[0]["source-context"].partition(";")
+    assert reason == "Resubmitted" and str(uuid.UUID(guid)) == guid, discards
+    assert _events(node1.config, event_id="REDIRECT") == []
+
+
 def test_redirect_refuses_an_unknown_target(two_nodes):
     res = _cli(two_nodes[0].config, "redirect", "--target", "nobody.transportd.test")
     assert res.returncode == 2
@@ -169,6 +211,7 @@ def test_resubmit_gap_is_filled_from_the_peers_shadow_safety_net(two_nodes, proc
     import shutil
     import signal
     from datetime import datetime, timezone
+
     from transportd.queue.mailbox import MailboxStore
 
     node1, node2 = two_nodes

@@ -7,8 +7,9 @@ primary) or cannot be (HAREDIRECTFAIL); the primary delivers outside the boundar
 (SEND; RECEIVE and DELIVER there; HADISCARD of the fork at the sender's next poll); the shadow
 drops its copy at its next heartbeat after the primary processed it (HADISCARD). Injected at known
 rates: node deaths (the node writes nothing after; each shadow holder promotes that node's
-shadows at its first heartbeat after ShadowResubmitTimeSpan: RESUBMIT REDUNDANCY, a new shadow,
-delivery again, so a message delivered but not yet discarded is delivered twice), HAREDIRECTFAIL
+shadows at its first heartbeat after ShadowResubmitTimeSpan: HADISCARD Resubmitted and RESUBMIT
+REDUNDANCY, a new shadow, delivery again, so a message delivered but not yet discarded is delivered
+twice), HAREDIRECTFAIL
 (a message lost when its primary dies), lost discards (a shadow never discarded) and malformed
 rows. Rows are the shapes the daemon writes (see ``transportd.tracking`` and ``track(`` calls).
 
@@ -348,16 +349,19 @@ class Generator:
             return
         if processed is None:
             pcopy.released = min(pcopy.released, death)
-        self.promote(sim, msg, primary, iid, shadow, siid, scopy, promote)
+        self.promote(sim, msg, primary, shadow, siid, guid, scopy, promote)
 
-    def promote(self, sim: Sim, msg: dict, primary: str, iid: int, shadow: str, siid: int, scopy: Copy,
+    def promote(self, sim: Sim, msg: dict, primary: str, shadow: str, siid: int, guid: str, scopy: Copy,
                 promote: float) -> None:
         """``shadow`` promotes its copy at ``promote``, its first heartbeat after ShadowResubmitTimeSpan
-        past the primary's death: RESUBMIT REDUNDANCY, a new shadow, delivery again, that shadow's discard."""
+        past the primary's death: HADISCARD Resubmitted and RESUBMIT REDUNDANCY (reference: the
+        shadow copy's internal id), a new shadow, delivery again, that shadow's discard."""
         cluster, emit = self.cluster, self.journal.emit
         rcpts = msg["recipients"]
+        emit(promote, shadow, "HADISCARD", "SMTP", msg, internal_id=siid, context=f"Resubmitted;{guid}",
+             client_hostname=primary)
         emit(promote, shadow, "RESUBMIT", "REDUNDANCY", msg, recipients=rcpts, internal_id=siid,
-             context=f"{primary} (ShadowHeartbeatFailure)", reference=str(iid))
+             context=f"{primary} (ShadowHeartbeatFailure)", reference=str(siid))
         sim.promoted_at = promote
         other = cluster.pick_shadow(shadow, promote, exclude=(primary,))
         guid2 = self.journal.guid()

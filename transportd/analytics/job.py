@@ -31,6 +31,7 @@ from transportd.analytics.schema import (
     ENTRY_EVENTS,
     FAILED_EVENTS,
     RELEASE_EVENTS,
+    RESUBMITTED_DISCARD,
     SEND_FOLLOW_SECONDS,
     STATES,
     SUCCESS_EVENTS,
@@ -323,11 +324,14 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
         if facts["cutoffs"] else F.lit(None).cast("timestamp")
     node = F.col("node")
     wanted_events = (*ENTRY_EVENTS, "HARECEIVE")
+    # A shadow copy discarded because it was resubmitted here is held on as the resubmitted copy.
+    kept = ~((e == "HADISCARD") & F.coalesce(F.trim(F.substring_index(F.col("context"), ";", 1))
+                                             == RESUBMITTED_DISCARD, F.lit(False)))
     kn = ev.groupBy("key", "node").agg(
         F.max(when_event(TAKE_EVENTS, t)).alias("last_take"),
-        F.max(when_event(RELEASE_EVENTS, t)).alias("last_release"),
+        F.max(F.when(e.isin(*RELEASE_EVENTS) & kept, t)).alias("last_release"),
         F.min(when_event(["HARECEIVE"], t)).alias("shadow_received"),
-        F.min(when_event(["HADISCARD"], t)).alias("shadow_discarded"),
+        F.min(F.when((e == "HADISCARD") & kept, t)).alias("shadow_discarded"),
         F.min(F.when((e == "RESUBMIT") & (F.col("source") == "REDUNDANCY"), t)).alias("promoted_here"),
         F.max("network_message_id").alias("network_message_id"),
         F.max("message_id").alias("message_id"),

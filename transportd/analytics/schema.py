@@ -47,11 +47,16 @@ TAKE_EVENTS = ("RECEIVE", "HARECEIVE", "RESUBMIT", "DSN")
 """The node now holds a copy (primary, shadow, promoted or resubmitted, generated)."""
 
 RELEASE_EVENTS = (
-    "HADISCARD", "DELIVER", "DUPLICATEDELIVER", "SENDEXTERNAL", "FAIL", "DROP", "REDIRECT",
+    "HADISCARD", "DELIVER", "DUPLICATEDELIVER", "SENDEXTERNAL", "FAIL", "DROP",
 )
 """The node no longer holds the copy it took. SEND is not one: the sender keeps the message
 as a shadow (hop-by-hop, docs/PROTOCOL.md section 3) until the next hop's discard, logged as
-HADISCARD on the sender."""
+HADISCARD on the sender. REDIRECT is not one either: Exchange writes it when a recipient is
+redirected to an alternate recipient, and the message stays where it is."""
+
+RESUBMITTED_DISCARD = "Resubmitted"
+"""The source-context (first item) of a HADISCARD that is no release: the shadow copy was
+resubmitted on the same node (RESUBMIT REDUNDANCY follows), which still holds the message."""
 
 SUCCESS_EVENTS = ("DELIVER", "SENDEXTERNAL", "DUPLICATEDELIVER")
 """A recipient is done: stored in a mailbox, accepted outside the boundary, or already stored."""

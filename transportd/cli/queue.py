@@ -1,9 +1,10 @@
 """``transportd queue`` and ``transportd redirect``: delivery queues and draining them to a peer.
 
 It owns the queue commands (list, suspend, resume, retry, like Exchange's Get-Queue,
-Suspend-Queue, Resume-Queue, Retry-Queue) and ``redirect`` (Redirect-Message), their
-output and their ADMIN tracking rows. It never writes SQL: each read and each action
-is one queue-layer function run in ``QueueStore.read`` or ``QueueStore.transaction``.
+Suspend-Queue, Resume-Queue, Retry-Queue) and ``redirect`` (Redirect-Message) and their
+output; none writes a tracking row (the daemon tracks the hand-overs a redirect causes). It
+never writes SQL: each read and each action is one queue-layer function run in
+``QueueStore.read`` or ``QueueStore.transaction``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,18 @@ from typing import Any, Callable
 
 import click
 
-from transportd.cli.common import (CliError, ConfigCliError, admin_event, emit_json, fmt_time, iso, json_default,
-                                   json_option, node_options, open_store, table, tracking_log_for)
+from transportd.cli.common import (
+    CliError,
+    ConfigCliError,
+    emit_json,
+    fmt_time,
+    iso,
+    json_default,
+    json_option,
+    node_options,
+    open_store,
+    table,
+)
 from transportd.config import Config
 from transportd.queue import admin
 from transportd.queue import messages as mq
@@ -116,7 +127,9 @@ def redirect(cfg: Config, target: str) -> None:
 
     Every queued message goes to the peer hop by hop with XSHADOW: the peer becomes primary and
     this node keeps a shadow until the peer's discard. A running daemon starts within a second;
-    a stopped one at its next start.
+    a stopped one at its next start. As with Redirect-Message, message tracking shows the move
+    as the hand-over itself (SEND to the peer, RECEIVE there); REDIRECT is Exchange's event for a
+    recipient redirected to an alternate recipient, not written here.
     """
     target = target.strip().lower()
     if target not in {p.name for p in cfg.peers}:
@@ -126,15 +139,8 @@ def redirect(cfg: Config, target: str) -> None:
     try:
         moved = store.transaction(functools.partial(mq.redirect_to_peer, target=target, now=time.time()))
         held = store.read(mq.held_messages)
-        trk = tracking_log_for(cfg, store)
     finally:
         store.close()
-    if trk is not None:
-        try:
-            for row in moved:
-                admin_event(trk, "REDIRECT", row, f"transportd redirect --target {target}")
-        finally:
-            trk.close()
     click.echo(f"{len(moved)} message(s) redirected to {target} (queue peer:{target})")
     if held:
         click.echo(f"{held} suspended or poison message(s) stay here, held: resume them and redirect again "

@@ -291,16 +291,18 @@ def adopt_shadows(conn: Connection, old_primary: str, new_primary: str, new_dbid
 
 
 def requeue_forks(conn: Connection, primary: str, keep_dbid: str | None) -> list[dict]:
-    """Forks handed to ``primary``: delivered again (the receiving store drops duplicates)."""
-    found = conn.execute(select(shadow_forks.c.message_id, shadow_forks.c.queue_id).where(
+    """Forks handed to ``primary``: delivered again (the receiving store drops duplicates). Each
+    returned row carries the fork's shadow-message GUID as ``shadow_guid``."""
+    found = conn.execute(select(
+        shadow_forks.c.message_id, shadow_forks.c.queue_id, shadow_forks.c.shadow_guid).where(
         shadow_forks.c.primary_node == primary, *_older(shadow_forks.c.primary_dbid, keep_dbid))).all()
-    for message_id, queue_id in found:
+    for message_id, queue_id, _ in found:
         conn.execute(update(recipients).where(
             recipients.c.message_id == message_id, recipients.c.queue_id == queue_id,
             recipients.c.status == mq.DELIVERED).values(status=mq.READY, next_retry_at=0.0, completed_at=None))
     conn.execute(delete(shadow_forks).where(shadow_forks.c.primary_node == primary,
                                             *_older(shadow_forks.c.primary_dbid, keep_dbid)))
-    return [mq.message_row(conn, m) or {"id": m} for m, _ in found]
+    return [{**(mq.message_row(conn, m) or {"id": m}), "shadow_guid": guid} for m, _, guid in found]
 
 
 def open_resubmit_requests(conn: Connection, primary: str) -> list[dict]:

@@ -3,10 +3,10 @@
 It owns what happens to a shadow copy here: stored when a primary sends it
 (HARECEIVE), moved to the Shadow Safety Net when the primary discards it
 (HADISCARD), promoted to a primary copy of ours when the primary is lost
-(RESUBMIT, in pages, delivered at once; with several shadows per message only
-up to the rank the heartbeat allows), adopted by the shadow of a lower rank that
-promoted it (XSHADOWADOPT), and resubmitted from the Shadow Safety Net for a
-primary's resubmit request. Every query goes through
+(HADISCARD Resubmitted and RESUBMIT, in pages, delivered at once; with several
+shadows per message only up to the rank the heartbeat allows), adopted by the
+shadow of a lower rank that promoted it (XSHADOWADOPT), and resubmitted from the
+Shadow Safety Net for a primary's resubmit request. Every query goes through
 queue/shadows.py; it never talks to a peer (redundancy/heartbeat.py does) and
 never schedules delivery itself: its commits set the store's queue-changed event.
 """
@@ -129,9 +129,13 @@ class ShadowQueues:
             for r in rows:
                 try:
                     faults.check("promote", r)
+                    # The shadow copy is resubmitted: discarded as a shadow (Exchange's context
+                    # Resubmitted), then resubmitted as a primary copy whose reference is the
+                    # internal id of the copy it was made from (docs/TRACKING_LOG.md).
+                    self.events.track("HADISCARD", "SMTP", r, source_context=f"Resubmitted;{r['shadow_guid']}",
+                                      client_hostname=primary)
                     self.events.track("RESUBMIT", "REDUNDANCY", r, source_context=f"{primary} ({reason})",
-                                      reference=str(r.get("primary_internal_id") or r.get("shadow_guid")
-                                                    or r.get("id")))
+                                      reference=str(r["id"]))
                 except Exception as exc:  # noqa: BLE001 - promoted all the same; counted, the others go on
                     failed.append((r, exc))
             for r, exc in failed:
