@@ -29,8 +29,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from transportd.devtools.chaos.disk import DiskNotFilled
-from transportd.devtools.chaos.preconditions import (MID_SHADOW_LIMIT, WIPE_LIMIT, Waited, wait_until,
-                                                     wipe_target)
+from transportd.devtools.chaos.pairs import PairFaults
+from transportd.devtools.chaos.preconditions import (
+    MID_SHADOW_LIMIT,
+    WIPE_LIMIT,
+    Waited,
+    wait_until,
+    wipe_target,
+)
 
 # name: what it does (the harness prints this list)
 FAULT_TYPES: dict[str, str] = {
@@ -150,7 +156,7 @@ class NemesisLog:
         return [asdict(f) for f in self.faults]
 
 
-class Nemesis:
+class Nemesis(PairFaults):
     """Runs a schedule against a cluster (see harness.ChaosCluster for the operations)."""
 
     def __init__(self, cluster: Any, plan: list[Fault], *, settle: float, say: Callable[[str], None],
@@ -313,53 +319,6 @@ class Nemesis:
             self._sleep(self.settle)
         finally:
             self.cluster.sink_refuse(False)
-
-    def _double_wipe_behind_refusing_sink(self, f: Fault) -> None:
-        """Two failures at once: the primary of mail queued behind the refusing sink and the peer
-        that holds most of its shadows, both killed and wiped together."""
-        scheduled = f.targets[0]
-        grace = min(self.wipe_limit / 2, f.duration * 3)
-        self.cluster.sink_refuse(True)
-        try:
-            def probe(elapsed: float) -> tuple[str, str] | None:
-                if elapsed < f.duration:
-                    return None
-                node = wipe_target(self.cluster.queued_behind_sink(), scheduled, elapsed, grace, minimum=2)
-                holder = self.cluster.shadow_holder(node) if node else None
-                return (node, holder) if node and holder else None
-            w = self._precondition(f, probe, self.wipe_limit, 0.3)
-            if not w.held:
-                f.note += (f"precondition never held: no mail queued behind the refusing sink with its shadow "
-                           f"on a peer after {w.waited:g} s")
-                return
-            node, holder = w.value
-            f.targets = [node, holder]
-            held = self.cluster.queued_behind_sink().get(node, 0)
-            shadows = self.cluster.shadows_of(holder, node)
-            for short in (node, holder):
-                self.cluster.kill(short)
-            for short in (node, holder):
-                self.cluster.wipe(short)
-            f.note += (f"{held} message(s) queued behind the refusing sink on {node}, {shadows} of its shadows "
-                       f"on {holder}: both killed and wiped (after {w.waited:g} s)")
-            self._sleep(f.duration)
-            for short in (node, holder):
-                self.cluster.start_node(short)
-            self._sleep(self.settle)
-        finally:
-            self.cluster.sink_refuse(False)
-
-    def _kill_and_partition(self, f: Fault) -> None:
-        """Two failures at once: one node killed, the two others cut apart."""
-        killed, a, b = f.targets
-        links = self.cluster.links_between(a, b)
-        self.cluster.kill(killed)
-        self.cluster.proxy.set(links, "cut", 0.0)
-        try:
-            self._sleep(f.duration)
-        finally:
-            self.cluster.proxy.set(links, "ok", 0.0)
-            self.cluster.start_node(killed)
 
     def _kill_mid_shadow(self, f: Fault) -> None:
         node = f.targets[0]
