@@ -159,6 +159,56 @@ class _ExposedCluster:
         self.events.append("heal")
 
 
+class _RecordingCluster:
+    """Stands in for ChaosCluster in overlap tests: records kills and restarts with their times."""
+
+    by_short = {"node1": None, "node2": None, "node3": None}
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, str, str]] = []
+        self.lock = threading.Lock()
+
+    def _note(self, what: str, node: str) -> None:
+        with self.lock:
+            self.events.append((time.monotonic(), what, node))
+
+    def not_redundant(self) -> dict[str, int]:
+        return {}
+
+    def kill(self, short: str) -> None:
+        self._note("kill", short)
+
+    def start_node(self, short: str) -> None:
+        self._note("start", short)
+
+    def heal_all(self) -> None:
+        pass
+
+
+def test_overlapping_faults_run_together_on_free_nodes_up_to_k():
+    cluster = _RecordingCluster()
+    plan = [Fault(1, "kill", ["node1"], duration=0.6, wait_before=0.0),
+            Fault(2, "kill", ["node1"], duration=0.6, wait_before=0.05, overlap=True),  # node1 is busy
+            Fault(3, "kill", ["node3"], duration=0.1, wait_before=0.0, overlap=True),   # no slot left (K = 2)
+            Fault(4, "kill", ["node2"], duration=0.1, wait_before=0.0)]                 # waits for all
+    nemesis = Nemesis(cluster, plan, settle=0, say=lambda m: None, concurrent=2)
+    nemesis.start()
+    nemesis.thread.join(20)
+    assert not nemesis.thread.is_alive() and nemesis.error is None
+    at: dict[tuple[str, str], list[float]] = {}
+    for t, what, node in cluster.events:
+        at.setdefault((what, node), []).append(t)
+    # Fault 2 was moved to a free node and ran while fault 1 did.
+    assert plan[1].targets == ["node2"] and "busy with a running fault" in plan[1].note
+    assert at[("kill", "node2")][0] < at[("start", "node1")][0]
+    # Fault 3 waited for a slot: it started after fault 1 or 2 ended, never three at once.
+    assert at[("kill", "node3")][0] >= min(at[("start", "node1")][0], at[("start", "node2")][0])
+    # Fault 4 (not overlapping: node2 again) started only once faults 1-3 had ended.
+    assert at[("kill", "node2")][1] >= max(at[("start", "node1")][0], at[("start", "node2")][0],
+                                           at[("start", "node3")][0])
+    assert [f.index for f in nemesis.log.faults] == [1, 2, 3, 4]
+
+
 def _sink_faults(n: int) -> list[Fault]:
     return [Fault(i + 1, "sink-refuse", [], duration=0.01, wait_before=0.0) for i in range(n)]
 
@@ -918,3 +968,13 @@ def test_utf8_message_on_a_session_without_smtputf8_is_refused_not_a_crash() -> 
         for sock in (a, b, srv):
             sock.close()
     assert [x.outcome for x in s.attempts] == [REFUSED] and "UnicodeEncodeError" in s.attempts[0].detail
+
+
+def test_an_overlapping_disk_full_fault_waits_for_its_own_node():
+    """Its node's data directory is the tmpfs mounted for it: it is never moved to another node."""
+    nemesis = Nemesis(_RecordingCluster(), [], settle=0, say=lambda m: None, concurrent=2)
+    full = Fault(2, "disk-full", ["node1"], duration=1, wait_before=0, overlap=True)
+    assert not nemesis._retarget(full, {"node1"}) and full.targets == ["node1"]
+    assert nemesis._retarget(full, {"node2"})
+    sink = Fault(3, "sink-refuse", [], duration=1, wait_before=0, overlap=True)
+    assert not nemesis._retarget(sink, {"sink"}) and nemesis._retarget(sink, {"node1"})

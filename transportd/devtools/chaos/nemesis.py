@@ -236,6 +236,8 @@ class Nemesis(PairFaults):
         busy = [t for t in fault.targets if t in held]
         if not busy:
             return True
+        if fault.type == "disk-full":
+            return False  # its node's data directory is the tmpfs mounted for it: it waits instead
         free = sorted(n for n in self.cluster.by_short if n not in held and n not in fault.targets)
         if len(free) < len(busy):
             return False
