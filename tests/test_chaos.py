@@ -691,6 +691,38 @@ def test_disk_full_faults_lose_nothing_and_never_answer_5xx(small_runs):
     assert code == 0 and s["passed"], report
 
 
+# Two failures at once (issue 18): the first fault of a --concurrent run wipes a primary holding
+# queued mail and the peer holding its shadows together. Two shadows per message lose nothing;
+# one shadow per message (the control) loses that mail.
+DOUBLE = ("--messages", "200", "--faults", "5", "--seed", "1", "--concurrent", "2")
+
+
+@pytest.fixture(scope="module")
+def double_runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("chaos-double")
+    runs = {"nway": ChaosRun(base / "nway", *DOUBLE, "--shadow-copies", "2", ip_base=181),
+            "control": ChaosRun(base / "control", *DOUBLE, "--expect-loss", ip_base=201)}
+    yield from _stopped_after(runs)
+
+
+@pytest.mark.chaos
+def test_two_shadows_survive_a_primary_and_its_shadow_wiped_together(double_runs):
+    code, s, report = double_runs["nway"].result()
+    assert s["nemesis_error"] is None and s["shadow_copies"] == 2 and s["concurrent"] == 2, report
+    assert s["fault_counts"].get("double-wipe-behind-refusing-sink") == 1, report  # its precondition held
+    assert s["lost"] == 0 and s["unexpected"] == 0 and s["duplicates"]["mailbox"] == 0, report
+    assert s["internal_errors"] == 0 and code == 0, report
+
+
+@pytest.mark.chaos
+def test_one_shadow_loses_mail_when_a_primary_and_its_shadow_are_wiped_together(double_runs):
+    code, s, report = double_runs["control"].result()
+    assert s["shadow_redundancy"] and s["shadow_copies"] == 1, report
+    assert s["fault_counts"].get("double-wipe-behind-refusing-sink") == 1, report
+    assert s["lost"] > 0 and s["unexpected"] == 0, report
+    assert s["passed"] and code == 0, report
+
+
 def test_sink_refuses_on_sigusr1_and_accepts_on_sigusr2(procs, tmp_path):
     import signal
     import smtplib
