@@ -41,6 +41,8 @@ class ShadowResult:
 
 
 class ShadowCopier:
+    """Makes one message's shadow copies over the peer pool (the manager picks the candidates)."""
+
     def __init__(self, sr: Any, pool: PeerPool, queue_database_id: Callable[[], str]):
         self.sr = sr
         self.pool = pool
