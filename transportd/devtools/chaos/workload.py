@@ -74,6 +74,7 @@ class Workload:
         self.run = run
         self.frontends = frontends
         self.s = settings
+        self.seed = seed
         rng = random.Random(seed ^ 0x5EED)
         utf8_rng = random.Random(seed ^ 0x0F8)
         self.history: dict[int, Sent] = {}
@@ -122,7 +123,8 @@ class Workload:
         return n
 
     def _client(self, index: int) -> None:
-        rng = random.Random(index * 7919 + self.s.messages)
+        # Which node each attempt goes to depends on the seed too (a run is replayed by its seed).
+        rng = random.Random(f"{self.seed}:{index}:{self.s.messages}")
         conn: smtplib.SMTP | None = None
         used = 0
         while not self.stop.is_set():
