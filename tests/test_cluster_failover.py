@@ -79,6 +79,8 @@ def test_primary_killed_with_message_queued_shadow_promotes_after_resubmit_span(
     assert len(original) == 1 and original[0]["network-message-id"] == rows[0]["network-message-id"]
     sent = n3.tracking(event_id="SENDEXTERNAL", network_message_id=netid)
     assert len(sent) == 1 and sent[0]["recipient-address"] == "carol@foreign.test", sent
+    # As Exchange writes a send row: the sending server in client-hostname, the next hop in server-hostname.
+    assert sent[0]["client-hostname"] == n3.name and sent[0]["server-hostname"] == sent[0]["server-ip"] != "", sent
     assert not n1.tracking(event_id="SENDEXTERNAL", network_message_id=netid)
     assert n3.shadow_list()[n1.name]["shadows"] == 0
 

@@ -208,9 +208,12 @@ class OutcomeRecorder:
                       recipient_status=["250 2.0.0 " + ("duplicate dropped" if dup else "delivered")] * len(rcpts),
                       source_context=f"MDB:{it.next_hop}")
             elif status == mq.DELIVERED:
+                # As Exchange writes SEND rows: the sending server in client-hostname, the next hop
+                # (a peer by its node name, else the host that answered) in server-hostname.
                 track("SEND" if it.delivery_type == PEER else "SENDEXTERNAL", "SMTP", row, recipients=rcpts,
                       recipient_status=statuses, source_context=reply, connector_id=it.queue_identity,
-                      server_ip=remote)
+                      server_ip=remote, client_hostname=self.cfg.node.name,
+                      server_hostname=it.next_hop if it.delivery_type == PEER else remote)
             elif status == mq.RETRY:
                 track("DEFER", "SMTP", row, recipients=rcpts, recipient_status=statuses,
                       source_context=it.queue_identity, connector_id=it.queue_identity)
