@@ -10,7 +10,9 @@ delivered once:
 2. node1 dies alone: node3 promotes after the span and node2 adopts (its copy becomes node3's
    shadow, never promoted); once node3 delivers, node2's copy is discarded;
 3. node1 comes back with an empty queue database: node3 (rank 1) promotes at once, node2 is
-   adopted and never promotes.
+   adopted and never promotes;
+4. node2 is down when the message comes: accepted with one shadow (partial), the second made
+   once node2 is back.
 """
 
 from __future__ import annotations
@@ -108,3 +110,24 @@ def test_primary_back_with_an_empty_database_one_shadow_promotes(procs, sink, tm
     time.sleep(RANK_DELAY + 1)
     assert not n2.events("RESUBMIT", netid)
     assert len(sink_copies(sink, netid)) == 1
+
+
+def test_a_message_accepted_with_one_of_two_shadows_gets_the_other_when_the_peer_is_back(procs, sink, tmp_path):
+    """min_shadow_copies 1: with node2 down the 250 comes with one shadow (partial), the second
+    is made by a heartbeat round once node2 is back, with rank 2."""
+    c = nway_cluster(procs, sink, tmp_path)
+    n1, n2, n3 = c["node1"], c["node2"], c["node3"]
+    n2.stop()
+    mid = send(n1, "carol@foreign.test")
+    redirect = [r for r in n1.wait_event("HAREDIRECT") if r["internal-message-id"] == str(mid)]
+    assert [r["source-context"].split("=")[0] for r in redirect] == [n3.name], redirect
+    netid = redirect[0]["network-message-id"]
+
+    def redundancy() -> str:
+        return n1.cli_json("message", "show", str(mid))[0]["redundancy"]
+    assert redundancy() == "partial"
+    assert "1 of 2 shadow copies" in n1.log()
+    n2.start()
+    n2.wait_event("HARECEIVE", netid, timeout=20)
+    wait_for(lambda: redundancy() == "shadowed", timeout=20, what="the second shadow recorded")
+    assert ranks(n2, n1) == {netid: 2} and ranks(n3, n1) == {netid: 1}

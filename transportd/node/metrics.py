@@ -30,7 +30,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 
 from transportd.queue.admin import queue_gauges
-from transportd.queue.messages import NOT_REDUNDANT
+from transportd.queue.messages import NOT_REDUNDANT, PARTIAL
 
 log = logging.getLogger("transportd.node.metrics")
 
@@ -213,9 +213,10 @@ class QueueDatabaseCollector:
         not_redundant = GaugeMetricFamily(
             "transportd_messages_not_redundant",
             "queued messages without a shadow on a peer: reshadowing (promoted, or their shadow node lost "
-            "its database) or unprotected (accepted without one; retried every heartbeat)", labels=["state"])
+            "its database) or unprotected (accepted without one; retried every heartbeat); partial: fewer "
+            "shadows than shadow_copies (N-way; the missing ones retried every heartbeat)", labels=["state"])
         exposed = dict(rows["not_redundant"])
-        for state in NOT_REDUNDANT:
+        for state in (*NOT_REDUNDANT, PARTIAL):
             not_redundant.add_metric([state], exposed.get(state, 0))
         poison_len = GaugeMetricFamily("transportd_poison_queue_length",
                                        "messages held in the Poison queue (primary and shadow copies)")

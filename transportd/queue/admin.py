@@ -274,7 +274,7 @@ def queue_gauges(conn: Connection) -> dict[str, Any]:
     exposed = conn.execute(
         select(messages.c.redundancy, func.count())
         .where(messages.c.role == "primary", messages.c.state == mq.QUEUED,
-               messages.c.redundancy.in_(mq.NOT_REDUNDANT))
+               messages.c.redundancy.in_((*mq.NOT_REDUNDANT, mq.PARTIAL)))
         .group_by(messages.c.redundancy)).all()
     poison = conn.execute(select(func.count()).select_from(messages).where(
         messages.c.poisoned == 1, messages.c.state == mq.QUEUED)).scalar() or 0

@@ -27,6 +27,9 @@ TERMINAL = (DELIVERED, FAILED, REMOVED)
 # (promoted, or their shadow node lost its database; a new shadow is being made) and "unprotected"
 # (accepted, or left, without one; the heartbeat loop retries).
 NOT_REDUNDANT = ("reshadowing", "unprotected")
+# Queued primary messages with fewer shadows than shadow_copies (N-way): the missing ones are
+# made in later heartbeat rounds.
+PARTIAL = "partial"
 # message states
 QUEUED, SAFETY_NET, MSG_REMOVED = "Queued", "SafetyNet", "Removed"
 # The Poison queue (Exchange's): not a next hop but the messages held with ``poisoned`` = 1.

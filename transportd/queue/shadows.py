@@ -67,7 +67,7 @@ def redundancy_of(holders: int, wanted: int) -> str:
     """A message's redundancy for ``holders`` shadows of ``wanted``: ``shadowed``, ``partial``
     (some, fewer than shadow_copies: the missing ones are made in later heartbeat rounds) or
     ``unprotected``."""
-    return "shadowed" if holders >= wanted else ("partial" if holders else "unprotected")
+    return "shadowed" if holders >= wanted else (mq.PARTIAL if holders else "unprotected")
 
 
 def settle_accepted(conn: Connection, message_id: int, shadow_nodes: Iterable[str | tuple[str, int]], guid: str,
@@ -126,7 +126,7 @@ def claim_unprotected(conn: Connection, limit: int) -> list[dict]:
     """Up to ``limit`` queued messages without a shadow or with fewer than wanted, marked ``reshadowing``."""
     rows = [dict(r) for r in conn.execute(
         select(messages).where(messages.c.role == "primary", messages.c.state == mq.QUEUED,
-                               messages.c.redundancy.in_(("unprotected", "partial")), messages.c.poisoned == 0)
+                               messages.c.redundancy.in_(("unprotected", mq.PARTIAL)), messages.c.poisoned == 0)
         .order_by(messages.c.id).limit(limit)).mappings()]
     if rows:
         conn.execute(update(messages).where(messages.c.id.in_([r["id"] for r in rows]))
