@@ -7,11 +7,11 @@ no processes): whoever loses, exactly one copy of each message is promoted.
 
 from __future__ import annotations
 
-import base64
 import time
 import uuid
 
 import pytest
+from test_redundancy_connection import b64, b64_dbid, one, server, shadowing_client
 
 from transportd.errors import ProtocolError
 from transportd.queue import messages as mq
@@ -39,9 +39,9 @@ from transportd.redundancy.protocol import (
     parse_adopt_reply,
     parse_xshadowadopt,
     promotable_rank,
-    state_change_rank,
     split_shadow_params,
     split_xshadow_param,
+    state_change_rank,
 )
 
 PRIMARY = "p.example"
@@ -55,14 +55,6 @@ R501 = b"501 5.5.4 Invalid arguments\r\n"
 R502 = b"502 5.3.3 Command not implemented\r\n"
 R503 = b"503 5.5.1 Bad sequence of commands\r\n"
 R550 = b"550 5.7.1 Not authorized\r\n"
-
-
-def b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
-
-
-def b64_dbid(dbid: str) -> str:
-    return base64.b64encode(uuid.UUID(dbid).bytes).decode()
 
 
 # ============================================================================ wire text
@@ -159,13 +151,6 @@ def test_after_a_state_change_rank_k_waits_k_minus_one_delays(since: float, rank
 
 # ============================================================================ connections
 
-def shadowing_client() -> ClientConnection:
-    c = ClientConnection(PRIMARY)
-    c.send_shadow_request(P_DBID)
-    c.receive_data(f"250 {b64(SHADOW)}\r\n".encode())
-    return c
-
-
 def test_copy_carries_its_rank_and_rank_1_is_not_written() -> None:
     c = shadowing_client()
     assert c.mail_parameter(G1) == f"XSHADOW={G1}"
@@ -205,17 +190,6 @@ def test_client_adopt_needs_a_shadow_request_and_guids() -> None:
     with pytest.raises(ProtocolError):
         c.receive_data(f"250 {G2} 1\r\n".encode())  # a GUID not asked
     assert c.state is ClientState.ERROR
-
-
-def server(**kwargs) -> ServerConnection:
-    s = ServerConnection(SHADOW, S_DBID, **kwargs)
-    s.authenticated(PRIMARY)
-    return s
-
-
-def one(s: ServerConnection, line: str):
-    [event] = s.receive_data(line.encode() + b"\r\n")
-    return event
 
 
 def requested(s: ServerConnection) -> ServerConnection:
