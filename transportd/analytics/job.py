@@ -189,6 +189,54 @@ def read_events(spark: Any, paths: Sequence[str], name_filter: str = DEFAULT_NAM
         raise AnalyzeError(str(exc)) from None
 
 
+def _write_events(spark: Any, rows: Any, path: str) -> None:
+    """Every row, typed, to ``path`` as Parquet partitioned by ``valid`` (``--events``)."""
+    # Two writers per task (valid=true, valid=false) instead of a sort of every row by the
+    # partition column before writing.
+    planned = spark.conf.get("spark.sql.optimizer.plannedWrite.enabled", "true")
+    concurrent = spark.conf.get("spark.sql.maxConcurrentOutputFiles", "0")
+    spark.conf.set("spark.sql.optimizer.plannedWrite.enabled", "false")
+    spark.conf.set("spark.sql.maxConcurrentOutputFiles", "2")
+    try:
+        # no dictionary pages: most columns are unique per row (keys, contexts), and trying
+        # a dictionary first costs more than it saves
+        rows.write.option("parquet.enable.dictionary", "false").mode("overwrite").partitionBy(
+            "valid").parquet(path)
+    finally:
+        spark.conf.set("spark.sql.optimizer.plannedWrite.enabled", planned)
+        spark.conf.set("spark.sql.maxConcurrentOutputFiles", concurrent)
+
+
+def narrow_events(rows: Any):
+    """The typed rows cut to what the job reads: each column only on the events that use it
+    (null elsewhere), ``file``, ``malformed_reason`` and ``line`` only on malformed rows, and a
+    flag instead of the network-message-id (the key is the network-message-id when there is one)."""
+    from pyspark.sql import functions as F
+
+    e = F.col("event")
+    valid = F.col("valid")
+
+    def on(events: Sequence[str], col: str):
+        return F.when(e.isin(*events), F.col(col)).alias(col)
+
+    recipient_events = sorted({*TAKE_EVENTS, *SUCCESS_EVENTS, *FAILED_EVENTS, *DELIVERY_EVENTS})
+    return rows.select(
+        valid.alias("valid"),
+        F.when(~valid, F.col("file")).alias("file"),
+        F.when(~valid, F.col("malformed_reason")).alias("malformed_reason"),
+        F.when(~valid, F.col("line")).alias("line"),
+        "key", "time", "node", "event", "source",
+        on(("HAREDIRECT", "RESUBMIT", *DELIVERY_EVENTS), "peer"),
+        on(("RESUBMIT",), "reason"),
+        on(recipient_events, "recipients"),
+        on(("HADISCARD", "RESUBMIT"), "context"),
+        on(("HARECEIVE",), "client_hostname"),
+        on(("RECEIVE",), "sender"),
+        (F.col("network_message_id") != "").alias("has_netid"),
+        F.when(e.isin(*TAKE_EVENTS) | (F.col("network_message_id") == ""), F.col("message_id")).alias("message_id"),
+    )
+
+
 # ---------------------------------------------------------------------------- facts per node
 
 
@@ -212,19 +260,29 @@ def node_names(names: set[str]) -> dict[str, str]:
     return out
 
 
-def collect_facts(ev: Any) -> dict[str, Any]:
+def collect_facts(parsed: Any) -> dict[str, Any]:
     """One pass over the events for the small facts everything else needs (collected: at most
-    nodes x events x peers rows): the span of the logs, rows per node and event, rows about no
-    message, the node names, and per node the time before which its copies are gone."""
+    nodes x events x peers rows, and one row per file and reason of malformed rows): the span of
+    the logs, rows per node and event, rows about no message, malformed rows per file and
+    reason, the node names, and per node the time before which its copies are gone."""
     from pyspark.sql import functions as F
 
     e = F.col("event")
+    valid = F.col("valid")
     head = e.isin("HAREDIRECT", "RESUBMIT")
-    rows = (ev.groupBy("node", "event", "source", F.when(head, F.col("peer")).alias("peer"),
-                       F.when(e == "RESUBMIT", F.col("reason")).alias("reason"),
-                       F.col("key").isNull().alias("no_key"))
-            .agg(F.min("time").alias("start"), F.max("time").alias("end"), F.count(F.lit(1)).alias("n"))
-            .collect())
+
+    def ok(col: Any):
+        return F.when(valid, col)
+
+    grouped = (parsed.groupBy(
+        valid.alias("valid"), "file", "malformed_reason", ok(F.col("node")).alias("node"),
+        ok(e).alias("event"), ok(F.col("source")).alias("source"), ok(F.when(head, F.col("peer"))).alias("peer"),
+        ok(F.when(e == "RESUBMIT", F.col("reason"))).alias("reason"), ok(F.col("key").isNull()).alias("no_key"))
+        .agg(F.min(ok(F.col("time"))).alias("start"), F.max(ok(F.col("time"))).alias("end"),
+             F.count(F.lit(1)).alias("n"))
+        .collect())
+    rows = [r for r in grouped if r["valid"]]
+    malformed = {(r["file"], r["malformed_reason"]): int(r["n"]) for r in grouped if not r["valid"]}
     names: set[str] = set()
     for r in rows:
         names.add(r["node"])
@@ -236,7 +294,8 @@ def collect_facts(ev: Any) -> dict[str, Any]:
         return rename.get(name, name) if name is not None else None
 
     facts: dict[str, Any] = {"rename": rename, "start": None, "end": None, "rows": 0,
-                             "events_by_node": {}, "non_message": {}, "nodes": set()}
+                             "events_by_node": {}, "non_message": {}, "nodes": set(),
+                             "malformed": sum(malformed.values()), "malformed_by_file": malformed}
     last_row: dict[str, Any] = {}
     promoted: dict[tuple[str, str], Any] = {}
     for r in rows:
@@ -311,7 +370,7 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
           .select("key", "time", _renamed("node", rename).alias("node"), "event", "source",
                   _renamed("peer", rename).alias("peer"), "reason", "recipients", "context",
                   _renamed("client_hostname", rename).alias("client_hostname"), "sender",
-                  "network_message_id", "message_id"))
+                  "has_netid", "message_id"))
     # The one shuffle: the per-(key, node) aggregate and the per-key one after it are both
     # clustered by key, so Spark adds no other exchange and no join. Each task aggregates the
     # keys of its partition in a hash map (see analyze: partitions are sized to the input).
@@ -329,7 +388,7 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
         F.min(when_event(["HARECEIVE"], t)).alias("shadow_received"),
         F.min(when_event(["HADISCARD"], t)).alias("shadow_discarded"),
         F.min(F.when((e == "RESUBMIT") & (F.col("source") == "REDUNDANCY"), t)).alias("promoted_here"),
-        F.max("network_message_id").alias("network_message_id"),
+        F.max("has_netid").alias("has_netid"),
         F.max("message_id").alias("message_id"),
         F.max(when_event(["RECEIVE"], F.col("sender"))).alias("sender"),
         F.min(when_event(["RECEIVE"], F.struct(t.alias("time"), node.alias("node")))).alias("first_receive"),
@@ -375,7 +434,7 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
 
     # -- per message: the per-node rows merged (same partitions: no exchange)
     m = kn.groupBy("key").agg(
-        F.max("network_message_id").alias("network_message_id"),
+        F.max("has_netid").alias("has_netid"),
         F.max("message_id").alias("message_id"),
         F.max("sender").alias("sender"),
         F.min("first_receive").alias("first_receive"),
@@ -469,7 +528,8 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
 
     rec = F.col("first_receive").isNotNull()
     return m.select(
-        "key", "network_message_id", "message_id", "sender",
+        "key", F.when(F.col("has_netid"), F.col("key")).otherwise(F.lit("")).alias("network_message_id"),
+        "message_id", "sender",
         F.col("first_receive.node").alias("receive_node"),
         F.col("first_receive.time").alias("receive_time"),
         (rec & F.coalesce(F.col("first_redundancy.event") == "HAREDIRECT", F.lit(False)))
@@ -677,12 +737,10 @@ def summarize(spark: Any, messages: Any, anomalies: Any, malformed: Any, facts: 
                                    "by_event": dict(sorted(facts["non_message"].items()))}
     summary["node_names"] = dict(sorted(facts["rename"].items()))
 
-    # malformed rows
-    bad = malformed.groupBy("file", "reason").count().orderBy(F.desc("count")).limit(200).collect()
-    summary["malformed"] = {"rows": int(sum(r["count"] for r in bad)) if len(bad) < 200 else
-                            int(malformed.count()),
-                            "by_file": [{"file": r["file"], "reason": r["reason"], "rows": int(r["count"])}
-                                        for r in bad]}
+    # malformed rows (counted in the facts pass)
+    bad = sorted(facts["malformed_by_file"].items(), key=lambda kv: (-kv[1], kv[0]))
+    summary["malformed"] = {"rows": int(facts["malformed"]),
+                            "by_file": [{"file": f, "reason": why, "rows": n} for (f, why), n in bad[:200]]}
 
     # anomalies: counted in the pass above, a bounded sample read back
     summary["anomalies"] = {
@@ -779,14 +837,18 @@ def _partitions(spark: Any, files: Sequence[str]) -> int | None:
 
 def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DEFAULT_NAME_FILTER,
             recursive: bool = False, grace_seconds: float = 600.0, episode_gap: float = 60.0,
-            progress: bool = True, report: bool = True, timings: dict[str, float] | None = None) -> dict:
+            progress: bool = True, report: bool = True, timings: dict[str, float] | None = None,
+            write_events: bool = False) -> dict:
     """Run the whole job; returns the summary (also written to ``out``/summary.json).
 
-    Spark jobs, in order: parse every row and write ``events/`` (the only pass over the text);
-    the facts pass over ``events/`` (span, rows per node and event, node names, when each
-    node's copies died); the per-message table (one shuffle by key) written to ``messages/``;
-    ``anomalies/``; then the summary's aggregates, all from ``messages/``. ``timings`` (if
-    given) receives the seconds of each step."""
+    Spark jobs, in order: the facts pass, which parses every row (the only pass over the text)
+    into the narrow events kept in memory (``narrow_events``) and collects the span, rows per
+    node and event, node names and when each node's copies died; the per-message table (one
+    shuffle by key, kept in memory) written to ``messages/``; ``anomalies/`` and ``malformed/``;
+    then the summary's aggregates, all from the per-message table. With ``write_events`` every
+    row, typed, is first written to ``events/``. ``timings`` (if given) receives the seconds of
+    each step."""
+    from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
     if not paths:
@@ -803,6 +865,7 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
         steps[name] = round(now - mark[0], 3)
         mark[0] = now
 
+    cached: list[Any] = []
     try:
         shown.set_step("reading and parsing logs")
         spark.sparkContext.setJobDescription("parse MSGTRK rows")
@@ -815,40 +878,33 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
             raise AnalyzeError(f"no tracking log rows in {', '.join(paths)}")
         partitions = _partitions(spark, files)
         spark.conf.set("spark.sql.csv.parser.columnPruning.enabled", "false")
-        step("list files")
         rows = reader.normalize(reader.read_rows(spark, files))
-        # Two writers per task (valid=true, valid=false) instead of a sort of every row by the
-        # partition column before writing.
-        planned = spark.conf.get("spark.sql.optimizer.plannedWrite.enabled", "true")
-        concurrent = spark.conf.get("spark.sql.maxConcurrentOutputFiles", "0")
-        spark.conf.set("spark.sql.optimizer.plannedWrite.enabled", "false")
-        spark.conf.set("spark.sql.maxConcurrentOutputFiles", "2")
-        try:
-            # no dictionary pages: most columns are unique per row (keys, contexts), and trying
-            # a dictionary first costs more than it saves
-            rows.write.option("parquet.enable.dictionary", "false").mode("overwrite").partitionBy(
-                "valid").parquet(_join(out, "events"))
-        finally:
-            spark.conf.set("spark.sql.optimizer.plannedWrite.enabled", planned)
-            spark.conf.set("spark.sql.maxConcurrentOutputFiles", concurrent)
-        step("parse and write events")
-        try:
-            parsed = spark.read.parquet(_join(out, "events"))
-        except Exception as exc:  # nothing was written: all files were empty
-            if "UNABLE_TO_INFER_SCHEMA" in str(exc) or "Unable to infer schema" in str(exc):
-                raise AnalyzeError(f"no tracking log rows in {', '.join(paths)}") from None
-            raise
-        valid = F.col("valid").cast("string") == "true"  # a partition column reads back as a string
-        ev = parsed.filter(valid).drop("valid", "malformed_reason", "line")
+        if write_events:
+            _write_events(spark, rows, _join(out, "events"))
+            try:
+                rows = spark.read.parquet(_join(out, "events"))
+            except Exception as exc:  # nothing was written: all files were empty
+                if "UNABLE_TO_INFER_SCHEMA" in str(exc) or "Unable to infer schema" in str(exc):
+                    raise AnalyzeError(f"no tracking log rows in {', '.join(paths)}") from None
+                raise
+            rows = rows.withColumn("valid", F.col("valid").cast("string") == "true")  # partition column
+        # The text is parsed once: the narrow columns the job reads are kept (memory, then disk)
+        # and every later step reads them from there.
+        parsed = narrow_events(rows).persist(StorageLevel.MEMORY_AND_DISK)
+        cached.append(parsed)
+        valid = F.col("valid")
+        ev = parsed.filter(valid).drop("valid", "malformed_reason", "line", "file")
         malformed = parsed.filter(~valid).select("file", F.col("malformed_reason").alias("reason"), "line")
+        step("list files")
 
-        shown.set_step("facts per node")
-        spark.sparkContext.setJobDescription("facts per node")
-        facts = collect_facts(ev)
-        if facts["end"] is None and not facts["rows"]:
-            facts["start"] = facts["end"] = None
+        shown.set_step("reading and parsing logs, facts per node")
+        spark.sparkContext.setJobDescription("parse MSGTRK rows, facts per node")
+        facts = collect_facts(parsed)
+        if not facts["rows"] and not facts["malformed"]:
+            raise AnalyzeError(f"no tracking log rows in {', '.join(paths)}")
         end_lit = F.lit(facts["end"]).cast("timestamp") if facts["end"] else F.current_timestamp()
-        step("facts")
+        malformed.write.mode("overwrite").parquet(_join(out, "malformed"))
+        step("parse and facts")
 
         shown.set_step("joining messages across nodes")
         spark.sparkContext.setJobDescription("per-message journeys")
@@ -857,16 +913,18 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
         fallback = spark.conf.get("spark.sql.objectHashAggregate.sortBased.fallbackThreshold", "128")
         spark.conf.set("spark.sql.objectHashAggregate.sortBased.fallbackThreshold", str(HASHED_KEYS))
         try:
-            build_messages(ev, end_lit, facts, partitions).write.option(
-                "parquet.enable.dictionary", "false").mode("overwrite").parquet(_join(out, "messages"))
+            messages = build_messages(ev, end_lit, facts, partitions).persist(StorageLevel.MEMORY_AND_DISK)
+            cached.append(messages)
+            messages.write.option("parquet.enable.dictionary", "false").mode("overwrite").parquet(
+                _join(out, "messages"))
         finally:
             spark.conf.set("spark.sql.objectHashAggregate.sortBased.fallbackThreshold", fallback)
-        messages = spark.read.parquet(_join(out, "messages"))
+        parsed.unpersist()
         step("messages")
         shown.set_step("anomalies")
-        build_anomalies(messages, end_lit, grace_seconds).write.mode("overwrite").parquet(
-            _join(out, "anomalies"))
-        anomalies = spark.read.parquet(_join(out, "anomalies"))
+        anomalies = build_anomalies(messages, end_lit, grace_seconds).persist(StorageLevel.MEMORY_AND_DISK)
+        cached.append(anomalies)
+        anomalies.write.mode("overwrite").parquet(_join(out, "anomalies"))
         step("anomalies")
 
         shown.set_step("summary")
@@ -887,6 +945,8 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
         shown.set_step(f"done in {summary['seconds']:.1f}s")
         return summary
     finally:
+        for df in cached:
+            df.unpersist()
         if isinstance(shown, Progress):
             shown.stop()
 
@@ -906,6 +966,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds after delivery before an undiscarded shadow is an anomaly")
     p.add_argument("--episode-gap", type=float, default=60.0,
                    help="promotions further apart than this many seconds are separate failover episodes")
+    p.add_argument("--events", action="store_true",
+                   help="also write every row, typed, to OUT/events/ (Parquet, partitioned by valid)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print summary.json instead of the table")
     return p
@@ -922,7 +984,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         summary = analyze(spark, args.paths, args.out, name_filter=args.name_filter,
                           recursive=args.recursive, grace_seconds=args.grace,
-                          episode_gap=args.episode_gap, progress=not args.no_progress)
+                          episode_gap=args.episode_gap, progress=not args.no_progress,
+                          write_events=args.events)
     except AnalyzeError as exc:
         print(f"transportd analyze: error: {exc}", file=sys.stderr)
         return 2

@@ -47,10 +47,13 @@ def analyze_group() -> None:
 @click.option("--episode-gap", type=float, default=60.0, show_default=True,
               help="promotions further apart (seconds) are separate failover episodes")
 @click.option("--conf", "confs", multiple=True, metavar="KEY=VALUE", help="extra Spark configuration")
+@click.option("--events", "write_events", is_flag=True,
+              help="also write every row, typed, to OUT/events/ (Parquet, partitioned by valid)")
 @click.option("--no-progress", is_flag=True, help="no progress display on stderr")
 @click.option("--json", "as_json", is_flag=True, help="print summary.json instead of the table")
 def analyze_run(paths: tuple[str, ...], out: str, master: str | None, recursive: bool, name_filter: str | None,
-                grace: float, episode_gap: float, confs: tuple[str, ...], no_progress: bool, as_json: bool) -> None:
+                grace: float, episode_gap: float, confs: tuple[str, ...], write_events: bool, no_progress: bool,
+                as_json: bool) -> None:
     """Analyze MSGTRK files, folders or globs; write messages/, anomalies/, summary.json, report.html."""
     try:
         from transportd.analytics import job
@@ -72,7 +75,7 @@ def analyze_run(paths: tuple[str, ...], out: str, master: str | None, recursive:
     try:
         summary = job.analyze(spark, list(paths), out, name_filter=name_filter or job.DEFAULT_NAME_FILTER,
                               recursive=recursive, grace_seconds=grace, episode_gap=episode_gap,
-                              progress=not no_progress)
+                              progress=not no_progress, write_events=write_events)
     except job.AnalyzeError as exc:
         raise ConfigCliError(str(exc)) from None
     finally:
