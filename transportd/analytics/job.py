@@ -387,6 +387,7 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
         F.max(when_event(RELEASE_EVENTS, t)).alias("last_release"),
         F.min(when_event(["HARECEIVE"], t)).alias("shadow_received"),
         F.min(when_event(["HADISCARD"], t)).alias("shadow_discarded"),
+        F.min(when_event(["HARECEIVE"], F.col("client_hostname"))).alias("shadow_primary"),
         F.min(F.when((e == "RESUBMIT") & (F.col("source") == "REDUNDANCY"), t)).alias("promoted_here"),
         F.max("has_netid").alias("has_netid"),
         F.max("message_id").alias("message_id"),
@@ -454,8 +455,14 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
         F.sum(holds.cast("int")).alias("live_copies"),
         F.sort_array(F.collect_list(F.when(holds, node))).alias("live_copy_nodes"),
         F.collect_list(hold).alias("shadow_hold_seconds"),
-        F.sort_array(F.collect_list(F.when(undiscarded, node))).alias("undiscarded_shadow_nodes"),
+        F.collect_list(F.when(undiscarded, F.struct(node.alias("node"), F.col("shadow_primary").alias("primary"))))
+         .alias("undiscarded_shadows"),
     )
+    # A shadow not discarded is an anomaly only once its primary has let its copy go: a primary
+    # that still holds the message (a promoted copy not yet delivered) keeps its shadow legitimately.
+    m = m.withColumn("undiscarded_shadow_nodes", F.sort_array(F.transform(F.filter(
+        "undiscarded_shadows", lambda x: ~F.coalesce(F.array_contains("live_copy_nodes", x["primary"]), F.lit(False))),
+        lambda x: x["node"])))
 
     # -- per (message, recipient), from the message's few recipient rows: done or not, duplicates.
     # The recipients of a message are those of its RECEIVE, HARECEIVE and DSN rows.
@@ -534,6 +541,8 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
         F.col("first_receive.time").alias("receive_time"),
         (rec & F.coalesce(F.col("first_redundancy.event") == "HAREDIRECT", F.lit(False)))
         .alias("redundant_at_receipt"),
+        (rec & F.coalesce(F.col("first_redundancy.event") == "HAREDIRECTFAIL", F.lit(False)))
+        .alias("unprotected_at_receipt"),
         F.col("shadow.node").alias("shadow_node"),
         F.col("shadow.time").alias("haredirect_time"),
         "haredirectfail_time", "haredirectfail_count", "hareceive", "hadiscard", "deliveries",
@@ -639,7 +648,7 @@ def summarize(spark: Any, messages: Any, anomalies: Any, malformed: Any, facts: 
         "receive_node", _bucket_col("receive_time", bucket).alias("bucket"), "state").agg(
         F.count(F.lit(1)).alias("messages"),
         F.sum((received & red).cast("int")).alias("redundant"),
-        F.sum((received & (F.col("haredirectfail_count") > 0)).cast("int")).alias("unprotected_messages"),
+        F.sum((received & F.col("unprotected_at_receipt")).cast("int")).alias("unprotected_messages"),
         F.sum(F.when(received, F.col("unprotected_seconds")).otherwise(0.0)).alias("unprotected_seconds"),
         F.sum(F.col("promoted").cast("int")).alias("promoted"),
         F.sum((F.size("duplicate_delivers") > 0).cast("int")).alias("dup_inside"),
