@@ -62,6 +62,9 @@ class Settings:
     """Messages whose next hop is down for a while: DEFER, delivered 30 s to 5 min later."""
     lost_discard_rate: float = 0.001
     malformed: int = 10
+    exchange2010_nodes: int = 0
+    """The first this many nodes write Exchange 2010's 26 fields (no network-message-id), as
+    2010-mode nodes of a mixed cluster do."""
     heartbeat: float = 10.0
     resubmit_span: float = 60.0
     grace: float = 600.0
@@ -279,7 +282,8 @@ class Generator:
         self.rng = random.Random(s.seed)
         self.cluster = Cluster(s, self.rng)
         c = self.cluster
-        self.journal = Journal(out, c.names, c.ips, c.alive, c.end, s.start, self.rng, s.max_file_size)
+        self.journal = Journal(out, c.names, c.ips, c.alive, c.end, s.start, self.rng, s.max_file_size,
+                               tuple(c.names[:s.exchange2010_nodes]))
         self.sims: list[Sim] = []
         self.delivery = Delivery(s, self.rng, c, self.journal, self.sims)
 

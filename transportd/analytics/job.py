@@ -233,7 +233,7 @@ def narrow_events(rows: Any):
         on(("HARECEIVE",), "client_hostname"),
         on(("RECEIVE",), "sender"),
         (F.col("network_message_id") != "").alias("has_netid"),
-        F.when(e.isin(*TAKE_EVENTS) | (F.col("network_message_id") == ""), F.col("message_id")).alias("message_id"),
+        "message_id",
     )
 
 
@@ -277,7 +277,8 @@ def collect_facts(parsed: Any) -> dict[str, Any]:
     grouped = (parsed.groupBy(
         valid.alias("valid"), "file", "malformed_reason", ok(F.col("node")).alias("node"),
         ok(e).alias("event"), ok(F.col("source")).alias("source"), ok(F.when(head, F.col("peer"))).alias("peer"),
-        ok(F.when(e == "RESUBMIT", F.col("reason"))).alias("reason"), ok(F.col("key").isNull()).alias("no_key"))
+        ok(F.when(e == "RESUBMIT", F.col("reason"))).alias("reason"), ok(F.col("key").isNull()).alias("no_key"),
+        ok(F.col("has_netid")).alias("has_netid"))
         .agg(F.min(ok(F.col("time"))).alias("start"), F.max(ok(F.col("time"))).alias("end"),
              F.count(F.lit(1)).alias("n"))
         .collect())
@@ -310,6 +311,9 @@ def collect_facts(parsed: Any) -> dict[str, Any]:
         per[r["event"]] = per.get(r["event"], 0) + int(r["n"])
         if r["no_key"]:
             facts["non_message"][r["event"]] = facts["non_message"].get(r["event"], 0) + int(r["n"])
+        else:
+            keyed = "by_netid" if r["has_netid"] else "by_message_id"
+            facts[keyed] = facts.get(keyed, 0) + int(r["n"])
         last_row[node] = max(last_row.get(node, r["end"]), r["end"])
         if r["event"] == "RESUBMIT" and r["source"] == "REDUNDANCY" and r["peer"]:
             k = (canon(r["peer"]), r["reason"])
@@ -349,6 +353,30 @@ def _renamed(col: str, rename: dict[str, str]):
 # ---------------------------------------------------------------------------- per message
 
 
+def join_message_ids(ev: Any):
+    """Rows keyed by message-id (Exchange 2010's, which have no network-message-id) take the
+    network-message-id that rows of other nodes give that message-id, so a message crossing
+    2010 and 2013+ nodes is one message. A message-id that rows give two or more
+    network-message-ids (a message forked under new ids, or sent twice with one Message-ID)
+    cannot be told apart: its rows stay keyed by the message-id. Only the rows without a
+    network-message-id and the (message-id, network-message-id) pairs of their message-ids
+    take part in the join; the other rows pass through."""
+    from pyspark.sql import functions as F
+
+    bare = ev.filter(~F.col("has_netid"))
+    wanted = bare.select(F.col("key").alias("mid")).distinct()
+    pairs = (ev.filter(F.col("has_netid") & (F.col("message_id") != ""))
+             .select(F.col("message_id").alias("mid"), F.col("key").alias("netid"))
+             .join(wanted, "mid", "left_semi")
+             .groupBy("mid").agg(F.min("netid").alias("netid"), F.max("netid").alias("other")))
+    pairs = pairs.filter(F.col("netid") == F.col("other")).select("mid", "netid")
+    joined = (bare.join(pairs, bare["key"] == pairs["mid"], "left")
+              .withColumn("key", F.coalesce(F.col("netid"), F.col("key")))
+              .withColumn("has_netid", F.col("netid").isNotNull())
+              .drop("mid", "netid"))
+    return ev.filter(F.col("has_netid")).unionByName(joined)
+
+
 def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, partitions: int | None = None):
     """One row per message key with its journey and final state (lazy DataFrame).
 
@@ -366,7 +394,10 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
     def when_event(events: Sequence[str], value: Any):
         return F.when(e.isin(*events), value)
 
-    ev = (ev.filter(F.col("key").isNotNull())
+    ev = ev.filter(F.col("key").isNotNull())
+    if facts.get("by_netid") and facts.get("by_message_id"):
+        ev = join_message_ids(ev)
+    ev = (ev
           .select("key", "time", _renamed("node", rename).alias("node"), "event", "source",
                   _renamed("peer", rename).alias("peer"), "reason", "recipients", "context",
                   _renamed("client_hostname", rename).alias("client_hostname"), "sender",
