@@ -58,7 +58,7 @@ def analyze_mixed_logs(tmp_path, s: dict) -> None:
 
     run = tmp_path / "run"
     head = next((run / "node1" / "msgtrk").glob("MSGTRK*")).read_text(encoding="utf-8-sig", errors="replace")
-    assert "#Fields: " + ",".join(FIELDS_2010) + "\r\n" in head  # node1 (2010 mode) writes the 26 fields
+    assert "#Fields: " + ",".join(FIELDS_2010) + "\n" in head  # node1 (2010 mode) writes the 26 fields
     out = tmp_path / "analysis"
     res = subprocess.run([sys.executable, "-m", "transportd", "analyze", *sorted(str(p) for p in run.glob("node*/msgtrk")),
                           "--out", str(out), "--json", "--no-progress", "--master", "local[2]",
