@@ -812,6 +812,16 @@ def write_text(spark: Any, uri: str, text: str) -> None:
         stream.close()
 
 
+def remove(spark: Any, uri: str) -> None:
+    """Delete a folder through Hadoop's FileSystem (local, HDFS, S3 alike); quiet if it is gone."""
+    jvm = spark.sparkContext._jvm
+    path = jvm.org.apache.hadoop.fs.Path(uri)
+    try:
+        path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()).delete(path, True)
+    except Exception:  # noqa: BLE001, S110 - a scratch folder left behind is harmless
+        pass
+
+
 def _join(out: str, name: str) -> str:
     return out.rstrip("/") + "/" + name
 
@@ -881,14 +891,12 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
             write_events: bool = False) -> dict:
     """Run the whole job; returns the summary (also written to ``out``/summary.json).
 
-    Spark jobs, in order: the facts pass, which parses every row (the only pass over the text)
-    into the narrow events kept in memory (``narrow_events``) and collects the span, rows per
-    node and event, node names and when each node's copies died; the per-message table (one
-    shuffle by key, kept in memory) written to ``messages/``; ``anomalies/`` and ``malformed/``;
-    then the summary's aggregates, all from the per-message table. With ``write_events`` every
-    row, typed, is first written to ``events/``. ``timings`` (if given) receives the seconds of
-    each step."""
-    from pyspark import StorageLevel
+    Spark jobs, in order: parse every row (the only pass over the text) and write the narrow
+    events (``narrow_events``) to a scratch folder, or every row typed to ``events/`` with
+    ``write_events``; the facts pass over them (span, rows per node and event, malformed rows,
+    node names, when each node's copies died) and ``malformed/``; the per-message table (one
+    shuffle by key) written to ``messages/``; ``anomalies/``; then the summary's aggregates,
+    all from ``messages/``. ``timings`` (if given) receives the seconds of each step."""
     from pyspark.sql import functions as F
 
     if not paths:
@@ -905,7 +913,7 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
         steps[name] = round(now - mark[0], 3)
         mark[0] = now
 
-    cached: list[Any] = []
+    scratch: list[str] = []
     try:
         shown.set_step("reading and parsing logs")
         spark.sparkContext.setJobDescription("parse MSGTRK rows")
@@ -919,32 +927,36 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
         partitions = _partitions(spark, files)
         spark.conf.set("spark.sql.csv.parser.columnPruning.enabled", "false")
         rows = reader.normalize(reader.read_rows(spark, files))
+        # The text is parsed once, and written once: every row typed to events/ (--events), or
+        # only the narrow columns the job reads to a scratch folder removed at the end. Every
+        # later step reads them from there.
         if write_events:
             _write_events(spark, rows, _join(out, "events"))
-            try:
-                rows = spark.read.parquet(_join(out, "events"))
-            except Exception as exc:  # nothing was written: all files were empty
-                if "UNABLE_TO_INFER_SCHEMA" in str(exc) or "Unable to infer schema" in str(exc):
-                    raise AnalyzeError(f"no tracking log rows in {', '.join(paths)}") from None
-                raise
-            rows = rows.withColumn("valid", F.col("valid").cast("string") == "true")  # partition column
-        # The text is parsed once: the narrow columns the job reads are kept (memory, then disk)
-        # and every later step reads them from there.
-        parsed = narrow_events(rows).persist(StorageLevel.MEMORY_AND_DISK)
-        cached.append(parsed)
+        else:
+            scratch.append(_join(out, "_parsed"))
+            narrow_events(rows).write.option("parquet.enable.dictionary", "false").mode("overwrite").parquet(
+                scratch[-1])
+        step("parse")
+        try:
+            parsed = spark.read.parquet(_join(out, "events") if write_events else scratch[-1])
+        except Exception as exc:  # nothing was written: all files were empty
+            if "UNABLE_TO_INFER_SCHEMA" in str(exc) or "Unable to infer schema" in str(exc):
+                raise AnalyzeError(f"no tracking log rows in {', '.join(paths)}") from None
+            raise
+        if write_events:
+            parsed = narrow_events(parsed.withColumn("valid", F.col("valid").cast("string") == "true"))
         valid = F.col("valid")
         ev = parsed.filter(valid).drop("valid", "malformed_reason", "line", "file")
         malformed = parsed.filter(~valid).select("file", F.col("malformed_reason").alias("reason"), "line")
-        step("list files")
 
-        shown.set_step("reading and parsing logs, facts per node")
-        spark.sparkContext.setJobDescription("parse MSGTRK rows, facts per node")
+        shown.set_step("facts per node")
+        spark.sparkContext.setJobDescription("facts per node")
         facts = collect_facts(parsed)
         if not facts["rows"] and not facts["malformed"]:
             raise AnalyzeError(f"no tracking log rows in {', '.join(paths)}")
         end_lit = F.lit(facts["end"]).cast("timestamp") if facts["end"] else F.current_timestamp()
         malformed.write.mode("overwrite").parquet(_join(out, "malformed"))
-        step("parse and facts")
+        step("facts")
 
         shown.set_step("joining messages across nodes")
         spark.sparkContext.setJobDescription("per-message journeys")
@@ -953,18 +965,15 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
         fallback = spark.conf.get("spark.sql.objectHashAggregate.sortBased.fallbackThreshold", "128")
         spark.conf.set("spark.sql.objectHashAggregate.sortBased.fallbackThreshold", str(HASHED_KEYS))
         try:
-            messages = build_messages(ev, end_lit, facts, partitions).persist(StorageLevel.MEMORY_AND_DISK)
-            cached.append(messages)
-            messages.write.option("parquet.enable.dictionary", "false").mode("overwrite").parquet(
+            build_messages(ev, end_lit, facts, partitions).write.option("parquet.enable.dictionary", "false").mode("overwrite").parquet(
                 _join(out, "messages"))
         finally:
             spark.conf.set("spark.sql.objectHashAggregate.sortBased.fallbackThreshold", fallback)
-        parsed.unpersist()
+        messages = spark.read.parquet(_join(out, "messages"))
         step("messages")
         shown.set_step("anomalies")
-        anomalies = build_anomalies(messages, end_lit, grace_seconds).persist(StorageLevel.MEMORY_AND_DISK)
-        cached.append(anomalies)
-        anomalies.write.mode("overwrite").parquet(_join(out, "anomalies"))
+        build_anomalies(messages, end_lit, grace_seconds).write.mode("overwrite").parquet(_join(out, "anomalies"))
+        anomalies = spark.read.parquet(_join(out, "anomalies"))
         step("anomalies")
 
         shown.set_step("summary")
@@ -985,8 +994,8 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
         shown.set_step(f"done in {summary['seconds']:.1f}s")
         return summary
     finally:
-        for df in cached:
-            df.unpersist()
+        for path in scratch:
+            remove(spark, path)
         if isinstance(shown, Progress):
             shown.stop()
 
