@@ -5,8 +5,9 @@ not, CRLF or LF, quoted fields) from any path Spark reads, joining every node's 
 network-message-id (2010 rows, which have none, by the message-id the other rows pair with one),
 deciding each message's final state, and writing ``messages/``, ``anomalies/``, ``malformed/``
 and, with ``--events``, ``events/`` (Parquet), ``summary.json`` and ``report.html`` under
-``--out``. It must never collect row-level data to the driver: only aggregates (per node, per time bucket, per failover episode, percentiles, histograms) and a
-bounded sample of anomalies come back. A malformed row is counted and reported, never fatal.
+``--out``. It must never collect row-level data to the driver: only aggregates (per node, per
+time bucket, per failover episode, percentiles, histograms) and a bounded sample of anomalies
+come back. A malformed row is counted and reported, never fatal.
 Run it as ``transportd analyze`` or ``spark-submit transportd/analytics/job.py PATHS --out DIR``.
 The state rules are in docs/analytics.md.
 """
