@@ -934,7 +934,7 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
         if write_events:
             _write_events(spark, rows, _join(out, "events"))
         else:
-            scratch.append(_join(out, "_parsed"))
+            scratch.append(_join(out, "parsed.scratch"))
             narrow_events(rows).write.option("parquet.enable.dictionary", "false").mode("overwrite").parquet(
                 scratch[-1])
         step("parse")
