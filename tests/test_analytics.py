@@ -276,7 +276,36 @@ def test_generated_logs_every_injected_fact_is_found_exactly(generated):
     assert summary["rows"] == truth["rows"] + truth["malformed"]
     dead = {d["node"] for d in truth["deaths"]}
     assert {e["primary"] for e in summary["failover_episodes"]} == dead
-    assert sum(e["messages"] for e in summary["failover_episodes"]) == truth["promoted"]
+    assert sum(e["messages"] for e in summary["failover_episodes"]) == truth["promotions"]
+
+
+@pytest.mark.parametrize(("nodes", "deaths", "exchange2010"), [(2, 1, 0), (3, 1, 0), (10, 3, 0), (3, 1, 1)])
+def test_generated_logs_of_2_3_and_10_nodes_with_deaths_match_the_truth(spark, tmp_path, nodes, deaths,
+                                                                        exchange2010):
+    """exchange2010: node1 writes Exchange 2010's 26 fields (no network-message-id) in a mixed
+    cluster: its rows join the other nodes' by message-id, each message is still one journey."""
+    truth = generate(tmp_path / "logs", messages=4000, nodes=nodes, seed=7, deaths=deaths, redirect_fail_rate=0.1,
+                     lost_discard_rate=0.02, malformed=5, grace=60.0, exchange2010_nodes=exchange2010)
+    if exchange2010:
+        head = next((tmp_path / "logs" / "node1" / "msgtrk").glob("MSGTRK*")).read_text(encoding="utf-8-sig")
+        assert "#Fields: " + ",".join(FIELDS_2010) in head
+    s = job.analyze(spark, [str(tmp_path / "logs")], str(tmp_path / "out"), recursive=True, grace_seconds=60.0,
+                    progress=False, report=False)
+    assert truth["promoted"] > 0 and (truth["stale_shadows"] > 0 or nodes == 2)  # 2 nodes: no pair outlives
+    assert s["states"] == truth["states"] and s["messages"] == truth["messages"]
+    assert (s["received"], s["redundant"], s["unprotected_messages"]) == (
+        truth["received"], truth["redundant"], truth["unprotected"])
+    assert (s["lost"], s["promoted"]) == (truth["lost"], truth["promoted"])
+    assert s["duplicates"]["outside_boundary"] == truth["duplicates"]["outside_boundary"]
+    assert s["duplicates"]["inside_boundary"] == truth["duplicates"]["inside_boundary"]
+    assert s["anomalies"]["counts"]["shadow never discarded"] == truth["stale_shadows"]
+    assert s["malformed"]["rows"] == truth["malformed"] and s["rows"] == truth["rows"] + truth["malformed"]
+    assert {e["primary"] for e in s["failover_episodes"]} == {d["node"] for d in truth["deaths"]}
+    # a copy promoted by a node that dies in turn is promoted again (another episode)
+    assert sum(e["messages"] for e in s["failover_episodes"]) == truth["promotions"]
+    if exchange2010:
+        messages = spark.read.parquet(str(tmp_path / "out" / "messages"))
+        assert messages.filter("network_message_id = ''").count() < messages.count() // 10
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed")
@@ -334,7 +363,7 @@ def test_cli_generate_writes_logs_and_truth_and_bad_input_exits_2(tmp_path):
 
     res = run_cli("analyze", str(tmp_path / "nothing-here"), "--out", str(tmp_path / "o"))
     assert res.returncode == 2 and "no such file or folder" in res.stderr
-    res = run_cli("analyze", "generate", "--messages", "10", "--nodes", "2", "--deaths", "1", "--out",
+    res = run_cli("analyze", "generate", "--messages", "10", "--nodes", "2", "--deaths", "2", "--out",
                   str(tmp_path / "h"))
     assert res.returncode == 2 and "deaths" in res.stderr
 

@@ -4,17 +4,22 @@ node1 runs shadow redundancy version 2010 (delayed acknowledgement, promotion wh
 bypassed), node2 and node3 run 2013; every node has two receive processes. Seed 7's schedule
 (checked below, since it is pure) wipes node1 behind a refusing sink, kills node1's receive
 workers twice under load, kill-wipes node3, pauses node1 and partitions node2 from node3.
+node1 writes its tracking log in Exchange 2010's 26 fields (no network-message-id): ``transportd
+analyze`` over the three nodes' logs joins its rows with the 2013 nodes' by message-id, and its
+lost / duplicate figures agree with the checker's, each acknowledged message being one journey.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
 from transportd.devtools.chaos.nemesis import schedule
+from transportd.tracking import FIELDS_2010
 
 SEED = 7
 TYPES = "kill-worker,kill,kill-wipe,wipe-behind-refusing-sink,partition,pause,sink-refuse"
@@ -42,3 +47,49 @@ def test_mixed_2010_2013_cluster_with_worker_kills_loses_nothing(tmp_path):
     node1 = (tmp_path / "run" / "logs" / "node1.log").read_text(errors="replace")
     assert "acknowledged after" in node1  # node1 ran 2010: delayed acknowledgements
     assert "receive worker 1 exited (signal 9)" in node1
+
+    analyze_mixed_logs(tmp_path, s)
+
+
+def analyze_mixed_logs(tmp_path, s: dict) -> None:
+    """`transportd analyze` over the run's three tracking-log folders agrees with the checker."""
+    pytest.importorskip("pyspark")
+    from transportd.analytics import job
+
+    run = tmp_path / "run"
+    head = next((run / "node1" / "msgtrk").glob("MSGTRK*")).read_text(encoding="utf-8-sig", errors="replace")
+    assert "#Fields: " + ",".join(FIELDS_2010) + "\n" in head  # node1 (2010 mode) writes the 26 fields
+    out = tmp_path / "analysis"
+    res = subprocess.run([sys.executable, "-m", "transportd", "analyze", *sorted(str(p) for p in run.glob("node*/msgtrk")),
+                          "--out", str(out), "--json", "--no-progress", "--master", "local[2]",
+                          "--conf", "spark.sql.shuffle.partitions=4"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    a = json.loads(res.stdout)
+    assert a["malformed"]["rows"] == 0, a["malformed"]
+    assert a["lost"] == s["lost"] == 0, a["states"]
+    assert a["duplicates"]["reached_mailbox"] == s["duplicates"]["mailbox"], a["duplicates"]
+    assert a["duplicates"]["outside_boundary"] == s["duplicates"]["external"], a["duplicates"]
+
+    history = json.loads((run / "history.json").read_text())
+    acked = {f"<chaos-{s['run']}-{n}@chaos.test>" for n, h in history.items() if h["outcome"] == "ack"}
+    assert len(acked) == s["acknowledged"]
+    spark = job.spark_session("local[1]")
+    try:
+        rows = [r.asDict() for r in spark.read.parquet(str(out / "messages"))
+                .select("key", "message_id", "network_message_id", "state").collect()]
+    finally:
+        spark.stop()
+    ours = [r for r in rows if re.fullmatch(r"<chaos-[^@]+@chaos\.test>", r["message_id"] or "")]
+    journeys: dict[str, list[dict]] = {}
+    for r in ours:
+        journeys.setdefault(r["message_id"], []).append(r)
+    twice = {m: j for m, j in journeys.items() if len(j) > 1}
+    assert not twice, list(twice.items())[:5]  # no message counted twice (2010 rows joined)
+    assert set(journeys) <= set(history_ids(s, history)), set(journeys) - set(history_ids(s, history))  # none unknown
+    assert acked <= set(journeys), sorted(acked - set(journeys))[:10]  # every acknowledged message has its journey
+    assert {journeys[m][0]["state"] for m in acked} <= {"delivered", "failed"}, \
+        [(m, journeys[m][0]["state"]) for m in acked if journeys[m][0]["state"] not in ("delivered", "failed")][:10]
+
+
+def history_ids(s: dict, history: dict) -> list[str]:
+    return [f"<chaos-{s['run']}-{n}@chaos.test>" for n in history]

@@ -9,7 +9,7 @@ drops its copy at its next heartbeat after the primary processed it (HADISCARD).
 rates: node deaths (the node writes nothing after; each shadow holder promotes that node's
 shadows at its first heartbeat after ShadowResubmitTimeSpan: HADISCARD Resubmitted and RESUBMIT
 REDUNDANCY, a new shadow, delivery again, so a message delivered but not yet discarded is delivered
-twice), HAREDIRECTFAIL
+twice; a promoted copy whose new primary dies too is promoted again by its new shadow), HAREDIRECTFAIL
 (a message lost when its primary dies), lost discards (a shadow never discarded) and malformed
 rows. Rows are the shapes the daemon writes (see ``transportd.tracking`` and ``track(`` calls).
 
@@ -62,6 +62,9 @@ class Settings:
     """Messages whose next hop is down for a while: DEFER, delivered 30 s to 5 min later."""
     lost_discard_rate: float = 0.001
     malformed: int = 10
+    exchange2010_nodes: int = 0
+    """The first this many nodes write Exchange 2010's 26 fields (no network-message-id), as
+    2010-mode nodes of a mixed cluster do."""
     heartbeat: float = 10.0
     resubmit_span: float = 60.0
     grace: float = 600.0
@@ -83,6 +86,8 @@ class Sim:
     redundant: bool = False
     unprotected: bool = False
     promoted_at: float | None = None
+    promotions: int = 0
+    """RESUBMIT REDUNDANCY rows inside the logs (a promoted copy may be promoted again)."""
     copies: list[Copy] = field(default_factory=list)
     done: dict[str, tuple[float, bool]] = field(default_factory=dict)
     """recipient -> (time, success) of its first terminal event."""
@@ -101,8 +106,8 @@ class Cluster:
             raise ValueError("need at least 2 nodes")
         if s.messages < 1:
             raise ValueError("need at least 1 message")
-        if not 0 <= s.deaths <= s.nodes - 2:
-            raise ValueError("deaths must leave the mailbox node and one more alive (0 <= deaths <= nodes - 2)")
+        if not 0 <= s.deaths <= s.nodes - 1:
+            raise ValueError("deaths must leave the mailbox node alive (0 <= deaths <= nodes - 1)")
         self.s = s
         self.rng = rng
         self.names = [f"node{i + 1}.{DOMAIN}" for i in range(s.nodes)]
@@ -277,7 +282,8 @@ class Generator:
         self.rng = random.Random(s.seed)
         self.cluster = Cluster(s, self.rng)
         c = self.cluster
-        self.journal = Journal(out, c.names, c.ips, c.alive, c.end, s.start, self.rng, s.max_file_size)
+        self.journal = Journal(out, c.names, c.ips, c.alive, c.end, s.start, self.rng, s.max_file_size,
+                               tuple(c.names[:s.exchange2010_nodes]))
         self.sims: list[Sim] = []
         self.delivery = Delivery(s, self.rng, c, self.journal, self.sims)
 
@@ -362,7 +368,9 @@ class Generator:
              client_hostname=primary)
         emit(promote, shadow, "RESUBMIT", "REDUNDANCY", msg, recipients=rcpts, internal_id=siid,
              context=f"{primary} (ShadowHeartbeatFailure)", reference=str(siid))
-        sim.promoted_at = promote
+        if sim.promoted_at is None:
+            sim.promoted_at = promote
+        sim.promotions += promote <= cluster.end
         other = cluster.pick_shadow(shadow, promote, exclude=(primary,))
         guid2 = self.journal.guid()
         if other is not None:
@@ -378,11 +386,25 @@ class Generator:
             emit(promote + 0.003, shadow, "HAREDIRECTFAIL", "SMTP", msg, recipients=rcpts, internal_id=siid,
                  context="No suitable shadow servers")
         processed2 = self.delivery.deliver(sim, msg, shadow, siid, promote + 0.005 + self.delivery.latency(), scopy)
-        if other is not None and processed2 is not None:
+        if other is None:
+            return
+        death = cluster.death.get(shadow)
+        if processed2 is not None:
             discard2 = cluster.next_poll(other, shadow, processed2)
-            if emit(discard2, other, "HADISCARD", "SMTP", msg, internal_id=oiid,
-                    context=f"ExplicitlyDiscarded;{guid2}", client_hostname=shadow):
-                ocopy.released = discard2
+            if death is None or discard2 < death:
+                if emit(discard2, other, "HADISCARD", "SMTP", msg, internal_id=oiid,
+                        context=f"ExplicitlyDiscarded;{guid2}", client_hostname=shadow):
+                    ocopy.released = discard2
+                return
+        # The promoting node died too before its new shadow heard the copy was processed: that
+        # shadow promotes it in turn.
+        assert death is not None
+        again = cluster.next_poll(other, shadow, death + self.s.resubmit_span - 1e-6)
+        if not cluster.alive(other, again) or again > cluster.end:
+            return
+        if processed2 is None:
+            scopy.released = min(scopy.released, death)
+        self.promote(sim, msg, shadow, other, oiid, guid2, ocopy, again)
 
     def run(self) -> dict[str, Any]:
         for i, t in enumerate(self.cluster.arrivals):
@@ -405,13 +427,14 @@ def tally(sims: list[Sim], cluster: Cluster, journal: Journal, s: Settings) -> d
     end = cluster.end
     states = dict.fromkeys(("delivered", "failed", "in flight protected", "in flight unprotected",
                             "left the logs", "lost", "incomplete"), 0)
-    received = redundant = unprotected = promoted = dup_in = dup_out = stale = 0
+    received = redundant = unprotected = promoted = promotions = dup_in = dup_out = stale = 0
     for sim in sims:
         if sim.received:
             received += 1
             redundant += sim.redundant
             unprotected += sim.unprotected
         promoted += sim.promoted_at is not None and sim.promoted_at <= end
+        promotions += sim.promotions
         dup_in += sim.duplicate_dropped
         dup_out += any(n > 1 for n in sim.external_sends.values())
         done = [sim.done.get(r) for r in sim.recipients]
@@ -429,6 +452,7 @@ def tally(sims: list[Sim], cluster: Cluster, journal: Journal, s: Settings) -> d
     return {
         "messages": len(sims), "received": received, "redundant": redundant,
         "states": states, "lost": states["lost"], "unprotected": unprotected, "promoted": promoted,
+        "promotions": promotions,
         "duplicates": {"inside_boundary": dup_in, "outside_boundary": dup_out},
         "stale_shadows": stale, "grace_seconds": s.grace,
         "deaths": [{"node": n, "time": journal.stamp(t)} for n, t in sorted(cluster.death.items())],

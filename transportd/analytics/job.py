@@ -2,11 +2,12 @@
 
 It owns reading tracking logs of any Exchange version (2010/2013/2016+, header or not, BOM or
 not, CRLF or LF, quoted fields) from any path Spark reads, joining every node's rows by
-network-message-id (message-id for 2010 logs), deciding each message's final state, and writing
-``events/``, ``messages/``, ``anomalies/`` and ``malformed/`` (Parquet), ``summary.json`` and
-``report.html`` under ``--out``. It must never collect row-level data to the driver: only
-aggregates (per node, per time bucket, per failover episode, percentiles, histograms) and a
-bounded sample of anomalies come back. A malformed row is counted and reported, never fatal.
+network-message-id (2010 rows, which have none, by the message-id the other rows pair with one),
+deciding each message's final state, and writing ``messages/``, ``anomalies/``, ``malformed/``
+and, with ``--events``, ``events/`` (Parquet), ``summary.json`` and ``report.html`` under
+``--out``. It must never collect row-level data to the driver: only aggregates (per node, per
+time bucket, per failover episode, percentiles, histograms) and a bounded sample of anomalies
+come back. A malformed row is counted and reported, never fatal.
 Run it as ``transportd analyze`` or ``spark-submit transportd/analytics/job.py PATHS --out DIR``.
 The state rules are in docs/analytics.md.
 """
@@ -190,6 +191,54 @@ def read_events(spark: Any, paths: Sequence[str], name_filter: str = DEFAULT_NAM
         raise AnalyzeError(str(exc)) from None
 
 
+def _write_events(spark: Any, rows: Any, path: str) -> None:
+    """Every row, typed, to ``path`` as Parquet partitioned by ``valid`` (``--events``)."""
+    # Two writers per task (valid=true, valid=false) instead of a sort of every row by the
+    # partition column before writing.
+    planned = spark.conf.get("spark.sql.optimizer.plannedWrite.enabled", "true")
+    concurrent = spark.conf.get("spark.sql.maxConcurrentOutputFiles", "0")
+    spark.conf.set("spark.sql.optimizer.plannedWrite.enabled", "false")
+    spark.conf.set("spark.sql.maxConcurrentOutputFiles", "2")
+    try:
+        # no dictionary pages: most columns are unique per row (keys, contexts), and trying
+        # a dictionary first costs more than it saves
+        rows.write.option("parquet.enable.dictionary", "false").mode("overwrite").partitionBy(
+            "valid").parquet(path)
+    finally:
+        spark.conf.set("spark.sql.optimizer.plannedWrite.enabled", planned)
+        spark.conf.set("spark.sql.maxConcurrentOutputFiles", concurrent)
+
+
+def narrow_events(rows: Any):
+    """The typed rows cut to what the job reads: each column only on the events that use it
+    (null elsewhere), ``file``, ``malformed_reason`` and ``line`` only on malformed rows, and a
+    flag instead of the network-message-id (the key is the network-message-id when there is one)."""
+    from pyspark.sql import functions as F
+
+    e = F.col("event")
+    valid = F.col("valid")
+
+    def on(events: Sequence[str], col: str):
+        return F.when(e.isin(*events), F.col(col)).alias(col)
+
+    recipient_events = sorted({*TAKE_EVENTS, *SUCCESS_EVENTS, *FAILED_EVENTS, *DELIVERY_EVENTS})
+    return rows.select(
+        valid.alias("valid"),
+        F.when(~valid, F.col("file")).alias("file"),
+        F.when(~valid, F.col("malformed_reason")).alias("malformed_reason"),
+        F.when(~valid, F.col("line")).alias("line"),
+        "key", "time", "node", "event", "source",
+        on(("HAREDIRECT", "RESUBMIT", *DELIVERY_EVENTS), "peer"),
+        on(("RESUBMIT",), "reason"),
+        on(recipient_events, "recipients"),
+        on(("HADISCARD", "RESUBMIT"), "context"),
+        on(("HARECEIVE",), "client_hostname"),
+        on(("RECEIVE",), "sender"),
+        (F.col("network_message_id") != "").alias("has_netid"),
+        "message_id",
+    )
+
+
 # ---------------------------------------------------------------------------- facts per node
 
 
@@ -213,19 +262,30 @@ def node_names(names: set[str]) -> dict[str, str]:
     return out
 
 
-def collect_facts(ev: Any) -> dict[str, Any]:
+def collect_facts(parsed: Any) -> dict[str, Any]:
     """One pass over the events for the small facts everything else needs (collected: at most
-    nodes x events x peers rows): the span of the logs, rows per node and event, rows about no
-    message, the node names, and per node the time before which its copies are gone."""
+    nodes x events x peers rows, and one row per file and reason of malformed rows): the span of
+    the logs, rows per node and event, rows about no message, malformed rows per file and
+    reason, the node names, and per node the time before which its copies are gone."""
     from pyspark.sql import functions as F
 
     e = F.col("event")
+    valid = F.col("valid")
     head = e.isin("HAREDIRECT", "RESUBMIT")
-    rows = (ev.groupBy("node", "event", "source", F.when(head, F.col("peer")).alias("peer"),
-                       F.when(e == "RESUBMIT", F.col("reason")).alias("reason"),
-                       F.col("key").isNull().alias("no_key"))
-            .agg(F.min("time").alias("start"), F.max("time").alias("end"), F.count(F.lit(1)).alias("n"))
-            .collect())
+
+    def ok(col: Any):
+        return F.when(valid, col)
+
+    grouped = (parsed.groupBy(
+        valid.alias("valid"), "file", "malformed_reason", ok(F.col("node")).alias("node"),
+        ok(e).alias("event"), ok(F.col("source")).alias("source"), ok(F.when(head, F.col("peer"))).alias("peer"),
+        ok(F.when(e == "RESUBMIT", F.col("reason"))).alias("reason"), ok(F.col("key").isNull()).alias("no_key"),
+        ok(F.col("has_netid")).alias("has_netid"))
+        .agg(F.min(ok(F.col("time"))).alias("start"), F.max(ok(F.col("time"))).alias("end"),
+             F.count(F.lit(1)).alias("n"))
+        .collect())
+    rows = [r for r in grouped if r["valid"]]
+    malformed = {(r["file"], r["malformed_reason"]): int(r["n"]) for r in grouped if not r["valid"]}
     names: set[str] = set()
     for r in rows:
         names.add(r["node"])
@@ -237,7 +297,8 @@ def collect_facts(ev: Any) -> dict[str, Any]:
         return rename.get(name, name) if name is not None else None
 
     facts: dict[str, Any] = {"rename": rename, "start": None, "end": None, "rows": 0,
-                             "events_by_node": {}, "non_message": {}, "nodes": set()}
+                             "events_by_node": {}, "non_message": {}, "nodes": set(),
+                             "malformed": sum(malformed.values()), "malformed_by_file": malformed}
     last_row: dict[str, Any] = {}
     promoted: dict[tuple[str, str], Any] = {}
     for r in rows:
@@ -252,6 +313,9 @@ def collect_facts(ev: Any) -> dict[str, Any]:
         per[r["event"]] = per.get(r["event"], 0) + int(r["n"])
         if r["no_key"]:
             facts["non_message"][r["event"]] = facts["non_message"].get(r["event"], 0) + int(r["n"])
+        else:
+            keyed = "by_netid" if r["has_netid"] else "by_message_id"
+            facts[keyed] = facts.get(keyed, 0) + int(r["n"])
         last_row[node] = max(last_row.get(node, r["end"]), r["end"])
         if r["event"] == "RESUBMIT" and r["source"] == "REDUNDANCY" and r["peer"]:
             k = (canon(r["peer"]), r["reason"])
@@ -291,6 +355,30 @@ def _renamed(col: str, rename: dict[str, str]):
 # ---------------------------------------------------------------------------- per message
 
 
+def join_message_ids(ev: Any):
+    """Rows keyed by message-id (Exchange 2010's, which have no network-message-id) take the
+    network-message-id that rows of other nodes give that message-id, so a message crossing
+    2010 and 2013+ nodes is one message. A message-id that rows give two or more
+    network-message-ids (a message forked under new ids, or sent twice with one Message-ID)
+    cannot be told apart: its rows stay keyed by the message-id. Only the rows without a
+    network-message-id and the (message-id, network-message-id) pairs of their message-ids
+    take part in the join; the other rows pass through."""
+    from pyspark.sql import functions as F
+
+    bare = ev.filter(~F.col("has_netid"))
+    wanted = bare.select(F.col("key").alias("mid")).distinct()
+    pairs = (ev.filter(F.col("has_netid") & (F.col("message_id") != ""))
+             .select(F.col("message_id").alias("mid"), F.col("key").alias("netid"))
+             .join(wanted, "mid", "left_semi")
+             .groupBy("mid").agg(F.min("netid").alias("netid"), F.max("netid").alias("other")))
+    pairs = pairs.filter(F.col("netid") == F.col("other")).select("mid", "netid")
+    joined = (bare.join(pairs, bare["key"] == pairs["mid"], "left")
+              .withColumn("key", F.coalesce(F.col("netid"), F.col("key")))
+              .withColumn("has_netid", F.col("netid").isNotNull())
+              .drop("mid", "netid"))
+    return ev.filter(F.col("has_netid")).unionByName(joined)
+
+
 def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, partitions: int | None = None):
     """One row per message key with its journey and final state (lazy DataFrame).
 
@@ -308,11 +396,14 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
     def when_event(events: Sequence[str], value: Any):
         return F.when(e.isin(*events), value)
 
-    ev = (ev.filter(F.col("key").isNotNull())
+    ev = ev.filter(F.col("key").isNotNull())
+    if facts.get("by_netid") and facts.get("by_message_id"):
+        ev = join_message_ids(ev)
+    ev = (ev
           .select("key", "time", _renamed("node", rename).alias("node"), "event", "source",
                   _renamed("peer", rename).alias("peer"), "reason", "recipients", "context",
                   _renamed("client_hostname", rename).alias("client_hostname"), "sender",
-                  "network_message_id", "message_id"))
+                  "has_netid", "message_id"))
     # The one shuffle: the per-(key, node) aggregate and the per-key one after it are both
     # clustered by key, so Spark adds no other exchange and no join. Each task aggregates the
     # keys of its partition in a hash map (see analyze: partitions are sized to the input).
@@ -332,8 +423,9 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
         F.max(F.when(e.isin(*RELEASE_EVENTS) & kept, t)).alias("last_release"),
         F.min(when_event(["HARECEIVE"], t)).alias("shadow_received"),
         F.min(F.when((e == "HADISCARD") & kept, t)).alias("shadow_discarded"),
+        F.min(when_event(["HARECEIVE"], F.col("client_hostname"))).alias("shadow_primary"),
         F.min(F.when((e == "RESUBMIT") & (F.col("source") == "REDUNDANCY"), t)).alias("promoted_here"),
-        F.max("network_message_id").alias("network_message_id"),
+        F.max("has_netid").alias("has_netid"),
         F.max("message_id").alias("message_id"),
         F.max(when_event(["RECEIVE"], F.col("sender"))).alias("sender"),
         F.min(when_event(["RECEIVE"], F.struct(t.alias("time"), node.alias("node")))).alias("first_receive"),
@@ -379,7 +471,7 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
 
     # -- per message: the per-node rows merged (same partitions: no exchange)
     m = kn.groupBy("key").agg(
-        F.max("network_message_id").alias("network_message_id"),
+        F.max("has_netid").alias("has_netid"),
         F.max("message_id").alias("message_id"),
         F.max("sender").alias("sender"),
         F.min("first_receive").alias("first_receive"),
@@ -399,8 +491,14 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
         F.sum(holds.cast("int")).alias("live_copies"),
         F.sort_array(F.collect_list(F.when(holds, node))).alias("live_copy_nodes"),
         F.collect_list(hold).alias("shadow_hold_seconds"),
-        F.sort_array(F.collect_list(F.when(undiscarded, node))).alias("undiscarded_shadow_nodes"),
+        F.collect_list(F.when(undiscarded, F.struct(node.alias("node"), F.col("shadow_primary").alias("primary"))))
+         .alias("undiscarded_shadows"),
     )
+    # A shadow not discarded is an anomaly only once its primary has let its copy go: a primary
+    # that still holds the message (a promoted copy not yet delivered) keeps its shadow legitimately.
+    m = m.withColumn("undiscarded_shadow_nodes", F.sort_array(F.transform(F.filter(
+        "undiscarded_shadows", lambda x: ~F.coalesce(F.array_contains("live_copy_nodes", x["primary"]), F.lit(False))),
+        lambda x: x["node"])))
 
     # -- per (message, recipient), from the message's few recipient rows: done or not, duplicates.
     # The recipients of a message are those of its RECEIVE, HARECEIVE and DSN rows.
@@ -473,11 +571,14 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
 
     rec = F.col("first_receive").isNotNull()
     return m.select(
-        "key", "network_message_id", "message_id", "sender",
+        "key", F.when(F.col("has_netid"), F.col("key")).otherwise(F.lit("")).alias("network_message_id"),
+        "message_id", "sender",
         F.col("first_receive.node").alias("receive_node"),
         F.col("first_receive.time").alias("receive_time"),
         (rec & F.coalesce(F.col("first_redundancy.event") == "HAREDIRECT", F.lit(False)))
         .alias("redundant_at_receipt"),
+        (rec & F.coalesce(F.col("first_redundancy.event") == "HAREDIRECTFAIL", F.lit(False)))
+        .alias("unprotected_at_receipt"),
         F.col("shadow.node").alias("shadow_node"),
         F.col("shadow.time").alias("haredirect_time"),
         "haredirectfail_time", "haredirectfail_count", "hareceive", "hadiscard", "deliveries",
@@ -583,7 +684,7 @@ def summarize(spark: Any, messages: Any, anomalies: Any, malformed: Any, facts: 
         "receive_node", _bucket_col("receive_time", bucket).alias("bucket"), "state").agg(
         F.count(F.lit(1)).alias("messages"),
         F.sum((received & red).cast("int")).alias("redundant"),
-        F.sum((received & (F.col("haredirectfail_count") > 0)).cast("int")).alias("unprotected_messages"),
+        F.sum((received & F.col("unprotected_at_receipt")).cast("int")).alias("unprotected_messages"),
         F.sum(F.when(received, F.col("unprotected_seconds")).otherwise(0.0)).alias("unprotected_seconds"),
         F.sum(F.col("promoted").cast("int")).alias("promoted"),
         F.sum((F.size("duplicate_delivers") > 0).cast("int")).alias("dup_inside"),
@@ -681,12 +782,10 @@ def summarize(spark: Any, messages: Any, anomalies: Any, malformed: Any, facts: 
                                    "by_event": dict(sorted(facts["non_message"].items()))}
     summary["node_names"] = dict(sorted(facts["rename"].items()))
 
-    # malformed rows
-    bad = malformed.groupBy("file", "reason").count().orderBy(F.desc("count")).limit(200).collect()
-    summary["malformed"] = {"rows": int(sum(r["count"] for r in bad)) if len(bad) < 200 else
-                            int(malformed.count()),
-                            "by_file": [{"file": r["file"], "reason": r["reason"], "rows": int(r["count"])}
-                                        for r in bad]}
+    # malformed rows (counted in the facts pass)
+    bad = sorted(facts["malformed_by_file"].items(), key=lambda kv: (-kv[1], kv[0]))
+    summary["malformed"] = {"rows": int(facts["malformed"]),
+                            "by_file": [{"file": f, "reason": why, "rows": n} for (f, why), n in bad[:200]]}
 
     # anomalies: counted in the pass above, a bounded sample read back
     summary["anomalies"] = {
@@ -716,6 +815,16 @@ def write_text(spark: Any, uri: str, text: str) -> None:
         stream.write(bytearray(text.encode("utf-8")))
     finally:
         stream.close()
+
+
+def remove(spark: Any, uri: str) -> None:
+    """Delete a folder through Hadoop's FileSystem (local, HDFS, S3 alike); quiet if it is gone."""
+    jvm = spark.sparkContext._jvm
+    path = jvm.org.apache.hadoop.fs.Path(uri)
+    try:
+        path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()).delete(path, True)
+    except Exception:  # noqa: BLE001, S110 - a scratch folder left behind is harmless
+        pass
 
 
 def _join(out: str, name: str) -> str:
@@ -783,14 +892,16 @@ def _partitions(spark: Any, files: Sequence[str]) -> int | None:
 
 def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DEFAULT_NAME_FILTER,
             recursive: bool = False, grace_seconds: float = 600.0, episode_gap: float = 60.0,
-            progress: bool = True, report: bool = True, timings: dict[str, float] | None = None) -> dict:
+            progress: bool = True, report: bool = True, timings: dict[str, float] | None = None,
+            write_events: bool = False) -> dict:
     """Run the whole job; returns the summary (also written to ``out``/summary.json).
 
-    Spark jobs, in order: parse every row and write ``events/`` (the only pass over the text);
-    the facts pass over ``events/`` (span, rows per node and event, node names, when each
-    node's copies died); the per-message table (one shuffle by key) written to ``messages/``;
-    ``anomalies/``; then the summary's aggregates, all from ``messages/``. ``timings`` (if
-    given) receives the seconds of each step."""
+    Spark jobs, in order: parse every row (the only pass over the text) and write the narrow
+    events (``narrow_events``) to a scratch folder, or every row typed to ``events/`` with
+    ``write_events``; the facts pass over them (span, rows per node and event, malformed rows,
+    node names, when each node's copies died) and ``malformed/``; the per-message table (one
+    shuffle by key) written to ``messages/``; ``anomalies/``; then the summary's aggregates,
+    all from ``messages/``. ``timings`` (if given) receives the seconds of each step."""
     from pyspark.sql import functions as F
 
     if not paths:
@@ -807,6 +918,7 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
         steps[name] = round(now - mark[0], 3)
         mark[0] = now
 
+    scratch: list[str] = []
     try:
         shown.set_step("reading and parsing logs")
         spark.sparkContext.setJobDescription("parse MSGTRK rows")
@@ -819,39 +931,36 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
             raise AnalyzeError(f"no tracking log rows in {', '.join(paths)}")
         partitions = _partitions(spark, files)
         spark.conf.set("spark.sql.csv.parser.columnPruning.enabled", "false")
-        step("list files")
         rows = reader.normalize(reader.read_rows(spark, files))
-        # Two writers per task (valid=true, valid=false) instead of a sort of every row by the
-        # partition column before writing.
-        planned = spark.conf.get("spark.sql.optimizer.plannedWrite.enabled", "true")
-        concurrent = spark.conf.get("spark.sql.maxConcurrentOutputFiles", "0")
-        spark.conf.set("spark.sql.optimizer.plannedWrite.enabled", "false")
-        spark.conf.set("spark.sql.maxConcurrentOutputFiles", "2")
+        # The text is parsed once, and written once: every row typed to events/ (--events), or
+        # only the narrow columns the job reads to a scratch folder removed at the end. Every
+        # later step reads them from there.
+        if write_events:
+            _write_events(spark, rows, _join(out, "events"))
+        else:
+            scratch.append(_join(out, "parsed.scratch"))
+            narrow_events(rows).write.option("parquet.enable.dictionary", "false").mode("overwrite").parquet(
+                scratch[-1])
+        step("parse")
         try:
-            # no dictionary pages: most columns are unique per row (keys, contexts), and trying
-            # a dictionary first costs more than it saves
-            rows.write.option("parquet.enable.dictionary", "false").mode("overwrite").partitionBy(
-                "valid").parquet(_join(out, "events"))
-        finally:
-            spark.conf.set("spark.sql.optimizer.plannedWrite.enabled", planned)
-            spark.conf.set("spark.sql.maxConcurrentOutputFiles", concurrent)
-        step("parse and write events")
-        try:
-            parsed = spark.read.parquet(_join(out, "events"))
+            parsed = spark.read.parquet(_join(out, "events") if write_events else scratch[-1])
         except Exception as exc:  # nothing was written: all files were empty
             if "UNABLE_TO_INFER_SCHEMA" in str(exc) or "Unable to infer schema" in str(exc):
                 raise AnalyzeError(f"no tracking log rows in {', '.join(paths)}") from None
             raise
-        valid = F.col("valid").cast("string") == "true"  # a partition column reads back as a string
-        ev = parsed.filter(valid).drop("valid", "malformed_reason", "line")
+        if write_events:
+            parsed = narrow_events(parsed.withColumn("valid", F.col("valid").cast("string") == "true"))
+        valid = F.col("valid")
+        ev = parsed.filter(valid).drop("valid", "malformed_reason", "line", "file")
         malformed = parsed.filter(~valid).select("file", F.col("malformed_reason").alias("reason"), "line")
 
         shown.set_step("facts per node")
         spark.sparkContext.setJobDescription("facts per node")
-        facts = collect_facts(ev)
-        if facts["end"] is None and not facts["rows"]:
-            facts["start"] = facts["end"] = None
+        facts = collect_facts(parsed)
+        if not facts["rows"] and not facts["malformed"]:
+            raise AnalyzeError(f"no tracking log rows in {', '.join(paths)}")
         end_lit = F.lit(facts["end"]).cast("timestamp") if facts["end"] else F.current_timestamp()
+        malformed.write.mode("overwrite").parquet(_join(out, "malformed"))
         step("facts")
 
         shown.set_step("joining messages across nodes")
@@ -861,15 +970,14 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
         fallback = spark.conf.get("spark.sql.objectHashAggregate.sortBased.fallbackThreshold", "128")
         spark.conf.set("spark.sql.objectHashAggregate.sortBased.fallbackThreshold", str(HASHED_KEYS))
         try:
-            build_messages(ev, end_lit, facts, partitions).write.option(
-                "parquet.enable.dictionary", "false").mode("overwrite").parquet(_join(out, "messages"))
+            build_messages(ev, end_lit, facts, partitions).write.option("parquet.enable.dictionary", "false").mode("overwrite").parquet(
+                _join(out, "messages"))
         finally:
             spark.conf.set("spark.sql.objectHashAggregate.sortBased.fallbackThreshold", fallback)
         messages = spark.read.parquet(_join(out, "messages"))
         step("messages")
         shown.set_step("anomalies")
-        build_anomalies(messages, end_lit, grace_seconds).write.mode("overwrite").parquet(
-            _join(out, "anomalies"))
+        build_anomalies(messages, end_lit, grace_seconds).write.mode("overwrite").parquet(_join(out, "anomalies"))
         anomalies = spark.read.parquet(_join(out, "anomalies"))
         step("anomalies")
 
@@ -891,6 +999,8 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
         shown.set_step(f"done in {summary['seconds']:.1f}s")
         return summary
     finally:
+        for path in scratch:
+            remove(spark, path)
         if isinstance(shown, Progress):
             shown.stop()
 
@@ -910,6 +1020,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds after delivery before an undiscarded shadow is an anomaly")
     p.add_argument("--episode-gap", type=float, default=60.0,
                    help="promotions further apart than this many seconds are separate failover episodes")
+    p.add_argument("--events", action="store_true",
+                   help="also write every row, typed, to OUT/events/ (Parquet, partitioned by valid)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print summary.json instead of the table")
     return p
@@ -926,7 +1038,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         summary = analyze(spark, args.paths, args.out, name_filter=args.name_filter,
                           recursive=args.recursive, grace_seconds=args.grace,
-                          episode_gap=args.episode_gap, progress=not args.no_progress)
+                          episode_gap=args.episode_gap, progress=not args.no_progress,
+                          write_events=args.events)
     except AnalyzeError as exc:
         print(f"transportd analyze: error: {exc}", file=sys.stderr)
         return 2

@@ -17,13 +17,17 @@ from pathlib import Path
 from typing import TextIO
 
 import transportd
-from transportd.tracking import FIELDS_2016
+from transportd.tracking import FIELDS_2010, FIELDS_2016
 
 
 class Writer:
-    """Per-node MSGTRK files in the daemon's format, rolled by UTC day and by size."""
+    """Per-node MSGTRK files in the daemon's format, rolled by UTC day and by size; ``fields``
+    FIELDS_2010 writes Exchange 2010's 26 fields (no network-message-id) as a 2010-mode node does."""
 
-    def __init__(self, directory: Path, hostname: str, max_file_size: int) -> None:
+    def __init__(self, directory: Path, hostname: str, max_file_size: int,
+                 fields: tuple[str, ...] = FIELDS_2016) -> None:
+        self.fields = fields
+        self.keep = None if fields == FIELDS_2016 else [FIELDS_2016.index(f) for f in fields]
         self.directory = directory
         self.hostname = hostname
         self.max_file_size = max_file_size
@@ -36,7 +40,7 @@ class Writer:
 
     def header(self, when: str) -> str:
         lines = ("#Software: transportd", f"#Version: {transportd.__version__}",
-                 "#Log-type: Message Tracking Log", f"#Date: {when}", "#Fields: " + ",".join(FIELDS_2016))
+                 "#Log-type: Message Tracking Log", f"#Date: {when}", "#Fields: " + ",".join(self.fields))
         return "\ufeff" + "".join(line + "\r\n" for line in lines)
 
     def write(self, stamp: str, line: str) -> None:
@@ -76,7 +80,8 @@ class Journal:
     """
 
     def __init__(self, out: Path, names: list[str], ips: dict[str, str], alive: Callable[[str, float], bool],
-                 end: float, start: float, rng: random.Random, max_file_size: int) -> None:
+                 end: float, start: float, rng: random.Random, max_file_size: int,
+                 exchange2010: tuple[str, ...] = ()) -> None:
         self.names = names
         self.ips = ips
         self.alive = alive
@@ -85,7 +90,8 @@ class Journal:
         self.last_written = start
         """The time of the last row written: the analyzer's end of the logs."""
         self.heap: list[tuple[float, int, str, tuple]] = []
-        self.writers = {n: Writer(out / n.split(".")[0] / "msgtrk", n, max_file_size) for n in names}
+        self.writers = {n: Writer(out / n.split(".")[0] / "msgtrk", n, max_file_size,
+                                  FIELDS_2010 if n in exchange2010 else FIELDS_2016) for n in names}
         self.seq = 0
         self.stamp_cache: tuple[int, str] = (-1, "")
 
@@ -124,14 +130,17 @@ class Journal:
          internal_id, connector, directionality, server_ip) = row
         stamp = self.stamp(t)
         rcpts = ";".join(recipients)
-        line = ",".join((
+        values = (
             stamp, client_ip, client_hostname, self.ips[node] if server_ip is None else server_ip, node,
             _quote(context), connector, source, event, str(internal_id if internal_id is not None else ""),
             msg["message_id"], msg["netid"], rcpts, _quote(status), str(msg["size"]),
             str(len(recipients)) if recipients else "", "", reference, _quote(msg["subject"]),
             msg["sender"], msg["sender"], "", directionality, "", "", "", "", "Email",
-            self.guid(), transportd.__version__)) + "\r\n"
-        self.writers[node].write(stamp, line)
+            self.guid(), transportd.__version__)
+        writer = self.writers[node]
+        if writer.keep is not None:
+            values = tuple(values[i] for i in writer.keep)
+        writer.write(stamp, ",".join(values) + "\r\n")
 
     def inject_malformed(self, count: int) -> int:
         """Bad rows at the end of random nodes' last files: a stray quote, too few fields, a bad date."""

@@ -47,10 +47,13 @@ def analyze_group() -> None:
 @click.option("--episode-gap", type=float, default=60.0, show_default=True,
               help="promotions further apart (seconds) are separate failover episodes")
 @click.option("--conf", "confs", multiple=True, metavar="KEY=VALUE", help="extra Spark configuration")
+@click.option("--events", "write_events", is_flag=True,
+              help="also write every row, typed, to OUT/events/ (Parquet, partitioned by valid)")
 @click.option("--no-progress", is_flag=True, help="no progress display on stderr")
 @click.option("--json", "as_json", is_flag=True, help="print summary.json instead of the table")
 def analyze_run(paths: tuple[str, ...], out: str, master: str | None, recursive: bool, name_filter: str | None,
-                grace: float, episode_gap: float, confs: tuple[str, ...], no_progress: bool, as_json: bool) -> None:
+                grace: float, episode_gap: float, confs: tuple[str, ...], write_events: bool, no_progress: bool,
+                as_json: bool) -> None:
     """Analyze MSGTRK files, folders or globs; write messages/, anomalies/, summary.json, report.html."""
     try:
         from transportd.analytics import job
@@ -72,7 +75,7 @@ def analyze_run(paths: tuple[str, ...], out: str, master: str | None, recursive:
     try:
         summary = job.analyze(spark, list(paths), out, name_filter=name_filter or job.DEFAULT_NAME_FILTER,
                               recursive=recursive, grace_seconds=grace, episode_gap=episode_gap,
-                              progress=not no_progress)
+                              progress=not no_progress, write_events=write_events)
     except job.AnalyzeError as exc:
         raise ConfigCliError(str(exc)) from None
     finally:
@@ -97,16 +100,19 @@ def analyze_run(paths: tuple[str, ...], out: str, master: str | None, recursive:
 @click.option("--fail-rate", type=click.FloatRange(0, 1), default=0.005, show_default=True)
 @click.option("--lost-discard-rate", type=click.FloatRange(0, 1), default=0.001, show_default=True)
 @click.option("--malformed", type=click.IntRange(0), default=10, show_default=True, help="malformed rows to inject")
+@click.option("--exchange2010-nodes", type=click.IntRange(0), default=0, show_default=True,
+              help="the first N nodes write Exchange 2010's 26 fields (no network-message-id), as in a mixed cluster")
 def analyze_generate(messages: int, nodes: int, out: str, seed: int, deaths: int | None, rate: float | None,
                      redirect_fail_rate: float, defer_rate: float, fail_rate: float, lost_discard_rate: float,
-                     malformed: int) -> None:
+                     malformed: int, exchange2010_nodes: int) -> None:
     """Write realistic multi-node MSGTRK logs with injected failures, and truth.json beside them."""
     from transportd.analytics.generate import generate
     started = time.monotonic()
     try:
         truth = generate(out, messages, nodes, seed, deaths=(1 if nodes > 2 else 0) if deaths is None else deaths,
                          rate=rate, redirect_fail_rate=redirect_fail_rate, defer_rate=defer_rate,
-                         fail_rate=fail_rate, lost_discard_rate=lost_discard_rate, malformed=malformed)
+                         fail_rate=fail_rate, lost_discard_rate=lost_discard_rate, malformed=malformed,
+                         exchange2010_nodes=exchange2010_nodes)
     except ValueError as exc:
         raise ConfigCliError(str(exc)) from None
     click.echo(f"wrote {truth['rows']} rows for {truth['messages']} messages on {nodes} nodes to {out} "
