@@ -104,6 +104,8 @@ async def test_scheduler_hands_due_work_to_connectors_in_batches_and_commits(par
         store.queue_changed.set()
         await _wait(lambda: sum(len(b) for b in smtp.batches) == 5)
         await _wait(lambda: all(store.read(lambda c: mq.message_row(c, i))["state"] == mq.SAFETY_NET for i in ids))
+        # The rows are tracked after the commit that moved them: wait for them too.
+        await _wait(lambda: [e for e, _ in tracking.events].count("SENDEXTERNAL") >= 5)
     finally:
         await scheduler.stop()
         task.cancel()
