@@ -24,7 +24,8 @@ from transportd import config as cfgmod
 from transportd.devtools.chaos.harness import receive_workers
 from transportd.node.metrics import NodeMetrics
 from transportd.node.receiver import Forward
-from transportd.node.workers import per_process, replay
+from transportd.node.workers import WorkerConnections, per_process, replay
+from transportd.smtp.server import ConnectionCounter
 
 
 def alive(pid: int) -> bool:
@@ -172,6 +173,43 @@ def test_limits_are_split_between_the_processes() -> None:
     fe = per_process(cfg, 3).frontend
     assert (fe.max_inbound_connection, fe.max_inbound_connection_per_source, fe.max_command_rate) == (1667, 7, 0)
     assert per_process(_cfg(max_command_rate=10), 4).frontend.max_command_rate == 3
+
+
+def test_the_owner_takes_the_limits_of_workers_not_listening() -> None:
+    """While a worker starts (or is dead and waits to be started again) the kernel gives its
+    connections to the processes that listen: the owner serves with that worker's share too."""
+    own = ConnectionCounter(10, 2)  # one process's share of 40 / 8 over four processes
+    conns = WorkerConnections(own, 40, workers=3)
+    assert (own.limit, own.per_source) == (40, 8)  # no worker listening yet: the node's limits
+    assert all(own.acquire("192.0.2.1") is None for _ in range(8))
+    assert own.acquire("192.0.2.1") is not None  # the 9th from one address is over the node's limit
+    conns.set_listening(1, True)
+    conns.set_listening(2, True)
+    assert (own.limit, own.per_source) == (20, 4)
+    conns.set_listening(3, True)
+    conns.set_listening(3, True)  # a repeated report changes nothing
+    assert (own.limit, own.per_source) == (10, 2)
+    conns.set_listening(2, False)  # worker 2 died
+    assert (own.limit, own.per_source) == (20, 4)
+
+
+def test_sessions_right_after_start_are_not_refused_while_workers_start(make_node, sink) -> None:
+    """The node's per-source limit holds from its first second: before the workers listen, the
+    owner alone serves every session (the kernel has no other listener), so it must not refuse at
+    its own share (6 over 3 processes = 2)."""
+    node = make_node(smart_host=sink.address, overrides={
+        "frontend": {"workers": 3, "max_inbound_connection_per_source": 6}})
+    node.start()
+    sessions = []
+    try:
+        for _ in range(6):
+            s = smtplib.SMTP(timeout=30)
+            code, banner = s.connect("127.0.0.1", node.port)
+            assert code == 220, banner
+            sessions.append(s)
+    finally:
+        for s in sessions:
+            s.close()
 
 
 def test_forwarded_metric_calls_replay_on_the_owners_metrics() -> None:

@@ -129,7 +129,7 @@ class Node:
         cfg = per_process(self.cfg, processes)
         fe = cfg.frontend
         counter = ConnectionCounter(fe.max_inbound_connection, fe.max_inbound_connection_per_source)
-        connections = WorkerConnections(counter, self.cfg.frontend.max_inbound_connection)
+        connections = WorkerConnections(counter, self.cfg.frontend.max_inbound_connection, processes - 1)
         self.metrics.watch_connections("frontend", connections)
         handler = FrontendHandler(cfg, self.accept_path.accept, "frontend")
         await self._serve(fe.listen, smtp_factory(cfg, handler, counter, server_tls(fe.tls_certificate, fe.tls_key)),

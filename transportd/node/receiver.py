@@ -125,6 +125,7 @@ class ReceiveWorker:
             smtp_factory(cfg, FrontendHandler(cfg, accept_path.accept, "frontend"), counter,
                          server_tls(fe.tls_certificate, fe.tls_key)),
             host=host.strip("[]"), port=int(port), reuse_address=True, reuse_port=True)
+        self.send(("listening",))
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C reaches the owner, which stops us

@@ -74,12 +74,23 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
 # ====================================================================== the owner's side
 
 class WorkerConnections:
-    """The frontend's open sessions over every process (for the metrics), against the node's limit."""
+    """The frontend's open sessions over every process (for the metrics), against the node's limit.
 
-    def __init__(self, own: Any, limit: int):
+    The owner's own limits are its share plus the share of every worker not listening (starting,
+    or dead and waiting to be started again): the kernel hands such a worker's connections to the
+    processes that listen, so the node keeps its configured limits while a worker is away."""
+
+    def __init__(self, own: Any, limit: int, workers: int = 0):
         self.own = own
         self.limit = limit
+        self.workers = workers
+        self.listening: set[int] = set()
         self.reported: dict[int, int] = {}
+        own.set_shares(1 + workers)
+
+    def set_listening(self, index: int, up: bool) -> None:
+        (self.listening.add if up else self.listening.discard)(index)
+        self.own.set_shares(1 + self.workers - len(self.listening))
 
     @property
     def total(self) -> int:
@@ -122,6 +133,7 @@ class WorkerSupervisor:
             log.error("receive worker %d exited (%s); starting it again in %gs", index,
                       f"signal {-code}" if code is not None and code < 0 else f"code {code}", delay)
             self.connections.reported.pop(index, None)
+            self.connections.set_listening(index, False)
             self.restarts += 1
             self.events.metrics.worker_restarts.inc()
             await asyncio.sleep(delay)
@@ -172,6 +184,8 @@ class WorkerSupervisor:
                 self.events.tracking.write(*frame[1], **frame[2])
             elif kind == "metric":
                 replay(self.events.metrics, frame[1])
+            elif kind == "listening":
+                self.connections.set_listening(index, True)
             elif kind == "connections":
                 self.connections.reported[index] = int(frame[1])
         except Exception as exc:  # noqa: BLE001 - a report that cannot be applied is logged, mail goes on
