@@ -9,6 +9,7 @@ node and die with it. The settings themselves (auto, limits split) are checked w
 
 from __future__ import annotations
 
+import os
 import signal
 import smtplib
 import threading
@@ -24,8 +25,9 @@ from transportd import config as cfgmod
 from transportd.devtools.chaos.harness import receive_workers
 from transportd.node.metrics import NodeMetrics
 from transportd.node.receiver import Forward
-from transportd.node.workers import WorkerConnections, per_process, replay
-from transportd.smtp.server import ConnectionCounter
+from transportd.node.sessions import SessionTable
+from transportd.node.workers import per_process, replay
+from transportd.smtp import replies
 
 
 def alive(pid: int) -> bool:
@@ -167,36 +169,45 @@ def test_workers_setting_auto_a_number_or_a_clear_error() -> None:
         assert needle in str(err.value)
 
 
-def test_limits_are_split_between_the_processes() -> None:
+def test_command_rate_is_split_and_connection_limits_stay_the_nodes() -> None:
     cfg = _cfg(max_inbound_connection=5000, max_inbound_connection_per_source=20, max_command_rate=0)
     assert per_process(cfg, 1) is cfg
-    fe = per_process(cfg, 3).frontend
-    assert (fe.max_inbound_connection, fe.max_inbound_connection_per_source, fe.max_command_rate) == (1667, 7, 0)
+    fe = per_process(cfg, 3).frontend  # connection limits: the node's, checked over all processes
+    assert (fe.max_inbound_connection, fe.max_inbound_connection_per_source, fe.max_command_rate) == (5000, 20, 0)
     assert per_process(_cfg(max_command_rate=10), 4).frontend.max_command_rate == 3
 
 
-def test_the_owner_takes_the_limits_of_workers_not_listening() -> None:
-    """While a worker starts (or is dead and waits to be started again) the kernel gives its
-    connections to the processes that listen: the owner serves with that worker's share too."""
-    own = ConnectionCounter(10, 2)  # one process's share of 40 / 8 over four processes
-    conns = WorkerConnections(own, 40, workers=3)
-    assert (own.limit, own.per_source) == (40, 8)  # no worker listening yet: the node's limits
-    assert all(own.acquire("192.0.2.1") is None for _ in range(8))
-    assert own.acquire("192.0.2.1") is not None  # the 9th from one address is over the node's limit
-    conns.set_listening(1, True)
-    conns.set_listening(2, True)
-    assert (own.limit, own.per_source) == (20, 4)
-    conns.set_listening(3, True)
-    conns.set_listening(3, True)  # a repeated report changes nothing
-    assert (own.limit, own.per_source) == (10, 2)
-    conns.set_listening(2, False)  # worker 2 died
-    assert (own.limit, own.per_source) == (20, 4)
+def test_sessions_are_counted_over_all_processes_against_the_nodes_limits() -> None:
+    """Each process writes its own row of the shared table and checks the sum of all rows: the
+    node's per-source limit holds however the kernel spreads a client's sessions."""
+    owner_table = SessionTable(3)
+    worker_table = SessionTable(3, os.dup(owner_table.fd))  # what a worker maps from the fd it is given
+    try:
+        owner = owner_table.counter(0, 10, 4)
+        worker = worker_table.counter(2, 10, 4)
+        assert owner.acquire("192.0.2.1") is None
+        assert worker.acquire("192.0.2.1") is None
+        assert worker.acquire("192.0.2.1") is None
+        assert owner.acquire("192.0.2.1") is None
+        assert worker.acquire("192.0.2.1") == replies.S421_TOO_MANY_FROM_SOURCE  # 4 open over two processes
+        assert owner.acquire("192.0.2.1") == replies.S421_TOO_MANY_FROM_SOURCE
+        assert (owner.total, worker.total, owner_table.total()) == (2, 2, 4)
+        assert all(worker.acquire(f"198.51.100.{i}") is None for i in range(6))
+        assert owner.acquire("203.0.113.9") == replies.S421_TOO_MANY_CONNECTIONS  # 10 open in all
+        worker.release("192.0.2.1")
+        assert owner.acquire("192.0.2.1") is None
+        owner_table.clear(2)  # worker 2 died: the owner drops its row before starting it again
+        assert owner_table.total() == 3
+        assert owner.acquire("192.0.2.1") is None
+    finally:
+        worker_table.close()
+        owner_table.close()
 
 
 def test_sessions_right_after_start_are_not_refused_while_workers_start(make_node, sink) -> None:
     """The node's per-source limit holds from its first second: before the workers listen, the
-    owner alone serves every session (the kernel has no other listener), so it must not refuse at
-    its own share (6 over 3 processes = 2)."""
+    owner alone serves every session (the kernel has no other listener) and must not refuse at a
+    third of the limit; once they listen, a 7th session is refused whichever process gets it."""
     node = make_node(smart_host=sink.address, overrides={
         "frontend": {"workers": 3, "max_inbound_connection_per_source": 6}})
     node.start()
@@ -207,6 +218,16 @@ def test_sessions_right_after_start_are_not_refused_while_workers_start(make_nod
             code, banner = s.connect("127.0.0.1", node.port)
             assert code == 220, banner
             sessions.append(s)
+        wait_for(lambda: node.log_path.read_text().count("serving the frontend on") == 2, timeout=30,
+                 what="both workers listening")
+        for _ in range(3):  # wherever the kernel puts it, a 7th session is over the node's limit
+            s = smtplib.SMTP(timeout=30)
+            try:
+                assert s.connect("127.0.0.1", node.port)[0] == 421
+            except smtplib.SMTPServerDisconnected:
+                pass  # the 421 and the close raced the read: refused either way
+            finally:
+                s.close()
     finally:
         for s in sessions:
             s.close()

@@ -338,7 +338,7 @@ KEYS: tuple[Key, ...] = (
         "to reach its next hops", "MaxAcknowledgementDelay", DUR, limits=(1 * SEC, 10 * MIN)),
     Key("frontend", "workers", "auto", _workers,
         "receive processes sharing the frontend's port (SO_REUSEPORT) and the queue database; auto = one per "
-        "usable core; the connection and command-rate limits are split between them", limits=(1, 256)),
+        "usable core; connection limits count the sessions of all of them, the command rate is split between them", limits=(1, 256)),
     Key("frontend", "auth_users", {}, _credentials,
         "user = \"password\" pairs for AUTH PLAIN/LOGIN (offered only after STARTTLS); "
         "authenticated clients may relay"),

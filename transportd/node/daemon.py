@@ -28,6 +28,7 @@ from transportd.node.maintenance import Maintenance
 from transportd.node.metrics import NodeMetrics
 from transportd.node.outcomes import OutcomeRecorder
 from transportd.node.scheduler import Scheduler
+from transportd.node.sessions import SessionTable
 from transportd.node.workers import WorkerConnections, WorkerSupervisor, per_process
 from transportd.queue import messages as mq
 from transportd.queue.delivered import DeliveredLog
@@ -128,15 +129,19 @@ class Node:
         processes = worker_count(self.cfg)
         cfg = per_process(self.cfg, processes)
         fe = cfg.frontend
-        counter = ConnectionCounter(fe.max_inbound_connection, fe.max_inbound_connection_per_source)
-        connections = WorkerConnections(counter, self.cfg.frontend.max_inbound_connection, processes - 1)
+        if processes > 1:
+            sessions = SessionTable(processes)
+            counter = sessions.counter(0, fe.max_inbound_connection, fe.max_inbound_connection_per_source)
+        else:
+            counter = ConnectionCounter(fe.max_inbound_connection, fe.max_inbound_connection_per_source)
+        connections = WorkerConnections(counter, self.cfg.frontend.max_inbound_connection)
         self.metrics.watch_connections("frontend", connections)
         handler = FrontendHandler(cfg, self.accept_path.accept, "frontend")
         await self._serve(fe.listen, smtp_factory(cfg, handler, counter, server_tls(fe.tls_certificate, fe.tls_key)),
                           reuse_port=processes > 1)
         if processes > 1:
             self.workers = WorkerSupervisor(cfg, processes - 1, self.events, self.store.queue_changed, connections,
-                                            self.log_format)
+                                            self.log_format, sessions)
             await self.workers.start()
 
     async def _listen_transport(self) -> None:

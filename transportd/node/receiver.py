@@ -27,11 +27,12 @@ from transportd.config import Config
 from transportd.errors import StoreError
 from transportd.node.accept import AcceptPath
 from transportd.node.events import NodeEvents
+from transportd.node.sessions import SessionTable, SharedCounter
 from transportd.node.workers import TERMINAL, encode
 from transportd.queue.store import QueueStore
 from transportd.redundancy.manager import ShadowManager
 from transportd.smtp.frontend import FrontendHandler
-from transportd.smtp.server import ConnectionCounter, server_tls, smtp_factory
+from transportd.smtp.server import server_tls, smtp_factory
 
 log = logging.getLogger("transportd.node.receiver")
 
@@ -91,13 +92,15 @@ def worker_entry() -> None:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass
-    sys.exit(asyncio.run(ReceiveWorker(cfg, spec["index"], spec["fd"]).run()))
+    sys.exit(asyncio.run(ReceiveWorker(cfg, spec["index"], spec["fd"],
+                                           SessionTable(spec["processes"], spec["sessions_fd"])).run()))
 
 
 class ReceiveWorker:
-    def __init__(self, cfg: Config, index: int, fd: int):
+    def __init__(self, cfg: Config, index: int, fd: int, sessions: SessionTable):
         self.cfg = cfg
         self.index = index
+        self.sessions = sessions
         self.fd = fd
         self._writer: asyncio.StreamWriter | None = None
 
@@ -118,14 +121,14 @@ class ReceiveWorker:
         shadow = ShadowManager(cfg, store, events)
         accept_path = AcceptPath(cfg, store, events, shadow)
         fe = cfg.frontend
-        counter = ConnectionCounter(fe.max_inbound_connection, fe.max_inbound_connection_per_source)
+        self.sessions.clear(self.index)
+        counter = self.sessions.counter(self.index, fe.max_inbound_connection, fe.max_inbound_connection_per_source)
         host, _, port = fe.listen.rpartition(":")
         loop = asyncio.get_running_loop()
         server = await loop.create_server(
             smtp_factory(cfg, FrontendHandler(cfg, accept_path.accept, "frontend"), counter,
                          server_tls(fe.tls_certificate, fe.tls_key)),
             host=host.strip("[]"), port=int(port), reuse_address=True, reuse_port=True)
-        self.send(("listening",))
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C reaches the owner, which stops us
@@ -147,7 +150,7 @@ class ReceiveWorker:
         self._writer.close()
         return 0
 
-    async def _report(self, store: QueueStore, counter: ConnectionCounter, stop: asyncio.Event) -> None:
+    async def _report(self, store: QueueStore, counter: SharedCounter, stop: asyncio.Event) -> None:
         """'Queue changed' as soon as a commit made work due; open sessions when their number moves."""
         last = -1
         changed = store.queue_changed

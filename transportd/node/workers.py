@@ -14,8 +14,9 @@ The owner restarts a worker that dies; a worker dies with the owner
 node/receiver.py. Nothing here delivers, runs heartbeats or promotions, or
 serves X-verbs.
 
-The frontend's connection limits and command rate are split between the
-processes (rounded up), so the node as a whole keeps to them.
+The frontend's connection limits are checked against the sessions of every
+process (node/sessions.py); its command rate per source is split between the
+processes (rounded up).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import time
 from typing import Any
 
 from transportd.config import Config
+from transportd.node.sessions import SessionTable
 
 log = logging.getLogger("transportd.node.workers")
 
@@ -43,15 +45,14 @@ RESTART_DELAYS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # a worker dying again soon w
 
 
 def per_process(cfg: Config, processes: int) -> Config:
-    """The config one of ``processes`` receive processes runs with: the frontend's connection and
-    command-rate limits divided between them (rounded up)."""
+    """The config one of ``processes`` receive processes runs with: the frontend's command rate
+    per source divided between them (rounded up). The connection limits stay the node's: every
+    process checks them against the sessions of all (``node.sessions``)."""
     if processes <= 1:
         return cfg
     fe = cfg.frontend
     return dataclasses.replace(cfg, frontend=dataclasses.replace(
-        fe, max_inbound_connection=math.ceil(fe.max_inbound_connection / processes),
-        max_inbound_connection_per_source=math.ceil(fe.max_inbound_connection_per_source / processes),
-        max_command_rate=math.ceil(fe.max_command_rate / processes)))
+        fe, max_command_rate=math.ceil(fe.max_command_rate / processes)))
 
 
 def encode(obj: Any) -> bytes:
@@ -74,23 +75,12 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
 # ====================================================================== the owner's side
 
 class WorkerConnections:
-    """The frontend's open sessions over every process (for the metrics), against the node's limit.
+    """The frontend's open sessions over every process (for the metrics), against the node's limit."""
 
-    The owner's own limits are its share plus the share of every worker not listening (starting,
-    or dead and waiting to be started again): the kernel hands such a worker's connections to the
-    processes that listen, so the node keeps its configured limits while a worker is away."""
-
-    def __init__(self, own: Any, limit: int, workers: int = 0):
+    def __init__(self, own: Any, limit: int):
         self.own = own
         self.limit = limit
-        self.workers = workers
-        self.listening: set[int] = set()
         self.reported: dict[int, int] = {}
-        own.set_shares(1 + workers)
-
-    def set_listening(self, index: int, up: bool) -> None:
-        (self.listening.add if up else self.listening.discard)(index)
-        self.own.set_shares(1 + self.workers - len(self.listening))
 
     @property
     def total(self) -> int:
@@ -101,8 +91,9 @@ class WorkerSupervisor:
     """Starts the receive workers, applies what they report, restarts one that dies, stops them."""
 
     def __init__(self, cfg: Config, count: int, events: Any, queue_changed: asyncio.Event,
-                 connections: WorkerConnections, log_format: str):
+                 connections: WorkerConnections, log_format: str, sessions: SessionTable):
         self.cfg = cfg
+        self.sessions = sessions
         self.count = count  # worker processes besides the owner
         self.events = events
         self.queue_changed = queue_changed
@@ -133,7 +124,7 @@ class WorkerSupervisor:
             log.error("receive worker %d exited (%s); starting it again in %gs", index,
                       f"signal {-code}" if code is not None and code < 0 else f"code {code}", delay)
             self.connections.reported.pop(index, None)
-            self.connections.set_listening(index, False)
+            self.sessions.clear(index)  # its sessions are gone with it
             self.restarts += 1
             self.events.metrics.worker_restarts.inc()
             await asyncio.sleep(delay)
@@ -144,7 +135,7 @@ class WorkerSupervisor:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-c", "from transportd.node.receiver import worker_entry; worker_entry()"],
-                stdin=subprocess.PIPE, pass_fds=(theirs.fileno(),), close_fds=True)
+                stdin=subprocess.PIPE, pass_fds=(theirs.fileno(), self.sessions.fd), close_fds=True)
         except OSError as exc:
             ours.close()
             theirs.close()
@@ -154,7 +145,8 @@ class WorkerSupervisor:
         try:
             assert proc.stdin is not None
             proc.stdin.write(pickle.dumps({"cfg": self.cfg, "index": index, "fd": theirs_fd, "owner": os.getpid(),
-                                           "log_format": self.log_format}))
+                                           "log_format": self.log_format, "sessions_fd": self.sessions.fd,
+                                           "processes": self.sessions.processes}))
             proc.stdin.close()
         except OSError:
             pass
@@ -184,8 +176,6 @@ class WorkerSupervisor:
                 self.events.tracking.write(*frame[1], **frame[2])
             elif kind == "metric":
                 replay(self.events.metrics, frame[1])
-            elif kind == "listening":
-                self.connections.set_listening(index, True)
             elif kind == "connections":
                 self.connections.reported[index] = int(frame[1])
         except Exception as exc:  # noqa: BLE001 - a report that cannot be applied is logged, mail goes on

@@ -146,19 +146,11 @@ async def _rest_of_line(reader: asyncio.StreamReader) -> tuple[bytes, bool]:
 
 
 class ConnectionCounter:
-    """Open sessions against the limits, in total and per source address. ``set_shares(n)`` scales
-    both limits by n: a receive process that serves for siblings not (yet) listening takes their
-    shares too."""
-
     def __init__(self, limit: int, per_source: int):
         self.limit = limit
         self.per_source = per_source
-        self._share = (limit, per_source)
         self.total = 0
         self.by_source: dict[str, int] = {}
-
-    def set_shares(self, shares: int) -> None:
-        self.limit, self.per_source = (v * max(1, shares) for v in self._share)
 
     def acquire(self, ip: str) -> str | None:
         """Count a new connection; returns the refusal reply if over a limit."""
