@@ -11,6 +11,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -305,6 +306,38 @@ def test_group_commit_batches_and_returns_each_result(db_path: Path) -> None:
     try:
         keys = set(again.read(lambda c: c.execute(select(meta.c.key)).scalars().all()))
         assert {f"job{i}" for i in range(50)} | {"blocker"} <= keys
+    finally:
+        again.close()
+
+
+def test_writers_of_several_processes_take_turns_on_the_turn_file(db_path: Path) -> None:
+    """A node's receive workers share its queue database: each writer takes the flock of
+    ``<db>.writer-turn`` for its transaction, so a waiting writer is woken when the other's commit
+    ends (SQLite's busy handler would sleep up to 100 ms between tries). Another process holding
+    the turn holds back this writer's commit until it lets go."""
+    s = QueueStore.open(db_path)
+    writer = s.start_writer()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(db_path) + '.writer-turn'!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('held', flush=True)\n"
+        "sys.stdin.readline()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        fut = writer.submit(lambda conn: _kv(conn, "after-the-turn"))
+        time.sleep(0.5)
+        assert not fut.done()  # waiting for its turn, not committed
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        fut.result(10)
+    finally:
+        holder.kill()
+        holder.wait()
+        s.close()
+    again = QueueStore.open(db_path, create=False)
+    try:
+        assert "after-the-turn" in set(again.read(lambda c: c.execute(select(meta.c.key)).scalars().all()))
     finally:
         again.close()
 
