@@ -35,7 +35,7 @@ from transportd.smtp import replies
 from transportd.smtp.addresses import valid_address
 from transportd.smtp.frontend import FrontendHandler
 from transportd.smtp.headers import network_id_from
-from transportd.smtp.server import LimitedSMTP
+from transportd.smtp.server import LimitedSMTP, fixed_hook_signatures
 
 log = logging.getLogger("transportd.redundancy.server")
 
@@ -183,6 +183,7 @@ def _log_settle_failure(task: asyncio.Task) -> None:
                   "will)", task.exception())
 
 
+@fixed_hook_signatures
 class TransportHandler(FrontendHandler):
     """DATA on the transport connector: a shadow copy, a hop-by-hop primary, or plain submission."""
 

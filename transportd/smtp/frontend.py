@@ -25,6 +25,7 @@ from transportd.errors import MessageRejected
 from transportd.smtp import replies
 from transportd.smtp.addresses import domain_of, is_accepted, relay_allowed, valid_address
 from transportd.smtp.headers import header_fields
+from transportd.smtp.server import fixed_hook_signatures
 
 log = logging.getLogger("transportd.smtp.frontend")
 
@@ -69,6 +70,7 @@ def prepare_message(data: bytes, *, node_name: str, client_ip: str, helo: str, n
 AcceptFn = Callable[[Envelope, Session, str], Awaitable[int]]
 
 
+@fixed_hook_signatures
 class FrontendHandler:
     """aiosmtpd handler hooks: relay policy, limits, and DATA into the node's accept path."""
 

@@ -12,6 +12,7 @@ that builds a session. It never decides relay or storage: a handler does
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import ssl
 from typing import Any, Awaitable, Callable
@@ -195,7 +196,53 @@ class CommandRateLimiter:
         return True
 
 
-class LimitedSMTP(SMTP):
+def fixed_hook_signatures(cls: type) -> type:
+    """Class decorator for an aiosmtpd handler: what aiosmtpd looks up in it on every connection,
+    computed once.
+
+    aiosmtpd's ``SMTP.__init__`` calls ``inspect.signature(handle_EHLO)`` (~0.1 ms) to tell its
+    two hook forms apart, and reads every attribute of the handler (``dir()``,
+    ``inspect.getmembers()``) to find its ``handle_*`` hooks and ``auth_*`` mechanisms. Each hook
+    gets its ``__signature__``, and the handler's ``dir()`` lists only those names."""
+    for name, value in vars(cls).items():
+        if name.startswith("handle_") and inspect.isfunction(value):
+            value.__signature__ = inspect.signature(value)
+    cls.__dir__ = _hook_names
+    return cls
+
+
+_hook_names_of: dict[type, list[str]] = {}
+
+
+def _hook_names(handler: Any) -> list[str]:
+    """A handler's ``dir()``: its hooks and AUTH mechanisms (a subclass's own, too), once per class."""
+    names = _hook_names_of.get(type(handler))
+    if names is None:
+        names = _hook_names_of[type(handler)] = sorted(
+            n for n in dir(type(handler)) if n.startswith(("handle_", "auth_")))
+    return names
+
+
+_VERB_PREFIXES = ("smtp_", "auth_")
+_verb_names: dict[type, list[str]] = {}
+
+
+class _VerbsDir:
+    """``dir()`` of a session object: the SMTP verbs and AUTH mechanisms of its class, listed once
+    per class.
+
+    aiosmtpd's ``__init__`` finds them with ``dir()`` and ``inspect.getmembers()`` on every new
+    connection, which reads every attribute of the object (~0.2 ms a connection)."""
+
+    def __dir__(self) -> list[str]:
+        names = _verb_names.get(type(self))
+        if names is None:
+            names = _verb_names[type(self)] = sorted(
+                n for n in object.__dir__(self) if n.startswith(_VERB_PREFIXES))
+        return names
+
+
+class LimitedSMTP(_VerbsDir, SMTP):
     """aiosmtpd's SMTP with connection limits, an absolute timeout and our reply wording."""
 
     def __init__(self, handler: Any, *, counter: ConnectionCounter, connection_timeout: float,
