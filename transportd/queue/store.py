@@ -561,29 +561,28 @@ class GroupCommitWriter:
             item = self._jobs.get()
             if item is None:
                 return
-            batch = [item]
-            stop_after = False
-            while len(batch) < self.max_batch:
-                try:
-                    nxt = self._jobs.get_nowait()
-                except queue_mod.Empty:
-                    break
-                if nxt is None:
-                    stop_after = True
-                    break
-                batch.append(nxt)
-            self._run_batch(batch)
+            # The turn is taken before the batch is gathered: jobs that arrive while another
+            # process commits join this batch (one commit for all of them).
+            if self._turn_fd is not None:
+                fcntl.flock(self._turn_fd, fcntl.LOCK_EX)
+            try:
+                batch = [item]
+                stop_after = False
+                while len(batch) < self.max_batch:
+                    try:
+                        nxt = self._jobs.get_nowait()
+                    except queue_mod.Empty:
+                        break
+                    if nxt is None:
+                        stop_after = True
+                        break
+                    batch.append(nxt)
+                self._commit_batch(batch)
+            finally:
+                if self._turn_fd is not None:
+                    fcntl.flock(self._turn_fd, fcntl.LOCK_UN)
             if stop_after:
                 return
-
-    def _run_batch(self, batch: list[tuple[Callable[[Connection], Any], Future]]) -> None:
-        if self._turn_fd is None:
-            return self._commit_batch(batch)
-        fcntl.flock(self._turn_fd, fcntl.LOCK_EX)
-        try:
-            return self._commit_batch(batch)
-        finally:
-            fcntl.flock(self._turn_fd, fcntl.LOCK_UN)
 
     def _commit_batch(self, batch: list[tuple[Callable[[Connection], Any], Future]]) -> None:
         results: list[tuple[Future, bool, Any]] = []
