@@ -158,8 +158,12 @@ def enqueue(conn: Connection, msg: NewMessage) -> int:
     return mid
 
 
+_BODY = select(message_bodies.c.data).where(message_bodies.c.message_id == bindparam("b_id"))
+_MESSAGE_ROW = select(messages).where(messages.c.id == bindparam("b_id"))
+
+
 def body(conn: Connection, message_id: int) -> bytes | None:
-    return conn.execute(select(message_bodies.c.data).where(message_bodies.c.message_id == message_id)).scalar()
+    return conn.execute(_BODY, {"b_id": message_id}).scalar()
 
 
 # Delayed acknowledgement (shadow redundancy 2010) is bypassed for a queue holding more than this.
@@ -192,7 +196,7 @@ def acknowledgement_state(conn: Connection, message_id: int, now: float) -> str 
 
 
 def message_row(conn: Connection, message_id: int) -> dict | None:
-    row = conn.execute(select(messages).where(messages.c.id == message_id)).mappings().first()
+    row = conn.execute(_MESSAGE_ROW, {"b_id": message_id}).mappings().first()
     return dict(row) if row else None
 
 
