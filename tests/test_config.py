@@ -518,6 +518,15 @@ def test_out_of_range_is_one_line_naming_key_value_and_range(raw, message) -> No
     assert str(info.value) == f"node.toml: {message}"
 
 
+def test_several_shadow_copies_are_refused_in_exchange_2010_mode() -> None:
+    """Exchange 2010 keeps one shadow, the sending server's: N copies need the 2013 protocol."""
+    with pytest.raises(ConfigError) as info:
+        load_dict({"shadow_redundancy": {"version": "2010", "shadow_copies": 2}}, source="node.toml")
+    assert str(info.value).startswith("node.toml: shadow_redundancy.shadow_copies: 2 is not possible with "
+                                      'shadow_redundancy.version = "2010"')
+    assert load_dict({"shadow_redundancy": {"version": "2010", "shadow_copies": 1}}).shadow_redundancy.version == "2010"
+
+
 def test_timers_go_down_to_what_test_clusters_use() -> None:
     cfg = load_dict({"shadow_redundancy": {"shadow_heartbeat_frequency": 0.5, "shadow_resubmit_time_span": 2,
                                            "shadow_copy_timeout": 2},

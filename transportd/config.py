@@ -761,6 +761,10 @@ def _cross_checks(cfg: Config, source: str) -> None:
     if sr.min_shadow_copies > sr.shadow_copies:
         raise ConfigError(f"{source}: shadow_redundancy.min_shadow_copies: {sr.min_shadow_copies} is more than "
                           f"shadow_redundancy.shadow_copies ({sr.shadow_copies})")
+    if sr.shadow_copies > 1 and sr.version == "2010":
+        raise ConfigError(f"{source}: shadow_redundancy.shadow_copies: {sr.shadow_copies} is not possible with "
+                          "shadow_redundancy.version = \"2010\" (Exchange 2010 keeps one shadow: the sending "
+                          "server's; set shadow_copies = 1 or version = \"2013\")")
     if sr.shadow_copies > 1 and cfg.peers and len(cfg.peers) < sr.shadow_copies:
         raise ConfigError(f"{source}: shadow_redundancy.shadow_copies: {sr.shadow_copies} shadows need as many "
                           f"[[peers]], {len(cfg.peers)} configured")
