@@ -22,6 +22,8 @@ CASES = {
     "chaos-negative": (["chaos", "--messages", "-5"], "--messages"),
     "chaos-bad-seed": (["chaos", "--seed", "abc"], "--seed"),
     "chaos-ip-base": (["chaos", "--ip-base", "255"], "--ip-base"),
+    "chaos-2010-shadow-copies": (["chaos", "--versions", "2010,2013,2013", "--shadow-copies", "2"],
+                                 "Exchange 2010 nodes keep one shadow"),
     "tracking-bad-date": (["tracking", "search", "--data-dir", "/nonexistent", "--start", "yesterday-ish"],
                           "--start"),
 }

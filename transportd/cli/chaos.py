@@ -69,6 +69,9 @@ def chaos(messages: int, faults: int, seed: int | None, no_shadow: bool, expect_
     if per_node is not None and (len(per_node) != 3 or not set(per_node) <= {"2010", "2013"}):
         raise click.BadParameter(f"three versions (2010 or 2013), one per node, not {versions!r}",
                                  param_hint="--versions")
+    if per_node is not None and "2010" in per_node and shadow_copies > 1:
+        raise click.BadParameter("Exchange 2010 nodes keep one shadow (the sender's): --shadow-copies 1 with them",
+                                 param_hint="--shadow-copies")
 
     def stop(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)  # unwinds through run(): its cluster and proxy are stopped
