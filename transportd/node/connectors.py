@@ -73,6 +73,7 @@ class MailboxConnector:
     async def _deliver_one(self, it: WorkItem) -> list[Outcome]:
         window = self.cfg.mailbox.duplicate_detection_window
         row, body = await self.store.aread(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
+        it.row = row
         now = time.time()
         if row is None or body is None:
             return [Outcome(r, mq.FAILED, MISSING_BODY) for r in it.recipient_ids]
@@ -178,6 +179,7 @@ class SmtpConnector:
 
     async def _send_one(self, client: aiosmtplib.SMTP, it: WorkItem, xshadow: str | None = None) -> list[Outcome]:
         row, body = await self.store.aread(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
+        it.row = row
         if row is None or body is None:
             return [Outcome(r, mq.FAILED, MISSING_BODY) for r in it.recipient_ids]
         await faults.acheck("deliver", row)
@@ -265,6 +267,7 @@ class PeerConnector(SmtpConnector):
         recipient's outcome from its RCPT reply and the data reply."""
         session: PeerSession = client
         row, body = await self.store.aread(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
+        it.row = row
         if row is None or body is None:
             return [Outcome(r, mq.FAILED, MISSING_BODY) for r in it.recipient_ids]
         await faults.acheck("deliver", row)

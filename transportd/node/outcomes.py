@@ -170,7 +170,10 @@ class OutcomeRecorder:
             return created, poisoned
 
         created, poisoned = await self.store.write(job, queue_changed=bool(dsns))  # a DSN is new work
-        rows = await self.store.aread(lambda c: {it.message_id: mq.message_row(c, it.message_id) for it in d.items})
+        rows = {it.message_id: it.row for it in d.items if it.row is not None}
+        unread = [it.message_id for it in d.items if it.row is None]
+        if unread:
+            rows.update(await self.store.aread(lambda c: {m: mq.message_row(c, m) for m in unread}))
         for it in d.items:
             row = rows.get(it.message_id) or {"id": it.message_id}
             if it.message_id in d.internal:

@@ -84,6 +84,9 @@ class WorkItem:
     message_id: int
     recipient_ids: list[int] = field(default_factory=list)
     addresses: list[str] = field(default_factory=list)
+    # The message's row once a connector has read it to send: the outcome's tracking rows use it
+    # (only fields a message never changes) instead of reading it again.
+    row: dict | None = None
 
 
 # --------------------------------------------------------------------------- queues
