@@ -966,11 +966,12 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
     """Run the whole job; returns the summary (also written to ``out``/summary.json).
 
     Spark jobs, in order: parse every row (the only pass over the text) and write the narrow
-    events (``narrow_events``) to a scratch folder, or every row typed to ``events/`` with
-    ``write_events``; the facts pass over them (span, rows per node and event, malformed rows,
-    node names, when each node's copies died) and ``malformed/``; the per-message table (one
-    shuffle by key) written to ``messages/``; ``anomalies/``; then the summary's aggregates,
-    all from ``messages/``. ``timings`` (if given) receives the seconds of each step."""
+    events (``reader.narrow``) to a scratch folder, or every row typed to ``events/`` with
+    ``write_events`` (read back through ``narrow_events``); the facts pass over them (span, rows
+    per node and event, malformed rows, node names, when each node's copies died) and
+    ``malformed/``; the per-message table (the rows shuffled by key into two aggregates joined
+    on their partitions) written to ``messages/``; ``anomalies/``; then the summary's
+    aggregates, all from ``messages/``. ``timings`` (if given) receives the seconds of each step."""
     from pyspark.sql import functions as F
 
     if not paths:
