@@ -56,14 +56,15 @@ def dl(n: int, rcpt: str, where: str = "external", run: str = RUN) -> Delivery:
 
 def test_checker_counts_lost_unexpected_duplicates_recovered():
     history = {
-        1: sent(1, ["a@elsewhere.test"], UNKNOWN, ACK),           # acked, arrived twice (external dup)
+        1: sent(1, ["a@elsewhere.test"], UNKNOWN, ACK),           # acked, arrived three times (external dup)
         2: sent(2, ["u@example.test"], ACK),                      # acked, never arrived: lost
         3: sent(3, ["a@elsewhere.test"], UNKNOWN),                # unknown, arrived: recovered
         4: sent(4, ["u@example.test", "b@elsewhere.test"], ACK),  # bifurcated: one side missing: lost
         5: sent(5, ["a@elsewhere.test"], REFUSED, REJECTED),      # rejected, not arrived: fine
         6: sent(6, ["u@example.test"], ACK),                      # mailbox duplicate
     }
-    deliveries = [dl(1, "a@elsewhere.test"), dl(1, "a@elsewhere.test"), dl(3, "a@elsewhere.test"),
+    deliveries = [dl(1, "a@elsewhere.test"), dl(1, "a@elsewhere.test"), dl(1, "a@elsewhere.test"),
+                  dl(3, "a@elsewhere.test"),
                   dl(4, "u@example.test", "mailbox"), dl(6, "u@example.test", "mailbox"),
                   dl(6, "u@example.test", "mailbox"),
                   dl(99, "a@elsewhere.test"),                     # never sent: unexpected
@@ -72,12 +73,14 @@ def test_checker_counts_lost_unexpected_duplicates_recovered():
     v = check(RUN, history, deliveries)
     assert v.lost == [(2, "u@example.test"), (4, "b@elsewhere.test")]
     assert len(v.unexpected) == 3
-    assert (v.duplicates_external, v.duplicates_mailbox) == (1, 1)
+    assert (v.duplicates_external, v.duplicates_mailbox) == (2, 1)  # extra copies
+    assert v.duplicated_external == [1]                             # one message
     assert v.recovered == 1
     assert (v.acknowledged, v.unknown, v.rejected) == (4, 1, 1)
     assert not v.ok
     s = v.summary()
     assert s["lost"] == 2 and s["unexpected"] == 3 and s["ok"] is False
+    assert s["duplicates"] == {"mailbox": 1, "external": 2, "external_messages": [1]}
 
 
 def test_checker_ok_when_everything_acknowledged_arrived():

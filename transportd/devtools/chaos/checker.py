@@ -184,6 +184,9 @@ class Verdict:
     delivered_after_reject: int
     attempts: int
     internal_errors: list[HeldRow] = field(default_factory=list)
+    duplicated_external: list[int] = field(default_factory=list)
+    """Numbers of the messages the external sink got more than once (``duplicates_external``
+    counts the extra copies: a message that arrived three times adds two)."""
 
     @property
     def ok(self) -> bool:
@@ -196,7 +199,8 @@ class Verdict:
             "lost": len(self.lost), "lost_examples": [f"#{n} -> {r}" for n, r in self.lost[:20]],
             "unexpected": len(self.unexpected),
             "unexpected_examples": [f"{d.run}-{d.number} -> {d.recipient} ({d.where})" for d in self.unexpected[:20]],
-            "duplicates": {"mailbox": self.duplicates_mailbox, "external": self.duplicates_external},
+            "duplicates": {"mailbox": self.duplicates_mailbox, "external": self.duplicates_external,
+                           "external_messages": self.duplicated_external},
             "recovered": self.recovered, "delivered_after_reject": self.delivered_after_reject,
             "internal_errors": len(self.internal_errors),
             "internal_error_examples": [_held_example(r) for r in self.internal_errors[:20]],
@@ -243,6 +247,7 @@ def check(run: str, history: dict[int, Sent], deliveries: list[Delivery],
                    unknown=outcomes[UNKNOWN], lost=sorted(lost), unexpected=unexpected,
                    duplicates_mailbox=dup_mailbox, duplicates_external=dup_external, recovered=recovered,
                    delivered_after_reject=after_reject,
+                   duplicated_external=sorted({n for (n, _, w), c in copies.items() if w == "external" and c > 1}),
                    attempts=sum(len(s.attempts) for s in history.values()),
                    internal_errors=internal_errors(held or [], run,
                                                    {n for n, s in history.items() if s.outcome == ACK}))
