@@ -83,6 +83,9 @@ def spark_session(master: str | None = None, app_name: str = "transportd-analyze
         "spark.sql.adaptive.enabled": "true",
         "spark.sql.adaptive.coalescePartitions.enabled": "true",
         "spark.sql.parquet.compression.codec": "snappy",
+        # lower()/upper() through the JVM's case mapping (an ASCII fast path) instead of ICU's,
+        # which costs several times more per host name and address
+        "spark.sql.icu.caseMappings.enabled": "false",
         # The job's generated code (one method per stage) is longer than the 8,000 bytes the
         # JVM compiles by default: without this it runs interpreted, 2-3 times slower.
         "spark.driver.extraJavaOptions": "-XX:-DontCompileHugeMethods",
@@ -379,22 +382,141 @@ def join_message_ids(ev: Any):
     return ev.filter(F.col("has_netid")).unionByName(joined)
 
 
+LIST_EVENTS = tuple(sorted({"HAREDIRECT", "HAREDIRECTFAIL", "HARECEIVE", "HADISCARD", "RECEIVE", "RESUBMIT",
+                            "DUPLICATEDELIVER", *DELIVERY_EVENTS, *ENTRY_EVENTS, *SUCCESS_EVENTS,
+                            *FAILED_EVENTS}))
+"""Events whose rows a message's journey lists or its per-recipient figures read."""
+
+
+def _per_node(ev: Any, facts: dict[str, Any]):
+    """Per message, the figures that need its rows per node: plain aggregates only (minimum,
+    maximum, sum, count of ``when`` expressions), which Spark runs as a code-generated hash
+    aggregate, per (key, node); then merged per message, where the only lists are of nodes
+    (a few per message): the nodes holding a copy at the end, the hold time of each shadow copy,
+    the nodes whose shadow was neither discarded nor resubmitted."""
+    from pyspark.sql import functions as F
+
+    e, t, node = F.col("event"), F.col("time"), F.col("node")
+
+    def when_event(events: Sequence[str], value: Any):
+        return F.when(e.isin(*events), value)
+
+    # A shadow copy discarded because it was resubmitted here is held on as the resubmitted copy.
+    kept = ~((e == "HADISCARD") & F.coalesce(F.trim(F.substring_index(F.col("context"), ";", 1))
+                                             == RESUBMITTED_DISCARD, F.lit(False)))
+    redundancy = (e == "RESUBMIT") & (F.col("source") == "REDUNDANCY")
+    cutoff = F.try_element_at(_map_lit(facts["cutoffs"], "timestamp"), node) \
+        if facts["cutoffs"] else F.lit(None).cast("timestamp")
+    kn = ev.groupBy("key", "node").agg(
+        F.max(when_event(TAKE_EVENTS, t)).alias("last_take"),
+        F.max(F.when(e.isin(*RELEASE_EVENTS) & kept, t)).alias("last_release"),
+        F.min(when_event(["HARECEIVE"], t)).alias("shadow_received"),
+        F.min(F.when((e == "HADISCARD") & kept, t)).alias("shadow_discarded"),
+        F.min(F.when(redundancy, t)).alias("promoted_here"),
+        F.max("has_netid").alias("has_netid"),
+        F.max(e == "DSN").alias("generated"),
+        F.min(when_event(["HAREDIRECTFAIL"], t)).alias("haredirectfail_time"),
+        F.sum((e == "HAREDIRECTFAIL").cast("int")).alias("haredirectfail_count"),
+        F.max(e == "HARECEIVE").alias("has_shadow_copy"),
+        F.max(redundancy).alias("promoted"),
+        F.count(F.lit(1)).alias("event_count"),
+        F.max(t).alias("last_event_time"),
+    ).withColumn("cutoff", cutoff)
+    dead = F.coalesce(F.col("cutoff").isNotNull() & (F.col("last_take") < F.col("cutoff")), F.lit(False))
+    holds = (F.col("last_take").isNotNull() & ~dead
+             & (F.col("last_release").isNull() | (F.col("last_take") > F.col("last_release"))))
+    hold = F.when(F.col("shadow_discarded") >= F.col("shadow_received"),
+                  F.col("shadow_discarded").cast("double") - F.col("shadow_received").cast("double"))
+    undiscarded = (F.col("shadow_received").isNotNull() & F.col("shadow_discarded").isNull()
+                   & F.col("promoted_here").isNull() & ~dead)
+    return kn.groupBy("key").agg(
+        F.max("has_netid").alias("has_netid"),
+        F.max("generated").alias("generated"),
+        F.min("haredirectfail_time").alias("haredirectfail_time"),
+        F.sum("haredirectfail_count").alias("haredirectfail_count"),
+        F.max("has_shadow_copy").alias("has_shadow_copy"),
+        F.max("promoted").alias("promoted"),
+        F.sum("event_count").alias("event_count"),
+        F.max("last_event_time").alias("last_event_time"),
+        F.sum(holds.cast("int")).alias("live_copies"),
+        F.sort_array(F.collect_list(F.when(holds, node))).alias("live_copy_nodes"),
+        F.collect_list(hold).alias("shadow_hold_seconds"),
+        F.collect_list(F.when(undiscarded, node)).alias("undiscarded_nodes"),
+    )
+
+
+def _rows_per_message(ev: Any, partitions: int | None):
+    """Per message, its rows of the LIST_EVENTS as one list (one small struct per row, only the
+    fields that event carries), its message-id and sender: one ``collect_list`` for every list
+    the journey shows, cut apart per event by ``_journey``. The struct is built before the
+    shuffle (code-generated), so the aggregate only appends it."""
+    from pyspark.sql import functions as F
+
+    e = F.col("event")
+    row = F.struct(F.col("time"), e.alias("event"), F.col("node"), F.col("recipients"), F.col("peer"),
+                   F.col("context"), F.col("source"), F.col("reason"), F.col("client_hostname"))
+    rows = ev.select("key", "message_id", F.when(e == "RECEIVE", F.col("sender")).alias("sender"),
+                     F.when(e.isin(*LIST_EVENTS), row).alias("row"))
+    rows = rows.repartition(partitions, "key") if partitions else rows.repartition("key")
+    return rows.groupBy("key").agg(
+        F.max("message_id").alias("message_id"),
+        F.max("sender").alias("sender"),
+        F.collect_list("row").alias("rows"),
+    )
+
+
+def _journey(m: Any):
+    """The journey's lists cut from a message's rows (each sorted, by time first), its first
+    RECEIVE, first HAREDIRECT or HAREDIRECTFAIL and first HAREDIRECT, and the nodes whose shadow
+    was never discarded once its primary let its copy go."""
+    from pyspark.sql import functions as F
+
+    rows = F.col("rows")
+
+    def pick(events: Sequence[str], fields: dict[str, Any], sort: bool = True):
+        picked = F.transform(F.filter(rows, lambda r: r["event"].isin(*events)),
+                             lambda r: F.struct(*[(r[v] if isinstance(v, str) else v(r)).alias(k)
+                                                  for k, v in fields.items()]))
+        return F.sort_array(picked) if sort else picked
+
+    m = (m.withColumn("redundancy_events", pick(["HAREDIRECT", "HAREDIRECTFAIL"], {
+            "time": "time", "fail": lambda r: r["event"] == "HAREDIRECTFAIL"}))
+         .withColumn("hareceive", pick(["HARECEIVE"], {"time": "time", "node": "node", "primary": "client_hostname"}))
+         .withColumn("hadiscard", pick(["HADISCARD"], {"time": "time", "node": "node", "context": "context"}))
+         .withColumn("deliveries", pick(DELIVERY_EVENTS, {"time": "time", "event": "event", "node": "node",
+                                                          "recipients": "recipients", "next_hop": "peer"}))
+         .withColumn("receives", pick(["RECEIVE"], {"time": "time", "node": "node"}, sort=False))
+         .withColumn("resubmits", pick(["RESUBMIT"], {"time": "time", "node": "node", "source": "source",
+                                                      "primary": "peer", "reason": "reason", "context": "context"}))
+         .withColumn("duplicate_delivers", pick(["DUPLICATEDELIVER"], {"time": "time", "node": "node",
+                                                                      "recipients": "recipients"}))
+         .withColumn("first_receive", F.array_min("receives"))
+         .withColumn("first_redundancy", F.array_min(pick(["HAREDIRECT", "HAREDIRECTFAIL"], {
+             "time": "time", "event": "event"}, sort=False)))
+         .withColumn("shadow", F.array_min(pick(["HAREDIRECT"], {"time": "time", "node": "peer"}, sort=False))))
+    # A shadow not discarded is an anomaly only once its primary has let its copy go: a primary
+    # that still holds the message (a promoted copy not yet delivered) keeps its shadow legitimately.
+    # The primary of a shadow is named by its node's HARECEIVE (the least name if several).
+
+    def primary_of(n: Any):
+        return F.array_min(F.transform(F.filter("hareceive", lambda h: h["node"] == n), lambda h: h["primary"]))
+
+    return m.withColumn("undiscarded_shadow_nodes", F.sort_array(F.filter(
+        "undiscarded_nodes", lambda n: ~F.coalesce(F.array_contains("live_copy_nodes", primary_of(n)), F.lit(False)))))
+
+
 def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, partitions: int | None = None):
     """One row per message key with its journey and final state (lazy DataFrame).
 
-    The rows are shuffled once, by message key; every per-message figure (per node, per
-    recipient, the journey) is an aggregate over that one partitioning, so Spark adds no other
-    exchange: the per-(key, node) and per-(key, recipient) groupings are clustered by key too.
+    The rows are shuffled by message key into two aggregates: the per-node figures
+    (``_per_node``: plain aggregates per (key, node), then per key) and the message's rows as one
+    list (``_rows_per_message``); the two are joined by key on the same partitions, and the
+    journey, the per-recipient figures and the state are computed from the message's few rows.
     """
     from pyspark.sql import functions as F
 
     facts = facts or {"rename": {}, "cutoffs": {}, "nodes": set()}
     rename = facts["rename"]
-    e = F.col("event")
-    t = F.col("time")
-
-    def when_event(events: Sequence[str], value: Any):
-        return F.when(e.isin(*events), value)
 
     ev = ev.filter(F.col("key").isNotNull())
     if facts.get("by_netid") and facts.get("by_message_id"):
@@ -404,105 +526,16 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
                   _renamed("peer", rename).alias("peer"), "reason", "recipients", "context",
                   _renamed("client_hostname", rename).alias("client_hostname"), "sender",
                   "has_netid", "message_id"))
-    # The one shuffle: the per-(key, node) aggregate and the per-key one after it are both
-    # clustered by key, so Spark adds no other exchange and no join. Each task aggregates the
-    # keys of its partition in a hash map (see analyze: partitions are sized to the input).
-    ev = ev.repartition(partitions, "key") if partitions else ev.repartition("key")
-
-    # -- per (message, node): the copy this node took and released, its shadow's hold time, and
-    # every journey figure computed per node first (merged per message below).
-    cutoff = F.try_element_at(_map_lit(facts["cutoffs"], "timestamp"), F.col("node")) \
-        if facts["cutoffs"] else F.lit(None).cast("timestamp")
-    node = F.col("node")
+    # Two shuffles by key, one per aggregate (each reads only its columns); the join of the two
+    # results is on those same partitions (no third exchange). Each task aggregates the keys of its
+    # partition in a hash map (see analyze: partitions are sized to the input).
+    by_key = ev.repartition(partitions, "key") if partitions else ev.repartition("key")
+    m = _journey(_per_node(by_key, facts).hint("shuffle_hash").join(_rows_per_message(ev, partitions), "key"))
     wanted_events = (*ENTRY_EVENTS, "HARECEIVE")
-    # A shadow copy discarded because it was resubmitted here is held on as the resubmitted copy.
-    kept = ~((e == "HADISCARD") & F.coalesce(F.trim(F.substring_index(F.col("context"), ";", 1))
-                                             == RESUBMITTED_DISCARD, F.lit(False)))
-    kn = ev.groupBy("key", "node").agg(
-        F.max(when_event(TAKE_EVENTS, t)).alias("last_take"),
-        F.max(F.when(e.isin(*RELEASE_EVENTS) & kept, t)).alias("last_release"),
-        F.min(when_event(["HARECEIVE"], t)).alias("shadow_received"),
-        F.min(F.when((e == "HADISCARD") & kept, t)).alias("shadow_discarded"),
-        F.min(when_event(["HARECEIVE"], F.col("client_hostname"))).alias("shadow_primary"),
-        F.min(F.when((e == "RESUBMIT") & (F.col("source") == "REDUNDANCY"), t)).alias("promoted_here"),
-        F.max("has_netid").alias("has_netid"),
-        F.max("message_id").alias("message_id"),
-        F.max(when_event(["RECEIVE"], F.col("sender"))).alias("sender"),
-        F.min(when_event(["RECEIVE"], F.struct(t.alias("time"), node.alias("node")))).alias("first_receive"),
-        F.max(e == "DSN").alias("generated"),
-        F.min(when_event(["HAREDIRECT", "HAREDIRECTFAIL"], F.struct(t.alias("time"), e.alias("event"))))
-         .alias("first_redundancy"),
-        F.min(when_event(["HAREDIRECT"], F.struct(t.alias("time"), F.col("peer").alias("node")))).alias("shadow"),
-        F.min(when_event(["HAREDIRECTFAIL"], t)).alias("haredirectfail_time"),
-        F.sum((e == "HAREDIRECTFAIL").cast("int")).alias("haredirectfail_count"),
-        F.collect_list(when_event(["HAREDIRECT", "HAREDIRECTFAIL"], F.struct(
-            t.alias("time"), (e == "HAREDIRECTFAIL").alias("fail")))).alias("redundancy_events"),
-        F.collect_list(when_event(["HARECEIVE"], F.struct(
-            t.alias("time"), node.alias("node"), F.col("client_hostname").alias("primary")))).alias("hareceive"),
-        F.collect_list(when_event(["HADISCARD"], F.struct(
-            t.alias("time"), node.alias("node"), F.col("context").alias("context")))).alias("hadiscard"),
-        F.collect_list(when_event(DELIVERY_EVENTS, F.struct(
-            t.alias("time"), e.alias("event"), node.alias("node"),
-            F.col("recipients").alias("recipients"), F.col("peer").alias("next_hop")))).alias("deliveries"),
-        F.collect_list(when_event(["RECEIVE"], F.struct(t.alias("time"), node.alias("node")))).alias("receives"),
-        F.collect_list(when_event(["RESUBMIT"], F.struct(
-            t.alias("time"), node.alias("node"), F.col("source").alias("source"),
-            F.col("peer").alias("primary"), F.col("reason").alias("reason"),
-            F.col("context").alias("context")))).alias("resubmits"),
-        F.collect_list(when_event(["DUPLICATEDELIVER"], F.struct(
-            t.alias("time"), node.alias("node"), F.col("recipients").alias("recipients")))).alias("duplicate_delivers"),
-        F.collect_list(when_event((*wanted_events, *SUCCESS_EVENTS, *FAILED_EVENTS), F.struct(
-            e.alias("event"), t.alias("time"), F.col("recipients").alias("recipients")))).alias("recipient_events"),
-        F.max(F.col("event") == "HARECEIVE").alias("has_shadow_copy"),
-        F.max((e == "RESUBMIT") & (F.col("source") == "REDUNDANCY")).alias("promoted"),
-        F.count(F.lit(1)).alias("event_count"),
-        F.max(t).alias("last_event_time"),
-    ).withColumn("cutoff", cutoff)
-    dead = F.col("cutoff").isNotNull() & (F.col("last_take") < F.col("cutoff"))
-    holds = (F.col("last_take").isNotNull() & ~F.coalesce(dead, F.lit(False))
-             & (F.col("last_release").isNull() | (F.col("last_take") > F.col("last_release"))))
-    hold = F.when(F.col("shadow_discarded") >= F.col("shadow_received"),
-                  F.col("shadow_discarded").cast("double") - F.col("shadow_received").cast("double"))
-    undiscarded = (F.col("shadow_received").isNotNull() & F.col("shadow_discarded").isNull()
-                   & F.col("promoted_here").isNull() & ~F.coalesce(dead, F.lit(False)))
-
-    def merged(name: str):
-        return F.sort_array(F.flatten(F.collect_list(name))).alias(name)
-
-    # -- per message: the per-node rows merged (same partitions: no exchange)
-    m = kn.groupBy("key").agg(
-        F.max("has_netid").alias("has_netid"),
-        F.max("message_id").alias("message_id"),
-        F.max("sender").alias("sender"),
-        F.min("first_receive").alias("first_receive"),
-        F.max("generated").alias("generated"),
-        F.min("first_redundancy").alias("first_redundancy"),
-        F.min("shadow").alias("shadow"),
-        F.min("haredirectfail_time").alias("haredirectfail_time"),
-        F.sum("haredirectfail_count").alias("haredirectfail_count"),
-        merged("redundancy_events"), merged("hareceive"), merged("hadiscard"), merged("deliveries"),
-        F.flatten(F.collect_list("receives")).alias("receives"),
-        merged("resubmits"), merged("duplicate_delivers"),
-        F.flatten(F.collect_list("recipient_events")).alias("recipient_events"),
-        F.max("has_shadow_copy").alias("has_shadow_copy"),
-        F.max("promoted").alias("promoted"),
-        F.sum("event_count").alias("event_count"),
-        F.max("last_event_time").alias("last_event_time"),
-        F.sum(holds.cast("int")).alias("live_copies"),
-        F.sort_array(F.collect_list(F.when(holds, node))).alias("live_copy_nodes"),
-        F.collect_list(hold).alias("shadow_hold_seconds"),
-        F.collect_list(F.when(undiscarded, F.struct(node.alias("node"), F.col("shadow_primary").alias("primary"))))
-         .alias("undiscarded_shadows"),
-    )
-    # A shadow not discarded is an anomaly only once its primary has let its copy go: a primary
-    # that still holds the message (a promoted copy not yet delivered) keeps its shadow legitimately.
-    m = m.withColumn("undiscarded_shadow_nodes", F.sort_array(F.transform(F.filter(
-        "undiscarded_shadows", lambda x: ~F.coalesce(F.array_contains("live_copy_nodes", x["primary"]), F.lit(False))),
-        lambda x: x["node"])))
 
     # -- per (message, recipient), from the message's few recipient rows: done or not, duplicates.
     # The recipients of a message are those of its RECEIVE, HARECEIVE and DSN rows.
-    rev = F.col("recipient_events")
+    rev = F.col("rows")
     wanted = F.array_distinct(F.flatten(F.transform(
         F.filter(rev, lambda x: x["event"].isin(*wanted_events)), lambda x: x["recipients"])))
 
@@ -638,21 +671,38 @@ def _bucket_col(col: Any, size: int):
     return (F.floor(F.col(col).cast("double") / size) * size).cast("long")
 
 
-def _distribution(df: Any, col: str) -> tuple[dict[str, float | None], list[dict]]:
-    """Approximate percentiles (1/10,000 accuracy) and the histogram over HISTOGRAM_EDGES, in one pass."""
+def _distributions(messages: Any) -> dict[str, tuple[dict[str, float | None], list[dict]]]:
+    """Approximate percentiles (1/10,000 accuracy) and the histogram over HISTOGRAM_EDGES of the
+    latency of delivered messages and of the hold time of each shadow copy, in one pass: each
+    message gives its values as (kind, value) rows, grouped by kind."""
     from pyspark.sql import functions as F
+
+    kinds = ("latency_seconds", "shadow_hold_seconds")
+    latency = F.when(F.col("state") == "delivered", F.col("latency_seconds"))
+    values = F.concat(
+        F.array(F.struct(F.lit(kinds[0]).alias("kind"), latency.cast("double").alias("v"))),
+        F.transform(F.coalesce(F.col("shadow_hold_seconds"), F.array().cast("array<double>")),
+                    lambda h: F.struct(F.lit(kinds[1]).alias("kind"), h.cast("double").alias("v"))))
+    v = F.col("v")
     idx = F.lit(len(HISTOGRAM_EDGES) - 1)
     for i in range(len(HISTOGRAM_EDGES) - 1, 0, -1):
-        idx = F.when(F.col(col) < HISTOGRAM_EDGES[i], F.lit(i - 1)).otherwise(idx)
+        idx = F.when(v < HISTOGRAM_EDGES[i], F.lit(i - 1)).otherwise(idx)
     counts = [F.sum((idx == i).cast("long")).alias(f"h{i}") for i in range(len(HISTOGRAM_EDGES))]
-    row = df.agg(F.percentile_approx(col, [0.5, 0.95, 0.99], 10000).alias("p"), F.count(col).alias("n"),
-                 *counts).first()
-    values = row["p"] or [None, None, None]
-    out = []
-    for i, low in enumerate(HISTOGRAM_EDGES):
-        high = HISTOGRAM_EDGES[i + 1] if i + 1 < len(HISTOGRAM_EDGES) else None
-        out.append({"from": low, "to": high, "count": int(row[f"h{i}"] or 0)})
-    return {"count": int(row["n"]), "p50": values[0], "p95": values[1], "p99": values[2]}, out
+    rows = {r["kind"]: r for r in (
+        messages.select(F.inline(values)).filter(v.isNotNull()).groupBy("kind")
+        .agg(F.percentile_approx("v", [0.5, 0.95, 0.99], 10000).alias("p"), F.count("v").alias("n"), *counts)
+        .collect())}
+    out = {}
+    for kind in kinds:
+        row = rows.get(kind)
+        values_ = (row["p"] if row else None) or [None, None, None]
+        hist = []
+        for i, low in enumerate(HISTOGRAM_EDGES):
+            high = HISTOGRAM_EDGES[i + 1] if i + 1 < len(HISTOGRAM_EDGES) else None
+            hist.append({"from": low, "to": high, "count": int(row[f"h{i}"] or 0) if row else 0})
+        out[kind] = ({"count": int(row["n"]) if row else 0, "p50": values_[0], "p95": values_[1],
+                      "p99": values_[2]}, hist)
+    return out
 
 
 def _ts(value: Any) -> str | None:
@@ -750,10 +800,9 @@ def summarize(spark: Any, messages: Any, anomalies: Any, malformed: Any, facts: 
         for b, s in sorted(timeline.items())]
 
     # percentiles and histograms: latency of delivered messages, hold time of each shadow copy
-    delivered = messages.filter((F.col("state") == "delivered") & F.col("latency_seconds").isNotNull())
-    holds = messages.select(F.explode("shadow_hold_seconds").alias("hold")).filter(F.col("hold").isNotNull())
-    summary["latency_seconds"], lat_hist = _distribution(delivered, "latency_seconds")
-    summary["shadow_hold_seconds"], hold_hist = _distribution(holds, "hold")
+    dist = _distributions(messages)
+    summary["latency_seconds"], lat_hist = dist["latency_seconds"]
+    summary["shadow_hold_seconds"], hold_hist = dist["shadow_hold_seconds"]
     summary["histograms"] = {"latency_seconds": lat_hist, "shadow_hold_seconds": hold_hist}
 
     # failover episodes: RESUBMIT REDUNDANCY by promoting node, primary and reason, split by gaps
@@ -873,21 +922,41 @@ def console_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def _partitions(spark: Any, files: Sequence[str]) -> int | None:
-    """Shuffle partitions fit to the input: one per PARTITION_BYTES, at least the default
-    parallelism; None (Spark's setting) when the user set spark.sql.shuffle.partitions."""
-    if spark.sparkContext.getConf().contains("spark.sql.shuffle.partitions"):
-        return None
+def _input_bytes(files: Sequence[str]) -> int | None:
+    """The size of the input files, or None when one is not local."""
     size = 0
     for f in files:
-        if "://" not in f:
-            try:
-                size += os.path.getsize(f)
-            except OSError:
-                pass
-        else:
+        if "://" in f:
             return None
-    return max(spark.sparkContext.defaultParallelism, math.ceil(size / PARTITION_BYTES))
+        try:
+            size += os.path.getsize(f)
+        except OSError:
+            pass
+    return size
+
+
+def _split_bytes(spark: Any, files: Sequence[str]) -> int | None:
+    """Bytes per input split for the parse: about eight splits per core (so the last wave of
+    tasks is short), between 8 MiB and Spark's 128 MiB; None when the user set
+    spark.sql.files.maxPartitionBytes or the input is not local."""
+    size = _input_bytes(files)
+    if size is None or spark.conf.get("spark.sql.files.maxPartitionBytes", None) is not None:
+        return None
+    cores = spark.sparkContext.defaultParallelism
+    return max(8 << 20, min(128 << 20, math.ceil(size / (8 * cores))))
+
+
+def _partitions(spark: Any, files: Sequence[str]) -> int | None:
+    """Shuffle partitions fit to the input: about one per PARTITION_BYTES, rounded up to a multiple
+    of the default parallelism; None (Spark's setting) when the user set spark.sql.shuffle.partitions."""
+    if spark.sparkContext.getConf().contains("spark.sql.shuffle.partitions"):
+        return None
+    size = _input_bytes(files)
+    if size is None:
+        return None
+    cores = spark.sparkContext.defaultParallelism
+    # a whole number of waves: every core busy in the last one too
+    return max(1, math.ceil(size / PARTITION_BYTES / cores)) * cores
 
 
 def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DEFAULT_NAME_FILTER,
@@ -897,11 +966,12 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
     """Run the whole job; returns the summary (also written to ``out``/summary.json).
 
     Spark jobs, in order: parse every row (the only pass over the text) and write the narrow
-    events (``narrow_events``) to a scratch folder, or every row typed to ``events/`` with
-    ``write_events``; the facts pass over them (span, rows per node and event, malformed rows,
-    node names, when each node's copies died) and ``malformed/``; the per-message table (one
-    shuffle by key) written to ``messages/``; ``anomalies/``; then the summary's aggregates,
-    all from ``messages/``. ``timings`` (if given) receives the seconds of each step."""
+    events (``reader.narrow``) to a scratch folder, or every row typed to ``events/`` with
+    ``write_events`` (read back through ``narrow_events``); the facts pass over them (span, rows
+    per node and event, malformed rows, node names, when each node's copies died) and
+    ``malformed/``; the per-message table (the rows shuffled by key into two aggregates joined
+    on their partitions) written to ``messages/``; ``anomalies/``; then the summary's
+    aggregates, all from ``messages/``. ``timings`` (if given) receives the seconds of each step."""
     from pyspark.sql import functions as F
 
     if not paths:
@@ -919,6 +989,7 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
         mark[0] = now
 
     scratch: list[str] = []
+    restore: list[tuple[str, str | None]] = []
     try:
         shown.set_step("reading and parsing logs")
         spark.sparkContext.setJobDescription("parse MSGTRK rows")
@@ -931,15 +1002,19 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
             raise AnalyzeError(f"no tracking log rows in {', '.join(paths)}")
         partitions = _partitions(spark, files)
         spark.conf.set("spark.sql.csv.parser.columnPruning.enabled", "false")
-        rows = reader.normalize(reader.read_rows(spark, files))
+        split = _split_bytes(spark, files)
+        if split:
+            spark.conf.set("spark.sql.files.maxPartitionBytes", str(split))
+            restore.append(("spark.sql.files.maxPartitionBytes", None))
+        rows = reader.read_rows(spark, files)
         # The text is parsed once, and written once: every row typed to events/ (--events), or
         # only the narrow columns the job reads to a scratch folder removed at the end. Every
         # later step reads them from there.
         if write_events:
-            _write_events(spark, rows, _join(out, "events"))
+            _write_events(spark, reader.normalize(rows), _join(out, "events"))
         else:
             scratch.append(_join(out, "parsed.scratch"))
-            narrow_events(rows).write.option("parquet.enable.dictionary", "false").mode("overwrite").parquet(
+            reader.narrow(rows).write.option("parquet.enable.dictionary", "false").mode("overwrite").parquet(
                 scratch[-1])
         step("parse")
         try:
@@ -1001,6 +1076,11 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
     finally:
         for path in scratch:
             remove(spark, path)
+        for key, value in restore:
+            if value is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, value)
         if isinstance(shown, Progress):
             shown.stop()
 
