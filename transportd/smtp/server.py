@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import re
 import ssl
 from typing import Any, Awaitable, Callable
 
@@ -242,6 +243,11 @@ class _VerbsDir:
         return names
 
 
+_ATOM = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
+_PLAIN_PATH = re.compile(rf"<(({_ATOM}(?:\.{_ATOM})*)@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*)>")
+"""A path in its common form: a dot-atom local part and a domain of letters, digits and hyphens."""
+
+
 class LimitedSMTP(_VerbsDir, SMTP):
     """aiosmtpd's SMTP with connection limits, an absolute timeout and our reply wording."""
 
@@ -331,7 +337,21 @@ class LimitedSMTP(_VerbsDir, SMTP):
 
     def _getaddr(self, arg: str) -> tuple[Any, Any]:
         """aiosmtpd's address parser, made total: the email package raises IndexError on some
-        malformed input (a lone '"', 'a@'); that is a malformed address, not an internal error."""
+        malformed input (a lone '"', 'a@'); that is a malformed address, not an internal error.
+
+        The common form, ``<dot-atom@host.name>`` then nothing, blanks or parameters, is read
+        with one regular expression (~2 us instead of the email package's ~100 us, twice per
+        message and hop); its answer is the email package's for that form
+        (tests/test_aiosmtpd_contract.py compares them). Anything else (quoted local parts, address literals, source routes,
+        comments, ``<>``) goes to the email package."""
+        m = _PLAIN_PATH.match(arg)
+        if m is not None:
+            rest = arg[m.end():].lstrip(" \t")
+            if not rest.startswith("("):
+                addr = m.group(1)
+                if self.local_part_limit and len(m.group(2)) > self.local_part_limit:
+                    return None, None
+                return addr, rest
         try:
             return super()._getaddr(arg)
         except (IndexError, ValueError):
