@@ -228,9 +228,19 @@ def test_sessions_right_after_start_are_not_refused_while_workers_start(make_nod
                 pass  # the 421 and the close raced the read: refused either way
             finally:
                 s.close()
+        # the metrics show the node's sessions (every process's row of the shared table)
+        assert _frontend_open(node) == 6
+        for s in sessions[:2]:
+            s.quit()
+        wait_for(lambda: _frontend_open(node) == 4, timeout=10, what="two sessions fewer in /metrics")
     finally:
         for s in sessions:
             s.close()
+
+
+def _frontend_open(node) -> float:
+    host, _, port = node.metrics_listen.rpartition(":")
+    return value(scrape(host, int(port)), "transportd_connections_open", connector="frontend")
 
 
 def test_forwarded_metric_calls_replay_on_the_owners_metrics() -> None:

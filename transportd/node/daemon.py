@@ -28,8 +28,8 @@ from transportd.node.maintenance import Maintenance
 from transportd.node.metrics import NodeMetrics
 from transportd.node.outcomes import OutcomeRecorder
 from transportd.node.scheduler import Scheduler
-from transportd.node.sessions import SessionTable
-from transportd.node.workers import WorkerConnections, WorkerSupervisor, per_process
+from transportd.node.sessions import NodeSessions, SessionTable
+from transportd.node.workers import WorkerSupervisor, per_process
 from transportd.queue import messages as mq
 from transportd.queue.delivered import DeliveredLog
 from transportd.queue.mailbox import MailboxStore
@@ -132,15 +132,15 @@ class Node:
         if processes > 1:
             sessions = SessionTable(processes)
             counter = sessions.counter(0, fe.max_inbound_connection, fe.max_inbound_connection_per_source)
+            self.metrics.watch_connections("frontend", NodeSessions(sessions, fe.max_inbound_connection))
         else:
             counter = ConnectionCounter(fe.max_inbound_connection, fe.max_inbound_connection_per_source)
-        connections = WorkerConnections(counter, self.cfg.frontend.max_inbound_connection)
-        self.metrics.watch_connections("frontend", connections)
+            self.metrics.watch_connections("frontend", counter)
         handler = FrontendHandler(cfg, self.accept_path.accept, "frontend")
         await self._serve(fe.listen, smtp_factory(cfg, handler, counter, server_tls(fe.tls_certificate, fe.tls_key)),
                           reuse_port=processes > 1)
         if processes > 1:
-            self.workers = WorkerSupervisor(cfg, processes - 1, self.events, self.store.queue_changed, connections,
+            self.workers = WorkerSupervisor(cfg, processes - 1, self.events, self.store.queue_changed,
                                             self.log_format, sessions)
             await self.workers.start()
 

@@ -27,7 +27,7 @@ from transportd.config import Config
 from transportd.errors import StoreError
 from transportd.node.accept import AcceptPath
 from transportd.node.events import NodeEvents
-from transportd.node.sessions import SessionTable, SharedCounter
+from transportd.node.sessions import SessionTable
 from transportd.node.workers import TERMINAL, encode
 from transportd.queue.store import QueueStore
 from transportd.redundancy.manager import ShadowManager
@@ -132,7 +132,7 @@ class ReceiveWorker:
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C reaches the owner, which stops us
-        tasks = [asyncio.ensure_future(self._report(store, counter, stop)),
+        tasks = [asyncio.ensure_future(self._report(store, stop)),
                  asyncio.ensure_future(self._owner_gone(reader, stop))]
         log.info("receive worker %d (pid %d) serving the frontend on %s", self.index, os.getpid(), fe.listen)
         await stop.wait()
@@ -145,14 +145,12 @@ class ReceiveWorker:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self.send(("connections", 0))
         store.close()
         self._writer.close()
         return 0
 
-    async def _report(self, store: QueueStore, counter: SharedCounter, stop: asyncio.Event) -> None:
-        """'Queue changed' as soon as a commit made work due; open sessions when their number moves."""
-        last = -1
+    async def _report(self, store: QueueStore, stop: asyncio.Event) -> None:
+        """'Queue changed' as soon as a commit made work due (open sessions are in the shared table)."""
         changed = store.queue_changed
         while not stop.is_set():
             try:
@@ -162,9 +160,6 @@ class ReceiveWorker:
             if changed.is_set():
                 changed.clear()
                 self.send(("wake",))
-            if counter.total != last:
-                last = counter.total
-                self.send(("connections", last))
 
     async def _owner_gone(self, reader: asyncio.StreamReader, stop: asyncio.Event) -> None:
         try:

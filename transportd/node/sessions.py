@@ -58,6 +58,19 @@ class SessionTable:
         self._map.close()
 
 
+class NodeSessions:
+    """The node's open frontend sessions (every process's row of the table) and its limit, as the
+    metrics read them."""
+
+    def __init__(self, table: SessionTable, limit: int):
+        self.table = table
+        self.limit = limit
+
+    @property
+    def total(self) -> int:
+        return self.table.total()
+
+
 class SharedCounter:
     """One process's view: the interface of ``smtp.server.ConnectionCounter`` (``acquire`` gives the
     refusal reply or None, ``release``, ``total`` of this process), checked against the node."""

@@ -7,8 +7,9 @@ that bind the same address with SO_REUSEPORT, so the kernel spreads new sessions
 over all of them. A worker runs the whole accept path (the local commit through
 its own group-commit writer on the shared queue database in WAL mode, the shadow
 copy to a peer, the 250) and forwards what the owner must know over a socket
-pair: tracking rows, metric moves, its open sessions, and "queue changed" after
-a commit that made work due, so the scheduler takes a worker's message at once.
+pair: tracking rows, metric moves, and "queue changed" after a commit that made
+work due, so the scheduler takes a worker's message at once (its open sessions
+are in the shared session table, which the metrics read).
 The owner restarts a worker that dies; a worker dies with the owner
 (PR_SET_PDEATHSIG, and the socket pair's end). The worker's side is
 node/receiver.py. Nothing here delivers, runs heartbeats or promotions, or
@@ -74,30 +75,16 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
 
 # ====================================================================== the owner's side
 
-class WorkerConnections:
-    """The frontend's open sessions over every process (for the metrics), against the node's limit."""
-
-    def __init__(self, own: Any, limit: int):
-        self.own = own
-        self.limit = limit
-        self.reported: dict[int, int] = {}
-
-    @property
-    def total(self) -> int:
-        return self.own.total + sum(self.reported.values())
-
-
 class WorkerSupervisor:
     """Starts the receive workers, applies what they report, restarts one that dies, stops them."""
 
     def __init__(self, cfg: Config, count: int, events: Any, queue_changed: asyncio.Event,
-                 connections: WorkerConnections, log_format: str, sessions: SessionTable):
+                 log_format: str, sessions: SessionTable):
         self.cfg = cfg
         self.sessions = sessions
         self.count = count  # worker processes besides the owner
         self.events = events
         self.queue_changed = queue_changed
-        self.connections = connections
         self.log_format = log_format
         self.procs: dict[int, subprocess.Popen] = {}
         self.restarts = 0
@@ -123,7 +110,6 @@ class WorkerSupervisor:
             delay = RESTART_DELAYS[min(failures, len(RESTART_DELAYS)) - 1] if failures else RESTART_DELAYS[0]
             log.error("receive worker %d exited (%s); starting it again in %gs", index,
                       f"signal {-code}" if code is not None and code < 0 else f"code {code}", delay)
-            self.connections.reported.pop(index, None)
             self.sessions.clear(index)  # its sessions are gone with it
             self.restarts += 1
             self.events.metrics.worker_restarts.inc()
@@ -176,8 +162,6 @@ class WorkerSupervisor:
                 self.events.tracking.write(*frame[1], **frame[2])
             elif kind == "metric":
                 replay(self.events.metrics, frame[1])
-            elif kind == "connections":
-                self.connections.reported[index] = int(frame[1])
         except Exception as exc:  # noqa: BLE001 - a report that cannot be applied is logged, mail goes on
             log.error("receive worker %d: cannot apply %r: %s", index, frame[:1], exc)
 
