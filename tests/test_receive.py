@@ -328,6 +328,8 @@ def test_garbage_gets_clean_errors_and_daemon_stays_up(make_node):
         (b"VRFY (x\x1b[2J\xff", "502 5.5.1"),  # echoed back: control octets and bad UTF-8 become '?'
         (b"MAIL FROM:\"", "553 5.1.3"),
         (b"MAIL FROM:a@", "553 5.1.3"),
+        (b"MAIL FROM:<a@[1>", "553 5.1.3"),  # ...and AttributeError on an unclosed address literal
+        (b"VRFY a@[1", "502 5.5.1"),
         (b"NOOP\x00", "500 5.5.1"),
         (b"RSET", "250 2.0.0"),
     ]
