@@ -211,9 +211,11 @@ def apply_discards(conn: Connection, primary: str, reasons: dict[str, str | None
     Net, ones removed by an operator there (a reason) removed here. One copy at a time: a copy
     whose handling fails stays a shadow and is returned with its error; the others go on."""
     rows, failed = [], []
+    # ``state || ''``: found by ix_messages_shadow (primary, GUID), not by reading every queued
+    # message through ix_messages_state, which SQLite may choose without statistics.
     for r in conn.execute(select(messages).where(
             messages.c.role == "shadow", messages.c.primary_node == primary,
-            messages.c.state == mq.QUEUED, messages.c.shadow_guid.in_(list(reasons)))).mappings():
+            messages.c.state.concat("") == mq.QUEUED, messages.c.shadow_guid.in_(list(reasons)))).mappings():
         try:
             faults.check("discard", r)
             rows.append(dict(r))
