@@ -42,3 +42,14 @@ def test_a_discard_finds_its_shadows_by_primary_and_guid() -> None:
 
     plans = _plans(lambda c: sq.apply_discards(c, "p1", {"g1": None, "g4": None}, 5.0, 60.0))
     assert "ix_messages_shadow" in plans[0] and "ix_messages_state" not in plans[0], plans[0]
+
+
+def test_orphaned_pending_messages_are_found_without_reading_every_message() -> None:
+    """The maintenance pass (every ten poll intervals) looks for messages left ``pending``: by the
+    partial index of those (schema 5), not a read of the whole table, Safety Net included."""
+    import time
+
+    plans = _plans(lambda c: mq.release_orphans(c, time.time(), active_owned=set(), pending_owned=set(),
+                                               active_grace=1.0, pending_grace=5.0))
+    [pending] = [p for p in plans if "messages" in p]
+    assert "ix_messages_pending" in pending and "SCAN" not in pending, pending

@@ -523,6 +523,9 @@ def test_version_1_database_migrates_and_keeps_its_messages(tmp_path) -> None:
         assert "primary_dbid" in columns
         assert store.read(lambda c: mq.body(c, mid)) == b"Subject: v1\r\n\r\nbody\r\n"
         assert store.read(lambda c: c.exec_driver_sql("SELECT count(*) FROM shadow_forks").scalar()) == 0
+        indexes = {r[0] for r in store.read(lambda c: c.exec_driver_sql(
+            "SELECT name FROM sqlite_master WHERE type = 'index'").all())}
+        assert {"ix_messages_dsn_of", "ix_messages_pending"} <= indexes  # schemas 3 and 5
     finally:
         store.close()
     assert not list(tmp_path.glob("queue.db.corrupt-*"))

@@ -19,6 +19,9 @@ Schema (version in ``PRAGMA user_version``):
 - ``shadow_contexts``, ``message_shadows``, ``discard_events``: shadow redundancy.
 - schema 3 adds to ``messages`` how it was received (``smtputf8``, ``body_type``) and poison
   message detection (``poison_count``, ``poisoned``: the Poison queue).
+- schema 5 adds ``ix_messages_pending``, a partial index of the messages whose shadow outcome is
+  not recorded yet: the periodic release of orphaned ``pending`` messages read the whole table
+  (Safety Net included) without it.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ log = logging.getLogger("transportd.queue.store")
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 metadata = MetaData()
 
@@ -121,6 +124,7 @@ Index("ix_messages_state", messages.c.state, messages.c.role)
 Index("ix_messages_network_id", messages.c.network_message_id)
 Index("ix_messages_shadow", messages.c.primary_node, messages.c.shadow_guid)
 Index("ix_messages_dsn_of", messages.c.dsn_of)
+Index("ix_messages_pending", messages.c.received_at, sqlite_where=messages.c.redundancy == "pending")
 
 message_bodies = Table(
     "message_bodies", metadata,
@@ -267,7 +271,14 @@ def _migration_4(conn: Connection) -> None:
     _add_columns(conn, "shadow_contexts", {"state_changed_at": "FLOAT"})
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_migration_1, _migration_2, _migration_3, _migration_4]
+def _migration_5(conn: Connection) -> None:
+    for ix in messages.indexes:
+        if ix.name == "ix_messages_pending":
+            ix.create(conn, checkfirst=True)
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_migration_1, _migration_2, _migration_3, _migration_4,
+                                                  _migration_5]
 
 
 
