@@ -23,7 +23,8 @@ def _plans(run) -> list[str]:
             {"id": i, "network_message_id": f"n{i}", "received_at": 1.0, "expires_at": 2.0, "size": 10,
              "state": mq.QUEUED, "role": "shadow" if i % 2 else "primary", "primary_node": f"p{i % 3}",
              "shadow_guid": f"g{i}"} for i in range(1, 2001)])
-        event.listen(conn, "before_cursor_execute", lambda c, cur, sql, params, ctx, many: sent.append((sql, params)))
+        event.listen(conn, "before_cursor_execute",
+                     lambda c, cur, sql, params, ctx, many: None if many else sent.append((sql, params)))
         run(conn)
         raw = conn.connection.driver_connection
         return [" / ".join(r[3] for r in raw.execute("EXPLAIN QUERY PLAN " + sql, params).fetchall())
@@ -53,3 +54,18 @@ def test_orphaned_pending_messages_are_found_without_reading_every_message() -> 
                                                active_grace=1.0, pending_grace=5.0))
     [pending] = [p for p in plans if "messages" in p]
     assert "ix_messages_pending" in pending and "SCAN" not in pending, pending
+
+
+def test_claiming_recipients_looks_them_up_by_id() -> None:
+    """Each delivery batch claims its recipients (mark_active): by id, not by reading every Ready or
+    Retry recipient through ix_recipients_due."""
+    from transportd.queue.store import recipients
+
+    def run(c):
+        c.exec_driver_sql("PRAGMA foreign_keys = OFF")
+        c.execute(recipients.insert(), [{"id": i, "message_id": i, "address": "a@b.test", "queue_id": 1,
+                                         "status": mq.READY, "attempts": 0} for i in range(1, 2001)])
+        assert mq.mark_active(c, list(range(5, 11)), 10.0) == list(range(5, 11))  # 4+ ids: the old plan
+
+    select_plan = next(p for p in _plans(run) if "recipients" in p and "SEARCH" in p)
+    assert "INTEGER PRIMARY KEY" in select_plan and "ix_recipients_due" not in select_plan, select_plan

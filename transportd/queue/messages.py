@@ -125,8 +125,10 @@ _SHADOWS_OF = select(message_shadows.c.shadow_node, message_shadows.c.shadow_gui
     message_shadows.c.message_id == bindparam("b_id"))
 _INSERT_DISCARD = insert(discard_events)
 _DELETE_BODY = delete(message_bodies).where(message_bodies.c.message_id == bindparam("b_id"))
+# By their ids (the primary key): on ``status IN (...)`` SQLite may choose ix_recipients_due and read
+# every pending recipient per claim (1.1 ms at 10,000 Ready here, growing with the queue).
 _CLAIMABLE = select(recipients.c.id).where(recipients.c.id.in_(bindparam("b_ids", expanding=True)),
-                                            recipients.c.status.in_(PENDING))
+                                            recipients.c.status.concat("").in_(PENDING))
 _CLAIM = update(recipients).where(recipients.c.id.in_(bindparam("b_ids", expanding=True)))
 
 
