@@ -20,6 +20,7 @@ and the ratios on/postfix and on/off. Printed side by side and written to JSON.
     python3 benchmarks/compare_postfix.py                      # 10 KiB new+reused, 100 KiB
     python3 benchmarks/compare_postfix.py --long 60            # plus a >= 60 s run (make bench-compare)
     python3 benchmarks/compare_postfix.py --queued 20000       # RSS with N messages queued, next hop down
+    python3 benchmarks/compare_postfix.py --drain 5000 --shapes '' --systems on   # drain a backlog
     python3 benchmarks/compare_postfix.py --messages 40 --latency-messages 20 --shapes 10k-new  # CI size
 
 Load goes to every node's frontend of the cluster (sessions split over the nodes, the way a
@@ -166,7 +167,8 @@ def stop_proc(p: subprocess.Popen, timeout: float = 10) -> None:
 # ---------------------------------------------------------------------- systems
 
 class TransportdCluster:
-    def __init__(self, work: Path, sink_port: int, shadow: bool, sessions: int, entry: str, workers: int = 1):
+    def __init__(self, work: Path, sink_port: int, shadow: bool, sessions: int, entry: str, workers: int = 1,
+                 delivery: dict | None = None):
         import random
         from transportd.devtools.cluster import generate
         self.name = ("on" if shadow else "off") + (f"-w{workers}" if workers > 1 else "")
@@ -181,7 +183,8 @@ class TransportdCluster:
                                          "frontend": {"max_inbound_connection_per_source": max(50, sessions * 4),
                                                       "workers": workers},
                                          "shadow_redundancy": {"shadow_redundancy_enabled": shadow,
-                                                               "shadow_heartbeat_frequency": 5}})
+                                                               "shadow_heartbeat_frequency": 5},
+                                         **({"delivery": delivery} if delivery else {})})
 
     def start(self) -> None:
         for spec in self.specs:
@@ -599,6 +602,39 @@ def queued_memory(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def drain_backlog(args: argparse.Namespace) -> dict[str, Any]:
+    """A backlog after an outage: ``--drain`` messages accepted while the next hop is down (shadow
+    redundancy on, retries every second), then the next hop comes back; the seconds until the
+    sink has them all, the messages per second and the cluster's CPU per message while draining.
+    The queue lookups per delivery must not grow with the queue (tests/test_query_plans.py)."""
+    work = Path(tempfile.mkdtemp(prefix="bench-drain-"))
+    port = free_port()  # nothing listens there until the drain starts
+    system = TransportdCluster(work, port, True, args.sessions, args.entry, delivery={
+        "transient_failure_retry_interval": "1s", "outbound_connection_failure_retry_interval": "1s"})
+    sink = None
+    try:
+        system.start()
+        t0 = time.monotonic()
+        run_smtp_source(system.targets(), args.drain, args.sessions, 10240, True, args.timeout)
+        queued_s = time.monotonic() - t0
+        time.sleep(2)  # the last deliveries fail and wait for their retry
+        cpu0, t1 = system.cpu(), time.monotonic()
+        sink = Sink(port)
+        drained = sink.wait_for(args.drain, args.timeout)
+        seconds = time.monotonic() - t1
+        cpu = system.cpu() - cpu0
+        return {"messages": args.drain, "queued_seconds": round(queued_s, 1), "drained": drained,
+                "sink_count": sink.count, "drain_seconds": round(seconds, 2),
+                "drain_per_s": round(sink.count / seconds, 1) if seconds else None,
+                "cpu_ms_per_message": round(1000 * cpu / max(sink.count, 1), 2),
+                "load_average": list(os.getloadavg())}
+    finally:
+        if sink is not None:
+            sink.stop()
+        system.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
 # ---------------------------------------------------------------------- report
 
 def machine() -> dict[str, Any]:
@@ -723,6 +759,8 @@ def main() -> int:
                     help="also a 10 KiB new-connection run of this long per system (the latency client)")
     ap.add_argument("--queued", type=int, default=0, metavar="N",
                     help="also measure RSS per node with N messages queued (next hop down)")
+    ap.add_argument("--drain", type=int, default=0, metavar="N",
+                    help="also time draining N messages queued while the next hop was down (on)")
     ap.add_argument("--entry", choices=["all", "node1"], default="all",
                     help="cluster load on every node's frontend (default) or on node1 only")
     ap.add_argument("--timeout", type=float, default=900)
@@ -771,6 +809,9 @@ def main() -> int:
                   file=sys.stderr, flush=True)
     if args.queued:
         result["queued_memory"] = queued_memory(args)
+    if args.drain:
+        result["drain"] = drain_backlog(args)
+        print(json.dumps({"drain": result["drain"]}), file=sys.stderr, flush=True)
     result["summary"] = summarize(result["runs"], systems)
     result["seconds"] = round(time.time() - started, 1)
     print_table(result["summary"], systems)
@@ -780,7 +821,7 @@ def main() -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
-    ok = all(r["all_delivered"] for r in result["runs"])
+    ok = all(r["all_delivered"] for r in result["runs"]) and result.get("drain", {}).get("drained", True)
     return 0 if ok else 1
 
 
