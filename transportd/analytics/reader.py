@@ -251,6 +251,37 @@ def read_rows(spark: Any, files: Sequence[str]):
     return df.select("file", "reason", F.when(~ok, F.substring("bad_line", 1, 500)).alias("line"), *out)
 
 
+def _folder_node():
+    """The node a row's file names by its folder: the folder's name, or the one above it when
+    the folder has a generic name (``msgtrk``, ``MessageTracking``, ...)."""
+    from pyspark.sql import functions as F
+
+    folder = F.regexp_extract("file", r"([^/]+)/[^/]+$", 1)
+    grand = F.regexp_extract("file", r"([^/]+)/[^/]+/[^/]+$", 1)
+    return F.lower(F.when(F.lower(folder).isin(*GENERIC_FOLDERS) & (grand != ""), grand).otherwise(folder))
+
+
+REDUNDANCY_CONTEXT = r"^\s*(\S+)\s*\(([^)]*)\)"
+"""source-context of a RESUBMIT by shadow redundancy: ``<primary> (<reason>)``."""
+
+
+def _peer(event: Any, ctx: Any, sent_by_client: Any, server: Any):
+    """The other node a row names: the shadow of a HAREDIRECT (``<shadow>=...``), the primary of a
+    RESUBMIT, the next hop of a SEND/SENDEXTERNAL written by the sending server."""
+    from pyspark.sql import functions as F
+
+    return (F.when(event == "HAREDIRECT", F.lower(F.trim(F.substring_index(ctx, "=", 1))))
+            .when(event == "RESUBMIT", F.lower(F.regexp_extract(ctx, REDUNDANCY_CONTEXT, 1)))
+            .when(sent_by_client & (server != ""), server))
+
+
+def _redundancy_reason(event: Any, source: Any, ctx: Any):
+    """Why shadow redundancy resubmitted (ShadowHeartbeatFailure, ShadowStateChange, ...)."""
+    from pyspark.sql import functions as F
+
+    return F.when((event == "RESUBMIT") & (source == "REDUNDANCY"), F.regexp_extract(ctx, REDUNDANCY_CONTEXT, 2))
+
+
 def normalize(rows: Any):
     """Typed, lower-cased events, with ``valid`` false and ``malformed_reason`` set for malformed
     rows (bad CSV, no usable date-time or event-id). ``key`` is null for a row about no message.
@@ -260,10 +291,7 @@ def normalize(rows: Any):
     next hop); when empty, the file's folder."""
     from pyspark.sql import functions as F
 
-    folder = F.regexp_extract("file", r"([^/]+)/[^/]+$", 1)
-    grand = F.regexp_extract("file", r"([^/]+)/[^/]+/[^/]+$", 1)
-    folder_node = F.lower(F.when(F.lower(folder).isin(*GENERIC_FOLDERS) & (grand != ""), grand)
-                          .otherwise(folder))
+    folder_node = _folder_node()
     server = F.lower(F.trim("server_hostname"))
     client = F.lower(F.trim("client_hostname"))
     netid = F.lower(F.trim("network_message_id"))
@@ -273,7 +301,6 @@ def normalize(rows: Any):
     source = F.upper(F.trim("source"))
     sent_by_client = event.isin(*SEND_EVENTS) & (client != "")
     local = F.when(sent_by_client, client).otherwise(server)
-    redundancy_ctx = r"^\s*(\S+)\s*\(([^)]*)\)"
     ev = rows.select(
         "file", F.col("reason").alias("csv_reason"), "line",
         F.trim("date_time").try_cast("timestamp").alias("time"),
@@ -290,12 +317,8 @@ def normalize(rows: Any):
         F.when(sent_by_client, F.lit("")).otherwise(client).alias("client_hostname"),
         F.trim("reference").alias("reference"),
         F.lower(F.trim("sender_address")).alias("sender"),
-        F.when(event == "HAREDIRECT", F.lower(F.trim(F.substring_index(ctx, "=", 1))))
-         .when(event == "RESUBMIT", F.lower(F.regexp_extract(ctx, redundancy_ctx, 1)))
-         .when(sent_by_client & (server != ""), server)
-         .alias("peer"),
-        F.when((event == "RESUBMIT") & (source == "REDUNDANCY"), F.regexp_extract(ctx, redundancy_ctx, 2))
-         .alias("reason"),
+        _peer(event, ctx, sent_by_client, server).alias("peer"),
+        _redundancy_reason(event, source, ctx).alias("reason"),
     )
     reason = (F.when(F.col("csv_reason").isNotNull(), F.col("csv_reason"))
               .when(F.col("time").isNull(), F.lit("bad date-time"))
@@ -343,10 +366,7 @@ def narrow(rows: Any):
     network-message-id when there is one)."""
     from pyspark.sql import functions as F
 
-    folder = F.regexp_extract("file", r"([^/]+)/[^/]+$", 1)
-    grand = F.regexp_extract("file", r"([^/]+)/[^/]+/[^/]+$", 1)
-    folder_node = F.lower(F.when(F.lower(folder).isin(*GENERIC_FOLDERS) & (grand != ""), grand)
-                          .otherwise(folder))
+    folder_node = _folder_node()
     netid = F.lower(F.trim("network_message_id"))
     message_id = F.trim("message_id")
     # every row: the event, time, key and node (these decide whether a row is malformed and
@@ -365,7 +385,6 @@ def narrow(rows: Any):
     sent_by_client = e.isin(*SEND_EVENTS) & (client != "")
     local = F.when(sent_by_client, client).otherwise(server)
     ctx = F.col("source_context")
-    redundancy_ctx = r"^\s*(\S+)\s*\(([^)]*)\)"
     reason = (F.when(F.col("csv_reason").isNotNull(), F.col("csv_reason"))
               .when(F.col("time").isNull(), F.lit("bad date-time"))
               .when(e == "", F.lit("no event-id")))
@@ -381,12 +400,8 @@ def narrow(rows: Any):
         F.when(local != "", local).otherwise(folder_node).alias("node"),
         "event",
         F.when(e == "RESUBMIT", source).alias("source"),
-        F.when(e == "HAREDIRECT", F.lower(F.trim(F.substring_index(ctx, "=", 1))))
-         .when(e == "RESUBMIT", F.lower(F.regexp_extract(ctx, redundancy_ctx, 1)))
-         .when(sent_by_client & (server != ""), server)
-         .alias("peer"),
-        F.when((e == "RESUBMIT") & (source == "REDUNDANCY"), F.regexp_extract(ctx, redundancy_ctx, 2))
-         .alias("reason"),
+        _peer(e, ctx, sent_by_client, server).alias("peer"),
+        _redundancy_reason(e, source, ctx).alias("reason"),
         F.when(e.isin(*RECIPIENT_EVENTS), _recipient_list("recipient_address")).alias("recipients"),
         F.when(e.isin("HADISCARD", "RESUBMIT"), ctx).alias("context"),
         F.when(e == "HARECEIVE", client).alias("client_hostname"),
