@@ -53,6 +53,19 @@ def test_compare_postfix_benchmark_runs_small(tmp_path):
 
 
 @pytest.mark.slow
+def test_drain_benchmark_runs_small(tmp_path):
+    """A backlog queued with the next hop down, then drained: every message arrives, figures given."""
+    out = tmp_path / "drain.json"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compare_postfix.py"), "--drain", "40",
+                          "--shapes", "", "--systems", "on", "--sessions", "3", "--timeout", "90",
+                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    drain = json.loads(out.read_text())["drain"]
+    assert drain["drained"] and drain["sink_count"] == 40, drain
+    assert drain["drain_per_s"] > 0 and drain["cpu_ms_per_message"] > 0
+
+
+@pytest.mark.slow
 def test_promotion_under_load_benchmark_runs_small(tmp_path):
     out = tmp_path / "promotion.json"
     res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "promotion_under_load.py"),
