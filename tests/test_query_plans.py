@@ -69,3 +69,12 @@ def test_claiming_recipients_looks_them_up_by_id() -> None:
 
     select_plan = next(p for p in _plans(run) if "recipients" in p and "SEARCH" in p)
     assert "INTEGER PRIMARY KEY" in select_plan and "ix_recipients_due" not in select_plan, select_plan
+
+
+def test_discard_events_handed_out_are_settled_by_their_token() -> None:
+    """Discard events pile up while a shadow is away (one per message it holds); settling the
+    ones handed out on a session finds them by its token (schema 5), not by reading them all."""
+    from transportd.queue import shadows as sq
+
+    plans = _plans(lambda c: (sq.settle_discard_events(c, "tok", True), sq.settle_discard_events(c, "tok", False)))
+    assert len(plans) == 2 and all("ix_discard_events_token" in p for p in plans), plans

@@ -509,6 +509,8 @@ def test_version_1_database_migrates_and_keeps_its_messages(tmp_path) -> None:
     # Turn it back into what schema version 1 wrote: no shadow_forks, no v2 columns.
     con = sq.connect(path)
     con.execute("DROP TABLE shadow_forks")
+    con.execute("DROP INDEX ix_messages_pending")  # schema 5's
+    con.execute("DROP INDEX ix_discard_events_token")
     con.execute("ALTER TABLE messages DROP COLUMN primary_dbid")
     con.execute("ALTER TABLE discard_events DROP COLUMN sent_token")
     con.execute("PRAGMA user_version = 1")
@@ -525,7 +527,7 @@ def test_version_1_database_migrates_and_keeps_its_messages(tmp_path) -> None:
         assert store.read(lambda c: c.exec_driver_sql("SELECT count(*) FROM shadow_forks").scalar()) == 0
         indexes = {r[0] for r in store.read(lambda c: c.exec_driver_sql(
             "SELECT name FROM sqlite_master WHERE type = 'index'").all())}
-        assert {"ix_messages_dsn_of", "ix_messages_pending"} <= indexes  # schemas 3 and 5
+        assert {"ix_messages_dsn_of", "ix_messages_pending", "ix_discard_events_token"} <= indexes  # schemas 3, 5
     finally:
         store.close()
     assert not list(tmp_path.glob("queue.db.corrupt-*"))

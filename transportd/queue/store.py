@@ -21,7 +21,8 @@ Schema (version in ``PRAGMA user_version``):
   message detection (``poison_count``, ``poisoned``: the Poison queue).
 - schema 5 adds ``ix_messages_pending``, a partial index of the messages whose shadow outcome is
   not recorded yet: the periodic release of orphaned ``pending`` messages read the whole table
-  (Safety Net included) without it.
+  (Safety Net included) without it; and ``ix_discard_events_token``, of the discard events handed
+  out on a session, settled by its token (discard events pile up while a shadow is away).
 """
 
 from __future__ import annotations
@@ -198,6 +199,7 @@ discard_events = Table(
     Column("reason", String),
 )
 Index("ix_discard_events_node", discard_events.c.shadow_node, discard_events.c.id)
+Index("ix_discard_events_token", discard_events.c.sent_token, sqlite_where=discard_events.c.sent_token.is_not(None))
 
 
 # Hop-by-hop shadows (docs/PROTOCOL.md section 3): after a peer took a message (or one fork of it) as
@@ -272,8 +274,8 @@ def _migration_4(conn: Connection) -> None:
 
 
 def _migration_5(conn: Connection) -> None:
-    for ix in messages.indexes:
-        if ix.name == "ix_messages_pending":
+    for ix in (*messages.indexes, *discard_events.indexes):
+        if ix.name in ("ix_messages_pending", "ix_discard_events_token"):
             ix.create(conn, checkfirst=True)
 
 
