@@ -51,11 +51,12 @@ def scrape_until(host: str, port: int, predicate, what: str, timeout: float = 20
 
 
 def fill(disk: Path) -> None:
-    with open(disk / "filler", "wb") as f:
+    # Unbuffered: a buffered file would keep the bytes of the write that failed and raise
+    # ENOSPC again when it is closed (how much is left over depends on the space left).
+    with open(disk / "filler", "wb", buffering=0) as f:
         try:
             while True:
                 f.write(b"\0" * 65536)
-                f.flush()
         except OSError:
             pass
         try:
