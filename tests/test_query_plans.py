@@ -3,12 +3,13 @@
 SQLite has no statistics here (no ANALYZE): given ``state = 'Queued'`` beside a more selective
 term, its planner may choose ix_messages_state and read every queued message for each one
 delivered (0.5 ms at 2,000 queued, growing with the queue). The plans are read with EXPLAIN QUERY
-PLAN on the statements SQLAlchemy sends, over a queue of 2,000 messages.
+PLAN on the statements SQLite is given (SQLAlchemy's and those queue/direct.py runs on the driver
+connection, as SQLite's trace hook shows them, values inlined), over a queue of 2,000 messages.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import create_engine, event
+from sqlalchemy import create_engine
 
 from transportd.queue import messages as mq
 from transportd.queue.store import messages, metadata
@@ -17,22 +18,24 @@ from transportd.queue.store import messages, metadata
 def _plans(run) -> list[str]:
     engine = create_engine("sqlite://")
     metadata.create_all(engine)
-    sent: list[tuple[str, tuple]] = []
+    sent: list[str] = []
     with engine.begin() as conn:
         conn.execute(messages.insert(), [
             {"id": i, "network_message_id": f"n{i}", "received_at": 1.0, "expires_at": 2.0, "size": 10,
              "state": mq.QUEUED, "role": "shadow" if i % 2 else "primary", "primary_node": f"p{i % 3}",
              "shadow_guid": f"g{i}"} for i in range(1, 2001)])
-        event.listen(conn, "before_cursor_execute",
-                     lambda c, cur, sql, params, ctx, many: None if many else sent.append((sql, params)))
-        run(conn)
         raw = conn.connection.driver_connection
-        return [" / ".join(r[3] for r in raw.execute("EXPLAIN QUERY PLAN " + sql, params).fetchall())
-                for sql, params in sent]
+        raw.set_trace_callback(sent.append)
+        try:
+            run(conn)
+        finally:
+            raw.set_trace_callback(None)
+        return [" / ".join(r[3] for r in raw.execute("EXPLAIN QUERY PLAN " + sql).fetchall())
+                for sql in sent if sql.lstrip().upper().startswith(("SELECT", "UPDATE", "DELETE"))]
 
 
 def test_finishing_a_message_finds_its_dsns_by_dsn_of_not_by_state() -> None:
-    [done] = _plans(lambda c: c.execute(mq._DONE_CHECK, {"b_id": 1000}).one())
+    done = _plans(lambda c: mq.finish_if_done(c, 1000, 5.0, 60.0))[0]
     assert "ix_messages_dsn_of" in done and "ix_messages_state" not in done, done
     [dsns] = _plans(lambda c: c.execute(mq._DSN_PENDING, {"b_id": 1000}).scalar())
     assert "ix_messages_dsn_of" in dsns and "ix_messages_state" not in dsns, dsns

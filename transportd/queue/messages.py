@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 
+from transportd.queue.direct import Insert, Update, driver, placeholders
 from transportd.queue.routing import NextHop
 from transportd.queue.store import (delivered_to, discard_events, message_bodies, message_shadows, messages,
                                     meta, queues, recipients, shadow_forks)
@@ -91,54 +92,47 @@ class WorkItem:
 
 # --------------------------------------------------------------------------- queues
 
-# Statements of the per-message hot path, built once: building a Core statement per call (and
-# generating its cache key) cost more CPU than SQLite itself (docs/performance.md). Values come
-# as execute() parameters; an update's SET columns are the parameters named like columns.
-_QUEUE_BY_IDENTITY = select(queues.c.id).where(queues.c.identity == bindparam("b_identity"))
-_INSERT_MESSAGE = insert(messages)
-_INSERT_BODY = insert(message_bodies)
-_INSERT_RECIPIENTS = insert(recipients)
-_RECIPIENT_STATE = select(recipients.c.status, recipients.c.attempts).where(recipients.c.id == bindparam("b_id"))
-_UPDATE_RECIPIENT = update(recipients).where(recipients.c.id == bindparam("b_id"))
-_UPDATE_QUEUE = update(queues).where(queues.c.id == bindparam("b_id"))
-UPDATE_MESSAGE = update(messages).where(messages.c.id == bindparam("b_id"))
+# Statements of the per-message path, run directly on the SQLite connection (queue/direct.py:
+# SQLAlchemy's execute() of a prebuilt statement cost ~40 us each, SQLite's own work 2-5 us).
+_QUEUE_BY_IDENTITY = "SELECT id FROM queues WHERE identity = ?"
+_INSERT_MESSAGE = Insert(messages)
+_INSERT_BODY = Insert(message_bodies)
+_INSERT_RECIPIENTS = Insert(recipients)
+_RECIPIENT_STATE = "SELECT status, attempts FROM recipients WHERE id = ?"
+_UPDATE_RECIPIENT = Update(recipients)
+_UPDATE_QUEUE = Update(queues)
+UPDATE_MESSAGE = Update(messages)
 _MESSAGE_STATE = select(messages.c.state, messages.c.dsn_of).where(messages.c.id == bindparam("b_id"))
 # ``state || ''``: a message's DSNs are found by ix_messages_dsn_of. On ``state = 'Queued'`` SQLite
 # (no ANALYZE statistics) may choose ix_messages_state instead and read every queued message, for
 # each delivered one: 0.5 ms at 2,000 queued here, growing with the queue.
 _DSN_PENDING = select(func.count()).select_from(messages).where(
     messages.c.dsn_of == bindparam("b_id"), messages.c.state.concat("") == QUEUED)
-_DSN = messages.alias("dsn")
-_DONE_CHECK = select(
-    messages.c.state, messages.c.dsn_of,
-    select(func.count()).select_from(recipients).where(
-        recipients.c.message_id == messages.c.id, recipients.c.status.not_in(TERMINAL)
-    ).scalar_subquery().label("pending"),
-    select(func.count()).select_from(shadow_forks).where(
-        shadow_forks.c.message_id == messages.c.id).scalar_subquery().label("forks"),
-    select(func.count()).select_from(_DSN).where(
-        _DSN.c.dsn_of == messages.c.id, _DSN.c.state.concat("") == QUEUED).scalar_subquery().label("dsns_out"),
-).where(messages.c.id == bindparam("b_id"))
+_DONE_CHECK = (
+    "SELECT m.state, m.dsn_of,"
+    " (SELECT count(*) FROM recipients r WHERE r.message_id = m.id"
+    f" AND r.status NOT IN ({', '.join(repr(s) for s in TERMINAL)})) AS pending,"
+    " (SELECT count(*) FROM shadow_forks f WHERE f.message_id = m.id) AS forks,"
+    f" (SELECT count(*) FROM messages d WHERE d.dsn_of = m.id AND d.state || '' = '{QUEUED}') AS dsns_out"
+    " FROM messages m WHERE m.id = ?")
 """What ``finish_if_done`` asks of a message, in one statement: its state and the message it is a
 DSN of, its recipients not yet terminal, the forks a peer holds as primary, its DSNs not yet out."""
-_SHADOWS_OF = select(message_shadows.c.shadow_node, message_shadows.c.shadow_guid).where(
-    message_shadows.c.message_id == bindparam("b_id"))
-_INSERT_DISCARD = insert(discard_events)
-_DELETE_BODY = delete(message_bodies).where(message_bodies.c.message_id == bindparam("b_id"))
+_SHADOWS_OF = "SELECT shadow_node, shadow_guid FROM message_shadows WHERE message_id = ?"
+_INSERT_DISCARD = Insert(discard_events)
+_DELETE_BODY = "DELETE FROM message_bodies WHERE message_id = ?"
 # By their ids (the primary key): on ``status IN (...)`` SQLite may choose ix_recipients_due and read
 # every pending recipient per claim (1.1 ms at 10,000 Ready here, growing with the queue).
-_CLAIMABLE = select(recipients.c.id).where(recipients.c.id.in_(bindparam("b_ids", expanding=True)),
-                                            recipients.c.status.concat("").in_(PENDING))
-_CLAIM = update(recipients).where(recipients.c.id.in_(bindparam("b_ids", expanding=True)))
+_CLAIMABLE = "SELECT id FROM recipients WHERE id IN ({}) AND status || '' IN " + f"({', '.join(repr(s) for s in PENDING)})"
+_CLAIM = "UPDATE recipients SET status = ?, {} = ? WHERE id IN ({})"
 
 
 def queue_id_for(conn: Connection, hop: NextHop, now: float) -> int:
-    qid = conn.execute(_QUEUE_BY_IDENTITY, {"b_identity": hop.identity}).scalar()
-    if qid is None:
-        qid = conn.execute(insert(queues).values(
-            identity=hop.identity, delivery_type=hop.delivery_type, next_hop=hop.next_hop,
-            suspended=0, retry_count=0, created_at=now)).inserted_primary_key[0]
-    return qid
+    row = driver(conn).execute(_QUEUE_BY_IDENTITY, (hop.identity,)).fetchone()
+    if row is not None:
+        return row[0]
+    return conn.execute(insert(queues).values(
+        identity=hop.identity, delivery_type=hop.delivery_type, next_hop=hop.next_hop,
+        suspended=0, retry_count=0, created_at=now)).inserted_primary_key[0]
 
 
 def resolve_queue(conn: Connection, name: str) -> dict | None:
@@ -154,7 +148,7 @@ def resolve_queue(conn: Connection, name: str) -> dict | None:
 
 def enqueue(conn: Connection, msg: NewMessage) -> int:
     """Insert a message, its body and one recipient row per (recipient, next hop)."""
-    mid = conn.execute(_INSERT_MESSAGE, dict(
+    mid = _INSERT_MESSAGE.run(conn, dict(
         network_message_id=msg.network_message_id, message_id=msg.message_id,
         submit_time=msg.submit_time, sender=msg.sender, subject=msg.subject[:500],
         size=len(msg.data), received_at=msg.received_at, expires_at=msg.expires_at,
@@ -163,8 +157,8 @@ def enqueue(conn: Connection, msg: NewMessage) -> int:
         shadow_guid=msg.shadow_guid, primary_node=msg.primary_node,
         primary_internal_id=msg.primary_internal_id, redundancy=msg.redundancy,
         primary_dbid=msg.primary_dbid, shadow_rank=msg.shadow_rank, smtputf8=int(msg.smtputf8), body_type=msg.body_type, dsn_of=msg.dsn_of,
-    )).inserted_primary_key[0]
-    conn.execute(_INSERT_BODY, {"message_id": mid, "data": msg.data})
+    ))
+    _INSERT_BODY.run(conn, {"message_id": mid, "data": msg.data})
     rows = []
     for hop, addrs in msg.recipients.items():
         qid = queue_id_for(conn, hop, msg.received_at)
@@ -172,16 +166,17 @@ def enqueue(conn: Connection, msg: NewMessage) -> int:
             rows.append({"message_id": mid, "address": a, "queue_id": qid, "status": READY,
                          "attempts": 0, "next_retry_at": 0.0})
     if rows:
-        conn.execute(_INSERT_RECIPIENTS, rows)
+        _INSERT_RECIPIENTS.run_many(conn, rows)
     return mid
 
 
-_BODY = select(message_bodies.c.data).where(message_bodies.c.message_id == bindparam("b_id"))
-_MESSAGE_ROW = select(messages).where(messages.c.id == bindparam("b_id"))
+_BODY = "SELECT data FROM message_bodies WHERE message_id = ?"
+_MESSAGE_ROW = "SELECT * FROM messages WHERE id = ?"
 
 
 def body(conn: Connection, message_id: int) -> bytes | None:
-    return conn.execute(_BODY, {"b_id": message_id}).scalar()
+    row = driver(conn).execute(_BODY, (message_id,)).fetchone()
+    return row[0] if row else None
 
 
 # Delayed acknowledgement (shadow redundancy 2010) is bypassed for a queue holding more than this.
@@ -214,8 +209,9 @@ def acknowledgement_state(conn: Connection, message_id: int, now: float) -> str 
 
 
 def message_row(conn: Connection, message_id: int) -> dict | None:
-    row = conn.execute(_MESSAGE_ROW, {"b_id": message_id}).mappings().first()
-    return dict(row) if row else None
+    cur = driver(conn).execute(_MESSAGE_ROW, (message_id,))
+    row = cur.fetchone()
+    return dict(zip((d[0] for d in cur.description), row)) if row else None
 
 
 # --------------------------------------------------------------------------- crash recovery
@@ -238,7 +234,7 @@ def recover_after_restart(conn: Connection) -> int:
 # --------------------------------------------------------------------------- poison messages
 
 _POISON_STATE = select(messages.c.poison_count, messages.c.poisoned).where(messages.c.id == bindparam("b_id"))
-_RESET_POISON_COUNT = update(messages).where(messages.c.id == bindparam("b_id"), messages.c.poison_count > 0)
+_RESET_POISON_COUNT = "UPDATE messages SET poison_count = 0 WHERE id = ? AND poison_count > 0"
 
 
 # meta key written by a clean stop; its absence at start means the node crashed.
@@ -273,13 +269,13 @@ def count_internal_failure(conn: Connection, message_id: int, threshold: int | N
         return False
     count = row.poison_count + 1
     poisoned = threshold is not None and count >= threshold
-    conn.execute(UPDATE_MESSAGE, {"b_id": message_id, "poison_count": count, "poisoned": int(poisoned)})
+    UPDATE_MESSAGE.run(conn, {"poison_count": count, "poisoned": int(poisoned)}, message_id)
     return poisoned
 
 
 def reset_poison_count(conn: Connection, message_id: int) -> None:
     """Handled without an internal failure: earlier failures (or crashes) no longer count."""
-    conn.execute(_RESET_POISON_COUNT, {"b_id": message_id, "poison_count": 0})
+    driver(conn).execute(_RESET_POISON_COUNT, (message_id,))
 
 
 def count_crashes(conn: Connection, threshold: int | None) -> list[dict]:
@@ -325,7 +321,7 @@ def release_orphans(conn: Connection, now: float, *, active_owned: set[int], pen
         recipients.c.status == ACTIVE, recipients.c.last_attempt_at < now - active_grace)).scalars()
         if r not in active_owned]
     if stale:
-        conn.execute(_CLAIM, {"b_ids": stale, "status": READY, "next_retry_at": 0.0})
+        driver(conn).execute(_CLAIM.format("next_retry_at", placeholders(len(stale))), (READY, 0.0, *stale))
     pending = [m for m in conn.execute(select(messages.c.id).where(
         messages.c.redundancy == "pending", messages.c.received_at < now - pending_grace)).scalars()
         if m not in pending_owned]
@@ -394,10 +390,11 @@ def mark_active(conn: Connection, recipient_ids: Sequence[int], now: float) -> l
     """Claim pending recipients for sending; returns the ids actually claimed."""
     if not recipient_ids:
         return []
-    claimed = conn.execute(_CLAIMABLE, {"b_ids": list(recipient_ids)}).scalars().all()
+    raw = driver(conn)
+    claimed = [r[0] for r in raw.execute(_CLAIMABLE.format(placeholders(len(recipient_ids))), list(recipient_ids))]
     if claimed:
-        conn.execute(_CLAIM, {"b_ids": list(claimed), "status": ACTIVE, "last_attempt_at": now})
-    return list(claimed)
+        raw.execute(_CLAIM.format("last_attempt_at", placeholders(len(claimed))), (ACTIVE, now, *claimed))
+    return claimed
 
 
 def expired_recipients(conn: Connection, now: float, limit: int = 1000) -> list[dict]:
@@ -430,7 +427,7 @@ def delayed_messages(conn: Connection, now: float, timeout: float, limit: int = 
 
 def record_delay_dsn(conn: Connection, message_id: int, dsn: NewMessage | None, now: float) -> int | None:
     """A delay DSN was sent for ``message_id`` (never again); returns the DSN's id, if one was made."""
-    conn.execute(UPDATE_MESSAGE, {"b_id": message_id, "delay_dsn_at": now})
+    UPDATE_MESSAGE.run(conn, {"delay_dsn_at": now}, message_id)
     return enqueue(conn, dsn) if dsn is not None else None
 
 
@@ -442,11 +439,12 @@ def retry_delay(attempt: int, interval: float, count: int, long_interval: float)
 def record_outcomes(conn: Connection, outcomes: Sequence[Outcome], now: float, *,
                     retry_interval: float, retry_count: int, long_interval: float) -> None:
     """Write each recipient's result; a recipient no longer Active (removed meanwhile) is left alone."""
+    raw = driver(conn)
     for o in outcomes:
-        row = conn.execute(_RECIPIENT_STATE, {"b_id": o.recipient_id}).first()
-        if row is None or row.status != ACTIVE:
+        row = raw.execute(_RECIPIENT_STATE, (o.recipient_id,)).fetchone()
+        if row is None or row[0] != ACTIVE:
             continue
-        attempts = row.attempts + 1
+        attempts = row[1] + 1
         if o.status == RETRY:
             delay = retry_delay(attempts, retry_interval, retry_count, long_interval)
             values = dict(status=RETRY, attempts=attempts, next_retry_at=now + delay, last_error=o.reply)
@@ -454,15 +452,15 @@ def record_outcomes(conn: Connection, outcomes: Sequence[Outcome], now: float, *
             values = dict(status=DELIVERED, attempts=attempts, completed_at=now, last_error=None)
         else:
             values = dict(status=FAILED, attempts=attempts, completed_at=now, last_error=o.reply)
-        conn.execute(_UPDATE_RECIPIENT, {"b_id": o.recipient_id, **values})
+        _UPDATE_RECIPIENT.run(conn, values, o.recipient_id)
 
 
 def queue_attempt_result(conn: Connection, queue_id: int, now: float, *, error: str | None,
                          retry_interval: float, retry_count: int, long_interval: float) -> float | None:
     """Record a connection-level result on the queue; returns the next retry time on failure."""
     if error is None:
-        conn.execute(_UPDATE_QUEUE, {"b_id": queue_id, "retry_count": 0, "next_retry_at": None,
-                                     "last_error": None, "last_attempt_at": now})
+        _UPDATE_QUEUE.run(conn, {"retry_count": 0, "next_retry_at": None, "last_error": None,
+                                 "last_attempt_at": now}, queue_id)
         return None
     count = (conn.execute(select(queues.c.retry_count).where(queues.c.id == queue_id)).scalar() or 0) + 1
     nxt = now + retry_delay(count, retry_interval, retry_count, long_interval)
@@ -473,8 +471,11 @@ def queue_attempt_result(conn: Connection, queue_id: int, now: float, *, error: 
 
 def finish_if_done(conn: Connection, message_id: int, now: float, safety_net_hold: float) -> bool:
     """A message with every recipient terminal moves to the Primary Safety Net (or is dropped)."""
-    key = {"b_id": message_id}
-    state, dsn_of, pending, forks, dsns_out = conn.execute(_DONE_CHECK, key).one()
+    raw = driver(conn)
+    row = raw.execute(_DONE_CHECK, (message_id,)).fetchone()
+    if row is None:
+        raise LookupError(f"message {message_id} is not in the queue database")
+    state, dsn_of, pending, forks, dsns_out = row
     if pending:
         return False
     if forks:
@@ -487,11 +488,11 @@ def finish_if_done(conn: Connection, message_id: int, now: float, safety_net_hol
     if not dsns_out:
         _discard_shadows_of(conn, message_id, now)
     if safety_net_hold > 0:
-        conn.execute(UPDATE_MESSAGE, {"b_id": message_id, "state": SAFETY_NET, "completed_at": now,
-                                       "safety_net_until": now + safety_net_hold})
+        UPDATE_MESSAGE.run(conn, {"state": SAFETY_NET, "completed_at": now,
+                                  "safety_net_until": now + safety_net_hold}, message_id)
     else:
-        conn.execute(UPDATE_MESSAGE, {"b_id": message_id, "state": MSG_REMOVED, "completed_at": now})
-        conn.execute(_DELETE_BODY, key)
+        UPDATE_MESSAGE.run(conn, {"state": MSG_REMOVED, "completed_at": now}, message_id)
+        raw.execute(_DELETE_BODY, (message_id,))
     if dsn_of is not None:
         # A DSN is out: the original's shadows may go, once it and its other DSNs are done too.
         parent = conn.execute(_MESSAGE_STATE, {"b_id": dsn_of}).first()
@@ -502,9 +503,8 @@ def finish_if_done(conn: Connection, message_id: int, now: float, safety_net_hol
 
 
 def _discard_shadows_of(conn: Connection, message_id: int, now: float) -> None:
-    for sh in conn.execute(_SHADOWS_OF, {"b_id": message_id}).all():
-        conn.execute(_INSERT_DISCARD, {"shadow_node": sh.shadow_node, "shadow_guid": sh.shadow_guid,
-                                       "created_at": now})
+    for node, guid in driver(conn).execute(_SHADOWS_OF, (message_id,)).fetchall():
+        _INSERT_DISCARD.run(conn, {"shadow_node": node, "shadow_guid": guid, "created_at": now})
 
 
 def purge_expired(conn: Connection, now: float, duplicate_window: float) -> tuple[int, int]:
@@ -570,9 +570,9 @@ def remove_message(conn: Connection, message_id: int, now: float) -> list[dict]:
     conn.execute(delete(message_bodies).where(message_bodies.c.message_id == message_id))
     # Its shadows are told (a later promotion must not deliver it): one discard event per shadow,
     # DeletedByAdmin. A fork a peer took as primary is released here (the peer delivers it).
-    for sh in conn.execute(_SHADOWS_OF, {"b_id": message_id}).all():
-        conn.execute(_INSERT_DISCARD, {"shadow_node": sh.shadow_node, "shadow_guid": sh.shadow_guid,
-                                       "created_at": now, "reason": "DeletedByAdmin"})
+    for node, guid in driver(conn).execute(_SHADOWS_OF, (message_id,)).fetchall():
+        _INSERT_DISCARD.run(conn, {"shadow_node": node, "shadow_guid": guid, "created_at": now,
+                                   "reason": "DeletedByAdmin"})
     conn.execute(delete(shadow_forks).where(shadow_forks.c.message_id == message_id))
     # A DSN removed: the message it reported on no longer waits for it to keep its shadows.
     dsn_of = conn.execute(_MESSAGE_STATE, {"b_id": message_id}).one().dsn_of

@@ -20,6 +20,7 @@ from sqlalchemy.engine import Connection
 
 from transportd import faults
 from transportd.queue import messages as mq
+from transportd.queue.direct import Insert
 from transportd.queue.store import (
     discard_events,
     message_bodies,
@@ -31,7 +32,7 @@ from transportd.queue.store import (
     shadow_forks,
 )
 
-_INSERT_MESSAGE_SHADOW = insert(message_shadows)  # built once: on the path of every 250
+_INSERT_MESSAGE_SHADOW = Insert(message_shadows)  # on the path of every 250 (queue/direct.py)
 _INSERT_DISCARD = insert(discard_events)
 _INSERT_FORK = insert(shadow_forks)
 
@@ -41,8 +42,8 @@ _INSERT_FORK = insert(shadow_forks)
 def record_shadow(conn: Connection, message_id: int, shadow_node: str, guid: str, now: float,
                   rank: int = 1) -> None:
     """``shadow_node`` holds a shadow copy of our message ``message_id`` under ``guid`` (its ``rank``)."""
-    conn.execute(_INSERT_MESSAGE_SHADOW, {"message_id": message_id, "shadow_node": shadow_node,
-                                          "shadow_guid": guid, "created_at": now, "shadow_rank": rank})
+    _INSERT_MESSAGE_SHADOW.run(conn, {"message_id": message_id, "shadow_node": shadow_node,
+                                      "shadow_guid": guid, "created_at": now, "shadow_rank": rank})
 
 
 def _ranked(shadow_nodes: Iterable[str | tuple[str, int]]) -> list[tuple[str, int]]:
@@ -77,7 +78,7 @@ def settle_accepted(conn: Connection, message_id: int, shadow_nodes: Iterable[st
     nodes = _ranked(shadow_nodes)
     for node, rank in nodes:
         record_shadow(conn, message_id, node, guid, now, rank)
-    conn.execute(mq.UPDATE_MESSAGE, {"b_id": message_id, "redundancy": redundancy_of(len(nodes), wanted)})
+    mq.UPDATE_MESSAGE.run(conn, {"redundancy": redundancy_of(len(nodes), wanted)}, message_id)
 
 
 def drop_unacknowledged(conn: Connection, message_id: int) -> None:
@@ -164,7 +165,7 @@ def settle_reshadow(conn: Connection, message_id: int, shadow_nodes: Iterable[st
     held = conn.execute(select(func.count()).select_from(message_shadows)
                         .where(message_shadows.c.message_id == message_id)).scalar() or 0
     redundancy = redundancy_of(held, wanted) if had_recipients or held else "none"
-    conn.execute(mq.UPDATE_MESSAGE, {"b_id": message_id, "redundancy": redundancy})
+    mq.UPDATE_MESSAGE.run(conn, {"redundancy": redundancy}, message_id)
     return state
 
 
