@@ -451,6 +451,61 @@ def test_transaction_is_all_or_nothing(db_path: Path) -> None:
         s.close()
 
 
+def _driver(conn):
+    return conn.connection.driver_connection
+
+
+def test_reads_keep_their_threads_connection_and_see_every_commit(db_path: Path) -> None:
+    """A thread's reads share one connection (no pool checkout per read); no read snapshot stays
+    open between reads (each sees what was committed before it); a read that raises drops its
+    connection; another thread reads on its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    s = QueueStore.open(db_path)
+    try:
+        keys = lambda c: set(c.execute(select(meta.c.key)).scalars().all())  # noqa: E731
+        first = s.read(_driver)
+        assert s.read(_driver) is first
+        assert "seen" not in s.read(keys)
+        s.transaction(lambda c: _kv(c, "seen"))
+        assert "seen" in s.read(keys) and s.read(_driver) is first
+
+        def broken(conn):
+            conn.exec_driver_sql("SELECT * FROM no_such_table")
+        with pytest.raises(Exception, match="no_such_table"):
+            s.read(broken)
+        again = s.read(_driver)
+        assert again is not first and s.read(_driver) is again and "seen" in s.read(keys)
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(s.read, _driver).result(10) is not again
+    finally:
+        s.close()
+    assert not s._readers
+
+
+def test_more_reading_threads_than_the_pool_holds_do_not_wait(db_path: Path) -> None:
+    """Each reading thread keeps a connection; 24 threads reading at once (a 16-core node's default
+    executor has 20) must not wait for a connection that no thread returns."""
+    n = 24
+    s = QueueStore.open(db_path)
+    barrier = threading.Barrier(n, timeout=20)
+    try:
+        def hold(conn):
+            barrier.wait()  # every thread holds its connection here at the same time
+            return conn.exec_driver_sql("SELECT count(*) FROM meta").scalar()
+        results: list = []
+        threads = []
+        for _ in range(n):
+            t = threading.Thread(target=lambda: results.append(s.read(hold)))
+            threads.append(t)
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(results) == n and all(r >= 1 for r in results)
+    finally:
+        s.close()
+
+
 def test_stopped_writer_refuses_jobs(db_path: Path) -> None:
     s = QueueStore.open(db_path)
     writer = s.start_writer()

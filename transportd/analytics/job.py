@@ -491,8 +491,8 @@ def _journey(m: Any):
          .withColumn("duplicate_delivers", pick(["DUPLICATEDELIVER"], {"time": "time", "node": "node",
                                                                       "recipients": "recipients"}))
          .withColumn("first_receive", F.array_min("receives"))
-         .withColumn("first_redundancy", F.array_min(pick(["HAREDIRECT", "HAREDIRECTFAIL"], {
-             "time": "time", "event": "event"}, sort=False)))
+         # the first of redundancy_events (sorted by time, then HAREDIRECT before HAREDIRECTFAIL)
+         .withColumn("first_redundancy", F.array_min("redundancy_events"))
          .withColumn("shadow", F.array_min(pick(["HAREDIRECT"], {"time": "time", "node": "peer"}, sort=False))))
     # A shadow not discarded is an anomaly only once its primary has let its copy go: a primary
     # that still holds the message (a promoted copy not yet delivered) keeps its shadow legitimately.
@@ -608,9 +608,9 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
         "message_id", "sender",
         F.col("first_receive.node").alias("receive_node"),
         F.col("first_receive.time").alias("receive_time"),
-        (rec & F.coalesce(F.col("first_redundancy.event") == "HAREDIRECT", F.lit(False)))
+        (rec & F.coalesce(~F.col("first_redundancy.fail"), F.lit(False)))
         .alias("redundant_at_receipt"),
-        (rec & F.coalesce(F.col("first_redundancy.event") == "HAREDIRECTFAIL", F.lit(False)))
+        (rec & F.coalesce(F.col("first_redundancy.fail"), F.lit(False)))
         .alias("unprotected_at_receipt"),
         F.col("shadow.node").alias("shadow_node"),
         F.col("shadow.time").alias("haredirect_time"),
