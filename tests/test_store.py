@@ -483,6 +483,26 @@ def test_reads_keep_their_threads_connection_and_see_every_commit(db_path: Path)
     assert not s._readers
 
 
+def test_read_here_runs_on_the_calling_thread_and_sees_commits(db_path: Path) -> None:
+    """The delivery's point read runs on the event loop's thread itself (no hop to a worker
+    thread), on that thread's own connection, and sees what the writer committed just before."""
+    s = QueueStore.open(db_path)
+    writer = s.start_writer()
+    try:
+        async def main():
+            here = threading.get_ident()
+            await s.write(lambda c: _kv(c, "fresh"))
+            ident, conn, value = s.read_here(lambda c: (
+                threading.get_ident(), _driver(c),
+                c.execute(select(meta.c.value).where(meta.c.key == "fresh")).scalar()))
+            elsewhere = await s.aread(_driver)
+            return ident == here, conn is s.read(_driver) and conn is not elsewhere, value
+        assert asyncio.run(main()) == (True, True, "v")
+        assert writer.jobs_done == 1
+    finally:
+        s.close()
+
+
 def test_more_reading_threads_than_the_pool_holds_do_not_wait(db_path: Path) -> None:
     """Each reading thread keeps a connection; 24 threads reading at once (a 16-core node's default
     executor has 20) must not wait for a connection that no thread returns."""

@@ -72,7 +72,7 @@ class MailboxConnector:
 
     async def _deliver_one(self, it: WorkItem) -> list[Outcome]:
         window = self.cfg.mailbox.duplicate_detection_window
-        row, body = await self.store.aread(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
+        row, body = self.store.read_here(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
         it.row = row
         now = time.time()
         if row is None or body is None:
@@ -178,7 +178,7 @@ class SmtpConnector:
                 await smtpclient.quit(client)
 
     async def _send_one(self, client: aiosmtplib.SMTP, it: WorkItem, xshadow: str | None = None) -> list[Outcome]:
-        row, body = await self.store.aread(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
+        row, body = self.store.read_here(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
         it.row = row
         if row is None or body is None:
             return [Outcome(r, mq.FAILED, MISSING_BODY) for r in it.recipient_ids]
@@ -266,7 +266,7 @@ class PeerConnector(SmtpConnector):
         """MAIL (``XSHADOW=`` hop by hop), RCPT and BDAT LAST (or DATA) in one write; each
         recipient's outcome from its RCPT reply and the data reply."""
         session: PeerSession = client
-        row, body = await self.store.aread(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
+        row, body = self.store.read_here(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
         it.row = row
         if row is None or body is None:
             return [Outcome(r, mq.FAILED, MISSING_BODY) for r in it.recipient_ids]

@@ -546,6 +546,14 @@ class QueueStore:
     async def aread(self, fn: Callable[[Connection], T]) -> T:
         return await asyncio.to_thread(self.read, fn)
 
+    def read_here(self, fn: Callable[[Connection], T]) -> T:
+        """``read`` on the calling thread, the event loop's included: only for lookups of a few
+        rows by key on the per-message path (a delivery reading its message), where handing the
+        read to a thread cost ~5 times the read itself (docs/performance.md). In WAL mode a
+        reader does not wait for writers; anything that scans or may read much goes through
+        ``aread``."""
+        return self.read(fn)
+
 
 class GroupCommitWriter:
     """One writer thread: many jobs per transaction, one fsync, each job in its own savepoint.
