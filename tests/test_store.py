@@ -478,6 +478,12 @@ def test_reads_keep_their_threads_connection_and_see_every_commit(db_path: Path)
         assert again is not first and s.read(_driver) is again and "seen" in s.read(keys)
         with ThreadPoolExecutor(1) as pool:
             assert pool.submit(s.read, _driver).result(10) is not again
+        # a read inside a read on the same thread gets a connection of its own; both work on
+        nested = s.read(lambda c: (_driver(c), s.read(_driver), s.read(keys)))
+        assert nested[0] is again and nested[1] is not again and "seen" in nested[2]
+        with pytest.raises(Exception, match="no_such_table"):
+            s.read(lambda c: s.read(broken))  # raised through both: both connections dropped
+        assert s.read(_driver) is not again and "seen" in s.read(keys)
     finally:
         s.close()
     assert not s._readers

@@ -491,6 +491,11 @@ class QueueStore:
     def read(self, fn: Callable[[Connection], T]) -> T:
         """Run ``fn`` in one read transaction (a consistent snapshot) on this thread's connection."""
         conn = getattr(self._reader, "conn", None)
+        if conn is not None and conn.in_transaction():
+            # A read inside a read on this thread: its own connection, as every read had before.
+            with self.read_engine.connect() as nested:
+                with nested.begin():
+                    return fn(nested)
         if conn is None or conn.closed:
             conn = self._reader.conn = self.read_engine.connect()
             with self._readers_lock:
