@@ -15,7 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transportd.smtp.headers import _FOLD, _header_text, field_value, header_fields, plain_fields, split_headers
+from transportd.smtp.headers import (
+    _FOLD,
+    _header_text,
+    field_value,
+    header_fields,
+    plain_fields,
+    split_headers,
+)
 
 
 def _email_items(block: bytes) -> list[tuple[str, str]]:
