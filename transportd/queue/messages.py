@@ -298,7 +298,7 @@ def release_from_poison(conn: Connection, message_id: int) -> bool:
 @contextlib.contextmanager
 def savepoint(conn: Connection, name: str = "one_message") -> Iterator[None]:
     """Undo only this block's changes when it raises (one message inside a job of many)."""
-    raw = conn.connection.driver_connection
+    raw = driver(conn)
     raw.execute(f"SAVEPOINT {name}")
     try:
         yield
