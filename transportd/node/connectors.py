@@ -1,8 +1,9 @@
 """Delivery agents, as Postfix's are to its qmgr: mailbox, SMTP (smart host, MX) and peer.
 
-The SMTP connector talks aiosmtplib to next hops outside the boundary; the peer connector relays
-to a boundary peer over the redundancy layer's pipelining session (one write per message: MAIL,
-RCPT, BDAT LAST).
+Both SMTP connectors send each message as one pipelined group where the next hop offers
+PIPELINING: the SMTP connector to next hops outside the boundary (MAIL, RCPT, DATA in one write,
+the body after 354; smtp/client.py), the peer connector to a boundary peer over the redundancy
+layer's session (MAIL, RCPT, BDAT LAST and the body in one write).
 
 Each connector has ``deliver(batch)``: it takes a batch of one queue's work
 items and yields ``Delivered`` reports (outcomes per recipient) as it goes, so
@@ -21,8 +22,6 @@ import uuid
 import weakref
 from typing import Any, AsyncIterator
 
-import aiosmtplib
-
 from transportd import faults
 from transportd.errors import (NextHopPermanentError, NextHopUnavailable, PEER_FAILURES, PeerTransientError,
                                ProtocolError, StoreError)
@@ -36,7 +35,7 @@ from transportd.queue.store import QueueStore
 from transportd.redundancy.manager import ShadowManager
 from transportd.redundancy.peers import PeerSession, open_session
 from transportd.smtp import client as smtpclient
-from transportd.smtp.client import SmtpTarget, describe, reply_of, resolve_mx
+from transportd.smtp.client import NextHopSession, SmtpTarget, describe, resolve_mx
 from transportd.smtp.envelope import plan_send
 
 log = logging.getLogger("transportd.node.connectors")
@@ -124,7 +123,7 @@ class SmtpConnector:
         host, _, port = item.next_hop.rpartition(":")
         return [SmtpTarget(host.strip("[]"), int(port))]
 
-    async def open(self, item: WorkItem) -> tuple[aiosmtplib.SMTP, SmtpTarget, PeerSession | None]:
+    async def open(self, item: WorkItem) -> tuple[Any, SmtpTarget, PeerSession | None]:
         d = self.cfg.delivery
         client, target = await smtpclient.connect(
             await self.targets(item), local_hostname=self.cfg.node.name, timeout=d.send_connection_inactivity_timeout,
@@ -149,8 +148,7 @@ class SmtpConnector:
                 guid = str(uuid.uuid4()) if hop else None
                 try:
                     outs = await self._send_one(client, it, xshadow=guid)
-                except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError, OSError,
-                        PeerTransientError, ProtocolError) as exc:
+                except (OSError, PeerTransientError, ProtocolError) as exc:
                     reply = f"451 4.4.2 Connection to {target.host}:{target.port} lost: {describe(exc)}"
                     yield Delivered.every_recipient(batch[i:], mq.RETRY, reply, queue_error=reply, remote=remote)
                     return
@@ -172,12 +170,11 @@ class SmtpConnector:
                     if guid and peer_session and any(o.status == mq.DELIVERED for o in outs) else []
                 yield Delivered([it], {it.message_id: outs}, queue_error=queue_error, remote=remote, forks=forks)
         finally:
-            if peer_session is not None:
-                await peer_session.quit()  # no QUIT after a discard reply we could not apply
-            else:
-                await smtpclient.quit(client)
+            await client.quit()  # a peer session sends no QUIT after a discard reply it could not apply
 
-    async def _send_one(self, client: aiosmtplib.SMTP, it: WorkItem, xshadow: str | None = None) -> list[Outcome]:
+    async def _send_one(self, client: Any, it: WorkItem, xshadow: str | None = None) -> list[Outcome]:
+        """One message as one transaction (``_transact``); each recipient's outcome from its RCPT
+        reply and the data reply, MAIL's refusal for all."""
         row, body = self.store.read_here(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
         it.row = row
         if row is None or body is None:
@@ -191,38 +188,20 @@ class SmtpConnector:
                          next_hop_8bitmime=client.supports_extension("8bitmime"))
         if plan.error:
             return [Outcome(r, mq.FAILED, plan.error) for r in it.recipient_ids]
-        body = plan.data
         options = list(plan.options)
         if client.supports_extension("size"):
-            options.append(f"SIZE={len(body)}")
-        if xshadow:
-            options.append(f"XSHADOW={xshadow}")
-        try:
-            await smtpclient.mail(client, row["sender"], options)
-        except aiosmtplib.SMTPResponseException as exc:
-            await smtpclient.rset(client)
-            return [Outcome(r, mq.FAILED if exc.code >= 500 else mq.RETRY, reply_of(exc)) for r in it.recipient_ids]
-        outs: dict[int, Outcome] = {}
-        accepted: list[int] = []
-        for rid, address in zip(it.recipient_ids, it.addresses):
-            try:
-                resp = await smtpclient.rcpt(client, address)
-                accepted.append(rid)
-                outs[rid] = Outcome(rid, mq.DELIVERED, f"{resp.code} {resp.message}")
-            except aiosmtplib.SMTPResponseException as exc:
-                outs[rid] = Outcome(rid, mq.FAILED if exc.code >= 500 else mq.RETRY, reply_of(exc))
-        if not accepted:
-            await smtpclient.rset(client)
-            return list(outs.values())
-        try:
-            resp = await client.data(body)
-            for rid in accepted:
-                outs[rid] = Outcome(rid, mq.DELIVERED, f"{resp.code} {resp.message}")
-        except aiosmtplib.SMTPResponseException as exc:
-            for rid in accepted:
-                outs[rid] = Outcome(rid, mq.FAILED if exc.code >= 500 else mq.RETRY, reply_of(exc))
-            await smtpclient.rset(client)
-        return list(outs.values())
+            options.append(f"SIZE={len(plan.data)}")
+        replies = await self._transact(client, row["sender"], options, list(it.addresses), plan.data, xshadow)
+        outs = [_outcome(rid, replies.mail if replies.mail[0] != 250 else
+                         rcpt if rcpt[0] not in (250, 251) else replies.data)
+                for rid, rcpt in zip(it.recipient_ids, replies.recipients)]
+        if any(o.status != mq.DELIVERED for o in outs):
+            await smtpclient.rset_ok(client)  # a refused MAIL or RCPT may leave the transaction open
+        return outs
+
+    async def _transact(self, client: NextHopSession, sender: str, options: list[str], recipients: list[str],
+                        data: bytes, xshadow: str | None) -> Any:
+        return await client.transact(sender, options, recipients, data)
 
 
 class PeerConnector(SmtpConnector):
@@ -241,7 +220,7 @@ class PeerConnector(SmtpConnector):
         return [SmtpTarget(host, int(port))]
 
     async def open(self, item: WorkItem) -> tuple[Any, SmtpTarget, PeerSession | None]:
-        """An authenticated pipelining session to the peer (redundancy/wire.py), started hop by hop
+        """An authenticated pipelining session to the peer (smtp/wire.py), started hop by hop
         (XSHADOW and the discard exchange) when both sides run shadow redundancy. The session is
         also the connector's client: ``_send_one`` relays each message on it as one group."""
         d = self.cfg.delivery
@@ -262,32 +241,10 @@ class PeerConnector(SmtpConnector):
             raise NextHopUnavailable(f"{target.host}:{target.port}: {describe(exc)}") from None
         return session, target, session
 
-    async def _send_one(self, client: Any, it: WorkItem, xshadow: str | None = None) -> list[Outcome]:
-        """MAIL (``XSHADOW=`` hop by hop), RCPT and BDAT LAST (or DATA) in one write; each
-        recipient's outcome from its RCPT reply and the data reply."""
-        session: PeerSession = client
-        row, body = self.store.read_here(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
-        it.row = row
-        if row is None or body is None:
-            return [Outcome(r, mq.FAILED, MISSING_BODY) for r in it.recipient_ids]
-        await faults.acheck("deliver", row)
-        wire = session.client
-        plan = plan_send(row["sender"], it.addresses, body, smtputf8=bool(row["smtputf8"]),
-                         body_type=row["body_type"] or "",
-                         next_hop_smtputf8=wire.supports_extension("smtputf8"),
-                         next_hop_8bitmime=wire.supports_extension("8bitmime"))
-        if plan.error:
-            return [Outcome(r, mq.FAILED, plan.error) for r in it.recipient_ids]
-        options = list(plan.options)
-        if wire.supports_extension("size"):
-            options.append(f"SIZE={len(plan.data)}")
-        replies = await session.relay(row["sender"], options, list(it.addresses), plan.data, xshadow)
-        outs = [_outcome(rid, replies.mail if replies.mail[0] != 250 else
-                         rcpt if rcpt[0] not in (250, 251) else replies.data)
-                for rid, rcpt in zip(it.recipient_ids, replies.recipients)]
-        if any(o.status != mq.DELIVERED for o in outs):
-            await session.rset()  # a refused MAIL or RCPT may leave the transaction open
-        return outs
+    async def _transact(self, client: PeerSession, sender: str, options: list[str], recipients: list[str],
+                        data: bytes, xshadow: str | None) -> Any:
+        """MAIL (``XSHADOW=`` hop by hop), RCPT and BDAT LAST (or DATA) in one write."""
+        return await client.relay(sender, options, recipients, data, xshadow)
 
 
 def _outcome(recipient_id: int, reply: tuple[int, str]) -> Outcome:

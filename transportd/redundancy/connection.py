@@ -49,6 +49,7 @@ from transportd.redundancy.protocol import (
     split_shadow_params,
 )
 from transportd.smtp import replies
+from transportd.smtp.transaction import Transaction
 
 S501_INVALID_ARGUMENTS = "501 5.5.4 Invalid arguments"
 S503_BAD_SEQUENCE = "503 5.5.1 Bad sequence of commands"
@@ -365,13 +366,9 @@ class ClientConnection:
                *, shadow: bool) -> bytes:
         if not recipients:
             raise LocalProtocolError("a transaction without recipients")
-        words = [b"MAIL FROM:" + envelope_path(sender), *(p.encode("ascii") for p in params)]
-        lines = [b" ".join(words)] + [b"RCPT TO:" + envelope_path(r) for r in recipients]
-        self._copy = _Copy(["MAIL"] + ["RCPT"] * len(recipients) + ["BDAT" if chunking else "DATA"],
-                           b"" if chunking else dot_stuff(data), shadow)
+        self._copy = _Copy(Transaction(sender, params, recipients, data, chunking=chunking), shadow)
         self.state = ClientState.AWAITING_COPY
-        tail = f"BDAT {len(data)} LAST\r\n".encode("ascii") + data if chunking else b"DATA\r\n"
-        return b"\r\n".join(lines) + b"\r\n" + tail
+        return self._copy.transaction.start()
 
     # -- replies --------------------------------------------------------------------
 
@@ -452,47 +449,24 @@ class ClientConnection:
     def _copy_reply(self, code: int, text: str) -> list[Event]:
         copy = self._copy
         assert copy is not None
-        step = copy.awaiting.pop(0)
-        if step in ("MAIL", "RCPT"):
-            copy.replies.append((code, text))
-            if code not in ((250,) if step == "MAIL" else (250, 251)) and copy.refusal is None:
-                copy.refusal = (code, text)
-            return []
-        if step == "DATA" and code == 354:
-            copy.awaiting.append("end of data")
-            return [SendBody(copy.body)]
+        write = copy.transaction.answer(code, text)
+        replies = copy.transaction.replies
+        if replies is None:
+            return [SendBody(write)] if write else []
         self.state, self._copy = ClientState.IDLE, None
         if not copy.shadow:
-            return [TransactionReplies(copy.replies[0], tuple(copy.replies[1:]), (code, text))]
-        if copy.refusal is None and code == 250 and "2.6.0" in text:
+            return [TransactionReplies(replies.mail, replies.recipients, replies.data)]
+        if replies.refusal is None and code == 250 and "2.6.0" in text:
             return [ShadowAccepted(text)]
-        refused = copy.refusal or (code, text)
+        refused = replies.refusal or (code, text)
         return [ShadowRefused(refused[0], refused[1], held=code == 250)]
 
 
 @dataclass
 class _Copy:
-    """What a shadow copy in flight still awaits, and the first refusal it got."""
-    awaiting: list[str]
-    body: bytes  # DATA's body, dot-stuffed, with its terminating line
+    """A shadow copy or relay in flight: its transaction, and which of the two it is."""
+    transaction: Transaction
     shadow: bool  # a shadow copy (ShadowAccepted / ShadowRefused), else a relay (TransactionReplies)
-    refusal: tuple[int, str] | None = None
-    replies: list[tuple[int, str]] = field(default_factory=list)  # MAIL's and the RCPTs
-
-
-def envelope_path(address: str) -> bytes:
-    """``<address>`` exactly as received, UTF-8 (RFC 6531), as MAIL and RCPT carry it."""
-    return b"<" + address.encode("utf-8", "surrogateescape") + b">"
-
-
-def dot_stuff(data: bytes) -> bytes:
-    """A DATA body (RFC 5321 4.5.2): a leading dot doubled on every line, CRLF at the end, then
-    the lone-dot line."""
-    if not data.endswith(b"\r\n"):
-        data += b"\r\n"
-    if data.startswith(b"."):
-        data = b"." + data
-    return data.replace(b"\r\n.", b"\r\n..") + b".\r\n"
 
 
 # ----------------------------------------------------------------------------- server

@@ -5,7 +5,7 @@ where configured, AUTH PLAIN with this node's FQDN and the cluster secret: the
 only place a peer is authenticated), reusing idle sessions, and the client side
 of each exchange over such a session, driven by the sans-I/O
 ``ClientConnection`` (redundancy/connection.py) over the stream of
-redundancy/wire.py: a shadow copy (XSHADOWREQUEST once per session, then MAIL
+smtp/wire.py: a shadow copy (XSHADOWREQUEST once per session, then MAIL
 ``XSHADOW=``, RCPT and ``BDAT <n> LAST`` with the body in one write), the XSHADOW +
 XQDISCARD exchange (heartbeat and hop-by-hop start), XRESUBMIT. It never reads
 or writes the queue database and decides nothing: the Shadow Redundancy
@@ -37,7 +37,7 @@ from transportd.redundancy.connection import (
     TransactionReplies,
 )
 from transportd.redundancy.protocol import Peer, heartbeat_period
-from transportd.redundancy.wire import PeerWire
+from transportd.smtp.wire import SmtpWire
 
 DISCARD_BATCH = 50
 IDLE_SESSIONS_PER_PEER = 16
@@ -58,7 +58,7 @@ class ShadowCopyReply:
 class PeerSession:
     """One authenticated session to a peer's transport connector and its protocol state."""
 
-    def __init__(self, client: aiosmtplib.SMTP | PeerWire, peer: Peer, local_fqdn: str):
+    def __init__(self, client: aiosmtplib.SMTP | SmtpWire, peer: Peer, local_fqdn: str):
         self.client = client
         self.peer = peer
         self.conn = ClientConnection(local_fqdn)
@@ -108,12 +108,12 @@ class PeerSession:
         assert isinstance(event, TransactionReplies)
         return event
 
-    def _wire(self) -> PeerWire:
-        if not isinstance(self.client, PeerWire):
-            raise ProtocolError("pipelined transactions go over a PeerWire session")
+    def _wire(self) -> SmtpWire:
+        if not isinstance(self.client, SmtpWire):
+            raise ProtocolError("pipelined transactions go over a SmtpWire session")
         return self.client
 
-    async def _group(self, wire: PeerWire, group: bytes) -> Any:
+    async def _group(self, wire: SmtpWire, group: bytes) -> Any:
         """Write a pipelined group and read its replies as they come, until the connection says
         how it ended (the body after a 354 written when it asks)."""
         wire.write(group)
@@ -128,6 +128,9 @@ class PeerSession:
     @property
     def is_connected(self) -> bool:
         return self.client.is_connected
+
+    def supports_extension(self, name: str) -> bool:
+        return self.client.supports_extension(name)
 
     async def rset(self) -> Any:
         return await self.client.rset()
@@ -201,7 +204,7 @@ def _refusal(verb: str, events: list[Any]) -> str:
     return f"{verb}: no answer understood"
 
 
-async def authenticate(client: aiosmtplib.SMTP | PeerWire, local_fqdn: str, secret: str) -> None:
+async def authenticate(client: aiosmtplib.SMTP | SmtpWire, local_fqdn: str, secret: str) -> None:
     """Prove cluster membership on a session to a peer: AUTH PLAIN, user = our FQDN."""
     await client.auth_plain(local_fqdn, secret)
 
@@ -212,7 +215,7 @@ async def open_session(peer: Peer, *, local_fqdn: str, secret: str, tls: dict[st
     offer XSHADOWREQUEST). A heartbeat needs only XSHADOW + XQDISCARD, which a peer with shadow
     redundancy disabled still answers for the copies others hold of its mail."""
     host, _, port = peer.transport.rpartition(":")
-    client = PeerWire(host.strip("[]"), int(port), local_hostname=local_fqdn, timeout=timeout, **tls)
+    client = SmtpWire(host.strip("[]"), int(port), local_hostname=local_fqdn, timeout=timeout, **tls)
     await client.connect(**({"timeout": connect_timeout} if connect_timeout else {}))
     try:
         await client.ehlo()
@@ -223,7 +226,7 @@ async def open_session(peer: Peer, *, local_fqdn: str, secret: str, tls: dict[st
     return PeerSession(client, peer, local_fqdn)
 
 
-async def start_peer_session(client: aiosmtplib.SMTP | PeerWire, peer_name: str, *, local_fqdn: str, secret: str,
+async def start_peer_session(client: aiosmtplib.SMTP | SmtpWire, peer_name: str, *, local_fqdn: str, secret: str,
                              shadows: bool) -> None:
     """AUTH on a session whose EHLO is done; ``shadows``: the peer must offer XSHADOWREQUEST."""
     if shadows and not client.supports_extension("xshadowrequest"):

@@ -1,14 +1,13 @@
-"""Outbound SMTP sessions (aiosmtplib): next-hop hosts, connecting, the envelope sent byte for byte.
+"""Outbound SMTP sessions to next hops outside the boundary: their hosts, connecting, transactions.
 
 It owns finding a next hop's hosts (MX by preference, equal ones in random order, RFC 5321 5.1; a null MX
-is permanent, RFC 7505), opening a session to the first host that answers, and
-the MAIL/RCPT commands of every session of ours. It never reads the queue or
-decides an outcome (node/connectors.py does). aiosmtplib's ``mail()``/``rcpt()`` re-parse the address (``quote_address``) and
-encode it as ASCII unless told otherwise, which fails on an internationalized
-address (RFC 6531) and may rewrite an unusual but valid one. Every session of
-ours (shadow copies, hop-by-hop, smart host, MX) sends MAIL FROM and RCPT TO
-through these instead: the address exactly as received, UTF-8 encoded, in angle
-brackets. Deciding *whether* SMTPUTF8 may be used is ``envelope.plan_send``'s job.
+is permanent, RFC 7505), opening a session to the first host that answers (EHLO, HELO where
+EHLO is unknown, STARTTLS where offered), and running a transaction on it with our pipelining
+client (smtp/wire.py under smtp/transaction.py): MAIL, RCPT and DATA in one write where the next
+hop offers PIPELINING, one command at a time where it does not; the envelope goes out byte for
+byte (the address exactly as received, UTF-8, in angle brackets). It never reads the queue or
+decides an outcome (node/connectors.py does); deciding *whether* SMTPUTF8 may be used is
+``envelope.plan_send``'s job.
 """
 
 from __future__ import annotations
@@ -18,9 +17,9 @@ import random
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-import aiosmtplib
-
 from transportd.errors import PEER_FAILURES, NextHopPermanentError, NextHopUnavailable
+from transportd.smtp.transaction import Replies, Transaction
+from transportd.smtp.wire import SmtpWire
 
 
 @dataclass
@@ -57,80 +56,72 @@ async def resolve_mx(domain: str, port: int) -> list[SmtpTarget]:
 
 
 async def connect(targets: list[SmtpTarget], *, local_hostname: str, timeout: float, connect_timeout: float,
-                  tls: dict[str, Any]) -> tuple[aiosmtplib.SMTP, SmtpTarget]:
+                  tls: dict[str, Any]) -> tuple[NextHopSession, SmtpTarget]:
     """A session (EHLO done) to the first target that answers; NextHopUnavailable when none does."""
     errors = []
     for t in targets:
-        client = aiosmtplib.SMTP(hostname=t.host, port=t.port, local_hostname=local_hostname,
-                                 timeout=timeout, **tls)
+        wire = SmtpWire(t.host, t.port, local_hostname=local_hostname, timeout=timeout, helo_fallback=True, **tls)
         try:
-            await asyncio.wait_for(client.connect(timeout=connect_timeout), connect_timeout + 1)
-            await client.ehlo()
-            return client, t
+            await wire.connect(connect_timeout)
+            await wire.ehlo()
+            return NextHopSession(wire), t
         except PEER_FAILURES as exc:
             errors.append(f"{t.host}:{t.port}: {describe(exc)}")
-            close(client)
+            wire.close()
     raise NextHopUnavailable("; ".join(errors) or "no hosts for next hop")
 
 
-def close(client: aiosmtplib.SMTP) -> None:
-    try:
-        client.close()
-    except Exception:  # noqa: BLE001 - closing a broken session
-        pass
+class NextHopSession:
+    """One session to a next hop: transactions on it, then QUIT."""
+
+    def __init__(self, wire: SmtpWire):
+        self.wire = wire
+
+    def supports_extension(self, name: str) -> bool:
+        return self.wire.supports_extension(name)
+
+    @property
+    def is_connected(self) -> bool:
+        return self.wire.is_connected
+
+    async def transact(self, sender: str, params: list[str], recipients: list[str], data: bytes) -> Replies:
+        """One transaction; the replies of a pipelined group are read as they come. DATA, not BDAT:
+        BDAT to next hops outside was not measured (smtp-sink offers no CHUNKING)."""
+        tx = Transaction(sender, params, recipients, data, chunking=False,
+                         pipelining=self.wire.supports_extension("pipelining"))
+        self.wire.write(tx.start())
+        while tx.replies is None:
+            reply = await self.wire.read_reply()
+            more = tx.answer(reply.code, reply.message)
+            if more:
+                self.wire.write(more)
+        return tx.replies
+
+    async def rset(self) -> Any:
+        return await self.wire.rset()
+
+    async def quit(self) -> None:
+        try:
+            await asyncio.wait_for(self.wire.quit(), 5)
+        except Exception:  # noqa: BLE001 - the session is over either way
+            self.wire.close()
+
+    def close(self) -> None:
+        self.wire.close()
 
 
-async def rset_ok(client: aiosmtplib.SMTP) -> bool:
-    """RSET after a failure in the middle of a transaction: True when the session can go on."""
-    if not client.is_connected:
+async def rset_ok(session: Any) -> bool:
+    """RSET after a failure in the middle of a transaction (a next hop's or a peer's session):
+    True when the session can go on."""
+    if not session.is_connected:
         return False
     try:
-        await asyncio.wait_for(client.rset(), 10)
-        return True
+        return (await asyncio.wait_for(session.rset(), 10)).code == 250
     except Exception:  # noqa: BLE001
         return False
-
-
-async def rset(client: aiosmtplib.SMTP) -> None:
-    try:
-        await client.rset()
-    except aiosmtplib.SMTPException:
-        pass
-
-
-async def quit(client: aiosmtplib.SMTP) -> None:
-    try:
-        await asyncio.wait_for(client.quit(), 5)
-    except Exception:  # noqa: BLE001 - the session is over either way
-        close(client)
-
-
-def reply_of(exc: aiosmtplib.SMTPResponseException) -> str:
-    return f"{exc.code} {exc.message}".strip()
 
 
 def describe(exc: BaseException) -> str:
     """An exception as one short line for a reply or a log."""
     text = str(exc) or exc.__class__.__name__
     return text.replace("\r", " ").replace("\n", " ")[:300]
-
-
-def _path(address: str) -> bytes:
-    return b"<" + address.encode("utf-8", "surrogateescape") + b">"
-
-
-async def mail(client: aiosmtplib.SMTP, sender: str, options: Iterable[str] = ()) -> aiosmtplib.SMTPResponse:
-    """MAIL FROM:<sender> [options]; raises SMTPSenderRefused on anything but 250."""
-    resp = await client.execute_command(b"MAIL", b"FROM:" + _path(sender),
-                                        *(o.encode("ascii") for o in options))
-    if resp.code != 250:
-        raise aiosmtplib.SMTPSenderRefused(resp.code, resp.message, sender)
-    return resp
-
-
-async def rcpt(client: aiosmtplib.SMTP, recipient: str) -> aiosmtplib.SMTPResponse:
-    """RCPT TO:<recipient>; raises SMTPRecipientRefused on anything but 250/251."""
-    resp = await client.execute_command(b"RCPT", b"TO:" + _path(recipient))
-    if resp.code not in (250, 251):
-        raise aiosmtplib.SMTPRecipientRefused(resp.code, resp.message, recipient)
-    return resp

@@ -1,14 +1,16 @@
-"""The asyncio adapter under a peer session: one TCP (or STARTTLS) stream to a peer's transport connector.
+"""The asyncio adapter under our pipelining SMTP client: one TCP (or STARTTLS) stream to a peer's
+transport connector or to a next hop outside the boundary.
 
 It owns the socket: connecting and reading the greeting, EHLO and the keywords the
-peer offers, STARTTLS (the peer's certificate checked against ``transport.tls_ca``
-where set), AUTH PLAIN's exchange, writing bytes a caller (the sans-I/O
-``ClientConnection``) produced, and reading replies one at a time as they come,
-so a pipelined group's replies are taken from the stream in order. It never
-decides what to send or what a reply means for a shadow copy (connection.py does),
-and it holds no queue database. aiosmtplib stays the client for delivery outside
-the boundary; its protocol object reads one reply per command written, which
-pipelining cannot use.
+server offers (HELO where a next hop does not know EHLO), STARTTLS (required to peers,
+with the certificate checked against ``transport.tls_ca`` where set; used when offered
+by a next hop), AUTH PLAIN's exchange, writing bytes a caller (a sans-I/O
+``Transaction`` or ``ClientConnection``) produced, and reading replies one at a time as
+they come, so a pipelined group's replies are taken from the stream in order. It never
+decides what to send or what a reply means for a message (smtp/transaction.py,
+redundancy/connection.py and node/connectors.py do), and it holds no queue database.
+aiosmtplib's protocol object reads one reply per command written, which pipelining
+cannot use.
 """
 
 from __future__ import annotations
@@ -40,17 +42,20 @@ def tls_context(options: dict[str, Any]) -> ssl.SSLContext:
     return ctx
 
 
-class PeerWire:
+class SmtpWire:
     """One session's stream. Every read is bounded by ``timeout``; a closed stream raises
-    PeerTransientError, a reply that is no SMTP reply ProtocolError."""
+    PeerTransientError, a reply that is no SMTP reply ProtocolError. ``start_tls``: True
+    requires STARTTLS, None uses it when the server offers it (aiosmtplib's meaning), False
+    never; ``helo_fallback``: HELO after an EHLO answered 500 or 502 (RFC 5321 4.1.1.1)."""
 
     def __init__(self, hostname: str, port: int, *, local_hostname: str, timeout: float,
-                 start_tls: bool = False, **tls: Any):
+                 start_tls: bool | None = False, helo_fallback: bool = False, **tls: Any):
         self.hostname = hostname
         self.port = port
         self.local_hostname = local_hostname
         self.timeout = timeout
         self.start_tls = start_tls
+        self.helo_fallback = helo_fallback
         self.tls = tls
         self.extensions: dict[str, str] = {}
         self._reader: asyncio.StreamReader | None = None
@@ -69,11 +74,13 @@ class PeerWire:
         return greeting
 
     async def ehlo(self) -> Reply:
-        """EHLO, with STARTTLS first where configured (then EHLO again, as RFC 3207 asks)."""
+        """EHLO, with STARTTLS first where required or offered and wanted (then EHLO again, as
+        RFC 3207 asks)."""
         reply = await self._ehlo()
-        if self.start_tls:
-            if not self.supports_extension("starttls"):
-                raise PeerPermanentError(f"{self.hostname}:{self.port} does not offer STARTTLS")
+        offered = self.supports_extension("starttls")
+        if self.start_tls is True and not offered:
+            raise PeerPermanentError(f"{self.hostname}:{self.port} does not offer STARTTLS")
+        if self.start_tls is True or (self.start_tls is None and offered):
             answer = await self.execute_command(b"STARTTLS")
             if answer.code != 220:
                 raise PeerPermanentError(f"STARTTLS answered {answer.code} {answer.message}")
@@ -84,10 +91,15 @@ class PeerWire:
         return reply
 
     async def _ehlo(self) -> Reply:
+        self.extensions = {}
         reply = await self.execute_command(b"EHLO", self.local_hostname.encode("ascii"))
+        if reply.code in (500, 502) and self.helo_fallback:
+            reply = await self.execute_command(b"HELO", self.local_hostname.encode("ascii"))
+            if reply.code != 250:
+                raise PeerPermanentError(f"HELO answered {reply.code} {reply.message}")
+            return reply
         if reply.code != 250:
             raise PeerPermanentError(f"EHLO answered {reply.code} {reply.message}")
-        self.extensions = {}
         for line in reply.message.split("\n")[1:]:
             keyword, _, rest = line.strip().partition(" ")
             self.extensions[keyword.lower()] = rest

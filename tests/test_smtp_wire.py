@@ -1,4 +1,4 @@
-"""redundancy/wire.py, the stream under a peer session, against small scripted servers on loopback."""
+"""smtp/wire.py, the stream under a peer session, against small scripted servers on loopback."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from transportd.errors import PeerPermanentError, PeerTransientError, ProtocolError
-from transportd.redundancy.wire import PeerWire
+from transportd.smtp.wire import SmtpWire
 
 
 async def scripted(script: list[tuple[bytes | None, bytes | None]]):
@@ -37,7 +37,7 @@ async def test_greeting_ehlo_keywords_auth_and_a_pipelined_group() -> None:
         (b"hi!", b"250 2.0.0 queued\r\n"),
     ])
     async with server:
-        wire = PeerWire("127.0.0.1", port, local_hostname="me.test", timeout=5)
+        wire = SmtpWire("127.0.0.1", port, local_hostname="me.test", timeout=5)
         assert (await wire.connect()).code == 220
         await wire.ehlo()
         assert wire.supports_extension("chunking") and wire.supports_extension("SIZE")
@@ -62,7 +62,7 @@ async def test_greeting_ehlo_keywords_auth_and_a_pipelined_group() -> None:
 async def test_a_peer_that_breaks_the_session_start_is_an_error(script, error) -> None:
     server, port = await scripted(script)
     async with server:
-        wire = PeerWire("127.0.0.1", port, local_hostname="me.test", timeout=5, start_tls=True)
+        wire = SmtpWire("127.0.0.1", port, local_hostname="me.test", timeout=5, start_tls=True)
         with pytest.raises(error):
             await wire.connect()
             await wire.ehlo()
@@ -73,7 +73,7 @@ async def test_auth_refused_and_a_silent_peer() -> None:
     server, port = await scripted([(None, b"220 ok\r\n"), (b"EHLO", b"250 peer\r\n"),
                                    (b"AUTH", b"535 5.7.8 no\r\n"), (b"NOOP", None)])
     async with server:
-        wire = PeerWire("127.0.0.1", port, local_hostname="me.test", timeout=0.5)
+        wire = SmtpWire("127.0.0.1", port, local_hostname="me.test", timeout=0.5)
         await wire.connect()
         await wire.ehlo()
         with pytest.raises(PeerPermanentError, match="535"):
