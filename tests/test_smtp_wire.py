@@ -1,12 +1,15 @@
-"""smtp/wire.py, the stream under a peer session, against small scripted servers on loopback."""
+"""smtp/wire.py, the stream under our pipelining client (peer sessions and next hops), against small
+scripted servers on loopback."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 
 from transportd.errors import PeerPermanentError, PeerTransientError, ProtocolError
+from transportd.smtp.client import SmtpTarget, connect, rset_ok
 from transportd.smtp.wire import SmtpWire
 
 
@@ -81,3 +84,92 @@ async def test_auth_refused_and_a_silent_peer() -> None:
         with pytest.raises(asyncio.TimeoutError):
             await wire.execute_command(b"NOOP")  # never answered: bounded by the timeout
         wire.close()
+
+
+# ------------------------------------------------------------------ sessions to next hops outside
+
+async def test_a_next_hop_without_ehlo_gets_helo_and_one_command_at_a_time() -> None:
+    server, port = await scripted([
+        (None, b"220 old.test SMTP\r\n"),
+        (b"EHLO me.test", b"502 5.5.2 what?\r\n"), (b"HELO me.test", b"250 old.test\r\n"),
+        (b"MAIL FROM:<a@x.test>\r", b"250 ok\r\n"), (b"RCPT TO:<b@y.test>\r", b"550 5.1.1 no b\r\n"),
+        (b"RCPT TO:<c@y.test>\r", b"250 ok\r\n"), (b"DATA\r", b"354 go\r\n"),
+        (b"hello", b""), (b".\r", b"250 2.0.0 queued\r\n"), (b"QUIT", b"221 bye\r\n"),
+    ])
+    async with server:
+        session, _ = await connect([SmtpTarget("127.0.0.1", port)], local_hostname="me.test", timeout=5,
+                                   connect_timeout=5, tls={"start_tls": None})
+        assert not session.supports_extension("pipelining")
+        replies = await session.transact("a@x.test", [], ["b@y.test", "c@y.test"], b"hello\r\n")
+        assert replies.recipients == ((550, "5.1.1 no b"), (250, "ok")) and replies.data == (250, "2.0.0 queued")
+        await session.quit()
+
+
+async def test_a_pipelining_next_hop_gets_one_group_and_a_lone_dot_when_it_says_354_to_nobody() -> None:
+    server, port = await scripted([
+        (None, b"220 mx.test ESMTP\r\n"),
+        (b"EHLO me.test", b"250-mx.test\r\n250 PIPELINING\r\n"),
+        (b"MAIL FROM:<a@x.test>\r", b""), (b"RCPT TO:<b@y.test>\r", b""),
+        (b"DATA\r", b"250 ok\r\n550 5.1.1 no b\r\n354 go anyway\r\n"),
+        (b".\r\n", b"554 5.5.1 no valid recipients\r\n"),  # the lone dot, not the body
+        (b"RSET", b"250 ok\r\n"),
+    ])
+    async with server:
+        session, _ = await connect([SmtpTarget("127.0.0.1", port)], local_hostname="me.test", timeout=5,
+                                   connect_timeout=5, tls={"start_tls": None})
+        replies = await session.transact("a@x.test", [], ["b@y.test"], b"secret body\r\n")
+        assert replies.refusal == (550, "5.1.1 no b") and replies.data[0] == 554
+        assert await rset_ok(session)
+        session.close()
+
+
+async def test_starttls_is_used_when_a_next_hop_offers_it(tmp_path) -> None:
+    """start_tls None (the SMTP connector's): STARTTLS when offered, then EHLO again over TLS."""
+    import ssl
+
+    import trustme
+    from aiosmtpd.controller import Controller
+    from aiosmtpd.smtp import SMTP as AioSMTP
+
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    seen: list[tuple[bool, bytes]] = []
+
+    class Handler:
+        async def handle_DATA(self, server, session, envelope):
+            seen.append((session.ssl is not None, envelope.content))
+            return "250 2.0.0 queued"
+
+    class Factory(Controller):
+        def factory(self):
+            return AioSMTP(self.handler, tls_context=context, require_starttls=False)
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    controller = Factory(Handler(), hostname="127.0.0.1", port=port)
+    controller.start()
+    try:
+        session, _ = await connect([SmtpTarget("127.0.0.1", port)], local_hostname="me.test", timeout=5,
+                                   connect_timeout=5, tls={"start_tls": None, "validate_certs": False})
+        assert not session.supports_extension("starttls")  # the EHLO after STARTTLS offers it no more
+        replies = await session.transact("a@x.test", [], ["b@y.test"], b"Subject: tls\r\n\r\nover tls\r\n")
+        assert replies.data[0] == 250
+        await session.quit()
+    finally:
+        controller.stop()
+    assert seen == [(True, b"Subject: tls\r\n\r\nover tls\r\n")]
+
+
+async def test_no_starttls_when_a_next_hop_does_not_offer_it() -> None:
+    server, port = await scripted([
+        (None, b"220 mx.test ESMTP\r\n"), (b"EHLO me.test", b"250-mx.test\r\n250 PIPELINING\r\n"),
+        (b"MAIL FROM:<a@x.test>", b""), (b"RCPT", b""), (b"DATA", b"250 ok\r\n250 ok\r\n354 go\r\n"),
+        (b"x", b""), (b".", b"250 queued\r\n"), (b"QUIT", b"221 bye\r\n"),
+    ])
+    async with server:
+        session, _ = await connect([SmtpTarget("127.0.0.1", port)], local_hostname="me.test", timeout=5,
+                                   connect_timeout=5, tls={"start_tls": None})
+        assert (await session.transact("a@x.test", [], ["b@y.test"], b"x\r\n")).data == (250, "queued")
+        await session.quit()
