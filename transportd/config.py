@@ -862,7 +862,7 @@ def markdown_reference() -> str:
 
 
 def peer_tls_options(cfg: Config) -> dict[str, Any]:
-    """aiosmtplib options for sessions to peers' transport connectors."""
+    """STARTTLS options (smtp/wire.py) for sessions to peers' transport connectors."""
     tr = cfg.transport
     if not tr.tls_certificate:
         return {"start_tls": False, "validate_certs": False}

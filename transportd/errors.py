@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import asyncio
 
-import aiosmtplib
-
 
 class TransportdError(Exception):
     """Base of every exception transportd raises on purpose."""
@@ -95,5 +93,4 @@ class MessageRejected(TransportdError):
 
 
 # A session to a peer or a next hop failed: the network, the SMTP exchange, a timeout, the contract.
-PEER_FAILURES: tuple[type[BaseException], ...] = (aiosmtplib.SMTPException, OSError, asyncio.TimeoutError,
-                                                  ProtocolError, PeerError)
+PEER_FAILURES: tuple[type[BaseException], ...] = (OSError, asyncio.TimeoutError, ProtocolError, PeerError)

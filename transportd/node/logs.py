@@ -97,6 +97,6 @@ def setup_logging(level: str = "info", fmt: str = "text", name: str = "") -> Non
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
     logging.captureWarnings(True)  # warnings.warn() lines go through the handler too
-    for noisy in ("aiosmtpd", "aiosmtplib"):
+    for noisy in ("aiosmtpd",):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.getLogger("mail.log").setLevel(logging.ERROR)  # aiosmtpd's per-line chatter and deprecations

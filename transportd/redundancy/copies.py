@@ -15,8 +15,6 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import aiosmtplib
-
 from transportd.errors import PEER_FAILURES
 from transportd.queue.messages import NewMessage
 from transportd.redundancy.peers import PeerPool, PeerSession
@@ -109,16 +107,8 @@ class ShadowCopier:
                 if result.held and peer.name not in uncertain:
                     uncertain.append(peer.name)  # refused, yet stored: it gets a discard event
                 return result.accepted, result.reply
-        except aiosmtplib.SMTPResponseException as exc:
-            if s is not None:
-                try:
-                    await s.client.rset()
-                    ok = True  # the session itself is fine
-                except Exception:  # noqa: BLE001
-                    ok = False
-            return False, f"{exc.code} {exc.message}"
         except PEER_FAILURES as exc:
-            if isinstance(exc, (asyncio.TimeoutError, aiosmtplib.SMTPTimeoutError)):
+            if isinstance(exc, asyncio.TimeoutError):
                 timed_out.add(peer.name)
             if s is not None and s.data_sent and peer.name not in uncertain:
                 uncertain.append(peer.name)  # it may hold a copy we do not count

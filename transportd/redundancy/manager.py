@@ -20,8 +20,6 @@ import time
 import uuid
 from typing import Any, Iterable
 
-import aiosmtplib
-
 from transportd import faults
 from transportd.errors import PEER_FAILURES
 from transportd.queue import messages as mq
@@ -212,7 +210,7 @@ class ShadowManager:
                         for i in range(0, len(guids), MAX_ADOPT_BATCH):
                             adopted += await s.adopt(lost, rank, guids[i:i + MAX_ADOPT_BATCH])
                     ok = True
-            except (*PEER_FAILURES, aiosmtplib.SMTPResponseException) as exc:
+            except PEER_FAILURES as exc:
                 log.warning("XSHADOWADOPT to %s for %d promoted message(s) of %s failed: %s", peer.name,
                             len(guids), lost, exc)
             finally:

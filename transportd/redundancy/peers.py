@@ -19,8 +19,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import aiosmtplib
-
 from transportd.config import peer_tls_options
 from transportd.errors import PEER_FAILURES, NoShadowRequests, ProtocolError
 from transportd.redundancy.connection import (
@@ -44,7 +42,7 @@ IDLE_SESSIONS_PER_PEER = 16
 
 
 def tls_options(cfg: Any) -> dict[str, Any]:
-    """aiosmtplib options for a session to a peer: STARTTLS with the cluster CA where configured."""
+    """Options for a session to a peer (smtp/wire.py): STARTTLS with the cluster CA where configured."""
     return peer_tls_options(cfg)
 
 
@@ -58,7 +56,7 @@ class ShadowCopyReply:
 class PeerSession:
     """One authenticated session to a peer's transport connector and its protocol state."""
 
-    def __init__(self, client: aiosmtplib.SMTP | SmtpWire, peer: Peer, local_fqdn: str):
+    def __init__(self, client: SmtpWire, peer: Peer, local_fqdn: str):
         self.client = client
         self.peer = peer
         self.conn = ClientConnection(local_fqdn)
@@ -204,7 +202,7 @@ def _refusal(verb: str, events: list[Any]) -> str:
     return f"{verb}: no answer understood"
 
 
-async def authenticate(client: aiosmtplib.SMTP | SmtpWire, local_fqdn: str, secret: str) -> None:
+async def authenticate(client: SmtpWire, local_fqdn: str, secret: str) -> None:
     """Prove cluster membership on a session to a peer: AUTH PLAIN, user = our FQDN."""
     await client.auth_plain(local_fqdn, secret)
 
@@ -226,7 +224,7 @@ async def open_session(peer: Peer, *, local_fqdn: str, secret: str, tls: dict[st
     return PeerSession(client, peer, local_fqdn)
 
 
-async def start_peer_session(client: aiosmtplib.SMTP | SmtpWire, peer_name: str, *, local_fqdn: str, secret: str,
+async def start_peer_session(client: SmtpWire, peer_name: str, *, local_fqdn: str, secret: str,
                              shadows: bool) -> None:
     """AUTH on a session whose EHLO is done; ``shadows``: the peer must offer XSHADOWREQUEST."""
     if shadows and not client.supports_extension("xshadowrequest"):

@@ -9,8 +9,8 @@ by a next hop), AUTH PLAIN's exchange, writing bytes a caller (a sans-I/O
 they come, so a pipelined group's replies are taken from the stream in order. It never
 decides what to send or what a reply means for a message (smtp/transaction.py,
 redundancy/connection.py and node/connectors.py do), and it holds no queue database.
-aiosmtplib's protocol object reads one reply per command written, which pipelining
-cannot use.
+(aiosmtplib, the client before it, reads one reply per command written, which pipelining
+cannot use.)
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ MAX_REPLY_LINES = 200
 @dataclass(frozen=True)
 class Reply:
     code: int
-    message: str  # its lines joined with LF, as aiosmtplib's SMTPResponse has it
+    message: str  # its lines joined with LF
 
 
 def tls_context(options: dict[str, Any]) -> ssl.SSLContext:
-    """The context for STARTTLS from aiosmtplib-style options (``validate_certs``, ``cert_bundle``)."""
+    """The context for STARTTLS from the session's options (``validate_certs``, ``cert_bundle``)."""
     if options.get("validate_certs"):
         return ssl.create_default_context(cafile=options.get("cert_bundle"))
     ctx = ssl.create_default_context()
@@ -43,9 +43,9 @@ def tls_context(options: dict[str, Any]) -> ssl.SSLContext:
 
 
 class SmtpWire:
-    """One session's stream. Every read is bounded by ``timeout``; a closed stream raises
+    """One session's stream. Every reply is awaited at most ``timeout``; a closed stream raises
     PeerTransientError, a reply that is no SMTP reply ProtocolError. ``start_tls``: True
-    requires STARTTLS, None uses it when the server offers it (aiosmtplib's meaning), False
+    requires STARTTLS, None uses it when the server offers it, False
     never; ``helo_fallback``: HELO after an EHLO answered 500 or 502 (RFC 5321 4.1.1.1)."""
 
     def __init__(self, hostname: str, port: int, *, local_hostname: str, timeout: float,
@@ -135,7 +135,12 @@ class SmtpWire:
         return await self.read_reply()
 
     async def read_reply(self) -> Reply:
-        """The next reply from the stream (multi-line replies joined)."""
+        """The next reply from the stream (multi-line replies joined), within ``timeout``: one timer
+        per reply, not one task per line (``wait_for``), since a reply's lines mostly come together."""
+        async with asyncio.timeout(self.timeout):
+            return await self._read_reply()
+
+    async def _read_reply(self) -> Reply:
         lines: list[str] = []
         while True:
             line = await self._read_line()
@@ -153,7 +158,7 @@ class SmtpWire:
         if self._reader is None:
             raise PeerTransientError("not connected")
         try:
-            line = await asyncio.wait_for(self._reader.readuntil(b"\n"), self.timeout)
+            line = await self._reader.readuntil(b"\n")
         except asyncio.IncompleteReadError:
             self.close()
             raise PeerTransientError(f"{self.hostname}:{self.port} closed the connection") from None
