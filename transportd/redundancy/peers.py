@@ -84,7 +84,7 @@ class PeerSession:
         """MAIL ``XSHADOW=<guid>``, RCPT and ``BDAT <n> LAST`` (DATA where the peer offers no
         CHUNKING) in one write, the replies read as they come: the copy counts only when the peer
         says 2.6.0. A refused copy leaves the session usable."""
-        wire = self._wire()
+        wire = self.client
         self.data_sent = False
         group = self.conn.send_shadow_copy(sender, params, recipients, data, guid,
                                            chunking=wire.supports_extension("chunking"), rank=rank)
@@ -99,17 +99,12 @@ class PeerSession:
                     guid: str | None) -> TransactionReplies:
         """A message relayed to the peer (hop by hop with ``guid``: MAIL ``XSHADOW=``), as one
         pipelined group like ``copy``; every reply, for the caller to read per recipient."""
-        wire = self._wire()
+        wire = self.client
         group = self.conn.send_transaction(sender, params, recipients, data, guid=guid,
                                            chunking=wire.supports_extension("chunking"))
         event = await self._group(wire, group)
         assert isinstance(event, TransactionReplies)
         return event
-
-    def _wire(self) -> SmtpWire:
-        if not isinstance(self.client, SmtpWire):
-            raise ProtocolError("pipelined transactions go over a SmtpWire session")
-        return self.client
 
     async def _group(self, wire: SmtpWire, group: bytes) -> Any:
         """Write a pipelined group and read its replies as they come, until the connection says
