@@ -49,6 +49,8 @@ HASHED_KEYS = 1_000_000
 """Keys one task may aggregate in its hash map before sorting instead (a bound on its memory)."""
 PARTITION_BYTES = 64 * 1024 * 1024
 """Input bytes per shuffle partition when the job picks the count (AQE coalesces smaller ones)."""
+JAVA_OPTIONS = "-XX:-DontCompileHugeMethods -XX:+UseParallelGC"
+"""The driver's and executors' JVM options (``--conf spark.driver.extraJavaOptions=...`` replaces them)."""
 
 
 class AnalyzeError(Exception):
@@ -87,9 +89,11 @@ def spark_session(master: str | None = None, app_name: str = "transportd-analyze
         # which costs several times more per host name and address
         "spark.sql.icu.caseMappings.enabled": "false",
         # The job's generated code (one method per stage) is longer than the 8,000 bytes the
-        # JVM compiles by default: without this it runs interpreted, 2-3 times slower.
-        "spark.driver.extraJavaOptions": "-XX:-DontCompileHugeMethods",
-        "spark.executor.extraJavaOptions": "-XX:-DontCompileHugeMethods",
+        # JVM compiles by default: without this it runs interpreted, 2-3 times slower. The
+        # parallel (throughput) collector instead of G1: a batch job needs no short pauses, and
+        # G1's concurrent work competes for the same few cores (docs/analytics.md, fifth pass).
+        "spark.driver.extraJavaOptions": JAVA_OPTIONS,
+        "spark.executor.extraJavaOptions": JAVA_OPTIONS,
     }
     if chosen.startswith("local"):
         defaults["spark.ui.enabled"] = "false"
