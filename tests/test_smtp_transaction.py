@@ -3,12 +3,14 @@ command at a time, what follows each reply, and the same outcome either way (RFC
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from transportd.errors import ProtocolError
-from transportd.smtp.transaction import Replies, Transaction
+from transportd.smtp.transaction import Replies, Transaction, dot_stuff
 
 BODY = b"Subject: t\r\n\r\n.dot line\r\nend"
 
@@ -149,3 +151,28 @@ def test_pipelined_and_one_at_a_time_give_every_recipient_the_same_outcome(mail,
     # A recipient is delivered only when MAIL, its RCPT and the data were all accepted.
     expect = [final if mail == 250 and rc in (250, 251) else (mail if mail != 250 else rc) for rc in rcpts]
     assert outcomes[0] == expect
+
+
+def test_dot_stuffing_makes_every_line_end_crlf() -> None:
+    assert dot_stuff(b"a\r\n.b\r\n") == b"a\r\n..b\r\n.\r\n"
+    assert dot_stuff(b".") == b"..\r\n.\r\n"
+    # A bare LF or CR before a dot: a next hop that ends lines at a bare LF must not read a lone
+    # dot (the end of the data) in the middle of the body.
+    assert dot_stuff(b"a\n.\nb") == b"a\r\n..\r\nb\r\n.\r\n"
+    assert dot_stuff(b"a\r.\r\nb\r\n") == b"a\r\n..\r\nb\r\n.\r\n"
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=60).map(lambda b: bytes(b"a.\r\n"[x % 4] for x in b)))
+def test_the_only_lone_dot_line_a_next_hop_can_see_is_the_end(body: bytes) -> None:
+    wire = dot_stuff(body)
+    assert wire.endswith(b"\r\n.\r\n") or wire == b".\r\n"
+    content = wire[:-3]
+    # No bare CR or LF: lines end the same way for a strict and a lenient reader.
+    assert content.count(b"\r") == content.count(b"\n") == content.count(b"\r\n")
+    lines = content.split(b"\r\n")[:-1]
+    assert b"." not in lines
+    # Un-stuffed, it is the body with its line ends made CRLF (and one at the end).
+    unstuffed = b"".join((line[1:] if line.startswith(b".") else line) + b"\r\n" for line in lines)
+    expect = re.sub(rb"\r\n|\n|\r", b"\r\n", body)
+    assert unstuffed == (expect if expect.endswith(b"\r\n") else expect + b"\r\n")

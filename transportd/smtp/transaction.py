@@ -12,6 +12,7 @@ reply means for a message: the caller reads ``Replies``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,9 +24,17 @@ def envelope_path(address: str) -> bytes:
     return b"<" + address.encode("utf-8", "surrogateescape") + b">"
 
 
+_LINE_ENDS = re.compile(rb"\r\n|\n|\r(?!\n)")
+
+
 def dot_stuff(data: bytes) -> bytes:
-    """A DATA body (RFC 5321 4.5.2): a leading dot doubled on every line, CRLF at the end, then
-    the lone-dot line."""
+    """A DATA body (RFC 5321 4.5.2): every line ending CRLF (a bare CR or LF a body may hold
+    becomes one: a next hop that takes a bare LF as a line end must not see a lone dot where we
+    meant none, the "SMTP smuggling" confusion), a leading dot doubled on every line, CRLF at
+    the end, then the lone-dot line."""
+    crlf = data.count(b"\r\n")
+    if data.count(b"\n") != crlf or data.count(b"\r") != crlf:
+        data = _LINE_ENDS.sub(b"\r\n", data)
     if not data.endswith(b"\r\n"):
         data += b"\r\n"
     if data.startswith(b"."):
