@@ -167,10 +167,6 @@ class SmtpWire:
             raise ProtocolError(f"a reply line too long from {self.hostname}") from None
         return line
 
-    async def drain(self) -> None:
-        if self._writer is not None:
-            await asyncio.wait_for(self._writer.drain(), self.timeout)
-
     async def rset(self) -> Reply:
         return await self.execute_command(b"RSET")
 
