@@ -831,3 +831,48 @@ def test_bdat_refusals_consume_the_chunk_and_change_nothing(make_node):
     bodies = list(stored_bodies(node).values())
     assert len(bodies) == 1 and b"leftover" not in bodies[0] and b"evil" not in bodies[0]
     assert node.alive and "Traceback" not in node.log()
+
+
+async def test_a_multiline_reply_goes_out_in_one_write(tmp_path, monkeypatch):
+    """aiosmtpd writes (and drains) each reply line; an EHLO reply was ten writes. Every reply,
+    multiline or not, is now one write, its lines in order (RFC 5321 4.2.1)."""
+    async def accept(envelope, session, connector):
+        return 7
+
+    cfg, server, port = await _start_frontend(tmp_path, accept)
+    writes: list[bytes] = []
+    real_write = asyncio.StreamWriter.write
+
+    def recording_write(self, data):
+        if self.get_extra_info("sockname")[1] == port:  # the server's side of the connection
+            writes.append(bytes(data))
+        return real_write(self, data)
+
+    monkeypatch.setattr(asyncio.StreamWriter, "write", recording_write)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+        async def exchange(command: bytes) -> bytes:
+            writer.write(command)
+            out = b""
+            while not re.search(rb"(^|\r\n)\d{3} [^\r\n]*\r\n$", out):
+                out += await asyncio.wait_for(reader.read(65536), 10)
+            return out
+
+        greeting = await exchange(b"")
+        assert greeting.startswith(b"220 ") and writes == [greeting]
+        reply = await exchange(b"EHLO client.test\r\n")
+        lines = reply.decode().split("\r\n")[:-1]
+        assert lines[0] == f"250-{NODE_NAME}" and lines[-1] == "250 HELP" and len(lines) >= 7, lines
+        assert all(line.startswith("250-") for line in lines[:-1])
+        assert writes[1:] == [reply]  # one write for the whole reply
+        del writes[:]
+        for command in (b"MAIL FROM:<a@remote.test>\r\n", b"RCPT TO:<alice@example.test>\r\n",
+                        b"DATA\r\n", b"Subject: x\r\n\r\nhi\r\n.\r\n", b"QUIT\r\n"):
+            reply = await exchange(command)
+            assert writes[-1] == reply and reply.count(b"\r\n") == 1, (command, reply)
+        assert len(writes) == 5
+        writer.close()
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -100,8 +100,7 @@ class TransportSMTP(LimitedSMTP):
 
     async def _write(self, data: bytes) -> None:
         """Replies exactly as the connection words them (docs/PROTOCOL.md; no enhanced code added)."""
-        self._writer.write(data)
-        await self._writer.drain()
+        await self._send(data)
 
     async def _judge(self, verb: str, arg: str | None) -> Event:
         """The connection's verdict on one command; refusals are answered here."""

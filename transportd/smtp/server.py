@@ -26,6 +26,7 @@ log = logging.getLogger("transportd.smtp.server")
 
 
 DATA_TOO_LONG, DATA_TOO_MUCH = "too long", "too much"
+_HELD_LINES = 64  # a multiline reply longer than this goes out in more than one write
 
 
 async def read_data(reader: asyncio.StreamReader, size_limit: int | None,
@@ -285,6 +286,7 @@ class LimitedSMTP(_VerbsDir, SMTP):
         self._counted_ip: str | None = None
         self._absolute_handle: asyncio.TimerHandle | None = None
         self._plain_250 = False  # HELO/EHLO replies carry no enhanced status code (RFC 2034)
+        self._held: list[bytes] = []  # lines of a multiline reply not written yet (push)
         self.chunking = chunking  # CHUNKING offered (EHLO) and BDAT served
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -329,7 +331,8 @@ class LimitedSMTP(_VerbsDir, SMTP):
     def _say_and_close(self, reply: str) -> None:
         if self.transport is not None and not self.transport.is_closing():
             try:
-                self._writer.write(reply.encode("ascii") + b"\r\n")
+                self._writer.write(b"".join(self._held) + reply.encode("ascii") + b"\r\n")
+                self._held.clear()
             except Exception:  # noqa: BLE001 - the connection is going away anyway
                 pass
 
@@ -508,11 +511,27 @@ class LimitedSMTP(_VerbsDir, SMTP):
         await self.push(replies.S502_NOT_IMPLEMENTED)
 
     async def push(self, status: Any) -> None:
+        """One reply line, in our wording. A line of a multiline reply (``250-...``, RFC 5321
+        4.2.1) is held until the reply's last line, so a reply goes out in one write: aiosmtpd
+        writes and drains each line, and an EHLO reply was ten writes (~60-90 us of CPU each here)."""
         if isinstance(status, str):
             if not (self._plain_250 and status.startswith("250")):
                 status = replies.translate(status)
-            status = replies.wire_safe(status)
-        await super().push(status)
+            status = replies.wire_safe(status).encode("utf-8" if self.enable_SMTPUTF8 else "ascii")
+        line = status + b"\r\n"
+        if status[3:4] == b"-" and len(self._held) < _HELD_LINES:
+            self._held.append(line)
+            return
+        await self._send(line)
+
+    async def _send(self, data: bytes) -> None:
+        """Write ``data`` after any held reply lines, then drain (as aiosmtpd's push does)."""
+        if self._held:
+            self._held.append(data)
+            data = b"".join(self._held)
+            self._held.clear()
+        self._writer.write(data)
+        await self._writer.drain()
 
 
 class _CommandLimits(dict):
