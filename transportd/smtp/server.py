@@ -266,7 +266,68 @@ def plain_path(arg: str, local_part_limit: int) -> tuple[Any, Any] | None:
     return m.group(1), rest
 
 
-class LimitedSMTP(_VerbsDir, SMTP):
+class _Replies:
+    """How a session's replies go on the wire: in our wording, each reply in one write, and the
+    replies of a pipelined group (RFC 2920) together. LimitedSMTP sets ``_held``, ``_in_group``
+    and ``_plain_250``."""
+
+    _held: list[bytes]
+    _in_group: bool
+    _plain_250: bool
+    _reader: asyncio.StreamReader
+    _writer: asyncio.StreamWriter
+    enable_SMTPUTF8: bool
+
+    async def push(self, status: Any) -> None:
+        """One reply line, in our wording. A line of a multiline reply (``250-...``, RFC 5321
+        4.2.1) is held until the reply's last line, so a reply goes out in one write: aiosmtpd
+        writes and drains each line, and an EHLO reply was ten writes (~60-90 us of CPU each here).
+        Replies inside a pipelined group are held too (``_in_pipelined_group``)."""
+        if isinstance(status, str):
+            if not (self._plain_250 and status.startswith("250")):
+                status = replies.translate(status)
+            status = replies.wire_safe(status).encode("utf-8" if self.enable_SMTPUTF8 else "ascii")
+        line = status + b"\r\n"
+        if len(self._held) < _HELD_LINES and (status[3:4] == b"-" or (self._in_group and self._line_buffered())):
+            self._held.append(line)
+            return
+        await self._send(line)
+
+    def _line_buffered(self) -> bool:
+        """A whole command line (or more) is already in the stream's buffer: the client pipelines."""
+        buffered = self._reader._buffer
+        return bool(buffered) and b"\n" in buffered
+
+    async def _in_pipelined_group(self, command: Callable[[str | None], Awaitable[None]], arg: str | None) -> None:
+        """Run a command that RFC 2920 lets a client send in the middle of a pipelined group;
+        its reply is held while the group's next command is already read in, so the group's
+        replies go out in one write (the write that answers DATA, BDAT LAST or the group's last)."""
+        self._in_group = True
+        try:
+            await command(arg)
+        finally:
+            self._in_group = False
+
+    async def smtp_MAIL(self, arg: str | None) -> None:
+        await self._in_pipelined_group(super().smtp_MAIL, arg)
+
+    async def smtp_RCPT(self, arg: str | None) -> None:
+        await self._in_pipelined_group(super().smtp_RCPT, arg)
+
+    async def smtp_RSET(self, arg: str | None) -> None:
+        await self._in_pipelined_group(super().smtp_RSET, arg)
+
+    async def _send(self, data: bytes) -> None:
+        """Write ``data`` after any held reply lines, then drain (as aiosmtpd's push does)."""
+        if self._held:
+            self._held.append(data)
+            data = b"".join(self._held)
+            self._held.clear()
+        self._writer.write(data)
+        await self._writer.drain()
+
+
+class LimitedSMTP(_VerbsDir, _Replies, SMTP):
     """aiosmtpd's SMTP with connection limits, an absolute timeout and our reply wording."""
 
     def __init__(self, handler: Any, *, counter: ConnectionCounter, connection_timeout: float,
@@ -512,54 +573,6 @@ class LimitedSMTP(_VerbsDir, SMTP):
 
     async def smtp_XRESUBMIT(self, arg: str | None) -> None:
         await self.push(replies.S502_NOT_IMPLEMENTED)
-
-    async def push(self, status: Any) -> None:
-        """One reply line, in our wording. A line of a multiline reply (``250-...``, RFC 5321
-        4.2.1) is held until the reply's last line, so a reply goes out in one write: aiosmtpd
-        writes and drains each line, and an EHLO reply was ten writes (~60-90 us of CPU each here).
-        Replies inside a pipelined group are held too (``_in_pipelined_group``)."""
-        if isinstance(status, str):
-            if not (self._plain_250 and status.startswith("250")):
-                status = replies.translate(status)
-            status = replies.wire_safe(status).encode("utf-8" if self.enable_SMTPUTF8 else "ascii")
-        line = status + b"\r\n"
-        if len(self._held) < _HELD_LINES and (status[3:4] == b"-" or (self._in_group and self._line_buffered())):
-            self._held.append(line)
-            return
-        await self._send(line)
-
-    def _line_buffered(self) -> bool:
-        """A whole command line (or more) is already in the stream's buffer: the client pipelines."""
-        buffered = self._reader._buffer
-        return bool(buffered) and b"\n" in buffered
-
-    async def _in_pipelined_group(self, command: Callable[[str | None], Awaitable[None]], arg: str | None) -> None:
-        """Run a command that RFC 2920 lets a client send in the middle of a pipelined group;
-        its reply is held while the group's next command is already read in, so the group's
-        replies go out in one write (the write that answers DATA, BDAT LAST or the group's last)."""
-        self._in_group = True
-        try:
-            await command(arg)
-        finally:
-            self._in_group = False
-
-    async def smtp_MAIL(self, arg: str | None) -> None:
-        await self._in_pipelined_group(super().smtp_MAIL, arg)
-
-    async def smtp_RCPT(self, arg: str | None) -> None:
-        await self._in_pipelined_group(super().smtp_RCPT, arg)
-
-    async def smtp_RSET(self, arg: str | None) -> None:
-        await self._in_pipelined_group(super().smtp_RSET, arg)
-
-    async def _send(self, data: bytes) -> None:
-        """Write ``data`` after any held reply lines, then drain (as aiosmtpd's push does)."""
-        if self._held:
-            self._held.append(data)
-            data = b"".join(self._held)
-            self._held.clear()
-        self._writer.write(data)
-        await self._writer.drain()
 
 
 class _CommandLimits(dict):
