@@ -636,3 +636,106 @@ def test_kill9_during_local_burst_loses_and_duplicates_nothing(make_node):
     for subject, qid in acked.items():
         assert deliver_ids.count(str(qid)) <= 1, (subject, qid)
     assert not node.cli_json("message", "list")
+
+
+# --------------------------------------------------------------------------- 1c. sessions kept for the next batch
+
+class CountingNextHop:
+    """A next hop (aiosmtpd in a thread of this process) that notes each session's messages and
+    QUIT, and can make its open sessions stale: one closes, unanswered, on its next MAIL (as a
+    next hop whose idle timeout ends a session the moment the client writes to it)."""
+
+    def __init__(self) -> None:
+        import socket
+
+        from aiosmtpd.controller import Controller
+        from aiosmtpd.smtp import SMTP as AioSMTP
+
+        self.sessions: list[dict] = []
+        hop = self
+
+        class Session(AioSMTP):
+            def connection_made(self, transport):
+                super().connection_made(transport)
+                self.noted = {"messages": 0, "quit": False, "stale": False}
+                hop.sessions.append(self.noted)
+
+            async def smtp_MAIL(self, arg):
+                if self.noted["stale"]:
+                    self.transport.close()
+                    return
+                await super().smtp_MAIL(arg)
+
+            async def smtp_QUIT(self, arg):
+                self.noted["quit"] = True
+                await super().smtp_QUIT(arg)
+
+        class Handler:
+            async def handle_DATA(self, server, session, envelope):
+                server.noted["messages"] += 1
+                return "250 2.0.0 queued"
+
+        class Factory(Controller):
+            def factory(self):
+                return Session(self.handler)
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.controller = Factory(Handler(), hostname="127.0.0.1", port=self.port)
+        self.controller.start()
+        self.sessions.clear()  # the controller's own probe that the server is up
+
+    def messages(self) -> int:
+        return sum(s["messages"] for s in self.sessions)
+
+    def make_stale(self) -> None:
+        for s in self.sessions:
+            s["stale"] = True
+
+    def stop(self) -> None:
+        self.controller.stop()
+
+
+@pytest.fixture
+def counting_next_hop():
+    hop = CountingNextHop()
+    try:
+        yield hop
+    finally:
+        hop.stop()
+
+
+def test_a_session_is_kept_for_the_next_batch_and_quit_when_idle(make_node, counting_next_hop):
+    """delivery.connection_cache_time: the next batch to the same next hop goes out on the session
+    of the one before (no connect, greeting, EHLO, QUIT between them); a kept session the next
+    hop closes as the next message goes out costs that message nothing (it goes on a new
+    session, no DEFER); an idle kept session gets its QUIT; 0 keeps none."""
+    hop = counting_next_hop
+
+    def send(node, n: int) -> None:
+        queued_id(swaks(node.port, "--to", "carol@foreign.test", "--from", "bob@example.test",
+                        "--header", f"Subject: kept {n}"))
+        wait_for(lambda: hop.messages() >= n, timeout=15, what=f"{n} messages at the next hop")
+
+    node = make_node(smart_host=f"127.0.0.1:{hop.port}", overrides={"delivery": {"connection_cache_time": 4}}).start()
+    for n in (1, 2, 3):
+        send(node, n)
+    assert [(s["messages"], s["quit"]) for s in hop.sessions] == [(3, False)]
+    hop.make_stale()
+    send(node, 4)
+    assert [(s["messages"], s["quit"]) for s in hop.sessions] == [(3, False), (1, False)]
+    assert len(events(node, "SENDEXTERNAL")) == 4 and not events(node, "DEFER")
+    assert "closed by the next hop" in node.log()
+    wait_for(lambda: hop.sessions[-1]["quit"], timeout=10, what="QUIT of the idle kept session")
+    send(node, 5)  # a new session after the idle one was closed
+    assert [s["messages"] for s in hop.sessions] == [3, 1, 1]
+    assert node.stop() == 0
+    assert hop.sessions[-1]["quit"], "a clean stop QUITs the kept session"
+
+    node = make_node("node2", smart_host=f"127.0.0.1:{hop.port}",
+                     overrides={"delivery": {"connection_cache_time": 0}}).start()
+    for n in (6, 7):
+        send(node, n)
+    wait_for(lambda: hop.sessions[-1]["quit"], timeout=10, what="QUIT after the batch")
+    assert [(s["messages"], s["quit"]) for s in hop.sessions[3:]] == [(1, True), (1, True)]

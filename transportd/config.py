@@ -371,6 +371,10 @@ KEYS: tuple[Key, ...] = (
     Key("delivery", "send_connection_inactivity_timeout", 600.0, parse_duration,
         "send connector: idle time before an outbound session is dropped",
         "ConnectionInactivityTimeOut", DUR, limits=(1 * SEC, 1 * DAY)),
+    Key("delivery", "connection_cache_time", 2.0, parse_duration,
+        "send connector: how long a session to a next hop outside the boundary is kept open after its "
+        "batch for the next batch to the same next hop (Postfix's smtp_connection_cache_time_limit); "
+        "0 = QUIT after every batch", "", DUR, limits=(0.0, 5 * MIN)),
     Key("delivery", "send_connect_timeout", 30.0, parse_duration,
         "send connector: time allowed to open a connection and read the greeting", "", DUR,
         limits=(1 * SEC, 10 * MIN)),

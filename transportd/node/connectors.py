@@ -23,8 +23,14 @@ import weakref
 from typing import Any, AsyncIterator
 
 from transportd import faults
-from transportd.errors import (NextHopPermanentError, NextHopUnavailable, PEER_FAILURES, PeerTransientError,
-                               ProtocolError, StoreError)
+from transportd.errors import (
+    PEER_FAILURES,
+    NextHopPermanentError,
+    NextHopUnavailable,
+    PeerTransientError,
+    ProtocolError,
+    StoreError,
+)
 from transportd.node.outcomes import Delivered, internal_failure
 from transportd.queue import messages as mq
 from transportd.queue.delivered import DeliveredLog, DeliveredLogError
@@ -35,7 +41,7 @@ from transportd.queue.store import QueueStore
 from transportd.redundancy.manager import ShadowManager
 from transportd.redundancy.peers import PeerSession, open_session
 from transportd.smtp import client as smtpclient
-from transportd.smtp.client import NextHopSession, SmtpTarget, describe, resolve_mx
+from transportd.smtp.client import NextHopSession, SessionCache, SmtpTarget, describe, resolve_mx
 from transportd.smtp.envelope import plan_send
 
 log = logging.getLogger("transportd.node.connectors")
@@ -111,11 +117,19 @@ class MailboxConnector:
 
 
 class SmtpConnector:
-    """Delivery over SMTP: one session per batch, several messages per session."""
+    """Delivery over SMTP: one session per batch, several messages per session; a session to a next
+    hop outside the boundary is kept for the next batch a short while (``SessionCache``)."""
 
     def __init__(self, cfg: Any, store: QueueStore):
         self.cfg = cfg
         self.store = store
+        d = cfg.delivery
+        self.cache = SessionCache(d.connection_cache_time, d.max_messages_per_connection,
+                                  d.max_per_domain_outbound_connections)
+
+    async def close(self) -> None:
+        """QUIT the sessions kept for a next batch (the node stops)."""
+        await self.cache.close()
 
     async def targets(self, item: WorkItem) -> list[SmtpTarget]:
         if item.delivery_type == DNS:
@@ -123,16 +137,39 @@ class SmtpConnector:
         host, _, port = item.next_hop.rpartition(":")
         return [SmtpTarget(host.strip("[]"), int(port))]
 
-    async def open(self, item: WorkItem) -> tuple[Any, SmtpTarget, PeerSession | None]:
+    async def open(self, item: WorkItem, messages: int = 1) -> tuple[Any, SmtpTarget, PeerSession | None]:
+        """A session for a batch of ``messages`` to ``item``'s next hop: a kept one, else a new one."""
+        client = self.cache.take(_cache_key(item), messages)
+        if client is not None:
+            return client, client.target, None
         d = self.cfg.delivery
         client, target = await smtpclient.connect(
             await self.targets(item), local_hostname=self.cfg.node.name, timeout=d.send_connection_inactivity_timeout,
             connect_timeout=d.send_connect_timeout, tls={"start_tls": None, "validate_certs": False})
         return client, target, None
 
+    async def _first_on_kept(self, client: NextHopSession, it: WorkItem) -> tuple[NextHopSession, list[Outcome]]:
+        """The batch's first message on a kept session; if the next hop closed that session while
+        it waited (its idle timeout, as our write went out), once more on a new one."""
+        try:
+            return client, await self._send_one(client, it)
+        except (OSError, PeerTransientError) as exc:
+            log.info("kept session to %s:%s closed by the next hop (%s); opening a new one",
+                     client.target.host, client.target.port, describe(exc))
+            client.close()
+        try:
+            client, _, _ = await self.open(it)
+        except NextHopUnavailable as exc:
+            raise PeerTransientError(str(exc)) from None
+        try:
+            return client, await self._send_one(client, it)
+        except BaseException:
+            client.close()  # the batch goes on as after a failed first message of a new session
+            raise
+
     async def deliver(self, batch: list[WorkItem]) -> AsyncIterator[Delivered]:
         try:
-            client, target, peer_session = await self.open(batch[0])
+            client, target, peer_session = await self.open(batch[0], len(batch))
         except NextHopPermanentError as exc:
             yield Delivered.every_recipient(batch, mq.FAILED, exc.reply)
             return
@@ -142,12 +179,16 @@ class SmtpConnector:
             return
         remote = target.host
         progressed = False  # anything delivered or failed in this session
+        finished = False  # every message of the batch had its go: the session may be kept
         try:
             for i, it in enumerate(batch):
                 hop = peer_session is not None and peer_session.peer_queue_database_id is not None
                 guid = str(uuid.uuid4()) if hop else None
                 try:
-                    outs = await self._send_one(client, it, xshadow=guid)
+                    if i == 0 and getattr(client, "reused", False):
+                        client, outs = await self._first_on_kept(client, it)
+                    else:
+                        outs = await self._send_one(client, it, xshadow=guid)
                 except (OSError, PeerTransientError, ProtocolError) as exc:
                     reply = f"451 4.4.2 Connection to {target.host}:{target.port} lost: {describe(exc)}"
                     yield Delivered.every_recipient(batch[i:], mq.RETRY, reply, queue_error=reply, remote=remote)
@@ -169,8 +210,10 @@ class SmtpConnector:
                 forks = [(it.message_id, it.next_hop, guid, it.queue_id, peer_session.peer_queue_database_id)] \
                     if guid and peer_session and any(o.status == mq.DELIVERED for o in outs) else []
                 yield Delivered([it], {it.message_id: outs}, queue_error=queue_error, remote=remote, forks=forks)
+            finished = True
         finally:
-            await client.quit()  # a peer session sends no QUIT after a discard reply it could not apply
+            if not (finished and peer_session is None and self.cache.keep(_cache_key(batch[0]), client)):
+                await client.quit()  # a peer session sends no QUIT after a discard reply it could not apply
 
     async def _send_one(self, client: Any, it: WorkItem, xshadow: str | None = None) -> list[Outcome]:
         """One message as one transaction (``_transact``); each recipient's outcome from its RCPT
@@ -219,7 +262,7 @@ class PeerConnector(SmtpConnector):
         host, _, port = peer.transport.rpartition(":")
         return [SmtpTarget(host, int(port))]
 
-    async def open(self, item: WorkItem) -> tuple[Any, SmtpTarget, PeerSession | None]:
+    async def open(self, item: WorkItem, messages: int = 1) -> tuple[Any, SmtpTarget, PeerSession | None]:
         """An authenticated pipelining session to the peer (smtp/wire.py), started hop by hop
         (XSHADOW and the discard exchange) when both sides run shadow redundancy. The session is
         also the connector's client: ``_send_one`` relays each message on it as one group."""
@@ -245,6 +288,11 @@ class PeerConnector(SmtpConnector):
                         data: bytes, xshadow: str | None) -> Any:
         """MAIL (``XSHADOW=`` hop by hop), RCPT and BDAT LAST (or DATA) in one write."""
         return await client.relay(sender, options, recipients, data, xshadow)
+
+
+def _cache_key(item: WorkItem) -> tuple[str, str]:
+    """Sessions are kept per next hop (a smart host, or a domain's MX hosts), as queues are."""
+    return item.delivery_type, item.next_hop
 
 
 def _outcome(recipient_id: int, reply: tuple[int, str]) -> Outcome:

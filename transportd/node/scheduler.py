@@ -70,6 +70,9 @@ class Scheduler:
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        for connector in self.connectors.values():
+            if hasattr(connector, "close"):
+                await connector.close()  # sessions kept for a next batch get their QUIT
 
     async def tick(self) -> None:
         now = time.time()

@@ -72,10 +72,18 @@ async def connect(targets: list[SmtpTarget], *, local_hostname: str, timeout: fl
 
 
 class NextHopSession:
-    """One session to a next hop: transactions on it, then QUIT."""
+    """One session to a next hop: transactions on it, then QUIT (or a while in a ``SessionCache``)."""
 
     def __init__(self, wire: SmtpWire):
         self.wire = wire
+        self.target = SmtpTarget(wire.hostname, wire.port)
+        self.transactions = 0  # started on this session
+        self.reused = False  # taken from a SessionCache: the next hop may have closed it meanwhile
+
+    @property
+    def idle(self) -> bool:
+        """Connected with nothing unread: no 421 or close from the next hop since the last reply."""
+        return self.wire.idle
 
     def supports_extension(self, name: str) -> bool:
         return self.wire.supports_extension(name)
@@ -89,6 +97,7 @@ class NextHopSession:
         BDAT to next hops outside was not measured (smtp-sink offers no CHUNKING)."""
         tx = Transaction(sender, params, recipients, data, chunking=False,
                          pipelining=self.wire.supports_extension("pipelining"))
+        self.transactions += 1
         self.wire.write(tx.start())
         while tx.replies is None:
             reply = await self.wire.read_reply()
@@ -108,6 +117,72 @@ class NextHopSession:
 
     def close(self) -> None:
         self.wire.close()
+
+
+class SessionCache:
+    """Idle sessions to next hops kept a short while for the next batch to the same next hop, as
+    Postfix's connection cache does: with pipelined transactions, a small batch's connect,
+    greeting, EHLO and QUIT cost more than the batch itself.
+
+    A session is kept only when ``idle`` (connected, nothing unread) and given out only when it
+    still is and the batch fits in ``max_transactions`` for the session in all
+    (MaxMessagesPerConnection); one unused for ``idle_time`` seconds gets its QUIT, as does every
+    session still kept at ``close``. At most ``per_key`` are kept per next hop."""
+
+    def __init__(self, idle_time: float, max_transactions: int, per_key: int):
+        self.idle_time = idle_time
+        self.max_transactions = max_transactions
+        self.per_key = per_key
+        self._idle: dict[Any, list[tuple[NextHopSession, asyncio.TimerHandle]]] = {}
+        self._quitting: set[asyncio.Future] = set()
+
+    def take(self, key: Any, transactions: int) -> NextHopSession | None:
+        """A kept session for ``key`` that can carry ``transactions`` more, or None."""
+        kept = self._idle.get(key)
+        while kept:
+            session, handle = kept.pop()
+            handle.cancel()
+            if session.idle and session.transactions + transactions <= self.max_transactions:
+                if not kept:
+                    del self._idle[key]
+                session.reused = True
+                return session
+            self._quit(session)
+        self._idle.pop(key, None)
+        return None
+
+    def keep(self, key: Any, session: NextHopSession) -> bool:
+        """Keep ``session`` for the next batch to ``key``; False: not kept (the caller QUITs it)."""
+        if self.idle_time <= 0 or not session.idle or session.transactions >= self.max_transactions:
+            return False
+        kept = self._idle.setdefault(key, [])
+        if len(kept) >= self.per_key:
+            return False
+        handle = asyncio.get_running_loop().call_later(self.idle_time, self._expire, key, session)
+        kept.append((session, handle))
+        return True
+
+    def _expire(self, key: Any, session: NextHopSession) -> None:
+        kept = self._idle.get(key, [])
+        self._idle[key] = [(s, h) for s, h in kept if s is not session]
+        if not self._idle[key]:
+            del self._idle[key]
+        self._quit(session)
+
+    def _quit(self, session: NextHopSession) -> None:
+        task = asyncio.ensure_future(session.quit())
+        self._quitting.add(task)
+        task.add_done_callback(self._quitting.discard)
+
+    async def close(self) -> None:
+        """QUIT every kept session (a node's clean stop)."""
+        for kept in self._idle.values():
+            for session, handle in kept:
+                handle.cancel()
+                self._quit(session)
+        self._idle.clear()
+        if self._quitting:
+            await asyncio.gather(*self._quitting, return_exceptions=True)
 
 
 async def rset_ok(session: Any) -> bool:

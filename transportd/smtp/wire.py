@@ -121,6 +121,11 @@ class SmtpWire:
         return (self._writer is not None and not self._writer.is_closing()
                 and not (self._reader is not None and self._reader.at_eof()))
 
+    @property
+    def idle(self) -> bool:
+        """Connected, and nothing from the peer waits unread (a 421 before its close, say)."""
+        return self.is_connected and not (self._reader is not None and self._reader._buffer)
+
     # ------------------------------------------------------------------ bytes and replies
 
     def write(self, data: bytes) -> None:
