@@ -833,10 +833,9 @@ def test_bdat_refusals_consume_the_chunk_and_change_nothing(make_node):
     assert node.alive and "Traceback" not in node.log()
 
 
-async def test_a_reply_and_a_pipelined_groups_replies_go_out_in_one_write(tmp_path, monkeypatch):
+async def test_a_multiline_reply_goes_out_in_one_write(tmp_path, monkeypatch):
     """aiosmtpd writes (and drains) each reply line; an EHLO reply was ten writes. Every reply,
-    multiline or not, is now one write, its lines in order (RFC 5321 4.2.1), and so are the
-    replies of a pipelined group (RFC 2920), without ever keeping a client waiting for a reply."""
+    multiline or not, is now one write, its lines in order (RFC 5321 4.2.1)."""
     async def accept(envelope, session, connector):
         return 7
 
@@ -873,28 +872,6 @@ async def test_a_reply_and_a_pipelined_groups_replies_go_out_in_one_write(tmp_pa
             reply = await exchange(command)
             assert writes[-1] == reply and reply.count(b"\r\n") == 1, (command, reply)
         assert len(writes) == 4
-
-        # RFC 2920: a pipelined group's replies go out together, with the reply that ends it.
-        del writes[:]
-        reply = await exchange(b"MAIL FROM:<a@remote.test>\r\nRCPT TO:<alice@example.test>\r\n"
-                               b"RCPT TO:<no body@>\r\nRCPT TO:<bob@example.test>\r\nDATA\r\n")
-        codes = [line[:1] for line in reply.split(b"\r\n")[:-1]]
-        assert codes == [b"2", b"2", b"5", b"2", b"3"], reply
-        assert writes == [reply]
-        assert (await exchange(b"hi\r\n.\r\n")).startswith(b"250 2.0.0")
-        # BDAT chunks pipelined with the envelope: every reply in one write, the last after LAST.
-        del writes[:]
-        writer.write(b"MAIL FROM:<a@remote.test>\r\nRCPT TO:<alice@example.test>\r\nBDAT 4\r\nhi\r\n"
-                     b"BDAT 6 LAST\r\nthere\n")
-        reply = b""
-        while reply.count(b"\r\n") < 4:
-            reply += await asyncio.wait_for(reader.read(65536), 10) or pytest.fail(f"closed after {reply!r}")
-        assert [line[:3] for line in reply.split(b"\r\n")[:-1]] == [b"250"] * 4 and writes == [reply], reply
-        # A client that sends one command and waits gets its reply, also with half a line after it.
-        del writes[:]
-        assert (await exchange(b"MAIL FROM:<a@remote.test>\r\nRCPT TO:<ali")).startswith(b"250 2.1.0")
-        assert (await exchange(b"ce@example.test>\r\n")).startswith(b"250 2.1.5")
-        assert (await exchange(b"RSET\r\n")).startswith(b"250 2.0.0") and len(writes) == 3
         assert (await exchange(b"QUIT\r\n")).startswith(b"221 2.0.0")
         writer.close()
     finally:
