@@ -10,6 +10,8 @@ from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import transportd
 from transportd import tracking
@@ -216,6 +218,23 @@ def test_quoting_round_trips(tmp_path, subject):
     assert [r["message-subject"] for r in rows] == [subject, "after"]
     assert rows[0]["sender-address"] == "s@x"
     assert [r["custom-data"] for r in rows] == ["1", "2"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.text(alphabet='ab ,"\r\n;é', max_size=6), min_size=1, max_size=8))
+def test_a_csv_line_is_the_fields_quoted_one_by_one(values):
+    """The one-join line (most rows quote nothing) is exactly the field-by-field record."""
+    assert tracking._csv_line(values) == ",".join(tracking._csv_field(v) for v in values) + "\r\n"
+    if values != [""]:  # csv reads an empty line as no record
+        assert next(csv.reader(io.StringIO(tracking._csv_line(values)[:-2], newline=""))) == values
+
+
+def test_log_ids_are_version_4_uuids():
+    ids = {tracking.new_log_id() for _ in range(2000)}
+    assert len(ids) == 2000
+    for text in list(ids)[:200]:
+        parsed = uuid.UUID(text)
+        assert str(parsed) == text and parsed.version == 4 and parsed.variant == uuid.RFC_4122
 
 
 def test_every_row_has_30_fields(tmp_path):

@@ -16,9 +16,8 @@ import csv
 import os
 import re
 import threading
-import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import BinaryIO, Self
@@ -87,6 +86,7 @@ _FIELDS_BY_COUNT: dict[int, tuple[str, ...]] = {
 _BOM = b"\xef\xbb\xbf"
 _CRLF = "\r\n"
 _MUST_QUOTE = re.compile(r'[,"\r\n]')
+_QUOTE_OR_BREAK = re.compile(r'["\r\n]')
 # Our own file names, used by the writer to find today's files after a restart.
 _OWN_NAME = re.compile(r"^MSGTRK(\d{8})-(\d+)\.LOG$")
 # Any MSGTRK log, ours or Exchange's (MSGTRKyyyymmdd-n, MSGTRKyyyymmddhh-n, MSGTRKMD..., .log).
@@ -128,8 +128,22 @@ def _csv_field(value: str) -> str:
     return value
 
 
-def _csv_line(values: Iterable[str]) -> str:
+def _csv_line(values: Sequence[str]) -> str:
+    """One CSV record. Most rows need no quoting: one join, then a check that no field held a
+    comma (the count of separators), a quote or a line break; else field by field."""
+    line = ",".join(values)
+    if line.count(",") == len(values) - 1 and not _QUOTE_OR_BREAK.search(line):
+        return line + _CRLF
     return ",".join(_csv_field(v) for v in values) + _CRLF
+
+
+def new_log_id() -> str:
+    """A random (version 4) UUID as text, as ``str(uuid.uuid4())`` gives, at a fifth of its cost."""
+    b = bytearray(os.urandom(16))
+    b[6] = (b[6] & 0x0F) | 0x40
+    b[8] = (b[8] & 0x3F) | 0x80
+    h = b.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def _join_list(values: Sequence[str]) -> str:
@@ -262,10 +276,10 @@ class TrackingLog:
                 "original-server-ip": original_server_ip,
                 "custom-data": custom_data,
                 "transport-traffic-type": "Email",
-                "log-id": str(uuid.uuid4()),
+                "log-id": new_log_id(),
                 "schema-version": self.software_version,
             }
-            data = _csv_line(str(values[name]) for name in self.fields).encode("utf-8")
+            data = _csv_line([str(values[name]) for name in self.fields]).encode("utf-8")
             try:
                 if self._file is None or now.date() != self._day:
                     self._close_file()
