@@ -173,3 +173,26 @@ async def test_no_starttls_when_a_next_hop_does_not_offer_it() -> None:
                                    connect_timeout=5, tls={"start_tls": None})
         assert (await session.transact("a@x.test", [], ["b@y.test"], b"x\r\n")).data == (250, "queued")
         await session.quit()
+
+
+async def test_a_session_with_anything_unread_is_not_idle_and_is_not_kept() -> None:
+    """SessionCache keeps and gives out only idle sessions: connected, nothing from the next hop
+    unread. A next hop that says 421 (or closes) after a reply leaves the session not idle."""
+    from transportd.smtp.client import SessionCache
+
+    server, port = await scripted([
+        (None, b"220 mx.test ESMTP\r\n"), (b"EHLO me.test", b"250-mx.test\r\n250 PIPELINING\r\n"),
+        (b"NOOP", b"250 ok\r\n"), (b"NOOP", b"250 ok\r\n421 4.4.2 mx.test idle too long\r\n"), (None, None),
+    ])
+    async with server:
+        session, _ = await connect([SmtpTarget("127.0.0.1", port)], local_hostname="me.test", timeout=5,
+                                   connect_timeout=5, tls={"start_tls": False})
+        cache = SessionCache(idle_time=5, max_transactions=3, per_key=2)
+        assert (await session.wire.execute_command(b"NOOP")).code == 250 and session.idle
+        assert cache.keep("hop", session) and cache.take("hop", 1) is session and session.reused
+        assert cache.take("hop", 1) is None  # given out: no longer kept
+        assert (await session.wire.execute_command(b"NOOP")).code == 250
+        await asyncio.sleep(0.2)
+        assert not session.idle and not cache.keep("hop", session)  # the 421 waits unread
+        session.close()
+        await cache.close()

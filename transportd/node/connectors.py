@@ -142,6 +142,9 @@ class SmtpConnector:
         client = self.cache.take(_cache_key(item), messages)
         if client is not None:
             return client, client.target, None
+        return await self._connect(item)
+
+    async def _connect(self, item: WorkItem) -> tuple[Any, SmtpTarget, PeerSession | None]:
         d = self.cfg.delivery
         client, target = await smtpclient.connect(
             await self.targets(item), local_hostname=self.cfg.node.name, timeout=d.send_connection_inactivity_timeout,
@@ -158,7 +161,7 @@ class SmtpConnector:
                      client.target.host, client.target.port, describe(exc))
             client.close()
         try:
-            client, _, _ = await self.open(it)
+            client, _, _ = await self._connect(it)  # new: another kept one may be as stale
         except NextHopUnavailable as exc:
             raise PeerTransientError(str(exc)) from None
         try:
