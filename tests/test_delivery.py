@@ -718,7 +718,7 @@ def test_a_session_is_kept_for_the_next_batch_and_quit_when_idle(make_node, coun
                         "--header", f"Subject: kept {n}"))
         wait_for(lambda: hop.messages() >= n, timeout=15, what=f"{n} messages at the next hop")
 
-    node = make_node(smart_host=f"127.0.0.1:{hop.port}", overrides={"delivery": {"connection_cache_time": 4}}).start()
+    node = make_node(smart_host=f"127.0.0.1:{hop.port}", overrides={"delivery": {"connection_cache_time": 60}}).start()
     for n in (1, 2, 3):
         send(node, n)
     assert [(s["messages"], s["quit"]) for s in hop.sessions] == [(3, False)]
@@ -727,13 +727,18 @@ def test_a_session_is_kept_for_the_next_batch_and_quit_when_idle(make_node, coun
     assert [(s["messages"], s["quit"]) for s in hop.sessions] == [(3, False), (1, False)]
     assert len(events(node, "SENDEXTERNAL")) == 4 and not events(node, "DEFER")
     assert "closed by the next hop" in node.log()
-    wait_for(lambda: hop.sessions[-1]["quit"], timeout=10, what="QUIT of the idle kept session")
-    send(node, 5)  # a new session after the idle one was closed
-    assert [s["messages"] for s in hop.sessions] == [3, 1, 1]
     assert node.stop() == 0
     assert hop.sessions[-1]["quit"], "a clean stop QUITs the kept session"
 
     node = make_node("node2", smart_host=f"127.0.0.1:{hop.port}",
+                     overrides={"delivery": {"connection_cache_time": 3}}).start()
+    send(node, 5)
+    assert not hop.sessions[-1]["quit"]  # kept, for now
+    wait_for(lambda: hop.sessions[-1]["quit"], timeout=15, what="QUIT of the idle kept session")
+    assert node.alive and [s["messages"] for s in hop.sessions] == [3, 1, 1]
+    node.stop()
+
+    node = make_node("node3", smart_host=f"127.0.0.1:{hop.port}",
                      overrides={"delivery": {"connection_cache_time": 0}}).start()
     for n in (6, 7):
         send(node, n)
