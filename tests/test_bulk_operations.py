@@ -250,8 +250,18 @@ def test_remove_by_filter_among_thousands_in_batches_and_shadows_discard(cluster
 
     # node2 is told at its next heartbeats and removes each copy (HADISCARD DeletedByAdmin: not
     # kept in its Shadow Safety Net, so never promoted or resubmitted); the others stay shadowed.
-    discards = wait_for(lambda: len(rows := node2.tracking(event_id="HADISCARD")) >= total_spam and rows,
-                        timeout=60, what="node2 to discard the shadows of the removed messages")
+    try:
+        discards = wait_for(lambda: len(rows := node2.tracking(event_id="HADISCARD")) >= total_spam and rows,
+                            timeout=60, what="node2 to discard the shadows of the removed messages")
+    except AssertionError as exc:  # say where the copies are (a CI run once timed out here, unexplained)
+        shadows = read_db(node2.cfg.db_path, "SELECT sender LIKE '%@spam.example', state, count(*) FROM messages "
+                                             "WHERE role = 'shadow' GROUP BY 1, 2")
+        events = read_db(node1.cfg.db_path, "SELECT sent_token IS NULL, count(*) FROM discard_events GROUP BY 1")
+        seen = node2.tracking(event_id="HADISCARD")
+        raise AssertionError(f"{exc}; node2 HADISCARD rows {len(seen)} "
+                             f"({sorted({d['source-context'].split(';')[0] for d in seen})}), node2 shadows by "
+                             f"(spam, state) {shadows}, node1 discard events by (unsent, count) {events}, "
+                             f"node2 tracking files {sorted(p.name for p in node2.cfg.tracking_dir.iterdir())}") from None
     assert len(discards) == total_spam
     assert {d["network-message-id"] for d in discards} == {d["network-message-id"] for d in drops}
     assert all(d["source-context"].startswith("DeletedByAdmin;") for d in discards)
