@@ -221,6 +221,33 @@ def test_relay_denied_for_untrusted_client(make_node, sink):
     assert row["recipient_count"] == 1 and row["queues"] == ["mailbox:local"]
 
 
+def test_postmaster_without_a_domain_is_accepted_from_anyone(make_node):
+    """RFC 5321 4.1.1.3 and 4.5.1: RCPT TO:<Postmaster> (any case, no domain) MUST be accepted; it is
+    the postmaster of the first accepted domain (Exchange's: that of its default accepted domain)."""
+    node = make_node().start()
+    c = Raw(node.port, source="127.0.0.2")  # not a trusted network: no relay
+    ehlo(c)
+    assert_reply(c.cmd("MAIL FROM:<someone@remote.test>"), 250, "2.1.0")
+    assert_reply(c.cmd("RCPT TO:<Postmaster>"), 250, "2.1.5")
+    assert_reply(c.cmd("RCPT TO:<postmaster>"), 250, "2.1.5")
+    assert c.cmd("DATA").startswith("354 ")
+    c.send(b"Subject: to the postmaster\r\n\r\nhi\r\n.\r\n")
+    mid = int(re.match(r"250 2\.0\.0 Ok: queued as (\d+)$", c.reply()[-1]).group(1))
+    c.close()
+    row = {m["id"]: m for m in messages(node)}[mid]
+    assert row["queues"] == ["mailbox:local"]
+    shown = node.cli_json("message", "show", str(mid))[0]
+    assert [r["address"] for r in shown["recipients"]] == ["postmaster@example.test"]
+
+    # A node that accepts no domain has no postmaster mailbox: it says so (not "bad syntax").
+    relay = make_node("node2", overrides={"routing": {"accepted_domains": []}}).start()
+    c = Raw(relay.port)
+    ehlo(c)
+    assert_reply(c.cmd("MAIL FROM:<someone@remote.test>"), 250, "2.1.0")
+    assert_reply(c.cmd("RCPT TO:<POSTMASTER>"), 550, "5.1.1")
+    c.close()
+
+
 # --------------------------------------------------------------------------- 3. message size
 
 def test_oversize_message_refused_and_session_goes_on(make_node):

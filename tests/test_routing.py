@@ -7,8 +7,22 @@ import ipaddress
 import pytest
 
 from transportd.config import load_dict
-from transportd.queue.routing import DNS, MAILBOX, SMART_HOST, NextHop, bifurcate, route, route_config
-from transportd.smtp.addresses import domain_of, is_accepted, relay_allowed, valid_address
+from transportd.queue.routing import (
+    DNS,
+    MAILBOX,
+    SMART_HOST,
+    NextHop,
+    bifurcate,
+    route,
+    route_config,
+)
+from transportd.smtp.addresses import (
+    domain_of,
+    is_accepted,
+    postmaster_address,
+    relay_allowed,
+    valid_address,
+)
 
 
 def cfg(accepted=("example.test",), smart_host="", mailbox_database="local"):
@@ -68,6 +82,12 @@ def test_domain_of_and_is_accepted() -> None:
     assert is_accepted("EXAMPLE.TEST.", ["example.test"])
     assert not is_accepted("example.test", [])
     assert not is_accepted("xexample.test", ["*.example.test"])
+
+
+def test_postmaster_is_that_of_the_first_accepted_domain() -> None:
+    assert postmaster_address(["example.test", "other.test"]) == "postmaster@example.test"
+    assert postmaster_address(["*.example.test"]) == "postmaster@example.test"
+    assert postmaster_address([]) is None
 
 
 # --------------------------------------------------------------------------- bifurcation

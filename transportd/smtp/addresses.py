@@ -28,6 +28,15 @@ def is_accepted(domain: str, accepted_domains: Iterable[str]) -> bool:
     return False
 
 
+def postmaster_address(accepted_domains: Iterable[str]) -> str | None:
+    """Where ``RCPT TO:<Postmaster>`` goes (no domain: RFC 5321 4.1.1.3 and 4.5.1, which a server
+    that relays or delivers MUST accept): the postmaster of the first accepted domain, as
+    Exchange's postmaster is that of its default accepted domain; None when none is accepted."""
+    for domain in accepted_domains:
+        return "postmaster@" + domain.removeprefix("*.")
+    return None
+
+
 def relay_allowed(client_ip: str, networks: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> bool:
     try:
         ip = ipaddress.ip_address(client_ip.split("%", 1)[0])

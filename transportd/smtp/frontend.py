@@ -23,7 +23,13 @@ from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from transportd.errors import MessageRejected
 from transportd.smtp import replies
-from transportd.smtp.addresses import domain_of, is_accepted, relay_allowed, valid_address
+from transportd.smtp.addresses import (
+    domain_of,
+    is_accepted,
+    postmaster_address,
+    relay_allowed,
+    valid_address,
+)
 from transportd.smtp.headers import header_fields
 from transportd.smtp.server import fixed_hook_signatures
 
@@ -102,6 +108,10 @@ class FrontendHandler:
 
     async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope, address: str,
                           rcpt_options: list[str]) -> str:
+        if address.lower() == "postmaster":  # <Postmaster>, no domain
+            address = postmaster_address(self.cfg.routing.accepted_domains) or ""
+            if not address:
+                return replies.S550_NO_POSTMASTER
         if not valid_address(address):
             return replies.S501_BAD_ADDRESS
         if len(envelope.rcpt_tos) >= self.cfg.frontend.max_recipients_per_message:

@@ -42,6 +42,8 @@ S501_BDAT_SYNTAX = "501 5.5.4 Syntax: BDAT chunk-size [LAST]"
 S530_AUTH_REQUIRED = "530 5.7.0 Authentication required"
 S530_TLS_REQUIRED = "530 5.7.0 Must issue a STARTTLS command first"
 S550_RELAY_DENIED = "550 5.7.1 Relaying denied"
+S550_NO_POSTMASTER = ("550 5.1.1 No postmaster mailbox here: this node accepts mail for no domain "
+                      "(routing.accepted_domains)")
 S550_NOT_AUTHORIZED = "550 5.7.1 Not authorized"
 S552_MESSAGE_TOO_BIG = "552 5.3.4 Message size exceeds fixed maximum message size"
 S554_NO_VALID_RECIPIENTS = "554 5.5.1 No valid recipients"
