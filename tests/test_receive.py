@@ -143,6 +143,13 @@ def test_ehlo_advertises_extensions_without_tls_or_auth(make_node):
     assert c.cmd("STARTTLS")[:5] == "454 4"
     r = c.cmd("AUTH PLAIN AGFsaWNlAHMzY3JldA==")
     assert r[0] == "5" and ENHANCED.match(r), r
+    # HELP names every command served (STARTTLS only with a certificate) and the syntax of one.
+    help_line = c.cmd("HELP")
+    assert help_line.startswith("250 2.0.0 Supported commands: "), help_line
+    assert set(help_line.split(": ", 1)[1].split()) >= {"BDAT", "DATA", "EHLO", "HELO", "HELP", "MAIL", "NOOP",
+                                                        "QUIT", "RCPT", "RSET", "VRFY"}, help_line
+    assert "STARTTLS" not in help_line and not any(w.startswith("X") for w in help_line.split()), help_line
+    assert c.cmd("HELP bdat") == "250 2.0.0 Syntax: BDAT chunk-size [LAST]"
     # HELO: a plain 250 naming the server (no enhanced code in HELO/EHLO replies, RFC 2034).
     assert c.cmd("HELO client.test") == f"250 {NODE_NAME}"
     assert_reply(c.cmd("QUIT"), 221, "2.0.0")

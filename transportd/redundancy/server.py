@@ -75,6 +75,7 @@ class TransportSMTP(LimitedSMTP):
         super().connection_made(transport)
         self.session.redundancy = self.conn  # the handler reads the session's protocol state here
 
+    @syntax("QUIT")
     async def smtp_QUIT(self, arg: str | None) -> None:
         if self.conn.discards_out:
             # A clean QUIT after XQDISCARD: the shadow has applied the ids; forget them (shielded:

@@ -18,7 +18,7 @@ import re
 import ssl
 from typing import Any, Awaitable, Callable
 
-from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, Session
+from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, Session, syntax
 
 from transportd.smtp import replies
 
@@ -401,6 +401,7 @@ class LimitedSMTP(_VerbsDir, _Replies, SMTP):
         except Exception:  # noqa: BLE001 - the parser's failure on bad input is that input's error
             return None, None
 
+    @syntax("HELO hostname")  # listed by HELP as aiosmtpd's own (an override drops its text)
     async def smtp_HELO(self, hostname: str) -> None:
         self._plain_250 = True
         try:
@@ -408,6 +409,7 @@ class LimitedSMTP(_VerbsDir, _Replies, SMTP):
         finally:
             self._plain_250 = False
 
+    @syntax("EHLO hostname")
     async def smtp_EHLO(self, hostname: str) -> None:
         self._plain_250 = True
         try:
@@ -449,6 +451,7 @@ class LimitedSMTP(_VerbsDir, _Replies, SMTP):
         self._set_post_data_state()
         await self.push("250 OK" if status is MISSING else status)
 
+    @syntax("BDAT chunk-size [LAST]", when="chunking")
     async def smtp_BDAT(self, arg: str | None) -> None:
         """CHUNKING (RFC 3030): ``BDAT <size> [LAST]``, the chunk's octets right after the line.
 
@@ -524,6 +527,7 @@ class LimitedSMTP(_VerbsDir, _Replies, SMTP):
             left -= len(await self._reader.readexactly(min(left, 65536)))
         return b""
 
+    @syntax("DATA")
     async def smtp_DATA(self, arg: str) -> None:
         if getattr(self.envelope, "bdat", None) is not None:
             await self.push(replies.S503_DATA_AFTER_BDAT)  # RFC 3030 2: no DATA once BDAT began
