@@ -8,8 +8,8 @@ import re
 import pytest
 
 from transportd.smtp import replies
-from transportd.smtp.frontend import prepare_message
-from transportd.smtp.headers import split_headers
+from transportd.smtp.frontend import prepare_message, received_protocol
+from transportd.smtp.headers import network_id_from, split_headers
 from transportd.smtp.replies import enhance, is_permanent, is_transient, translate
 
 ENHANCED = re.compile(r"^(\d)\d\d ([245])\.(\d{1,3})\.(\d{1,3}) \S")
@@ -138,7 +138,7 @@ def test_permanent_and_transient() -> None:
 # --------------------------------------------------------------------------- prepare_message
 
 NOW = 1_700_000_000.0
-DATE_NOW = email.utils.formatdate(NOW, usegmt=True)
+DATE_NOW = "Tue, 14 Nov 2023 22:13:20 +0000"  # RFC 5322: a numeric zone, never "GMT"
 
 
 def _prep(data: bytes, **kw):
@@ -195,6 +195,22 @@ def test_only_the_missing_one_is_added() -> None:
     assert p.submit_time == "Tue, 07 Jan 2025 00:00:00 +0000"
     assert [k for k, _ in _headers(p.data)] == ["Received", "Message-ID", "Date"]
     assert p.subject == ""
+
+
+def test_received_names_the_protocol_used() -> None:
+    """RFC 3848 (SMTP after HELO, ESMTP after EHLO, S with TLS, A with AUTH) and RFC 6531 3.7.3
+    (UTF8SMTP for an SMTPUTF8 transaction)."""
+    cases = {(False, False, False, False): "SMTP", (True, False, False, False): "ESMTP",
+             (True, True, False, False): "ESMTPS", (True, False, True, False): "ESMTPA",
+             (True, True, True, False): "ESMTPSA", (True, False, False, True): "UTF8SMTP",
+             (True, True, False, True): "UTF8SMTPS", (True, True, True, True): "UTF8SMTPSA",
+             (True, False, True, True): "UTF8SMTPA"}
+    for (extended, tls, auth, utf8), proto in cases.items():
+        assert received_protocol(extended=extended, tls=tls, authenticated=auth, smtputf8=utf8) == proto
+        p = _prep(b"Subject: x\r\n\r\nb\r\n", extended=extended, tls=tls, authenticated=auth, smtputf8=utf8)
+        assert f") with {proto} id ".encode() in p.data.split(b"\r\n\r\n")[0]
+        # the next node of the cluster reads the network-message-id back, whatever the protocol
+        assert network_id_from(p.data) == "0b5a7c1e-0000-4000-8000-000000000001"
 
 
 def test_received_is_added_every_time() -> None:

@@ -94,7 +94,7 @@ def test_utf8_envelope_and_headers_through_a_cluster_to_the_next_hop(cluster, us
     assert head == f"X-Sink-Mail-From: <{SENDER}>".encode("utf-8")
     assert rest.startswith(f"X-Sink-Rcpt-To: <{FOREIGN}>\r\n".encode("utf-8"))
     assert stored.endswith(data), "headers or body changed on the way"
-    assert f"with ESMTP id {netid}".encode() in stored
+    assert f"with UTF8SMTP id {netid}".encode() in stored  # RFC 6531 3.7.3
 
     redirect = one(node1.tracking(event_id="HAREDIRECT", network_message_id=netid))
     holder = next(n for n in (c["node2"], c["node3"]) if redirect["source-context"].startswith(n.name))

@@ -72,10 +72,12 @@ class AcceptPath:
         client_ip = str((session.peer or ("", 0))[0])
         data = envelope.original_content or b""
         netid = (peer_name(session) and network_id_from(data)) or new_network_message_id()
+        smtputf8, body_type = received_as(envelope)
         prepared = prepare_message(data, node_name=cfg.node.name, client_ip=client_ip,
                                    helo=session.host_name or "", network_message_id=netid, now=now,
-                                   connector=connector, tls=session.ssl is not None)
-        smtputf8, body_type = received_as(envelope)
+                                   connector=connector, tls=session.ssl is not None,
+                                   extended=bool(getattr(session, "extended_smtp", True)),
+                                   authenticated=bool(session.authenticated), smtputf8=smtputf8)
         return NewMessage(
             network_message_id=netid, data=prepared.data,
             sender="" if envelope.mail_from in (None, "<>") else envelope.mail_from,

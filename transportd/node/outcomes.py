@@ -12,7 +12,6 @@ marked suppress_dsn (resubmitted from the Safety Net). It never talks SMTP.
 
 from __future__ import annotations
 
-import email.utils
 import logging
 import time
 import uuid
@@ -30,7 +29,7 @@ from transportd.queue.routing import MAILBOX, PEER, bifurcate
 from transportd.queue.store import QueueStore
 from transportd.smtp.client import describe
 from transportd.smtp.dsn import RecipientReport, build_dsn, dsn_needs_utf8, status_from_reply
-from transportd.smtp.headers import field_value
+from transportd.smtp.headers import field_value, rfc5322_date
 
 log = logging.getLogger("transportd.node.outcomes")
 
@@ -89,7 +88,7 @@ def dsn_message(cfg: Any, original: dict, original_body: bytes, reports: Sequenc
         network_message_id=str(uuid.uuid4()), sender="", data=data,
         recipients=bifurcate([sender], cfg), received_at=now,
         expires_at=now + cfg.delivery.message_expiration_timeout,
-        message_id=field_value(data, "Message-ID"), submit_time=email.utils.formatdate(now, usegmt=True),
+        message_id=field_value(data, "Message-ID"), submit_time=rfc5322_date(now),
         subject="Delivery delayed" if all(r.action == "delayed" for r in reports) else "Undeliverable",
         origin="dsn", smtputf8=utf8, body_type="8BITMIME" if utf8 else "",
         dsn_of=original.get("id"),

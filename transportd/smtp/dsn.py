@@ -48,6 +48,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from transportd.smtp.headers import rfc5322_date
+
 __all__ = ["RecipientReport", "build_dsn", "dsn_needs_utf8", "status_from_reply"]
 
 #: RFC 3464 action values. ``failed`` and ``delayed`` are the ones transportd emits;
@@ -224,7 +226,7 @@ def build_dsn(
     status_lines = [f"Reporting-MTA: dns; {_field_text(mta)}\r\n"]
     if envid:
         status_lines.append(_fold_field("Original-Envelope-Id", envid))
-    status_lines.append(f"Arrival-Date: {_rfc5322_date(arrival_date)}\r\n")
+    status_lines.append(f"Arrival-Date: {rfc5322_date(arrival_date)}\r\n")
     for rcpt in recipients:
         status_lines.append("\r\n")
         status_lines.extend(_recipient_block(rcpt, utf8))
@@ -284,7 +286,7 @@ def build_dsn(
             _address_header("From", "Mail Delivery System", from_addr),
             _address_header("To", None, sender),
             subject_header,
-            f"Date: {_rfc5322_date(now)}\r\n".encode("ascii"),
+            f"Date: {rfc5322_date(now)}\r\n".encode("ascii"),
             f"Message-ID: <{_date_utc(now):%Y%m%d%H%M%S}.{secrets.token_hex(8)}"
             f"@{msgid_domain}>\r\n".encode("ascii"),
             b"Auto-Submitted: auto-replied\r\n",
@@ -352,10 +354,6 @@ def _validate_recipient(rcpt: RecipientReport) -> None:
 
 def _date_utc(dt: datetime) -> datetime:
     return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt
-
-
-def _rfc5322_date(dt: datetime) -> str:
-    return email.utils.format_datetime(_date_utc(dt))
 
 
 def _field_text(value: str) -> str:
@@ -459,7 +457,7 @@ def _recipient_block(rcpt: RecipientReport, utf8: bool = False) -> list[str]:
     if diagnostic:
         lines.append(_fold_field("Diagnostic-Code", f"smtp; {diagnostic}"))
     if rcpt.last_attempt is not None:
-        lines.append(f"Last-Attempt-Date: {_rfc5322_date(rcpt.last_attempt)}\r\n")
+        lines.append(f"Last-Attempt-Date: {rfc5322_date(rcpt.last_attempt)}\r\n")
     return lines
 
 
@@ -674,9 +672,9 @@ def _human_text(
             if diagnostic:
                 out.append(f"    Server reply: {diagnostic}")
             if rcpt.last_attempt is not None:
-                out.append(f"    Last attempt: {_rfc5322_date(rcpt.last_attempt)}")
+                out.append(f"    Last attempt: {rfc5322_date(rcpt.last_attempt)}")
             out.append("")
-    out.append(f"Original message received: {_rfc5322_date(arrival_date)}")
+    out.append(f"Original message received: {rfc5322_date(arrival_date)}")
     out.append(f"Original subject: {subject or '(no subject)'}")
     out.append("")
     if return_full:

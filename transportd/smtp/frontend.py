@@ -12,7 +12,6 @@ disconnects cannot cancel a commit half-way, and answers 250 only when that retu
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import logging
 import re
 import uuid
@@ -30,7 +29,7 @@ from transportd.smtp.addresses import (
     relay_allowed,
     valid_address,
 )
-from transportd.smtp.headers import header_fields
+from transportd.smtp.headers import header_fields, rfc5322_date
 from transportd.smtp.server import fixed_hook_signatures
 
 log = logging.getLogger("transportd.smtp.frontend")
@@ -53,14 +52,24 @@ def received_as(envelope: Envelope) -> tuple[bool, str]:
     return bool(getattr(envelope, "smtp_utf8", False)), body
 
 
+def received_protocol(*, extended: bool, tls: bool, authenticated: bool, smtputf8: bool) -> str:
+    """The ``with`` of a Received field: SMTP after HELO, ESMTP after EHLO, S with TLS and A with
+    AUTH (RFC 3848); UTF8SMTP for an SMTPUTF8 transaction (RFC 6531 3.7.3, which has no A or S
+    only after HELO, since SMTPUTF8 needs EHLO)."""
+    if smtputf8:
+        return "UTF8SMTP" + ("S" if tls else "") + ("A" if authenticated else "")
+    return ("ESMTP" if extended else "SMTP") + ("S" if tls else "") + ("A" if authenticated else "")
+
+
 def prepare_message(data: bytes, *, node_name: str, client_ip: str, helo: str, network_message_id: str,
-                    now: float, connector: str = "frontend", tls: bool = False) -> PreparedMessage:
+                    now: float, connector: str = "frontend", tls: bool = False, extended: bool = True,
+                    authenticated: bool = False, smtputf8: bool = False) -> PreparedMessage:
     """Add Received (always), Message-ID and Date (when missing); read Subject. Pure."""
     message_id, submit_time, subject = header_fields(data)
     extra: list[str] = []
-    date_text = email.utils.formatdate(now, usegmt=True)
+    date_text = rfc5322_date(now)
     helo_safe = re.sub(r"[^\x21-\x7e]", "?", helo or "unknown")[:255]
-    proto = "ESMTPS" if tls else "ESMTP"
+    proto = received_protocol(extended=extended, tls=tls, authenticated=authenticated, smtputf8=smtputf8)
     extra.append(f"Received: from {helo_safe} ([{client_ip}])\r\n\tby {node_name} ({connector}) with {proto}"
                  f" id {network_message_id};\r\n\t{date_text}")
     if not message_id:

@@ -8,7 +8,9 @@ a forwarded message's own Received lines are body). It never changes a message.
 
 from __future__ import annotations
 
+import email.utils
 import re
+from datetime import UTC, datetime
 from email.parser import BytesHeaderParser
 from email.policy import compat32
 
@@ -83,11 +85,13 @@ def header_fields(data: bytes) -> tuple[str, str, str]:
                  for k in ("message-id", "date", "subject"))  # type: ignore[return-value]
 
 
-_NETWORK_ID = re.compile(rb"\) with ESMTPS? id ([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12});")
+# any protocol of RFC 3848 / RFC 6531 (SMTP, ESMTPSA, UTF8SMTPS, ...)
+_NETWORK_ID = re.compile(rb"\) with [A-Za-z0-9-]+ id ([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12});")
 
 
 def network_id_from(data: bytes) -> str | None:
-    """The network-message-id a transportd node wrote in its Received field ('with ESMTP id <guid>')."""
+    """The network-message-id a transportd node wrote in its Received field ('with ESMTP id <guid>',
+    or any other protocol name)."""
     m = _NETWORK_ID.search(split_headers(data[:65536])[0][:4096])
     return m.group(1).decode("ascii") if m else None
 
@@ -106,3 +110,11 @@ def field_value(data: bytes, name: str) -> str:
         if key.lower() == name.lower():
             return _header_text(_FOLD.sub("", value))
     return ""
+
+
+def rfc5322_date(when: float | datetime) -> str:
+    """A date-time for a header field, ``Thu, 26 Nov 2026 17:20:05 +0000``: a Unix time, or a
+    datetime (naive means UTC). The zone is numeric (RFC 5322 3.3): "GMT" is the obsolete form a
+    generator must not write (section 4)."""
+    dt = datetime.fromtimestamp(when, UTC) if isinstance(when, (int, float)) else when
+    return email.utils.format_datetime(dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt)

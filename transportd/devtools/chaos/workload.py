@@ -10,7 +10,6 @@ Messages are paced so that the workload spans the nemesis' schedule.
 
 from __future__ import annotations
 
-import email.utils
 import random
 import smtplib
 import threading
@@ -18,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from transportd.devtools.chaos.checker import ACK, REFUSED, REJECTED, UNKNOWN, Attempt, Sent
+from transportd.smtp.headers import rfc5322_date
 
 LOCAL_DOMAIN = "example.test"       # mailbox database MDB01 on node1
 EXTERNAL_DOMAIN = "elsewhere.test"  # routed to the smart host: the sink
@@ -84,7 +84,7 @@ class Workload:
             utf8 = utf8_rng.random() < settings.utf8_share
             self.history[n] = Sent(n, internationalized(rcpts) if utf8 else rcpts, utf8=utf8)
             self.sizes[n] = rng.choice((600, 2_000, 8_000, 30_000))
-        self.dates = {n: email.utils.formatdate(time.time(), usegmt=True) for n in self.history}
+        self.dates = {n: rfc5322_date(time.time()) for n in self.history}
         self._next = 1
         self._lock = threading.Lock()
         self.retry_until = float("inf")   # set by the harness once the nemesis has healed everything
