@@ -54,8 +54,8 @@ def received_as(envelope: Envelope) -> tuple[bool, str]:
 
 def received_protocol(*, extended: bool, tls: bool, authenticated: bool, smtputf8: bool) -> str:
     """The ``with`` of a Received field: SMTP after HELO, ESMTP after EHLO, S with TLS and A with
-    AUTH (RFC 3848); UTF8SMTP for an SMTPUTF8 transaction (RFC 6531 3.7.3, which has no A or S
-    only after HELO, since SMTPUTF8 needs EHLO)."""
+    AUTH (RFC 3848); UTF8SMTP, with the same S and A, for an SMTPUTF8 transaction (RFC 6531 3.7.3;
+    SMTPUTF8 needs EHLO, so it has no HELO form)."""
     if smtputf8:
         return "UTF8SMTP" + ("S" if tls else "") + ("A" if authenticated else "")
     return ("ESMTP" if extended else "SMTP") + ("S" if tls else "") + ("A" if authenticated else "")
