@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import insert, select, update
 
 from transportd.queue import messages as mq
 from transportd.queue.delivered import DeliveredLog
@@ -523,6 +523,26 @@ def test_redirect_leaves_suspended_and_poison_messages_held(store) -> None:
     queues_of = {r["message_id"]: r["queue_id"] for r in rows(store, recipients)}
     assert queues_of[held] == queues_of[poison] != queues_of[free]
     assert store.read(mq.held_messages) == 2
+
+
+def test_redirect_moves_what_an_attempt_leaves_pending_once_it_ends(store) -> None:
+    """A recipient in a delivery attempt (Active) stays where it is; ``in_attempt_here`` counts its
+    message until the attempt ends, and a deferral is moved by the next redirect."""
+    target = "node2.transportd.test"
+    two = enqueue(store, {SMART: ["x@remote.test", "y@remote.test"]}, nid="two")
+    other = enqueue(store, {SMART: ["z@remote.test"]}, nid="other")
+    x, y = tx(store, lambda c: c.execute(select(recipients.c.id).where(recipients.c.message_id == two)
+                                         .order_by(recipients.c.id)).scalars().all())
+    tx(store, lambda c: mq.mark_active(c, [x], T0))
+    assert store.read(lambda c: mq.in_attempt_here(c, target)) == 1  # before the peer's queue exists
+    assert {m["id"] for m in tx(store, lambda c: mq.redirect_to_peer(c, target, T0))} == {two, other}
+    assert store.read(lambda c: mq.in_attempt_here(c, target)) == 1
+    tx(store, lambda c: mq.record_outcomes(c, [mq.Outcome(x, mq.RETRY, "451 4.3.0 try later")], T0 + 1,
+                                           retry_interval=1, retry_count=1, long_interval=1))
+    assert store.read(lambda c: mq.in_attempt_here(c, target)) == 0
+    assert [m["id"] for m in tx(store, lambda c: mq.redirect_to_peer(c, target, T0 + 2))] == [two]
+    assert len({r["queue_id"] for r in rows(store, recipients)}) == 1  # x, y and z all in the peer's queue
+    assert store.read(lambda c: mq.in_attempt_here(c, "node3.transportd.test")) == 0
 
 
 def test_a_dsn_keeps_the_originals_shadows_until_it_is_out(store) -> None:

@@ -122,26 +122,42 @@ def queue_retry(cfg: Config, queue: str) -> None:
 @click.command("redirect")
 @node_options
 @click.option("--target", required=True, help="the peer (FQDN) that takes over this node's queued messages")
-def redirect(cfg: Config, target: str) -> None:
+@click.option("--wait", "wait", type=click.FloatRange(min=0), default=30.0, show_default=True, metavar="SECONDS",
+              help="how long to wait for delivery attempts under way (Active) to end, so that the recipients "
+                   "they leave pending move too; 0 moves only what is pending now")
+def redirect(cfg: Config, target: str, wait: float) -> None:
     """Drain this node's queues to a peer before maintenance (Exchange's Redirect-Message).
 
     Every queued message goes to the peer hop by hop with XSHADOW: the peer becomes primary and
-    this node keeps a shadow until the peer's discard. A running daemon starts within a second;
-    a stopped one at its next start. As with Redirect-Message, message tracking shows the move
-    as the hand-over itself (SEND to the peer, RECEIVE there); REDIRECT is Exchange's event for a
-    recipient redirected to an alternate recipient, not written here.
+    this node keeps a shadow until the peer's discard. A recipient in a delivery attempt (Active)
+    finishes it here; if the attempt leaves it pending (a deferral), it is moved once the attempt
+    ends, for up to --wait seconds. A running daemon starts within a second; a stopped one at its
+    next start. As with Redirect-Message, message tracking shows the move as the hand-over itself
+    (SEND to the peer, RECEIVE there); REDIRECT is Exchange's event for a recipient redirected to
+    an alternate recipient, not written here.
     """
     target = target.strip().lower()
     if target not in {p.name for p in cfg.peers}:
         known = ", ".join(p.name for p in cfg.peers) or "none configured"
         raise ConfigCliError(f"--target: {target} is not a peer of {cfg.node.name} (peers: {known})")
     store = open_store(cfg)
+    moved: set[int] = set()
+    deadline = time.monotonic() + wait
     try:
-        moved = store.transaction(functools.partial(mq.redirect_to_peer, target=target, now=time.time()))
+        while True:
+            moved.update(m["id"] for m in store.transaction(
+                functools.partial(mq.redirect_to_peer, target=target, now=time.time())))
+            in_attempt = store.read(functools.partial(mq.in_attempt_here, target=target))
+            if not in_attempt or time.monotonic() >= deadline:
+                break
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         held = store.read(mq.held_messages)
     finally:
         store.close()
     click.echo(f"{len(moved)} message(s) redirected to {target} (queue peer:{target})")
+    if in_attempt:
+        click.echo(f"{in_attempt} message(s) still in a delivery attempt here after {wait:g}s: what the attempt "
+                   f"leaves pending stays here; run redirect again once it ends")
     if held:
         click.echo(f"{held} suspended or poison message(s) stay here, held: resume them and redirect again "
                    f"to move them")

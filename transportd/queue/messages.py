@@ -747,6 +747,18 @@ def redirect_to_peer(conn: Connection, target: str, now: float, message_id: int 
     return [message_row(conn, m) for m in ids]
 
 
+def in_attempt_here(conn: Connection, target: str) -> int:
+    """Messages a redirect to ``target`` has yet to move because a recipient of theirs is in a
+    delivery attempt here (Active): what the attempt leaves pending can be moved when it ends."""
+    peer_queue = conn.execute(select(queues.c.id).where(queues.c.identity == f"peer:{target}")).scalar()
+    return conn.execute(
+        select(func.count(func.distinct(recipients.c.message_id)))
+        .join(messages, messages.c.id == recipients.c.message_id)
+        .where(recipients.c.status == ACTIVE, recipients.c.queue_id != (peer_queue or -1),
+               messages.c.role == "primary", messages.c.state == QUEUED,
+               messages.c.suspended == 0, messages.c.poisoned == 0)).scalar() or 0
+
+
 def held_messages(conn: Connection) -> int:
     """Queued primary messages held by an operator or in the Poison queue (a redirect leaves them)."""
     return conn.execute(select(func.count()).select_from(messages).where(
