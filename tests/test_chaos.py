@@ -329,8 +329,8 @@ def test_wipe_target_prefers_the_scheduled_node_then_takes_the_one_holding_most(
 
 def test_between_acks_is_what_a_peer_shadows_and_the_node_has_not_acknowledged():
     from transportd.devtools.chaos.preconditions import between_acks
-    assert between_acks(["a", "b", "c"], ["b", "c", "z"]) == {"b", "c"}
-    assert between_acks(["a"], []) == set() and between_acks([], ["a"]) == set()
+    assert between_acks(["a", "b", "c"], ["b", "c", "z"]) == {"z"}
+    assert between_acks(["a"], []) == set() and between_acks([], ["a"]) == {"a"}
 
 
 class _PreconditionCluster:

@@ -97,7 +97,7 @@ async def test_scheduler_hands_due_work_to_connectors_in_batches_and_commits(par
            for n in range(5)]
     smtp = RecordingConnector()
     recorder = OutcomeRecorder(cfg, store, events)
-    scheduler = Scheduler(cfg, store, recorder, Maintenance(cfg, store, events, recorder, set()),
+    scheduler = Scheduler(cfg, store, recorder, Maintenance(cfg, store, events, recorder),
                           {MAILBOX: RecordingConnector(), "smtp": smtp})
     task = asyncio.ensure_future(scheduler.run())
     try:
@@ -122,7 +122,7 @@ async def test_scheduler_leaves_work_in_retry_when_the_connector_defers(parts) -
     mid = await store.write(lambda c: mq.enqueue(c, _message(hop, ["a@far.test"], 1)))
     smtp = RecordingConnector(mq.RETRY, "451 4.3.0 try later")
     recorder = OutcomeRecorder(cfg, store, events)
-    scheduler = Scheduler(cfg, store, recorder, Maintenance(cfg, store, events, recorder, set()), {"smtp": smtp})
+    scheduler = Scheduler(cfg, store, recorder, Maintenance(cfg, store, events, recorder), {"smtp": smtp})
     await scheduler.tick()
     await _wait(lambda: smtp.batches and not scheduler.in_flight)
     detail = store.read(lambda c: mq.message_detail(c, mid))

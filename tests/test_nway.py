@@ -265,9 +265,13 @@ class Cluster:
         guid = str(uuid.uuid4())
         msg = NewMessage(network_message_id=netid, sender="a@x", data=b"Subject: t\r\n\r\nbody\r\n",
                          recipients={NextHop("sink.example", "DnsConnectorDelivery", "sink.example"): ["b@sink.example"]},
-                         received_at=now, expires_at=now + 3600)
-        mid = self.tx(primary, lambda c: mq.enqueue(c, msg))
-        self.tx(primary, lambda c: sq.settle_accepted(c, mid, shadows, guid, now, len(shadows)))
+                         received_at=now, expires_at=now + 3600, redundancy="shadowed")
+
+        def commit(c):  # as the accept path commits it: the message and its ranked shadows at once
+            mid = mq.enqueue(c, msg)
+            for rank, node in enumerate(shadows, 1):
+                sq.record_shadow(c, mid, node, guid, now, rank)
+        self.tx(primary, commit)
         for rank, node in enumerate(shadows, 1):
             copy = NewMessage(network_message_id=netid, sender="a@x", data=msg.data,
                               recipients=msg.recipients, received_at=now, expires_at=now + 3600,

@@ -3,7 +3,6 @@ and a time-out that returns it to a state the loops take. Every check here is ma
 running node, before anything is restarted.
 
 - recipients left Active by an outcome commit that failed (the disk filled up mid-delivery);
-- a message left ``pending`` by a shadow outcome that could not be recorded;
 - discard ids handed out on a session whose client hung up during XQDISCARD.
 """
 
@@ -41,10 +40,13 @@ def test_outcome_commit_failing_on_a_full_disk_recovers_without_a_restart(make_n
     assert node.alive and "left Active and 0 message(s) left pending" in node.log()
 
 
-def test_failed_settle_leaves_no_message_pending(cluster, sink):
+def test_a_failed_local_commit_after_the_copy_leaves_nothing_behind(cluster, sink):
+    """The shadow copy is made, then the local commit fails: the sender gets a 451 (never a 250 for
+    what is not recorded), node1 keeps nothing, and the copy on the peer is discarded at its next
+    heartbeat (no copy left behind to expire or be promoted)."""
     sink.start()
     c = cluster(overrides={"shadow_redundancy": {"shadow_copy_timeout": 2}})
-    node1 = c["node1"]
+    node1, node3 = c["node1"], c["node3"]
     node1.env["TRANSPORTD_TEST_FAULTS"] = json.dumps({"match": "SETTLE", "steps": ["settle"]})
     c.start()
     with smtplib.SMTP(node1.host, node1.frontend_port, timeout=20) as s:
@@ -52,13 +54,15 @@ def test_failed_settle_leaves_no_message_pending(cluster, sink):
         s.mail("a@example.test")
         s.rcpt(FOREIGN)
         code, msg = s.data(b"Subject: SETTLE fails\r\n\r\nbody\r\n")
-    assert code == 451, (code, msg)  # the sender retries: never a 250 for what is not recorded
-    qdb = node1.cfg.db_path
-    assert db(qdb, "SELECT redundancy FROM messages") == [("pending",)]
-    # After shadow_copy_timeout + 5 s (the node's own accept is long over): deliverable again.
-    wait_for(lambda: any(b"SETTLE fails" in m for m in sink.messages()), timeout=20,
-             what="the pending message to be delivered without a restart")
-    assert db(qdb, "SELECT redundancy FROM messages") == [("unknown",)]
+    assert code == 451, (code, msg)  # the sender retries
+    assert db(node1.cfg.db_path, "SELECT count(*) FROM messages")[0][0] == 0
+    received = wait_for(lambda: node3.tracking(event_id="HARECEIVE"), timeout=10, what="node3's copy")
+    discarded = wait_for(lambda: node3.tracking(event_id="HADISCARD"), timeout=20,
+                         what="node3 to discard the copy of the refused message")
+    assert [r["network-message-id"] for r in discarded] == [r["network-message-id"] for r in received]
+    assert db(node3.cfg.db_path, "SELECT count(*) FROM messages WHERE role = 'shadow' AND state = 'Queued'") \
+        == [(0,)]
+    assert node1.proc.poll() is None and not any(b"SETTLE fails" in m for m in sink.messages())
 
 
 def test_discard_ids_of_a_client_gone_during_xqdiscard_are_handed_out_again(cluster, sink):

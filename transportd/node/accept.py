@@ -2,10 +2,11 @@
 
 It owns what happens between the end of DATA and the reply: headers added
 (Received, Message-ID, Date), the loop check (hop count), bifurcation per next
-hop, the local commit and the shadow copy made concurrently (shadow
-redundancy), settling where the shadow went (or accepting unprotected, or
-refusing with 451 4.4.0 under *RejectMessageOnShadowFailure*), and the RECEIVE
-and HAREDIRECT tracking events, written before delivery may take the message.
+hop, the shadow copies (shadow redundancy) and then one local commit that holds
+the message and where its shadows went (or accepting unprotected, or refusing
+with 451 4.4.0 under *RejectMessageOnShadowFailure* before anything is written
+here), and the RECEIVE and HAREDIRECT tracking events, written before delivery
+may take the message.
 A message it cannot make durable is refused with a 4xx, never acknowledged.
 With shadow redundancy version 2010 there is no copy before the 250: a sender
 that cannot keep a shadow itself gets a delayed acknowledgement instead (held
@@ -64,7 +65,6 @@ class AcceptPath:
         self.store = store
         self.events = events
         self.shadow = shadow
-        self.accepting: set[int] = set()  # messages between their local commit and their settle
         self._promotions = 0  # shadow redundancy promotions made (2010): the same-site peers in turn
 
     def _message(self, envelope: Envelope, session: Session, connector: str, now: float) -> NewMessage:
@@ -107,48 +107,91 @@ class AcceptPath:
             log.warning("message from %s looped (%d Received headers): refused", msg.client_ip, hops,
                         extra=message_ids({"network_message_id": netid}))
             raise MessageRejected(S554_HOP_COUNT)
-        shadow_plan: list[tuple[str, str]] = []
+        recipients = list(dict.fromkeys(a for addrs in msg.recipients.values() for a in addrs))
         peer_conn = getattr(session, "redundancy", None)  # the transport connector's protocol state
         if peer_conn is not None and peer_conn.shadow_guid and peer_conn.xshadow_peer:
             # Hop-by-hop (docs/PROTOCOL.md section 3): the sending peer keeps the shadow; we are primary.
-            shadow_plan = [(peer_conn.xshadow_peer, peer_conn.shadow_guid)]
             msg.redundancy = "shadowed"
-        elif self.cfg.shadow_redundancy.shadow_redundancy_enabled and self.cfg.shadow_redundancy.version == "2010":
+            holders = [(peer_conn.xshadow_peer, 1)]
+            return await self._commit(msg, connector, recipients, peer_conn.shadow_guid, holders, now)
+        if self.cfg.shadow_redundancy.shadow_redundancy_enabled and self.cfg.shadow_redundancy.version == "2010":
             # 2010: a sender that cannot keep a shadow gets a delayed acknowledgement instead of a copy.
             return await self._accept_delayed(msg, connector, now)
-        elif self.shadow is not None and self.shadow.enabled:
-            msg.redundancy = "pending"
+        if self.shadow is not None and self.shadow.enabled:
+            return await self._accept_shadowed(msg, connector, recipients, now)
+        return await self._commit(msg, connector, recipients, "", [], now)
+
+    async def _accept_shadowed(self, msg: NewMessage, connector: str, recipients: list[str], now: float) -> int:
+        """Shadow redundancy (2013 and later): the shadow copies first, then one local commit that
+        holds the message and where its shadows went (one writer job per message); the 250 follows
+        that commit. Too few copies: accepted with fewer (``partial``, ``unprotected``:
+        HAREDIRECTFAIL) or, under RejectMessageOnShadowFailure, refused with 451 4.4.0 before
+        anything is written here, the copies made being discarded."""
+        netid = msg.network_message_id
+        sr = self.cfg.shadow_redundancy
         guid = str(uuid.uuid4())
-        recipients = list(dict.fromkeys(a for addrs in msg.recipients.values() for a in addrs))
+        shadow_error: Exception | None = None
+        try:
+            result = await self.shadow.make_shadow(msg, guid, recipients)
+        except Exception as exc:  # noqa: BLE001 - nothing is written yet: accept unprotected or refuse
+            shadow_error = exc
+            result = ShadowResult(None, f"internal error: {exc.__class__.__name__}: {exc}")
+        if not self._enough(result) and sr.reject_message_on_shadow_failure:
+            await self._discard_orphan_copy(result, guid, netid, now)
+            log.warning("no shadow could be made (%s): message refused with 451 4.4.0", result.reply,
+                        extra=message_ids({"network_message_id": netid}))
+            raise MessageRejected(S451_NOT_REDUNDANT)
+        msg.redundancy = sq.redundancy_of(len(result.holders), sr.shadow_copies)
+        holders = [(p, r) for p, r, _ in result.holders]
+        internal_id = await self._commit(msg, connector, recipients, guid, holders, now, result)
+        if shadow_error is not None:
+            await self.events.message_failed(tracking_row(internal_id, msg), "shadow", shadow_error)
+        return internal_id
+
+    async def _commit(self, msg: NewMessage, connector: str, recipients: list[str], guid: str,
+                      holders: list[tuple[str, int]], now: float, result: ShadowResult | None = None) -> int:
+        """The one local commit of an accepted message: the message, where its shadows are
+        (``holders`` under ``guid``) and a discard event for each copy a peer may hold uncounted;
+        then its RECEIVE and HAREDIRECT(FAIL) rows, before the scheduler runs again, so delivery's
+        rows never precede them. A failed commit is 451 4.3.0 (the copies made get discard events
+        if the queue database takes any)."""
+        netid = msg.network_message_id
+        uncertain = result.uncertain if result is not None else ()
 
         def commit(conn):
             mid = mq.enqueue(conn, msg)
-            for node, g in shadow_plan:
-                sq.record_shadow(conn, mid, node, g, now)
+            for node, rank in holders:
+                sq.record_shadow(conn, mid, node, guid, now, rank)
+            sq.discard_uncertain(conn, uncertain, guid, now)
             return mid
-
-        local = asyncio.ensure_future(self.store.write(commit, queue_changed=msg.redundancy != "pending"))
-        remote = None
-        if msg.redundancy == "pending":
-            remote = asyncio.ensure_future(self.shadow.make_shadow(msg, guid, recipients))
         try:
-            internal_id = await local
-        except StoreError as exc:
+            faults.check("settle", msg)  # test-only: this commit settles the accept (the step's name)
+            internal_id = await self.store.write(commit, queue_changed=True)
+        except Exception as exc:
+            if result is not None:
+                await self._discard_orphan_copy(result, guid, netid, now)
+            if not isinstance(exc, StoreError):
+                raise  # 451 4.3.0 at the frontend
             log.error("queue database unavailable, answering 451: %s", exc,
                       extra=message_ids({"network_message_id": netid}))
-            if remote is not None:
-                await self._discard_orphan_copy(await remote, guid, netid, now)
             raise MessageRejected(S451_STORE_UNAVAILABLE) from None
-        self.accepting.add(internal_id)  # "pending" belongs to this call until it settles
-        try:
-            await self._settle_and_track(internal_id, msg, connector, remote, guid, recipients, now)
-            log.info("queued message %d (network id %s) from <%s> for %d recipient(s)",
-                     internal_id, netid, msg.sender, sum(len(v) for v in msg.recipients.values()),
-                     extra=message_ids({"id": internal_id, "network_message_id": netid}))
-            self.events.metrics.accept_latency.observe(time.time() - now)
-            return internal_id
-        finally:
-            self.accepting.discard(internal_id)
+        row = tracking_row(internal_id, msg)
+        self._track_receive(row, msg, connector, recipients)
+        if result is not None and result.peer:
+            for peer, _rank, reply in result.holders:
+                self.events.track("HAREDIRECT", "SMTP", row, recipients=recipients, source_context=f"{peer}={reply}")
+            if result.failures:
+                log.warning("message %d has %d of %d shadow copies (on %s); the missing ones are made in later "
+                            "heartbeat rounds: %s", internal_id, len(result.holders),
+                            self.cfg.shadow_redundancy.shadow_copies, ", ".join(result.peers), result.failures,
+                            extra=message_ids(row))
+        elif result is not None:
+            self.events.track("HAREDIRECTFAIL", "SMTP", row, recipients=recipients, source_context=result.reply)
+        log.info("queued message %d (network id %s) from <%s> for %d recipient(s)",
+                 internal_id, netid, msg.sender, sum(len(v) for v in msg.recipients.values()),
+                 extra=message_ids({"id": internal_id, "network_message_id": netid}))
+        self.events.metrics.accept_latency.observe(time.time() - now)
+        return internal_id
 
     def _track_receive(self, row: dict, msg: NewMessage, connector: str, recipients: list[str]) -> None:
         self.events.track("RECEIVE", "SMTP", row, recipients=recipients, source_context=connector,
@@ -239,8 +282,9 @@ class AcceptPath:
             pause = min(pause * 2, 0.25)
 
     async def _discard_orphan_copy(self, result: ShadowResult, guid: str, netid: str, now: float) -> None:
-        """The local commit failed: a peer may hold a copy nobody will discard; ask it to, if we can."""
-        peers = tuple(p for p in (result.peer, *result.uncertain) if p)
+        """No local message refers to these copies (refused, or its commit failed): a peer may hold
+        one nobody would discard; ask it to, if the queue database takes the discard events."""
+        peers = tuple(dict.fromkeys((*result.peers, *result.uncertain)))
         if peers:
             try:
                 await self.store.write(lambda c: sq.discard_uncertain(c, peers, guid, now))
@@ -248,58 +292,6 @@ class AcceptPath:
                 log.error("could not queue a discard for shadow %s on %s; it expires on its own",
                           guid, ", ".join(peers), extra=message_ids({"network_message_id": netid}))
 
-    async def _settle_and_track(self, internal_id: int, msg: NewMessage, connector: str, remote: Any, guid: str,
-                                recipients: list[str], now: float) -> None:
-        shadow_result = None
-        shadow_error: Exception | None = None
-        if remote is not None:
-            try:
-                shadow_result = await remote
-            except Exception as exc:  # noqa: BLE001 - the local copy exists: settle it, never strand it
-                shadow_error = exc
-                shadow_result = ShadowResult(None, f"internal error: {exc.__class__.__name__}: {exc}")
-        if shadow_result is not None and not self._enough(shadow_result) \
-                and self.cfg.shadow_redundancy.reject_message_on_shadow_failure:
-            await self._settle(internal_id, msg, shadow_result, guid, now)  # raises 451 4.4.0
-        row = tracking_row(internal_id, msg)
-        self._track_receive(row, msg, connector, recipients)
-        if shadow_result is None:
-            return
-        if shadow_result.peer:
-            for peer, _rank, reply in shadow_result.holders:
-                self.events.track("HAREDIRECT", "SMTP", row, recipients=recipients, source_context=f"{peer}={reply}")
-            if shadow_result.failures:
-                log.warning("message %d has %d of %d shadow copies (on %s); the missing ones are made in later "
-                            "heartbeat rounds: %s", internal_id, len(shadow_result.holders),
-                            self.cfg.shadow_redundancy.shadow_copies, ", ".join(shadow_result.peers),
-                            shadow_result.failures, extra=message_ids(row))
-        else:
-            self.events.track("HAREDIRECTFAIL", "SMTP", row, recipients=recipients,
-                              source_context=shadow_result.reply)
-        # Only now may delivery take it: its tracking rows never precede RECEIVE/HAREDIRECT.
-        await self._settle(internal_id, msg, shadow_result, guid, now)
-        if shadow_error is not None:
-            await self.events.message_failed(row, "shadow", shadow_error)
-
     def _enough(self, result: ShadowResult) -> bool:
         """At least *min_shadow_copies* shadows: fewer is a shadow failure."""
         return len(result.holders) >= self.cfg.shadow_redundancy.min_shadow_copies
-
-    async def _settle(self, internal_id: int, msg: NewMessage, result: ShadowResult, guid: str, now: float) -> None:
-        """Record where the shadows went; with too few, accept (unprotected or partial) or refuse
-        (451 4.4.0, and the copies made are discarded)."""
-        faults.check("settle", msg)
-        if result.uncertain:
-            await self.store.write(lambda c: sq.discard_uncertain(c, result.uncertain, guid, now))
-        if self._enough(result) or not self.cfg.shadow_redundancy.reject_message_on_shadow_failure:
-            wanted = self.cfg.shadow_redundancy.shadow_copies
-            holders = [(p, r) for p, r, _ in result.holders]
-            await self.store.write(lambda c: sq.settle_accepted(c, internal_id, holders, guid, now, wanted),
-                                   queue_changed=True)
-            return
-        if result.peers:
-            await self.store.write(lambda c: sq.discard_uncertain(c, result.peers, guid, now))
-        await self.store.write(lambda c: sq.drop_unacknowledged(c, internal_id))
-        log.warning("no shadow could be made (%s): message refused with 451 4.4.0", result.reply,
-                    extra=message_ids({"id": internal_id, "network_message_id": msg.network_message_id}))
-        raise MessageRejected(S451_NOT_REDUNDANT)

@@ -102,8 +102,7 @@ class Node:
         self.accept_path = AcceptPath(cfg, store, self.events, self.shadow)
         recorder = OutcomeRecorder(cfg, store, self.events)
         self.scheduler = Scheduler(cfg, store, recorder,
-                                   Maintenance(cfg, store, self.events, recorder, self.accept_path.accepting,
-                                               self.delivered),
+                                   Maintenance(cfg, store, self.events, recorder, self.delivered),
                                    {MAILBOX: MailboxConnector(cfg, store, self.mailboxes, self.delivered),
                                     PEER: PeerConnector(cfg, store, self.shadow),
                                     "smtp": SmtpConnector(cfg, store)},

@@ -32,13 +32,12 @@ EXPIRED_REPLY = "550 4.4.7 QUEUE.Expired; message expired"
 
 class Maintenance:
     def __init__(self, cfg: Any, store: QueueStore, events: NodeEvents, recorder: OutcomeRecorder,
-                 accepting: set[int], delivered: DeliveredLog | None = None):
+                 delivered: DeliveredLog | None = None):
         self.cfg = cfg
         self.delivered = delivered  # DeliveredTo beside the mailboxes: purged past the window here
         self.store = store
         self.events = events
         self.recorder = recorder
-        self.accepting = accepting  # messages between their local commit and their settle (the accept path's)
         self._last_expiry = 0.0
         self._last_housekeeping = 0.0
 
@@ -102,12 +101,13 @@ class Maintenance:
                 self.events.log_dsn(m, dsn_id, dsn)
 
     async def release_orphans(self, now: float, in_flight: set[int]) -> None:
-        """Recipients left Active, messages left pending, whose owner in this process is gone
-        (a commit that failed): made deliverable again without a restart."""
+        """Recipients left Active whose owner in this process is gone (a commit that failed), and
+        messages left ``pending`` by an older version (which committed a message before its shadow
+        outcome): made deliverable again without a restart."""
         copy_timeout = self.cfg.shadow_redundancy.shadow_copy_timeout
         try:
             n_active, n_pending = await self.store.write(lambda c: mq.release_orphans(
-                c, now, active_owned=set(in_flight), pending_owned=set(self.accepting), active_grace=1.0,
+                c, now, active_owned=set(in_flight), pending_owned=set(), active_grace=1.0,
                 pending_grace=copy_timeout + 5.0))
         except Exception as exc:  # noqa: BLE001 - tried again at the next housekeeping
             log.error("releasing orphaned transient states failed: %s", exc)

@@ -23,7 +23,6 @@ from transportd.queue import messages as mq
 from transportd.queue.direct import Insert
 from transportd.queue.store import (
     discard_events,
-    message_bodies,
     message_shadows,
     messages,
     recipients,
@@ -69,23 +68,6 @@ def redundancy_of(holders: int, wanted: int) -> str:
     (some, fewer than shadow_copies: the missing ones are made in later heartbeat rounds) or
     ``unprotected``."""
     return "shadowed" if holders >= wanted else (mq.PARTIAL if holders else "unprotected")
-
-
-def settle_accepted(conn: Connection, message_id: int, shadow_nodes: Iterable[str | tuple[str, int]], guid: str,
-                    now: float, wanted: int = 1) -> None:
-    """The shadow copies made at accept (peers, or (peer, rank)): recorded, and the message
-    ``shadowed``, ``partial`` or ``unprotected`` (none made)."""
-    nodes = _ranked(shadow_nodes)
-    for node, rank in nodes:
-        record_shadow(conn, message_id, node, guid, now, rank)
-    mq.UPDATE_MESSAGE.run(conn, {"redundancy": redundancy_of(len(nodes), wanted)}, message_id)
-
-
-def drop_unacknowledged(conn: Connection, message_id: int) -> None:
-    """Forget a message the sender was refused (no shadow and RejectMessageOnShadowFailure)."""
-    conn.execute(delete(recipients).where(recipients.c.message_id == message_id))
-    conn.execute(delete(message_bodies).where(message_bodies.c.message_id == message_id))
-    conn.execute(delete(messages).where(messages.c.id == message_id))
 
 
 def take_discard_events(conn: Connection, shadow_node: str, n: int, token: str) -> list[tuple[str, str | None]]:

@@ -171,9 +171,13 @@ class ChaosCluster(cluster_mod.Cluster):
 
     def _read(self, short: str, sql: str) -> list[tuple]:
         """Rows from a read-only look at the node's queue database ([] if none or unreadable)."""
+        return self._query(short, sql) or []
+
+    def _query(self, short: str, sql: str) -> list[tuple] | None:
+        """``_read``, but None when there is no database or it cannot be read."""
         db = Path(self.by_short[short].data_dir) / "queue.db"
         if not db.exists():
-            return []
+            return None
         try:
             con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2)
             try:
@@ -181,20 +185,31 @@ class ChaosCluster(cluster_mod.Cluster):
             finally:
                 con.close()
         except sqlite3.Error:
-            return []
+            return None
 
     def between_acks(self, short: str) -> int:
-        """Messages the node has committed but not yet acknowledged (redundancy ``pending``) whose
-        shadow copy a peer already holds: between the shadow's 250 and the client's."""
-        pending = [r[0] for r in self._read(short, "SELECT network_message_id FROM messages WHERE "
-                                                   "role = 'primary' AND redundancy = 'pending'")]
-        if not pending:
+        """Copies the peers made in the last seconds as shadows of the node's current queue
+        database whose message the node has not committed yet: between the shadow's 250 and the
+        client's (the node commits after its copies, and its 250 follows the commit). The peers
+        are read first, so a commit made meanwhile only hides a message; 0 when the node's
+        database cannot be read."""
+        dbid = self._read(short, "SELECT value FROM meta WHERE key = 'queue_database_id'")
+        if not dbid:
             return 0
-        ids = ", ".join("'" + n.replace("'", "''") + "'" for n in pending)
+        fqdn = self.by_short[short].name.lower().replace("'", "''")
+        since = time.time() - 10.0  # an older copy is an orphan (a refused message), not in the window
         shadows = [r[0] for peer in self.by_short if peer != short
                    for r in self._read(peer, "SELECT network_message_id FROM messages WHERE role = 'shadow' "
-                                             f"AND network_message_id IN ({ids})")]
-        return len(between_acks(pending, shadows))
+                                             f"AND state = 'Queued' AND primary_node = '{fqdn}' AND primary_dbid = "
+                                             f"'{dbid[0][0]}' AND received_at > {since}")]
+        if not shadows:
+            return 0
+        ids = ", ".join("'" + n.replace("'", "''") + "'" for n in shadows)
+        committed = self._query(short, "SELECT network_message_id FROM messages WHERE role = 'primary' "
+                                       f"AND network_message_id IN ({ids})")
+        if committed is None:  # unreadable: say nothing rather than kill outside the window
+            return 0
+        return len(between_acks([r[0] for r in committed], shadows))
 
     def held_rows(self, short: str, attempts: int = 3) -> list[HeldRow] | None:
         """What the checker's internal-errors invariant needs from the node's queue database.

@@ -66,7 +66,8 @@ def wipe_target(queued: dict[str, int], preferred: str, elapsed: float, grace: f
     return best if best is not None and queued[best] >= minimum else None
 
 
-def between_acks(pending_primaries: Iterable[str], shadows_on_peers: Iterable[str]) -> set[str]:
-    """Network ids of messages the node has not yet acknowledged (primary, redundancy pending)
-    whose shadow a peer already holds: the window kill-mid-shadow is for."""
-    return set(pending_primaries) & set(shadows_on_peers)
+def between_acks(committed_on_node: Iterable[str], shadows_on_peers: Iterable[str]) -> set[str]:
+    """Network ids of copies peers hold as shadows of the node's messages that the node has not
+    committed yet (so not acknowledged: its 250 follows its commit): the window kill-mid-shadow
+    is for."""
+    return set(shadows_on_peers) - set(committed_on_node)
