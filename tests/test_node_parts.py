@@ -251,3 +251,76 @@ async def test_peer_connector_alone_relays_to_a_real_peer_node(tmp_path, make_no
 def _wait_files(node, address: str) -> list[Path]:
     from conftest import wait_for
     return wait_for(lambda: node.maildir_files(address), timeout=10, what="the relayed message in the peer's mailbox")
+
+
+# ------------------------------------------------------------------ the accept path's commits
+
+class CopyingShadow:
+    """A Shadow Redundancy Manager whose copies are already made: each accept gets ``result``."""
+    enabled = True
+
+    def __init__(self, result) -> None:
+        self.result = result
+        self.copies = 0
+
+    async def make_shadow(self, msg, guid, recipients):
+        self.copies += 1
+        return self.result
+
+
+def _accept_parts(tmp_path, **shadow_redundancy):
+    from aiosmtpd.smtp import Envelope, Session
+
+    from transportd.node.accept import AcceptPath
+    cfg = load_dict({"node": {"name": "unit.transportd.test", "data_dir": str(tmp_path)},
+                     "frontend": {"listen": "127.0.0.1:2525"},
+                     "routing": {"accepted_domains": ["example.test"], "smart_host": "127.0.0.1:9"},
+                     "shadow_redundancy": {"shadow_redundancy_enabled": True, **shadow_redundancy}})
+    envelope = Envelope()
+    envelope.mail_from, envelope.rcpt_tos = "bob@remote.test", ["carol@elsewhere.test"]
+    envelope.original_content = b"Subject: one commit\r\n\r\nbody\r\n"
+    session = Session(asyncio.get_running_loop())
+    session.peer, session.host_name = ("127.0.0.1", 40000), "client.test"
+    return cfg, envelope, session, AcceptPath
+
+
+async def test_an_accepted_message_is_one_writer_job_holding_its_shadows(tmp_path, parts) -> None:
+    """Issue 16: one writer job on the primary per accepted message: the message and where its
+    shadows went in the same commit, which the 250 follows (no second, settling commit)."""
+    from transportd.queue.store import message_shadows, messages
+    from transportd.redundancy.copies import ShadowResult
+    _, store, events, tracking = parts
+    cfg, envelope, session, AcceptPath = _accept_parts(tmp_path, shadow_copies=2)
+    holders = (("peer2.t", 1, "250 2.6.0 ok"), ("peer3.t", 2, "250 2.6.0 ok"))
+    shadow = CopyingShadow(ShadowResult("peer2.t", "250 2.6.0 ok", uncertain=("peer4.t",), holders=holders))
+    path = AcceptPath(cfg, store, events, shadow)
+    jobs = store.writer.jobs_done
+    mid = await path.accept(envelope, session, "frontend")
+    assert store.writer.jobs_done - jobs == 1 and shadow.copies == 1
+    rows = store.read(lambda c: c.execute(messages.select()).mappings().all())
+    assert [(r["id"], r["redundancy"]) for r in rows] == [(mid, "shadowed")]
+    shadows = store.read(lambda c: c.execute(message_shadows.select()).mappings().all())
+    assert sorted((s["shadow_node"], s["shadow_rank"]) for s in shadows) == [("peer2.t", 1), ("peer3.t", 2)]
+    assert store.read(lambda c: [r.shadow_node for r in c.exec_driver_sql(
+        "SELECT shadow_node FROM discard_events")]) == ["peer4.t"]  # the copy a broken session may have left
+    assert [e for e, _ in tracking.events] == ["RECEIVE", "HAREDIRECT", "HAREDIRECT"]
+
+
+async def test_a_message_refused_for_want_of_shadows_writes_only_the_discards(tmp_path, parts) -> None:
+    """RejectMessageOnShadowFailure: 451 4.4.0 before anything is written here but the discard
+    events of the copies made (fewer than min_shadow_copies) and of any uncertain one."""
+    from transportd.errors import MessageRejected
+    from transportd.redundancy.copies import ShadowResult
+    _, store, events, tracking = parts
+    cfg, envelope, session, AcceptPath = _accept_parts(tmp_path, shadow_copies=2, min_shadow_copies=2,
+                                                       reject_message_on_shadow_failure=True)
+    shadow = CopyingShadow(ShadowResult("peer2.t", "250 2.6.0 ok", uncertain=("peer3.t",),
+                                        holders=(("peer2.t", 1, "250 2.6.0 ok"),), failures="peer3.t: timeout"))
+    path = AcceptPath(cfg, store, events, shadow)
+    with pytest.raises(MessageRejected) as refused:
+        await path.accept(envelope, session, "frontend")
+    assert refused.value.args[0].startswith("451 4.4.0"), refused.value.args
+    assert store.read(lambda c: c.exec_driver_sql("SELECT count(*) FROM messages").scalar()) == 0
+    assert sorted(store.read(lambda c: [r.shadow_node for r in c.exec_driver_sql(
+        "SELECT shadow_node FROM discard_events")])) == ["peer2.t", "peer3.t"]
+    assert tracking.events == []
