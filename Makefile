@@ -23,6 +23,11 @@ lint:
 bench-compare: install
 	$(PY) benchmarks/compare_postfix.py --long 60 --json benchmarks/results/compare_postfix.json
 
+# The accept path alone: CPU and writer jobs per accepted message (docs/performance.md, session 32).
+.PHONY: bench-accept
+bench-accept: install
+	$(PY) benchmarks/accept_path_cpu.py --messages 3000 --concurrency 8
+
 # A ShadowStateChange promotion of 20,000 shadows while clients send (docs/reliability.md).
 .PHONY: bench-promotion
 bench-promotion: install

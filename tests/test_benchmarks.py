@@ -75,3 +75,14 @@ def test_promotion_under_load_benchmark_runs_small(tmp_path):
     figures = json.loads(out.read_text())
     assert figures["promotion_seconds"] is not None and figures["acknowledged"] > 0
     assert figures["ack_p99_ms"] >= figures["ack_p50_ms"] > 0 and figures["node3_peak_rss_mb"] > 0
+
+
+def test_accept_path_cpu_benchmark_runs_small(tmp_path):
+    """The accept path alone: one writer job per accepted message (a figure, and the issue's rule)."""
+    out = tmp_path / "accept.json"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "accept_path_cpu.py"), "--messages", "40",
+                          "--warm-up", "5", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    figures = json.loads(out.read_text())
+    assert figures["messages"] == 40 and figures["cpu_us_per_message"] > 0
+    assert figures["writer_jobs_per_message"] == 1.0
