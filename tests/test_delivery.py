@@ -638,6 +638,66 @@ def test_kill9_during_local_burst_loses_and_duplicates_nothing(make_node):
     assert not node.cli_json("message", "list")
 
 
+# --------------------------------------------------------------------------- 1b'. a next hop's recipient limit
+
+class RecipientLimitedNextHop:
+    """A next hop (aiosmtpd in a thread of this process) that takes at most ``limit`` recipients per
+    transaction and refuses the others with ``refusal`` (452 4.5.3, or 552 as RFC 821 had it);
+    it notes each transaction's recipients and each session."""
+
+    def __init__(self, limit: int, refusal: str) -> None:
+        import socket
+
+        from aiosmtpd.controller import Controller
+
+        self.transactions: list[list[str]] = []
+        self.sessions = 0
+        hop = self
+
+        class Handler:
+            async def handle_EHLO(self, server, session, envelope, hostname, responses):
+                session.host_name = hostname
+                hop.sessions += 1
+                return responses
+
+            async def handle_RCPT(self, server, session, envelope, address, rcpt_options):
+                if len(envelope.rcpt_tos) >= limit:
+                    return refusal
+                envelope.rcpt_tos.append(address)
+                return "250 2.1.5 Ok"
+
+            async def handle_DATA(self, server, session, envelope):
+                hop.transactions.append(list(envelope.rcpt_tos))
+                return "250 2.0.0 queued"
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.controller = Controller(Handler(), hostname="127.0.0.1", port=self.port)
+        self.controller.start()
+        self.sessions = 0  # the controller's own probe that the server is up
+
+
+@pytest.mark.parametrize("refusal", ["452 4.5.3 Too many recipients", "552 5.5.3 Too many recipients"])
+def test_recipients_over_the_next_hops_limit_go_at_once_in_the_next_transaction(make_node, refusal):
+    """RFC 5321 4.5.3.1.10: a next hop that takes 2 recipients per message refuses the rest with 452
+    (or 552, which a client should take as the same temporary refusal): they go in the next
+    transactions of the same session at once, not after a retry interval, and none fails."""
+    hop = RecipientLimitedNextHop(2, refusal)
+    try:
+        node = make_node(smart_host=f"127.0.0.1:{hop.port}",
+                         overrides={"delivery": {"transient_failure_retry_interval": 600}}).start()
+        rcpts = [f"r{i}@foreign.test" for i in range(5)]
+        queued_id(swaks(node.port, "--from", "bob@example.test", "--to", ",".join(rcpts)))
+        wait_for(lambda: sum(map(len, hop.transactions)) >= 5, timeout=15, what="the five recipients at the next hop")
+        assert hop.transactions == [rcpts[:2], rcpts[2:4], rcpts[4:]] and hop.sessions == 1
+        sent = events(node, "SENDEXTERNAL")
+        assert sorted(r for e in sent for r in e["recipient-address"].split(";")) == rcpts
+        assert not events(node, "DEFER") and not events(node, "FAIL")
+    finally:
+        hop.controller.stop()
+
+
 # --------------------------------------------------------------------------- 1c. sessions kept for the next batch
 
 class CountingNextHop:

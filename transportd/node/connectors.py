@@ -237,10 +237,23 @@ class SmtpConnector:
         options = list(plan.options)
         if client.supports_extension("size"):
             options.append(f"SIZE={len(plan.data)}")
-        replies = await self._transact(client, row["sender"], options, list(it.addresses), plan.data, xshadow)
-        outs = [_outcome(rid, replies.mail if replies.mail[0] != 250 else
-                         rcpt if rcpt[0] not in (250, 251) else replies.data)
-                for rid, rcpt in zip(it.recipient_ids, replies.recipients)]
+        addresses, rids = list(it.addresses), list(it.recipient_ids)
+        outs: list[Outcome] = []
+        while True:
+            replies = await self._transact(client, row["sender"], options, addresses, plan.data, xshadow)
+            these = [_outcome(rid, replies.mail if replies.mail[0] != 250 else
+                              rcpt if rcpt[0] not in (250, 251) else replies.data)
+                     for rid, rcpt in zip(rids, replies.recipients)]
+            # RFC 5321 4.5.3.1.10: the recipients over the next hop's limit per message (452, or 552
+            # as RFC 821 had it) go at once in the session's next transaction, while each delivers
+            # some (a hop-by-hop relay is one fork per message: its over-limit recipients wait).
+            over = [k for k, rcpt in enumerate(replies.recipients) if _over_recipient_limit(rcpt)] \
+                if replies.data[0] == 250 and xshadow is None else []
+            if not over or len(over) == len(addresses):
+                outs += these
+                break
+            outs += [o for k, o in enumerate(these) if k not in set(over)]
+            addresses, rids = [addresses[k] for k in over], [rids[k] for k in over]
         if any(o.status != mq.DELIVERED for o in outs):
             await smtpclient.rset_ok(client)  # a refused MAIL or RCPT may leave the transaction open
         return outs
@@ -298,7 +311,18 @@ def _cache_key(item: WorkItem) -> tuple[str, str]:
     return item.delivery_type, item.next_hop
 
 
+def _over_recipient_limit(reply: tuple[int, str]) -> bool:
+    """A RCPT refused for too many recipients in the transaction (RFC 5321 4.5.3.1.10: 452, and a
+    552 the client should take as the same, temporary), by its enhanced code 4.5.3 / 5.5.3 or its
+    text: not about the recipient, so it is retried, never failed."""
+    code, text = reply
+    if code not in (452, 552):
+        return False
+    return text.startswith(("4.5.3", "5.5.3")) or "too many recipients" in text.lower()
+
+
 def _outcome(recipient_id: int, reply: tuple[int, str]) -> Outcome:
     code, text = reply
-    status = mq.DELIVERED if code == 250 else mq.FAILED if code >= 500 else mq.RETRY
+    status = mq.DELIVERED if code == 250 else mq.RETRY if code < 500 or _over_recipient_limit(reply) \
+        else mq.FAILED
     return Outcome(recipient_id, status, f"{code} {text}")
