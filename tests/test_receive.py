@@ -549,6 +549,8 @@ def test_starttls_then_auth_allows_relay(make_node, sink, tls_files):
         s.ehlo("client.test")
         assert s.has_extn("starttls")
         assert not s.has_extn("auth")
+        code, msg = s.docmd("MAIL", "FROM:<alice@remote.test> AUTH=<>")  # AUTH not offered: unknown
+        assert (code, msg[:6]) == (555, b"5.5.4 "), (code, msg)
         code, msg = s.docmd("AUTH", "PLAIN AGFsaWNlAHMzY3JldA==")
         assert code == 538 and msg.startswith(b"5.7.11"), (code, msg)
         code, msg = s.starttls(context=tls_files["client_ctx"])
@@ -571,6 +573,15 @@ def test_starttls_then_auth_allows_relay(make_node, sink, tls_files):
         assert code == 235 and msg.startswith(b"2.7.0")
         refused = s.sendmail("alice@remote.test", ["bob@foreign.test"], b"Subject: authed-relay\r\n\r\nhi\r\n")
         assert refused == {}
+        # RFC 4954 section 5: where AUTH is offered, MAIL's AUTH parameter (xtext, or <>) is taken
+        # (sendmail and Exchange send it); a malformed one is a syntax error, and RCPT has none.
+        for value in ("<>", "alice@remote.test", "alice+2Bx@remote.test"):
+            assert s.docmd("MAIL", f"FROM:<alice@remote.test> SIZE=20 AUTH={value}")[0] == 250, value
+            assert s.rset()[0] == 250
+        assert s.docmd("MAIL", "FROM:<alice@remote.test> AUTH=a+zz@remote.test")[0] == 501
+        assert s.docmd("MAIL", "FROM:<alice@remote.test> AUTH=<>")[0] == 250
+        assert s.docmd("RCPT", "TO:<bob@foreign.test> AUTH=<>")[0] == 555
+        assert s.rset()[0] == 250
     finally:
         s.close()
 
