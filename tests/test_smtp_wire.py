@@ -162,6 +162,45 @@ async def test_starttls_is_used_when_a_next_hop_offers_it(tmp_path) -> None:
     assert seen == [(True, b"Subject: tls\r\n\r\nover tls\r\n")]
 
 
+async def test_plaintext_after_the_starttls_220_is_discarded(caplog) -> None:
+    """A next hop (or a man in the middle) that sends a reply in plaintext right after its 220 to
+    STARTTLS: that reply is never taken for the answer to the EHLO sent over TLS (the client side
+    of CVE-2011-0411's class)."""
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"220 mx.test ESMTP\r\n")
+        await reader.readuntil(b"\n")
+        writer.write(b"250-mx.test\r\n250 STARTTLS\r\n")
+        assert (await reader.readuntil(b"\n")).startswith(b"STARTTLS")
+        writer.write(b"220 go ahead\r\n250-injected.test\r\n250-SMTPUTF8\r\n250 PIPELINING\r\n")
+        await writer.drain()
+        await writer.start_tls(context)
+        assert (await reader.readuntil(b"\n")).startswith(b"EHLO")
+        writer.write(b"250-mx.test\r\n250 8BITMIME\r\n")
+        assert (await reader.readuntil(b"\n")).startswith(b"NOOP")
+        writer.write(b"250 2.0.0 ok over tls\r\n")
+        await reader.readuntil(b"\n")
+        writer.write(b"221 bye\r\n")
+        writer.close()
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        session, _ = await connect([SmtpTarget("127.0.0.1", port)], local_hostname="me.test", timeout=5,
+                                   connect_timeout=5, tls={"start_tls": None, "validate_certs": False})
+        assert session.supports_extension("8bitmime")
+        assert not session.supports_extension("smtputf8") and not session.supports_extension("pipelining")
+        assert (await session.wire.execute_command(b"NOOP")).message == "2.0.0 ok over tls"
+        await session.quit()
+    assert "in plaintext after its STARTTLS 220: discarded" in caplog.text
+
+
 async def test_no_starttls_when_a_next_hop_does_not_offer_it() -> None:
     server, port = await scripted([
         (None, b"220 mx.test ESMTP\r\n"), (b"EHLO me.test", b"250-mx.test\r\n250 PIPELINING\r\n"),

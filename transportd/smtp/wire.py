@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import ssl
 from dataclasses import dataclass
 from typing import Any
 
 from transportd.errors import PeerPermanentError, PeerTransientError, ProtocolError
+
+log = logging.getLogger("transportd")
 
 MAX_REPLY_LINES = 200
 
@@ -84,7 +87,13 @@ class SmtpWire:
             answer = await self.execute_command(b"STARTTLS")
             if answer.code != 220:
                 raise PeerPermanentError(f"STARTTLS answered {answer.code} {answer.message}")
-            assert self._writer is not None
+            assert self._writer is not None and self._reader is not None
+            if self._reader._buffer:
+                # Plaintext after the 220 (the client side of CVE-2011-0411's class, as Postfix's
+                # client does): never read as if it came over TLS.
+                log.warning("%s:%d sent %d octet(s) in plaintext after its STARTTLS 220: discarded",
+                            self.hostname, self.port, len(self._reader._buffer))
+                self._reader._buffer.clear()
             await asyncio.wait_for(self._writer.start_tls(tls_context(self.tls), server_hostname=self.hostname),
                                    self.timeout)
             reply = await self._ehlo()
