@@ -197,6 +197,28 @@ def test_only_the_missing_one_is_added() -> None:
     assert p.subject == ""
 
 
+@pytest.mark.parametrize("data", [b"hello world\r\n", b"\tfolded into nothing\r\nmore\r\n",
+                                  b"From sender Mon Jan  6 10:00:00 2025\r\nhi\r\n", b"no line end"])
+def test_a_message_without_a_header_section_keeps_its_text_as_the_body(data) -> None:
+    """DATA straight into a body (telnet, scripts): our fields are the header section and the
+    client's text the body, after the blank line (else its first line reads as a broken header
+    field, or folds into our Date); the client's octets are kept as they came."""
+    p = _prep(data)
+    head, body = split_headers(p.data)
+    assert body == data and head.endswith(b"\r\n\r\n")
+    assert [k for k, _ in _headers(p.data)] == ["Received", "Message-ID", "Date"]
+    assert dict(_headers(p.data))["Date"] == DATE_NOW
+    assert email.message_from_bytes(p.data).get_payload() == data.decode()
+
+
+@pytest.mark.parametrize("data", [b"Subject: s\r\n\r\nbody\r\n", b"\r\nbody after an empty header section\r\n",
+                                  b"X-Odd!Name: v\r\n\r\nb\r\n", b""])
+def test_a_header_section_as_sent_is_not_given_a_blank_line(data) -> None:
+    p = _prep(data)
+    assert p.data.endswith(data) and p.data.count(b"\r\n\r\n") == data.count(b"\r\n\r\n") \
+        + (1 if data.startswith(b"\r\n") else 0)
+
+
 def test_received_names_the_protocol_used() -> None:
     """RFC 3848 (SMTP after HELO, ESMTP after EHLO, S with TLS, A with AUTH) and RFC 6531 3.7.3
     (UTF8SMTP for an SMTPUTF8 transaction)."""

@@ -79,7 +79,17 @@ def prepare_message(data: bytes, *, node_name: str, client_ip: str, helo: str, n
         submit_time = date_text
         extra.append(f"Date: {date_text}")
     prefix = ("\r\n".join(extra) + "\r\n").encode("ascii", "replace")
+    if data and not _FIELD_START.match(data):
+        # No header section (a body typed straight after DATA, or a first line that would fold
+        # into our Date): the blank line makes it the body, as Postfix's cleanup does. The
+        # client's octets are kept as they came.
+        prefix += b"\r\n"
     return PreparedMessage(prefix + data, message_id[:998], submit_time[:200], subject)
+
+
+_FIELD_START = re.compile(rb"[!-9;-~]+:|\r?\n")
+"""What a message's first line starts with when it has a header section (a field name and its
+colon, RFC 5322 2.2), or an empty header section (the blank line itself)."""
 
 
 AcceptFn = Callable[[Envelope, Session, str], Awaitable[int]]
