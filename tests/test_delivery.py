@@ -174,8 +174,9 @@ def test_local_mailbox_delivery_is_stored_and_tracked(make_node, sink):
     receive = [e for e in events(node, "RECEIVE") if e["internal-message-id"] == str(qid)]
     assert len(receive) == 1 and receive[0]["network-message-id"] == d["network-message-id"]
     assert d["network-message-id"] in files[0].name
-    # Received header added by the node.
+    # Received header added by the node; Return-Path by the final delivery (RFC 5321 4.4), first.
     assert node.name in stored["Received"]
+    assert files[0].read_bytes().startswith(b"Return-Path: <bob@remote.test>\r\nReceived: ")
     assert not sink.messages()
 
 
@@ -291,6 +292,7 @@ def test_permanent_failure_sends_dsn_to_local_sender(make_node, sink, stage):
     files = node.maildir_files("bob@example.test")
     assert len(files) == 1, files
     msg, rcpts = dsn_parts(files[0])
+    assert msg["Return-Path"] == "<>"  # a DSN's reverse-path is null
     assert len(rcpts) == 1
     block = rcpts[0]
     assert block["Final-Recipient"].lower() == "rfc822; carol@foreign.test"

@@ -83,6 +83,8 @@ class MailboxConnector:
         if row is None or body is None:
             return [Outcome(r, mq.FAILED, MISSING_BODY) for r in it.recipient_ids]
         await faults.acheck("deliver", row)
+        # Final delivery: the reverse-path goes in as Return-Path (RFC 5321 4.4), "<>" for a DSN.
+        body = b"Return-Path: <" + (row["sender"] or "").encode("utf-8", "surrogateescape") + b">\r\n" + body
         outs: list[Outcome] = []
         for rid, address in zip(it.recipient_ids, it.addresses):
             lock = self._locks.get(address.lower())
