@@ -923,40 +923,16 @@ async def test_a_multiline_reply_goes_out_in_one_write(tmp_path, monkeypatch):
 def test_commands_pipelined_after_starttls_in_plaintext_are_discarded(make_node, tls_files):
     """CVE-2011-0411's class: commands sent in plaintext after STARTTLS, in the same packet, must
     not be run as if they came over TLS (an attacker on the path could inject them)."""
-    import socket
-
     node = tls_node(make_node, tls_files)
-    with socket.create_connection(("127.0.0.1", node.port), timeout=10) as raw:
-        f = raw.makefile("rb")
-
-        def reply() -> bytes:
-            out = b""
-            while True:
-                line = f.readline()
-                out += line
-                if line[3:4] != b"-":
-                    return out
-        reply()
-        raw.sendall(b"EHLO client.test\r\n")
-        reply()
-        raw.sendall(b"STARTTLS\r\nMAIL FROM:<injected@remote.test>\r\n")
-        assert reply().startswith(b"220")
-        tls = tls_files["client_ctx"].wrap_socket(raw, server_hostname="127.0.0.1")
-        tf = tls.makefile("rb")
-
-        def tls_reply() -> bytes:
-            out = b""
-            while True:
-                line = tf.readline()
-                out += line
-                if line[3:4] != b"-":
-                    return out
-        tls.sendall(b"EHLO client.test\r\n")
-        first = tls_reply()
-        assert first.startswith(b"250-"), first  # the EHLO's reply, not one to the injected MAIL
-        tls.sendall(b"RCPT TO:<alice@example.test>\r\n")
-        assert tls_reply().startswith(b"503"), "the injected MAIL opened a transaction"
-        tls.sendall(b"QUIT\r\n")
-        tls_reply()
-        tls.close()
+    c = Raw(node.port)
+    c.cmd("EHLO client.test")
+    c.send("STARTTLS\r\nMAIL FROM:<injected@remote.test>\r\n")
+    assert c.reply()[-1].startswith("220") and c.buf == b""  # nothing more in plaintext
+    c.sock = tls_files["client_ctx"].wrap_socket(c.sock, server_hostname="127.0.0.1")
+    c.send("EHLO client.test\r\n")
+    ehlo = c.reply()
+    assert ehlo[0].startswith("250-"), ehlo  # the EHLO's reply, not one to the injected MAIL
+    assert c.cmd("RCPT TO:<alice@example.test>").startswith("503"), "the injected MAIL opened a transaction"
+    assert c.cmd("QUIT").startswith("221")
+    c.close()
     assert node.alive
