@@ -29,20 +29,10 @@ from aiosmtpd.smtp import Envelope, Session  # noqa: E402
 
 from transportd.config import load_dict  # noqa: E402
 from transportd.node.accept import AcceptPath  # noqa: E402
-from transportd.node.events import NodeEvents  # noqa: E402
+from transportd.node.events import NodeEvents, NullTrackingLog  # noqa: E402
 from transportd.node.metrics import NodeMetrics  # noqa: E402
 from transportd.queue.store import QueueStore  # noqa: E402
 from transportd.redundancy.copies import ShadowResult  # noqa: E402
-
-
-class NoTracking:
-    """Tracking rows are formatted by NodeEvents but not written to a file (not what is measured)."""
-
-    def write(self, *args: object, **fields: object) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class AnsweringPeer:
@@ -66,7 +56,7 @@ async def measure(args: argparse.Namespace, data_dir: Path) -> dict:
                      "shadow_redundancy": {"shadow_redundancy_enabled": True}})
     store = QueueStore.open(data_dir / "queue.db")
     writer = store.start_writer()
-    events = NodeEvents(cfg, NodeMetrics(cfg.node.name), store, NoTracking())
+    events = NodeEvents(cfg, NodeMetrics(cfg.node.name), store, NullTrackingLog())  # rows formatted, not written
     path = AcceptPath(cfg, store, events, AnsweringPeer(args.copy_ms / 1000))
     body = b"Subject: accept path\r\n\r\n" + b"x" * max(0, args.size - 26) + b"\r\n"
     loop = asyncio.get_running_loop()
