@@ -1,8 +1,9 @@
-"""CPU per accepted message of the accept path alone: headers, the local commit and its tracking rows.
+"""CPU per accepted message of the accept path alone: headers, the local commit, metrics and logs.
 
 Runs ``transportd.node.accept.AcceptPath`` in this process over a real queue database (group-commit
 writer, fsync) with shadow redundancy on, the shadow copies standing in for a peer that answers
-after ``--copy-ms`` (awaited, no CPU here), N messages of SIZE bytes, C at a time, after a warm-up.
+after ``--copy-ms`` (awaited, no CPU here), N messages of SIZE bytes, C at a time, after a warm-up;
+tracking rows go to no file (``TrackingLog.write`` has its own figures in docs/performance.md).
 Prints the process's CPU per accepted message (the writer thread included), the wall time, and the
 writer's jobs and batches per message: what issue 16's "one writer job on the primary per accepted
 message" is about, without the SMTP sessions, the peer and the delivery around it.
@@ -56,7 +57,7 @@ async def measure(args: argparse.Namespace, data_dir: Path) -> dict:
                      "shadow_redundancy": {"shadow_redundancy_enabled": True}})
     store = QueueStore.open(data_dir / "queue.db")
     writer = store.start_writer()
-    events = NodeEvents(cfg, NodeMetrics(cfg.node.name), store, NullTrackingLog())  # rows formatted, not written
+    events = NodeEvents(cfg, NodeMetrics(cfg.node.name), store, NullTrackingLog())  # no tracking file
     path = AcceptPath(cfg, store, events, AnsweringPeer(args.copy_ms / 1000))
     body = b"Subject: accept path\r\n\r\n" + b"x" * max(0, args.size - 26) + b"\r\n"
     loop = asyncio.get_running_loop()
