@@ -212,7 +212,7 @@ def test_a_message_without_a_header_section_keeps_its_text_as_the_body(data) -> 
 
 
 @pytest.mark.parametrize("data", [b"Subject: s\r\n\r\nbody\r\n", b"\r\nbody after an empty header section\r\n",
-                                  b"X-Odd!Name: v\r\n\r\nb\r\n", b""])
+                                  b"X-Odd!Name: v\r\n\r\nb\r\n", b"Subject : obsolete\r\n\r\nb\r\n", b""])
 def test_a_header_section_as_sent_is_not_given_a_blank_line(data) -> None:
     p = _prep(data)
     assert p.data.endswith(data) and p.data.count(b"\r\n\r\n") == data.count(b"\r\n\r\n") \

@@ -87,9 +87,10 @@ def prepare_message(data: bytes, *, node_name: str, client_ip: str, helo: str, n
     return PreparedMessage(prefix + data, message_id[:998], submit_time[:200], subject)
 
 
-_FIELD_START = re.compile(rb"[!-9;-~]+:|\r?\n")
+_FIELD_START = re.compile(rb"[!-9;-~]+[ \t]*:|\r?\n")
 """What a message's first line starts with when it has a header section (a field name and its
-colon, RFC 5322 2.2), or an empty header section (the blank line itself)."""
+colon, RFC 5322 2.2, blanks before the colon as its obsolete syntax allows), or an empty header
+section (the blank line itself)."""
 
 
 AcceptFn = Callable[[Envelope, Session, str], Awaitable[int]]
