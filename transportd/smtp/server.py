@@ -302,7 +302,35 @@ class _Replies:
         await self._writer.drain()
 
 
-class LimitedSMTP(_VerbsDir, _Replies, SMTP):
+class _AuthParameter:
+    """MAIL's ``AUTH=`` parameter (RFC 4954 section 5) wherever AUTH is offered: a server that offers
+    AUTH must take it. Its value (xtext, or ``<>``) is checked, then set aside: a message we relay
+    carries no AUTH parameter, which RFC 4954 allows (the submitter is unknown to the next hop, as
+    with ``AUTH=<>``). Where AUTH is not offered it stays an unknown parameter (555 5.5.4)."""
+
+    session: Session | None
+    envelope: Envelope | None
+    _auth_methods: dict
+    _auth_require_tls: bool
+    _tls_protocol: Any
+
+    def _getparams(self, params: Any) -> dict[str, str | bool] | None:
+        """aiosmtpd's parameters of MAIL or RCPT, less a valid ``AUTH=`` of MAIL (None: a syntax error)."""
+        result = super()._getparams(params)  # type: ignore[misc]
+        if result is None or "AUTH" not in result or (self.envelope and self.envelope.mail_from) \
+                or not self._auth_offered():
+            return result  # RCPT (a transaction is open) keeps aiosmtpd's answer
+        value = result.pop("AUTH")
+        return result if isinstance(value, str) and _XTEXT.fullmatch(value) else None
+
+    def _auth_offered(self) -> bool:
+        """AUTH is in this session's EHLO reply (aiosmtpd's rule: after STARTTLS where TLS is
+        required for it)."""
+        return bool(self.session and self.session.extended_smtp and self._auth_methods
+                    and (not self._auth_require_tls or self._tls_protocol))
+
+
+class LimitedSMTP(_VerbsDir, _Replies, _AuthParameter, SMTP):
     """aiosmtpd's SMTP with connection limits, an absolute timeout and our reply wording."""
 
     def __init__(self, handler: Any, *, counter: ConnectionCounter, connection_timeout: float,
@@ -324,24 +352,6 @@ class LimitedSMTP(_VerbsDir, _Replies, SMTP):
         self._plain_250 = False  # HELO/EHLO replies carry no enhanced status code (RFC 2034)
         self._held: list[bytes] = []  # lines of a multiline reply not written yet (push)
         self.chunking = chunking  # CHUNKING offered (EHLO) and BDAT served
-
-    def _getparams(self, params: Any) -> dict[str, str | bool] | None:
-        """aiosmtpd's parameters of MAIL or RCPT, and RFC 4954's ``AUTH=`` of MAIL (section 5)
-        wherever AUTH is offered: a server that offers AUTH must take it. Its value (xtext, or
-        ``<>``) is checked, then set aside: a message we relay carries no AUTH parameter, which
-        RFC 4954 allows (the submitter is unknown to the next hop, as with ``AUTH=<>``). Where
-        AUTH is not offered it stays an unknown parameter (555 5.5.4)."""
-        result = super()._getparams(params)
-        if result is None or "AUTH" not in result or self.envelope.mail_from or not self._auth_offered():
-            return result  # RCPT (a transaction is open) keeps aiosmtpd's answer
-        value = result.pop("AUTH")
-        return result if isinstance(value, str) and _XTEXT.fullmatch(value) else None
-
-    def _auth_offered(self) -> bool:
-        """AUTH is in this session's EHLO reply (aiosmtpd's rule: after STARTTLS where TLS is
-        required for it)."""
-        return bool(self.session and self.session.extended_smtp and self._auth_methods
-                    and (not self._auth_require_tls or self._tls_protocol))
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         first = self.transport is None

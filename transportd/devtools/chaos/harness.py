@@ -58,7 +58,31 @@ def wait_listening(host: str, port: int, timeout: float, proc: subprocess.Popen 
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
 
 
-class ChaosCluster(cluster_mod.Cluster):
+class QueueDbReads:
+    """Read-only looks at the nodes' queue databases (what the nemesis's probes and the checker read)."""
+
+    by_short: dict[str, cluster_mod.NodeSpec]
+
+    def _read(self, short: str, sql: str) -> list[tuple]:
+        """Rows from a read-only look at the node's queue database ([] if none or unreadable)."""
+        return self._query(short, sql) or []
+
+    def _query(self, short: str, sql: str) -> list[tuple] | None:
+        """``_read``, but None when there is no database or it cannot be read."""
+        db = Path(self.by_short[short].data_dir) / "queue.db"
+        if not db.exists():
+            return None
+        try:
+            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2)
+            try:
+                return con.execute(sql).fetchall()
+            finally:
+                con.close()
+        except sqlite3.Error:
+            return None
+
+
+class ChaosCluster(QueueDbReads, cluster_mod.Cluster):
     """cluster.Cluster with per-process log files and the operations the nemesis needs."""
 
     def __init__(self, directory: Path, specs: list[cluster_mod.NodeSpec], sink_address: str,
@@ -168,24 +192,6 @@ class ChaosCluster(cluster_mod.Cluster):
         """Per node: primary messages the refusing sink has already deferred (Retry): settled, so
         acknowledged to their client, and held nowhere else when shadow redundancy is off."""
         return {short: self.queued_external(short, ("Retry",)) for short in self.by_short}
-
-    def _read(self, short: str, sql: str) -> list[tuple]:
-        """Rows from a read-only look at the node's queue database ([] if none or unreadable)."""
-        return self._query(short, sql) or []
-
-    def _query(self, short: str, sql: str) -> list[tuple] | None:
-        """``_read``, but None when there is no database or it cannot be read."""
-        db = Path(self.by_short[short].data_dir) / "queue.db"
-        if not db.exists():
-            return None
-        try:
-            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2)
-            try:
-                return con.execute(sql).fetchall()
-            finally:
-                con.close()
-        except sqlite3.Error:
-            return None
 
     def between_acks(self, short: str) -> int:
         """Copies the peers made in the last seconds as shadows of the node's current queue
