@@ -254,7 +254,8 @@ class SmtpConnector:
             if not over or len(over) == len(addresses):
                 outs += these
                 break
-            outs += [o for k, o in enumerate(these) if k not in set(over)]
+            retried = set(over)
+            outs += [o for k, o in enumerate(these) if k not in retried]
             addresses, rids = [addresses[k] for k in over], [rids[k] for k in over]
         if any(o.status != mq.DELIVERED for o in outs):
             await smtpclient.rset_ok(client)  # a refused MAIL or RCPT may leave the transaction open
