@@ -113,7 +113,12 @@ def sink_envelope(raw: bytes) -> tuple[str, list[str]]:
     mail = [line.split(":", 1)[1].strip() for line in head if line.startswith("X-Mail-Args:")]
     rcpts = [line.split(":", 1)[1].strip() for line in head if line.startswith("X-Rcpt-Args:")]
     assert len(mail) == 1, head
-    return mail[0].split()[0], [r.split()[0] for r in rcpts]
+    return _path(mail[0]), [_path(r) for r in rcpts]
+
+
+def _path(args: str) -> str:
+    """The path of a MAIL/RCPT argument, before its parameters; a quoted local part may hold blanks."""
+    return args[:args.rindex(">") + 1] if args.startswith("<") else args.split()[0]
 
 
 def mailbox_root(node) -> Path:
@@ -209,6 +214,28 @@ def test_foreign_domain_goes_to_smart_host(make_node, sink):
     assert GUID.match(s["network-message-id"])
     assert not all_mailbox_files(node)
     assert not events(node, "DEFER")
+
+
+def test_quoted_local_parts_and_address_literals_are_relayed_as_received(make_node, sink):
+    """RFC 5321 4.1.2 and 4.1.3: a Quoted-string local part and an address literal are valid paths.
+    Both were refused at RCPT (501 5.1.3), and with no smart host an address literal went to an MX
+    lookup of "[127.0.0.1]"; now the envelope goes on byte for byte, and mail for an address
+    literal goes to that address with no lookup (RFC 5321 5.1): here the sink, on mx_port."""
+    sink.start()
+    node = make_node(overrides={"delivery": {"mx_port": sink.port}}).start()  # no smart host: MX routing
+    tag = uuid.uuid4().hex[:12]
+    rcpts = ['"john q. public"@[127.0.0.1]', "carol@[127.0.0.1]", '"a;b"@[127.0.0.1]']
+    r = swaks(node.port, "--to", ",".join(rcpts), "--from", '"bob smith"@example.test',
+              "--header", f"Subject: literal {tag}")
+    queued_id(r)
+    wait_for(sink.messages, what="message at the sink")
+    wait_events(node, "SENDEXTERNAL")
+    msgs = sink.messages()
+    assert len(msgs) == 1
+    assert sink_envelope(msgs[0]) == ('<"bob smith"@example.test>', [f"<{a}>" for a in rcpts])
+    sent = node.tracking(event_id="SENDEXTERNAL")
+    assert sent and all(s["server-ip"] == "127.0.0.1" for s in sent)
+    assert not events(node, "DEFER") and not events(node, "FAIL")
 
 
 @pytest.mark.parametrize("pipelining", [True, False], ids=["pipelining", "one-command-at-a-time"])

@@ -81,3 +81,14 @@ async def test_resolve_mx_shuffles_equal_preference(monkeypatch):
         assert hosts[2] == "backup.far.test"
         seen.add(hosts[0])
     assert seen == {"mx-a.far.test", "mx-b.far.test"}
+
+
+async def test_an_address_literal_is_the_host_itself_with_no_lookup(monkeypatch):
+    """RFC 5321 5.1: mail for user@[192.0.2.1] or user@[IPv6:...] goes to that address; no MX or
+    address lookup is made (the resolver here would fail the test if called)."""
+    calls = fake_resolver(monkeypatch, dns.resolver.NXDOMAIN())
+    assert [(t.host, t.port) for t in await resolve_mx("[127.0.0.7]", 2525)] == [("127.0.0.7", 2525)]
+    assert [(t.host, t.port) for t in await resolve_mx("[ipv6:0::1]", 25)] == [("::1", 25)]
+    with pytest.raises(NextHopPermanentError, match="553 5.1.2"):
+        await resolve_mx("[999.0.0.1]", 25)  # refused at RCPT now; an older queue may hold one
+    assert calls == []

@@ -349,6 +349,8 @@ def test_garbage_gets_clean_errors_and_daemon_stays_up(make_node):
         (b"DATA", "503 5.5.1"),                         # DATA before RCPT
         (b"RCPT TO:<not an address>", "501 5.1.3"),
         (b"RCPT TO:<x\xff@example.test>", "501 5.1.3"),
+        (b"RCPT TO:<a@[999.1.1.1]>", "501 5.1.3"),            # an address literal with no address
+        (b"RCPT TO:<\"a\tb\"@example.test>", "501 5.1.3"),  # a tab is not qtextSMTP (RFC 5321 4.1.2)
         (b"RCPT TO:<alice@example.test> FOO=BAR", "555 5."),
         (b"RCPT alice@example.test", "501 5.5.4"),
         (b"XYZZY\rinjected", "500 5.5.1"),

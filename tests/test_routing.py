@@ -164,7 +164,11 @@ def _address_of_octets(n: int) -> str:
 @pytest.mark.parametrize("address", [
     "alice@example.test", "first.last@example.test", "a+tag@sub.example.test", "x_y-z@ex-ample.test",
     "o'brien@example.test", "a!#$%&*/=?^`{|}~@example.test", "postmaster@[127.0.0.1]",
-    "user@[2001:db8::1]", "jörg@bücher.example", "用户@例子.测试",
+    "user@[IPv6:2001:db8::1]", "user@[ipv6:::1]", "jörg@bücher.example", "用户@例子.测试",
+    # RFC 5321 4.1.2's Quoted-string local part (aiosmtpd hands it over with its quotes when
+    # they are needed): blanks, '@', specials, quoted-pairs, empty, UTF-8 (RFC 6531).
+    '"john q. public"@example.test', '"a@b"@example.test', '"a;b,c<d>"@example.test',
+    r'"a\"b"@example.test', r'"back\\slash"@example.test', '""@example.test', '"jörg x"@bücher.example',
     "A@B", _address_of_octets(254), "a" * 64 + "@example.test",
 ])
 def test_valid_addresses(address) -> None:
@@ -175,7 +179,11 @@ def test_valid_addresses(address) -> None:
     "", "alice", "@example.test", "alice@", "a..b@example.test", ".alice@example.test",
     "alice.@example.test", "alice@example..test", "alice@.example.test", "alice@example.test.",
     "al ice@example.test", "alice@exa mple.test", " alice@example.test", "alice@example.test ",
-    "a\tb@example.test", "<alice@example.test>", "a@b@example.test", '"quoted"@example.test',
+    "a\tb@example.test", "<alice@example.test>", "a@b@example.test", '"a\tb"@example.test',
+    '"a"b"@example.test', '"unclosed@example.test', 'x"y"@example.test', '"a\\"@example.test',
+    '"a\r\nb"@example.test', '"' + "a" * 63 + '"@example.test',
+    # Address literals that hold no address: no next hop can be found for them (RFC 5321 4.1.3).
+    "a@[999.1.1.1]", "a@[2001:db8::1]", "a@[IPv6:2001:db8::g]", "a@[tag:content]", "a@[]", "a@[1.2.3]",
     "alice@-example.test", "alice@example-.test", "a,b@example.test", "a\r\nb@example.test",
     _address_of_octets(255), "a" * 65 + "@example.test", "ü" * 100 + "@" + "b" * 60 + ".test",
 ])

@@ -48,22 +48,49 @@ def relay_allowed(client_ip: str, networks: Sequence[ipaddress.IPv4Network | ipa
 
 
 _LOCAL_PART = re.compile(r"^[A-Za-z0-9!#$%&'*+/=?^_`{|}~.\-\u0080-\U0010ffff]+$")
+_QUOTED_LOCAL_PART = re.compile(r'^"(?:[ !#-\[\]-~\u0080-\U0010ffff]|\\[ -~])*"$')
+"""RFC 5321 4.1.2's Quoted-string: qtextSMTP (printable ASCII but '"' and '\\', and the space) or
+a quoted-pair of a backslash and printable ASCII; UTF-8 too (RFC 6531 3.3). No tab, no CR or LF."""
 
 
-_DOMAIN = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9\u0080-\U0010ffff]([A-Za-z0-9\-\u0080-\U0010ffff]*"
+_DOMAIN = re.compile(r"^[A-Za-z0-9\u0080-\U0010ffff]([A-Za-z0-9\-\u0080-\U0010ffff]*"
                      r"[A-Za-z0-9\u0080-\U0010ffff])?(\.[A-Za-z0-9\u0080-\U0010ffff]([A-Za-z0-9\-"
-                     r"\u0080-\U0010ffff]*[A-Za-z0-9\u0080-\U0010ffff])?)*)$")
+                     r"\u0080-\U0010ffff]*[A-Za-z0-9\u0080-\U0010ffff])?)*$")
+
+
+def literal_address(domain: str) -> str | None:
+    """The IP address of an address literal (RFC 5321 4.1.3): ``[192.0.2.1]`` gives ``192.0.2.1``,
+    ``[IPv6:2001:db8::1]`` gives ``2001:db8::1``; None for a domain name, and for a literal that
+    holds no valid address (``[999.1.1.1]``, a bare ``[2001:db8::1]``, a general literal
+    ``[tag:...]``: no next hop can be found for it)."""
+    if not (domain.startswith("[") and domain.endswith("]")):
+        return None
+    inner = domain[1:-1]
+    try:
+        if inner[:5].lower() == "ipv6:":
+            return str(ipaddress.IPv6Address(inner[5:]))
+        return str(ipaddress.IPv4Address(inner))
+    except ValueError:
+        return None
 
 
 def valid_address(address: str) -> bool:
-    """A forward-path we can route: local@domain, no quoting games, at most 254 octets."""
+    """A path we can route (RFC 5321 4.1.2): a dot-string or quoted-string local part, @, a domain
+    name or an IPv4/IPv6 address literal; at most 254 octets, a local part of at most 64."""
     if not address or len(address.encode("utf-8", "surrogateescape")) > 254:
         return False
     if re.search(r"[\ud800-\udfff]", address):  # undecodable bytes (surrogateescape): not UTF-8
         return False
     local, at, domain = address.rpartition("@")
-    if not at or not local or not domain or len(local) > 64:
+    if not at or not local or not domain or len(local.encode("utf-8", "surrogateescape")) > 64:
         return False
+    if domain.startswith("["):
+        if literal_address(domain) is None:
+            return False
+    elif not _DOMAIN.match(domain):
+        return False
+    if local.startswith('"'):
+        return bool(_QUOTED_LOCAL_PART.match(local))
     if local.startswith(".") or local.endswith(".") or ".." in local:
         return False
-    return bool(_LOCAL_PART.match(local)) and bool(_DOMAIN.match(domain))
+    return bool(_LOCAL_PART.match(local))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from transportd.errors import PEER_FAILURES, NextHopPermanentError, NextHopUnavailable
+from transportd.smtp.addresses import literal_address
 from transportd.smtp.transaction import Replies, Transaction
 from transportd.smtp.wire import SmtpWire
 
@@ -37,7 +38,13 @@ def order_mx(records: Iterable[tuple[int, str]], rng: random.Random | None = Non
 
 
 async def resolve_mx(domain: str, port: int) -> list[SmtpTarget]:
-    """MX hosts by preference (equal ones shuffled), else the domain's own address (RFC 5321 5.1)."""
+    """MX hosts by preference (equal ones shuffled), else the domain's own address (RFC 5321 5.1);
+    an address literal is the host itself, with no lookup (RFC 5321 5.1: "the address literal")."""
+    if domain.startswith("["):
+        ip = literal_address(domain)
+        if ip is None:  # the receive connectors refuse these; an older queue may hold one
+            raise NextHopPermanentError(f"553 5.1.2 No host in the address literal {domain}")
+        return [SmtpTarget(ip, port)]
     import dns.asyncresolver
     import dns.exception
     import dns.resolver
