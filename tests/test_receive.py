@@ -136,7 +136,7 @@ def test_ehlo_advertises_extensions_without_tls_or_auth(make_node):
     assert c.greeting[0].startswith(f"220 {NODE_NAME} ")
     lines = ehlo(c)
     assert lines == [f"250-{NODE_NAME}", "250-SIZE 123456", "250-8BITMIME", "250-SMTPUTF8",
-                     "250-PIPELINING", "250-CHUNKING", "250-ENHANCEDSTATUSCODES", "250 HELP"]
+                     "250-PIPELINING", "250-CHUNKING", "250-DSN", "250-ENHANCEDSTATUSCODES", "250 HELP"]
     keywords = {l[4:].split()[0].upper() for l in lines[1:]}
     assert not keywords & {"STARTTLS", "AUTH"}
     # Without a certificate neither STARTTLS nor AUTH can be used.

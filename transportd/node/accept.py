@@ -86,6 +86,7 @@ class AcceptPath:
             message_id=prepared.message_id, submit_time=prepared.submit_time, subject=prepared.subject,
             client_ip=client_ip, client_hostname=session.host_name or "", origin="smtp",
             smtputf8=smtputf8, body_type=body_type,
+            dsn_mail=getattr(envelope, "dsn_mail", ""), dsn_rcpt=getattr(envelope, "dsn_rcpt", {}),
         )
 
     async def accept(self, envelope: Envelope, session: Session, connector: str) -> int:

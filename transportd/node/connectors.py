@@ -42,6 +42,7 @@ from transportd.redundancy.manager import ShadowManager
 from transportd.redundancy.peers import PeerSession, open_session
 from transportd.smtp import client as smtpclient
 from transportd.smtp.client import NextHopSession, SessionCache, SmtpTarget, describe, resolve_mx
+from transportd.smtp.dsnparams import DsnRequest
 from transportd.smtp.envelope import plan_send
 
 log = logging.getLogger("transportd.node.connectors")
@@ -240,9 +241,11 @@ class SmtpConnector:
         if client.supports_extension("size"):
             options.append(f"SIZE={len(plan.data)}")
         addresses, rids = list(it.addresses), list(it.recipient_ids)
+        dsn = DsnRequest.of(row.get("dsn_params") or "", it.addresses, it.dsn_params)  # RFC 3461, passed on
+        it.dsn_passed = client.supports_extension("dsn")
         outs: list[Outcome] = []
         while True:
-            replies = await self._transact(client, row["sender"], options, addresses, plan.data, xshadow)
+            replies = await self._transact(client, row["sender"], options, addresses, plan.data, xshadow, dsn)
             these = [_outcome(rid, replies.mail if replies.mail[0] != 250 else
                               rcpt if rcpt[0] not in (250, 251) else replies.data)
                      for rid, rcpt in zip(rids, replies.recipients)]
@@ -262,8 +265,8 @@ class SmtpConnector:
         return outs
 
     async def _transact(self, client: NextHopSession, sender: str, options: list[str], recipients: list[str],
-                        data: bytes, xshadow: str | None) -> Any:
-        return await client.transact(sender, options, recipients, data)
+                        data: bytes, xshadow: str | None, dsn: DsnRequest | None = None) -> Any:
+        return await client.transact(sender, options, recipients, data, dsn)
 
 
 class PeerConnector(SmtpConnector):
@@ -304,9 +307,9 @@ class PeerConnector(SmtpConnector):
         return session, target, session
 
     async def _transact(self, client: PeerSession, sender: str, options: list[str], recipients: list[str],
-                        data: bytes, xshadow: str | None) -> Any:
+                        data: bytes, xshadow: str | None, dsn: DsnRequest | None = None) -> Any:
         """MAIL (``XSHADOW=`` hop by hop), RCPT and BDAT LAST (or DATA) in one write."""
-        return await client.relay(sender, options, recipients, data, xshadow)
+        return await client.relay(sender, options, recipients, data, xshadow, dsn)
 
 
 def _cache_key(item: WorkItem) -> tuple[str, str]:

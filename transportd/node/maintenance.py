@@ -18,11 +18,18 @@ from typing import Any
 
 from transportd import faults
 from transportd.node.events import NodeEvents
-from transportd.node.outcomes import Delivered, OutcomeRecorder, dsn_message, internal_failure, status_of
+from transportd.node.outcomes import (
+    Delivered,
+    OutcomeRecorder,
+    dsn_message,
+    internal_failure,
+    status_of,
+)
 from transportd.queue import messages as mq
 from transportd.queue.delivered import DeliveredLog
 from transportd.queue.messages import Outcome, WorkItem
 from transportd.queue.store import QueueStore
+from transportd.smtp import dsnparams
 from transportd.smtp.dsn import RecipientReport
 
 log = logging.getLogger("transportd.node.maintenance")
@@ -67,7 +74,7 @@ class Maintenance:
                 continue
             item = WorkItem(queue_id=0, queue_identity="expiry", delivery_type="Expiry", next_hop="",
                             message_id=mid, recipient_ids=[r["id"] for r in rcpts],
-                            addresses=[r["address"] for r in rcpts])
+                            addresses=[r["address"] for r in rcpts], dsn_params=[r["dsn_params"] for r in rcpts])
             outs = [Outcome(r["id"], mq.FAILED, EXPIRED_REPLY + (f" (last error: {r['last_error']})"
                                                                  if r["last_error"] else "")) for r in rcpts]
             try:
@@ -90,7 +97,9 @@ class Maintenance:
                 faults.check("dsn", m)
                 reports = [RecipientReport(address=r["address"], action="delayed",
                                            status=status_of(r["last_error"] or "451 4.4.1"),
-                                           diagnostic=r["last_error"] or "") for r in m["waiting"]]
+                                           diagnostic=r["last_error"] or "",
+                                           original_recipient=dsnparams.orcpt_of(r["dsn_params"]))
+                           for r in m["waiting"] if dsnparams.wants(r["dsn_params"], dsnparams.DELAY)]
                 dsn = dsn_message(self.cfg, m, body, reports, now)
                 dsn_id = await self.store.write(lambda c, mid=m["id"], dsn=dsn: mq.record_delay_dsn(c, mid, dsn, now),
                                                 queue_changed=dsn is not None)

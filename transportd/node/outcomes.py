@@ -27,6 +27,7 @@ from transportd.queue import shadows as sq
 from transportd.queue.messages import NewMessage, Outcome, WorkItem
 from transportd.queue.routing import MAILBOX, PEER, bifurcate
 from transportd.queue.store import QueueStore
+from transportd.smtp import dsnparams
 from transportd.smtp.client import describe
 from transportd.smtp.dsn import RecipientReport, build_dsn, dsn_needs_utf8, status_from_reply
 from transportd.smtp.headers import field_value, rfc5322_date
@@ -73,26 +74,57 @@ def status_of(reply: str) -> str:
 
 def dsn_message(cfg: Any, original: dict, original_body: bytes, reports: Sequence[RecipientReport],
                 now: float) -> NewMessage | None:
-    """The DSN (a new message from <>) for failed recipients, or None when none may be sent."""
+    """The DSN (a new message from <>) for ``reports`` (failed, delayed, or delivered and relayed
+    where NOTIFY=SUCCESS asked), or None when none may be sent."""
     sender = original.get("sender") or ""
     if not sender or original.get("origin") == "dsn" or original.get("suppress_dsn") or not reports:
         return None
     # RFC 6533: a UTF-8 DSN when the original came with SMTPUTF8 (its sender's side speaks it) and
     # holds UTF-8; it then travels with SMTPUTF8 itself. Otherwise the classic 7-bit DSN.
     utf8 = dsn_needs_utf8(sender, list(reports), original_body, bool(original.get("smtputf8")))
+    # RFC 3461 4.3/4.4: the ENVID comes back; the whole message only for RET=FULL and a failure
+    # (a notice of delivery or delay carries the headers only).
+    asked = original.get("dsn_params") or ""
     data = build_dsn(
         reporting_mta=cfg.node.name, original_sender=sender, original_message=original_body,
         recipients=list(reports), arrival_date=_dt(original.get("received_at") or now), now=_dt(now), utf8=utf8,
+        original_envelope_id=dsnparams.envid_of(asked),
+        include_body=dsnparams.returns_full(asked) and any(r.action == "failed" for r in reports),
     )
+    actions = {r.action for r in reports}
     return NewMessage(
         network_message_id=str(uuid.uuid4()), sender="", data=data,
         recipients=bifurcate([sender], cfg), received_at=now,
         expires_at=now + cfg.delivery.message_expiration_timeout,
         message_id=field_value(data, "Message-ID"), submit_time=rfc5322_date(now),
-        subject="Delivery delayed" if all(r.action == "delayed" for r in reports) else "Undeliverable",
+        subject="Undeliverable" if "failed" in actions else "Delivery delayed" if actions == {"delayed"}
+        else "Delivery status notification",
         origin="dsn", smtputf8=utf8, body_type="8BITMIME" if utf8 else "",
         dsn_of=original.get("id"),
     )
+
+
+def _to_tell(it: WorkItem, outs: list[Outcome]) -> list[Outcome]:
+    """The outcomes the sender is told of (RFC 3461 4.1): a failure unless NOTIFY leaves FAILURE out;
+    a success where NOTIFY has SUCCESS and we are the last to see it: stored in a mailbox here
+    (delivered), or sent on to a next hop that does not offer DSN (relayed); one that does offer
+    it took NOTIFY with the message and tells the sender itself."""
+    params = dict(zip(it.recipient_ids, it.dsn_params))
+    out = []
+    for o in outs:
+        p = params.get(o.recipient_id, "")
+        if o.status == mq.FAILED and dsnparams.wants(p, dsnparams.FAILURE):
+            out.append(o)
+        elif o.status == mq.DELIVERED and not o.duplicate and dsnparams.wants(p, dsnparams.SUCCESS) \
+                and (it.delivery_type == MAILBOX or not it.dsn_passed):
+            out.append(o)
+    return out
+
+
+def _action(it: WorkItem, o: Outcome) -> str:
+    if o.status == mq.FAILED:
+        return "failed"
+    return "delivered" if it.delivery_type == MAILBOX else "relayed"
 
 
 def _dt(ts: float) -> datetime:
@@ -105,13 +137,16 @@ class OutcomeRecorder:
         self.store = store
         self.events = events
 
-    def _dsn_for(self, it: WorkItem, row: dict, body: bytes, failed: list[Outcome], remote: str,
+    def _dsn_for(self, it: WorkItem, row: dict, body: bytes, told: list[Outcome], remote: str,
                  expiry: bool, now: float) -> NewMessage | None:
         faults.check("dsn", row)
         addr = dict(zip(it.recipient_ids, it.addresses))
-        reports = [RecipientReport(address=addr[o.recipient_id], action="failed",
+        params = dict(zip(it.recipient_ids, it.dsn_params))
+        reports = [RecipientReport(address=addr[o.recipient_id], action=_action(it, o),
                                    status="4.4.7" if expiry else status_of(o.reply), diagnostic=o.reply,
-                                   remote_mta="" if expiry else remote) for o in failed]
+                                   remote_mta="" if expiry or it.delivery_type == MAILBOX else remote,
+                                   original_recipient=dsnparams.orcpt_of(params.get(o.recipient_id, "")))
+                   for o in told]
         return dsn_message(self.cfg, row, body, reports, now)
 
     async def _build_dsns(self, d: Delivered, now: float) -> dict[int, tuple[dict, NewMessage]]:
@@ -120,14 +155,14 @@ class OutcomeRecorder:
         dsns: dict[int, tuple[dict, NewMessage]] = {}
         for it in d.items:
             outs = d.outcomes.get(it.message_id, [])
-            failed = [o for o in outs if o.status == mq.FAILED]
-            if not failed or it.message_id in d.internal:
+            told = _to_tell(it, outs)
+            if not told or it.message_id in d.internal:
                 continue
             row, body = await self.store.aread(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
             if row is None or body is None:
                 continue
             try:
-                dsn = self._dsn_for(it, row, body, failed, d.remote, d.expiry, now)
+                dsn = self._dsn_for(it, row, body, told, d.remote, d.expiry, now)
             except Exception as exc:  # noqa: BLE001 - isolated per message (Poison queue)
                 d.internal[it.message_id] = ("dsn", exc)
                 reply = internal_reply("dsn", exc)

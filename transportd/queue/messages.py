@@ -65,6 +65,10 @@ class NewMessage:
     smtputf8: bool = False  # received with the SMTPUTF8 MAIL parameter (RFC 6531)
     body_type: str = ""     # the BODY= it was received with: "8BITMIME", "7BIT" or "" (not given)
     dsn_of: int | None = None  # a DSN: the message it reports on
+    # RFC 3461 parameters as received (smtp/dsnparams.py): MAIL's RET=/ENVID=, and each
+    # recipient's NOTIFY=/ORCPT= by its address in lower case.
+    dsn_mail: str = ""
+    dsn_rcpt: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -85,6 +89,8 @@ class WorkItem:
     message_id: int
     recipient_ids: list[int] = field(default_factory=list)
     addresses: list[str] = field(default_factory=list)
+    dsn_params: list[str] = field(default_factory=list)  # RFC 3461 NOTIFY=/ORCPT= per address, as received
+    dsn_passed: bool = False  # the next hop took them (it offers DSN): its own notices follow, not ours
     # The message's row once a connector has read it to send: the outcome's tracking rows use it
     # (only fields a message never changes) instead of reading it again.
     row: dict | None = None
@@ -157,6 +163,7 @@ def enqueue(conn: Connection, msg: NewMessage) -> int:
         shadow_guid=msg.shadow_guid, primary_node=msg.primary_node,
         primary_internal_id=msg.primary_internal_id, redundancy=msg.redundancy,
         primary_dbid=msg.primary_dbid, shadow_rank=msg.shadow_rank, smtputf8=int(msg.smtputf8), body_type=msg.body_type, dsn_of=msg.dsn_of,
+        dsn_params=msg.dsn_mail,
     ))
     _INSERT_BODY.run(conn, {"message_id": mid, "data": msg.data})
     rows = []
@@ -164,7 +171,8 @@ def enqueue(conn: Connection, msg: NewMessage) -> int:
         qid = queue_id_for(conn, hop, msg.received_at)
         for a in addrs:
             rows.append({"message_id": mid, "address": a, "queue_id": qid, "status": READY,
-                         "attempts": 0, "next_retry_at": 0.0})
+                         "attempts": 0, "next_retry_at": 0.0,
+                         "dsn_params": msg.dsn_rcpt.get(a.lower(), "") if msg.dsn_rcpt else ""})
     if rows:
         _INSERT_RECIPIENTS.run_many(conn, rows)
     return mid
@@ -345,7 +353,7 @@ _DUE_QUEUES = (
     .order_by(queues.c.id)
 )
 _DUE_IN_QUEUE = (
-    select(recipients.c.id, recipients.c.address, recipients.c.message_id)
+    select(recipients.c.id, recipients.c.address, recipients.c.message_id, recipients.c.dsn_params)
     .join(messages, messages.c.id == recipients.c.message_id)
     .where(recipients.c.queue_id == bindparam("b_qid"), recipients.c.status.in_(PENDING),
            recipients.c.next_retry_at <= bindparam("b_now"),
@@ -382,6 +390,7 @@ def due_work(conn: Connection, now: float, limit: int = 500, exclude: Iterable[i
                 item = items[r.message_id] = WorkItem(q.id, q.identity, q.delivery_type, q.next_hop, r.message_id)
             item.recipient_ids.append(r.id)
             item.addresses.append(r.address)
+            item.dsn_params.append(r.dsn_params)
         out.extend(items.values())
     return out
 
@@ -400,7 +409,7 @@ def mark_active(conn: Connection, recipient_ids: Sequence[int], now: float) -> l
 def expired_recipients(conn: Connection, now: float, limit: int = 1000) -> list[dict]:
     """Pending recipients of expired messages, at most ``limit`` (the rest at the next pass)."""
     stmt = (select(recipients.c.id, recipients.c.address, recipients.c.message_id,
-                   recipients.c.last_error)
+                   recipients.c.last_error, recipients.c.dsn_params)
             .join(messages, messages.c.id == recipients.c.message_id)
             .where(recipients.c.status.in_(PENDING), messages.c.expires_at <= now,
                    messages.c.state == QUEUED, messages.c.role == "primary", messages.c.poisoned == 0)
@@ -420,7 +429,8 @@ def delayed_messages(conn: Connection, now: float, timeout: float, limit: int = 
                                       recipients.c.status == RETRY).exists())
         .order_by(messages.c.id).limit(limit)).mappings()]
     for m in rows:
-        m["waiting"] = [dict(r) for r in conn.execute(select(recipients.c.address, recipients.c.last_error).where(
+        m["waiting"] = [dict(r) for r in conn.execute(select(
+            recipients.c.address, recipients.c.last_error, recipients.c.dsn_params).where(
             recipients.c.message_id == m["id"], recipients.c.status == RETRY)).mappings()]
     return rows
 

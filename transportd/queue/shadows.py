@@ -123,11 +123,12 @@ def mark_unprotected(conn: Connection, message_id: int) -> None:
                  .values(redundancy="unprotected"))
 
 
-def reshadow_inputs(conn: Connection, message_id: int) -> tuple[bytes | None, list[str], list[tuple[str, int]]]:
-    """What a new shadow of ``message_id`` needs: its body, the recipients still to deliver, and
-    the peers that hold a shadow of it already, with their ranks."""
-    addrs = list(conn.execute(select(recipients.c.address).where(
-        recipients.c.message_id == message_id, recipients.c.status.not_in(mq.TERMINAL))).scalars())
+def reshadow_inputs(conn: Connection, message_id: int) -> tuple[bytes | None, dict[str, str], list[tuple[str, int]]]:
+    """What a new shadow of ``message_id`` needs: its body, the recipients still to deliver (with
+    their RFC 3461 parameters, in order), and the peers that hold a shadow of it already, with
+    their ranks."""
+    addrs = {r.address: r.dsn_params for r in conn.execute(select(recipients.c.address, recipients.c.dsn_params).where(
+        recipients.c.message_id == message_id, recipients.c.status.not_in(mq.TERMINAL)))}
     holders = [(r.shadow_node, r.shadow_rank) for r in conn.execute(
         select(message_shadows.c.shadow_node, message_shadows.c.shadow_rank).where(
             message_shadows.c.message_id == message_id))]

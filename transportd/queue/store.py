@@ -53,7 +53,7 @@ log = logging.getLogger("transportd.queue.store")
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 metadata = MetaData()
 
@@ -119,6 +119,7 @@ messages = Table(
     # is out, so a primary lost before sending it loses no NDR (the shadow's promotion makes it again).
     Column("dsn_of", Integer),
     Column("delay_dsn_at", Float),  # when a delay DSN went to the sender (schema 3; once per message)
+    Column("dsn_params", String, nullable=False, default=""),  # RFC 3461 RET=/ENVID= as received (schema 6)
     sqlite_autoincrement=True,
 )
 Index("ix_messages_state", messages.c.state, messages.c.role)
@@ -145,6 +146,7 @@ recipients = Table(
     Column("last_error", Text),
     Column("last_attempt_at", Float),
     Column("completed_at", Float),
+    Column("dsn_params", String, nullable=False, default=""),  # RFC 3461 NOTIFY=/ORCPT= as received (schema 6)
 )
 Index("ix_recipients_due", recipients.c.status, recipients.c.next_retry_at)
 Index("ix_recipients_message", recipients.c.message_id)
@@ -279,8 +281,13 @@ def _migration_5(conn: Connection) -> None:
             ix.create(conn, checkfirst=True)
 
 
+def _migration_6(conn: Connection) -> None:
+    _add_columns(conn, "messages", {"dsn_params": "VARCHAR NOT NULL DEFAULT ''"})
+    _add_columns(conn, "recipients", {"dsn_params": "VARCHAR NOT NULL DEFAULT ''"})
+
+
 MIGRATIONS: list[Callable[[Connection], None]] = [_migration_1, _migration_2, _migration_3, _migration_4,
-                                                  _migration_5]
+                                                  _migration_5, _migration_6]
 
 
 

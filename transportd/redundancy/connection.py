@@ -49,6 +49,7 @@ from transportd.redundancy.protocol import (
     split_shadow_params,
 )
 from transportd.smtp import replies
+from transportd.smtp.dsnparams import DsnRequest
 from transportd.smtp.transaction import Transaction
 
 S501_INVALID_ARGUMENTS = "501 5.5.4 Invalid arguments"
@@ -342,7 +343,7 @@ class ClientConnection:
             raise LocalProtocolError(f"not a GUID: {guid!r}") from None
 
     def send_shadow_copy(self, sender: str, params: Sequence[str], recipients: Sequence[str], data: bytes,
-                         guid: str, *, chunking: bool, rank: int = 1) -> bytes:
+                         guid: str, *, chunking: bool, rank: int = 1, dsn: DsnRequest | None = None) -> bytes:
         """One shadow copy as one pipelined group (RFC 2920): MAIL ``XSHADOW=<guid>``, a RCPT per
         recipient, then ``BDAT <size> LAST`` and the body (CHUNKING, RFC 3030) or DATA, whose
         body follows its 354 (``SendBody``). The copy counts only when MAIL and every RCPT got
@@ -351,22 +352,22 @@ class ClientConnection:
         if not self.shadow_requested:
             raise LocalProtocolError("a shadow copy before an accepted XSHADOWREQUEST")
         return self._group(sender, [*params, self.mail_parameter(guid, rank)], recipients, data, chunking,
-                           shadow=True)
+                           shadow=True, dsn=dsn)
 
     def send_transaction(self, sender: str, params: Sequence[str], recipients: Sequence[str], data: bytes, *,
-                         chunking: bool, guid: str | None = None) -> bytes:
+                         chunking: bool, guid: str | None = None, dsn: DsnRequest | None = None) -> bytes:
         """A relay to the peer as one pipelined group, as ``send_shadow_copy``; with ``guid`` (hop by
         hop, after XSHADOW) MAIL carries ``XSHADOW=<guid>``. It ends with ``TransactionReplies``:
         the outcome of each recipient is the caller's to read."""
         self._ready("MAIL")
         extra = [self.mail_parameter(guid)] if guid is not None else []
-        return self._group(sender, [*params, *extra], recipients, data, chunking, shadow=False)
+        return self._group(sender, [*params, *extra], recipients, data, chunking, shadow=False, dsn=dsn)
 
     def _group(self, sender: str, params: Sequence[str], recipients: Sequence[str], data: bytes, chunking: bool,
-               *, shadow: bool) -> bytes:
+               *, shadow: bool, dsn: DsnRequest | None = None) -> bytes:
         if not recipients:
             raise LocalProtocolError("a transaction without recipients")
-        self._copy = _Copy(Transaction(sender, params, recipients, data, chunking=chunking), shadow)
+        self._copy = _Copy(Transaction(sender, params, recipients, data, chunking=chunking, dsn=dsn), shadow)
         self.state = ClientState.AWAITING_COPY
         return self._copy.transaction.start()
 

@@ -19,6 +19,7 @@ from transportd.errors import PEER_FAILURES
 from transportd.queue.messages import NewMessage
 from transportd.redundancy.peers import PeerPool, PeerSession
 from transportd.redundancy.protocol import Peer
+from transportd.smtp.dsnparams import DsnRequest
 from transportd.smtp.envelope import message_parameters
 
 
@@ -54,6 +55,7 @@ class ShadowCopier:
         # The copy travels as the message came: SMTPUTF8 and BODY=8BITMIME when it needs them.
         params = message_parameters(msg.sender, recipients, msg.data, smtputf8=msg.smtputf8,
                                     body_type=msg.body_type)
+        dsn = DsnRequest(msg.dsn_mail, msg.dsn_rcpt) if msg.dsn_mail or msg.dsn_rcpt else None  # RFC 3461
         if not candidates:
             return ShadowResult(None, "No suitable shadow servers")
         reasons: list[str] = []
@@ -77,7 +79,7 @@ class ShadowCopier:
                 # peer cannot leave a healthy one untried.
                 left = 1 + len({p.name for p in candidates[i:] if p.name not in timed_out and p.name not in claimed})
                 accepted, reply = await self._copy_to(peer, msg, guid, recipients, params, remaining / left,
-                                                      timed_out, uncertain, rank)
+                                                      timed_out, uncertain, rank, dsn)
                 if accepted:
                     held.append((peer.name, rank, reply))
                     return
@@ -94,7 +96,8 @@ class ShadowCopier:
                             why if len(held) < copies else "")
 
     async def _copy_to(self, peer: Peer, msg: NewMessage, guid: str, recipients: list[str], params: list[str],
-                       limit: float, timed_out: set[str], uncertain: list[str], rank: int = 1) -> tuple[bool, str]:
+                       limit: float, timed_out: set[str], uncertain: list[str], rank: int = 1,
+                       dsn: DsnRequest | None = None) -> tuple[bool, str]:
         """One attempt on one peer: (whether it holds the copy, its reply or why not)."""
         s: PeerSession | None = None
         ok = False
@@ -102,7 +105,7 @@ class ShadowCopier:
             async with asyncio.timeout(limit):
                 s = await self.pool.session(peer)
                 await s.shadow_request(self.queue_database_id())
-                result = await s.copy(msg.sender, params, recipients, msg.data, guid, rank)
+                result = await s.copy(msg.sender, params, recipients, msg.data, guid, rank, dsn)
                 ok = True  # the session is fine, whatever the peer answered
                 if result.held and peer.name not in uncertain:
                     uncertain.append(peer.name)  # refused, yet stored: it gets a discard event

@@ -256,7 +256,8 @@ class ShadowManager:
             faults.check("reshadow", row)
             now = time.time()
             mid = row["id"]
-            body, addrs, holders = await self.store.aread(lambda c: sq.reshadow_inputs(c, mid))
+            body, params, holders = await self.store.aread(lambda c: sq.reshadow_inputs(c, mid))
+            addrs = list(params)
             wanted = self.sr.shadow_copies
             result = ShadowResult(None, "No suitable shadow servers")
             guid = str(uuid.uuid4())
@@ -264,7 +265,8 @@ class ShadowManager:
             if self.enabled and body is not None and addrs and missing > 0:
                 msg = NewMessage(network_message_id=row["network_message_id"], sender=row["sender"], data=body,
                                  recipients={}, received_at=now, expires_at=now, subject=row.get("subject") or "",
-                                 smtputf8=bool(row.get("smtputf8")), body_type=row.get("body_type") or "")
+                                 smtputf8=bool(row.get("smtputf8")), body_type=row.get("body_type") or "",
+                                 dsn_mail=row.get("dsn_params") or "", dsn_rcpt={a.lower(): p for a, p in params.items() if p})
                 # New copies rank after the shadows it has (no two shadows of a message share a rank).
                 first = min(MAX_SHADOW_RANK - missing + 1, 1 + max((r for _, r in holders), default=0))
                 result = await self.make_shadow(msg, guid, addrs,

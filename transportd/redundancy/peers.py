@@ -35,6 +35,7 @@ from transportd.redundancy.connection import (
     TransactionReplies,
 )
 from transportd.redundancy.protocol import Peer, heartbeat_period
+from transportd.smtp.dsnparams import DsnRequest
 from transportd.smtp.wire import SmtpWire
 
 DISCARD_BATCH = 50
@@ -80,14 +81,15 @@ class PeerSession:
             raise ProtocolError(_refusal("XSHADOWREQUEST", events))
 
     async def copy(self, sender: str, params: list[str], recipients: list[str], data: bytes,
-                   guid: str, rank: int = 1) -> ShadowCopyReply:
+                   guid: str, rank: int = 1, dsn: DsnRequest | None = None) -> ShadowCopyReply:
         """MAIL ``XSHADOW=<guid>``, RCPT and ``BDAT <n> LAST`` (DATA where the peer offers no
         CHUNKING) in one write, the replies read as they come: the copy counts only when the peer
         says 2.6.0. A refused copy leaves the session usable."""
         wire = self.client
         self.data_sent = False
         group = self.conn.send_shadow_copy(sender, params, recipients, data, guid,
-                                           chunking=wire.supports_extension("chunking"), rank=rank)
+                                           chunking=wire.supports_extension("chunking"), rank=rank,
+                                           dsn=dsn if wire.supports_extension("dsn") else None)
         self.data_sent = True  # from the write on, the peer may hold the copy
         event = await self._group(wire, group)
         if isinstance(event, ShadowAccepted):
@@ -96,12 +98,13 @@ class PeerSession:
         return ShadowCopyReply(False, f"{event.code} {event.text}", held=event.held)
 
     async def relay(self, sender: str, params: list[str], recipients: list[str], data: bytes,
-                    guid: str | None) -> TransactionReplies:
+                    guid: str | None, dsn: DsnRequest | None = None) -> TransactionReplies:
         """A message relayed to the peer (hop by hop with ``guid``: MAIL ``XSHADOW=``), as one
         pipelined group like ``copy``; every reply, for the caller to read per recipient."""
         wire = self.client
         group = self.conn.send_transaction(sender, params, recipients, data, guid=guid,
-                                           chunking=wire.supports_extension("chunking"))
+                                           chunking=wire.supports_extension("chunking"),
+                                           dsn=dsn if wire.supports_extension("dsn") else None)
         event = await self._group(wire, group)
         assert isinstance(event, TransactionReplies)
         return event

@@ -66,6 +66,7 @@ class ShadowQueues:
             client_hostname=request.primary_fqdn, origin="shadow", role="shadow", redundancy="shadow",
             shadow_guid=guid, primary_node=request.primary_fqdn, primary_dbid=request.primary_dbid,
             shadow_rank=rank, smtputf8=smtputf8, body_type=body_type,
+            dsn_mail=getattr(envelope, "dsn_mail", ""), dsn_rcpt=getattr(envelope, "dsn_rcpt", {}),
         )
         internal_id = await self.store.write(lambda c: mq.enqueue(c, msg))
         row = {"id": internal_id, "network_message_id": network_id, "message_id": msg.message_id,

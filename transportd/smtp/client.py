@@ -19,6 +19,7 @@ from typing import Any, Iterable
 
 from transportd.errors import PEER_FAILURES, NextHopPermanentError, NextHopUnavailable
 from transportd.smtp.addresses import literal_address
+from transportd.smtp.dsnparams import DsnRequest
 from transportd.smtp.transaction import Replies, Transaction
 from transportd.smtp.wire import SmtpWire
 
@@ -99,11 +100,14 @@ class NextHopSession:
     def is_connected(self) -> bool:
         return self.wire.is_connected
 
-    async def transact(self, sender: str, params: list[str], recipients: list[str], data: bytes) -> Replies:
+    async def transact(self, sender: str, params: list[str], recipients: list[str], data: bytes,
+                       dsn: DsnRequest | None = None) -> Replies:
         """One transaction; the replies of a pipelined group are read as they come. DATA, not BDAT:
-        BDAT to next hops outside was not measured (smtp-sink offers no CHUNKING)."""
+        BDAT to next hops outside was not measured (smtp-sink offers no CHUNKING). ``dsn`` goes on
+        where the next hop offers DSN (RFC 3461 5.2)."""
         tx = Transaction(sender, params, recipients, data, chunking=False,
-                         pipelining=self.wire.supports_extension("pipelining"))
+                         pipelining=self.wire.supports_extension("pipelining"),
+                         dsn=dsn if self.wire.supports_extension("dsn") else None)
         self.transactions += 1
         self.wire.write(tx.start())
         while tx.replies is None:

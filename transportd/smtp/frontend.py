@@ -43,6 +43,18 @@ class PreparedMessage:
     subject: str
 
 
+def add_recipient(server: Any, envelope: Envelope, address: str, rcpt_options: list[str]) -> None:
+    """A recipient taken: in the envelope, with its RFC 3461 parameters (NOTIFY=, ORCPT=, as the
+    session checked them) in ``envelope.dsn_rcpt`` by address, the first RCPT's for a repeated one."""
+    envelope.rcpt_tos.append(address)
+    envelope.rcpt_options.extend(rcpt_options)
+    params = getattr(server, "dsn_params", "")
+    if params:
+        if not hasattr(envelope, "dsn_rcpt"):
+            envelope.dsn_rcpt = {}
+        envelope.dsn_rcpt.setdefault(address.lower(), params)
+
+
 def received_as(envelope: Envelope) -> tuple[bool, str]:
     """How the client sent it: (SMTPUTF8 given, BODY= value upper-cased or "")."""
     body = ""
@@ -112,6 +124,8 @@ class FrontendHandler:
         out.append("250-PIPELINING")
         if getattr(server, "chunking", False):
             out.append("250-CHUNKING")
+        if getattr(server, "dsn", False):
+            out.append("250-DSN")
         out.append("250-ENHANCEDSTATUSCODES")
         out.append("250 HELP")
         return out
@@ -124,6 +138,7 @@ class FrontendHandler:
             return replies.S501_BAD_SENDER
         envelope.mail_from = address
         envelope.mail_options.extend(mail_options)
+        envelope.dsn_mail = getattr(server, "dsn_params", "")  # RFC 3461: RET=, ENVID= (smtp/server.py)
         return replies.S250_SENDER_OK
 
     async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope, address: str,
@@ -141,8 +156,7 @@ class FrontendHandler:
             if not (session.authenticated or relay_allowed(str(peer), self.cfg.routing.trusted_networks)):
                 log.info("relay denied: %s -> %s", peer, address)
                 return replies.S550_RELAY_DENIED
-        envelope.rcpt_tos.append(address)
-        envelope.rcpt_options.extend(rcpt_options)
+        add_recipient(server, envelope, address, rcpt_options)
         return replies.S250_RECIPIENT_OK
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:

@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable
 
 from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, Session, syntax
 
-from transportd.smtp import replies
+from transportd.smtp import dsnparams, replies
 
 log = logging.getLogger("transportd.smtp.server")
 
@@ -330,7 +330,37 @@ class _AuthParameter:
                     and (not self._auth_require_tls or self._tls_protocol))
 
 
-class LimitedSMTP(_VerbsDir, _Replies, _AuthParameter, SMTP):
+class _DsnParameters:
+    """RFC 3461's parameters (DSN is offered in every EHLO reply): MAIL's RET= and ENVID=, RCPT's
+    NOTIFY= and ORCPT=, checked (501 when malformed) and kept in ``dsn_params`` with their case as
+    sent (aiosmtpd upper-cases parameters; ENVID and ORCPT are the sender's text) for the
+    handler's MAIL or RCPT hook; any other parameter is left to aiosmtpd."""
+
+    dsn = True
+    dsn_params = ""
+    _path_params = ""
+    session: Session | None
+    envelope: Envelope | None
+
+    def _getparams(self, params: Any) -> dict[str, str | bool] | None:
+        result = super()._getparams(params)  # type: ignore[misc]
+        self.dsn_params = ""
+        if result is None or not (self.session and self.session.extended_smtp):
+            return result
+        keys = dsnparams.RCPT_KEYS if self.envelope and self.envelope.mail_from else dsnparams.MAIL_KEYS
+        if not any(k in result for k in keys):
+            return result
+        text, error = dsnparams.parse(self._path_params, keys)
+        if error:
+            log.info("%s refused: %s", "RCPT" if keys is dsnparams.RCPT_KEYS else "MAIL", error)
+            return None
+        for k in keys:
+            result.pop(k, None)
+        self.dsn_params = text
+        return result
+
+
+class LimitedSMTP(_VerbsDir, _Replies, _DsnParameters, _AuthParameter, SMTP):
     """aiosmtpd's SMTP with connection limits, an absolute timeout and our reply wording."""
 
     def __init__(self, handler: Any, *, counter: ConnectionCounter, connection_timeout: float,
@@ -425,12 +455,13 @@ class LimitedSMTP(_VerbsDir, _Replies, _AuthParameter, SMTP):
         'a@[1'); any of these is a malformed address, not an internal error. The common form is
         read by ``plain_path`` first."""
         plain = plain_path(arg, self.local_part_limit)
-        if plain is not None:
-            return plain
-        try:
-            return super()._getaddr(arg)
-        except Exception:  # noqa: BLE001 - the parser's failure on bad input is that input's error
-            return None, None
+        if plain is None:
+            try:
+                plain = super()._getaddr(arg)
+            except Exception:  # noqa: BLE001 - the parser's failure on bad input is that input's error
+                plain = None, None
+        self._path_params = plain[1] or ""  # the parameters as sent, for RFC 3461's (_DsnParameters)
+        return plain
 
     @syntax("HELO hostname")  # listed by HELP as aiosmtpd's own (an override drops its text)
     async def smtp_HELO(self, hostname: str) -> None:

@@ -17,11 +17,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from transportd.errors import ProtocolError
+from transportd.smtp.dsnparams import DsnRequest
 
 
 def envelope_path(address: str) -> bytes:
     """``<address>`` exactly as received, UTF-8 (RFC 6531), as MAIL and RCPT carry it."""
     return b"<" + address.encode("utf-8", "surrogateescape") + b">"
+
+
+def _rcpt_params(params: str) -> bytes:
+    """`` NOTIFY=... ORCPT=...`` (UTF-8 in an RFC 6533 utf-8 ORCPT), or nothing."""
+    return b" " + params.encode("utf-8") if params else b""
 
 
 _LINE_ENDS = re.compile(rb"\r\n|\n|\r(?!\n)")
@@ -66,12 +72,19 @@ class Transaction:
     """Feed it each reply (``answer``); write what it returns; ``replies`` is set once it is over."""
 
     def __init__(self, sender: str, params: Sequence[str], recipients: Sequence[str], data: bytes, *,
-                 chunking: bool, pipelining: bool = True):
+                 chunking: bool, pipelining: bool = True, dsn: DsnRequest | None = None):
+        """``dsn``: the sender's RFC 3461 parameters, passed on (to a next hop that offers DSN)."""
         if not recipients:
             raise ProtocolError("a transaction without recipients")
+        if dsn is not None:
+            params = [*params, *dsn.mail_params()]
         words = [b"MAIL FROM:" + envelope_path(sender), *(p.encode("ascii") for p in params)]
         self._mail = b" ".join(words) + b"\r\n"
-        self._rcpts = [b"RCPT TO:" + envelope_path(r) + b"\r\n" for r in recipients]
+        if dsn is None:
+            self._rcpts = [b"RCPT TO:" + envelope_path(r) + b"\r\n" for r in recipients]
+        else:
+            self._rcpts = [b"RCPT TO:" + envelope_path(r) + _rcpt_params(dsn.rcpt_params(r)) + b"\r\n"
+                           for r in recipients]
         self._data = data
         self.chunking = chunking
         self.pipelining = pipelining
