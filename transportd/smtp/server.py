@@ -269,6 +269,20 @@ def plain_path(arg: str, local_part_limit: int) -> tuple[Any, Any] | None:
     return m.group(1), rest
 
 
+def _as_sent(arg: str, address: Any, rest: Any) -> tuple[Any, Any]:
+    """aiosmtpd's reading of a path, held to what the client sent: the email package quotes a
+    local part that needs quotes (``<bad address@x>`` becomes ``"bad address"@x``), which RFC 5321
+    4.1.2 does not allow unquoted. A quoted local part counts only when the client quoted it;
+    otherwise the address goes on unquoted, for the address check to refuse."""
+    if not isinstance(address, str) or not address.startswith('"'):
+        return address, rest
+    path = arg.lstrip()
+    path = path[1:] if path.startswith("<") else path
+    if path.startswith("@"):  # a source route (RFC 5321 4.1.2's A-d-l), which is ignored
+        path = path.partition(":")[2]
+    return (address, rest) if path.startswith('"') else (address.replace('"', ""), rest)
+
+
 class _Replies:
     """How a session's replies go on the wire: in our wording, each reply in one write (aiosmtpd
     writes each line). LimitedSMTP sets ``_held`` and ``_plain_250``."""
@@ -457,7 +471,7 @@ class LimitedSMTP(_VerbsDir, _Replies, _DsnParameters, _AuthParameter, SMTP):
         plain = plain_path(arg, self.local_part_limit)
         if plain is None:
             try:
-                plain = super()._getaddr(arg)
+                plain = _as_sent(arg, *super()._getaddr(arg))
             except Exception:  # noqa: BLE001 - the parser's failure on bad input is that input's error
                 plain = None, None
         self._path_params = plain[1] or ""  # the parameters as sent, for RFC 3461's (_DsnParameters)
