@@ -441,7 +441,19 @@ def exchange_logs(base: Path) -> dict[str, str]:
         return exchange_row(f16, transport_traffic_type="Email", schema_version="15.01.2507.009", **kw)
 
     ids = {"left": "11111111-aaaa-4aaa-8aaa-000000000001", "external": "11111111-aaaa-4aaa-8aaa-000000000002",
-           "redirect_only": "11111111-aaaa-4aaa-8aaa-000000000003"}
+           "redirect_only": "11111111-aaaa-4aaa-8aaa-000000000003", "group": "11111111-aaaa-4aaa-8aaa-000000000004",
+           "alias": "11111111-aaaa-4aaa-8aaa-000000000005", "forwarded": "11111111-aaaa-4aaa-8aaa-000000000006"}
+
+    def changed(event: str, key: str, t: str, to: str, replaced: str) -> dict[str, str]:
+        return r16(date_time=t, server_hostname=ex1, source="ROUTING", event_id=event, internal_message_id="104",
+                   message_id=f"<{key}@fabrikam.test>", network_message_id=ids[key], recipient_address=to,
+                   related_recipient_address=replaced, sender_address="bob@fabrikam.test", directionality="Incoming")
+
+    def at_ex1(event: str, key: str, t: str, to: str, **kw: str) -> dict[str, str]:
+        return r16(date_time=t, client_hostname=kw.pop("client_hostname", ex1), server_hostname=ex1,
+                   source=kw.pop("source", "STOREDRIVER"), event_id=event, internal_message_id="104",
+                   message_id=f"<{key}@fabrikam.test>", network_message_id=ids[key], recipient_address=to,
+                   sender_address="bob@fabrikam.test", directionality="Incoming", **kw)
     rows_ex1 = [
         # received from the Internet on EX1 (written with its short name), shadowed on EX2, sent on to EX3
         r16(date_time="2016-03-01T10:00:00.000Z", client_ip="203.0.113.9", client_hostname="mail.fabrikam.test",
@@ -486,6 +498,25 @@ def exchange_logs(base: Path) -> dict[str, str]:
         r16(date_time="2016-03-01T10:02:00.100Z", client_ip="10.0.0.1", client_hostname=ex1, server_hostname="EX1",
             source="STOREDRIVER", event_id="SUBMITDEFER", sender_address="carl@contoso.test",
             directionality="Undefined", recipient_status="MapiExceptionNotFound"),
+        # recipients replaced (Exchange's EXPAND, RESOLVE, REDIRECT: related-recipient-address holds
+        # the ones replaced): a group, with a nested group, delivered to its members; an alias
+        # resolved (written in another case); a recipient redirected to an alternate
+        at_ex1("RECEIVE", "group", "2016-03-01T10:04:00.000Z", "Sales@contoso.test", source="SMTP",
+               client_hostname="mail.fabrikam.test"),
+        changed("EXPAND", "group", "2016-03-01T10:04:00.100Z", "ann@contoso.test;team@contoso.test",
+                "sales@contoso.test"),
+        changed("EXPAND", "group", "2016-03-01T10:04:00.200Z", "carl@contoso.test;dan@contoso.test",
+                "team@contoso.test"),
+        at_ex1("DELIVER", "group", "2016-03-01T10:04:01.000Z", "ann@contoso.test;carl@contoso.test;dan@contoso.test"),
+        at_ex1("RECEIVE", "alias", "2016-03-01T10:05:00.000Z", "Ann.Alias@contoso.test", source="SMTP",
+               client_hostname="mail.fabrikam.test"),
+        changed("RESOLVE", "alias", "2016-03-01T10:05:00.100Z", "ann@contoso.test", "ann.alias@contoso.test"),
+        changed("RESOLVE", "alias", "2016-03-01T10:05:00.110Z", "ann@contoso.test", "ANN@contoso.test"),
+        at_ex1("DELIVER", "alias", "2016-03-01T10:05:01.000Z", "ann@contoso.test"),
+        at_ex1("RECEIVE", "forwarded", "2016-03-01T10:06:00.000Z", "dan@contoso.test;eve@contoso.test",
+               source="SMTP", client_hostname="mail.fabrikam.test"),
+        changed("REDIRECT", "forwarded", "2016-03-01T10:06:00.100Z", "fay@contoso.test", "dan@contoso.test"),
+        at_ex1("DELIVER", "forwarded", "2016-03-01T10:06:01.000Z", "eve@contoso.test;fay@contoso.test"),
         # shadowed only (no RECEIVE in the logs given): never counted as received nor redundant
         r16(date_time="2016-03-01T10:03:00.000Z", server_hostname=ex1, source="SMTP", event_id="HAREDIRECT",
             source_context=f"{ex2}=250 2.6.0 Queued", internal_message_id="103",
@@ -545,7 +576,7 @@ def test_exchange_shaped_logs_are_read_as_exchange_means_them(spark, tmp_path):
     assert summary["events_by_node"]["ex1.contoso.test"]["AGENTINFO"] == 1
     assert summary["node_names"] == {"ex1": "ex1.contoso.test", "mbx1": "mbx1.contoso.test"}
     # coverage counted once per message, over received messages only
-    assert summary["received"] == 4 and summary["redundant"] == 1
+    assert summary["received"] == 7 and summary["redundant"] == 1
     assert 0 <= summary["redundancy_coverage"] <= 1
     left = messages[ids["left"]]
     assert left["state"] == "left the logs" and left["receive_node"] == "ex1.contoso.test"
@@ -557,6 +588,11 @@ def test_exchange_shaped_logs_are_read_as_exchange_means_them(spark, tmp_path):
     assert messages["<int@contoso.test>"]["state"] == "delivered"  # 2013, keyed by message-id
     assert messages["<old@contoso.test>"]["state"] == "delivered"  # 2010, headerless
     assert messages[ids["redirect_only"]]["state"] == "incomplete"
+    # recipients replaced by EXPAND / RESOLVE / REDIRECT: delivered to who took their place
+    # (read as never delivered, these three were reported lost)
+    for key, count in (("group", 3), ("alias", 1), ("forwarded", 2)):
+        m = messages[ids[key]]
+        assert (m["state"], m["recipient_count"], m["recipients_delivered"]) == ("delivered", count, count), key
     assert summary["states"]["left the logs"] == 1 and summary["lost"] == 0
     assert summary["unprotected_messages"] == 1  # the HAREDIRECTFAIL of a received message
 

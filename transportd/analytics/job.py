@@ -31,6 +31,7 @@ from transportd.analytics.schema import (
     DELIVERY_EVENTS,
     ENTRY_EVENTS,
     FAILED_EVENTS,
+    RECIPIENT_CHANGE_EVENTS,
     RELEASE_EVENTS,
     RESUBMITTED_DISCARD,
     SEND_FOLLOW_SECONDS,
@@ -228,7 +229,8 @@ def narrow_events(rows: Any):
     def on(events: Sequence[str], col: str):
         return F.when(e.isin(*events), F.col(col)).alias(col)
 
-    recipient_events = sorted({*TAKE_EVENTS, *SUCCESS_EVENTS, *FAILED_EVENTS, *DELIVERY_EVENTS})
+    recipient_events = sorted({*TAKE_EVENTS, *SUCCESS_EVENTS, *FAILED_EVENTS, *DELIVERY_EVENTS,
+                               *RECIPIENT_CHANGE_EVENTS})
     return rows.select(
         valid.alias("valid"),
         F.when(~valid, F.col("file")).alias("file"),
@@ -238,6 +240,7 @@ def narrow_events(rows: Any):
         on(("HAREDIRECT", "RESUBMIT", *DELIVERY_EVENTS), "peer"),
         on(("RESUBMIT",), "reason"),
         on(recipient_events, "recipients"),
+        on(RECIPIENT_CHANGE_EVENTS, "replaced"),
         on(("HADISCARD", "RESUBMIT"), "context"),
         on(("HARECEIVE",), "client_hostname"),
         on(("RECEIVE",), "sender"),
@@ -388,7 +391,7 @@ def join_message_ids(ev: Any):
 
 LIST_EVENTS = tuple(sorted({"HAREDIRECT", "HAREDIRECTFAIL", "HARECEIVE", "HADISCARD", "RECEIVE", "RESUBMIT",
                             "DUPLICATEDELIVER", *DELIVERY_EVENTS, *ENTRY_EVENTS, *SUCCESS_EVENTS,
-                            *FAILED_EVENTS}))
+                            *FAILED_EVENTS, *RECIPIENT_CHANGE_EVENTS}))
 """Events whose rows a message's journey lists or its per-recipient figures read."""
 
 
@@ -457,8 +460,8 @@ def _rows_per_message(ev: Any, partitions: int | None):
     from pyspark.sql import functions as F
 
     e = F.col("event")
-    row = F.struct(F.col("time"), e.alias("event"), F.col("node"), F.col("recipients"), F.col("peer"),
-                   F.col("context"), F.col("source"), F.col("reason"), F.col("client_hostname"))
+    row = F.struct(F.col("time"), e.alias("event"), F.col("node"), F.col("recipients"), F.col("replaced"),
+                   F.col("peer"), F.col("context"), F.col("source"), F.col("reason"), F.col("client_hostname"))
     rows = ev.select("key", "message_id", F.when(e == "RECEIVE", F.col("sender")).alias("sender"),
                      F.when(e.isin(*LIST_EVENTS), row).alias("row"))
     rows = rows.repartition(partitions, "key") if partitions else rows.repartition("key")
@@ -527,7 +530,7 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
         ev = join_message_ids(ev)
     ev = (ev
           .select("key", "time", _renamed("node", rename).alias("node"), "event", "source",
-                  _renamed("peer", rename).alias("peer"), "reason", "recipients", "context",
+                  _renamed("peer", rename).alias("peer"), "reason", "recipients", "replaced", "context",
                   _renamed("client_hostname", rename).alias("client_hostname"), "sender",
                   "has_netid", "message_id"))
     # Two shuffles by key, one per aggregate (each reads only its columns); the join of the two
@@ -538,10 +541,16 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
     wanted_events = (*ENTRY_EVENTS, "HARECEIVE")
 
     # -- per (message, recipient), from the message's few recipient rows: done or not, duplicates.
-    # The recipients of a message are those of its RECEIVE, HARECEIVE and DSN rows.
+    # The recipients of a message are those of its RECEIVE, HARECEIVE and DSN rows, with those an
+    # Exchange EXPAND, RESOLVE or REDIRECT row replaced by its own (a group by its members, nested
+    # groups too: a group both added and replaced is replaced).
     rev = F.col("rows")
-    wanted = F.array_distinct(F.flatten(F.transform(
-        F.filter(rev, lambda x: x["event"].isin(*wanted_events)), lambda x: x["recipients"])))
+    changes = F.filter(rev, lambda x: x["event"].isin(*RECIPIENT_CHANGE_EVENTS) & (F.size(x["replaced"]) > 0))
+    wanted = F.array_except(
+        F.array_distinct(F.concat(
+            F.flatten(F.transform(F.filter(rev, lambda x: x["event"].isin(*wanted_events)), lambda x: x["recipients"])),
+            F.flatten(F.transform(changes, lambda x: x["recipients"])))),
+        F.flatten(F.transform(changes, lambda x: F.array_except(x["replaced"], x["recipients"]))))
 
     def first(events: Sequence[str], r):
         return F.array_min(F.transform(F.filter(rev, lambda x: x["event"].isin(*events) & F.array_contains(

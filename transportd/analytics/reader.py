@@ -30,6 +30,7 @@ from transportd.analytics.schema import (
     FIELDS_BY_COUNT,
     GENERIC_FOLDERS,
     MAX_FIELDS,
+    RECIPIENT_CHANGE_EVENTS,
     SEND_EVENTS,
 )
 
@@ -41,7 +42,7 @@ SENTINEL = "\u0001end-of-row"
 
 NEEDED = ("date-time", "client-hostname", "server-hostname", "source-context", "source", "event-id",
           "internal-message-id", "message-id", "network-message-id", "recipient-address",
-          "reference", "sender-address")
+          "related-recipient-address", "reference", "sender-address")
 """The fields the job reads; any other field is parsed by the CSV reader and dropped."""
 
 SNIFF_LINES = 64
@@ -313,6 +314,8 @@ def normalize(rows: Any):
         F.trim("internal_message_id").alias("internal_message_id"),
         # no lambda per row: split on ';' with the blanks around it, drop empty items
         F.array_remove(F.split(F.lower(F.trim("recipient_address")), r"\s*;\s*"), "").alias("recipients"),
+        F.when(event.isin(*RECIPIENT_CHANGE_EVENTS), F.array_remove(F.split(
+            F.lower(F.trim("related_recipient_address")), r"\s*;\s*"), "")).alias("replaced"),
         ctx.alias("context"),
         F.when(sent_by_client, F.lit("")).otherwise(client).alias("client_hostname"),
         F.trim("reference").alias("reference"),
@@ -338,9 +341,9 @@ def read_events(spark: Any, paths: Sequence[str], name_filter: str = DEFAULT_NAM
     return normalize(read_rows(spark, files))
 
 
-RECIPIENT_EVENTS = ("DELIVER", "DROP", "DSN", "DUPLICATEDELIVER", "FAIL", "HARECEIVE", "RECEIVE", "RESUBMIT",
-                    "SEND", "SENDEXTERNAL")
-"""Events whose recipients the job reads (entry, take, delivery and done events)."""
+RECIPIENT_EVENTS = ("DELIVER", "DROP", "DSN", "DUPLICATEDELIVER", "EXPAND", "FAIL", "HARECEIVE", "RECEIVE",
+                    "REDIRECT", "RESOLVE", "RESUBMIT", "SEND", "SENDEXTERNAL")
+"""Events whose recipients the job reads (entry, take, delivery, done and recipient-change events)."""
 
 
 def _recipient_list(col: Any):
@@ -374,6 +377,7 @@ def narrow(rows: Any):
     first = rows.select(
         "file", F.col("reason").alias("csv_reason"), "line", "source_context", "source",
         "recipient_address", "sender_address", "server_hostname", "client_hostname",
+        "related_recipient_address",
         F.trim("date_time").try_cast("timestamp").alias("time"),
         F.upper(F.trim("event_id")).alias("event"),
         F.coalesce(F.when(netid != "", netid), F.when(message_id != "", message_id)).alias("key"),
@@ -403,6 +407,7 @@ def narrow(rows: Any):
         _peer(e, ctx, sent_by_client, server).alias("peer"),
         _redundancy_reason(e, source, ctx).alias("reason"),
         F.when(e.isin(*RECIPIENT_EVENTS), _recipient_list("recipient_address")).alias("recipients"),
+        F.when(e.isin(*RECIPIENT_CHANGE_EVENTS), _recipient_list("related_recipient_address")).alias("replaced"),
         F.when(e.isin("HADISCARD", "RESUBMIT"), ctx).alias("context"),
         F.when(e == "HARECEIVE", client).alias("client_hostname"),
         F.when(e == "RECEIVE", F.lower(F.trim("sender_address"))).alias("sender"),

@@ -64,6 +64,13 @@ SUCCESS_EVENTS = ("DELIVER", "SENDEXTERNAL", "DUPLICATEDELIVER")
 FAILED_EVENTS = ("FAIL", "DROP")
 """A recipient is done, unsuccessfully: permanent failure or expiry, or removed by an operator."""
 
+RECIPIENT_CHANGE_EVENTS = ("EXPAND", "RESOLVE", "REDIRECT")
+"""Exchange's rows that put recipients in the place of others (a distribution group expanded to
+its members, an address resolved to the mailbox's primary one, a recipient redirected to an
+alternate): recipient-address holds the new recipients, related-recipient-address the ones they
+replace. transportd writes none of them; a reader follows them, or a message delivered to a
+group's members reads as the group never delivered."""
+
 SEND_EVENTS = ("SEND", "SENDEXTERNAL")
 """Events written by the sending server about a hand-over: Exchange names the sending (local)
 server in client-hostname and the next hop in server-hostname (docs/TRACKING_LOG.md)."""
