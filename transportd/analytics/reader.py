@@ -341,7 +341,7 @@ def read_events(spark: Any, paths: Sequence[str], name_filter: str = DEFAULT_NAM
     return normalize(read_rows(spark, files))
 
 
-RECIPIENT_EVENTS = ("DELIVER", "DROP", "DSN", "DUPLICATEDELIVER", "EXPAND", "FAIL", "HARECEIVE", "RECEIVE",
+RECIPIENT_EVENTS = ("BADMAIL", "DELIVER", "DROP", "DSN", "DUPLICATEDELIVER", "EXPAND", "FAIL", "HARECEIVE", "RECEIVE",
                     "REDIRECT", "RESOLVE", "RESUBMIT", "SEND", "SENDEXTERNAL")
 """Events whose recipients the job reads (entry, take, delivery, done and recipient-change events)."""
 

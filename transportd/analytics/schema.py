@@ -47,7 +47,7 @@ TAKE_EVENTS = ("RECEIVE", "HARECEIVE", "RESUBMIT", "DSN")
 """The node now holds a copy (primary, shadow, promoted or resubmitted, generated)."""
 
 RELEASE_EVENTS = (
-    "HADISCARD", "DELIVER", "DUPLICATEDELIVER", "SENDEXTERNAL", "FAIL", "DROP",
+    "HADISCARD", "DELIVER", "DUPLICATEDELIVER", "SENDEXTERNAL", "FAIL", "DROP", "BADMAIL",
 )
 """The node no longer holds the copy it took. SEND is not one: the sender keeps the message
 as a shadow (hop-by-hop, docs/PROTOCOL.md section 3) until the next hop's discard, logged as
@@ -61,8 +61,10 @@ resubmitted on the same node (RESUBMIT REDUNDANCY follows), which still holds th
 SUCCESS_EVENTS = ("DELIVER", "SENDEXTERNAL", "DUPLICATEDELIVER")
 """A recipient is done: stored in a mailbox, accepted outside the boundary, or already stored."""
 
-FAILED_EVENTS = ("FAIL", "DROP")
-"""A recipient is done, unsuccessfully: permanent failure or expiry, or removed by an operator."""
+FAILED_EVENTS = ("FAIL", "DROP", "BADMAIL")
+"""A recipient is done, unsuccessfully: permanent failure or expiry, removed by an operator, or
+(Exchange's BADMAIL) a message from the Pickup or Replay directory that can be neither delivered
+nor returned."""
 
 RECIPIENT_CHANGE_EVENTS = ("EXPAND", "RESOLVE", "REDIRECT")
 """Exchange's rows that put recipients in the place of others (a distribution group expanded to
