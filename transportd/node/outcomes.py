@@ -113,10 +113,10 @@ def _to_tell(it: WorkItem, outs: list[Outcome]) -> list[Outcome]:
     out = []
     for o in outs:
         p = params.get(o.recipient_id, "")
-        if o.status == mq.FAILED and dsnparams.wants(p, dsnparams.FAILURE):
-            out.append(o)
-        elif o.status == mq.DELIVERED and not o.duplicate and dsnparams.wants(p, dsnparams.SUCCESS) \
-                and (it.delivery_type == MAILBOX or not it.dsn_passed):
+        failure = o.status == mq.FAILED and dsnparams.wants(p, dsnparams.FAILURE)
+        success = o.status == mq.DELIVERED and not o.duplicate and dsnparams.wants(p, dsnparams.SUCCESS) \
+            and (it.delivery_type == MAILBOX or not it.dsn_passed)
+        if failure or success:
             out.append(o)
     return out
 

@@ -11,7 +11,7 @@ whether the sender is told of a delivery, a delay or a failure, and what the not
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 MAIL_KEYS = ("RET", "ENVID")
 RCPT_KEYS = ("NOTIFY", "ORCPT")

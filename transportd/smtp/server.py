@@ -276,8 +276,7 @@ def _as_sent(arg: str, address: Any, rest: Any) -> tuple[Any, Any]:
     otherwise the address goes on unquoted, for the address check to refuse."""
     if not isinstance(address, str) or not address.startswith('"'):
         return address, rest
-    path = arg.lstrip()
-    path = path[1:] if path.startswith("<") else path
+    path = arg.lstrip().removeprefix("<")
     if path.startswith("@"):  # a source route (RFC 5321 4.1.2's A-d-l), which is ignored
         path = path.partition(":")[2]
     return (address, rest) if path.startswith('"') else (address.replace('"', ""), rest)
