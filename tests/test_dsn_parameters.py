@@ -10,6 +10,8 @@ import uuid
 
 import pytest
 from conftest import wait_for
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from test_delivery import dsn_parts, events, wait_events
 from test_receive import ENHANCED, Raw, ehlo
 
@@ -71,7 +73,8 @@ def test_dsn_parameters_are_checked_at_mail_and_rcpt(make_node):
 
 
 @pytest.mark.parametrize("xtext,decoded", [
-    ("Q+2B1", "Q+1"), ("plain", "plain"), ("a+3Db", "a=b"), (r"\x{E9}t\x{E9}", "été"),
+    ("Q+2B1", "Q+1"), ("plain", "plain"), ("a+3Db", "a=b"), (r"\x{E9}t\x{E9}", "été"), ("+C3+A9", "é"),
+    ("+C3", "\ufffd"), (r"\x{D800}", "\ufffd"), (r"\x{2B}41", "+41"),
 ])
 def test_xtext_decodes(xtext, decoded):
     assert dsnparams.xtext_decode(xtext) == decoded
@@ -163,3 +166,29 @@ def test_notify_decides_failure_and_delivery_notices(make_node, sink):
     assert returned and f"full-{tag}" in returned[0].as_string() and "hello" in returned[0].as_string()
     assert all(f"never-{tag}" not in f.read_text(errors="replace") for f in files)
     assert len(events(node, "FAIL")) == 2
+
+
+_XTEXTISH = st.sampled_from([chr(c) for c in range(33, 127)] + ["+0D", "+0A", "+00", "+7F", "+2B", "+3D", "+C3",
+                                                                  "\\", '"', "<", ">", "(", ";"])
+"""Printable ASCII and xtext escapes, control characters' among them (those must be refused)."""
+
+
+@settings(max_examples=300, deadline=None)
+@given(orcpt=st.lists(_XTEXTISH, min_size=1, max_size=30).map("".join),
+       envid=st.lists(_XTEXTISH, min_size=1, max_size=30).map("".join), utf8=st.booleans())
+def test_any_parameters_taken_make_a_notice_that_builds(orcpt, envid, utf8):
+    """Whatever ORCPT and ENVID the receive side takes, the notice carrying them builds: a notice
+    that cannot be built would hold its message in Retry as an internal failure."""
+    from datetime import UTC, datetime
+
+    from transportd.smtp.dsn import RecipientReport, build_dsn
+
+    rcpt, error = dsnparams.parse(f"NOTIFY=SUCCESS ORCPT=rfc822;{orcpt}", dsnparams.RCPT_KEYS)
+    mail, mail_error = dsnparams.parse(f"ENVID={envid}", dsnparams.MAIL_KEYS)
+    assume(not error and not mail_error)
+    report = RecipientReport(address="bob@x.test", action="relayed", status="2.0.0",
+                             original_recipient=dsnparams.orcpt_of(rcpt))
+    data = build_dsn(reporting_mta="n.test", original_sender="s@x.test", original_message=b"Subject: x\r\n\r\nhi\r\n",
+                     recipients=[report], arrival_date=datetime.now(UTC), now=datetime.now(UTC), utf8=utf8,
+                     original_envelope_id=dsnparams.envid_of(mail))
+    assert b"Original-Recipient: " in data

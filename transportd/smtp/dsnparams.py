@@ -105,9 +105,23 @@ def wants(params: str, kind: str) -> bool:
 
 
 def xtext_decode(text: str) -> str:
-    """RFC 3461 4's xtext decoded: '+XX' is the octet XX (an RFC 6533 ``\\x{HEX}`` is the character)."""
-    out = re.sub(r"\+([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), text)
-    return re.sub(r"\\x\{([0-9A-Fa-f]{1,6})\}", lambda m: chr(int(m.group(1), 16)), out)
+    """RFC 3461 4's xtext decoded: '+XX' is the octet XX (octets read as UTF-8, an undecodable one
+    as U+FFFD); an RFC 6533 ``\\x{HEX}`` is the character."""
+    out = bytearray()
+    pos = 0
+    for m in _ESCAPE.finditer(text):
+        out += text[pos:m.start()].encode("utf-8")
+        if m.group(1):
+            out.append(int(m.group(1), 16))
+        else:
+            code = int(m.group(2), 16)
+            out += (chr(code) if code <= 0x10FFFF and not 0xD800 <= code <= 0xDFFF else "\ufffd").encode("utf-8")
+        pos = m.end()
+    out += text[pos:].encode("utf-8")
+    return out.decode("utf-8", "replace")
+
+
+_ESCAPE = re.compile(r"\+([0-9A-Fa-f]{2})|\\x\{([0-9A-Fa-f]{1,6})\}")
 
 
 def envid_of(params: str) -> str | None:
