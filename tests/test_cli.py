@@ -193,6 +193,39 @@ def test_message_list_and_show(make_node, sink):
             assert table_line(out, "RECEIVE") and table_line(out, "DEFER"), out
 
 
+def test_message_export_writes_the_queued_octets_and_show_names_the_dsn_parameters(make_node, sink, tmp_path):
+    """Export-Message: the message as queued (our Received field first, the client's octets
+    after), to standard output or a file, with the envelope as X-Sender/X-Receiver on request;
+    ``message show`` lists the RFC 3461 parameters the sender gave."""
+    import smtplib
+    node = make_node(smart_host=sink.address, overrides=LONG_RETRY).start()  # sink never started
+    body = "Subject: export me\r\nX-Tag: 8e1f\r\n\r\nline one\r\n.dotted\r\n"  # smtplib sends ..dotted
+    with smtplib.SMTP("127.0.0.1", node.port, timeout=20) as s:
+        s.ehlo("client.test")
+        s.mail("bob@remote.test", ["RET=HDRS", "ENVID=E77"])
+        assert s.rcpt("carol@foreign.test", ["NOTIFY=SUCCESS,FAILURE"])[0] == 250
+        code, resp = s.data(body.encode())
+        assert code == 250, resp
+    mid = int(resp.decode().rsplit(" ", 1)[1])
+    wait_for(in_retry(node, smarthost(sink), 1), timeout=10, what="message deferred")
+
+    raw = subprocess.run([sys.executable, "-m", "transportd", "message", "export", str(mid), "--config",
+                          str(node.config_path)], capture_output=True, timeout=60, check=True).stdout
+    assert raw.startswith(b"Received: from client.test"), raw[:200]
+    assert raw.endswith(b"Subject: export me\r\nX-Tag: 8e1f\r\n\r\nline one\r\n.dotted\r\n"), raw[-120:]
+    target = tmp_path / "export.eml"
+    done = cli(node, "message", "export", str(mid), "-o", str(target), "--envelope")
+    data = target.read_bytes()
+    assert data == b"X-Sender: <bob@remote.test>\r\nX-Receiver: <carol@foreign.test>\r\n" + raw
+    assert f"{len(data)} octets written" in done.stderr
+    missing = cli(node, "message", "export", "999999", check=False)
+    assert missing.returncode != 0 and "no message 999999" in missing.stderr
+
+    shown = cli(node, "message", "show", str(mid)).stdout
+    assert "DSN (RFC 3461):" in shown and "RET=HDRS ENVID=E77" in shown, shown
+    assert table_line(shown, "carol@foreign.test", "NOTIFY=SUCCESS,FAILURE") is not None, shown
+
+
 # ------------------------------------------------------------------------------ 3. suspend/resume
 
 def test_suspend_and_resume_queue_and_message(make_node, sink):

@@ -1,7 +1,8 @@
-"""``transportd message``: queued messages (like Get-Message, Suspend-Message, Resume-Message, Remove-Message).
+"""``transportd message``: queued messages (like Get-Message, Export-Message, Suspend-Message,
+Resume-Message, Remove-Message).
 
-It owns listing and showing messages (envelope, headers, per-recipient status and
-tracking events), suspending, resuming (also out of the Poison queue) and removing
+It owns listing, showing (envelope, headers, per-recipient status and tracking events) and
+exporting messages (the queued bytes, as Export-Message writes them), suspending, resuming (also out of the Poison queue) and removing
 them (optionally with an NDR): one, the ids given (``-``: on stdin) or those ``--filter``
 selects, a batch per transaction, with ``--dry-run``, and the ADMIN and DSN tracking
 rows those actions write after each commit. It never writes SQL: each read and each
@@ -170,12 +171,14 @@ def message_show(cfg: Config, message_id: int, as_json: bool) -> None:
     for label, key in (("Network message id", "network_message_id"), ("Message-ID", "message_id"),
                        ("From", "sender"), ("Subject", "subject"), ("Size", "size"),
                        ("Received", "received_at"), ("Expires", "expires_at"), ("Client", "client_ip"),
-                       ("Origin", "origin"), ("Redundancy", "redundancy")):
+                       ("Origin", "origin"), ("Redundancy", "redundancy"), ("DSN (RFC 3461)", "dsn_params")):
         click.echo(f"  {label + ':':20} {m[key] if m[key] not in (None, '') else '-'}")
     click.echo("\nRecipients:")
-    click.echo(table(["address", "queue", "status", "attempts", "next retry", "last error"],
+    dsn = any(r["dsn_params"] for r in m["recipients"])  # NOTIFY= / ORCPT= as the sender gave them
+    click.echo(table(["address", "queue", "status", "attempts", "next retry", "last error"] + ["dsn"] * dsn,
                      [(r["address"], r["queue"], r["status"], r["attempts"],
-                       r["next_retry_at"] if r["status"] == mq.RETRY else "", r["last_error"] or "")
+                       r["next_retry_at"] if r["status"] == mq.RETRY else "", r["last_error"] or "",
+                       *[r["dsn_params"]] * dsn)
                       for r in m["recipients"]], max_width=70))
     click.echo("\nHeaders:")
     click.echo("\n".join("  " + line for line in headers.splitlines()))
@@ -183,6 +186,36 @@ def message_show(cfg: Config, message_id: int, as_json: bool) -> None:
     click.echo(table(["date-time", "event", "source", "recipients", "status / context"],
                      [(e["date-time"], e["event-id"], e["source"], e["recipient-address"],
                        e["recipient-status"] or e["source-context"]) for e in events], max_width=70))
+
+
+@message_group.command("export")
+@node_options
+@click.argument("message_id", type=int)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="file to write (default: standard output)")
+@click.option("--envelope", is_flag=True,
+              help="put X-Sender and X-Receiver header fields (the envelope, one per recipient still to "
+                   "deliver) before the message, as Exchange's Export-Message does for its Replay directory")
+def message_export(cfg: Config, message_id: int, output: str | None, envelope: bool) -> None:
+    """Write one message as it is queued (RFC 5322 octets, with the header fields this node added)
+    to a file or standard output (Export-Message, postcat -q). Reading it changes nothing."""
+    import sys
+    m = get_message(cfg, message_id)
+    data = m["body"]
+    if data is None:
+        raise CliError(f"message {message_id} has no body left (its copy was released)")
+    if envelope:
+        pending = [r["address"] for r in m["recipients"] if r["status"] not in mq.TERMINAL] or \
+            [r["address"] for r in m["recipients"]]
+        head = [f"X-Sender: <{m['sender']}>"] + [f"X-Receiver: <{a}>" for a in pending]
+        data = "".join(line + "\r\n" for line in head).encode("utf-8", "surrogateescape") + data
+    if output is None:
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+        return
+    with open(output, "wb") as f:
+        f.write(data)
+    click.echo(f"message {message_id}: {len(data)} octets written to {output}", err=True)
 
 
 # ------------------------------------------------------------------------------ actions on a selection
