@@ -192,3 +192,22 @@ def test_any_parameters_taken_make_a_notice_that_builds(orcpt, envid, utf8):
                      recipients=[report], arrival_date=datetime.now(UTC), now=datetime.now(UTC), utf8=utf8,
                      original_envelope_id=dsnparams.envid_of(mail))
     assert b"Original-Recipient: " in data
+
+
+def test_delay_notices_follow_notify(make_node, sink):
+    """DelayNotificationTimeout with NOTIFY: a recipient whose NOTIFY leaves DELAY out gets no delay
+    notice; one with NOTIFY=DELAY gets it, with its ORCPT and the ENVID."""
+    node = make_node(smart_host=sink.address, overrides={"delivery": {"delay_notification_timeout": 2}})
+    node.start()  # the sink is not started: both wait
+    tag = uuid.uuid4().hex[:12]
+    send(node.port, "bob@example.test", {"carol@elsewhere.test": ["NOTIFY=FAILURE"]}, f"quiet-{tag}")
+    send(node.port, "bob@example.test", {"dave@elsewhere.test": ["NOTIFY=DELAY,FAILURE", "ORCPT=rfc822;Dave@x.test"]},
+         f"told-{tag}", mail_options=("ENVID=D1",))
+    wait_for(lambda: node.maildir_files("bob@example.test"), timeout=10, what="the delay notice")
+    time.sleep(2.5)  # waiting for absence: the quiet one's notice would be here by now
+    files = node.maildir_files("bob@example.test")
+    assert len(files) == 1, files
+    msg, blocks = dsn_parts(files[0])
+    assert [(b["Action"], b["Final-Recipient"].lower(), b["Original-Recipient"]) for b in blocks] == [
+        ("delayed", "rfc822; dave@elsewhere.test", "rfc822; Dave@x.test")]
+    assert f"told-{tag}" in str(msg["Subject"]) and "Original-Envelope-Id: D1" in msg.as_string()
