@@ -443,7 +443,7 @@ def exchange_logs(base: Path) -> dict[str, str]:
     ids = {"left": "11111111-aaaa-4aaa-8aaa-000000000001", "external": "11111111-aaaa-4aaa-8aaa-000000000002",
            "redirect_only": "11111111-aaaa-4aaa-8aaa-000000000003", "group": "11111111-aaaa-4aaa-8aaa-000000000004",
            "alias": "11111111-aaaa-4aaa-8aaa-000000000005", "forwarded": "11111111-aaaa-4aaa-8aaa-000000000006",
-           "badmail": "11111111-aaaa-4aaa-8aaa-000000000007"}
+           "badmail": "11111111-aaaa-4aaa-8aaa-000000000007", "quoted": "11111111-aaaa-4aaa-8aaa-000000000008"}
 
     def changed(event: str, key: str, t: str, to: str, replaced: str) -> dict[str, str]:
         return r16(date_time=t, server_hostname=ex1, source="ROUTING", event_id=event, internal_message_id="104",
@@ -518,6 +518,10 @@ def exchange_logs(base: Path) -> dict[str, str]:
                source="SMTP", client_hostname="mail.fabrikam.test"),
         changed("REDIRECT", "forwarded", "2016-03-01T10:06:00.100Z", "fay@contoso.test", "dan@contoso.test"),
         at_ex1("DELIVER", "forwarded", "2016-03-01T10:06:01.000Z", "eve@contoso.test;fay@contoso.test"),
+        # a quoted local part holding the list separator (RFC 5321 4.1.2): one recipient, not two
+        at_ex1("RECEIVE", "quoted", "2016-03-01T10:08:00.000Z", '"x;y"@contoso.test;ann@contoso.test', source="SMTP",
+               client_hostname="mail.fabrikam.test"),
+        at_ex1("DELIVER", "quoted", "2016-03-01T10:08:01.000Z", '"x;y"@contoso.test; ann@contoso.test'),
         # from the Pickup directory, neither deliverable nor returnable: failed, not lost
         at_ex1("RECEIVE", "badmail", "2016-03-01T10:07:00.000Z", "gus@fabrikam.test", source="PICKUP"),
         at_ex1("BADMAIL", "badmail", "2016-03-01T10:07:01.000Z", "gus@fabrikam.test", source="PICKUP"),
@@ -580,7 +584,7 @@ def test_exchange_shaped_logs_are_read_as_exchange_means_them(spark, tmp_path):
     assert summary["events_by_node"]["ex1.contoso.test"]["AGENTINFO"] == 1
     assert summary["node_names"] == {"ex1": "ex1.contoso.test", "mbx1": "mbx1.contoso.test"}
     # coverage counted once per message, over received messages only
-    assert summary["received"] == 8 and summary["redundant"] == 1
+    assert summary["received"] == 9 and summary["redundant"] == 1
     assert 0 <= summary["redundancy_coverage"] <= 1
     left = messages[ids["left"]]
     assert left["state"] == "left the logs" and left["receive_node"] == "ex1.contoso.test"
@@ -595,7 +599,7 @@ def test_exchange_shaped_logs_are_read_as_exchange_means_them(spark, tmp_path):
     # recipients replaced by EXPAND / RESOLVE / REDIRECT: delivered to who took their place
     # (read as never delivered, these three were reported lost)
     assert messages[ids["badmail"]]["state"] == "failed"
-    for key, count in (("group", 3), ("alias", 1), ("forwarded", 2)):
+    for key, count in (("group", 3), ("alias", 1), ("forwarded", 2), ("quoted", 2)):
         m = messages[ids[key]]
         assert (m["state"], m["recipient_count"], m["recipients_delivered"]) == ("delivered", count, count), key
     assert summary["states"]["left the logs"] == 1 and summary["lost"] == 0

@@ -812,3 +812,13 @@ def test_a_node_that_switches_format_starts_a_new_file(tmp_path):
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["MSGTRK20261122-1.LOG", "MSGTRK20261122-2.LOG"]
     assert [r["internal-message-id"] for r in parse_log_file(tmp_path / files[1])] == ["2", "3"]
+
+
+@pytest.mark.parametrize("value,items", [
+    ("a@x;b@y", ["a@x", "b@y"]), ('"a;b"@x;c@y', ['"a;b"@x', "c@y"]), ('"a;b"@x', ['"a;b"@x']), ("a@x", ["a@x"]),
+])
+def test_a_recipient_list_keeps_a_quoted_local_part_whole(value, items):
+    """A quoted local part may hold the list separator (RFC 5321 4.1.2): searching by recipient
+    reads the list back with it kept whole."""
+    from transportd.tracking import split_list
+    assert split_list(value) == items

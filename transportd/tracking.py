@@ -152,6 +152,16 @@ def _join_list(values: Sequence[str]) -> str:
     return ";".join(values)
 
 
+LIST_SEPARATOR = re.compile(r';(?=(?:[^"]*"[^"]*")*[^"]*$)')
+"""A ';' of a list field outside double quotes: a quoted local part (``"a;b"@x``, RFC 5321
+4.1.2) may hold one."""
+
+
+def split_list(value: str) -> list[str]:
+    """A ``;``-joined list field (recipients) read back, a quoted local part kept whole."""
+    return LIST_SEPARATOR.split(value) if '"' in value else value.split(";")
+
+
 def _exclusive(path: str, flags: int) -> int:
     """Opener for a new file in append mode that fails if the file exists (like "xb")."""
     return os.open(path, flags | os.O_EXCL, 0o666)
@@ -585,7 +595,7 @@ def search(
             if want_sender is not None and row["sender-address"].strip().casefold() != want_sender:
                 continue
             if want_recipient is not None and want_recipient not in {
-                address.strip().casefold() for address in row["recipient-address"].split(";")
+                address.strip().casefold() for address in split_list(row["recipient-address"])
             }:
                 continue
             if start_utc is not None or end_utc is not None:

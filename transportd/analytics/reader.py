@@ -312,10 +312,9 @@ def normalize(rows: Any):
         netid.alias("network_message_id"),
         message_id.alias("message_id"),
         F.trim("internal_message_id").alias("internal_message_id"),
-        # no lambda per row: split on ';' with the blanks around it, drop empty items
-        F.array_remove(F.split(F.lower(F.trim("recipient_address")), r"\s*;\s*"), "").alias("recipients"),
-        F.when(event.isin(*RECIPIENT_CHANGE_EVENTS), F.array_remove(F.split(
-            F.lower(F.trim("related_recipient_address")), r"\s*;\s*"), "")).alias("replaced"),
+        # no lambda per row: split on ';' (outside quotes) with the blanks around it, drop empty items
+        _recipient_list("recipient_address").alias("recipients"),
+        F.when(event.isin(*RECIPIENT_CHANGE_EVENTS), _recipient_list("related_recipient_address")).alias("replaced"),
         ctx.alias("context"),
         F.when(sent_by_client, F.lit("")).otherwise(client).alias("client_hostname"),
         F.trim("reference").alias("reference"),
@@ -348,14 +347,21 @@ RECIPIENT_EVENTS = ("BADMAIL", "DELIVER", "DROP", "DSN", "DUPLICATEDELIVER", "EX
 
 def _recipient_list(col: Any):
     """``a@x; B@y`` -> ``[a@x, b@y]``: split on ';' (a plain split; the regular expression that
-    also drops the blanks around each ';' only for a value that holds a blank), empty items dropped."""
+    also drops the blanks around each ';' only for a value that holds a blank, and the one that
+    keeps a quoted local part such as ``"a;b"@x`` whole only for a value that holds a '"'),
+    empty items dropped."""
     from pyspark.sql import functions as F
 
     text = F.lower(F.trim(col))
     blank = F.lit(False)
     for ch in (" ", "\t", "\x0b", "\x0c"):
         blank = blank | (F.instr(text, ch) > 0)
-    return F.array_remove(F.when(blank, F.split(text, r"\s*;\s*")).otherwise(F.split(text, ";")), "")
+    return F.array_remove(F.when(F.instr(text, '"') > 0, F.split(text, QUOTED_LIST_SEPARATOR))
+                          .when(blank, F.split(text, r"\s*;\s*")).otherwise(F.split(text, ";")), "")
+
+
+QUOTED_LIST_SEPARATOR = r'\s*;\s*(?=(?:[^"]*"[^"]*")*[^"]*$)'
+"""A ';' outside double quotes, with the blanks around it (a quoted local part may hold one)."""
 
 
 def narrow(rows: Any):
