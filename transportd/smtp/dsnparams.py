@@ -19,8 +19,9 @@ RCPT_KEYS = ("NOTIFY", "ORCPT")
 SUCCESS, FAILURE, DELAY = "SUCCESS", "FAILURE", "DELAY"
 _NOTIFY_VALUES = frozenset({SUCCESS, FAILURE, DELAY})
 
-_XTEXT = re.compile(r"(?:[!-*,-<>-~]|\+[0-9A-Fa-f]{2})+")
-"""RFC 3461 4: xtext, printable ASCII but '+' and '=', with '+XX' for any other octet."""
+XTEXT = re.compile(r"(?:[!-*,-<>-~]|\+[0-9A-Fa-f]{2})+")
+"""RFC 3461 4: xtext, printable ASCII but '+' and '=', with '+XX' for any other octet (also
+RFC 4954's AUTH= parameter: smtp/server.py)."""
 _UTF8_XTEXT = re.compile(r"(?:[!-*,-<>-~\u0080-\U0010ffff]|\+[0-9A-Fa-f]{2}|\\x\{[0-9A-Fa-f]{1,6}\})+")
 """RFC 6533 3: utf-8-addr-xtext / utf-8-addr-unitext, xtext with UTF-8 and ``\\x{HEX}`` too."""
 _ADDR_TYPE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?")
@@ -56,7 +57,7 @@ def _check_ret(value: str) -> str | None:
 def _check_envid(value: str) -> str | None:
     if len(value) > _ENVID_MAX:
         return f"ENVID longer than {_ENVID_MAX} characters"
-    if not _XTEXT.fullmatch(value):
+    if not XTEXT.fullmatch(value):
         return "ENVID is not xtext"
     return None if xtext_decode(value).isprintable() else "ENVID holds control characters"
 
@@ -76,7 +77,7 @@ def _check_orcpt(value: str) -> str | None:
     addr_type, semi, address = value.partition(";")
     if not semi or not _ADDR_TYPE.fullmatch(addr_type) or not address:
         return "ORCPT must be addr-type;xtext"
-    pattern = _UTF8_XTEXT if addr_type.lower() == "utf-8" else _XTEXT
+    pattern = _UTF8_XTEXT if addr_type.lower() == "utf-8" else XTEXT
     if not pattern.fullmatch(address):
         return "ORCPT's address is not xtext"
     return None if xtext_decode(address).isprintable() else "ORCPT's address holds control characters"

@@ -244,9 +244,6 @@ class _VerbsDir:
         return names
 
 
-_XTEXT = re.compile(r"(?:[!-*,-<>-~]|\+[0-9A-F]{2})+")
-"""RFC 3461 xtext, upper case (aiosmtpd upper-cases MAIL's parameters): the AUTH parameter's value."""
-
 _ATOM = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
 _PLAIN_PATH = re.compile(rf"<(({_ATOM}(?:\.{_ATOM})*)@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*)>")
 """A path in its common form: a dot-atom local part and a domain of letters, digits and hyphens."""
@@ -334,7 +331,7 @@ class _AuthParameter:
                 or not self._auth_offered():
             return result  # RCPT (a transaction is open) keeps aiosmtpd's answer
         value = result.pop("AUTH")
-        return result if isinstance(value, str) and _XTEXT.fullmatch(value) else None
+        return result if isinstance(value, str) and dsnparams.XTEXT.fullmatch(value) else None
 
     def _auth_offered(self) -> bool:
         """AUTH is in this session's EHLO reply (aiosmtpd's rule: after STARTTLS where TLS is
