@@ -443,12 +443,17 @@ def exchange_logs(base: Path) -> dict[str, str]:
     ids = {"left": "11111111-aaaa-4aaa-8aaa-000000000001", "external": "11111111-aaaa-4aaa-8aaa-000000000002",
            "redirect_only": "11111111-aaaa-4aaa-8aaa-000000000003", "group": "11111111-aaaa-4aaa-8aaa-000000000004",
            "alias": "11111111-aaaa-4aaa-8aaa-000000000005", "forwarded": "11111111-aaaa-4aaa-8aaa-000000000006",
-           "badmail": "11111111-aaaa-4aaa-8aaa-000000000007", "quoted": "11111111-aaaa-4aaa-8aaa-000000000008"}
+           "badmail": "11111111-aaaa-4aaa-8aaa-000000000007", "quoted": "11111111-aaaa-4aaa-8aaa-000000000008",
+           "refused": "11111111-aaaa-4aaa-8aaa-000000000009", "kept": "11111111-aaaa-4aaa-8aaa-00000000000a",
+           "moderated": "11111111-aaaa-4aaa-8aaa-00000000000b", "approved": "11111111-aaaa-4aaa-8aaa-00000000000c",
+           "agent": "11111111-aaaa-4aaa-8aaa-00000000000d"}
 
-    def changed(event: str, key: str, t: str, to: str, replaced: str) -> dict[str, str]:
-        return r16(date_time=t, server_hostname=ex1, source="ROUTING", event_id=event, internal_message_id="104",
-                   message_id=f"<{key}@fabrikam.test>", network_message_id=ids[key], recipient_address=to,
-                   related_recipient_address=replaced, sender_address="bob@fabrikam.test", directionality="Incoming")
+    def changed(event: str, key: str, t: str, recipient: str, related: str, **kw: str) -> dict[str, str]:
+        return r16(date_time=t, server_hostname=kw.pop("server_hostname", ex1), source=kw.pop("source", "ROUTING"),
+                   event_id=event,
+                   internal_message_id="104", message_id=f"<{key}@fabrikam.test>", network_message_id=ids[key],
+                   recipient_address=recipient, related_recipient_address=related, sender_address="bob@fabrikam.test",
+                   directionality="Incoming", **kw)
 
     def at_ex1(event: str, key: str, t: str, to: str, **kw: str) -> dict[str, str]:
         return r16(date_time=t, client_hostname=kw.pop("client_hostname", ex1), server_hostname=ex1,
@@ -499,9 +504,10 @@ def exchange_logs(base: Path) -> dict[str, str]:
         r16(date_time="2016-03-01T10:02:00.100Z", client_ip="10.0.0.1", client_hostname=ex1, server_hostname="EX1",
             source="STOREDRIVER", event_id="SUBMITDEFER", sender_address="carl@contoso.test",
             directionality="Undefined", recipient_status="MapiExceptionNotFound"),
-        # recipients replaced (Exchange's EXPAND, RESOLVE, REDIRECT: related-recipient-address holds
-        # the ones replaced): a group, with a nested group, delivered to its members; an alias
-        # resolved (written in another case); a recipient redirected to an alternate
+        # recipients replaced (Exchange's EXPAND, RESOLVE: related-recipient-address holds the ones
+        # replaced; REDIRECT: the recipient redirected in recipient-address, the alternate in
+        # related-recipient-address): a group, with a nested group, delivered to its members; an
+        # alias resolved (written in another case); a recipient redirected to an alternate
         at_ex1("RECEIVE", "group", "2016-03-01T10:04:00.000Z", "Sales@contoso.test", source="SMTP",
                client_hostname="mail.fabrikam.test"),
         changed("EXPAND", "group", "2016-03-01T10:04:00.100Z", "ann@contoso.test;team@contoso.test",
@@ -516,8 +522,55 @@ def exchange_logs(base: Path) -> dict[str, str]:
         at_ex1("DELIVER", "alias", "2016-03-01T10:05:01.000Z", "ann@contoso.test"),
         at_ex1("RECEIVE", "forwarded", "2016-03-01T10:06:00.000Z", "dan@contoso.test;eve@contoso.test",
                source="SMTP", client_hostname="mail.fabrikam.test"),
-        changed("REDIRECT", "forwarded", "2016-03-01T10:06:00.100Z", "fay@contoso.test", "dan@contoso.test"),
+        changed("REDIRECT", "forwarded", "2016-03-01T10:06:00.100Z", "dan@contoso.test", "fay@contoso.test"),
         at_ex1("DELIVER", "forwarded", "2016-03-01T10:06:01.000Z", "eve@contoso.test;fay@contoso.test"),
+        # deliver and forward (the recipient redirected to itself and to an alternate: both get it),
+        # and a redirection to another connector (no alternate: the recipient stays)
+        at_ex1("RECEIVE", "kept", "2016-03-01T10:06:30.000Z", "gil@contoso.test;ivy@contoso.test", source="SMTP",
+               client_hostname="mail.fabrikam.test"),
+        changed("REDIRECT", "kept", "2016-03-01T10:06:30.100Z", "gil@contoso.test", "gil@contoso.test"),
+        changed("REDIRECT", "kept", "2016-03-01T10:06:30.110Z", "gil@contoso.test", "hank@contoso.test"),
+        changed("REDIRECT", "kept", "2016-03-01T10:06:30.120Z", "ivy@contoso.test", "", source="AGENT",
+                custom_data="S:ConnectorRedirect=contoso.test(hub)"),
+        at_ex1("DELIVER", "kept", "2016-03-01T10:06:31.000Z", "gil@contoso.test;hank@contoso.test;ivy@contoso.test"),
+        # refused by the remote MX: Exchange's SMTP send writes its FAIL (and a DEFER before it) with
+        # the local server in client-hostname and the remote host in server-hostname
+        r16(date_time="2016-03-01T10:09:00.000Z", client_ip="10.0.0.2", client_hostname=ex2, server_ip="10.0.0.1",
+            server_hostname=ex1, source="SMTP", event_id="RECEIVE", internal_message_id="105",
+            message_id="<refused@contoso.test>", network_message_id=ids["refused"],
+            recipient_address="zed@fabrikam.test", sender_address="carl@contoso.test", directionality="Originating"),
+        r16(date_time="2016-03-01T10:09:01.000Z", client_ip="10.0.0.1", client_hostname="EX1",
+            server_ip="198.51.100.26", server_hostname="mx2.fabrikam.test", source_context="Internet",
+            connector_id="Internet", source="SMTP", event_id="DEFER", internal_message_id="105",
+            message_id="<refused@contoso.test>", network_message_id=ids["refused"],
+            recipient_address="zed@fabrikam.test", recipient_status="451 4.7.1 Try again later",
+            sender_address="carl@contoso.test", directionality="Originating"),
+        r16(date_time="2016-03-01T10:10:00.000Z", client_ip="10.0.0.1", client_hostname="EX1",
+            server_ip="198.51.100.25", server_hostname="mx.fabrikam.test", source_context="08D3D1F6B0E8C1A9",
+            connector_id="Internet", source="SMTP", event_id="FAIL", internal_message_id="105",
+            message_id="<refused@contoso.test>", network_message_id=ids["refused"],
+            recipient_address="zed@fabrikam.test", recipient_status="550 5.1.1 User unknown",
+            sender_address="carl@contoso.test", directionality="Originating"),
+        # sent to a moderated group: handed to the arbitration mailbox for approval (Exchange leaves
+        # both host names empty and acknowledges the group as done); the decision is written about
+        # the approval request (its own message-id, the original's in reference)
+        changed("INITMESSAGECREATED", "moderated", "2016-03-01T10:11:00.100Z", "all@contoso.test", "",
+                server_hostname="", source_context="SystemMailbox{bb558c35-97f1-4cb9-8ff7-d53741dc928c}@contoso.test",
+                reference="<init-1@contoso.test>"),
+        at_ex1("RECEIVE", "moderated", "2016-03-01T10:11:00.000Z", "all@contoso.test", source="SMTP",
+               client_hostname="mail.fabrikam.test"),
+        at_ex1("RECEIVE", "approved", "2016-03-01T10:12:00.000Z", "all@contoso.test", source="SMTP",
+               client_hostname="mail.fabrikam.test"),
+        changed("INITMESSAGECREATED", "approved", "2016-03-01T10:12:00.100Z", "all@contoso.test", "",
+                server_hostname="", reference="<init-2@contoso.test>"),
+        r16(date_time="2016-03-01T10:20:00.000Z", source="APPROVAL", event_id="MODERATORAPPROVE",
+            internal_message_id="0", message_id="<init-2@contoso.test>", recipient_address="all@contoso.test",
+            reference="<approved@fabrikam.test>", sender_address="bob@fabrikam.test"),
+        at_ex1("RECEIVE", "approved", "2016-03-01T10:20:00.100Z", "all@contoso.test", source="APPROVAL",
+               client_hostname="boss@contoso.test", reference="<init-2@contoso.test>"),
+        changed("EXPAND", "approved", "2016-03-01T10:20:00.200Z", "kim@contoso.test;lee@contoso.test",
+                "all@contoso.test"),
+        at_ex1("DELIVER", "approved", "2016-03-01T10:20:01.000Z", "kim@contoso.test;lee@contoso.test"),
         # a quoted local part holding the list separator (RFC 5321 4.1.2): one recipient, not two
         at_ex1("RECEIVE", "quoted", "2016-03-01T10:08:00.000Z", '"x;y"@contoso.test;ann@contoso.test', source="SMTP",
                client_hostname="mail.fabrikam.test"),
@@ -540,6 +593,25 @@ def exchange_logs(base: Path) -> dict[str, str]:
             internal_message_id="9001", message_id="<left@fabrikam.test>", network_message_id=ids["left"],
             directionality="Incoming"),
     ]
+    rows_ex2 += [
+        # a recipient added by a transport rule: Exchange writes a RECEIVE by the agent with the
+        # local host in client-hostname and server-hostname empty (this one in a folder of logs
+        # collected from several servers, whose name is no server's)
+        r16(date_time="2016-03-01T10:13:00.000Z", client_ip="10.0.0.9", client_hostname="mail.fabrikam.test",
+            server_hostname=ex2, source="SMTP", event_id="RECEIVE", internal_message_id="9002",
+            message_id="<agent@fabrikam.test>", network_message_id=ids["agent"], recipient_address="ann@contoso.test",
+            sender_address="bob@fabrikam.test", directionality="Incoming"),
+        r16(date_time="2016-03-01T10:13:01.000Z", client_hostname=ex2, server_hostname=ex2, source="STOREDRIVER",
+            event_id="DELIVER", internal_message_id="9002", message_id="<agent@fabrikam.test>",
+            network_message_id=ids["agent"], recipient_address="ann@contoso.test;audit@contoso.test",
+            sender_address="bob@fabrikam.test", directionality="Incoming"),
+    ]
+    write_log(base / "ex2016" / "collected" / "MSGTRK2016030110-1.LOG", f16, [
+        r16(date_time="2016-03-01T10:13:00.500Z", client_hostname="EX2", source="AGENT", event_id="RECEIVE",
+            source_context="Transport Rule Agent", internal_message_id="9002", message_id="<agent@fabrikam.test>",
+            network_message_id=ids["agent"], recipient_address="audit@contoso.test",
+            sender_address="bob@fabrikam.test", directionality="Incoming"),
+    ], header=True, bom=True, newline="\r\n")
     write_log(base / "ex2016" / "EX1" / "MSGTRK2016030110-1.LOG", f16, rows_ex1, header=True, bom=True,
               newline="\r\n")
     write_log(base / "ex2016" / "EX2" / "MSGTRK2016030110-1.LOG", f16, rows_ex2, header=True, bom=True,
@@ -556,6 +628,17 @@ def exchange_logs(base: Path) -> dict[str, str]:
                      sender_address="eve@contoso.test", directionality="Internal"),
         exchange_row(f13, date_time="2013-05-01T08:00:02.000Z", server_hostname="mbx1", source="STOREDRIVER",
                      event_id="NOTIFYMAPI"),
+        # the mailbox's submission names the transport server it submits to in server-hostname
+        # (here one whose logs are not given), itself in client-hostname; a RESUBMIT from the
+        # mailbox holds no copy in transport
+        exchange_row(f13, date_time="2013-05-01T08:01:00.000Z", client_ip="10.2.0.1",
+                     client_hostname="mbx1.contoso.test", server_ip="10.2.0.9", server_hostname="hub9.contoso.test",
+                     source="STOREDRIVER", event_id="SUBMIT", message_id="<sub@contoso.test>",
+                     sender_address="eve@contoso.test"),
+        exchange_row(f13, date_time="2013-05-01T08:02:00.000Z", client_ip="10.2.0.1",
+                     client_hostname="mbx1.contoso.test", server_ip="10.2.0.9", server_hostname="hub9.contoso.test",
+                     source="STOREDRIVER", event_id="RESUBMIT", message_id="<sub@contoso.test>",
+                     sender_address="eve@contoso.test"),
     ], header=True, bom=True, newline="\r\n")
     # Exchange 2010: no header, 26 fields, no network-message-id; sent outside
     write_log(base / "ex2010" / "HUB1" / "MSGTRK20100301-1.LOG", f10, [
@@ -578,13 +661,22 @@ def test_exchange_shaped_logs_are_read_as_exchange_means_them(spark, tmp_path):
     messages = {r["key"]: r.asDict(recursive=True) for r in spark.read.parquet(str(out / "messages")).collect()}
 
     assert summary["malformed"]["rows"] == 0, summary["malformed"]
-    assert summary["non_message_rows"] == {"rows": 3, "by_event": {"NOTIFYMAPI": 2, "SUBMITDEFER": 1}}
-    # local nodes only: SEND/SENDEXTERNAL rows from client-hostname; EX1 and its FQDN are one node
+    # rows about no message: mailbox notices, and a moderation decision (about the approval request)
+    assert summary["non_message_rows"] == {"rows": 4, "by_event": {"NOTIFYMAPI": 2, "SUBMITDEFER": 1,
+                                                                   "MODERATORAPPROVE": 1}}
+    assert "<init-2@contoso.test>" not in messages
+    # local nodes only: SEND/SENDEXTERNAL, FAIL, DEFER and submission rows from client-hostname (the
+    # remote MX hosts and the transport server submitted to are not nodes), a RECEIVE by an agent
+    # from client-hostname (not the folder); EX1 and its FQDN are one node
     assert set(summary["events_by_node"]) == {"ex1.contoso.test", "ex2.contoso.test", "mbx1.contoso.test", "hub1"}
     assert summary["events_by_node"]["ex1.contoso.test"]["AGENTINFO"] == 1
-    assert summary["node_names"] == {"ex1": "ex1.contoso.test", "mbx1": "mbx1.contoso.test"}
+    assert summary["events_by_node"]["ex1.contoso.test"]["FAIL"] == 1
+    assert summary["events_by_node"]["mbx1.contoso.test"]["RESUBMIT"] == 1
+    assert summary["events_by_node"]["ex2.contoso.test"]["RECEIVE"] == 2
+    assert summary["node_names"] == {"ex1": "ex1.contoso.test", "ex2": "ex2.contoso.test",
+                                     "mbx1": "mbx1.contoso.test"}
     # coverage counted once per message, over received messages only
-    assert summary["received"] == 9 and summary["redundant"] == 1
+    assert summary["received"] == 14 and summary["redundant"] == 1
     assert 0 <= summary["redundancy_coverage"] <= 1
     left = messages[ids["left"]]
     assert left["state"] == "left the logs" and left["receive_node"] == "ex1.contoso.test"
@@ -599,7 +691,15 @@ def test_exchange_shaped_logs_are_read_as_exchange_means_them(spark, tmp_path):
     # recipients replaced by EXPAND / RESOLVE / REDIRECT: delivered to who took their place
     # (read as never delivered, these three were reported lost)
     assert messages[ids["badmail"]]["state"] == "failed"
-    for key, count in (("group", 3), ("alias", 1), ("forwarded", 2), ("quoted", 2)):
+    # refused outside: failed, and the FAIL released the sending node's copy
+    refused = messages[ids["refused"]]
+    assert (refused["state"], refused["live_copies"], refused["live_copy_nodes"] or []) == ("failed", 0, [])
+    # a mailbox's resubmission is no copy in transport: nothing holds it, it never entered the logs
+    sub = messages["<sub@contoso.test>"]
+    assert (sub["state"], sub["live_copies"], sub["live_copy_nodes"] or []) == ("incomplete", 0, [])
+    # handed to moderation: done (the arbitration mailbox holds it), then approved and delivered
+    for key, count in (("group", 3), ("alias", 1), ("forwarded", 2), ("quoted", 2), ("kept", 3), ("moderated", 1),
+                       ("approved", 2), ("agent", 2)):
         m = messages[ids[key]]
         assert (m["state"], m["recipient_count"], m["recipients_delivered"]) == ("delivered", count, count), key
     assert summary["states"]["left the logs"] == 1 and summary["lost"] == 0
@@ -610,7 +710,8 @@ def test_exchange_shaped_logs_are_read_as_exchange_means_them(spark, tmp_path):
 
 _NODES = ("n1.example.test", "n2.example.test", "n1", "n3.example.test")
 _EVENTS = ("RECEIVE", "HAREDIRECT", "HAREDIRECTFAIL", "HARECEIVE", "HADISCARD", "SEND", "SENDEXTERNAL", "DELIVER",
-           "DUPLICATEDELIVER", "RESUBMIT", "FAIL", "DSN", "DEFER", "DROP", "AGENTINFO", "NOTIFYMAPI")
+           "DUPLICATEDELIVER", "RESUBMIT", "FAIL", "DSN", "DEFER", "DROP", "AGENTINFO", "NOTIFYMAPI", "EXPAND",
+           "REDIRECT", "INITMESSAGECREATED", "MODERATORAPPROVE")
 _row = st.fixed_dictionaries({
     "at": st.integers(0, 200), "node": st.sampled_from(_NODES), "event": st.sampled_from(_EVENTS),
     "key": st.integers(0, 5), "rcpts": st.lists(st.sampled_from(("a@x.test", "b@x.test")), max_size=2, unique=True),
@@ -645,7 +746,8 @@ def test_summary_figures_are_bounded_by_construction_on_any_rows(spark, tmp_path
             "server-hostname": r["peer"] if sending else r["node"],
             "source-context": ctx, "source": "REDUNDANCY" if ev == "RESUBMIT" else "SMTP", "event-id": ev,
             "network-message-id": "" if no_id else f"k{r['key']}", "message-id": "" if no_id else f"<{r['key']}@x>",
-            "recipient-address": ";".join(r["rcpts"]), "sender-address": "<>"})
+            "recipient-address": ";".join(r["rcpts"]), "sender-address": "<>",
+            "related-recipient-address": "c@x.test" if ev in ("EXPAND", "REDIRECT") else ""})
     write_log(base / "logs" / "MSGTRK20260101-1.LOG", FIELDS_2016, out_rows, header=True, bom=True, newline="\r\n")
     summary = job.analyze(spark, [str(base / "logs")], str(base / "out"), progress=False, report=False)
     messages = spark.read.parquet(str(base / "out" / "messages"))

@@ -31,6 +31,7 @@ from transportd.analytics.schema import (
     DELIVERY_EVENTS,
     ENTRY_EVENTS,
     FAILED_EVENTS,
+    MAILBOX_SOURCE,
     RECIPIENT_CHANGE_EVENTS,
     RELEASE_EVENTS,
     RESUBMITTED_DISCARD,
@@ -412,10 +413,12 @@ def _per_node(ev: Any, facts: dict[str, Any]):
     kept = ~((e == "HADISCARD") & F.coalesce(F.trim(F.substring_index(F.col("context"), ";", 1))
                                              == RESUBMITTED_DISCARD, F.lit(False)))
     redundancy = (e == "RESUBMIT") & (F.col("source") == "REDUNDANCY")
+    # a mailbox's resubmission (Exchange's RESUBMIT from the store driver) is no copy in transport
+    mailbox_resubmit = (e == "RESUBMIT") & F.coalesce(F.col("source") == MAILBOX_SOURCE, F.lit(False))
     cutoff = F.try_element_at(_map_lit(facts["cutoffs"], "timestamp"), node) \
         if facts["cutoffs"] else F.lit(None).cast("timestamp")
     kn = ev.groupBy("key", "node").agg(
-        F.max(when_event(TAKE_EVENTS, t)).alias("last_take"),
+        F.max(F.when(e.isin(*TAKE_EVENTS) & ~mailbox_resubmit, t)).alias("last_take"),
         F.max(F.when(e.isin(*RELEASE_EVENTS) & kept, t)).alias("last_release"),
         F.min(when_event(["HARECEIVE"], t)).alias("shadow_received"),
         F.min(F.when((e == "HADISCARD") & kept, t)).alias("shadow_discarded"),
@@ -542,15 +545,17 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
 
     # -- per (message, recipient), from the message's few recipient rows: done or not, duplicates.
     # The recipients of a message are those of its RECEIVE, HARECEIVE and DSN rows, with those an
-    # Exchange EXPAND, RESOLVE or REDIRECT row replaced by its own (a group by its members, nested
-    # groups too: a group both added and replaced is replaced).
+    # Exchange EXPAND, RESOLVE, REDIRECT or DUPLICATEREDIRECT row replaced by its own (a group by
+    # its members, nested groups too: a group both added and replaced is replaced), except where a
+    # row keeps the recipient (redirected and kept: deliver and forward).
     rev = F.col("rows")
     changes = F.filter(rev, lambda x: x["event"].isin(*RECIPIENT_CHANGE_EVENTS) & (F.size(x["replaced"]) > 0))
     wanted = F.array_except(
         F.array_distinct(F.concat(
             F.flatten(F.transform(F.filter(rev, lambda x: x["event"].isin(*wanted_events)), lambda x: x["recipients"])),
             F.flatten(F.transform(changes, lambda x: x["recipients"])))),
-        F.flatten(F.transform(changes, lambda x: F.array_except(x["replaced"], x["recipients"]))))
+        F.array_except(F.flatten(F.transform(changes, lambda x: F.array_except(x["replaced"], x["recipients"]))),
+                       F.flatten(F.transform(changes, lambda x: F.array_intersect(x["replaced"], x["recipients"])))))
 
     def first(events: Sequence[str], r):
         return F.array_min(F.transform(F.filter(rev, lambda x: x["event"].isin(*events) & F.array_contains(

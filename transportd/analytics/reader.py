@@ -26,11 +26,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from transportd.analytics.schema import (
+    CLIENT_SIDE_EVENTS,
     FIELDS_2016,
     FIELDS_BY_COUNT,
     GENERIC_FOLDERS,
+    MAILBOX_SOURCE,
     MAX_FIELDS,
+    MODERATION_DECISION_EVENTS,
     RECIPIENT_CHANGE_EVENTS,
+    REVERSED_CHANGE_EVENTS,
     SEND_EVENTS,
 )
 
@@ -262,6 +266,45 @@ def _folder_node():
     return F.lower(F.when(F.lower(folder).isin(*GENERIC_FOLDERS) & (grand != ""), grand).otherwise(folder))
 
 
+def _local_node(event: Any, source: Any, client: Any, server: Any):
+    """The server a row was written on (docs/TRACKING_LOG.md, "Which server a row was written
+    on"): client-hostname for the events Exchange writes there (``CLIENT_SIDE_EVENTS``, a RESUBMIT
+    from a mailbox, a RECEIVE by an agent) when it is set, else server-hostname, else the file's
+    folder. A FAIL or DEFER of Exchange's SMTP send names the remote host in server-hostname: read
+    as the node, remote MX hosts became cluster nodes."""
+    from pyspark.sql import functions as F
+
+    client_side = (event.isin(*CLIENT_SIDE_EVENTS) | ((event == "RESUBMIT") & (source == MAILBOX_SOURCE))
+                   | ((event == "RECEIVE") & (source == "AGENT"))) & (client != "")
+    local = F.when(client_side, client).otherwise(server)
+    return F.when(local != "", local).otherwise(_folder_node())
+
+
+def _message_key(event: Any, netid: Any, message_id: Any):
+    """The network-message-id, else the message-id; none for a row about no message (no id, or a
+    moderation decision: its ids are the approval request's, not a message in transport)."""
+    from pyspark.sql import functions as F
+
+    return F.when(~event.isin(*MODERATION_DECISION_EVENTS),
+                  F.coalesce(F.when(netid != "", netid), F.when(message_id != "", message_id)))
+
+
+def _recipient_change(event: Any, recipients: Any):
+    """(recipients, replaced) of a row: the new recipients and the ones they replace on a
+    recipient change (EXPAND, RESOLVE: as written; REDIRECT, DUPLICATEREDIRECT: Exchange writes
+    the recipient redirected in recipient-address and the alternate in related-recipient-address,
+    and a row with no alternate replaces nobody), the recipients as written on other rows."""
+    from pyspark.sql import functions as F
+
+    related = _recipient_list("related_recipient_address")
+    written = _recipient_list("recipient_address")
+    reversed_ = event.isin(*REVERSED_CHANGE_EVENTS)
+    new = F.when(reversed_, related).otherwise(written)
+    replaced = (F.when(reversed_, F.when(F.size(related) > 0, written).otherwise(F.array().cast("array<string>")))
+                .when(event.isin(*RECIPIENT_CHANGE_EVENTS), related))
+    return F.when(recipients, new), replaced
+
+
 REDUNDANCY_CONTEXT = r"^\s*(\S+)\s*\(([^)]*)\)"
 """source-context of a RESUBMIT by shadow redundancy: ``<primary> (<reason>)``."""
 
@@ -287,12 +330,11 @@ def normalize(rows: Any):
     """Typed, lower-cased events, with ``valid`` false and ``malformed_reason`` set for malformed
     rows (bad CSV, no usable date-time or event-id). ``key`` is null for a row about no message.
 
-    The node of a row is where it was written: server-hostname, except for SEND and SENDEXTERNAL
-    rows that name the sending server in client-hostname (Exchange's: server-hostname is then the
-    next hop); when empty, the file's folder."""
+    The node of a row is where it was written (``_local_node``): server-hostname, or client-hostname
+    for the events Exchange writes there (SEND and SENDEXTERNAL, whose server-hostname is the next
+    hop; FAIL, DEFER, ...); when empty, the file's folder."""
     from pyspark.sql import functions as F
 
-    folder_node = _folder_node()
     server = F.lower(F.trim("server_hostname"))
     client = F.lower(F.trim("client_hostname"))
     netid = F.lower(F.trim("network_message_id"))
@@ -301,20 +343,20 @@ def normalize(rows: Any):
     event = F.upper(F.trim("event_id"))
     source = F.upper(F.trim("source"))
     sent_by_client = event.isin(*SEND_EVENTS) & (client != "")
-    local = F.when(sent_by_client, client).otherwise(server)
+    recipients, replaced = _recipient_change(event, F.lit(True))
     ev = rows.select(
         "file", F.col("reason").alias("csv_reason"), "line",
         F.trim("date_time").try_cast("timestamp").alias("time"),
-        F.when(local != "", local).otherwise(folder_node).alias("node"),
+        _local_node(event, source, client, server).alias("node"),
         event.alias("event"),
         source.alias("source"),
-        F.coalesce(F.when(netid != "", netid), F.when(message_id != "", message_id)).alias("key"),
+        _message_key(event, netid, message_id).alias("key"),
         netid.alias("network_message_id"),
         message_id.alias("message_id"),
         F.trim("internal_message_id").alias("internal_message_id"),
         # no lambda per row: split on ';' (outside quotes) with the blanks around it, drop empty items
-        _recipient_list("recipient_address").alias("recipients"),
-        F.when(event.isin(*RECIPIENT_CHANGE_EVENTS), _recipient_list("related_recipient_address")).alias("replaced"),
+        recipients.alias("recipients"),
+        replaced.alias("replaced"),
         ctx.alias("context"),
         F.when(sent_by_client, F.lit("")).otherwise(client).alias("client_hostname"),
         F.trim("reference").alias("reference"),
@@ -340,8 +382,9 @@ def read_events(spark: Any, paths: Sequence[str], name_filter: str = DEFAULT_NAM
     return normalize(read_rows(spark, files))
 
 
-RECIPIENT_EVENTS = ("BADMAIL", "DELIVER", "DROP", "DSN", "DUPLICATEDELIVER", "EXPAND", "FAIL", "HARECEIVE", "RECEIVE",
-                    "REDIRECT", "RESOLVE", "RESUBMIT", "SEND", "SENDEXTERNAL")
+RECIPIENT_EVENTS = ("BADMAIL", "DELIVER", "DROP", "DSN", "DUPLICATEDELIVER", "DUPLICATEREDIRECT", "EXPAND", "FAIL",
+                    "HARECEIVE", "INITMESSAGECREATED", "RECEIVE", "REDIRECT", "RESOLVE", "RESUBMIT", "SEND",
+                    "SENDEXTERNAL")
 """Events whose recipients the job reads (entry, take, delivery, done and recipient-change events)."""
 
 
@@ -375,9 +418,9 @@ def narrow(rows: Any):
     network-message-id when there is one)."""
     from pyspark.sql import functions as F
 
-    folder_node = _folder_node()
     netid = F.lower(F.trim("network_message_id"))
     message_id = F.trim("message_id")
+    event = F.upper(F.trim("event_id"))
     # every row: the event, time, key and node (these decide whether a row is malformed and
     # which message and node it belongs to)
     first = rows.select(
@@ -385,15 +428,14 @@ def narrow(rows: Any):
         "recipient_address", "sender_address", "server_hostname", "client_hostname",
         "related_recipient_address",
         F.trim("date_time").try_cast("timestamp").alias("time"),
-        F.upper(F.trim("event_id")).alias("event"),
-        F.coalesce(F.when(netid != "", netid), F.when(message_id != "", message_id)).alias("key"),
+        event.alias("event"),
+        _message_key(event, netid, message_id).alias("key"),
         (netid != "").alias("has_netid"),
         message_id.alias("message_id"))
     e = F.col("event")
     server = F.lower(F.trim("server_hostname"))
     client = F.lower(F.trim("client_hostname"))
     sent_by_client = e.isin(*SEND_EVENTS) & (client != "")
-    local = F.when(sent_by_client, client).otherwise(server)
     ctx = F.col("source_context")
     reason = (F.when(F.col("csv_reason").isNotNull(), F.col("csv_reason"))
               .when(F.col("time").isNull(), F.lit("bad date-time"))
@@ -401,19 +443,20 @@ def narrow(rows: Any):
     second = first.select("*", reason.alias("malformed_reason"))
     valid = F.col("malformed_reason").isNull()
     source = F.upper(F.trim("source"))
+    recipients, replaced = _recipient_change(e, e.isin(*RECIPIENT_EVENTS))
     return second.select(
         valid.alias("valid"),
         F.when(~valid, F.col("file")).alias("file"),
         F.when(~valid, F.col("malformed_reason")).alias("malformed_reason"),
         F.when(~valid, F.coalesce(F.col("line"), F.concat_ws(",", e, F.col("key"), ctx))).alias("line"),
         "key", "time",
-        F.when(local != "", local).otherwise(folder_node).alias("node"),
+        _local_node(e, source, client, server).alias("node"),
         "event",
         F.when(e == "RESUBMIT", source).alias("source"),
         _peer(e, ctx, sent_by_client, server).alias("peer"),
         _redundancy_reason(e, source, ctx).alias("reason"),
-        F.when(e.isin(*RECIPIENT_EVENTS), _recipient_list("recipient_address")).alias("recipients"),
-        F.when(e.isin(*RECIPIENT_CHANGE_EVENTS), _recipient_list("related_recipient_address")).alias("replaced"),
+        recipients.alias("recipients"),
+        replaced.alias("replaced"),
         F.when(e.isin("HADISCARD", "RESUBMIT"), ctx).alias("context"),
         F.when(e == "HARECEIVE", client).alias("client_hostname"),
         F.when(e == "RECEIVE", F.lower(F.trim("sender_address"))).alias("sender"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 from transportd.tracking import FIELDS_2010, FIELDS_2013, FIELDS_2016
 
 __all__ = [
+    "CLIENT_SIDE_EVENTS",
     "DELIVERY_EVENTS",
     "ENTRY_EVENTS",
     "FAILED_EVENTS",
@@ -20,8 +21,11 @@ __all__ = [
     "FIELDS_2016",
     "FIELDS_BY_COUNT",
     "GENERIC_FOLDERS",
+    "MAILBOX_SOURCE",
     "MAX_FIELDS",
+    "MODERATION_DECISION_EVENTS",
     "RELEASE_EVENTS",
+    "REVERSED_CHANGE_EVENTS",
     "SEND_EVENTS",
     "SEND_FOLLOW_SECONDS",
     "STATES",
@@ -44,7 +48,12 @@ ENTRY_EVENTS = ("RECEIVE", "DSN")
 """A message enters the logs: received over SMTP (or a local submission), or a DSN generated."""
 
 TAKE_EVENTS = ("RECEIVE", "HARECEIVE", "RESUBMIT", "DSN")
-"""The node now holds a copy (primary, shadow, promoted or resubmitted, generated)."""
+"""The node now holds a copy (primary, shadow, promoted or resubmitted, generated). Not a RESUBMIT
+with source ``MAILBOX_SOURCE``: Exchange's mailbox submission writes it (a message resubmitted
+from a mailbox, as SUBMIT is one submitted), and the transport server's RECEIVE follows."""
+
+MAILBOX_SOURCE = "STOREDRIVER"
+"""The source of rows written by a mailbox's submission or delivery (Exchange's store driver)."""
 
 RELEASE_EVENTS = (
     "HADISCARD", "DELIVER", "DUPLICATEDELIVER", "SENDEXTERNAL", "FAIL", "DROP", "BADMAIL",
@@ -58,24 +67,51 @@ RESUBMITTED_DISCARD = "Resubmitted"
 """The source-context (first item) of a HADISCARD that is no release: the shadow copy was
 resubmitted on the same node (RESUBMIT REDUNDANCY follows), which still holds the message."""
 
-SUCCESS_EVENTS = ("DELIVER", "SENDEXTERNAL", "DUPLICATEDELIVER")
-"""A recipient is done: stored in a mailbox, accepted outside the boundary, or already stored."""
+SUCCESS_EVENTS = ("DELIVER", "SENDEXTERNAL", "DUPLICATEDELIVER", "INITMESSAGECREATED")
+"""A recipient is done: stored in a mailbox, accepted outside the boundary, already stored, or
+(Exchange's INITMESSAGECREATED) handed to moderation: the message went to the arbitration
+mailbox for approval, and Exchange acknowledges the moderated recipient as done without a DSN
+(an approval resubmits the message: a RECEIVE with source APPROVAL follows)."""
+
+MODERATION_DECISION_EVENTS = ("MODERATORAPPROVE", "MODERATORREJECT", "MODERATORSALLNDR", "MODERATIONEXPIRE")
+"""Exchange's moderation decisions: written about the approval request (its message-id, no
+network-message-id, internal-message-id 0, the original's Message-Id in ``reference``), not
+about a copy in transport: rows about no message."""
 
 FAILED_EVENTS = ("FAIL", "DROP", "BADMAIL")
 """A recipient is done, unsuccessfully: permanent failure or expiry, removed by an operator, or
 (Exchange's BADMAIL) a message from the Pickup or Replay directory that can be neither delivered
 nor returned."""
 
-RECIPIENT_CHANGE_EVENTS = ("EXPAND", "RESOLVE", "REDIRECT")
+RECIPIENT_CHANGE_EVENTS = ("EXPAND", "RESOLVE", "REDIRECT", "DUPLICATEREDIRECT")
 """Exchange's rows that put recipients in the place of others (a distribution group expanded to
 its members, an address resolved to the mailbox's primary one, a recipient redirected to an
-alternate): recipient-address holds the new recipients, related-recipient-address the ones they
-replace. transportd writes none of them; a reader follows them, or a message delivered to a
-group's members reads as the group never delivered."""
+alternate, or to one that is already a recipient). EXPAND and RESOLVE: recipient-address holds
+the new recipients, related-recipient-address the ones they replace; REDIRECT and
+DUPLICATEREDIRECT the other way round (``REVERSED_CHANGE_EVENTS``). transportd writes none of
+them; a reader follows them, or a message delivered to a group's members reads as the group
+never delivered."""
+
+REVERSED_CHANGE_EVENTS = ("REDIRECT", "DUPLICATEREDIRECT")
+"""Recipient changes written with the recipient redirected in recipient-address and the alternate
+in related-recipient-address. A row naming the same address in both (deliver and forward: the
+recipient keeps its copy), or no alternate (a redirection to another connector), replaces
+nobody."""
 
 SEND_EVENTS = ("SEND", "SENDEXTERNAL")
 """Events written by the sending server about a hand-over: Exchange names the sending (local)
 server in client-hostname and the next hop in server-hostname (docs/TRACKING_LOG.md)."""
+
+CLIENT_SIDE_EVENTS = (
+    *SEND_EVENTS, "FAIL", "DEFER", "DROP", "PROCESS", "AGENTINFO", "SUPPRESSED", "THROTTLE",
+    "SUBMIT", "SUBMITDEFER", "SUBMITFAIL", "RESUBMITDEFER", "RESUBMITFAIL", "NOTIFYMAPI", "NOTIFYSHADOW",
+)
+"""Events for which Exchange writes the local server in client-hostname when it writes it at all:
+a FAIL or DEFER written by the SMTP send has the remote host that refused or deferred in
+server-hostname; the mailbox submission events (SUBMIT, NOTIFYMAPI, ...) have the transport
+server they submit to there. So does a RESUBMIT with source STOREDRIVER (a mailbox resubmission)
+and a RECEIVE with source AGENT (a recipient added by an agent). When client-hostname is empty
+(ours, and Exchange's rows written by the categorizer), the local server is server-hostname."""
 
 DELIVERY_EVENTS = ("SEND", "SENDEXTERNAL", "DELIVER")
 """Every hand-over of a message, listed per message in ``messages/``."""
