@@ -528,6 +528,9 @@ def exchange_logs(base: Path) -> dict[str, str]:
         # and a redirection to another connector (no alternate: the recipient stays)
         at_ex1("RECEIVE", "kept", "2016-03-01T10:06:30.000Z", "gil@contoso.test;ivy@contoso.test", source="SMTP",
                client_hostname="mail.fabrikam.test"),
+        # rerouted for high availability by Exchange's routing: a HAREDIRECT that names no shadow
+        changed("HAREDIRECT", "kept", "2016-03-01T10:06:30.050Z", "gil@contoso.test;ivy@contoso.test", "",
+                source_context="NoShadowServer"),
         changed("REDIRECT", "kept", "2016-03-01T10:06:30.100Z", "gil@contoso.test", "gil@contoso.test"),
         changed("REDIRECT", "kept", "2016-03-01T10:06:30.110Z", "gil@contoso.test", "hank@contoso.test"),
         changed("REDIRECT", "kept", "2016-03-01T10:06:30.120Z", "ivy@contoso.test", "", source="AGENT",
@@ -676,7 +679,8 @@ def test_exchange_shaped_logs_are_read_as_exchange_means_them(spark, tmp_path):
     assert summary["node_names"] == {"ex1": "ex1.contoso.test", "ex2": "ex2.contoso.test",
                                      "mbx1": "mbx1.contoso.test"}
     # coverage counted once per message, over received messages only
-    assert summary["received"] == 14 and summary["redundant"] == 1
+    # (redundant: "left", and "kept", rerouted for high availability: made redundant by the hop)
+    assert summary["received"] == 14 and summary["redundant"] == 2
     assert 0 <= summary["redundancy_coverage"] <= 1
     left = messages[ids["left"]]
     assert left["state"] == "left the logs" and left["receive_node"] == "ex1.contoso.test"
@@ -694,6 +698,7 @@ def test_exchange_shaped_logs_are_read_as_exchange_means_them(spark, tmp_path):
     # refused outside: failed, and the FAIL released the sending node's copy
     refused = messages[ids["refused"]]
     assert (refused["state"], refused["live_copies"], refused["live_copy_nodes"] or []) == ("failed", 0, [])
+    assert messages[ids["kept"]]["shadow_node"] is None
     # a mailbox's resubmission is no copy in transport: nothing holds it, it never entered the logs
     sub = messages["<sub@contoso.test>"]
     assert (sub["state"], sub["live_copies"], sub["live_copy_nodes"] or []) == ("incomplete", 0, [])

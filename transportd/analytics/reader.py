@@ -310,11 +310,14 @@ REDUNDANCY_CONTEXT = r"^\s*(\S+)\s*\(([^)]*)\)"
 
 
 def _peer(event: Any, ctx: Any, sent_by_client: Any, server: Any):
-    """The other node a row names: the shadow of a HAREDIRECT (``<shadow>=...``), the primary of a
-    RESUBMIT, the next hop of a SEND/SENDEXTERNAL written by the sending server."""
+    """The other node a row names: the (first) shadow of a HAREDIRECT (``<shadow>=...``), the
+    primary of a RESUBMIT, the next hop of a SEND/SENDEXTERNAL written by the sending server."""
     from pyspark.sql import functions as F
 
-    return (F.when(event == "HAREDIRECT", F.lower(F.trim(F.substring_index(ctx, "=", 1))))
+    # HAREDIRECT: "<shadow>=<reply>[;<shadow>=<reply>...]"; Exchange's routing and queue write it
+    # with no shadow named ("NoShadowServer", "ResubmitForDirectDelivery": rerouted for high
+    # availability), which names no node
+    return (F.when((event == "HAREDIRECT") & (F.instr(ctx, "=") > 0), F.lower(F.trim(F.substring_index(ctx, "=", 1))))
             .when(event == "RESUBMIT", F.lower(F.regexp_extract(ctx, REDUNDANCY_CONTEXT, 1)))
             .when(sent_by_client & (server != ""), server))
 
