@@ -27,11 +27,11 @@ def _cfg(tmp_path):
                                   "smart_host": "127.0.0.1:2500"}})
 
 
-def _processed(conn, cfg, rcpts, received_at, role="primary"):
+def _processed(conn, cfg, rcpts, received_at, role="primary", **kw):
     """A message that went through delivery and sits in the Safety Net."""
     m = mq.NewMessage(str(uuid.uuid4()), "a@b.test", b"Subject: s\r\n\r\nbody\r\n", bifurcate(rcpts, cfg),
                       received_at, received_at + 1000, message_id=f"<{uuid.uuid4()}@t>", role=role,
-                      primary_node="n2.t" if role == "shadow" else None)
+                      primary_node="n2.t" if role == "shadow" else None, **kw)
     mid = mq.enqueue(conn, m)
     if role == "primary":
         conn.execute(update(recipients).where(recipients.c.message_id == mid).values(status=mq.ACTIVE))
@@ -85,6 +85,27 @@ def test_resubmit_window_is_when_the_copy_entered_the_safety_net(tmp_path):
         done = store.transaction(lambda c: resubmit(c, cfg, destination="MDB01", start=now - 100, end=now,
                                                     sources=("primary",), now=now))
         assert [r.original_id for r in done] == [late]
+    finally:
+        store.close()
+
+
+def test_resubmitted_copy_keeps_the_senders_dsn_parameters(tmp_path):
+    """RET/ENVID and each recipient's NOTIFY/ORCPT (RFC 3461) go on with a Safety Net resubmission,
+    as they do with a shadow copy: a next hop offering DSN gets them as the sender gave them."""
+    cfg = _cfg(tmp_path)
+    store = QueueStore.open(tmp_path / "queue.db")
+    try:
+        now = 1_800_000_000.0
+        params = {"x@far.test": "NOTIFY=NEVER ORCPT=rfc822;X@far.test", "y@far.test": ""}
+        store.transaction(lambda c: _processed(c, cfg, ["x@far.test", "y@far.test"], now - 50,
+                                               dsn_mail="RET=HDRS ENVID=QQ+2B314", dsn_rcpt=params))
+        [done] = store.transaction(lambda c: resubmit(c, cfg, destination="smarthost:127.0.0.1:2500",
+                                                      start=now - 100, end=now, now=now))
+        new = store.read(lambda c: mq.message_row(c, done.new_id))
+        assert new["dsn_params"] == "RET=HDRS ENVID=QQ+2B314"
+        got = store.read(lambda c: {r.address: r.dsn_params for r in c.execute(
+            select(recipients.c.address, recipients.c.dsn_params).where(recipients.c.message_id == done.new_id))})
+        assert got == params
     finally:
         store.close()
 

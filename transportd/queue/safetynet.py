@@ -91,7 +91,8 @@ def _resubmit_one(conn: Connection, cfg: Any, m: Any, destination: str, now: flo
     cond = recipients.c.message_id == m["id"]
     if m["role"] == "primary":
         cond = and_(cond, recipients.c.status == mq.DELIVERED)
-    addrs = list(conn.execute(select(recipients.c.address).where(cond)).scalars())
+    params = {a: d or "" for a, d in conn.execute(select(recipients.c.address, recipients.c.dsn_params).where(cond))}
+    addrs = list(params)
     chosen = {hop: a for hop, a in bifurcate(addrs, cfg).items()
               if destination_matches(hop.identity, destination)}
     chosen_addrs = {x for v in chosen.values() for x in v}
@@ -106,7 +107,9 @@ def _resubmit_one(conn: Connection, cfg: Any, m: Any, destination: str, now: flo
         message_id=m["message_id"], submit_time=m["submit_time"], subject=m["subject"],
         client_ip=m["client_ip"], client_hostname=m["client_hostname"], origin="resubmit",
         suppress_dsn=True, redundancy="unprotected", smtputf8=bool(m["smtputf8"]),
-        body_type=m["body_type"] or "")
+        body_type=m["body_type"] or "",
+        # the sender's DSN parameters (RFC 3461) go on with the copy, for a next hop that offers DSN
+        dsn_mail=m["dsn_params"] or "", dsn_rcpt={a.lower(): d for a, d in params.items() if d})
     new_id = mq.enqueue(conn, copy)
     return Resubmitted(m["id"], new_id, m["network_message_id"],
                        [a for v in chosen.values() for a in v], m["role"])
