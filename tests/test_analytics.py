@@ -152,7 +152,7 @@ def crafted_cluster_logs(base: Path) -> dict[str, str]:
     logs = {n: TrackingLog(base / n / "msgtrk", f"{n}.test", clock=lambda: t0) for n in ("node1", "node2", "node3")}
     ids = {name: f"{i:08x}-0000-4000-8000-000000000000" for i, name in enumerate((
         "delivered", "lost", "promoted", "duplicate", "dropped_dup", "protected", "unprotected", "stale",
-        "failed"), start=1)}
+        "failed", "partly", "partly_alone"), start=1)}
 
     def w(node: str, at: float, event: str, name: str, rcpts=("r@foreign.test",), **kw) -> None:
         source = kw.pop("source", "STOREDRIVER" if event in ("DELIVER", "DUPLICATEDELIVER") else "SMTP")
@@ -199,6 +199,15 @@ def crafted_cluster_logs(base: Path) -> dict[str, str]:
     shadowed("node2", "node3", 60, "failed")
     w("node2", 61, "FAIL", "failed", recipient_status=["550 5.1.1 unknown"])
     w("node3", 65, "HADISCARD", "failed", (), source_context="ExplicitlyDiscarded;guid")
+    # one recipient delivered, the other still queued on the same node: the node holds the message
+    # (with its shadow: protected; without: unprotected, not lost)
+    shadowed("node2", "node3", 600, "partly", ("p1@example.test", "p2@foreign.test"))
+    w("node2", 601, "DELIVER", "partly", ("p1@example.test",))
+    w("node2", 602, "DEFER", "partly", ("p2@foreign.test",), recipient_status=["451 4.4.1 no answer"])
+    w("node2", 610, "RECEIVE", "partly_alone", ("q1@foreign.test", "q2@far.test"))
+    w("node2", 610.001, "HAREDIRECTFAIL", "partly_alone", ("q1@foreign.test", "q2@far.test"),
+      source_context="No suitable shadow servers")
+    w("node2", 611, "SENDEXTERNAL", "partly_alone", ("q1@foreign.test",))
     w("node3", 701, "SEND", "protected", ())  # something late on node3 too: the logs end at 701 s
     for log in logs.values():
         log.close()
@@ -215,7 +224,10 @@ def test_crafted_journeys_final_states_anomalies_and_summary(spark, tmp_path):
     state = {name: messages[netid]["state"] for name, netid in ids.items()}
     assert state == {"delivered": "delivered", "lost": "lost", "promoted": "delivered", "duplicate": "delivered",
                      "dropped_dup": "delivered", "protected": "in flight protected",
-                     "unprotected": "in flight unprotected", "stale": "delivered", "failed": "failed"}
+                     "unprotected": "in flight unprotected", "stale": "delivered", "failed": "failed",
+                     "partly": "in flight protected", "partly_alone": "in flight unprotected"}
+    assert messages[ids["partly"]]["live_copy_nodes"] == ["node2.test", "node3.test"]
+    assert (messages[ids["partly_alone"]]["recipients_delivered"], messages[ids["partly_alone"]]["live_copies"]) == (1, 1)
     m = messages[ids["promoted"]]
     assert m["promoted"] and m["receive_node"] == "node1.test" and m["shadow_node"] == "node3.test"
     assert [(r["node"], r["primary"], r["reason"]) for r in m["resubmits"]] == [
@@ -227,12 +239,12 @@ def test_crafted_journeys_final_states_anomalies_and_summary(spark, tmp_path):
     assert messages[ids["delivered"]]["shadow_hold_seconds"] == [pytest.approx(5.002)]
     assert messages[ids["lost"]]["unprotected_seconds"] == pytest.approx(690.999)  # to the end, 701 s
 
-    assert summary["states"] == {"delivered": 5, "failed": 1, "in flight protected": 1,
-                                 "in flight unprotected": 1, "left the logs": 0, "lost": 1, "incomplete": 0}
+    assert summary["states"] == {"delivered": 5, "failed": 1, "in flight protected": 2,
+                                 "in flight unprotected": 2, "left the logs": 0, "lost": 1, "incomplete": 0}
     assert summary["lost"] == 1 and summary["promoted"] == 3
-    assert summary["received"] == 9 and summary["redundant"] == 7
-    assert summary["redundancy_coverage"] == pytest.approx(7 / 9)
-    assert summary["unprotected_messages"] == 2
+    assert summary["received"] == 11 and summary["redundant"] == 8
+    assert summary["redundancy_coverage"] == pytest.approx(8 / 11)
+    assert summary["unprotected_messages"] == 3
     assert summary["duplicates"] == {"inside_boundary": 1, "outside_boundary": 1, "reached_mailbox": 0}
     assert [(e["shadow_node"], e["primary"], e["reason"], e["messages"]) for e in summary["failover_episodes"]] == [
         ("node3.test", "node1.test", "ShadowHeartbeatFailure", 3)]
@@ -402,6 +414,29 @@ def test_real_cluster_primary_killed_analyze_reports_promotion_no_loss_full_cove
         (n3.name, n1.name, "ShadowHeartbeatFailure", 1)]
     assert summary["promoted"] == 1 and summary["duplicates"]["outside_boundary"] == 0
     assert (out / "report.html").is_file()
+
+
+def test_real_cluster_partly_delivered_message_is_held_not_lost(spark, procs, sink, tmp_path):
+    """One recipient delivered, the other waiting for the smart host (down): node1 still holds the
+    message and node3 its shadow, so the job says in flight protected (it said in flight
+    unprotected, and lost without the shadow, reading the DELIVER as the end of node1's copy)."""
+    from clusters import LocalCluster, accepted_with_shadow, send
+
+    c = LocalCluster(procs, sink, tmp_path, {"shadow_redundancy": {"shadow_heartbeat_frequency": 0.5}})
+    c.start()
+    n1, n3 = c["node1"], c["node3"]
+    netid = accepted_with_shadow(n1, n3, send(n1, "ann@example.test,carol@foreign.test"))
+    n1.wait_event("DELIVER", netid)
+    n1.wait_event("DEFER", netid)
+
+    out = tmp_path / "analysis"
+    res = run_cli("analyze", *[str(n.cfg.tracking_dir) for n in c.nodes.values()], "--out", str(out), "--json",
+                  "--no-progress", "--master", "local[2]", "--conf", "spark.sql.shuffle.partitions=4")
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout)
+    assert summary["lost"] == 0 and summary["states"]["in flight protected"] == 1, summary["states"]
+    [m] = [r.asDict() for r in spark.read.parquet(str(out / "messages")).collect() if r["network_message_id"] == netid]
+    assert (m["recipients_delivered"], m["recipient_count"], m["live_copy_nodes"]) == (1, 2, sorted([n1.name, n3.name]))
 
 
 # ------------------------------------------------------------------------------ benchmark

@@ -28,6 +28,7 @@ from typing import Any
 from transportd.analytics import reader
 from transportd.analytics.reader import DEFAULT_NAME_FILTER
 from transportd.analytics.schema import (
+    COPY_RELEASE_EVENTS,
     DELIVERY_EVENTS,
     ENTRY_EVENTS,
     FAILED_EVENTS,
@@ -420,6 +421,7 @@ def _per_node(ev: Any, facts: dict[str, Any]):
     kn = ev.groupBy("key", "node").agg(
         F.max(F.when(e.isin(*TAKE_EVENTS) & ~mailbox_resubmit, t)).alias("last_take"),
         F.max(F.when(e.isin(*RELEASE_EVENTS) & kept, t)).alias("last_release"),
+        F.max(F.when(e.isin(*COPY_RELEASE_EVENTS) & kept, t)).alias("last_copy_release"),
         F.min(when_event(["HARECEIVE"], t)).alias("shadow_received"),
         F.min(F.when((e == "HADISCARD") & kept, t)).alias("shadow_discarded"),
         F.min(F.when(redundancy, t)).alias("promoted_here"),
@@ -435,6 +437,11 @@ def _per_node(ev: Any, facts: dict[str, Any]):
     dead = F.coalesce(F.col("cutoff").isNotNull() & (F.col("last_take") < F.col("cutoff")), F.lit(False))
     holds = (F.col("last_take").isNotNull() & ~dead
              & (F.col("last_release").isNull() | (F.col("last_take") > F.col("last_release"))))
+    # While the message is not done, a delivery or failure of some of its recipients does not end a
+    # node's copy: the others are still queued there (or handed on by SEND, kept until discarded);
+    # only a release of the whole copy does (a shadow discarded, Exchange's BADMAIL).
+    holds_open = (F.col("last_take").isNotNull() & ~dead
+                  & (F.col("last_copy_release").isNull() | (F.col("last_take") > F.col("last_copy_release"))))
     hold = F.when(F.col("shadow_discarded") >= F.col("shadow_received"),
                   F.col("shadow_discarded").cast("double") - F.col("shadow_received").cast("double"))
     undiscarded = (F.col("shadow_received").isNotNull() & F.col("shadow_discarded").isNull()
@@ -450,6 +457,8 @@ def _per_node(ev: Any, facts: dict[str, Any]):
         F.max("last_event_time").alias("last_event_time"),
         F.sum(holds.cast("int")).alias("live_copies"),
         F.sort_array(F.collect_list(F.when(holds, node))).alias("live_copy_nodes"),
+        F.sum(holds_open.cast("int")).alias("open_copies"),
+        F.sort_array(F.collect_list(F.when(holds_open, node))).alias("open_copy_nodes"),
         F.collect_list(hold).alias("shadow_hold_seconds"),
         F.collect_list(F.when(undiscarded, node)).alias("undiscarded_nodes"),
     )
@@ -583,6 +592,11 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
                                                 == F.col("recipient_count"))
     received = (F.col("first_receive").isNotNull() | F.col("has_shadow_copy")
                 | F.coalesce(F.col("generated"), F.lit(False)))
+    # copies held at the end: for a message not done, every node that took it and did not release
+    # the whole copy (``_per_node``)
+    m = (m.withColumn("live_copies", F.when(terminal, F.col("live_copies")).otherwise(F.col("open_copies")))
+         .withColumn("live_copy_nodes", F.when(terminal, F.col("live_copy_nodes"))
+                     .otherwise(F.col("open_copy_nodes"))))
     live = F.coalesce(F.col("live_copies"), F.lit(0))
 
     # -- the journey left the logs given: a SEND to a named server whose logs were not read, or

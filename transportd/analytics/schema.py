@@ -13,6 +13,7 @@ from transportd.tracking import FIELDS_2010, FIELDS_2013, FIELDS_2016
 
 __all__ = [
     "CLIENT_SIDE_EVENTS",
+    "COPY_RELEASE_EVENTS",
     "DELIVERY_EVENTS",
     "ENTRY_EVENTS",
     "FAILED_EVENTS",
@@ -62,6 +63,12 @@ RELEASE_EVENTS = (
 as a shadow (hop-by-hop, docs/PROTOCOL.md section 3) until the next hop's discard, logged as
 HADISCARD on the sender. REDIRECT is not one either: Exchange writes it when a recipient is
 redirected to an alternate recipient, and the message stays where it is."""
+
+COPY_RELEASE_EVENTS = ("HADISCARD", "BADMAIL")
+"""Releases of the whole copy whatever its recipients. The other release events are about the
+recipients they name: while some of the message's recipients are not done, a node that delivered
+or failed the others still holds the message for the rest (queued, or handed on by SEND and
+kept until the next hop's discard)."""
 
 RESUBMITTED_DISCARD = "Resubmitted"
 """The source-context (first item) of a HADISCARD that is no release: the shadow copy was
