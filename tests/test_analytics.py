@@ -263,7 +263,7 @@ def test_crafted_journeys_final_states_anomalies_and_summary(spark, tmp_path):
 @pytest.fixture(scope="module")
 def generated(spark, tmp_path_factory):
     base = tmp_path_factory.mktemp("generated")
-    truth = generate(base / "logs", messages=3000, nodes=4, seed=5, deaths=2, redirect_fail_rate=0.2,
+    truth = generate(base / "logs", messages=3000, nodes=4, seed=10, deaths=2, redirect_fail_rate=0.2,
                      lost_discard_rate=0.02, malformed=7, grace=60.0)
     summary = job.analyze(spark, [str(base / "logs")], str(base / "out"), recursive=True, grace_seconds=60.0,
                           progress=False)
@@ -688,6 +688,16 @@ def exchange_logs(base: Path) -> dict[str, str]:
                      server_ip="198.51.100.25", server_hostname="198.51.100.25", source="SMTP",
                      event_id="SENDEXTERNAL", internal_message_id="77", message_id="<old@contoso.test>",
                      recipient_address="x@fabrikam.test", sender_address="fay@contoso.test"),
+        # Exchange 2010's hub delivers to a mailbox server: itself in client-hostname, the mailbox
+        # server (whose logs hold no such row) in server-hostname
+        exchange_row(f10, date_time="2010-03-01T10:01:00.000Z", client_ip="10.1.0.5", client_hostname="client1",
+                     server_ip="10.1.0.1", server_hostname="HUB1", source="SMTP", event_id="RECEIVE",
+                     internal_message_id="78", message_id="<local@contoso.test>", recipient_address="y@contoso.test",
+                     sender_address="fay@contoso.test"),
+        exchange_row(f10, date_time="2010-03-01T10:01:01.000Z", client_ip="10.1.0.1", client_hostname="HUB1",
+                     server_ip="10.1.0.7", server_hostname="MBX2010", source="STOREDRIVER", event_id="DELIVER",
+                     internal_message_id="78", message_id="<local@contoso.test>", recipient_address="y@contoso.test",
+                     sender_address="fay@contoso.test"),
     ], header=False, bom=False, newline="\n")
     return ids
 
@@ -710,12 +720,13 @@ def test_exchange_shaped_logs_are_read_as_exchange_means_them(spark, tmp_path):
     assert summary["events_by_node"]["ex1.contoso.test"]["AGENTINFO"] == 1
     assert summary["events_by_node"]["ex1.contoso.test"]["FAIL"] == 1
     assert summary["events_by_node"]["mbx1.contoso.test"]["RESUBMIT"] == 1
+    assert summary["events_by_node"]["hub1"]["DELIVER"] == 1  # 2010: the hub, not the mailbox server
     assert summary["events_by_node"]["ex2.contoso.test"]["RECEIVE"] == 2
     assert summary["node_names"] == {"ex1": "ex1.contoso.test", "ex2": "ex2.contoso.test",
                                      "mbx1": "mbx1.contoso.test"}
     # coverage counted once per message, over received messages only
     # (redundant: "left", and "kept", rerouted for high availability: made redundant by the hop)
-    assert summary["received"] == 14 and summary["redundant"] == 2
+    assert summary["received"] == 15 and summary["redundant"] == 2
     assert 0 <= summary["redundancy_coverage"] <= 1
     left = messages[ids["left"]]
     assert left["state"] == "left the logs" and left["receive_node"] == "ex1.contoso.test"
@@ -726,6 +737,8 @@ def test_exchange_shaped_logs_are_read_as_exchange_means_them(spark, tmp_path):
     assert [(d["node"], d["next_hop"]) for d in ext["deliveries"]] == [("ex1.contoso.test", "mx.fabrikam.test")]
     assert messages["<int@contoso.test>"]["state"] == "delivered"  # 2013, keyed by message-id
     assert messages["<old@contoso.test>"]["state"] == "delivered"  # 2010, headerless
+    local = messages["<local@contoso.test>"]
+    assert (local["state"], local["live_copies"]) == ("delivered", 0)  # the DELIVER released the hub's copy
     assert messages[ids["redirect_only"]]["state"] == "incomplete"
     # recipients replaced by EXPAND / RESOLVE / REDIRECT: delivered to who took their place
     # (read as never delivered, these three were reported lost)

@@ -532,6 +532,32 @@ def test_more_reading_threads_than_the_pool_holds_do_not_wait(db_path: Path) -> 
         s.close()
 
 
+def test_close_waits_for_a_read_under_way_on_another_thread(db_path: Path) -> None:
+    """A node's stop closes the reader connections while a worker thread may still be reading
+    (a heartbeat's or the scheduler's read): closing its connection under it made the stop fail
+    ("cannot rollback - no transaction is active", exit status 1) or the read. ``close`` waits
+    for the read, then closes."""
+    s = QueueStore.open(db_path)
+    started, release = threading.Event(), threading.Event()
+
+    def slow(conn):
+        conn.exec_driver_sql("SELECT 1").scalar()
+        started.set()
+        release.wait(5)
+        return conn.exec_driver_sql("SELECT count(*) FROM meta").scalar()
+
+    results: list = []
+    reader = threading.Thread(target=lambda: results.append(s.read(slow)))
+    reader.start()
+    assert started.wait(5)
+    threading.Timer(0.3, release.set).start()
+    t0 = time.monotonic()
+    s.close()
+    waited = time.monotonic() - t0
+    reader.join(5)
+    assert len(results) == 1 and results[0] >= 1 and waited >= 0.25
+
+
 def test_stopped_writer_refuses_jobs(db_path: Path) -> None:
     s = QueueStore.open(db_path)
     writer = s.start_writer()

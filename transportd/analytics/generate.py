@@ -3,7 +3,8 @@
 It simulates a cluster that follows docs/PROTOCOL.md: a message enters a live node (RECEIVE), a shadow
 is made on a peer in the other site before the 250 (HARECEIVE on the shadow, HAREDIRECT on the
 primary) or cannot be (HAREDIRECTFAIL); the primary delivers outside the boundary
-(SENDEXTERNAL), or fails (FAIL and a DSN), or hands local mail to the mailbox node hop by hop
+(SENDEXTERNAL; to several recipients, sometimes one at once and the rest minutes later, DEFER
+between), or fails (FAIL and a DSN), or hands local mail to the mailbox node hop by hop
 (SEND; RECEIVE and DELIVER there; HADISCARD of the fork at the sender's next poll); the shadow
 drops its copy at its next heartbeat after the primary processed it (HADISCARD). Injected at known
 rates: node deaths (the node writes nothing after; each shadow holder promotes that node's
@@ -60,6 +61,10 @@ class Settings:
     fail_rate: float = 0.005
     defer_rate: float = 0.05
     """Messages whose next hop is down for a while: DEFER, delivered 30 s to 5 min later."""
+    split_rate: float = 0.1
+    """Messages to several outside recipients whose first recipient's next hop answers while the
+    others' is down for a while: SENDEXTERNAL for one, DEFER for the rest, sent 30 s to 5 min
+    later; the node holds the message until then (or dies with it)."""
     lost_discard_rate: float = 0.001
     malformed: int = 10
     exchange2010_nodes: int = 0
@@ -169,6 +174,9 @@ class Delivery:
         self.cluster = cluster
         self.journal = journal
         self.sims = sims
+        # Split deliveries draw from their own generator, so a seed gives the other fates it gave
+        # before they were added.
+        self.split_rng = random.Random(f"split-{s.seed}")
 
     def latency(self) -> float:
         if self.rng.random() < self.s.defer_rate:
@@ -199,14 +207,29 @@ class Delivery:
             copy.released = t
             self.dsn(msg, node, t, iid)
             return t
-        emit(t, node, "SENDEXTERNAL", "SMTP", msg, recipients=rcpts, internal_id=iid, context=reply,
-             status=";".join([reply] * len(rcpts)), connector="smarthost", server_ip="127.0.0.10")
-        for r in rcpts:
-            if t <= cluster.end:
-                sim.external_sends[r] = sim.external_sends.get(r, 0) + 1
-        self.finish(sim, rcpts, t, True)
+        if len(rcpts) > 1 and self.split_rng.random() < self.s.split_rate:
+            # One recipient sent; the others wait for their next hop, still on this node.
+            self.send_external(sim, msg, node, iid, t, rcpts[:1], reply)
+            rcpts = rcpts[1:]
+            emit(t + 0.001, node, "DEFER", "SMTP", msg, recipients=rcpts, internal_id=iid,
+                 status=";".join(["451 4.4.1 Connection refused"] * len(rcpts)), context="smarthost",
+                 connector="smarthost")
+            t += self.split_rng.uniform(30.0, MAX_DEFER)
+            if not cluster.alive(node, t):
+                return None
+            reply = "250 2.0.0 Ok: queued as " + f"{self.split_rng.getrandbits(40):010X}"
+        self.send_external(sim, msg, node, iid, t, rcpts, reply)
         copy.released = t
         return t
+
+    def send_external(self, sim: Sim, msg: dict, node: str, iid: int, t: float, rcpts: tuple[str, ...],
+                      reply: str) -> None:
+        self.journal.emit(t, node, "SENDEXTERNAL", "SMTP", msg, recipients=rcpts, internal_id=iid, context=reply,
+                          status=";".join([reply] * len(rcpts)), connector="smarthost", server_ip="127.0.0.10")
+        for r in rcpts:
+            if t <= self.cluster.end:
+                sim.external_sends[r] = sim.external_sends.get(r, 0) + 1
+        self.finish(sim, rcpts, t, True)
 
     def to_mailbox(self, sim: Sim, msg: dict, node: str, iid: int, t: float, copy: Copy) -> None:
         """SEND from ``node`` to the mailbox node at ``t``, RECEIVE and DELIVER (or DUPLICATEDELIVER)

@@ -422,6 +422,9 @@ def _per_node(ev: Any, facts: dict[str, Any]):
         F.max(F.when(e.isin(*TAKE_EVENTS) & ~mailbox_resubmit, t)).alias("last_take"),
         F.max(F.when(e.isin(*RELEASE_EVENTS) & kept, t)).alias("last_release"),
         F.max(F.when(e.isin(*COPY_RELEASE_EVENTS) & kept, t)).alias("last_copy_release"),
+        F.max(F.when(e.isin(*TAKE_EVENTS) & ~mailbox_resubmit, F.size("recipients"))).alias("taken_count"),
+        F.sum(F.when(e.isin(*RELEASE_EVENTS) & ~e.isin(*COPY_RELEASE_EVENTS), F.size("recipients")))
+        .alias("released_count"),
         F.min(when_event(["HARECEIVE"], t)).alias("shadow_received"),
         F.min(F.when((e == "HADISCARD") & kept, t)).alias("shadow_discarded"),
         F.min(F.when(redundancy, t)).alias("promoted_here"),
@@ -435,13 +438,15 @@ def _per_node(ev: Any, facts: dict[str, Any]):
         F.max(t).alias("last_event_time"),
     ).withColumn("cutoff", cutoff)
     dead = F.coalesce(F.col("cutoff").isNotNull() & (F.col("last_take") < F.col("cutoff")), F.lit(False))
+    # A node holds its copy from its last take until a release of the whole copy (a shadow
+    # discarded, Exchange's BADMAIL), or until its deliveries and failures (rows about the
+    # recipients they name) have named as many recipients as it took: a node that delivered one
+    # recipient still holds the message for the others (queued there, or handed on by SEND and
+    # kept until the next hop's discard).
     holds = (F.col("last_take").isNotNull() & ~dead
-             & (F.col("last_release").isNull() | (F.col("last_take") > F.col("last_release"))))
-    # While the message is not done, a delivery or failure of some of its recipients does not end a
-    # node's copy: the others are still queued there (or handed on by SEND, kept until discarded);
-    # only a release of the whole copy does (a shadow discarded, Exchange's BADMAIL).
-    holds_open = (F.col("last_take").isNotNull() & ~dead
-                  & (F.col("last_copy_release").isNull() | (F.col("last_take") > F.col("last_copy_release"))))
+             & (F.col("last_copy_release").isNull() | (F.col("last_take") > F.col("last_copy_release")))
+             & (F.col("last_release").isNull() | (F.col("last_take") > F.col("last_release"))
+                | (F.coalesce(F.col("released_count"), F.lit(0)) < F.coalesce(F.col("taken_count"), F.lit(0)))))
     hold = F.when(F.col("shadow_discarded") >= F.col("shadow_received"),
                   F.col("shadow_discarded").cast("double") - F.col("shadow_received").cast("double"))
     undiscarded = (F.col("shadow_received").isNotNull() & F.col("shadow_discarded").isNull()
@@ -457,8 +462,6 @@ def _per_node(ev: Any, facts: dict[str, Any]):
         F.max("last_event_time").alias("last_event_time"),
         F.sum(holds.cast("int")).alias("live_copies"),
         F.sort_array(F.collect_list(F.when(holds, node))).alias("live_copy_nodes"),
-        F.sum(holds_open.cast("int")).alias("open_copies"),
-        F.sort_array(F.collect_list(F.when(holds_open, node))).alias("open_copy_nodes"),
         F.collect_list(hold).alias("shadow_hold_seconds"),
         F.collect_list(F.when(undiscarded, node)).alias("undiscarded_nodes"),
     )
@@ -592,11 +595,6 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
                                                 == F.col("recipient_count"))
     received = (F.col("first_receive").isNotNull() | F.col("has_shadow_copy")
                 | F.coalesce(F.col("generated"), F.lit(False)))
-    # copies held at the end: for a message not done, every node that took it and did not release
-    # the whole copy (``_per_node``)
-    m = (m.withColumn("live_copies", F.when(terminal, F.col("live_copies")).otherwise(F.col("open_copies")))
-         .withColumn("live_copy_nodes", F.when(terminal, F.col("live_copy_nodes"))
-                     .otherwise(F.col("open_copy_nodes"))))
     live = F.coalesce(F.col("live_copies"), F.lit(0))
 
     # -- the journey left the logs given: a SEND to a named server whose logs were not read, or

@@ -30,6 +30,7 @@ from transportd.analytics.schema import (
     FIELDS_2016,
     FIELDS_BY_COUNT,
     GENERIC_FOLDERS,
+    LEGACY_CLIENT_SIDE_EVENTS,
     MAILBOX_SOURCE,
     MAX_FIELDS,
     MODERATION_DECISION_EVENTS,
@@ -201,13 +202,18 @@ def _read_group(spark: Any, fields: tuple[str, ...], header: bool, files: list[s
     cols = [F.col(f"c{index[name]}") if name in index else F.lit(None).cast("string") for name in NEEDED]
     names = (F.array(*[F.lit(n) for n in fields]) if header else F.lit(None).cast("array<string>"))
     return df.select(F.col("_metadata.file_path").alias("file"), F.col(CORRUPT).alias("bad_line"),
-                     names.alias("header_names"),
+                     names.alias("header_names"), F.lit(LEGACY_MARK not in fields).alias("legacy"),
                      *[c.alias(n.replace("-", "_")) for c, n in zip(cols, NEEDED, strict=True)])
+
+
+LEGACY_MARK = "network-message-id"
+"""A format without this field is Exchange 2010's (or 2007's): a row's ``legacy`` flag."""
 
 
 def read_rows(spark: Any, files: Sequence[str]):
     """Every data row of ``files`` with the needed fields (snake_case), ``file``, ``reason`` (why
-    the row is malformed, or null) and ``line`` (the raw text of a malformed row). Lazy, one pass."""
+    the row is malformed, or null), ``line`` (the raw text of a malformed row) and ``legacy``
+    (its format is Exchange 2010's: no network-message-id field). Lazy, one pass."""
     from pyspark.sql import functions as F
 
     groups = plan(spark, files)
@@ -253,7 +259,10 @@ def read_rows(spark: Any, files: Sequence[str]):
         col = name.replace("-", "_")
         out.append(F.when(~ok, F.lit("")).when(bad, token(name))
                    .otherwise(F.coalesce(F.col(col), F.lit(""))).alias(col))
-    return df.select("file", "reason", F.when(~ok, F.substring("bad_line", 1, 500)).alias("line"), *out)
+    legacy = F.when(bad, ~F.coalesce(F.array_contains(F.col("names"), LEGACY_MARK), F.lit(False))).otherwise(
+        F.col("legacy"))
+    return df.select("file", "reason", F.when(~ok, F.substring("bad_line", 1, 500)).alias("line"), *out,
+                     legacy.alias("legacy"))
 
 
 def _folder_node():
@@ -266,16 +275,18 @@ def _folder_node():
     return F.lower(F.when(F.lower(folder).isin(*GENERIC_FOLDERS) & (grand != ""), grand).otherwise(folder))
 
 
-def _local_node(event: Any, source: Any, client: Any, server: Any):
+def _local_node(event: Any, source: Any, client: Any, server: Any, legacy: Any):
     """The server a row was written on (docs/TRACKING_LOG.md, "Which server a row was written
     on"): client-hostname for the events Exchange writes there (``CLIENT_SIDE_EVENTS``, a RESUBMIT
-    from a mailbox, a RECEIVE by an agent) when it is set, else server-hostname, else the file's
-    folder. A FAIL or DEFER of Exchange's SMTP send names the remote host in server-hostname: read
-    as the node, remote MX hosts became cluster nodes."""
+    from a mailbox, a RECEIVE by an agent, and Exchange 2010's DELIVER, written by the Hub Transport
+    server with the mailbox server it delivered to in server-hostname) when it is set, else
+    server-hostname, else the file's folder. A FAIL or DEFER of Exchange's SMTP send names the
+    remote host in server-hostname: read as the node, remote MX hosts became cluster nodes."""
     from pyspark.sql import functions as F
 
     client_side = (event.isin(*CLIENT_SIDE_EVENTS) | ((event == "RESUBMIT") & (source == MAILBOX_SOURCE))
-                   | ((event == "RECEIVE") & (source == "AGENT"))) & (client != "")
+                   | ((event == "RECEIVE") & (source == "AGENT"))
+                   | (event.isin(*LEGACY_CLIENT_SIDE_EVENTS) & F.coalesce(legacy, F.lit(False)))) & (client != "")
     local = F.when(client_side, client).otherwise(server)
     return F.when(local != "", local).otherwise(_folder_node())
 
@@ -350,7 +361,7 @@ def normalize(rows: Any):
     ev = rows.select(
         "file", F.col("reason").alias("csv_reason"), "line",
         F.trim("date_time").try_cast("timestamp").alias("time"),
-        _local_node(event, source, client, server).alias("node"),
+        _local_node(event, source, client, server, F.col("legacy")).alias("node"),
         event.alias("event"),
         source.alias("source"),
         _message_key(event, netid, message_id).alias("key"),
@@ -429,7 +440,7 @@ def narrow(rows: Any):
     first = rows.select(
         "file", F.col("reason").alias("csv_reason"), "line", "source_context", "source",
         "recipient_address", "sender_address", "server_hostname", "client_hostname",
-        "related_recipient_address",
+        "related_recipient_address", "legacy",
         F.trim("date_time").try_cast("timestamp").alias("time"),
         event.alias("event"),
         _message_key(event, netid, message_id).alias("key"),
@@ -453,7 +464,7 @@ def narrow(rows: Any):
         F.when(~valid, F.col("malformed_reason")).alias("malformed_reason"),
         F.when(~valid, F.coalesce(F.col("line"), F.concat_ws(",", e, F.col("key"), ctx))).alias("line"),
         "key", "time",
-        _local_node(e, source, client, server).alias("node"),
+        _local_node(e, source, client, server, F.col("legacy")).alias("node"),
         "event",
         F.when(e == "RESUBMIT", source).alias("source"),
         _peer(e, ctx, sent_by_client, server).alias("peer"),

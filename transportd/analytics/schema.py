@@ -22,6 +22,7 @@ __all__ = [
     "FIELDS_2016",
     "FIELDS_BY_COUNT",
     "GENERIC_FOLDERS",
+    "LEGACY_CLIENT_SIDE_EVENTS",
     "MAILBOX_SOURCE",
     "MAX_FIELDS",
     "MODERATION_DECISION_EVENTS",
@@ -66,9 +67,9 @@ redirected to an alternate recipient, and the message stays where it is."""
 
 COPY_RELEASE_EVENTS = ("HADISCARD", "BADMAIL")
 """Releases of the whole copy whatever its recipients. The other release events are about the
-recipients they name: while some of the message's recipients are not done, a node that delivered
-or failed the others still holds the message for the rest (queued, or handed on by SEND and
-kept until the next hop's discard)."""
+recipients they name: a node that delivered or failed some of the recipients it took still holds
+the message for the others (queued, or handed on by SEND and kept until the next hop's
+discard)."""
 
 RESUBMITTED_DISCARD = "Resubmitted"
 """The source-context (first item) of a HADISCARD that is no release: the shadow copy was
@@ -119,6 +120,12 @@ server-hostname; the mailbox submission events (SUBMIT, NOTIFYMAPI, ...) have th
 server they submit to there. So does a RESUBMIT with source STOREDRIVER (a mailbox resubmission)
 and a RECEIVE with source AGENT (a recipient added by an agent). When client-hostname is empty
 (ours, and Exchange's rows written by the categorizer), the local server is server-hostname."""
+
+LEGACY_CLIENT_SIDE_EVENTS = ("DELIVER", "DUPLICATEDELIVER")
+"""In Exchange 2010's (and 2007's) format only: the Hub Transport server's store driver delivers
+to a mailbox server and writes itself in client-hostname, the mailbox server (the destination) in
+server-hostname. From Exchange 2013 on the mailbox server's own delivery service writes them,
+itself in server-hostname."""
 
 DELIVERY_EVENTS = ("SEND", "SENDEXTERNAL", "DELIVER")
 """Every hand-over of a message, listed per message in ``messages/``."""

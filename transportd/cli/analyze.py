@@ -97,21 +97,23 @@ def analyze_run(paths: tuple[str, ...], out: str, master: str | None, recursive:
               help="messages per second (default 50, lower for small runs)")
 @click.option("--redirect-fail-rate", type=click.FloatRange(0, 1), default=0.02, show_default=True)
 @click.option("--defer-rate", type=click.FloatRange(0, 1), default=0.05, show_default=True)
+@click.option("--split-rate", type=click.FloatRange(0, 1), default=0.1, show_default=True,
+              help="messages to several outside recipients sent to one first, the rest minutes later")
 @click.option("--fail-rate", type=click.FloatRange(0, 1), default=0.005, show_default=True)
 @click.option("--lost-discard-rate", type=click.FloatRange(0, 1), default=0.001, show_default=True)
 @click.option("--malformed", type=click.IntRange(0), default=10, show_default=True, help="malformed rows to inject")
 @click.option("--exchange2010-nodes", type=click.IntRange(0), default=0, show_default=True,
               help="the first N nodes write Exchange 2010's 26 fields (no network-message-id), as in a mixed cluster")
 def analyze_generate(messages: int, nodes: int, out: str, seed: int, deaths: int | None, rate: float | None,
-                     redirect_fail_rate: float, defer_rate: float, fail_rate: float, lost_discard_rate: float,
-                     malformed: int, exchange2010_nodes: int) -> None:
+                     redirect_fail_rate: float, defer_rate: float, split_rate: float, fail_rate: float,
+                     lost_discard_rate: float, malformed: int, exchange2010_nodes: int) -> None:
     """Write realistic multi-node MSGTRK logs with injected failures, and truth.json beside them."""
     from transportd.analytics.generate import generate
     started = time.monotonic()
     try:
         truth = generate(out, messages, nodes, seed, deaths=(1 if nodes > 2 else 0) if deaths is None else deaths,
                          rate=rate, redirect_fail_rate=redirect_fail_rate, defer_rate=defer_rate,
-                         fail_rate=fail_rate, lost_discard_rate=lost_discard_rate, malformed=malformed,
+                         split_rate=split_rate, fail_rate=fail_rate, lost_discard_rate=lost_discard_rate, malformed=malformed,
                          exchange2010_nodes=exchange2010_nodes)
     except ValueError as exc:
         raise ConfigCliError(str(exc)) from None

@@ -392,6 +392,11 @@ class QueueStore:
         self._reader = threading.local()
         self._readers: list[Connection] = []
         self._readers_lock = threading.Lock()
+        # Reads under way on any thread: ``close`` waits for them, since a reader connection closed
+        # by one thread while another commits its read failed the stop ("cannot rollback - no
+        # transaction is active": a node's graceful stop exited 1).
+        self._reads = 0
+        self._reads_done = threading.Condition(self._readers_lock)
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -482,14 +487,20 @@ class QueueStore:
             raise
         return cls(p, write_engine, read_engine, dbid)
 
-    def close(self) -> None:
+    def close(self, read_wait: float = 5.0) -> None:
+        """Stop the writer, then close the reader connections once no read is under way on any
+        thread (``read_wait`` seconds at most: a read left running after that gets an error)."""
         if self.writer is not None:
             self.writer.stop()
             self.writer = None
-        with self._readers_lock:
+        with self._reads_done:
+            self._reads_done.wait_for(lambda: self._reads == 0, timeout=read_wait)
             readers, self._readers = self._readers, []
         for conn in readers:
-            conn.close()
+            try:
+                conn.close()
+            except Exception as exc:  # noqa: BLE001 - a read connection being thrown away
+                log.debug("closing a reader connection of %s: %s", self.path, exc)
         self.write_engine.dispose()
         self.read_engine.dispose()
 
@@ -503,16 +514,24 @@ class QueueStore:
             with self.read_engine.connect() as nested:
                 with nested.begin():
                     return fn(nested)
-        if conn is None or conn.closed:
-            conn = self._reader.conn = self.read_engine.connect()
-            with self._readers_lock:
-                self._readers.append(conn)
+        with self._readers_lock:
+            self._reads += 1
         try:
-            with conn.begin():
-                return fn(conn)
-        except BaseException:
-            self._drop_reader(conn)
-            raise
+            if conn is None or conn.closed:
+                conn = self._reader.conn = self.read_engine.connect()
+                with self._readers_lock:
+                    self._readers.append(conn)
+            try:
+                with conn.begin():
+                    return fn(conn)
+            except BaseException:
+                self._drop_reader(conn)
+                raise
+        finally:
+            with self._reads_done:
+                self._reads -= 1
+                if not self._reads:
+                    self._reads_done.notify_all()
 
     def _drop_reader(self, conn: Connection) -> None:
         self._reader.conn = None
