@@ -495,6 +495,15 @@ def exchange_logs(base: Path) -> dict[str, str]:
                    source=kw.pop("source", "STOREDRIVER"), event_id=event, internal_message_id="104",
                    message_id=f"<{key}@fabrikam.test>", network_message_id=ids[key], recipient_address=to,
                    sender_address="bob@fabrikam.test", directionality="Incoming", **kw)
+    def refused(event: str, t: str, remote_ip: str, remote: str, status: str) -> dict[str, str]:
+        """A row of Exchange's SMTP send about a next hop's refusal: the local server (its short
+        name) in client-hostname, the remote host in server-hostname."""
+        return r16(date_time=t, client_ip="10.0.0.1", client_hostname="EX1", server_ip=remote_ip,
+                   server_hostname=remote, source_context="08D3D1F6B0E8C1A9", connector_id="Internet",
+                   source="SMTP", event_id=event, internal_message_id="105", message_id="<refused@contoso.test>",
+                   network_message_id=ids["refused"], recipient_address="zed@fabrikam.test",
+                   recipient_status=status, sender_address="carl@contoso.test", directionality="Originating")
+
     rows_ex1 = [
         # received from the Internet on EX1 (written with its short name), shadowed on EX2, sent on to EX3
         r16(date_time="2016-03-01T10:00:00.000Z", client_ip="203.0.113.9", client_hostname="mail.fabrikam.test",
@@ -577,18 +586,9 @@ def exchange_logs(base: Path) -> dict[str, str]:
             server_hostname=ex1, source="SMTP", event_id="RECEIVE", internal_message_id="105",
             message_id="<refused@contoso.test>", network_message_id=ids["refused"],
             recipient_address="zed@fabrikam.test", sender_address="carl@contoso.test", directionality="Originating"),
-        r16(date_time="2016-03-01T10:09:01.000Z", client_ip="10.0.0.1", client_hostname="EX1",
-            server_ip="198.51.100.26", server_hostname="mx2.fabrikam.test", source_context="Internet",
-            connector_id="Internet", source="SMTP", event_id="DEFER", internal_message_id="105",
-            message_id="<refused@contoso.test>", network_message_id=ids["refused"],
-            recipient_address="zed@fabrikam.test", recipient_status="451 4.7.1 Try again later",
-            sender_address="carl@contoso.test", directionality="Originating"),
-        r16(date_time="2016-03-01T10:10:00.000Z", client_ip="10.0.0.1", client_hostname="EX1",
-            server_ip="198.51.100.25", server_hostname="mx.fabrikam.test", source_context="08D3D1F6B0E8C1A9",
-            connector_id="Internet", source="SMTP", event_id="FAIL", internal_message_id="105",
-            message_id="<refused@contoso.test>", network_message_id=ids["refused"],
-            recipient_address="zed@fabrikam.test", recipient_status="550 5.1.1 User unknown",
-            sender_address="carl@contoso.test", directionality="Originating"),
+        refused("DEFER", "2016-03-01T10:09:01.000Z", "198.51.100.26", "mx2.fabrikam.test",
+                "451 4.7.1 Try again later"),
+        refused("FAIL", "2016-03-01T10:10:00.000Z", "198.51.100.25", "mx.fabrikam.test", "550 5.1.1 User unknown"),
         # sent to a moderated group: handed to the arbitration mailbox for approval (Exchange leaves
         # both host names empty and acknowledges the group as done); the decision is written about
         # the approval request (its own message-id, the original's in reference)
