@@ -143,18 +143,22 @@ class Heartbeat:
         s: PeerSession | None = None
         answered: str | None = None
         ok = False
+        discarded: list = []
         try:
             async with asyncio.timeout(self.exchange_limit):  # a black-holed primary costs one limit
                 s = await self.pool.open(peer, shadows=False)
                 answered = await s.identify()
                 if recorded and answered != recorded:
-                    ok = True  # the exchange worked; the state changed
-                else:
-                    discarded = await s.take_discards()
-                    ok = True
-                    if discarded:
-                        await self.shadows.discard(primary, discarded, now)
-                    await s.quit()  # acknowledges the discards we just applied
+                    return True, answered, ""  # the exchange worked; the state changed
+                discarded = await s.take_discards()
+                ok = True
+            # Applied outside the exchange's limit: a large batch is a write to the queue database
+            # and a tracking row per copy, not the primary's answer. Cut by the limit, the copies
+            # were removed and their HADISCARD rows never written.
+            if discarded:
+                await self.shadows.discard(primary, discarded, now)
+            async with asyncio.timeout(self.exchange_limit):
+                await s.quit()  # acknowledges the discards we just applied
             return True, answered, ""
         except ProtocolError as exc:
             log.error("heartbeat to %s: %s; keeping every shadow of it", primary, exc)

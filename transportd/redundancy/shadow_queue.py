@@ -77,7 +77,12 @@ class ShadowQueues:
 
     async def discard(self, primary: str, entries: list[tuple[str, str | None]], now: float) -> int:
         """Apply discard ids of ``primary``: processed copies go to the Shadow Safety Net; copies an
-        operator removed there (reason DeletedByAdmin) are removed here too (never resubmitted)."""
+        operator removed there (reason DeletedByAdmin) are removed here too (never resubmitted).
+        Shielded: a caller cancelled while the commit is under way (a time limit, a stop) does not
+        leave copies discarded with no HADISCARD row."""
+        return await asyncio.shield(self._discard(primary, entries, now))
+
+    async def _discard(self, primary: str, entries: list[tuple[str, str | None]], now: float) -> int:
         hold = self.cfg.safety_net.safety_net_hold_time
         reasons = {g: r for g, r in entries}
         rows, failed = await self.store.write(lambda c: sq.apply_discards(c, primary, reasons, now, hold))
