@@ -253,7 +253,7 @@ def test_remove_by_filter_among_thousands_in_batches_and_shadows_discard(cluster
     try:
         discards = wait_for(lambda: len(rows := node2.tracking(event_id="HADISCARD")) >= total_spam and rows,
                             timeout=60, what="node2 to discard the shadows of the removed messages")
-    except AssertionError as exc:  # say where the copies are (a CI run once timed out here, unexplained)
+    except AssertionError as exc:  # say where the copies are (CI runs timed out here: see test_shadow_discards.py)
         shadows = read_db(node2.cfg.db_path, "SELECT sender LIKE '%@spam.example', state, count(*) FROM messages "
                                              "WHERE role = 'shadow' GROUP BY 1, 2")
         events = read_db(node1.cfg.db_path, "SELECT sent_token IS NULL, count(*) FROM discard_events GROUP BY 1")
