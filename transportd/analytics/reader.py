@@ -300,11 +300,12 @@ def _message_key(event: Any, netid: Any, message_id: Any):
                   F.coalesce(F.when(netid != "", netid), F.when(message_id != "", message_id)))
 
 
-def _recipient_change(event: Any, recipients: Any):
+def _recipient_change(event: Any, wanted: Any):
     """(recipients, replaced) of a row: the new recipients and the ones they replace on a
     recipient change (EXPAND, RESOLVE: as written; REDIRECT, DUPLICATEREDIRECT: Exchange writes
     the recipient redirected in recipient-address and the alternate in related-recipient-address,
-    and a row with no alternate replaces nobody), the recipients as written on other rows."""
+    and a row with no alternate replaces nobody), the recipients as written on other rows;
+    recipients only where ``wanted`` (a condition on the row) holds."""
     from pyspark.sql import functions as F
 
     related = _recipient_list("related_recipient_address")
@@ -313,7 +314,7 @@ def _recipient_change(event: Any, recipients: Any):
     new = F.when(reversed_, related).otherwise(written)
     replaced = (F.when(reversed_, F.when(F.size(related) > 0, written).otherwise(F.array().cast("array<string>")))
                 .when(event.isin(*RECIPIENT_CHANGE_EVENTS), related))
-    return F.when(recipients, new), replaced
+    return F.when(wanted, new), replaced
 
 
 REDUNDANCY_CONTEXT = r"^\s*(\S+)\s*\(([^)]*)\)"
