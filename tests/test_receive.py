@@ -386,6 +386,30 @@ def test_garbage_gets_clean_errors_and_daemon_stays_up(make_node):
     assert "Traceback" not in node.log()
 
 
+def test_unicode_address_needs_smtputf8_declared_on_mail(make_node):
+    """RFC 6531: a client sends a non-ASCII address only in a transaction whose MAIL gave
+    SMTPUTF8. Without it MAIL and RCPT get 553 5.6.7 (Postfix's answer) and nothing is queued;
+    with it the same addresses are taken."""
+    node = make_node().start()
+    c = Raw(node.port)
+    ehlo(c)
+    assert_reply(c.cmd("MAIL FROM:<jürgen@bücher.example>"), 553, "5.6.7")
+    assert_reply(c.cmd("MAIL FROM:<a@remote.test>"), 250, "2.1.0")
+    assert_reply(c.cmd("RCPT TO:<üser@example.test>"), 553, "5.6.7")
+    assert_reply(c.cmd("RCPT TO:<user@exämple.test>"), 553, "5.6.7")
+    assert_reply(c.cmd("RCPT TO:<alice@example.test>"), 250, "2.1.5")
+    assert_reply(c.cmd("RSET"), 250, "2.0.0")
+    assert_reply(c.cmd("MAIL FROM:<jürgen@bücher.example> SMTPUTF8"), 250, "2.1.0")
+    assert_reply(c.cmd("RCPT TO:<üser@example.test>"), 250, "2.1.5")
+    assert c.cmd("DATA").startswith("354 ")
+    c.send(b"Subject: declared\r\n\r\nhi\r\n.\r\n")
+    r = c.reply()[-1]
+    assert r.startswith("250 2.0.0 Ok: queued as "), r
+    c.close()
+    rows = messages(node)
+    assert [(m["from"], m["subject"]) for m in rows] == [("jürgen@bücher.example", "declared")]
+
+
 def test_too_many_unknown_commands_closes(make_node):
     node = make_node().start()
     c = Raw(node.port)

@@ -33,7 +33,7 @@ from transportd.redundancy.connection import (
 from transportd.redundancy.protocol import redundancy_reply
 from transportd.smtp import replies
 from transportd.smtp.addresses import valid_address
-from transportd.smtp.frontend import FrontendHandler, add_recipient
+from transportd.smtp.frontend import FrontendHandler, add_recipient, undeclared_utf8
 from transportd.smtp.headers import network_id_from
 from transportd.smtp.server import LimitedSMTP, fixed_hook_signatures
 
@@ -206,6 +206,8 @@ class TransportHandler(FrontendHandler):
             # beyond its own (the primary already applied them).
             if not valid_address(address):
                 return replies.S501_BAD_ADDRESS
+            if undeclared_utf8(envelope, address):
+                return replies.S553_UNDECLARED_UTF8
             add_recipient(server, envelope, address, rcpt_options)
             return replies.S250_RECIPIENT_OK
         return await super().handle_RCPT(server, session, envelope, address, rcpt_options)

@@ -136,6 +136,8 @@ class FrontendHandler:
         # keep it as "<>" in the envelope; the accept path stores it as "".
         if address and address != "<>" and not valid_address(address):
             return replies.S501_BAD_SENDER
+        if undeclared_utf8(envelope, address):
+            return replies.S553_UNDECLARED_UTF8
         envelope.mail_from = address
         envelope.mail_options.extend(mail_options)
         envelope.dsn_mail = getattr(server, "dsn_params", "")  # RFC 3461: RET=, ENVID= (smtp/server.py)
@@ -149,6 +151,8 @@ class FrontendHandler:
                 return replies.S550_NO_POSTMASTER
         if not valid_address(address):
             return replies.S501_BAD_ADDRESS
+        if undeclared_utf8(envelope, address):
+            return replies.S553_UNDECLARED_UTF8
         if len(envelope.rcpt_tos) >= self.cfg.frontend.max_recipients_per_message:
             return replies.S452_TOO_MANY_RECIPIENTS
         if not is_accepted(domain_of(address), self.cfg.routing.accepted_domains):
@@ -181,6 +185,12 @@ class FrontendHandler:
     async def handle_exception(self, error: Exception) -> str:
         log.exception("SMTP session error: %s", error)
         return replies.S451_INTERNAL
+
+
+def undeclared_utf8(envelope: Envelope, address: str) -> bool:
+    """A non-ASCII address in a transaction whose MAIL did not give SMTPUTF8: RFC 6531 lets a
+    client send one only with that parameter (a reply with 5.6.7, as Postfix's)."""
+    return not address.isascii() and not getattr(envelope, "smtp_utf8", False)
 
 
 def _log_orphan_failure(task: asyncio.Future) -> None:
