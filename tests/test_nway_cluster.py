@@ -131,3 +131,27 @@ def test_a_message_accepted_with_one_of_two_shadows_gets_the_other_when_the_peer
     n2.wait_event("HARECEIVE", netid, timeout=20)
     wait_for(lambda: redundancy() == "shadowed", timeout=20, what="the second shadow recorded")
     assert ranks(n2, n1) == {netid: 2} and ranks(n3, n1) == {netid: 1}
+
+
+def test_promotion_while_the_other_shadow_holder_is_down_still_reprotects(procs, sink, tmp_path):
+    """node1 dies while node2 (its rank-2 shadow holder) is down: node3 promotes, cannot ask node2
+    to adopt its copy, and still makes the promoted copy redundant: unprotected at first (no peer
+    left), a shadow on node2 once node2 is back. (A failed adoption once stopped there: the copy
+    stayed "reshadowing", which no heartbeat round retries.)"""
+    c = nway_cluster(procs, sink, tmp_path)
+    n1, n2, n3 = c["node1"], c["node2"], c["node3"]
+    netid = accepted_with_two_shadows(c, send(n1, "carol@foreign.test"))
+    n1.wait_event("DEFER", netid)  # the sink is down all along: nothing is delivered
+    assert n2.stop() == 0
+    n1.kill9()
+    promoted = n3.wait_event("RESUBMIT", netid, timeout=30)
+    mid = promoted[0]["internal-message-id"]
+
+    def redundancy() -> str:
+        return n3.cli_json("message", "show", mid)[0]["redundancy"]
+    wait_for(lambda: redundancy() == "unprotected", timeout=15, what="the promoted copy marked unprotected")
+    assert f"XSHADOWADOPT to {n2.name}" in n3.log()
+    assert "redundant failed" not in n3.log() and "Traceback" not in n3.log()
+    n2.start()
+    wait_for(lambda: redundancy() == "partial", timeout=30, what="a shadow of the promoted copy on node2")
+    assert [r["source-context"].split("=")[0] for r in n3.events("HAREDIRECT", netid)] == [n2.name]

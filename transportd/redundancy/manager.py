@@ -183,7 +183,13 @@ class ShadowManager:
         shadows it holds of them (XSHADOWADOPT: they become our shadows and are never promoted
         themselves), then each copy gets the shadows it still lacks."""
         if self.sr.shadow_copies > 1:
-            await self.adopt_others(rows, lost)
+            try:
+                await self.adopt_others(rows, lost)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the copies still need their shadows
+                log.exception("asking the peers to adopt the shadows of %d promoted message(s) of %s failed",
+                              len(rows), lost)
         await self._reshadow_all(rows, exclude=lost)
 
     async def adopt_others(self, rows: list[dict], lost: str) -> int:
@@ -212,7 +218,7 @@ class ShadowManager:
                     ok = True
             except PEER_FAILURES as exc:
                 log.warning("XSHADOWADOPT to %s for %d promoted message(s) of %s failed: %s", peer.name,
-                            len(guids), lost, exc)
+                            len(by_guid), lost, exc)
             finally:
                 if s is not None:
                     self.pool.release(s, ok)
