@@ -429,6 +429,32 @@ def test_a_control_run_that_loses_nothing_fails_and_faults_not_done_are_shown():
     assert "verdict: FAILED (control run lost nothing" in text
 
 
+def test_code_errors_in_the_nodes_logs_fail_any_run():
+    """A background task that died of a bug (here: the promotion's re-protection, which once left
+    promoted copies "reshadowing" for good) shows in no delivery figure: its log line fails the run."""
+    from transportd.devtools.chaos.checker import code_errors
+    from transportd.devtools.chaos.harness import format_summary, judge
+    lines = [
+        "2026-11-27T05:17:38.586Z ERROR transportd: cannot write tracking log (HADISCARD 274): "
+        "[Errno 28] No space left on device\n",                                    # a fault's
+        "2026-11-27T05:20:13.344Z ERROR transportd.node.workers: receive worker 1 exited (signal 9)\n",
+        "2026-11-27T05:21:30.217Z ERROR transportd.redundancy.manager: making the promoted copies of "
+        "node3 redundant failed: UnboundLocalError(\"cannot access local variable 'guids'\")\n",
+        "KeyError: 'shadow_guid'\n",                                                 # a traceback's last line
+        "WARNING XSHADOWADOPT to node2 failed: ConnectionRefusedError(111)\n",
+        "INFO subject mentions a KeyErrorish word\n",                               # not the name alone
+    ]
+    assert code_errors(lines) == [lines[2].rstrip("\n"), "KeyError: 'shadow_guid'"]
+    base = {"lost": 0, "unexpected": 0, "ok": True, "duplicates": {"mailbox": 0, "external": 0}}
+    assert judge({**base, "code_errors": 0}, expect_loss=False)[0]
+    for expect_loss in (False, True):
+        good, reason = judge({**base, "lost": 2, "code_errors": 2, "code_error_examples": code_errors(lines)},
+                             expect_loss=expect_loss)
+        assert not good and "UnboundLocalError" in reason, reason
+    text = format_summary({**base, "code_errors": 2, "code_error_examples": code_errors(lines)})
+    assert "code errors in the nodes' logs: 2" in text and "KeyError: 'shadow_guid'" in text
+
+
 # ------------------------------------------------------------------------------ disk full
 
 def test_replies_while_full_counts_what_the_clients_got_from_the_full_node():
@@ -641,6 +667,7 @@ def test_chaos_run_loses_nothing_acknowledged(chaos_runs):
     assert s["unexpected"] == 0, report
     assert s["duplicates"]["mailbox"] == 0, report
     assert s["internal_errors"] == 0, report  # nothing acknowledged stranded by an internal error
+    assert s["code_errors"] == 0, report      # no task of a node died of a bug
     assert s["utf8_sent"] > 0, report         # internationalized mail is part of the workload
     assert code == 0, report
     assert "wipe-behind-refusing-sink" in s["fault_counts"]

@@ -16,6 +16,10 @@ number read from its ``X-Chaos-Id`` header. Like Jepsen's total-queue:
   <step>``, a mailbox store error, or a peer's ``Internal error``), or in the Poison queue
   (must be 0: one bad message, or a bug, never strands acknowledged mail). The harness reads the
   nodes' queue databases (``HeldRow``); ``internal_errors`` judges the rows.
+- code errors: lines of the nodes' logs naming an exception that only a bug raises
+  (``UnboundLocalError``, ``KeyError``, ``TypeError``...; ``code_errors``). A fault never
+  explains one: a background task that died of it may have left work undone that no other
+  figure shows (must be 0).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import re
 import urllib.parse
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,6 +125,16 @@ def _address_of(folder: str) -> str:
 # error"; a peer that failed internally answers "451 4.3.0 Internal error ..."): never a transient
 # network condition (those are 4.4.x), so a message still held with it has been stranded.
 INTERNAL_ERROR_PREFIX = "451 4.3.0"
+
+# Exceptions no fault explains (a disk, a peer or a kill raises OSError, timeouts, SQLite's
+# errors, the peers' replies): only code that is wrong raises these.
+_CODE_ERROR = re.compile(r"\b(?:UnboundLocalError|NameError|AttributeError|TypeError|KeyError|IndexError"
+                         r"|AssertionError|ZeroDivisionError|RecursionError)\b")
+
+
+def code_errors(lines: Iterable[str]) -> list[str]:
+    """The log lines that name an exception only a bug raises (each line once, in order)."""
+    return [line.rstrip("\r\n") for line in lines if _CODE_ERROR.search(line)]
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from transportd.devtools import cluster as cluster_mod
-from transportd.devtools.chaos.checker import HeldRow, chaos_id, check, scan_maildir_tree
+from transportd.devtools.chaos.checker import HeldRow, chaos_id, check, code_errors, scan_maildir_tree
 from transportd.devtools.chaos.disk import TmpfsDisks, cannot_mount, replies_while_full
 from transportd.devtools.chaos.nemesis import FAULT_TYPES, PAIR_WEIGHTS, WEIGHTS, Nemesis, schedule
 from transportd.devtools.chaos.preconditions import between_acks
@@ -453,7 +453,9 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
         say("draining")
         verdict = _drain(cluster, workload, run_id, drain_timeout, settle, say)
         summary = verdict.summary()
+        errors = _node_code_errors(cluster)
         summary.update({
+            "code_errors": len(errors), "code_error_examples": errors[:20],
             "seed": seed, "messages": messages, "faults_planned": faults, "shadow_redundancy": shadow,
             "concurrent": concurrent, "shadow_copies": shadow_copies,
             "faults_overlapping": sum(1 for f in nemesis.log.faults if f.overlap and f.done),
@@ -494,12 +496,16 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
 
 def judge(summary: dict[str, Any], expect_loss: bool) -> tuple[bool, str]:
     """Whether the run passed, and why not. A run passes on the checker's verdict (lost 0,
-    unexpected 0, no mailbox duplicate, no internal error); a control run (``expect_loss``,
+    unexpected 0, no mailbox duplicate, no internal error) and no code error in the nodes' logs
+    (any run: a bug is one whether or not shadows are on); a control run (``expect_loss``,
     shadow redundancy off) passes only if it lost mail and nothing unexpected arrived: a control
     that loses nothing fails, whatever the seed (the harness did not show it can see a loss)."""
     lost, unexpected = summary.get("lost", 0), summary.get("unexpected", 1)
     if summary.get("nemesis_error"):
         return False, f"the nemesis failed: {summary['nemesis_error']}"
+    if summary.get("code_errors"):
+        return False, (f"{summary['code_errors']} line(s) of the nodes' logs name an exception only a bug "
+                       f"raises, first: {(summary.get('code_error_examples') or [''])[0][:300]}")
     rejected_full = [d for d in summary.get("disk_full") or [] if d.get("5xx")]
     if rejected_full:
         return False, "a node answered 5xx while its disk was full: " + ", ".join(
@@ -514,6 +520,17 @@ def judge(summary: dict[str, Any], expect_loss: bool) -> tuple[bool, str]:
         return True, "lost 0, unexpected 0, no mailbox duplicate, no internal error"
     return False, (f"lost {lost}, unexpected {unexpected}, mailbox duplicates "
                    f"{summary.get('duplicates', {}).get('mailbox')}, internal errors {summary.get('internal_errors')}")
+
+
+def _node_code_errors(cluster: ChaosCluster) -> list[str]:
+    """The nodes' log lines naming an exception only a bug raises (checker.code_errors)."""
+    found: list[str] = []
+    for short in sorted(cluster.by_short):
+        path = cluster.directory / "logs" / f"{short}.log"
+        if path.exists():
+            with open(path, encoding="utf-8", errors="replace") as f:
+                found += code_errors(f)
+    return found
 
 
 def _disk_full_replies(faults: list, workload: Workload, cluster: ChaosCluster) -> list[dict[str, Any]]:
@@ -589,6 +606,9 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  unexpected: {', '.join(s['unexpected_examples'][:10])}")
     if s.get("internal_error_examples"):
         lines.append(f"  internal errors: {', '.join(s['internal_error_examples'][:10])}")
+    if s.get("code_errors"):
+        lines.append(f"  code errors in the nodes' logs: {s['code_errors']}")
+        lines += [f"    {line[:300]}" for line in s.get("code_error_examples", [])[:5]]
     for d in s.get("disk_full") or []:
         lines.append(f"  disk full on {d['node']} (fault {d['fault']}): clients got {d['ack']} ack, {d['4xx']} 4xx, "
                      f"{d['5xx']} 5xx, {d['unknown']} unknown from it")
