@@ -421,6 +421,10 @@ def test_a_control_run_that_loses_nothing_fails_and_faults_not_done_are_shown():
     assert not judge({**base, "lost": 3, "unexpected": 1, "ok": False}, expect_loss=True)[0]
     assert not judge({**base, "lost": 1, "ok": False}, expect_loss=False)[0]
     assert not judge({}, expect_loss=True)[0] and not judge({}, expect_loss=False)[0]
+    # Pair faults with one shadow per message: the verdict says why the loss was certain.
+    double = {**base, "lost": 4, "ok": False, "fault_counts": {"double-wipe-behind-refusing-sink": 1}}
+    assert "--shadow-copies 2" in judge({**double, "shadow_copies": 1}, expect_loss=False)[1]
+    assert "--shadow-copies 2" not in judge({**double, "shadow_copies": 2}, expect_loss=False)[1]
     s = {**base, "passed": good, "verdict_reason": reason,
          "faults_not_done": ["fault 1: wipe-behind-refusing-sink node1 for 2.0s after 1.3s: precondition never held"]}
     text = format_summary(s)

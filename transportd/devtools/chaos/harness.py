@@ -518,8 +518,13 @@ def judge(summary: dict[str, Any], expect_loss: bool) -> tuple[bool, str]:
         return True, f"control run lost {lost}, as it must"
     if summary.get("ok"):
         return True, "lost 0, unexpected 0, no mailbox duplicate, no internal error"
-    return False, (f"lost {lost}, unexpected {unexpected}, mailbox duplicates "
-                   f"{summary.get('duplicates', {}).get('mailbox')}, internal errors {summary.get('internal_errors')}")
+    why = (f"lost {lost}, unexpected {unexpected}, mailbox duplicates "
+           f"{summary.get('duplicates', {}).get('mailbox')}, internal errors {summary.get('internal_errors')}")
+    if lost and (summary.get("shadow_copies") or 1) < 2 and summary.get("fault_counts", {}).get(
+            "double-wipe-behind-refusing-sink"):
+        why += ("; with one shadow per message a double wipe (a primary and its shadow holder at once) "
+                "loses their queued mail for certain: run pair faults with --shadow-copies 2")
+    return False, why
 
 
 def _node_code_errors(cluster: ChaosCluster) -> list[str]:
