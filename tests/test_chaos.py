@@ -439,11 +439,11 @@ def test_code_errors_in_the_nodes_logs_fail_any_run():
     from transportd.devtools.chaos.checker import code_errors
     from transportd.devtools.chaos.harness import format_summary, judge
     lines = [
-        "2026-11-27T05:17:38.586Z ERROR transportd: cannot write tracking log (HADISCARD 274): "
-        "[Errno 28] No space left on device\n",                                    # a fault's
+        ("2026-11-27T05:17:38.586Z ERROR transportd: cannot write tracking log (HADISCARD 274): "
+         "[Errno 28] No space left on device\n"),                                   # a fault's
         "2026-11-27T05:20:13.344Z ERROR transportd.node.workers: receive worker 1 exited (signal 9)\n",
-        "2026-11-27T05:21:30.217Z ERROR transportd.redundancy.manager: making the promoted copies of "
-        "node3 redundant failed: UnboundLocalError(\"cannot access local variable 'guids'\")\n",
+        ("2026-11-27T05:21:30.217Z ERROR transportd.redundancy.manager: making the promoted copies of "
+         "node3 redundant failed: UnboundLocalError(\"cannot access local variable 'guids'\")\n"),
         "KeyError: 'shadow_guid'\n",                                                 # a traceback's last line
         "WARNING XSHADOWADOPT to node2 failed: ConnectionRefusedError(111)\n",
         "INFO subject mentions a KeyErrorish word\n",                               # not the name alone

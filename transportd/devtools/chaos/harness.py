@@ -26,7 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from transportd.devtools import cluster as cluster_mod
-from transportd.devtools.chaos.checker import HeldRow, chaos_id, check, code_errors, scan_maildir_tree
+from transportd.devtools.chaos.checker import (
+    HeldRow,
+    chaos_id,
+    check,
+    code_errors,
+    scan_maildir_tree,
+)
 from transportd.devtools.chaos.disk import TmpfsDisks, cannot_mount, replies_while_full
 from transportd.devtools.chaos.nemesis import FAULT_TYPES, PAIR_WEIGHTS, WEIGHTS, Nemesis, schedule
 from transportd.devtools.chaos.preconditions import between_acks
