@@ -425,6 +425,15 @@ def test_a_control_run_that_loses_nothing_fails_and_faults_not_done_are_shown():
     double = {**base, "lost": 4, "ok": False, "fault_counts": {"double-wipe-behind-refusing-sink": 1}}
     assert "--shadow-copies 2" in judge({**double, "shadow_copies": 1}, expect_loss=False)[1]
     assert "--shadow-copies 2" not in judge({**double, "shadow_copies": 2}, expect_loss=False)[1]
+    # A 2010 node alone in its site acknowledges behind a refusing sink with its only copy.
+    from transportd.devtools.chaos.harness import lone_2010_nodes
+    from transportd.devtools.cluster import NodeSpec
+    specs = [NodeSpec(f"node{i}.t", f"node{i}", site, "", "", "", "") for i, site in
+             ((1, "site-a"), (2, "site-a"), (3, "site-b"))]
+    assert lone_2010_nodes(specs, ["2010", "2013", "2010"]) == ["node3"]
+    assert lone_2010_nodes(specs, ["2010", "2013", "2013"]) == [] and lone_2010_nodes(specs, None) == []
+    lone = judge({**base, "lost": 13, "ok": False, "lone_2010_nodes": ["node3"]}, expect_loss=False)[1]
+    assert "node3 ran Exchange 2010's design alone in its site" in lone
     s = {**base, "passed": good, "verdict_reason": reason,
          "faults_not_done": ["fault 1: wipe-behind-refusing-sink node1 for 2.0s after 1.3s: precondition never held"]}
     text = format_summary(s)

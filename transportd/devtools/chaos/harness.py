@@ -423,6 +423,11 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
                                  transport_port=transport, sink_address=sink_address, overrides=overrides,
                                  peer_transport=peer_transport, versions=versions)
     cluster = ChaosCluster(directory, specs, sink_address, proxy, say)
+    alone_2010 = lone_2010_nodes(specs, versions) if shadow else []
+    for short in alone_2010:
+        say(f"{short} runs Exchange 2010's design with no other node in its site: where delayed "
+            "acknowledgement is bypassed (a refusing sink) it acknowledges with its only copy, as "
+            "Exchange 2010 does (docs/exchange2010.md); a wipe of it then loses that mail")
     for short in sorted({f.targets[0] for f in plan if f.type == "disk-full"}):
         cluster.disks.mount(short, Path(cluster.by_short[short].data_dir))
         say(f"{short}: data directory on a tmpfs (disk-full faults)")
@@ -461,7 +466,7 @@ def run(*, messages: int, faults: int, seed: int, shadow: bool, directory: Path,
         summary = verdict.summary()
         errors = _node_code_errors(cluster)
         summary.update({
-            "code_errors": len(errors), "code_error_examples": errors[:20],
+            "code_errors": len(errors), "code_error_examples": errors[:20], "lone_2010_nodes": alone_2010,
             "seed": seed, "messages": messages, "faults_planned": faults, "shadow_redundancy": shadow,
             "concurrent": concurrent, "shadow_copies": shadow_copies,
             "faults_overlapping": sum(1 for f in nemesis.log.faults if f.overlap and f.done),
@@ -530,7 +535,22 @@ def judge(summary: dict[str, Any], expect_loss: bool) -> tuple[bool, str]:
             "double-wipe-behind-refusing-sink"):
         why += ("; with one shadow per message a double wipe (a primary and its shadow holder at once) "
                 "loses their queued mail for certain: run pair faults with --shadow-copies 2")
+    if lost and summary.get("lone_2010_nodes"):
+        why += (f"; {', '.join(summary['lone_2010_nodes'])} ran Exchange 2010's design alone in its site, "
+                "which acknowledges behind a refusing next hop with its only copy (docs/exchange2010.md): "
+                "give a 2010 node a site peer (--versions 2010,2013,2013)")
     return False, why
+
+
+def lone_2010_nodes(specs: list, versions: list[str] | None) -> list[str]:
+    """The nodes running version 2010 with no other node in their site: shadow redundancy
+    promotion relays only within a site, so such a node acknowledges unprotected wherever delayed
+    acknowledgement is bypassed."""
+    if not versions:
+        return []
+    sites = [s.site for s in specs]
+    return [spec.short for spec, version in zip(specs, versions, strict=False)
+            if version == "2010" and sites.count(spec.site) == 1]
 
 
 def _node_code_errors(cluster: ChaosCluster) -> list[str]:
