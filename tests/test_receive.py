@@ -393,14 +393,12 @@ def test_unicode_address_needs_smtputf8_declared_on_mail(make_node):
     node = make_node().start()
     c = Raw(node.port)
     ehlo(c)
-    assert_reply(c.cmd("MAIL FROM:<jürgen@bücher.example>"), 553, "5.6.7")
-    assert_reply(c.cmd("MAIL FROM:<a@remote.test>"), 250, "2.1.0")
-    assert_reply(c.cmd("RCPT TO:<üser@example.test>"), 553, "5.6.7")
-    assert_reply(c.cmd("RCPT TO:<user@exämple.test>"), 553, "5.6.7")
-    assert_reply(c.cmd("RCPT TO:<alice@example.test>"), 250, "2.1.5")
-    assert_reply(c.cmd("RSET"), 250, "2.0.0")
-    assert_reply(c.cmd("MAIL FROM:<jürgen@bücher.example> SMTPUTF8"), 250, "2.1.0")
-    assert_reply(c.cmd("RCPT TO:<üser@example.test>"), 250, "2.1.5")
+    dialogue = [("MAIL FROM:<jürgen@bücher.example>", 553, "5.6.7"), ("MAIL FROM:<a@remote.test>", 250, "2.1.0"),
+                ("RCPT TO:<üser@example.test>", 553, "5.6.7"), ("RCPT TO:<user@exämple.test>", 553, "5.6.7"),
+                ("RCPT TO:<alice@example.test>", 250, "2.1.5"), ("RSET", 250, "2.0.0"),
+                ("MAIL FROM:<jürgen@bücher.example> SMTPUTF8", 250, "2.1.0"), ("RCPT TO:<üser@example.test>", 250, "2.1.5")]
+    for line, code, enhanced in dialogue:
+        assert_reply(c.cmd(line), code, enhanced)
     assert c.cmd("DATA").startswith("354 ")
     c.send(b"Subject: declared\r\n\r\nhi\r\n.\r\n")
     r = c.reply()[-1]
