@@ -54,11 +54,12 @@ def fill(disk: Path) -> None:
     # Unbuffered: a buffered file would keep the bytes of the write that failed and raise
     # ENOSPC again when it is closed (how much is left over depends on the space left).
     with open(disk / "filler", "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-        except OSError:
-            pass
+        for block in (65536, 4096, 512, 1):  # to the last byte: a small write must fail too
+            try:
+                while True:
+                    f.write(b"\0" * block)
+            except OSError:
+                pass
         try:
             os.fsync(f.fileno())
         except OSError:

@@ -70,3 +70,34 @@ def test_disk_full_answers_4xx_keeps_acknowledged_and_recovers(make_node, small_
     assert node.alive
     log = node.log()
     assert "queue database unavailable, answering 451" in log and "disk is full" in log
+
+
+def test_a_full_tracking_log_volume_costs_no_tracking_row(make_node, sink, small_disk):
+    """The tracking logs on a volume of their own (tracking.message_tracking_log_path, as Exchange
+    sites often keep them) that fills up: mail goes on (the queue database has room), each row the
+    volume refuses is kept and written once it has room again, by the next row or within a second
+    without one, in full and once."""
+    sink.start()
+    node = make_node(smart_host=sink.address,
+                     overrides={"tracking": {"message_tracking_log_path": str(small_disk / "msgtrk")}}).start()
+    ids = [int(re.search(r"queued as (\d+)", send(node.port, n)[1]).group(1)) for n in range(3)]
+    wait_for(lambda: len(node.tracking(event_id="SENDEXTERNAL")) == 3, timeout=15, what="3 sent")
+    fill(small_disk)
+    for n in range(3, 8):
+        code, msg = send(node.port, n)
+        assert code == 250, msg  # the queue database is elsewhere: a full tracking volume refuses no mail
+        ids.append(int(re.search(r"queued as (\d+)", msg).group(1)))
+    wait_for(lambda: len(sink.messages()) >= 8, timeout=15, what="8 at the sink")
+    refused = set(re.findall(r"cannot write tracking log \((\w+) (\d+)\)", node.log()))
+    assert ("RECEIVE", str(ids[-1])) in refused, node.log()[-3000:]
+    os.unlink(small_disk / "filler")  # no new row comes: the maintenance round writes the kept ones
+
+    def all_written():
+        got = [(r["event-id"], r["internal-message-id"]) for r in node.tracking()]
+        return got if refused <= set(got) else None
+    rows = wait_for(all_written, timeout=10, what="the kept tracking rows written")
+    assert "tracking log writable again: wrote" in node.log()
+    assert len(rows) == len(set(rows)), "a kept row was written twice"
+    for i in ids:
+        assert ("RECEIVE", str(i)) in rows and ("SENDEXTERNAL", str(i)) in rows, i
+    assert node.alive

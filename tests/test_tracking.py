@@ -426,21 +426,108 @@ class FailingFile:
         pass
 
 
-def test_io_error_is_raised_and_next_write_reopens(tmp_path):
+def test_io_error_is_raised_and_the_row_is_written_by_the_next_write(tmp_path):
     log = make_log(tmp_path)
     log.write("RECEIVE", "SMTP", custom_data="1")
     real = log._file
     log._file = FailingFile()
     real.close()
     with pytest.raises(OSError):
-        log.write("SEND", "SMTP", custom_data="lost")
+        log.write("SEND", "SMTP", custom_data="kept")
     assert log.current_path is None  # no half-open handle kept
+    assert log.pending_rows == 1
     log.write("SEND", "SMTP", custom_data="2")
+    assert log.pending_rows == 0
     log.close()
     files = list(tmp_path.iterdir())
     assert len(files) == 1
     assert files[0].read_bytes().count(b"#Fields:") == 1
-    assert [r["custom-data"] for r in parse_log_file(files[0])] == ["1", "2"]
+    assert [r["custom-data"] for r in parse_log_file(files[0])] == ["1", "kept", "2"]
+
+
+def one_file(directory: Path) -> Path:
+    files = list(directory.iterdir())
+    assert len(files) == 1, files
+    return files[0]
+
+
+class PartFile:
+    """Takes the first ``room`` bytes into the real file, then the disk is full."""
+
+    def __init__(self, real, room: int):
+        self.real, self.room = real, room
+
+    def write(self, data):
+        if self.room <= 0:
+            raise OSError(28, "No space left on device")
+        n = self.real.write(bytes(data[:self.room]))
+        self.room -= n
+        return n
+
+    def close(self):
+        self.real.close()
+
+
+def test_a_row_cut_short_by_a_full_disk_is_written_whole_after_it(tmp_path):
+    """The fragment the failed write left is one malformed line; the row itself is not lost."""
+    log = make_log(tmp_path)
+    log.write("RECEIVE", "SMTP", custom_data="1")
+    log._file = PartFile(log._file, room=13)
+    with pytest.raises(OSError):
+        log.write("SEND", "SMTP", custom_data="cut")
+    log.write("DELIVER", "STOREDRIVER", custom_data="2")
+    log.close()
+    path = one_file(tmp_path)
+    errors: list = []
+    rows = parse_log_file(path, errors=errors)
+    assert [(r["event-id"], r["custom-data"]) for r in rows] == [("RECEIVE", "1"), ("SEND", "cut"), ("DELIVER", "2")]
+    assert len(errors) == 1  # the 13 bytes of the cut row, ended with CRLF
+    lines = data_lines(path.read_bytes())
+    assert len(lines) == 4 and len(lines[1]) == 13
+
+
+def test_rows_wait_while_the_disk_is_full_within_a_bound_and_are_written_in_order(tmp_path, monkeypatch):
+    log = make_log(tmp_path)
+    log.write("DEFER", "SMTP", custom_data="before")
+    row = len(data_lines(one_file(tmp_path).read_bytes())[0]) + 2
+    log.max_pending_bytes = 3 * row + row // 2  # room for three rows like it
+    full = {"on": True}
+    real_open = log._open_for_day
+
+    def open_for_day(now):
+        if full["on"]:
+            raise OSError(28, "No space left on device")
+        real_open(now)
+    monkeypatch.setattr(log, "_open_for_day", open_for_day)
+    log._abandon_file()  # the disk fills: the next write must reopen, and cannot
+    sizes = []
+    for n in range(6):
+        with pytest.raises(OSError):
+            log.write("DEFER", "SMTP", custom_data=f"w{n}")
+        sizes.append(log.pending_rows)
+    kept = sizes[-1]
+    assert sizes == [1, 2, 3, 3, 3, 3] and log.dropped_rows == 3  # bounded: the newest ones given up
+    with pytest.raises(OSError):
+        log.write_pending()
+    assert log.pending_rows == kept  # still full: nothing written, nothing lost
+    full["on"] = False
+    assert log.write_pending() == 0
+    log.write("DEFER", "SMTP", custom_data="after")
+    log.close()
+    got = [r["custom-data"] for r in parse_log_file(one_file(tmp_path))]
+    assert got == ["before", *[f"w{n}" for n in range(kept)], "after"]
+
+
+def test_close_writes_the_rows_that_wait(tmp_path):
+    log = make_log(tmp_path)
+    real = log._file
+    log._file = FailingFile()
+    real.close()
+    with pytest.raises(OSError):
+        log.write("RECEIVE", "SMTP", custom_data="waiting")
+    log.close()
+    assert log.pending_rows == 0
+    assert [r["custom-data"] for r in parse_log_file(one_file(tmp_path))] == ["waiting"]
 
 
 def test_threads_do_not_interleave_rows(tmp_path):

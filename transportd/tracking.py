@@ -13,6 +13,7 @@ malformed row stop a reader: bad rows are skipped and reported.
 from __future__ import annotations
 
 import csv
+import errno
 import os
 import re
 import threading
@@ -162,6 +163,17 @@ def split_list(value: str) -> list[str]:
     return LIST_SEPARATOR.split(value) if '"' in value else value.split(";")
 
 
+def _write_all(file: BinaryIO, data: bytes) -> None:
+    """Write every byte through an unbuffered file (a short write is continued; an error raised
+    part-way leaves the bytes before it in the file)."""
+    view = memoryview(data)
+    while view:
+        written = file.write(view)
+        if not written:
+            raise OSError(errno.EIO, "the tracking log file took no byte")
+        view = view[written:]
+
+
 def _exclusive(path: str, flags: int) -> int:
     """Opener for a new file in append mode that fails if the file exists (like "xb")."""
     return os.open(path, flags | os.O_EXCL, 0o666)
@@ -174,6 +186,11 @@ class TrackingLog:
     if it is under ``max_file_size``, else the next number is started. Each ``write`` may roll
     to a new file: on a new UTC day (per ``clock``) or when the row would take the file over
     ``max_file_size`` (a row larger than the limit still goes into a file of its own).
+
+    A row that cannot be written (a full disk, an I/O error) is kept, up to ``max_pending_bytes``
+    of rows, and written before the next row, or by ``write_pending``, once the file can take it:
+    a disk full for a few seconds costs no row, only the time it is written at (its date-time is
+    the event's). A row cut short by the failure stays behind as one malformed line.
     """
 
     def __init__(
@@ -185,6 +202,7 @@ class TrackingLog:
         software_version: str = transportd.__version__,
         clock: Callable[[], datetime] = utc_now,
         fields: Sequence[str] = FIELDS_2016,
+        max_pending_bytes: int = 8 * 1024 * 1024,
     ) -> None:
         if tuple(fields) not in (FIELDS_2016, FIELDS_2010):
             raise ValueError("fields: FIELDS_2016 or FIELDS_2010")
@@ -203,6 +221,10 @@ class TrackingLog:
         self._size = 0
         self._has_rows = False
         self._closed = False
+        self.max_pending_bytes = max_pending_bytes
+        self._pending: deque[bytes] = deque()  # rows not yet written, oldest first
+        self._pending_bytes = 0
+        self.dropped_rows = 0  # rows given up: more than max_pending_bytes waited
         self.directory.mkdir(parents=True, exist_ok=True)
         with self._lock:
             try:
@@ -246,7 +268,8 @@ class TrackingLog:
         custom_data: str = "",
         date_time: datetime | None = None,
     ) -> None:
-        """Append one row and flush it. I/O errors are raised; the next write reopens the file.
+        """Append one row and write it through. I/O errors are raised; the row is kept (see the
+        class) and the next write reopens the file.
 
         ``date_time`` defaults to ``clock()``; the file (day) is always chosen by ``clock()``.
         ``recipient_count`` defaults to ``len(recipients)`` when recipients are given.
@@ -290,25 +313,35 @@ class TrackingLog:
                 "schema-version": self.software_version,
             }
             data = _csv_line([str(values[name]) for name in self.fields]).encode("utf-8")
-            try:
-                if self._file is None or now.date() != self._day:
-                    self._close_file()
-                    self._open_for_day(now)
-                if self._has_rows and self._size + len(data) > self.max_file_size:
-                    self._close_file()
-                    self._open_new(now, self._number + 1)
-                assert self._file is not None
-                self._file.write(data)
-                self._file.flush()
-            except BaseException:
-                self._abandon_file()
-                raise
-            self._size += len(data)
-            self._has_rows = True
+            if self._pending_bytes + len(data) > self.max_pending_bytes and self._pending:
+                self.dropped_rows += 1  # memory stays bounded while the file takes nothing
+            else:
+                self._pending.append(data)
+                self._pending_bytes += len(data)
+            self._write_pending(now)
+
+    @property
+    def pending_rows(self) -> int:
+        """Rows kept after a failed write, not yet in the file."""
+        return len(self._pending)
+
+    def write_pending(self) -> int:
+        """Write the rows kept after a failed write; returns how many still wait (0 when all were
+        written). I/O errors are raised as by ``write``."""
+        with self._lock:
+            if self._pending and not self._closed:
+                self._write_pending(self._now())
+            return len(self._pending)
 
     def close(self) -> None:
-        """Close the current file; later writes raise ValueError. Safe to call twice."""
+        """Write what waits if the file takes it, then close; later writes raise ValueError. Safe to
+        call twice. Rows the file still refuses are lost with the process (``pending_rows``)."""
         with self._lock:
+            if self._pending and not self._closed:
+                try:
+                    self._write_pending(self._now())
+                except OSError:
+                    pass
             self._closed = True
             self._close_file()
 
@@ -322,6 +355,27 @@ class TrackingLog:
 
     def _now(self) -> datetime:
         return _as_utc(self._clock())
+
+    def _write_pending(self, now: datetime) -> None:
+        """Write the kept rows in order, each whole or not at all as far as we count it."""
+        try:
+            while self._pending:
+                data = self._pending[0]
+                if self._file is None or now.date() != self._day:
+                    self._close_file()
+                    self._open_for_day(now)
+                if self._has_rows and self._size + len(data) > self.max_file_size:
+                    self._close_file()
+                    self._open_new(now, self._number + 1)
+                assert self._file is not None
+                _write_all(self._file, data)
+                self._pending.popleft()
+                self._pending_bytes -= len(data)
+                self._size += len(data)
+                self._has_rows = True
+        except BaseException:
+            self._abandon_file()
+            raise
 
     def _header(self, now: datetime) -> bytes:
         lines = (
@@ -365,38 +419,37 @@ class TrackingLog:
     def _append_existing(self, path: Path, day: date, number: int, now: datetime) -> None:
         # Append mode (O_APPEND): the CLI (message remove) writes to the file the daemon has
         # open; every row must land at the current end, never over another process's row.
-        file = open(path, "a+b")  # noqa: SIM115 (kept open across writes)
+        file = open(path, "a+b", buffering=0)  # noqa: SIM115 (kept open across writes)
         self._file, self._path, self._day, self._number = file, path, day, number
         size = file.seek(0, os.SEEK_END)
         if size == 0:
-            file.write(self._header(now))
+            _write_all(file, self._header(now))
             self._has_rows = False
         else:
             file.seek(size - 1)
             last = file.read(1)
             file.seek(0, os.SEEK_END)
             if last != b"\n":
-                # The previous process died mid-row: end that row so ours starts on a new
-                # line; readers will report the partial row as malformed.
-                file.write(_CRLF.encode())
+                # The previous process died mid-row, or a write failed part-way (the row itself
+                # is still kept): end that row so ours starts on a new line; readers will report
+                # the partial row as malformed.
+                _write_all(file, _CRLF.encode())
             self._has_rows = True
-        file.flush()
-        self._size = file.tell()
+        self._size = file.seek(0, os.SEEK_END)
 
     def _open_new(self, now: datetime, number: int) -> None:
         day = now.date()
         while True:
             path = self._path_for(day, number)
             try:
-                file = open(path, "ab", opener=_exclusive)  # noqa: SIM115 (kept open across writes)
+                file = open(path, "ab", buffering=0, opener=_exclusive)  # noqa: SIM115 (kept open across writes)
             except FileExistsError:
                 number += 1
                 continue
             break
         self._file, self._path, self._day, self._number = file, path, day, number
         header = self._header(now)
-        file.write(header)
-        file.flush()
+        _write_all(file, header)
         self._size = len(header)
         self._has_rows = False
 

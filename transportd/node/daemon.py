@@ -200,6 +200,9 @@ class Node:
             self.store.close()
         self.delivered.close()
         self.events.tracking.close()
+        if self.events.tracking.pending_rows:
+            log.error("%d tracking row(s) kept after failed writes could not be written at the stop",
+                      self.events.tracking.pending_rows)
         log.info("node %s stopped", self.cfg.node.name)
 
 

@@ -45,8 +45,13 @@ def message_ids(row: dict) -> dict[str, Any]:
 
 
 class NullTrackingLog:
+    pending_rows = 0
+
     def write(self, *args: Any, **kwargs: Any) -> None:
         pass
+
+    def write_pending(self) -> int:
+        return 0
 
     def close(self) -> None:
         pass
@@ -116,7 +121,9 @@ class NodeEvents:
                 message_subject=row.get("subject") or "", sender_address=row.get("sender") or "",
                 return_path=row.get("sender") or "", **fields)
         except Exception as exc:  # noqa: BLE001 - logging must not fail mail
-            log.error("cannot write tracking log (%s %s): %s", event_id, row.get("id"), exc)
+            log.error("cannot write tracking log (%s %s): %s; %d row(s) kept to write when it can "
+                      "(%d given up)", event_id, row.get("id"), exc, self.tracking.pending_rows,
+                      getattr(self.tracking, "dropped_rows", 0))
         try:
             self.metrics.on_event(event_id, row, str(fields.get("source_context") or ""),
                                   str(fields.get("connector_id") or ""))
@@ -130,6 +137,18 @@ class NodeEvents:
                         f": {detail}" if detail else "")
         except Exception as exc:  # noqa: BLE001 - metrics and logs must not fail mail
             log.error("cannot record %s for message %s: %s", event_id, row.get("id"), exc)
+
+    def write_kept_tracking_rows(self) -> None:
+        """Write the tracking rows a failed write kept (a disk that was full); never raises."""
+        waiting = self.tracking.pending_rows
+        if not waiting:
+            return
+        try:
+            left = self.tracking.write_pending()
+        except Exception as exc:  # noqa: BLE001 - tried again at the next round
+            log.debug("tracking log still refuses its %d kept row(s): %s", waiting, exc)
+            return
+        log.info("tracking log writable again: wrote %d kept row(s)", waiting - left)
 
     def log_dsn(self, original: dict, dsn_id: int, dsn: NewMessage) -> None:
         self.track("DSN", "DSN", {"id": dsn_id, "network_message_id": dsn.network_message_id,

@@ -49,9 +49,11 @@ class Maintenance:
         self._last_housekeeping = 0.0
 
     async def due(self, now: float, in_flight: set[int]) -> None:
-        """Run what is due: expiry every second, the rest every ten poll intervals (at most 10 s)."""
+        """Run what is due: expiry and the tracking rows a full disk kept every second, the rest
+        every ten poll intervals (at most 10 s)."""
         if now - self._last_expiry >= 1.0:
             self._last_expiry = now
+            self.events.write_kept_tracking_rows()
             await self.expire(now)
         if now - self._last_housekeeping >= min(10.0, self.cfg.delivery.queue_poll_interval * 10):
             self._last_housekeeping = now
