@@ -511,8 +511,8 @@ def test_rows_wait_while_the_disk_is_full_within_a_bound_and_are_written_in_orde
         log.write_pending()
     assert log.pending_rows == kept  # still full: nothing written, nothing lost
     full["on"] = False
-    assert log.write_pending() == 0
-    log.write("DEFER", "SMTP", custom_data="after")
+    log.write("DEFER", "SMTP", custom_data="after")  # the kept rows first, then this one: none given up
+    assert log.pending_rows == 0 and log.dropped_rows == 3
     log.close()
     got = [r["custom-data"] for r in parse_log_file(one_file(tmp_path))]
     assert got == ["before", *[f"w{n}" for n in range(kept)], "after"]

@@ -313,11 +313,12 @@ class TrackingLog:
                 "schema-version": self.software_version,
             }
             data = _csv_line([str(values[name]) for name in self.fields]).encode("utf-8")
-            if self._pending_bytes + len(data) > self.max_pending_bytes and self._pending:
-                self.dropped_rows += 1  # memory stays bounded while the file takes nothing
-            else:
-                self._pending.append(data)
-                self._pending_bytes += len(data)
+            try:
+                self._write_pending(now)  # the rows kept before this one go first
+            except BaseException:
+                self._keep(data)
+                raise
+            self._keep(data)
             self._write_pending(now)
 
     @property
@@ -355,6 +356,13 @@ class TrackingLog:
 
     def _now(self) -> datetime:
         return _as_utc(self._clock())
+
+    def _keep(self, data: bytes) -> None:
+        if self._pending and self._pending_bytes + len(data) > self.max_pending_bytes:
+            self.dropped_rows += 1  # memory stays bounded while the file takes nothing
+            return
+        self._pending.append(data)
+        self._pending_bytes += len(data)
 
     def _write_pending(self, now: datetime) -> None:
         """Write the kept rows in order, each whole or not at all as far as we count it."""
