@@ -702,6 +702,80 @@ def exchange_logs(base: Path) -> dict[str, str]:
     return ids
 
 
+def test_a_message_id_sent_twice_across_2010_and_2013_is_joined_by_the_hop(spark, tmp_path):
+    """A client sends one Message-ID twice (a retry after no reply): two messages, two
+    network-message-ids. A 2010 hub's rows carry only the Message-ID, which names both: the SEND
+    replies name the copy each hop made (Exchange's ``[InternalId=N, Hostname=H]``, ours ``queued
+    as N``), and each 2010 copy joins its own message, in both directions."""
+    f13, f10 = FIELDS_2013, FIELDS_2010
+    n1, n2, n3, n4 = ("0a0a0a0a-0000-4000-8000-00000000000" + c for c in "1234")
+
+    def r13(**kw):
+        return exchange_row(f13, **{"server_hostname": "EX1.contoso.test", "server_ip": "10.0.0.1", **kw})
+    write_log(tmp_path / "logs" / "EX1" / "MSGTRK20130501-1.LOG", f13, [
+        # two sends of <dup@...> to the 2010 hub, each copy named by the hub's reply
+        r13(date_time="2013-05-01T09:00:00.000Z", client_hostname="client1", source="SMTP", event_id="RECEIVE",
+            internal_message_id="10", message_id="<dup@contoso.test>", network_message_id=n1,
+            recipient_address="x@fabrikam.test", sender_address="a@contoso.test"),
+        r13(date_time="2013-05-01T09:00:01.000Z", client_hostname="EX1.contoso.test", server_hostname="HUB1.contoso.test",
+            source="SMTP", event_id="SEND", internal_message_id="10", message_id="<dup@contoso.test>",
+            network_message_id=n1, recipient_address="x@fabrikam.test", sender_address="a@contoso.test",
+            recipient_status="250 2.6.0 <dup@contoso.test> [InternalId=500, Hostname=HUB1.contoso.test] "
+                             "Queued mail for delivery"),
+        r13(date_time="2013-05-01T09:05:00.000Z", client_hostname="client1", source="SMTP", event_id="RECEIVE",
+            internal_message_id="11", message_id="<dup@contoso.test>", network_message_id=n2,
+            recipient_address="x@fabrikam.test", sender_address="a@contoso.test"),
+        r13(date_time="2013-05-01T09:05:01.000Z", client_hostname="EX1.contoso.test", server_hostname="HUB1.contoso.test",
+            source="SMTP", event_id="SEND", internal_message_id="11", message_id="<dup@contoso.test>",
+            network_message_id=n2, recipient_address="x@fabrikam.test", sender_address="a@contoso.test",
+            recipient_status="250 2.0.0 Ok: queued as 501"),
+        # the other way: the hub's two sends of <rev@...> arrive here as two messages
+        r13(date_time="2013-05-01T09:10:01.000Z", client_hostname="HUB1.contoso.test", source="SMTP",
+            event_id="RECEIVE", internal_message_id="20", message_id="<rev@contoso.test>", network_message_id=n3,
+            recipient_address="y@contoso.test", sender_address="b@fabrikam.test"),
+        r13(date_time="2013-05-01T09:10:02.000Z", client_hostname="EX1.contoso.test", source="STOREDRIVER",
+            event_id="DELIVER", internal_message_id="20", message_id="<rev@contoso.test>", network_message_id=n3,
+            recipient_address="y@contoso.test", sender_address="b@fabrikam.test"),
+        r13(date_time="2013-05-01T09:15:01.000Z", client_hostname="HUB1.contoso.test", source="SMTP",
+            event_id="RECEIVE", internal_message_id="21", message_id="<rev@contoso.test>", network_message_id=n4,
+            recipient_address="y@contoso.test", sender_address="b@fabrikam.test"),
+        r13(date_time="2013-05-01T09:15:02.000Z", client_hostname="EX1.contoso.test", source="STOREDRIVER",
+            event_id="DELIVER", internal_message_id="21", message_id="<rev@contoso.test>", network_message_id=n4,
+            recipient_address="y@contoso.test", sender_address="b@fabrikam.test"),
+    ], header=True, bom=True, newline="\r\n")
+
+    def r10(**kw):
+        return exchange_row(f10, **{"server_hostname": "HUB1", "server_ip": "10.0.0.2", **kw})
+    rows = []
+    for iid, at in (("500", "09:00"), ("501", "09:05")):
+        rows += [r10(date_time=f"2013-05-01T{at}:01.000Z", client_hostname="EX1.contoso.test", source="SMTP",
+                     event_id="RECEIVE", internal_message_id=iid, message_id="<dup@contoso.test>",
+                     recipient_address="x@fabrikam.test", sender_address="a@contoso.test"),
+                 r10(date_time=f"2013-05-01T{at}:02.000Z", client_hostname="HUB1", server_hostname="mx.fabrikam.test",
+                     source="SMTP", event_id="SENDEXTERNAL", internal_message_id=iid, message_id="<dup@contoso.test>",
+                     recipient_address="x@fabrikam.test", sender_address="a@contoso.test")]
+    for iid, at, theirs in (("600", "09:10", "20"), ("601", "09:15", "21")):
+        rows += [r10(date_time=f"2013-05-01T{at}:00.000Z", client_hostname="mx.fabrikam.test", source="SMTP",
+                     event_id="RECEIVE", internal_message_id=iid, message_id="<rev@contoso.test>",
+                     recipient_address="y@contoso.test", sender_address="b@fabrikam.test"),
+                 r10(date_time=f"2013-05-01T{at}:01.000Z", client_hostname="HUB1", server_hostname="EX1.contoso.test",
+                     source="SMTP", event_id="SEND", internal_message_id=iid, message_id="<rev@contoso.test>",
+                     recipient_address="y@contoso.test", sender_address="b@fabrikam.test",
+                     recipient_status=f"250 2.6.0 <rev@contoso.test> [InternalId={theirs}, "
+                                      "Hostname=EX1.contoso.test] Queued mail for delivery")]
+    write_log(tmp_path / "logs" / "HUB1" / "MSGTRK20130501-1.LOG", f10, rows, header=False, bom=False, newline="\n")
+
+    out = tmp_path / "out"
+    summary = job.analyze(spark, [str(tmp_path / "logs")], str(out), recursive=True, progress=False, report=False)
+    messages = {r["key"]: r.asDict(recursive=True) for r in spark.read.parquet(str(out / "messages")).collect()}
+    assert sorted(messages) == sorted([n1, n2, n3, n4]), sorted(messages)  # no journey keyed by a Message-ID
+    for n in (n1, n2):
+        assert messages[n]["state"] == "delivered" and messages[n]["receive_node"] == "ex1.contoso.test", messages[n]
+    for n in (n3, n4):  # entered at the hub, delivered here: one journey each
+        assert messages[n]["state"] == "delivered" and messages[n]["receive_node"] == "hub1", messages[n]
+    assert summary["states"]["delivered"] == 4 and summary["lost"] == 0
+
+
 def test_exchange_shaped_logs_are_read_as_exchange_means_them(spark, tmp_path):
     ids = exchange_logs(tmp_path / "logs")
     out = tmp_path / "out"

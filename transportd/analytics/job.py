@@ -248,6 +248,9 @@ def narrow_events(rows: Any):
         on(("RECEIVE",), "sender"),
         (F.col("network_message_id") != "").alias("has_netid"),
         "message_id",
+        F.when((F.col("network_message_id") == "") | (e == "RECEIVE"),
+               F.nullif(F.col("internal_message_id"), F.lit(""))).alias("internal_id"),
+        "hop_id",
     )
 
 
@@ -369,25 +372,51 @@ def _renamed(col: str, rename: dict[str, str]):
 
 def join_message_ids(ev: Any):
     """Rows keyed by message-id (Exchange 2010's, which have no network-message-id) take the
-    network-message-id that rows of other nodes give that message-id, so a message crossing
-    2010 and 2013+ nodes is one message. A message-id that rows give two or more
-    network-message-ids (a message forked under new ids, or sent twice with one Message-ID)
-    cannot be told apart: its rows stay keyed by the message-id. Only the rows without a
-    network-message-id and the (message-id, network-message-id) pairs of their message-ids
-    take part in the join; the other rows pass through."""
+    network-message-id of their message, so a message crossing 2010 and 2013+ nodes is one
+    message. First by the hop: a SEND row's reply names the internal-message-id the next hop gave
+    the message (``queued as 52``, Exchange's ``[InternalId=52, Hostname=...]``), so a 2013+ node's
+    SEND names the 2010 node's copy, and a 2010 node's SEND names a 2013+ node's RECEIVE whose
+    network-message-id is known; the rows of that copy (node, internal-message-id and
+    message-id alike) take it. Else by the message-id, when rows of other nodes give it one
+    network-message-id only. A message-id given two or more (a message forked under new ids, or
+    a client sending one Message-ID twice, to two nodes) and no hop: its rows stay keyed by the
+    message-id. Only the rows without a network-message-id and the pairs of their message-ids
+    take part in the joins; the other rows pass through."""
     from pyspark.sql import functions as F
+
+    def label(col: str):  # a host's first label: Exchange names itself by it or by its FQDN
+        return F.substring_index(F.col(col), ".", 1)
 
     bare = ev.filter(~F.col("has_netid"))
     wanted = bare.select(F.col("key").alias("mid")).distinct()
-    pairs = (ev.filter(F.col("has_netid") & (F.col("message_id") != ""))
-             .select(F.col("message_id").alias("mid"), F.col("key").alias("netid"))
-             .join(wanted, "mid", "left_semi")
+    with_netid = ev.filter(F.col("has_netid") & (F.col("message_id") != "")).join(
+        wanted, F.col("message_id") == F.col("mid"), "left_semi")
+    pairs = (with_netid.select(F.col("message_id").alias("mid"), F.col("key").alias("netid"))
              .groupBy("mid").agg(F.min("netid").alias("netid"), F.max("netid").alias("other")))
     pairs = pairs.filter(F.col("netid") == F.col("other")).select("mid", "netid")
-    joined = (bare.join(pairs, bare["key"] == pairs["mid"], "left")
-              .withColumn("key", F.coalesce(F.col("netid"), F.col("key")))
-              .withColumn("has_netid", F.col("netid").isNotNull())
-              .drop("mid", "netid"))
+    # a 2013+ node's SEND to a 2010 node: (that node, the id it gave, message-id) -> network id
+    sent_to_bare = with_netid.filter(F.col("hop_id").isNotNull() & F.col("peer").isNotNull()).select(
+        label("peer").alias("hnode"), F.col("hop_id").alias("hid"), F.col("message_id").alias("hmid"),
+        F.col("key").alias("hnetid"))
+    # a 2010 node's SEND to a 2013+ node: the RECEIVE it names carries the network id
+    received = with_netid.filter((F.col("event") == "RECEIVE") & F.col("internal_id").isNotNull()).select(
+        label("node").alias("rnode"), F.col("internal_id").alias("rid"), F.col("message_id").alias("rmid"),
+        F.col("key").alias("hnetid"))
+    bare_sends = bare.filter(F.col("hop_id").isNotNull() & F.col("peer").isNotNull()
+                             & F.col("internal_id").isNotNull())
+    sent_by_bare = bare_sends.join(
+        received, (label("peer") == F.col("rnode")) & (F.col("hop_id") == F.col("rid"))
+        & (F.col("key") == F.col("rmid"))).select(
+        label("node").alias("hnode"), F.col("internal_id").alias("hid"), F.col("key").alias("hmid"), "hnetid")
+    hops = (sent_to_bare.unionByName(sent_by_bare).groupBy("hnode", "hid", "hmid")
+            .agg(F.min("hnetid").alias("hnetid"), F.max("hnetid").alias("hother"))
+            .filter(F.col("hnetid") == F.col("hother")).drop("hother"))
+    joined = (bare.join(hops, (label("node") == F.col("hnode")) & (F.col("internal_id") == F.col("hid"))
+                        & (F.col("key") == F.col("hmid")), "left")
+              .join(pairs, F.col("key") == F.col("mid"), "left")
+              .withColumn("key", F.coalesce(F.col("hnetid"), F.col("netid"), F.col("key")))
+              .withColumn("has_netid", F.col("hnetid").isNotNull() | F.col("netid").isNotNull())
+              .drop("mid", "netid", "hnode", "hid", "hmid", "hnetid"))
     return ev.filter(F.col("has_netid")).unionByName(joined)
 
 

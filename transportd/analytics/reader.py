@@ -47,7 +47,7 @@ SENTINEL = "\u0001end-of-row"
 
 NEEDED = ("date-time", "client-hostname", "server-hostname", "source-context", "source", "event-id",
           "internal-message-id", "message-id", "network-message-id", "recipient-address",
-          "related-recipient-address", "reference", "sender-address")
+          "recipient-status", "related-recipient-address", "reference", "sender-address")
 """The fields the job reads; any other field is parsed by the CSV reader and dropped."""
 
 SNIFF_LINES = 64
@@ -291,6 +291,28 @@ def _local_node(event: Any, source: Any, client: Any, server: Any, legacy: Any):
     return F.when(local != "", local).otherwise(_folder_node())
 
 
+HOP_ID = r"(?i)(?:queued as |\[InternalId=)(\d+)"
+"""The receiving node's internal-message-id in a SEND row's reply: ours (``250 2.0.0 Ok: queued as
+52``) or Exchange's (``250 2.6.0 <id> [InternalId=52, Hostname=EX02] Queued mail for delivery``)."""
+
+
+def _hop_id(event: Any):
+    """On a SEND row, the internal-message-id the next hop gave the message (its reply, in
+    recipient-status or source-context); null elsewhere or when the reply names none."""
+    from pyspark.sql import functions as F
+
+    found = F.regexp_extract(F.concat_ws(" ", F.col("recipient_status"), F.col("source_context")), HOP_ID, 1)
+    return F.when((event == "SEND") & (found != ""), found)
+
+
+def _internal_id(event: Any, netid: Any):
+    """The internal-message-id where the job joins by it: on rows without a network-message-id
+    (Exchange 2010's) and on RECEIVE rows (what a SEND's reply names)."""
+    from pyspark.sql import functions as F
+
+    return F.when((netid == "") | (event == "RECEIVE"), F.nullif(F.trim("internal_message_id"), F.lit("")))
+
+
 def _message_key(event: Any, netid: Any, message_id: Any):
     """The network-message-id, else the message-id; none for a row about no message (no id, or a
     moderation decision: its ids are the approval request's, not a message in transport)."""
@@ -369,6 +391,7 @@ def normalize(rows: Any):
         netid.alias("network_message_id"),
         message_id.alias("message_id"),
         F.trim("internal_message_id").alias("internal_message_id"),
+        _hop_id(event).alias("hop_id"),
         # no lambda per row: split on ';' (outside quotes) with the blanks around it, drop empty items
         recipients.alias("recipients"),
         replaced.alias("replaced"),
@@ -441,7 +464,8 @@ def narrow(rows: Any):
     first = rows.select(
         "file", F.col("reason").alias("csv_reason"), "line", "source_context", "source",
         "recipient_address", "sender_address", "server_hostname", "client_hostname",
-        "related_recipient_address", "legacy",
+        "related_recipient_address", "legacy", "internal_message_id", "recipient_status",
+        F.lower(F.trim("network_message_id")).alias("netid"),
         F.trim("date_time").try_cast("timestamp").alias("time"),
         event.alias("event"),
         _message_key(event, netid, message_id).alias("key"),
@@ -476,4 +500,6 @@ def narrow(rows: Any):
         F.when(e == "HARECEIVE", client).alias("client_hostname"),
         F.when(e == "RECEIVE", F.lower(F.trim("sender_address"))).alias("sender"),
         "has_netid", "message_id",
+        _internal_id(e, F.col("netid")).alias("internal_id"),
+        _hop_id(e).alias("hop_id"),
     )
