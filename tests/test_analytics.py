@@ -712,37 +712,26 @@ def test_a_message_id_sent_twice_across_2010_and_2013_is_joined_by_the_hop(spark
 
     def r13(**kw):
         return exchange_row(f13, **{"server_hostname": "EX1.contoso.test", "server_ip": "10.0.0.1", **kw})
-    write_log(tmp_path / "logs" / "EX1" / "MSGTRK20130501-1.LOG", f13, [
-        # two sends of <dup@...> to the 2010 hub, each copy named by the hub's reply
-        r13(date_time="2013-05-01T09:00:00.000Z", client_hostname="client1", source="SMTP", event_id="RECEIVE",
-            internal_message_id="10", message_id="<dup@contoso.test>", network_message_id=n1,
-            recipient_address="x@fabrikam.test", sender_address="a@contoso.test"),
-        r13(date_time="2013-05-01T09:00:01.000Z", client_hostname="EX1.contoso.test", server_hostname="HUB1.contoso.test",
-            source="SMTP", event_id="SEND", internal_message_id="10", message_id="<dup@contoso.test>",
-            network_message_id=n1, recipient_address="x@fabrikam.test", sender_address="a@contoso.test",
-            recipient_status="250 2.6.0 <dup@contoso.test> [InternalId=500, Hostname=HUB1.contoso.test] "
-                             "Queued mail for delivery"),
-        r13(date_time="2013-05-01T09:05:00.000Z", client_hostname="client1", source="SMTP", event_id="RECEIVE",
-            internal_message_id="11", message_id="<dup@contoso.test>", network_message_id=n2,
-            recipient_address="x@fabrikam.test", sender_address="a@contoso.test"),
-        r13(date_time="2013-05-01T09:05:01.000Z", client_hostname="EX1.contoso.test", server_hostname="HUB1.contoso.test",
-            source="SMTP", event_id="SEND", internal_message_id="11", message_id="<dup@contoso.test>",
-            network_message_id=n2, recipient_address="x@fabrikam.test", sender_address="a@contoso.test",
-            recipient_status="250 2.0.0 Ok: queued as 501"),
-        # the other way: the hub's two sends of <rev@...> arrive here as two messages
-        r13(date_time="2013-05-01T09:10:01.000Z", client_hostname="HUB1.contoso.test", source="SMTP",
-            event_id="RECEIVE", internal_message_id="20", message_id="<rev@contoso.test>", network_message_id=n3,
-            recipient_address="y@contoso.test", sender_address="b@fabrikam.test"),
-        r13(date_time="2013-05-01T09:10:02.000Z", client_hostname="EX1.contoso.test", source="STOREDRIVER",
-            event_id="DELIVER", internal_message_id="20", message_id="<rev@contoso.test>", network_message_id=n3,
-            recipient_address="y@contoso.test", sender_address="b@fabrikam.test"),
-        r13(date_time="2013-05-01T09:15:01.000Z", client_hostname="HUB1.contoso.test", source="SMTP",
-            event_id="RECEIVE", internal_message_id="21", message_id="<rev@contoso.test>", network_message_id=n4,
-            recipient_address="y@contoso.test", sender_address="b@fabrikam.test"),
-        r13(date_time="2013-05-01T09:15:02.000Z", client_hostname="EX1.contoso.test", source="STOREDRIVER",
-            event_id="DELIVER", internal_message_id="21", message_id="<rev@contoso.test>", network_message_id=n4,
-            recipient_address="y@contoso.test", sender_address="b@fabrikam.test"),
-    ], header=True, bom=True, newline="\r\n")
+    ex1 = []
+    # two sends of <dup@...> to the 2010 hub, each copy named by the hub's reply
+    for iid, at, netid, reply in (
+            ("10", "09:00", n1, ("250 2.6.0 <dup@contoso.test> [InternalId=500, Hostname=HUB1.contoso.test] "
+                                 "Queued mail for delivery")),
+            ("11", "09:05", n2, "250 2.0.0 Ok: queued as 501")):
+        same = {"internal_message_id": iid, "message_id": "<dup@contoso.test>", "network_message_id": netid,
+                "recipient_address": "x@fabrikam.test", "sender_address": "a@contoso.test", "source": "SMTP"}
+        ex1 += [r13(date_time=f"2013-05-01T{at}:00.000Z", client_hostname="client1", event_id="RECEIVE", **same),
+                r13(date_time=f"2013-05-01T{at}:01.000Z", client_hostname="EX1.contoso.test",
+                    server_hostname="HUB1.contoso.test", event_id="SEND", recipient_status=reply, **same)]
+    # the other way: the hub's two sends of <rev@...> arrive here as two messages
+    for iid, at, netid in (("20", "09:10", n3), ("21", "09:15", n4)):
+        same = {"internal_message_id": iid, "message_id": "<rev@contoso.test>", "network_message_id": netid,
+                "recipient_address": "y@contoso.test", "sender_address": "b@fabrikam.test"}
+        ex1 += [r13(date_time=f"2013-05-01T{at}:01.000Z", client_hostname="HUB1.contoso.test", source="SMTP",
+                    event_id="RECEIVE", **same),
+                r13(date_time=f"2013-05-01T{at}:02.000Z", client_hostname="EX1.contoso.test", source="STOREDRIVER",
+                    event_id="DELIVER", **same)]
+    write_log(tmp_path / "logs" / "EX1" / "MSGTRK20130501-1.LOG", f13, ex1, header=True, bom=True, newline="\r\n")
 
     def r10(**kw):
         return exchange_row(f10, **{"server_hostname": "HUB1", "server_ip": "10.0.0.2", **kw})

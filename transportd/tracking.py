@@ -179,7 +179,114 @@ def _exclusive(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_EXCL, 0o666)
 
 
-class TrackingLog:
+class _LogFiles:
+    """The files of one tracking-log folder, for ``TrackingLog`` (which holds the lock and sets
+    the attributes these read): which file is current, a new one per UTC day or past
+    ``max_file_size``, its header, and appending to a file another process writes too."""
+
+    directory: Path
+    fields: tuple[str, ...]
+    software_version: str
+    max_file_size: int
+    _file: BinaryIO | None
+    _path: Path | None
+    _day: date | None
+    _number: int
+    _size: int
+    _has_rows: bool
+
+    def _header(self, now: datetime) -> bytes:
+        lines = (
+            "#Software: transportd",
+            f"#Version: {self.software_version}",
+            "#Log-type: Message Tracking Log",
+            f"#Date: {format_datetime(now)}",
+            "#Fields: " + ",".join(self.fields),
+        )
+        return _BOM + "".join(line + _CRLF for line in lines).encode("utf-8")
+
+    def _path_for(self, day: date, number: int) -> Path:
+        return self.directory / f"MSGTRK{day:%Y%m%d}-{number}.LOG"
+
+    def _open_for_day(self, now: datetime) -> None:
+        """Open today's file: append to the highest-numbered one if under the limit."""
+        day = now.date()
+        stamp = f"{day:%Y%m%d}"
+        highest = 0
+        for entry in self.directory.iterdir():
+            match = _OWN_NAME.match(entry.name)
+            if match and match.group(1) == stamp:
+                highest = max(highest, int(match.group(2)))
+        if highest:
+            path = self._path_for(day, highest)
+            size = path.stat().st_size
+            if size < self.max_file_size and self._same_fields(path):
+                self._append_existing(path, day, highest, now)
+                return
+        self._open_new(now, highest + 1)
+
+    def _same_fields(self, path: Path) -> bool:
+        """Whether the file's ``#Fields:`` line is ours (a node switched formats starts a new file)."""
+        with open(path, "rb") as f:
+            head = f.read(4096).decode("utf-8-sig", "replace")
+        for line in head.splitlines():
+            if line.startswith("#Fields:"):
+                return tuple(x.strip() for x in line[8:].split(",")) == self.fields
+        return True  # no header yet (an empty file): ours to start
+
+    def _append_existing(self, path: Path, day: date, number: int, now: datetime) -> None:
+        # Append mode (O_APPEND): the CLI (message remove) writes to the file the daemon has
+        # open; every row must land at the current end, never over another process's row.
+        file = open(path, "a+b", buffering=0)  # noqa: SIM115 (kept open across writes)
+        self._file, self._path, self._day, self._number = file, path, day, number
+        size = file.seek(0, os.SEEK_END)
+        if size == 0:
+            _write_all(file, self._header(now))
+            self._has_rows = False
+        else:
+            file.seek(size - 1)
+            last = file.read(1)
+            file.seek(0, os.SEEK_END)
+            if last != b"\n":
+                # The previous process died mid-row, or a write failed part-way (the row itself
+                # is still kept): end that row so ours starts on a new line; readers will report
+                # the partial row as malformed.
+                _write_all(file, _CRLF.encode())
+            self._has_rows = True
+        self._size = file.seek(0, os.SEEK_END)
+
+    def _open_new(self, now: datetime, number: int) -> None:
+        day = now.date()
+        while True:
+            path = self._path_for(day, number)
+            try:
+                file = open(path, "ab", buffering=0, opener=_exclusive)  # noqa: SIM115 (kept open across writes)
+            except FileExistsError:
+                number += 1
+                continue
+            break
+        self._file, self._path, self._day, self._number = file, path, day, number
+        header = self._header(now)
+        _write_all(file, header)
+        self._size = len(header)
+        self._has_rows = False
+
+    def _close_file(self) -> None:
+        file, self._file = self._file, None
+        if file is not None:
+            file.close()
+
+    def _abandon_file(self) -> None:
+        """After a failed write: drop the handle so the next write reopens from disk."""
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError:
+                pass
+
+
+class TrackingLog(_LogFiles):
     """The message tracking log writer of one node (thread-safe; one instance per directory).
 
     The current file is chosen on construction: today's highest-numbered file is appended to
@@ -384,97 +491,6 @@ class TrackingLog:
         except BaseException:
             self._abandon_file()
             raise
-
-    def _header(self, now: datetime) -> bytes:
-        lines = (
-            "#Software: transportd",
-            f"#Version: {self.software_version}",
-            "#Log-type: Message Tracking Log",
-            f"#Date: {format_datetime(now)}",
-            "#Fields: " + ",".join(self.fields),
-        )
-        return _BOM + "".join(line + _CRLF for line in lines).encode("utf-8")
-
-    def _path_for(self, day: date, number: int) -> Path:
-        return self.directory / f"MSGTRK{day:%Y%m%d}-{number}.LOG"
-
-    def _open_for_day(self, now: datetime) -> None:
-        """Open today's file: append to the highest-numbered one if under the limit."""
-        day = now.date()
-        stamp = f"{day:%Y%m%d}"
-        highest = 0
-        for entry in self.directory.iterdir():
-            match = _OWN_NAME.match(entry.name)
-            if match and match.group(1) == stamp:
-                highest = max(highest, int(match.group(2)))
-        if highest:
-            path = self._path_for(day, highest)
-            size = path.stat().st_size
-            if size < self.max_file_size and self._same_fields(path):
-                self._append_existing(path, day, highest, now)
-                return
-        self._open_new(now, highest + 1)
-
-    def _same_fields(self, path: Path) -> bool:
-        """Whether the file's ``#Fields:`` line is ours (a node switched formats starts a new file)."""
-        with open(path, "rb") as f:
-            head = f.read(4096).decode("utf-8-sig", "replace")
-        for line in head.splitlines():
-            if line.startswith("#Fields:"):
-                return tuple(x.strip() for x in line[8:].split(",")) == self.fields
-        return True  # no header yet (an empty file): ours to start
-
-    def _append_existing(self, path: Path, day: date, number: int, now: datetime) -> None:
-        # Append mode (O_APPEND): the CLI (message remove) writes to the file the daemon has
-        # open; every row must land at the current end, never over another process's row.
-        file = open(path, "a+b", buffering=0)  # noqa: SIM115 (kept open across writes)
-        self._file, self._path, self._day, self._number = file, path, day, number
-        size = file.seek(0, os.SEEK_END)
-        if size == 0:
-            _write_all(file, self._header(now))
-            self._has_rows = False
-        else:
-            file.seek(size - 1)
-            last = file.read(1)
-            file.seek(0, os.SEEK_END)
-            if last != b"\n":
-                # The previous process died mid-row, or a write failed part-way (the row itself
-                # is still kept): end that row so ours starts on a new line; readers will report
-                # the partial row as malformed.
-                _write_all(file, _CRLF.encode())
-            self._has_rows = True
-        self._size = file.seek(0, os.SEEK_END)
-
-    def _open_new(self, now: datetime, number: int) -> None:
-        day = now.date()
-        while True:
-            path = self._path_for(day, number)
-            try:
-                file = open(path, "ab", buffering=0, opener=_exclusive)  # noqa: SIM115 (kept open across writes)
-            except FileExistsError:
-                number += 1
-                continue
-            break
-        self._file, self._path, self._day, self._number = file, path, day, number
-        header = self._header(now)
-        _write_all(file, header)
-        self._size = len(header)
-        self._has_rows = False
-
-    def _close_file(self) -> None:
-        file, self._file = self._file, None
-        if file is not None:
-            file.close()
-
-    def _abandon_file(self) -> None:
-        """After a failed write: drop the handle so the next write reopens from disk."""
-        file, self._file = self._file, None
-        if file is not None:
-            try:
-                file.close()
-            except OSError:
-                pass
-
 
 # -- reading --------------------------------------------------------------------------------
 

@@ -291,9 +291,10 @@ def _local_node(event: Any, source: Any, client: Any, server: Any, legacy: Any):
     return F.when(local != "", local).otherwise(_folder_node())
 
 
-HOP_ID = r"(?i)(?:queued as |\[InternalId=)(\d+)"
+HOP_ID = r"(?i)(?:queued as |\[InternalId=)(\d+)(?!\w)"
 """The receiving node's internal-message-id in a SEND row's reply: ours (``250 2.0.0 Ok: queued as
-52``) or Exchange's (``250 2.6.0 <id> [InternalId=52, Hostname=EX02] Queued mail for delivery``)."""
+52``) or Exchange's (``250 2.6.0 <id> [InternalId=52, Hostname=EX02] Queued mail for delivery``);
+a queue ID that is not a number (Postfix's ``queued as 4F5A21C0A4``) names none."""
 
 
 def _hop_id(event: Any):
