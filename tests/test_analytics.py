@@ -763,6 +763,11 @@ def test_a_message_id_sent_twice_across_2010_and_2013_is_joined_by_the_hop(spark
     for n in (n3, n4):  # entered at the hub, delivered here: one journey each
         assert messages[n]["state"] == "delivered" and messages[n]["receive_node"] == "hub1", messages[n]
     assert summary["states"]["delivered"] == 4 and summary["lost"] == 0
+    # --events (every row typed to events/, then cut): the same journeys
+    again = job.analyze(spark, [str(tmp_path / "logs")], str(tmp_path / "out2"), recursive=True, progress=False,
+                        report=False, write_events=True)
+    assert (again["states"], again["messages"]) == (summary["states"], summary["messages"])
+    assert spark.read.parquet(str(tmp_path / "out2" / "events")).filter("hop_id IS NOT NULL").count() == 4
 
 
 def test_exchange_shaped_logs_are_read_as_exchange_means_them(spark, tmp_path):

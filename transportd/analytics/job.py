@@ -248,8 +248,7 @@ def narrow_events(rows: Any):
         on(("RECEIVE",), "sender"),
         (F.col("network_message_id") != "").alias("has_netid"),
         "message_id",
-        F.when((F.col("network_message_id") == "") | (e == "RECEIVE"),
-               F.nullif(F.col("internal_message_id"), F.lit(""))).alias("internal_id"),
+        reader.internal_id(e, F.col("network_message_id")).alias("internal_id"),
         "hop_id",
     )
 

@@ -306,7 +306,7 @@ def _hop_id(event: Any):
     return F.when((event == "SEND") & (found != ""), found)
 
 
-def _internal_id(event: Any, netid: Any):
+def internal_id(event: Any, netid: Any):
     """The internal-message-id where the job joins by it: on rows without a network-message-id
     (Exchange 2010's) and on RECEIVE rows (what a SEND's reply names)."""
     from pyspark.sql import functions as F
@@ -501,6 +501,6 @@ def narrow(rows: Any):
         F.when(e == "HARECEIVE", client).alias("client_hostname"),
         F.when(e == "RECEIVE", F.lower(F.trim("sender_address"))).alias("sender"),
         "has_netid", "message_id",
-        _internal_id(e, F.col("netid")).alias("internal_id"),
+        internal_id(e, F.col("netid")).alias("internal_id"),
         _hop_id(e).alias("hop_id"),
     )

@@ -45,7 +45,7 @@ def message_ids(row: dict) -> dict[str, Any]:
 
 
 class NullTrackingLog:
-    pending_rows = 0
+    pending_rows = dropped_rows = 0
 
     def write(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -123,7 +123,7 @@ class NodeEvents:
         except Exception as exc:  # noqa: BLE001 - logging must not fail mail
             log.error("cannot write tracking log (%s %s): %s; %d row(s) kept to write when it can "
                       "(%d given up)", event_id, row.get("id"), exc, self.tracking.pending_rows,
-                      getattr(self.tracking, "dropped_rows", 0))
+                      self.tracking.dropped_rows)
         try:
             self.metrics.on_event(event_id, row, str(fields.get("source_context") or ""),
                                   str(fields.get("connector_id") or ""))
