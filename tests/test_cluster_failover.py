@@ -126,7 +126,9 @@ def test_primary_restarted_with_new_database_promotes_at_once(make_cluster, sink
 
     sink.start()
     wait_for(lambda: sink_copies(sink, netid), timeout=20, what="promoted copy at the sink")
-    sent = n3.tracking(event_id="SENDEXTERNAL", network_message_id=netid)
+    # the SENDEXTERNAL row is written once the sink's reply is read, after the sink has the copy
+    sent = wait_for(lambda: n3.tracking(event_id="SENDEXTERNAL", network_message_id=netid), timeout=10,
+                    what="node3's SENDEXTERNAL row")
     assert len(sent) == 1, sent
     # Waiting for absence (nothing to observe): no second copy, the new node1 knows nothing of it.
     time.sleep(1.5)
@@ -231,8 +233,10 @@ def test_primary_killed_after_delivery_before_discard_is_delivered_again(make_cl
     rows = n3.wait_event("RESUBMIT", netid, timeout=20)
     assert rows[0]["source-context"] == f"{n1.name} (ShadowHeartbeatFailure)"
     wait_for(lambda: len(sink_copies(sink, netid)) == 2, timeout=20, what="second copy at the sink")
-    first = n1.tracking(event_id="SENDEXTERNAL", network_message_id=netid)
-    second = n3.tracking(event_id="SENDEXTERNAL", network_message_id=netid)
+    first = wait_for(lambda: n1.tracking(event_id="SENDEXTERNAL", network_message_id=netid), timeout=10,
+                     what="node1's SENDEXTERNAL row")
+    second = wait_for(lambda: n3.tracking(event_id="SENDEXTERNAL", network_message_id=netid), timeout=10,
+                      what="node3's SENDEXTERNAL row")
     assert len(first) == 1 and len(second) == 1, (first, second)
     assert first[0]["network-message-id"] == second[0]["network-message-id"] == netid
     # Never discarded as processed: only as resubmitted, by the promotion.

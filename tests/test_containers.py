@@ -246,7 +246,8 @@ def test_the_compose_cluster_runs_in_containers(cluster):
     assert promoted_after >= 25, f"promoted {promoted_after:.0f} s after the kill: before the 30 s resubmit span"
     c.run("unpause", c.cid("sink"))
     wait_for(lambda: c.in_sink(m2), timeout=120, interval=1, what="the promoted message in the sink")
-    assert any(r["event-id"] == "SENDEXTERNAL" for r in c.tracking("node3", m2))
+    wait_for(lambda: any(r["event-id"] == "SENDEXTERNAL" for r in c.tracking("node3", m2)), timeout=30,
+             interval=1, what="node3's SENDEXTERNAL row of the promoted message")
     c.run("start", node1)
     c.script("compose", "ps", timeout=120)
 

@@ -184,7 +184,8 @@ def test_redirect_drains_a_node_to_its_peer_protected(two_nodes, sink):
     assert received[0]["source-context"] == "transport"
     sink.start()
     wait_for(lambda: len(sink.messages()) >= 1, timeout=20, what="delivery by node2")
-    ext = _events(node2.config, event_id="SENDEXTERNAL")
+    ext = wait_for(lambda: _events(node2.config, event_id="SENDEXTERNAL"), timeout=10,
+                   what="node2's SENDEXTERNAL row (written once the sink's reply is read)")
     assert [e["network-message-id"] for e in ext] == [netid]
     wait_for(lambda: any(e["network-message-id"] == netid for e in _events(node1.config, event_id="HADISCARD")),
              timeout=15, what="node1 releasing its copy after node2's discard")

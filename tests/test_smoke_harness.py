@@ -10,6 +10,7 @@ def test_local_and_smart_host_delivery(make_node, sink):
     queued_id(r)
     wait_for(lambda: node.maildir_files("alice@example.test"), what="maildir file")
     wait_for(lambda: sink.messages(), what="message at the sink")
-    events = {e["event-id"] for e in node.tracking()}
-    assert {"RECEIVE", "DELIVER", "SENDEXTERNAL"} <= events
+    # the SENDEXTERNAL row follows the sink's reply: wait for it, not only for the sink
+    wait_for(lambda: {"RECEIVE", "DELIVER", "SENDEXTERNAL"} <= {e["event-id"] for e in node.tracking()},
+             what="RECEIVE, DELIVER and SENDEXTERNAL rows")
     assert node.tracking(event_id="DELIVER")[0]["internal-message-id"] == str(local_id)

@@ -144,7 +144,9 @@ def test_utf8_local_part_mailbox_on_the_node_and_hop_by_hop(cluster, usink):
     netid3 = netid_of(node3, qid3)
     files3 = wait_for(lambda: mailbox_files(cfg1, other), timeout=15, what="node1 to store node3's message")
     assert files3[0].read_bytes().endswith(data3)
-    assert one(node3.tracking(event_id="SEND", network_message_id=netid3))["recipient-address"] == other
+    sent3 = wait_for(lambda: node3.tracking(event_id="SEND", network_message_id=netid3), timeout=10,
+                     what="node3's SEND row (written once node1's reply is read)")
+    assert one(sent3)["recipient-address"] == other
     wait_for(lambda: node3.tracking(event_id="HADISCARD", network_message_id=netid3), timeout=HEARTBEAT + 8,
              what="node3 to release its copy after node1's discard")
 
