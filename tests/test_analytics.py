@@ -885,3 +885,12 @@ def test_summary_figures_are_bounded_by_construction_on_any_rows(spark, tmp_path
     # with no live copy; "received" counts RECEIVEs only (docs/analytics.md), so it does not bound it
     entered = {r["key"] for r in rows if r["event"] in ("RECEIVE", "HARECEIVE", "DSN")}
     assert summary["lost"] <= len(entered)
+
+
+def test_a_host_label_keeps_an_address_whole(spark):
+    """The hop join compares hosts by first label (EX1 and EX1.contoso.test are one server), but an
+    address is one host: 10.0.0.5 and 10.9.9.9 must not both become "10"."""
+    df = spark.createDataFrame([("EX1.contoso.test",), ("hub1",), ("10.0.0.5",), ("10.9.9.9",), ("[10.0.0.5]",),
+                                ("2001:db8::25",)], ["host"])
+    labels = [r[0] for r in df.select(job.host_label("host")).collect()]
+    assert labels == ["EX1", "hub1", "10.0.0.5", "10.9.9.9", "[10.0.0.5]", "2001:db8::25"]

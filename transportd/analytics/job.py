@@ -256,8 +256,18 @@ def narrow_events(rows: Any):
 # ---------------------------------------------------------------------------- facts per node
 
 
+_ADDRESS = r"[0-9.]+|[0-9a-f:]*:[0-9a-f:.]*|\[.*\]"  # an IPv4 or IPv6 address, or an address literal
+
+
 def _is_address(name: str) -> bool:
-    return bool(re.fullmatch(r"[0-9.]+|[0-9a-f:]*:[0-9a-f:.]*|\[.*\]", name))
+    return bool(re.fullmatch(_ADDRESS, name))
+
+
+def host_label(col: str) -> Any:
+    """A host's first label (Exchange names itself by it or by its FQDN), as a column; an address
+    stays whole: 10.0.0.5 and 10.9.9.9 are two hosts, not "10"."""
+    from pyspark.sql import functions as F
+    return F.when(F.col(col).rlike(f"^({_ADDRESS})$"), F.col(col)).otherwise(F.substring_index(F.col(col), ".", 1))
 
 
 def node_names(names: set[str]) -> dict[str, str]:
@@ -383,9 +393,6 @@ def join_message_ids(ev: Any):
     take part in the joins; the other rows pass through."""
     from pyspark.sql import functions as F
 
-    def label(col: str):  # a host's first label: Exchange names itself by it or by its FQDN
-        return F.substring_index(F.col(col), ".", 1)
-
     bare = ev.filter(~F.col("has_netid"))
     wanted = bare.select(F.col("key").alias("mid")).distinct()
     with_netid = ev.filter(F.col("has_netid") & (F.col("message_id") != "")).join(
@@ -395,22 +402,22 @@ def join_message_ids(ev: Any):
     pairs = pairs.filter(F.col("netid") == F.col("other")).select("mid", "netid")
     # a 2013+ node's SEND to a 2010 node: (that node, the id it gave, message-id) -> network id
     sent_to_bare = with_netid.filter(F.col("hop_id").isNotNull() & F.col("peer").isNotNull()).select(
-        label("peer").alias("hnode"), F.col("hop_id").alias("hid"), F.col("message_id").alias("hmid"),
+        host_label("peer").alias("hnode"), F.col("hop_id").alias("hid"), F.col("message_id").alias("hmid"),
         F.col("key").alias("hnetid"))
     # a 2010 node's SEND to a 2013+ node: the RECEIVE it names carries the network id
     received = with_netid.filter((F.col("event") == "RECEIVE") & F.col("internal_id").isNotNull()).select(
-        label("node").alias("rnode"), F.col("internal_id").alias("rid"), F.col("message_id").alias("rmid"),
+        host_label("node").alias("rnode"), F.col("internal_id").alias("rid"), F.col("message_id").alias("rmid"),
         F.col("key").alias("hnetid"))
     bare_sends = bare.filter(F.col("hop_id").isNotNull() & F.col("peer").isNotNull()
                              & F.col("internal_id").isNotNull())
     sent_by_bare = bare_sends.join(
-        received, (label("peer") == F.col("rnode")) & (F.col("hop_id") == F.col("rid"))
+        received, (host_label("peer") == F.col("rnode")) & (F.col("hop_id") == F.col("rid"))
         & (F.col("key") == F.col("rmid"))).select(
-        label("node").alias("hnode"), F.col("internal_id").alias("hid"), F.col("key").alias("hmid"), "hnetid")
+        host_label("node").alias("hnode"), F.col("internal_id").alias("hid"), F.col("key").alias("hmid"), "hnetid")
     hops = (sent_to_bare.unionByName(sent_by_bare).groupBy("hnode", "hid", "hmid")
             .agg(F.min("hnetid").alias("hnetid"), F.max("hnetid").alias("hother"))
             .filter(F.col("hnetid") == F.col("hother")).drop("hother"))
-    joined = (bare.join(hops, (label("node") == F.col("hnode")) & (F.col("internal_id") == F.col("hid"))
+    joined = (bare.join(hops, (host_label("node") == F.col("hnode")) & (F.col("internal_id") == F.col("hid"))
                         & (F.col("key") == F.col("hmid")), "left")
               .join(pairs, F.col("key") == F.col("mid"), "left")
               .withColumn("key", F.coalesce(F.col("hnetid"), F.col("netid"), F.col("key")))
