@@ -82,12 +82,16 @@ def test_verbs_hooks_and_mechanisms_found_with_the_short_dir_are_aiosmtpds_full_
         made = [(FrontendHandler(cfg, accept, "frontend"), None),
                 (TransportHandler(cfg, accept, manager), TransportSMTP)]
         for handler, cls in made:
-            server = smtp_factory(cfg, handler, ConnectionCounter(10, 10), None, smtp_class=cls)()
+            server = smtp_factory(cfg, handler, ConnectionCounter(10, 10), None, smtp_class=cls,
+                                  authenticator=lambda *_: None)()
             assert set(server._smtp_methods) == full(server, "smtp_") >= {"EHLO", "MAIL", "BDAT", "DATA"}
             assert set(server._handle_hooks) == full(handler, "handle_") >= {"EHLO", "DATA"}
             assert {k.upper() for k in server._auth_methods} == \
                 {n.upper().replace("__", "-") for n in full(server, "auth_") | full(handler, "auth_")}
             assert server._ehlo_hook_ver == "new"
+            # with no one to authenticate (no users, no cluster credential), no mechanism at all
+            bare = smtp_factory(cfg, handler, ConnectionCounter(10, 10), None, smtp_class=cls)()
+            assert bare._auth_methods == {}
     asyncio.run(check())
 
 

@@ -140,15 +140,16 @@ def test_ehlo_advertises_extensions_without_tls_or_auth(make_node):
     keywords = {l[4:].split()[0].upper() for l in lines[1:]}
     assert not keywords & {"STARTTLS", "AUTH"}
     # Without a certificate neither STARTTLS nor AUTH can be used.
-    assert c.cmd("STARTTLS")[:5] == "454 4"
-    r = c.cmd("AUTH PLAIN AGFsaWNlAHMzY3JldA==")
-    assert r[0] == "5" and ENHANCED.match(r), r
-    # HELP names every command served (STARTTLS only with a certificate) and the syntax of one.
+    # A permanent answer (not 454 "try later"), as Postfix gives where neither is configured.
+    assert c.cmd("STARTTLS") == "502 5.3.3 Command not implemented"
+    assert c.cmd("AUTH PLAIN AGFsaWNlAHMzY3JldA==") == "503 5.5.1 Error: authentication not enabled"
+    # HELP names every command served (STARTTLS and AUTH only where they can be used) and the syntax of one.
     help_line = c.cmd("HELP")
     assert help_line.startswith("250 2.0.0 Supported commands: "), help_line
     assert set(help_line.split(": ", 1)[1].split()) >= {"BDAT", "DATA", "EHLO", "HELO", "HELP", "MAIL", "NOOP",
                                                         "QUIT", "RCPT", "RSET", "VRFY"}, help_line
-    assert "STARTTLS" not in help_line and not any(w.startswith("X") for w in help_line.split()), help_line
+    assert not {"STARTTLS", "AUTH"} & set(help_line.split()), help_line
+    assert not any(w.startswith("X") for w in help_line.split()), help_line
     assert c.cmd("HELP bdat") == "250 2.0.0 Syntax: BDAT chunk-size [LAST]"
     # HELO: a plain 250 naming the server (no enhanced code in HELO/EHLO replies, RFC 2034).
     assert c.cmd("HELO client.test") == f"250 {NODE_NAME}"
@@ -622,6 +623,25 @@ def test_starttls_then_auth_allows_relay(make_node, sink, tls_files):
     assert r.returncode != 0
     assert sorted(m["subject"] for m in messages(node)) == ["authed-relay", "swaks-authed"]
     wait_for(lambda: len(sink.messages()) == 2, timeout=10, what="both relayed messages at the sink")
+
+
+def test_tls_without_auth_users_offers_no_auth(make_node, tls_files):
+    """A certificate and no frontend.auth_users: STARTTLS, but no AUTH after it (aiosmtpd offered
+    AUTH LOGIN PLAIN there, with a check that always failed); AUTH gets Postfix's 503, HELP does
+    not list it, and MAIL's AUTH= parameter stays unknown."""
+    node = tls_node(make_node, tls_files, auth_users={})
+    s = smtplib.SMTP("127.0.0.1", node.port, timeout=10)
+    try:
+        s.ehlo("client.test")
+        assert s.docmd("HELP")[1].split()[-1] != b"AUTH" and b"STARTTLS" in s.docmd("HELP")[1]
+        s.starttls(context=tls_files["client_ctx"])
+        s.ehlo("client.test")
+        assert not s.has_extn("auth"), s.esmtp_features
+        assert s.docmd("AUTH", "PLAIN AGFsaWNlAHMzY3JldA==") == (503, b"5.5.1 Error: authentication not enabled")
+        assert b"AUTH" not in s.docmd("HELP")[1].split()
+        assert s.docmd("MAIL", "FROM:<a@remote.test> AUTH=<>")[0] == 555
+    finally:
+        s.close()
 
 
 def test_require_tls(make_node, tls_files):

@@ -341,7 +341,7 @@ KEYS: tuple[Key, ...] = (
         "usable core; connection limits count the sessions of all of them, the command rate is split between them", limits=(1, 256)),
     Key("frontend", "auth_users", {}, _credentials,
         "user = \"password\" pairs for AUTH PLAIN/LOGIN (offered only after STARTTLS); "
-        "authenticated clients may relay"),
+        "authenticated clients may relay; empty: AUTH is not offered (503 5.5.1)"),
     # routing
     Key("routing", "accepted_domains", [], _domains,
         "domains whose recipients are delivered to the local mailbox store ('*.example.test' allowed)",

@@ -120,7 +120,8 @@ class FrontendHandler:
     async def handle_EHLO(self, server: SMTP, session: Session, envelope: Envelope, hostname: str,
                           responses: list[str]) -> list[str]:
         session.host_name = hostname
-        out = [r for r in responses if not r.startswith("250 HELP")]
+        # aiosmtpd writes "250-AUTH" with no mechanism after it where none is offered: no line at all
+        out = [r for r in responses if not r.startswith("250 HELP") and r.rstrip() != "250-AUTH"]
         out.append("250-PIPELINING")
         if getattr(server, "chunking", False):
             out.append("250-CHUNKING")

@@ -392,6 +392,10 @@ class LimitedSMTP(_VerbsDir, _Replies, _DsnParameters, _AuthParameter, SMTP):
         self._plain_250 = False  # HELO/EHLO replies carry no enhanced status code (RFC 2034)
         self._held: list[bytes] = []  # lines of a multiline reply not written yet (push)
         self.chunking = chunking  # CHUNKING offered (EHLO) and BDAT served
+        if self._authenticator is None:
+            # No users (frontend.auth_users) and no cluster credential: aiosmtpd would still offer
+            # AUTH LOGIN PLAIN after STARTTLS, with a check that always fails. Offer none.
+            self._auth_methods = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         first = self.transport is None
@@ -472,6 +476,24 @@ class LimitedSMTP(_VerbsDir, _Replies, _DsnParameters, _AuthParameter, SMTP):
                 plain = None, None
         self._path_params = plain[1] or ""  # the parameters as sent, for RFC 3461's (_DsnParameters)
         return plain
+
+    @syntax("AUTH <mechanism>", when="_auth_methods")  # HELP lists it where AUTH can succeed
+    async def smtp_AUTH(self, arg: str) -> None:
+        """aiosmtpd's AUTH where there is someone to authenticate; else refused as Postfix does
+        (not offered in EHLO, so a client that tries it is told it never will be)."""
+        if not self._auth_methods:
+            await self.push(replies.S503_AUTH_NOT_ENABLED)
+            return
+        await super().smtp_AUTH(arg)
+
+    @syntax("STARTTLS", when="tls_context")
+    async def smtp_STARTTLS(self, arg: str) -> None:
+        """aiosmtpd's STARTTLS where a certificate is configured; without one it is not offered,
+        and 502 (not implemented) tells a client so, where aiosmtpd's 454 would say "try later"."""
+        if not self.tls_context:
+            await self.push(replies.S502_NOT_IMPLEMENTED)
+            return
+        await super().smtp_STARTTLS(arg)
 
     @syntax("HELO hostname")  # listed by HELP as aiosmtpd's own (an override drops its text)
     async def smtp_HELO(self, hostname: str) -> None:
