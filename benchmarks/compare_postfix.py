@@ -50,6 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from accept_throughput import _count_events, free_port, wait_port
 
+from transportd.devtools.postfix import PostfixMTA
+
 CLK = os.sysconf("SC_CLK_TCK")
 SHAPES = {
     # name: (size in bytes, reuse connections, default message count)
@@ -59,7 +61,6 @@ SHAPES = {
 }
 SOURCE = shutil.which("smtp-source") or "/usr/sbin/smtp-source"
 SINK = shutil.which("smtp-sink") or "/usr/sbin/smtp-sink"
-POSTFIX = shutil.which("postfix") or "/usr/sbin/postfix"
 
 
 # ---------------------------------------------------------------------- /proc helpers
@@ -222,100 +223,17 @@ class TransportdCluster:
             stop_proc(p, 15)
 
 
-class PostfixRelay:
+class PostfixRelay(PostfixMTA):
     """Debian's Postfix from a private config/queue directory; loopback only; relays to the sink."""
 
     name = "postfix"
 
     def __init__(self, work: Path, sink_port: int, sessions: int):
-        self.dir = work / "postfix"
-        self.port = free_port()
-        self.host = "127.0.0.1"
-        etc, spool, data = self.dir / "etc", self.dir / "spool", self.dir / "data"
-        for d in (etc, spool, data):
-            d.mkdir(parents=True, exist_ok=True)
-        os.chmod(work, 0o755)
-        os.chmod(self.dir, 0o755)
-        shutil.chown(data, "postfix")
-        (etc / "main.cf").write_text(f"""# written by benchmarks/compare_postfix.py
-compatibility_level = 3.6
-queue_directory = {spool}
-data_directory = {data}
-command_directory = /usr/sbin
-daemon_directory = /usr/lib/postfix/sbin
-meta_directory = /etc/postfix
-shlib_directory = /usr/lib/postfix
-mail_owner = postfix
-setgid_group = postdrop
-inet_interfaces = {self.host}
-inet_protocols = ipv4
-myhostname = postfix.bench.test
-mydestination =
-mynetworks = 127.0.0.0/8
-relayhost = [127.0.0.1]:{sink_port}
-relay_domains =
-smtpd_relay_restrictions = permit_mynetworks, reject
-disable_dns_lookups = yes
-smtp_host_lookup = native
-maillog_file = {data}/maillog
-maillog_file_prefixes = {self.dir}
-alias_maps =
-alias_database =
-local_recipient_maps =
-smtputf8_enable = no
-default_process_limit = {max(100, sessions * 4)}
-""")
-        (etc / "master.cf").write_text(f"""# written by benchmarks/compare_postfix.py: smtp inet on loopback only
-{self.host}:{self.port} inet n - n - - smtpd
-pickup    unix  n - n 60    1 pickup
-cleanup   unix  n - n -     0 cleanup
-qmgr      unix  n - n 300   1 qmgr
-rewrite   unix  - - n -     - trivial-rewrite
-bounce    unix  - - n -     0 bounce
-defer     unix  - - n -     0 bounce
-trace     unix  - - n -     0 bounce
-verify    unix  - - n -     1 verify
-flush     unix  n - n 1000? 0 flush
-proxymap  unix  - - n -     - proxymap
-smtp      unix  - - n -     - smtp
-relay     unix  - - n -     - smtp
-showq     unix  n - n -     - showq
-error     unix  - - n -     - error
-retry     unix  - - n -     - error
-discard   unix  - - n -     - discard
-anvil     unix  - - n -     1 anvil
-scache    unix  - - n -     1 scache
-postlog   unix-dgram n - n - 1 postlogd
-""")
-        self.master_pid = 0
-
-    @staticmethod
-    def available() -> str | None:
-        """None when Postfix can run here, else why not."""
-        if os.geteuid() != 0:
-            return "Postfix's master must start as root"
-        if not Path(POSTFIX).exists() or not Path("/usr/lib/postfix/sbin/master").exists():
-            return "Postfix is not installed (apt-get install postfix)"
-        return None
-
-    def _postfix(self, verb: str) -> subprocess.CompletedProcess:
-        return subprocess.run([POSTFIX, "-c", str(self.dir / "etc"), verb], capture_output=True, text=True,
-                              timeout=60)
-
-    def start(self) -> None:
-        res = self._postfix("start")
-        pid_file = self.dir / "spool" / "pid" / "master.pid"
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not (pid_file.exists() and pid_file.read_text().strip()):
-            time.sleep(0.1)
-        if not pid_file.exists():
-            log = (self.dir / "data" / "maillog")
-            raise RuntimeError(f"postfix did not start: {res.stderr} {log.read_text()[-2000:] if log.exists() else ''}")
-        self.master_pid = int(pid_file.read_text().split()[0])
-        wait_port(self.port, host=self.host)
+        super().__init__(work, f"127.0.0.1:{sink_port}", name="postfix.bench.test",
+                         process_limit=max(100, sessions * 4))
 
     def targets(self) -> list[str]:
-        return [f"{self.host}:{self.port}"]
+        return [self.address]
 
     def cpu(self) -> float:
         return tree_cpu(self.master_pid)
@@ -329,15 +247,6 @@ postlog   unix-dgram n - n - 1 postlogd
 
     def shadows_made(self) -> int:
         return 0
-
-    def stop(self) -> None:
-        if self.master_pid:
-            self._postfix("stop")
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline and _stat(self.master_pid) is not None:
-                time.sleep(0.1)
-            if _stat(self.master_pid) is not None:
-                os.kill(self.master_pid, signal.SIGKILL)
 
 
 class RssSampler(threading.Thread):

@@ -287,6 +287,30 @@ class Sink:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class TransportdSink:
+    """``transportd sink`` as a process (the next hop that speaks SMTPUTF8 and 8BITMIME)."""
+
+    def __init__(self, procs, *args: str):
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="transportd-usink-"))
+        self.proc = procs.add(subprocess.Popen(
+            [sys.executable, "-m", "transportd", "sink", "--listen", f"127.0.0.1:{self.port}", "--dir",
+             str(self.dir), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        wait_port("127.0.0.1", self.port, proc=self.proc)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def messages(self) -> list[bytes]:
+        return [p.read_bytes() for p in sorted((self.dir / "new").iterdir())]
+
+
+@pytest.fixture
+def usink(procs):
+    return TransportdSink(procs)
+
+
 def swaks(port: int, *args: str, timeout: float = 30, server: str = "127.0.0.1") -> subprocess.CompletedProcess:
     cmd = [SWAKS, "--server", f"{server}:{port}", "--timeout", "20", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

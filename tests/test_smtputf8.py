@@ -11,15 +11,12 @@ from __future__ import annotations
 import email
 import email.policy
 import smtplib
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 from clusters import HEARTBEAT, netid_of, one
-from conftest import free_port, wait_for, wait_port
+from conftest import TransportdSink, wait_for
 
 from transportd.queue.mailbox import MailboxStore
 
@@ -48,30 +45,6 @@ def send(host: str, port: int, sender: str, rcpts: list[str], data: bytes,
         code, reply = s.data(data)
         assert code == 250, (code, reply)
     return int(reply.decode().rsplit(" ", 1)[1])
-
-
-class TransportdSink:
-    """``transportd sink`` as a process (the next hop that speaks SMTPUTF8 and 8BITMIME)."""
-
-    def __init__(self, procs, *args: str):
-        self.port = free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="transportd-usink-"))
-        self.proc = procs.add(subprocess.Popen(
-            [sys.executable, "-m", "transportd", "sink", "--listen", f"127.0.0.1:{self.port}", "--dir",
-             str(self.dir), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        wait_port("127.0.0.1", self.port, proc=self.proc)
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def messages(self) -> list[bytes]:
-        return [p.read_bytes() for p in sorted((self.dir / "new").iterdir())]
-
-
-@pytest.fixture
-def usink(procs):
-    return TransportdSink(procs)
 
 
 def mailbox_files(cfg, address: str) -> list[Path]:

@@ -1,0 +1,171 @@
+"""A real Postfix MTA (Debian's package, ``transportd.devtools.postfix``) on both sides of a node.
+
+Postfix's smtp client relays into the node (PIPELINING, DSN, 8BITMIME, SMTPUTF8 as Postfix sends
+them, and what it does with the node's 452 for too many recipients); the node delivers to
+Postfix's smtpd (its replies, its SIZE, its refusals and deferrals, as a next hop outside the
+boundary really answers). smtp-sink stands behind both and records each transaction's MAIL and
+RCPT arguments (``X-Mail-Args``, ``X-Rcpt-Args``), so what crossed both hops is seen.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import smtplib
+import tempfile
+from pathlib import Path
+
+import pytest
+from conftest import wait_for
+
+from transportd.devtools.postfix import PostfixMTA
+
+pytestmark = pytest.mark.skipif(PostfixMTA.available() is not None,
+                                reason=f"{PostfixMTA.available()}")
+
+
+@pytest.fixture
+def postfix():
+    """A factory of started Postfix instances, stopped at the end. Their folders are outside
+    pytest's (0700) tree: Postfix's daemons run as the postfix user and must reach them."""
+    started: list[PostfixMTA] = []
+    work = Path(tempfile.mkdtemp(prefix="transportd-postfix-"))
+    work.chmod(0o755)
+
+    def factory(relay_to: str, name: str = "postfix.test", **settings: str) -> PostfixMTA:
+        mta = PostfixMTA(work / f"pf{len(started)}", relay_to, name=name,
+                         settings={"smtputf8_enable": "yes", "minimal_backoff_time": "1s",
+                                   "maximal_backoff_time": "2s", "queue_run_delay": "1s", **settings})
+        started.append(mta)
+        return mta.start()
+    try:
+        yield factory
+    finally:
+        for mta in started:
+            mta.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def sink_args(message: bytes) -> tuple[str, list[str]]:
+    """smtp-sink's record of a transaction: the MAIL arguments and each RCPT's."""
+    head = message.split(b"\n\n", 1)[0].decode("utf-8", "replace")
+    mail = re.search(r"^X-Mail-Args: (.*)$", head, re.MULTILINE)
+    return (mail.group(1).strip() if mail else ""), [m.strip() for m in re.findall(r"^X-Rcpt-Args: (.*)$", head,
+                                                                                     re.MULTILINE)]
+
+
+def by_subject(sink, subject: str) -> list[bytes]:
+    return [m for m in sink.messages() if f"Subject: {subject}".encode() in m]
+
+
+def send(host: str, port: int, sender: str, rcpts: list[str], subject: str, body: str = "hello\r\n", *,
+         mail_options: tuple[str, ...] = (), rcpt_options: tuple[str, ...] = ()) -> dict:
+    msg = (f"From: {sender}\r\nTo: {', '.join(rcpts)}\r\nSubject: {subject}\r\n"
+           f"Message-ID: <{subject.replace(' ', '-')}@client.test>\r\n\r\n{body}").encode()
+    with smtplib.SMTP(host, port, timeout=20) as c:
+        c.ehlo("client.test")
+        return c.sendmail(sender, rcpts, msg, mail_options=list(mail_options), rcpt_options=list(rcpt_options))
+
+
+def test_dsn_and_8bitmime_cross_postfix_the_node_and_postfix(make_node, sink, postfix):
+    """client -> Postfix -> node -> Postfix -> smtp-sink: RFC 3461's parameters (RET, ENVID,
+    NOTIFY, ORCPT) and BODY=8BITMIME arrive as the client gave them; each MTA logs the next one's
+    reply naming the id that one gave the message (the node's internal-message-id in the first
+    Postfix's log, the second Postfix's queue id in the node's SENDEXTERNAL row)."""
+    sink.start()
+    out = postfix(sink.address, name="relay-out.test")
+    node = make_node(smart_host=out.address).start()
+    into = postfix(f"127.0.0.1:{node.port}", name="relay-in.test")
+    assert send(into.host, into.port, "bob@remote.test", ["carol@foreign.test"], "dsn chain", "caf\u00e9\r\n",
+                mail_options=("BODY=8BITMIME", "RET=HDRS", "ENVID=ENV-42"),
+                rcpt_options=("NOTIFY=FAILURE,DELAY", "ORCPT=rfc822;carol@foreign.test")) == {}
+    got = wait_for(lambda: by_subject(sink, "dsn chain"), timeout=30, what="the message at the sink")
+    mail, rcpts = sink_args(got[0])
+    assert mail.split()[0] == "<bob@remote.test>" and set(mail.split()[1:]) == {
+        "BODY=8BITMIME", "ENVID=ENV-42", "RET=HDRS"}, mail
+    assert rcpts == ["<carol@foreign.test> ORCPT=rfc822;carol@foreign.test NOTIFY=FAILURE,DELAY"], rcpts
+    assert "caf\u00e9".encode() in got[0]
+    received = node.tracking(event_id="RECEIVE")
+    assert [r["client-hostname"] for r in received] == ["relay-in.test"], received
+    sent_in = wait_for(lambda: re.findall(r"status=sent \(250 2\.0\.0 Ok: queued as (\d+)\)", into.maillog()),
+                       timeout=10, what="the first Postfix's status=sent line")
+    assert sent_in == [received[0]["internal-message-id"]], (sent_in, received)
+    rows = wait_for(lambda: node.tracking(event_id="SENDEXTERNAL"), timeout=10, what="the SENDEXTERNAL row")
+    out_ids = re.findall(r"postfix/smtpd\[\d+\]: ([0-9A-F]{6,}): client=", out.maillog())
+    m = re.search(r"250 2\.0\.0 Ok: queued as ([0-9A-F]+)", rows[0]["recipient-status"])
+    assert len(rows) == 1 and m and [m.group(1)] == out_ids, (rows, out_ids)
+
+
+def test_smtputf8_crosses_postfix_the_node_and_postfix(make_node, usink, postfix):
+    """RFC 6531 through real Postfix on both sides: client -> Postfix -> node -> Postfix ->
+    transportd sink (smtp-sink does not offer SMTPUTF8); the UTF-8 envelope and body arrive whole."""
+    out = postfix(usink.address, name="relay-out.test")
+    node = make_node(smart_host=out.address).start()
+    into = postfix(f"127.0.0.1:{node.port}", name="relay-in.test")
+    assert send(into.host, into.port, "jos\u00e9@remote.test", ["\u00f1and\u00fa@foreign.test"], "utf8 chain",
+                "gr\u00fc\u00df \u2713\r\n", mail_options=("SMTPUTF8", "BODY=8BITMIME")) == {}
+    got = wait_for(usink.messages, timeout=30, what="the message at the sink")
+    assert len(got) == 1
+    head, body = got[0].split(b"\r\n\r\n", 1)
+    assert "X-Sink-Mail-From: <jos\u00e9@remote.test>".encode() in head, head
+    assert "X-Sink-Rcpt-To: <\u00f1and\u00fa@foreign.test>".encode() in head, head
+    assert body == "gr\u00fc\u00df \u2713\r\n".encode()
+    assert not node.tracking(event_id="FAIL") and "status=bounced" not in into.maillog() + out.maillog()
+
+
+def test_postfix_sends_the_recipients_past_the_nodes_limit_again(make_node, sink, postfix):
+    """The node takes 2 recipients per message (452 4.5.3 for the rest, RFC 5321 4.5.3.1.10):
+    Postfix delivers the others in further transactions, and every recipient arrives once."""
+    sink.start()
+    node = make_node(smart_host=sink.address, overrides={"frontend": {"max_recipients_per_message": 2}}).start()
+    mta = postfix(f"127.0.0.1:{node.port}")
+    rcpts = [f"r{i}@foreign.test" for i in range(5)]
+    assert send(mta.host, mta.port, "bob@remote.test", rcpts, "five recipients") == {}
+    wait_for(lambda: sum(len(sink_args(m)[1]) for m in by_subject(sink, "five recipients")) >= 5, timeout=40,
+             what="all five recipients at the sink")
+    got = sorted(r.split()[0] for m in by_subject(sink, "five recipients") for r in sink_args(m)[1])
+    assert got == sorted(f"<{r}>" for r in rcpts), got
+    received = node.tracking(event_id="RECEIVE")  # three messages: 2 + 2 + 1 recipients
+    assert sorted(len(r["recipient-address"].split(";")) for r in received) == [1, 2, 2], received
+    assert "452 4.5.3" in mta.maillog()
+
+
+def test_postfix_refusals_and_deferrals_at_the_node(make_node, sink, postfix):
+    """Postfix refuses one recipient (550 from an access map), defers another (450), and refuses a
+    message over its SIZE: the node delivers what was taken, returns NDRs naming Postfix's own
+    reply for the refusals, keeps the deferred recipient and delivers it once Postfix takes it."""
+    sink.start()
+    access = ("inline:{ { nobody@foreign.test = 550 5.1.1 no such user here }, "
+              "{ later@foreign.test = 450 4.2.1 try again later } }")
+    mta = postfix(sink.address, smtpd_recipient_restrictions=f"check_recipient_access {access}",
+                  message_size_limit="40000")
+    node = make_node(smart_host=mta.address).start()
+    send("127.0.0.1", node.port, "bob@example.test", ["carol@foreign.test", "nobody@foreign.test",
+                                                      "later@foreign.test"], "three fates")
+    send("127.0.0.1", node.port, "bob@example.test", ["carol@foreign.test"], "too big", ("y" * 76 + "\r\n") * 700)
+    wait_for(lambda: by_subject(sink, "three fates"), timeout=30, what="carol's copy at the sink")
+    # two NDRs in bob's mailbox: nobody's (Postfix's 550 text) and the whole of "too big" (552)
+    ndrs = wait_for(lambda: len(node.maildir_files("bob@example.test")) == 2 and node.maildir_files("bob@example.test"),
+                    timeout=30, what="two NDRs to bob")
+    texts = [p.read_bytes().decode("utf-8", "replace") for p in ndrs]
+    refused = [t for t in texts if "nobody@foreign.test" in t]
+    assert len(refused) == 1 and "550 5.1.1" in refused[0] and "no such user here" in refused[0], texts
+    # the NDR names the refused recipient only (not the deferred one, still queued)
+    assert re.findall(r"Final-Recipient: rfc822; ?(\S+)", refused[0]) == ["nobody@foreign.test"], refused[0]
+    big = [t for t in texts if "too big" in t]
+    assert len(big) == 1 and re.search(r"552 5\.3\.4", big[0]), texts
+    defers = wait_for(lambda: node.tracking(event_id="DEFER", recipient="later@foreign.test"), timeout=15,
+                      what="the DEFER row of later@")
+    assert "450 4.2.1" in defers[0]["recipient-status"], defers[0]
+    assert not [m for m in by_subject(sink, "three fates") if b"<later@foreign.test>" in m]
+    # Postfix takes later@ once its map no longer defers it; the node's next retry delivers it.
+    # (Restarted, not reloaded: an smtpd process already running keeps the old map for a while.)
+    mta.stop()
+    cf = mta.dir / "etc" / "main.cf"
+    cf.write_text(cf.read_text().replace("{ later@foreign.test = 450 4.2.1 try again later } ", ""))
+    mta.start()
+    wait_for(lambda: any(b"<later@foreign.test>" in m for m in by_subject(sink, "three fates")), timeout=40,
+             what="later@ delivered on a retry")
+    delivered = [r.split()[0] for m in by_subject(sink, "three fates") for r in sink_args(m)[1]]
+    assert sorted(delivered) == ["<carol@foreign.test>", "<later@foreign.test>"], delivered
+    assert len(node.maildir_files("bob@example.test")) == 2  # no NDR for later@, no second one for nobody@
