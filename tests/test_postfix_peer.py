@@ -169,3 +169,30 @@ def test_postfix_refusals_and_deferrals_at_the_node(make_node, sink, postfix):
     delivered = [r.split()[0] for m in by_subject(sink, "three fates") for r in sink_args(m)[1]]
     assert sorted(delivered) == ["<carol@foreign.test>", "<later@foreign.test>"], delivered
     assert len(node.maildir_files("bob@example.test")) == 2  # no NDR for later@, no second one for nobody@
+
+
+def test_the_node_delivers_to_a_postfix_that_offers_no_extensions(make_node, sink, postfix):
+    """A next hop without PIPELINING, DSN, 8BITMIME, CHUNKING or SIZE (Postfix told to discard
+    them from its EHLO, ``smtpd_discard_ehlo_keywords``): the node sends no DSN parameter (RFC
+    3461 4.1: a "relayed" DSN to the sender, who asked for SUCCESS) and converts the 8-bit body to
+    quoted-printable (RFC 6152); Postfix refuses nothing."""
+    sink.start()
+    mta = postfix(sink.address, smtpd_discard_ehlo_keywords="pipelining, dsn, 8bitmime, chunking, size")
+    node = make_node(smart_host=mta.address).start()
+    assert send("127.0.0.1", node.port, "bob@example.test", ["carol@foreign.test"], "plain next hop",
+                "caf\u00e9 cr\u00e8me\r\n", mail_options=("BODY=8BITMIME", "ENVID=E9"),
+                rcpt_options=("NOTIFY=SUCCESS,FAILURE",)) == {}
+    got = wait_for(lambda: by_subject(sink, "plain next hop"), timeout=30, what="the message at the sink")
+    assert len(got) == 1
+    mail, rcpts = sink_args(got[0])
+    # (Postfix still takes DSN parameters it does not announce and passes them on: none arrived,
+    # so the node sent none. It adds an ORCPT of its own, as it always does.)
+    assert mail.split() == ["<bob@example.test>"], mail
+    assert len(rcpts) == 1 and rcpts[0].split()[0] == "<carol@foreign.test>" and "NOTIFY=" not in rcpts[0], rcpts
+    assert b"Content-Transfer-Encoding: quoted-printable" in got[0] and b"caf=C3=A9 cr=C3=A8me" in got[0], got[0]
+    log = mta.maillog()
+    assert "reject" not in log and "status=sent" in log, log
+    relayed = wait_for(lambda: node.maildir_files("bob@example.test"), timeout=15, what="the relayed DSN to bob")
+    text = relayed[0].read_bytes().decode("utf-8", "replace")
+    assert re.search(r"^Action: relayed", text, re.MULTILINE) and "Original-Envelope-Id: E9" in text, text
+    assert re.search(r"Final-Recipient: rfc822; ?carol@foreign.test", text), text
