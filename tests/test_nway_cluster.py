@@ -136,8 +136,8 @@ def test_a_message_accepted_with_one_of_two_shadows_gets_the_other_when_the_peer
 def test_promotion_while_the_other_shadow_holder_is_down_still_reprotects(procs, sink, tmp_path):
     """node1 dies while node2 (its rank-2 shadow holder) is down: node3 promotes, cannot ask node2
     to adopt its copy, and still makes the promoted copy redundant: unprotected at first (no peer
-    left), a shadow on node2 once node2 is back. (A failed adoption once stopped there: the copy
-    stayed "reshadowing", which no heartbeat round retries.)"""
+    left), node2's copy adopted as its shadow once node2 is back. (A failed adoption once stopped
+    there: the copy stayed "reshadowing", which no heartbeat round retries.)"""
     c = nway_cluster(procs, sink, tmp_path)
     n1, n2, n3 = c["node1"], c["node2"], c["node3"]
     netid = accepted_with_two_shadows(c, send(n1, "carol@foreign.test"))
@@ -154,4 +154,33 @@ def test_promotion_while_the_other_shadow_holder_is_down_still_reprotects(procs,
     assert "redundant failed" not in n3.log() and "Traceback" not in n3.log()
     n2.start()
     wait_for(lambda: redundancy() == "partial", timeout=30, what="a shadow of the promoted copy on node2")
-    assert [r["source-context"].split("=")[0] for r in n3.events("HAREDIRECT", netid)] == [n2.name]
+    # node2's own copy, adopted once node2 answers (asked again each round), not a second one
+    adopted = [r["source-context"] for r in n2.events("HARECEIVE", netid) if "AdoptedFrom" in r["source-context"]]
+    assert adopted and adopted[0].endswith(f"AdoptedFrom={n1.name}"), n2.events("HARECEIVE", netid)
+    assert not n3.events("HAREDIRECT", netid)
+
+
+def test_a_shadow_holder_that_missed_the_adoption_is_asked_again_and_never_promotes(procs, sink, tmp_path):
+    """node2 (rank 2) is down when node1 dies and node3 promotes: node3 cannot ask it to adopt.
+    When node2 is back it still holds node1's copy and, node1 being gone, would promote it after
+    its rank's delay: a second delivery. node3 asks again once node2 answers, so node2's copy
+    becomes node3's shadow; the message is delivered once, and node2's copy discarded after."""
+    c = nway_cluster(procs, sink, tmp_path)
+    n1, n2, n3 = c["node1"], c["node2"], c["node3"]
+    netid = accepted_with_two_shadows(c, send(n1, "carol@foreign.test"))
+    n1.wait_event("DEFER", netid)  # the sink is down: nothing is delivered yet
+    assert n2.stop() == 0
+    n1.kill9()
+    n3.wait_event("RESUBMIT", netid, timeout=30)
+    n2.start()
+    adopted = wait_for(lambda: n2.events("HARECEIVE", netid) and ranks(n2, n3).get(netid), timeout=20,
+                       what="node2 holding a shadow of node3's copy")
+    assert adopted
+    time.sleep(SPAN + 2 * RANK_DELAY + 1)  # past the delay after which node2 would have promoted
+    assert not n2.events("RESUBMIT", netid), "node2 promoted a copy node3 had already promoted"
+    sink.start()
+    wait_for(lambda: sink_copies(sink, netid), timeout=20, what="the copy at the sink")
+    n2.wait_event("HADISCARD", netid, timeout=20)
+    assert not ranks(n2, n1), "node2 still holds node1's copy"
+    time.sleep(1.5)  # waiting for absence: nothing else may arrive
+    assert len(sink_copies(sink, netid)) == 1

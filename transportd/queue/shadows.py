@@ -162,6 +162,11 @@ def record_adopted(conn: Connection, peer: str, adopted: Iterable[tuple[int, str
             discard_uncertain(conn, [peer], guid, now)
 
 
+def messages_present(conn: Connection, ids: list[int]) -> set[int]:
+    """Which of our messages ``ids`` the queue database still has, in any state."""
+    return set(conn.execute(select(messages.c.id).where(messages.c.id.in_(ids))).scalars())
+
+
 # --------------------------------------------------------------------------- shadow side
 
 def shadow_context(conn: Connection, primary: str) -> dict | None:

@@ -4,7 +4,7 @@ It owns the primary side's policy: which peers get a message's shadow copies
 (*ShadowMessagePreferenceSetting*, retry counts, a fair share of
 *shadow_copy_timeout* per peer; ``shadow_copies`` of them at once, each with its
 rank), making copies redundant again after a promotion (the other shadows of a
-promoted message adopted first, XSHADOWADOPT) or a peer's lost queue database
+promoted message adopted first, XSHADOWADOPT: adoption.py) or a peer's lost queue database
 (``reshadowing``, a few at a time),
 retrying messages accepted without a shadow every heartbeat round, and the
 discard events handed to shadows over the transport connector. It composes the
@@ -21,17 +21,16 @@ import uuid
 from typing import Any, Iterable
 
 from transportd import faults
-from transportd.errors import PEER_FAILURES
 from transportd.queue import messages as mq
 from transportd.queue import shadows as sq
 from transportd.queue.messages import NewMessage
 from transportd.queue.store import QueueStore
+from transportd.redundancy.adoption import Adoptions
 from transportd.redundancy.copies import ShadowCopier, ShadowResult
 from transportd.redundancy.events import EventSink
 from transportd.redundancy.heartbeat import Heartbeat
-from transportd.redundancy.peers import PeerPool, PeerSession
+from transportd.redundancy.peers import PeerPool
 from transportd.redundancy.protocol import (
-    MAX_ADOPT_BATCH,
     MAX_SHADOW_RANK,
     Peer,
     heartbeat_period,
@@ -58,6 +57,7 @@ class ShadowManager:
         self.by_name = {p.name: p for p in self.peers}
         self.pool = PeerPool(cfg, self.peers)
         self.copier = ShadowCopier(self.sr, self.pool, lambda: self.store.queue_database_id)
+        self.adoptions = Adoptions(self.sr, store, self.pool, self.peers, lambda: self.store.queue_database_id)
         self.shadow_queues = ShadowQueues(cfg, store, events, self._reshadow_in_background)
         self.heartbeat = Heartbeat(cfg, store, events, self.pool, self.shadow_queues, self._spawn, self.reprotect)
         self.accepting = True
@@ -116,7 +116,7 @@ class ShadowManager:
             try:
                 await self.shadow_queues.housekeeping(time.time(), set(self.live_discard_tokens))
                 if self._sweep is None or self._sweep.done():
-                    self._sweep = self._spawn(self.protect_unprotected(), "making unprotected messages redundant")
+                    self._sweep = self._spawn(self._regain(), "making unprotected messages redundant")
                 await self.heartbeat.round()
             except asyncio.CancelledError:
                 raise
@@ -164,6 +164,14 @@ class ShadowManager:
                         peer, made, len(rows))
         return len(rows)
 
+    async def _regain(self) -> None:
+        """A heartbeat round's background work: the peers that missed an adoption asked again
+        (before any new shadow is placed on them), then unprotected messages given a shadow."""
+        try:
+            await self.adoptions.ask_again()
+        finally:
+            await self.protect_unprotected()
+
     async def protect_unprotected(self) -> int:
         """Retry a shadow for queued messages accepted (or left) without one, a batch per heartbeat
         round: a peer that was down or cut off when they arrived may be back."""
@@ -184,51 +192,13 @@ class ShadowManager:
         themselves), then each copy gets the shadows it still lacks."""
         if self.sr.shadow_copies > 1:
             try:
-                await self.adopt_others(rows, lost)
+                await self.adoptions.ask_all(rows, lost)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the copies still need their shadows
                 log.exception("asking the peers to adopt the shadows of %d promoted message(s) of %s failed",
                               len(rows), lost)
         await self._reshadow_all(rows, exclude=lost)
-
-    async def adopt_others(self, rows: list[dict], lost: str) -> int:
-        """XSHADOWADOPT to every peer but ``lost``, in batches; the copies they keep are recorded as
-        our shadows of the promoted messages. A peer that cannot be reached keeps its copy as
-        ``lost``'s shadow: it promotes it after its rank's delay, as the rules say (PROTOCOL.md 9)."""
-        by_guid = {r["shadow_guid"]: r["id"] for r in rows if r.get("shadow_guid")}
-        by_rank: dict[int, list[str]] = {}  # our copies' ranks: the others' are lowered by as much
-        for r in rows:
-            if r.get("shadow_guid"):
-                by_rank.setdefault(int(r.get("shadow_rank") or 1), []).append(r["shadow_guid"])
-        adopted_total = 0
-        for peer in self.peers:
-            if peer.name == lost or not self.pool.takes_shadows(peer) or not by_guid:
-                continue
-            adopted: list[tuple[str, int]] = []
-            s: PeerSession | None = None
-            ok = False
-            try:
-                async with asyncio.timeout(self.sr.shadow_copy_timeout):
-                    s = await self.pool.session(peer)
-                    await s.shadow_request(self.queue_database_id)
-                    for rank, guids in sorted(by_rank.items()):
-                        for i in range(0, len(guids), MAX_ADOPT_BATCH):
-                            adopted += await s.adopt(lost, rank, guids[i:i + MAX_ADOPT_BATCH])
-                    ok = True
-            except PEER_FAILURES as exc:
-                log.warning("XSHADOWADOPT to %s for %d promoted message(s) of %s failed: %s", peer.name,
-                            len(by_guid), lost, exc)
-            finally:
-                if s is not None:
-                    self.pool.release(s, ok)
-            if adopted:
-                now = time.time()
-                await self.store.write(lambda c, p=peer.name, a=adopted: sq.record_adopted(
-                    c, p, [(by_guid[g], g, rank) for g, rank in a], now))
-                adopted_total += len(adopted)
-                log.info("%s adopted %d shadow(s) of %s's messages we promoted", peer.name, len(adopted), lost)
-        return adopted_total
 
     async def _reshadow_all(self, rows: list[dict], exclude: str | None, track_failure: bool = True) -> int:
         """Make each copy redundant again, RESHADOW_CONCURRENCY at a time (never a coroutine per

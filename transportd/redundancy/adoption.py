@@ -1,0 +1,113 @@
+"""Adoption after a promotion (PROTOCOL.md section 9): the other shadows of a promoted message
+become shadows of the new primary.
+
+With ``shadow_copies`` > 1 a message of a lost primary has shadows on several peers. The one that
+promotes asks every other peer to keep its copy as a shadow of the promoted message
+(XSHADOWADOPT); a peer that keeps it never promotes it. A peer that cannot be asked (down, cut
+off) still holds its copy as the lost primary's shadow and, that primary being gone, promotes it
+after its rank's delay: a second delivery. So a peer that could not be asked is asked again every
+heartbeat round until it answers, for the promoted messages this node still has (a message
+delivered meanwhile is adopted too, and its discard event follows at once: the peer's copy goes
+to its Shadow Safety Net). The list of peers still to ask is kept in memory: after a restart the
+rules of PROTOCOL.md 9 apply as written (the peer promotes; mailbox duplicate detection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable
+
+from transportd.errors import PEER_FAILURES
+from transportd.queue import shadows as sq
+from transportd.queue.store import QueueStore
+from transportd.redundancy.peers import PeerPool, PeerSession
+from transportd.redundancy.protocol import MAX_ADOPT_BATCH, Peer
+
+log = logging.getLogger("transportd.redundancy.adoption")
+
+
+class Adoptions:
+    """XSHADOWADOPT to the other shadow holders of promoted messages, and again to those that
+    could not be asked."""
+
+    def __init__(self, sr: Any, store: QueueStore, pool: PeerPool, peers: list[Peer],
+                 queue_database_id: Callable[[], str]):
+        self.sr = sr
+        self.store = store
+        self.pool = pool
+        self.peers = peers
+        self._queue_database_id = queue_database_id
+        # peer -> our message id -> (the lost primary, our copy's GUID, our copy's rank)
+        self._unasked: dict[str, dict[int, tuple[str, str, int]]] = {}
+
+    def pending(self) -> dict[str, int]:
+        """Promoted messages each peer is still to be asked about (for logs and tests)."""
+        return {p: len(ids) for p, ids in self._unasked.items() if ids}
+
+    async def ask_all(self, rows: list[dict], lost: str) -> int:
+        """Ask every peer but ``lost`` to adopt its copies of the promoted ``rows``; returns how
+        many copies were adopted. A peer that fails is remembered and asked again (``ask_again``)."""
+        copies = {r["id"]: (lost, r["shadow_guid"], int(r.get("shadow_rank") or 1))
+                  for r in rows if r.get("shadow_guid")}
+        adopted = 0
+        for peer in self.peers:
+            if peer.name == lost or not copies or not self.pool.takes_shadows(peer):
+                continue
+            done = await self._ask(peer, copies, quiet=False)
+            if done is None:
+                self._unasked.setdefault(peer.name, {}).update(copies)
+            else:
+                adopted += done
+        return adopted
+
+    async def ask_again(self) -> int:
+        """One heartbeat round's retry: each peer not asked yet, for the promoted messages still in
+        the queue database; returns how many copies were adopted."""
+        adopted = 0
+        for name, copies in list(self._unasked.items()):
+            peer = next((p for p in self.peers if p.name == name), None)
+            held = await self.store.aread(lambda c, ids=list(copies): sq.messages_present(c, ids))
+            for mid in [m for m in copies if m not in held]:
+                del copies[mid]
+            if peer is None or not copies:
+                self._unasked.pop(name, None)
+                continue
+            done = await self._ask(peer, dict(copies), quiet=True)
+            if done is not None:
+                self._unasked.pop(name, None)
+                adopted += done
+        return adopted
+
+    async def _ask(self, peer: Peer, copies: dict[int, tuple[str, str, int]], quiet: bool) -> int | None:
+        """XSHADOWADOPT to ``peer`` for ``copies`` (by lost primary and rank, in batches), the copies
+        it keeps recorded as our shadows; None when the peer could not be asked."""
+        by_guid = {guid: mid for mid, (_, guid, _) in copies.items()}
+        groups: dict[tuple[str, int], list[str]] = {}
+        for lost, guid, rank in copies.values():
+            groups.setdefault((lost, rank), []).append(guid)
+        adopted: list[tuple[str, int]] = []
+        s: PeerSession | None = None
+        ok = False
+        try:
+            async with asyncio.timeout(self.sr.shadow_copy_timeout):
+                s = await self.pool.session(peer)
+                await s.shadow_request(self._queue_database_id())
+                for (lost, rank), guids in sorted(groups.items()):
+                    for i in range(0, len(guids), MAX_ADOPT_BATCH):
+                        adopted += await s.adopt(lost, rank, guids[i:i + MAX_ADOPT_BATCH])
+                ok = True
+        except PEER_FAILURES as exc:
+            (log.debug if quiet else log.warning)(
+                "XSHADOWADOPT to %s for %d promoted message(s) failed: %s (asked again each heartbeat round)",
+                peer.name, len(copies), exc)
+        finally:
+            if s is not None:
+                self.pool.release(s, ok)
+        if adopted:
+            now = time.time()
+            await self.store.write(lambda c: sq.record_adopted(
+                c, peer.name, [(by_guid[g], g, rank) for g, rank in adopted], now))
+            log.info("%s adopted %d shadow(s) of messages we promoted", peer.name, len(adopted))
+        return len(adopted) if ok else None
