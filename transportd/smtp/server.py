@@ -370,7 +370,42 @@ class _DsnParameters:
         return result
 
 
-class LimitedSMTP(_VerbsDir, _Replies, _DsnParameters, _AuthParameter, SMTP):
+class _Unoffered:
+    """AUTH and STARTTLS where they cannot be used (no one to authenticate, no certificate): not
+    in EHLO or HELP, and a permanent refusal, as Postfix gives, where aiosmtpd would answer 538
+    or 454 ("try later")."""
+
+    _auth_methods: dict
+    _authenticator: Any
+    tls_context: Any
+    push: Callable[[str], Awaitable[None]]  # aiosmtpd's, as our _Replies words it
+
+    def _withdraw_unusable_auth(self) -> None:
+        """No users (frontend.auth_users) and no cluster credential: aiosmtpd would still offer
+        AUTH LOGIN PLAIN after STARTTLS, with a check that always fails. Offer none."""
+        if self._authenticator is None:
+            self._auth_methods = {}
+
+    @syntax("AUTH <mechanism>", when="_auth_methods")  # HELP lists it where AUTH can succeed
+    async def smtp_AUTH(self, arg: str) -> None:
+        """aiosmtpd's AUTH where there is someone to authenticate; else refused as Postfix does
+        (not offered in EHLO, so a client that tries it is told it never will be)."""
+        if not self._auth_methods:
+            await self.push(replies.S503_AUTH_NOT_ENABLED)
+            return
+        await super().smtp_AUTH(arg)  # type: ignore[misc]
+
+    @syntax("STARTTLS", when="tls_context")
+    async def smtp_STARTTLS(self, arg: str) -> None:
+        """aiosmtpd's STARTTLS where a certificate is configured; without one it is not offered,
+        and 502 (not implemented) tells a client so, where aiosmtpd's 454 would say "try later"."""
+        if not self.tls_context:
+            await self.push(replies.S502_NOT_IMPLEMENTED)
+            return
+        await super().smtp_STARTTLS(arg)  # type: ignore[misc]
+
+
+class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _DsnParameters, _AuthParameter, SMTP):
     """aiosmtpd's SMTP with connection limits, an absolute timeout and our reply wording."""
 
     def __init__(self, handler: Any, *, counter: ConnectionCounter, connection_timeout: float,
@@ -392,10 +427,7 @@ class LimitedSMTP(_VerbsDir, _Replies, _DsnParameters, _AuthParameter, SMTP):
         self._plain_250 = False  # HELO/EHLO replies carry no enhanced status code (RFC 2034)
         self._held: list[bytes] = []  # lines of a multiline reply not written yet (push)
         self.chunking = chunking  # CHUNKING offered (EHLO) and BDAT served
-        if self._authenticator is None:
-            # No users (frontend.auth_users) and no cluster credential: aiosmtpd would still offer
-            # AUTH LOGIN PLAIN after STARTTLS, with a check that always fails. Offer none.
-            self._auth_methods = {}
+        self._withdraw_unusable_auth()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         first = self.transport is None
@@ -476,24 +508,6 @@ class LimitedSMTP(_VerbsDir, _Replies, _DsnParameters, _AuthParameter, SMTP):
                 plain = None, None
         self._path_params = plain[1] or ""  # the parameters as sent, for RFC 3461's (_DsnParameters)
         return plain
-
-    @syntax("AUTH <mechanism>", when="_auth_methods")  # HELP lists it where AUTH can succeed
-    async def smtp_AUTH(self, arg: str) -> None:
-        """aiosmtpd's AUTH where there is someone to authenticate; else refused as Postfix does
-        (not offered in EHLO, so a client that tries it is told it never will be)."""
-        if not self._auth_methods:
-            await self.push(replies.S503_AUTH_NOT_ENABLED)
-            return
-        await super().smtp_AUTH(arg)
-
-    @syntax("STARTTLS", when="tls_context")
-    async def smtp_STARTTLS(self, arg: str) -> None:
-        """aiosmtpd's STARTTLS where a certificate is configured; without one it is not offered,
-        and 502 (not implemented) tells a client so, where aiosmtpd's 454 would say "try later"."""
-        if not self.tls_context:
-            await self.push(replies.S502_NOT_IMPLEMENTED)
-            return
-        await super().smtp_STARTTLS(arg)
 
     @syntax("HELO hostname")  # listed by HELP as aiosmtpd's own (an override drops its text)
     async def smtp_HELO(self, hostname: str) -> None:
