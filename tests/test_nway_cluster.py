@@ -20,6 +20,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from clusters import LocalCluster, send, sink_copies
 from conftest import wait_for
 
@@ -160,11 +162,14 @@ def test_promotion_while_the_other_shadow_holder_is_down_still_reprotects(procs,
     assert not n3.events("HAREDIRECT", netid)
 
 
-def test_a_shadow_holder_that_missed_the_adoption_is_asked_again_and_never_promotes(procs, sink, tmp_path):
+@pytest.mark.parametrize("delivered_first", [False, True], ids=["queued", "delivered-meanwhile"])
+def test_a_shadow_holder_that_missed_the_adoption_is_asked_again_and_never_promotes(procs, sink, tmp_path,
+                                                                                     delivered_first):
     """node2 (rank 2) is down when node1 dies and node3 promotes: node3 cannot ask it to adopt.
     When node2 is back it still holds node1's copy and, node1 being gone, would promote it after
     its rank's delay: a second delivery. node3 asks again once node2 answers, so node2's copy
-    becomes node3's shadow; the message is delivered once, and node2's copy discarded after."""
+    becomes node3's shadow (discarded at once when node3 has delivered meanwhile); the message
+    is delivered once, and node2's copy goes to its Shadow Safety Net."""
     c = nway_cluster(procs, sink, tmp_path)
     n1, n2, n3 = c["node1"], c["node2"], c["node3"]
     netid = accepted_with_two_shadows(c, send(n1, "carol@foreign.test"))
@@ -172,15 +177,19 @@ def test_a_shadow_holder_that_missed_the_adoption_is_asked_again_and_never_promo
     assert n2.stop() == 0
     n1.kill9()
     n3.wait_event("RESUBMIT", netid, timeout=30)
+    if delivered_first:
+        sink.start()
+        wait_for(lambda: sink_copies(sink, netid), timeout=20, what="node3's delivery")
     n2.start()
-    adopted = wait_for(lambda: n2.events("HARECEIVE", netid) and ranks(n2, n3).get(netid), timeout=20,
-                       what="node2 holding a shadow of node3's copy")
-    assert adopted
+    adopted = wait_for(lambda: [r for r in n2.events("HARECEIVE", netid) if "AdoptedFrom" in r["source-context"]],
+                       timeout=20, what="node2 adopting its copy as node3's shadow")
+    assert adopted[0]["source-context"].endswith(f"AdoptedFrom={n1.name}")
     time.sleep(SPAN + 2 * RANK_DELAY + 1)  # past the delay after which node2 would have promoted
     assert not n2.events("RESUBMIT", netid), "node2 promoted a copy node3 had already promoted"
-    sink.start()
-    wait_for(lambda: sink_copies(sink, netid), timeout=20, what="the copy at the sink")
+    if not delivered_first:
+        sink.start()
+        wait_for(lambda: sink_copies(sink, netid), timeout=20, what="the copy at the sink")
     n2.wait_event("HADISCARD", netid, timeout=20)
-    assert not ranks(n2, n1), "node2 still holds node1's copy"
+    assert not ranks(n2, n1) and not ranks(n2, n3), "node2 still holds a shadow of the message"
     time.sleep(1.5)  # waiting for absence: nothing else may arrive
     assert len(sink_copies(sink, netid)) == 1
