@@ -694,6 +694,34 @@ def test_tls_sessions_are_counted_once(make_node, tls_files):
 
 # --------------------------------------------------------------------------- 10. vanishing clients
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_stop_tells_waiting_sessions_421(make_node, workers):
+    """RFC 5321 3.8: a server shut down SHOULD send 421 first. On SIGTERM every session that waits
+    for its client (between commands, or in the middle of a message's DATA) gets 421 4.3.2 and is
+    closed; the message cut off is not queued, one acknowledged before is; with receive workers,
+    sessions of every process are told."""
+    node = make_node(overrides={"frontend": {"workers": workers}}).start()
+    wait_for(lambda: node.log_path.read_text().count("serving the frontend on") == workers - 1, timeout=30,
+             what="the receive worker listening")
+    done = Raw(node.port)
+    ehlo(done)
+    assert send_one(done, "a@remote.test", ["alice@example.test"], body_of(200, "before")).startswith("250 ")
+    waiting = [Raw(node.port) for _ in range(8)]  # with two workers, both processes hold some
+    for c in waiting:
+        ehlo(c)
+    cut = Raw(node.port)
+    ehlo(cut)
+    for line in ("MAIL FROM:<a@remote.test>", "RCPT TO:<alice@example.test>", "DATA"):
+        assert cut.cmd(line)[0] in "23"
+    cut.send(b"Subject: cut off\r\n\r\nhalf a message\r\n")
+    time.sleep(0.3)
+    assert node.stop() == 0
+    for c in [done, *waiting, cut]:
+        assert c.reply() == ["421 4.3.2 Service shutting down"]
+        assert c.closed_by_peer()
+    assert [m["subject"] for m in messages(node)] == ["before"]
+
+
 def test_client_gone_mid_data_stores_nothing(make_node):
     node = make_node().start()
     for gone in (Raw.close, Raw.abort):  # FIN, then RST

@@ -38,7 +38,7 @@ from transportd.queue.store import QueueStore
 from transportd.redundancy.manager import ShadowManager
 from transportd.redundancy.server import TransportHandler, TransportSMTP, make_peer_authenticator
 from transportd.smtp.frontend import FrontendHandler
-from transportd.smtp.server import ConnectionCounter, server_tls, smtp_factory
+from transportd.smtp.server import ConnectionCounter, say_shutting_down, server_tls, smtp_factory
 from transportd.tracking import TrackingLog
 
 log = logging.getLogger("transportd")
@@ -177,6 +177,9 @@ class Node:
             self.shadow.accepting = False
         for s in self.servers:
             s.close()
+        told = say_shutting_down()
+        if told:
+            log.info("told %d open session(s) 421 4.3.2 Service shutting down", told)
         if self.workers is not None:
             await self.workers.stop()
         for s in self.servers:

@@ -32,7 +32,7 @@ from transportd.node.workers import TERMINAL, encode
 from transportd.queue.store import QueueStore
 from transportd.redundancy.manager import ShadowManager
 from transportd.smtp.frontend import FrontendHandler
-from transportd.smtp.server import server_tls, smtp_factory
+from transportd.smtp.server import say_shutting_down, server_tls, smtp_factory
 
 log = logging.getLogger("transportd.node.receiver")
 
@@ -137,6 +137,7 @@ class ReceiveWorker:
         log.info("receive worker %d (pid %d) serving the frontend on %s", self.index, os.getpid(), fe.listen)
         await stop.wait()
         server.close()
+        say_shutting_down()
         try:
             await asyncio.wait_for(server.wait_closed(), 5)
         except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - stopping anyway

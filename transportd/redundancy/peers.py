@@ -65,7 +65,8 @@ class PeerSession:
 
     @property
     def usable(self) -> bool:
-        return self.client.is_connected
+        """Connected, and nothing unread waits (a peer that stops answers its idle sessions 421)."""
+        return self.client.idle
 
     async def _exchange(self, line: bytes) -> list[Any]:
         verb, _, arg = line.rstrip(b"\r\n").partition(b" ")

@@ -16,6 +16,7 @@ import inspect
 import logging
 import re
 import ssl
+import weakref
 from typing import Any, Awaitable, Callable
 
 from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, Session, syntax
@@ -405,7 +406,45 @@ class _Unoffered:
         await super().smtp_STARTTLS(arg)  # type: ignore[misc]
 
 
-class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _DsnParameters, _AuthParameter, SMTP):
+_OPEN_SESSIONS: weakref.WeakSet = weakref.WeakSet()  # every connected session of this process
+
+
+class _ShutdownNotice:
+    """RFC 5321 3.8: a server shut down by outside means SHOULD send 421 before it closes. The
+    sessions of this process are kept (weakly) so that a stop can say so (``say_shutting_down``)."""
+
+    _reader: asyncio.StreamReader | None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        _OPEN_SESSIONS.add(self)
+        super().connection_made(transport)  # type: ignore[misc]
+
+    def connection_lost(self, error: Exception | None) -> None:
+        _OPEN_SESSIONS.discard(self)
+        super().connection_lost(error)  # type: ignore[misc]
+
+    def waiting_for_client(self) -> bool:
+        """The session waits for bytes from its client (a command, or the rest of a message): no
+        command of it is being carried out, so nothing it sent can be acknowledged any more.
+        (asyncio's StreamReader holds a waiter exactly while a read is pending.)"""
+        return getattr(self._reader, "_waiter", None) is not None
+
+
+def say_shutting_down() -> int:
+    """421 4.3.2 to every session of this process that waits for its client, and close it; a
+    session carrying out a command (a message being made durable) finishes it first, or is cut
+    by the stop without a reply (its client retries). Returns how many were told."""
+    told = 0
+    for s in list(_OPEN_SESSIONS):
+        transport = s.transport
+        if transport is not None and not transport.is_closing() and s.waiting_for_client():
+            s._say_and_close(replies.S421_SHUTTING_DOWN)
+            transport.close()
+            told += 1
+    return told
+
+
+class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _ShutdownNotice, _DsnParameters, _AuthParameter, SMTP):
     """aiosmtpd's SMTP with connection limits, an absolute timeout and our reply wording."""
 
     def __init__(self, handler: Any, *, counter: ConnectionCounter, connection_timeout: float,
