@@ -163,8 +163,12 @@ def record_adopted(conn: Connection, peer: str, adopted: Iterable[tuple[int, str
 
 
 def messages_present(conn: Connection, ids: list[int]) -> set[int]:
-    """Which of our messages ``ids`` the queue database still has, in any state."""
-    return set(conn.execute(select(messages.c.id).where(messages.c.id.in_(ids))).scalars())
+    """Which of our messages ``ids`` the queue database still has, in any state (asked 500 at a
+    time: a promotion may name tens of thousands, past SQLite's limit of bound parameters)."""
+    found: set[int] = set()
+    for i in range(0, len(ids), 500):
+        found.update(conn.execute(select(messages.c.id).where(messages.c.id.in_(ids[i:i + 500]))).scalars())
+    return found
 
 
 # --------------------------------------------------------------------------- shadow side

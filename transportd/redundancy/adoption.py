@@ -42,10 +42,6 @@ class Adoptions:
         # peer -> our message id -> (the lost primary, our copy's GUID, our copy's rank)
         self._unasked: dict[str, dict[int, tuple[str, str, int]]] = {}
 
-    def pending(self) -> dict[str, int]:
-        """Promoted messages each peer is still to be asked about (for logs and tests)."""
-        return {p: len(ids) for p, ids in self._unasked.items() if ids}
-
     async def ask_all(self, rows: list[dict], lost: str) -> int:
         """Ask every peer but ``lost`` to adopt its copies of the promoted ``rows``; returns how
         many copies were adopted. A peer that fails is remembered and asked again (``ask_again``)."""
