@@ -196,3 +196,39 @@ def test_the_node_delivers_to_a_postfix_that_offers_no_extensions(make_node, sin
     text = relayed[0].read_bytes().decode("utf-8", "replace")
     assert re.search(r"^Action: relayed", text, re.MULTILINE) and "Original-Envelope-Id: E9" in text, text
     assert re.search(r"Final-Recipient: rfc822; ?carol@foreign.test", text), text
+
+
+def test_starttls_with_postfix_on_both_sides(make_node, sink, postfix):
+    """TLS with OpenSSL's side as Postfix uses it: Postfix's smtp client must encrypt to the node
+    (``smtp_tls_security_level = encrypt``; the node's frontend requires STARTTLS), and the node's
+    delivery takes the STARTTLS a Postfix smtpd offers (``smtpd_tls_security_level = encrypt``
+    there: a MAIL before STARTTLS would be refused)."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    certs = Path(tempfile.mkdtemp(prefix="transportd-tls-"))
+    certs.chmod(0o755)
+    try:
+        for name, host in (("node", "node1.transportd.test"), ("out", "relay-out.test")):
+            cert = ca.issue_cert(host, "127.0.0.1")
+            cert.private_key_pem.write_to_path(str(certs / f"{name}.key"))
+            cert.cert_chain_pems[0].write_to_path(str(certs / f"{name}.pem"))
+        sink.start()
+        out = postfix(sink.address, name="relay-out.test", smtpd_tls_security_level="encrypt", smtpd_tls_loglevel="1",
+                      smtpd_tls_cert_file=str(certs / "out.pem"), smtpd_tls_key_file=str(certs / "out.key"))
+        node = make_node(smart_host=out.address, overrides={"frontend": {
+            "tls_certificate": str(certs / "node.pem"), "tls_key": str(certs / "node.key"),
+            "require_tls": True}}).start()
+        into = postfix(f"127.0.0.1:{node.port}", name="relay-in.test", smtp_tls_security_level="encrypt",
+                       smtp_tls_loglevel="1")
+        assert send(into.host, into.port, "bob@remote.test", ["carol@foreign.test"], "tls chain") == {}
+        wait_for(lambda: by_subject(sink, "tls chain"), timeout=30, what="the message at the sink")
+        assert re.search(r"TLS connection established to 127\.0\.0\.1\[127\.0\.0\.1\]:\d+: TLSv1\.[23]",
+                         into.maillog()), into.maillog()
+        assert re.search(r"TLS connection established from localhost\[127\.0\.0\.1\]: TLSv1\.[23]",
+                         out.maillog()), out.maillog()
+        assert "status=sent" in into.maillog()
+        # the node's session to the second Postfix (logged when it ends: the node keeps it a while)
+        wait_for(lambda: re.search(r"disconnect from .* ehlo=2 starttls=1 mail=1 ", out.maillog()), timeout=15,
+                 what="the node's STARTTLS session in the second Postfix's log")
+    finally:
+        shutil.rmtree(certs, ignore_errors=True)

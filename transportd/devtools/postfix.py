@@ -40,6 +40,7 @@ discard   unix  - - n -     - discard
 anvil     unix  - - n -     1 anvil
 scache    unix  - - n -     1 scache
 postlog   unix-dgram n - n - 1 postlogd
+tlsmgr    unix  - - n 1000? 1 tlsmgr
 """
 
 
