@@ -11,6 +11,7 @@ import time
 import uuid
 
 import pytest
+from sqlalchemy import select
 from test_redundancy_connection import b64, b64_dbid, one, server, shadowing_client
 
 from transportd.errors import ProtocolError
@@ -18,7 +19,7 @@ from transportd.queue import messages as mq
 from transportd.queue import shadows as sq
 from transportd.queue.messages import NewMessage
 from transportd.queue.routing import NextHop
-from transportd.queue.store import QueueStore
+from transportd.queue.store import QueueStore, message_shadows
 from transportd.redundancy.connection import (
     Adopted,
     AdoptRequested,
@@ -408,3 +409,19 @@ def test_adoption_skips_a_copy_already_promoted(cluster) -> None:
     cluster.heartbeat("n3", "n1", SPAN + DELAY)  # rank 2 went first (rank 1 was slow)
     adopted = cluster.tx("n3", lambda c: sq.adopt_shadows(c, "n1", "n2", P_DBID, 1, [guid]))
     assert adopted == []  # the other side learns it and keeps its own copy as primary
+
+
+def test_a_shadow_made_on_a_peers_new_database_is_not_forgotten_with_the_old_ones(cluster) -> None:
+    """A peer back with a new queue database lost the shadows it held of our messages
+    (``claim_lost_shadows``), but not the copies made on the new database after it was first
+    seen: forgetting one (seen in a chaos run: the very session that announced the new ID carried
+    a re-shadow) left it held there with no discard ever sent, and the peer promoted it when we
+    failed later: a second delivery."""
+    old = cluster.accept("n1", ["n2"], "old-netid", now=100.0)
+    new = cluster.accept("n1", ["n2"], "new-netid", now=205.0)  # on n2's new database, seen at 200
+    both = cluster.accept("n1", ["n2", "n3"], "both-netid", now=150.0)
+    rows = cluster.tx("n1", lambda c: sq.claim_lost_shadows(c, "n2", 200.0))
+    assert sorted(r["network_message_id"] for r in rows) == ["both-netid", "old-netid"]
+    kept = cluster.tx("n1", lambda c: c.execute(select(message_shadows.c.shadow_guid, message_shadows.c.shadow_node))
+                      .all())
+    assert sorted(kept) == sorted([(new, "n2"), (both, "n3")]), (old, kept)

@@ -90,17 +90,18 @@ def settle_discard_events(conn: Connection, token: str, acknowledged: bool) -> N
         conn.execute(update(discard_events).where(cond).values(sent_token=None))
 
 
-def claim_lost_shadows(conn: Connection, peer: str) -> list[dict]:
-    """Our queued messages shadowed on ``peer`` (which lost its queue database): forget those
-    shadows and mark the messages ``reshadowing``; returns their rows."""
+def claim_lost_shadows(conn: Connection, peer: str, before: float) -> list[dict]:
+    """Our queued messages shadowed on ``peer`` before ``before`` (when its new queue database was
+    first seen: the copies made on it since are current, and forgetting one would leave it held
+    there with no discard ever sent, a second owner if we fail): forget those shadows and mark
+    the messages ``reshadowing``; returns their rows."""
+    lost = (message_shadows.c.shadow_node == peer) & (message_shadows.c.created_at < before)
     rows = [dict(r) for r in conn.execute(
         select(messages).join(message_shadows, message_shadows.c.message_id == messages.c.id)
-        .where(message_shadows.c.shadow_node == peer, messages.c.role == "primary",
-               messages.c.state == mq.QUEUED)).mappings()]
+        .where(lost, messages.c.role == "primary", messages.c.state == mq.QUEUED)).mappings()]
     ids = list({r["id"] for r in rows})
     if ids:
-        conn.execute(delete(message_shadows).where(message_shadows.c.message_id.in_(ids),
-                                                   message_shadows.c.shadow_node == peer))
+        conn.execute(delete(message_shadows).where(message_shadows.c.message_id.in_(ids), lost))
         conn.execute(update(messages).where(messages.c.id.in_(ids)).values(redundancy="reshadowing"))
     return list({r["id"]: r for r in rows}.values())
 

@@ -35,7 +35,7 @@ log = logging.getLogger("transportd.redundancy.heartbeat")
 
 class Heartbeat:
     def __init__(self, cfg: Any, store: QueueStore, events: EventSink, pool: PeerPool, shadows: ShadowQueues,
-                 spawn: Callable[[Any, str], Any], reprotect: Callable[[str], Awaitable[int]]):
+                 spawn: Callable[[Any, str], Any], reprotect: Callable[[str, float], Awaitable[int]]):
         self.cfg = cfg
         self.sr = cfg.shadow_redundancy
         self.store = store
@@ -79,9 +79,9 @@ class Heartbeat:
                 # In the background, out of the lock: the peer waits for its reply, and other
                 # sessions' shadow requests must not wait for a promotion of thousands.
                 self._state_changes[primary] = dbid
-                self._spawn(self._state_change(primary, dbid), f"promoting the shadows of {primary}")
+                self._spawn(self._state_change(primary, dbid, time.time()), f"promoting the shadows of {primary}")
 
-    async def _state_change(self, primary: str, dbid: str) -> None:
+    async def _state_change(self, primary: str, dbid: str, seen_at: float) -> None:
         try:
             # Rank 1 at once; copies of a higher rank (N-way) when their delay has passed
             # (``_old_ranks``, in the heartbeats that follow).
@@ -92,7 +92,8 @@ class Heartbeat:
             if self._state_changes.get(primary) == dbid:
                 del self._state_changes[primary]
         # The shadow copies it held of *our* messages went with its old database: make them again.
-        await self._reprotect(primary)
+        # Only those: a copy made on the new database (this very session's, say) is current.
+        await self._reprotect(primary, seen_at)
 
     async def _old_ranks(self, primary: str, dbid: str | None, changed_at: float, now: float) -> None:
         """Shadows made from ``primary``'s old queue database, of a rank above 1 (N-way): promoted

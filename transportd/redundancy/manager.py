@@ -153,11 +153,12 @@ class ShadowManager:
 
     # ================================================================== redundancy regained
 
-    async def reprotect(self, peer: str) -> int:
-        """``peer`` came back with a new queue database: our queued messages shadowed there have lost
-        their shadow. One transaction forgets the lost copies and marks the messages
-        ``reshadowing`` (visible to ``message list`` and the metrics); new copies are made concurrently."""
-        rows = await self.store.write(lambda c: sq.claim_lost_shadows(c, peer))
+    async def reprotect(self, peer: str, seen_at: float) -> int:
+        """``peer`` came back with a new queue database, first seen at ``seen_at``: our queued
+        messages shadowed there before have lost their shadow. One transaction forgets the lost
+        copies and marks the messages ``reshadowing`` (visible to ``message list`` and the
+        metrics); new copies are made concurrently."""
+        rows = await self.store.write(lambda c: sq.claim_lost_shadows(c, peer, seen_at))
         made = await self._reshadow_all(rows, exclude=None)
         if rows:
             log.warning("%s has a new queue database: made %d of %d lost shadow(s) of our messages again",
