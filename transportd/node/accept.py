@@ -158,11 +158,15 @@ class AcceptPath:
         if the queue database takes any)."""
         netid = msg.network_message_id
         uncertain = result.uncertain if result is not None else ()
+        # The shadows' time is when they exist (after the copy), not when the message came: a
+        # peer's new queue database first seen by the copy's own session must not count this one
+        # among the shadows it lost (Heartbeat._state_change, claim_lost_shadows).
+        made_at = time.time()
 
         def commit(conn):
             mid = mq.enqueue(conn, msg)
             for node, rank in holders:
-                sq.record_shadow(conn, mid, node, guid, now, rank)
+                sq.record_shadow(conn, mid, node, guid, made_at, rank)
             sq.discard_uncertain(conn, uncertain, guid, now)
             return mid
         try:

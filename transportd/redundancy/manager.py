@@ -249,8 +249,11 @@ class ShadowManager:
                 result = await self.make_shadow(msg, guid, addrs,
                                                 exclude=[e for e in (exclude, *(h for h, _ in holders)) if e],
                                                 copies=missing, first_rank=max(1, first))
+            # Recorded with the time the copies exist (not the start): a peer's new queue database
+            # first seen by this very copy's session must not count it among the lost (reprotect).
+            made_at = time.time()
             state = await self.store.write(lambda c: sq.settle_reshadow(
-                c, mid, [(p, r) for p, r, _ in result.holders], guid, result.uncertain, bool(addrs), now, wanted))
+                c, mid, [(p, r) for p, r, _ in result.holders], guid, result.uncertain, bool(addrs), made_at, wanted))
             if not addrs:
                 return False
             for peer, _rank, reply in result.holders:
