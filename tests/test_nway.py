@@ -19,7 +19,7 @@ from transportd.queue import messages as mq
 from transportd.queue import shadows as sq
 from transportd.queue.messages import NewMessage
 from transportd.queue.routing import NextHop
-from transportd.queue.store import QueueStore, message_shadows
+from transportd.queue.store import QueueStore, discard_events, message_shadows
 from transportd.redundancy.connection import (
     Adopted,
     AdoptRequested,
@@ -420,8 +420,13 @@ def test_a_shadow_made_on_a_peers_new_database_is_not_forgotten_with_the_old_one
     old = cluster.accept("n1", ["n2"], "old-netid", now=100.0)
     new = cluster.accept("n1", ["n2"], "new-netid", now=205.0)  # on n2's new database, seen at 200
     both = cluster.accept("n1", ["n2", "n3"], "both-netid", now=150.0)
-    rows = cluster.tx("n1", lambda c: sq.claim_lost_shadows(c, "n2", 200.0))
+    rows = cluster.tx("n1", lambda c: sq.claim_lost_shadows(c, "n2", 200.0, 210.0))
     assert sorted(r["network_message_id"] for r in rows) == ["both-netid", "old-netid"]
     kept = cluster.tx("n1", lambda c: c.execute(select(message_shadows.c.shadow_guid, message_shadows.c.shadow_node))
                       .all())
     assert sorted(kept) == sorted([(new, "n2"), (both, "n3")]), (old, kept)
+    # each forgotten copy gets a discard event all the same: one made on the new database before
+    # the change was seen would otherwise be held there for good
+    events = cluster.tx("n1", lambda c: c.execute(select(discard_events.c.shadow_node, discard_events.c.shadow_guid))
+                        .all())
+    assert sorted(events) == sorted([("n2", old), ("n2", both)]), events

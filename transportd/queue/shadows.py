@@ -90,17 +90,23 @@ def settle_discard_events(conn: Connection, token: str, acknowledged: bool) -> N
         conn.execute(update(discard_events).where(cond).values(sent_token=None))
 
 
-def claim_lost_shadows(conn: Connection, peer: str, before: float) -> list[dict]:
+def claim_lost_shadows(conn: Connection, peer: str, before: float, now: float) -> list[dict]:
     """Our queued messages shadowed on ``peer`` before ``before`` (when its new queue database was
-    first seen: the copies made on it since are current, and forgetting one would leave it held
-    there with no discard ever sent, a second owner if we fail): forget those shadows and mark
-    the messages ``reshadowing``; returns their rows."""
+    first seen; the copies recorded since are current): forget those shadows and mark the messages
+    ``reshadowing``; returns their rows. Each forgotten copy also gets a discard event: one made
+    on the new database all the same (a session can copy there before the change is seen) would
+    otherwise stay held with no discard ever sent, and be promoted, a second owner, if we fail;
+    for a copy that went with the old database the discard is a no-op there."""
     lost = (message_shadows.c.shadow_node == peer) & (message_shadows.c.created_at < before)
     rows = [dict(r) for r in conn.execute(
         select(messages).join(message_shadows, message_shadows.c.message_id == messages.c.id)
         .where(lost, messages.c.role == "primary", messages.c.state == mq.QUEUED)).mappings()]
     ids = list({r["id"] for r in rows})
     if ids:
+        guids = conn.execute(select(message_shadows.c.shadow_guid).where(
+            message_shadows.c.message_id.in_(ids), lost).distinct()).scalars().all()
+        for guid in guids:
+            discard_uncertain(conn, [peer], guid, now)
         conn.execute(delete(message_shadows).where(message_shadows.c.message_id.in_(ids), lost))
         conn.execute(update(messages).where(messages.c.id.in_(ids)).values(redundancy="reshadowing"))
     return list({r["id"]: r for r in rows}.values())

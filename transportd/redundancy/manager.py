@@ -158,7 +158,7 @@ class ShadowManager:
         messages shadowed there before have lost their shadow. One transaction forgets the lost
         copies and marks the messages ``reshadowing`` (visible to ``message list`` and the
         metrics); new copies are made concurrently."""
-        rows = await self.store.write(lambda c: sq.claim_lost_shadows(c, peer, seen_at))
+        rows = await self.store.write(lambda c: sq.claim_lost_shadows(c, peer, seen_at, time.time()))
         made = await self._reshadow_all(rows, exclude=None)
         if rows:
             log.warning("%s has a new queue database: made %d of %d lost shadow(s) of our messages again",
