@@ -25,6 +25,8 @@ METHODS = {
     "smtp_DATA": "replaced by the chunked reader",
     "check_helo_needed": "DATA's checks, as aiosmtpd's own DATA does",
     "check_auth_needed": "DATA's checks, as aiosmtpd's own DATA does",
+    "_cb_client_connected": "HalfClose: the end of input ends the session's read loop (EndOfInput)",
+    "eof_received": "HalfClose: a client's half-close no longer cancels the commands it sent before",
     "_getaddr": "made total (the email package's parser raises on some malformed addresses); "
                 "the common form read by a regular expression, the rest by aiosmtpd's",
 }
@@ -43,6 +45,14 @@ def test_private_methods_we_override_or_call_exist():
     missing = [name for name in METHODS if not callable(getattr(SMTP, name, None))]
     assert not missing, f"aiosmtpd no longer has {missing}: see {METHODS}"
     assert inspect.iscoroutinefunction(SMTP._handle_client) and inspect.iscoroutinefunction(SMTP._call_handler_hook)
+
+
+def test_the_read_loop_ends_on_connection_reset_and_reads_lines_with_readuntil():
+    """HalfClose ends a session at the end of input by raising EndOfInput (a ConnectionResetError)
+    from the reader's ``readuntil``: the loop must read command lines with it and leave on that error."""
+    source = inspect.getsource(SMTP._handle_client)
+    assert "self._reader.readuntil()" in source
+    assert "except ConnectionResetError:" in source
 
 
 def test_private_attributes_we_read_are_set_by_the_constructor():

@@ -742,6 +742,57 @@ def test_client_gone_mid_data_stores_nothing(make_node):
     assert [m["subject"] for m in messages(node)] == ["whole"]
 
 
+@pytest.mark.parametrize("how", ["bdat", "data"])
+def test_a_client_that_half_closes_after_its_pipelined_quit_gets_every_reply(make_node, how):
+    """Exim pipelines ``BDAT n LAST`` (or the final dot) with QUIT, then shuts its socket down for
+    writing and reads the replies (TCP half-close). Every command sent before the end is carried
+    out and answered and the message is queued once; aiosmtpd alone dropped the session at the
+    end of input, so Exim never saw a 250 and deferred the message for good."""
+    node = make_node().start()
+    c = Raw(node.port)
+    ehlo(c)
+    body = b"From: a@remote.test\r\nSubject: half-closed " + how.encode() + b"\r\n\r\nbody\r\n"
+    wire = b"MAIL FROM:<a@remote.test>\r\nRCPT TO:<alice@example.test>\r\n"
+    if how == "bdat":
+        wire += f"BDAT {len(body)} LAST\r\n".encode() + body + b"QUIT\r\n"
+        c.send(wire)
+    else:
+        c.send(wire + b"DATA\r\n")
+        assert [c.reply()[-1][:3] for _ in range(3)] == ["250", "250", "354"]
+        c.send(body + b".\r\nQUIT\r\n")
+    c.sock.shutdown(socket.SHUT_WR)
+    got = [c.reply()[-1] for _ in range(4 if how == "bdat" else 2)]
+    if how == "bdat":
+        assert_reply(got.pop(0), 250, "2.1.0")
+        assert_reply(got.pop(0), 250, "2.1.5")
+    assert got[0].startswith("250 2.0.0 Ok: queued as "), got
+    assert_reply(got[1], 221, "2.0.0")
+    assert c.closed_by_peer()
+    assert [m["subject"] for m in messages(node)] == [f"half-closed {how}"]
+    assert node.alive and "Traceback" not in node.log()
+
+
+def test_a_half_close_in_the_middle_of_a_command_or_a_chunk_ends_the_session_cleanly(make_node):
+    """The end of input after a partial command line, inside a BDAT chunk or inside DATA: the
+    session ends without a reply to the unfinished part, nothing is queued, no loop, no error."""
+    node = make_node().start()
+    transaction = b"MAIL FROM:<a@remote.test>\r\nRCPT TO:<alice@example.test>\r\n"
+    for tail in (b"NOOP\r\nMAIL FROM:<a@remote.test", transaction + b"BDAT 100 LAST\r\nSubject: cut\r\n",
+                 transaction + b"DATA\r\nSubject: cut\r\n\r\nno end"):
+        c = Raw(node.port)
+        ehlo(c)
+        c.send(tail)
+        c.sock.shutdown(socket.SHUT_WR)
+        assert c.closed_by_peer()
+        finals = [line for line in c.buf.decode().split("\r\n") if line[3:4] == " "]
+        assert all(line[:1] in "23" for line in finals), finals  # the whole commands were answered
+    time.sleep(0.3)  # waiting for absence: nothing may be stored
+    assert messages(node) == []
+    assert node.alive
+    log = node.log()
+    assert "Traceback" not in log and "SMTP session error" not in log
+
+
 # --------------------------------------------------------------------------- 11. bad configuration
 
 @pytest.mark.parametrize("frontend, key", [

@@ -24,6 +24,8 @@ from pathlib import Path
 
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
+from transportd.smtp.server import HalfClose
+
 
 class SinkHandler:
     def __init__(self, directory: Path, smtputf8: bool = True, eightbitmime: bool = True):
@@ -72,12 +74,16 @@ def _store(directory: Path, name: str, data: bytes) -> None:
     os.rename(tmp, directory / "new" / name)
 
 
+class SinkSMTP(HalfClose, SMTP):
+    """aiosmtpd's session, serving a client that half-closes after its pipelined QUIT (Exim)."""
+
+
 async def run_sink(host: str, port: int, directory: Path, *, smtputf8: bool = True,
                    eightbitmime: bool = True) -> None:
     handler = SinkHandler(directory, smtputf8=smtputf8, eightbitmime=eightbitmime)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        lambda: SMTP(handler, hostname="sink.transportd.test", ident="transportd sink",
+        lambda: SinkSMTP(handler, hostname="sink.transportd.test", ident="transportd sink",
                      enable_SMTPUTF8=smtputf8, decode_data=False), host=host, port=port, reuse_address=True)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

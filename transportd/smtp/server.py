@@ -430,6 +430,51 @@ class _ShutdownNotice:
         return getattr(self._reader, "_waiter", None) is not None
 
 
+class EndOfInput(ConnectionResetError):
+    """The client ended its sending side, and every whole command it sent before was served."""
+
+
+class HalfClose:
+    """A client may end its sending side once its last commands are out: Exim pipelines ``BDAT n
+    LAST`` (or the final dot) with QUIT and then shuts its socket down for writing, waiting for
+    the replies. aiosmtpd cancels the session at the end of input, so such a client never got its
+    250 and deferred the message for good. Here the commands read before the end are carried out
+    and answered as usual (TCP half-close); the session ends when the reader reaches the end
+    (``EndOfInput``). Over TLS asyncio's transport has no half-close: aiosmtpd's way stays."""
+
+    session: Session | None
+    _reader: asyncio.StreamReader | None
+    _handler_coroutine: asyncio.Task | None
+
+    def _cb_client_connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        super()._cb_client_connected(reader, writer)  # type: ignore[misc]
+        read_until = reader.readuntil
+
+        async def readuntil(separator: bytes = b"\n") -> bytes:
+            try:
+                return await read_until(separator)
+            except asyncio.IncompleteReadError as exc:
+                if reader.at_eof():
+                    raise EndOfInput("end of input") from exc
+                raise
+        reader.readuntil = readuntil  # type: ignore[method-assign]
+
+    async def _handle_client(self) -> None:
+        try:
+            await super()._handle_client()  # type: ignore[misc]
+        except EndOfInput:
+            pass  # every command before the client's end was answered; aiosmtpd closed the writer
+
+    def eof_received(self) -> bool | None:
+        session = self.session
+        if session is None or session.ssl is not None or self._reader is None:
+            return super().eof_received()  # type: ignore[misc]
+        log.info("%r end of input: serving the commands read before it", session.peer)
+        # The stream sees its end (the session's next read ends it); the transport stays open for
+        # the replies (StreamReaderProtocol's own answer to a half-close).
+        return asyncio.StreamReaderProtocol.eof_received(self)  # type: ignore[arg-type]
+
+
 def say_shutting_down() -> int:
     """421 4.3.2 to every session of this process that waits for its client, and close it; a
     session carrying out a command (a message being made durable) finishes it first, or is cut
@@ -444,7 +489,8 @@ def say_shutting_down() -> int:
     return told
 
 
-class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _ShutdownNotice, _DsnParameters, _AuthParameter, SMTP):
+class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _ShutdownNotice, HalfClose, _DsnParameters, _AuthParameter,
+                  SMTP):
     """aiosmtpd's SMTP with connection limits, an absolute timeout and our reply wording."""
 
     def __init__(self, handler: Any, *, counter: ConnectionCounter, connection_timeout: float,
