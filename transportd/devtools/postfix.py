@@ -44,13 +44,13 @@ tlsmgr    unix  - - n 1000? 1 tlsmgr
 """
 
 
-def _free_port(host: str) -> int:
+def free_port_on(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
@@ -67,7 +67,7 @@ class PostfixMTA:
                  process_limit: int = 100, settings: dict[str, str] | None = None):
         self.dir = work / "postfix"
         self.host = host
-        self.port = _free_port(host)
+        self.port = free_port_on(host)
         self.master_pid = 0
         etc, spool, data = self.dir / "etc", self.dir / "spool", self.dir / "data"
         for d in (etc, spool, data):
@@ -137,8 +137,8 @@ class PostfixMTA:
             return
         self.postfix("stop")
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and _alive(self.master_pid):
+        while time.monotonic() < deadline and process_alive(self.master_pid):
             time.sleep(0.1)
-        if _alive(self.master_pid):
+        if process_alive(self.master_pid):
             os.kill(self.master_pid, signal.SIGKILL)
         self.master_pid = 0

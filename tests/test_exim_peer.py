@@ -1,0 +1,133 @@
+"""A real Exim MTA (Debian's exim4-daemon-light, ``transportd.devtools.exim``) on both sides of a node.
+
+Exim is the client that chunks: where CHUNKING is offered it sends ``BDAT n LAST`` with the
+message, pipelines QUIT behind it and shuts its socket down for writing before it reads the
+replies (cmdlog ``MAIL|:RCPT|:BDAT:QUIT:250:250:250:221``). As a next hop it offers DSN, SMTPUTF8,
+CHUNKING and PIPELINING. smtp-sink (or ``transportd sink`` for SMTPUTF8) stands behind both and
+records what crossed both hops.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import smtplib
+import tempfile
+from pathlib import Path
+
+import pytest
+from conftest import wait_for
+from test_postfix_peer import by_subject, sink_args
+
+from transportd.devtools.exim import EximMTA
+
+pytestmark = pytest.mark.skipif(EximMTA.available() is not None, reason=f"{EximMTA.available()}")
+
+
+@pytest.fixture
+def exim():
+    """A factory of started Exim daemons, stopped at the end; their folders are outside pytest's
+    (0700) tree: Exim runs as Debian-exim and must reach its spool."""
+    started: list[EximMTA] = []
+    work = Path(tempfile.mkdtemp(prefix="transportd-exim-"))
+    work.chmod(0o755)
+
+    def factory(relay_to: str, name: str = "exim.test", **settings: str) -> EximMTA:
+        mta = EximMTA(work / f"ex{len(started)}", relay_to, name=name, settings=settings)
+        started.append(mta)
+        return mta.start()
+    try:
+        yield factory
+    finally:
+        for mta in started:
+            mta.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def send(mta: EximMTA, sender: str, rcpts: list[str], subject: str, body: str = "hello\r\n", *,
+         mail_options: tuple[str, ...] = (), rcpt_options: tuple[str, ...] = ()) -> dict:
+    msg = (f"From: {sender}\r\nTo: {', '.join(rcpts)}\r\nSubject: {subject}\r\n"
+           f"Message-ID: <{subject.replace(' ', '-')}@client.test>\r\n\r\n{body}").encode()
+    with smtplib.SMTP(mta.host, mta.port, timeout=20) as c:
+        c.ehlo("client.test")
+        return c.sendmail(sender, rcpts, msg, mail_options=list(mail_options), rcpt_options=list(rcpt_options))
+
+
+def deliveries(mta: EximMTA) -> list[str]:
+    """Exim's ``=>`` lines (one per recipient delivered)."""
+    return [line for line in mta.mainlog().splitlines() if " => " in line]
+
+
+def test_exim_chunks_into_the_node_and_the_dsn_parameters_cross(make_node, sink, exim):
+    """client -> Exim -> node -> smtp-sink: Exim sends with BDAT and a pipelined QUIT behind it
+    (``K`` on its delivery line), gets the node's 250 at once and delivers the message once (no
+    deferral); RET, ENVID, NOTIFY and ORCPT arrive at the sink as the client gave them."""
+    sink.start()
+    node = make_node(smart_host=sink.address).start()
+    mta = exim(f"127.0.0.1:{node.port}")
+    assert send(mta, "bob@remote.test", ["carol@foreign.test"], "exim chunks", "caf\u00e9\r\n",
+                mail_options=("BODY=8BITMIME", "RET=HDRS", "ENVID=ENV-7"),
+                rcpt_options=("NOTIFY=FAILURE,DELAY", "ORCPT=rfc822;carol@foreign.test")) == {}
+    got = wait_for(lambda: by_subject(sink, "exim chunks"), timeout=30, what="the message at the sink")
+    lines = wait_for(lambda: deliveries(mta), timeout=10, what="Exim's delivery line")
+    received = node.tracking(event_id="RECEIVE")
+    assert len(got) == 1 and len(lines) == 1 and len(received) == 1, (got, lines, received)
+    assert re.search(r" K C=\"250 2\.0\.0 Ok: queued as (\d+)\"", lines[0]), lines[0]  # K: CHUNKING used
+    assert lines[0].split("queued as ")[1].split('"')[0] == received[0]["internal-message-id"]
+    assert " == " not in mta.mainlog() and "closed connection" not in mta.mainlog(), mta.mainlog()
+    mail, rcpts = sink_args(got[0])
+    assert mail.split()[0] == "<bob@remote.test>" and {"RET=HDRS", "ENVID=ENV-7"} <= set(mail.split()[1:]), mail
+    assert len(rcpts) == 1 and rcpts[0].split()[0] == "<carol@foreign.test>", rcpts
+    assert set(rcpts[0].split()[1:]) == {"ORCPT=rfc822;carol@foreign.test", "NOTIFY=FAILURE,DELAY"}, rcpts
+    assert "caf\u00e9".encode() in got[0]
+    assert [r["client-hostname"] for r in received] == ["exim.test"]
+
+
+def test_exim_sends_smtputf8_into_the_node(make_node, usink, exim):
+    """RFC 6531 through Exim: client -> Exim -> node -> transportd sink, chunked; the UTF-8
+    envelope and body arrive whole."""
+    node = make_node(smart_host=usink.address).start()
+    mta = exim(f"127.0.0.1:{node.port}")
+    assert send(mta, "jos\u00e9@remote.test", ["\u00f1and\u00fa@foreign.test"], "utf8 via exim",
+                "gr\u00fc\u00df \u2713\r\n", mail_options=("SMTPUTF8", "BODY=8BITMIME")) == {}
+    got = wait_for(usink.messages, timeout=30, what="the message at the sink")
+    assert len(got) == 1
+    head, body = got[0].split(b"\r\n\r\n", 1)
+    assert "X-Sink-Mail-From: <jos\u00e9@remote.test>".encode() in head, head
+    assert "X-Sink-Rcpt-To: <\u00f1and\u00fa@foreign.test>".encode() in head, head
+    assert body == "gr\u00fc\u00df \u2713\r\n".encode()
+    assert [" K " in line for line in deliveries(mta)] == [True], mta.mainlog()
+
+
+def test_the_node_delivers_to_exim(make_node, sink, usink, exim):
+    """node -> Exim as the next hop outside the boundary: Exim takes the node's transaction (the
+    node's SENDEXTERNAL row carries Exim's message id), the DSN parameters go on to smtp-sink, and a
+    UTF-8 message crosses Exim to a sink that offers SMTPUTF8."""
+    sink.start()
+    mta = exim(sink.address)
+    node = make_node(smart_host=mta.address).start()
+    with smtplib.SMTP("127.0.0.1", node.port, timeout=20) as c:
+        c.sendmail("bob@remote.test", ["dan@foreign.test"],
+                   b"From: bob@remote.test\r\nSubject: to exim\r\n\r\nbody\r\n",
+                   mail_options=["RET=FULL", "ENVID=ENV-8"], rcpt_options=["NOTIFY=SUCCESS"])
+    got = wait_for(lambda: by_subject(sink, "to exim"), timeout=30, what="the message at the sink")
+    mail, rcpts = sink_args(got[0])
+    assert {"RET=FULL", "ENVID=ENV-8"} <= set(mail.split()[1:]), mail
+    assert rcpts[0].split()[0] == "<dan@foreign.test>" and "NOTIFY=SUCCESS" in rcpts[0].split(), rcpts
+    rows = wait_for(lambda: node.tracking(event_id="SENDEXTERNAL"), timeout=10, what="the SENDEXTERNAL row")
+    exim_ids = re.findall(r"^\S+ \S+ (\S+) <= bob@remote\.test ", mta.mainlog(), re.MULTILINE)
+    assert len(rows) == 1 and exim_ids and f"id={exim_ids[0]}" in rows[0]["recipient-status"], (rows, exim_ids)
+    assert not node.tracking(event_id="FAIL")
+
+    utf8 = exim(usink.address, name="exim-utf8.test")
+    node2 = make_node("node2", smart_host=utf8.address).start()
+    with smtplib.SMTP("127.0.0.1", node2.port, timeout=20) as c:
+        c.ehlo("client.test")
+        c.sendmail("jos\u00e9@remote.test", ["\u00f1and\u00fa@foreign.test"],
+                   "From: x@remote.test\r\nSubject: utf8 to exim\r\n\r\ngr\u00fc\u00df\r\n".encode(),
+                   mail_options=["SMTPUTF8", "BODY=8BITMIME"])
+    got = wait_for(usink.messages, timeout=30, what="the UTF-8 message at the sink")
+    head, body = got[0].split(b"\r\n\r\n", 1)
+    assert "X-Sink-Rcpt-To: <\u00f1and\u00fa@foreign.test>".encode() in head, head
+    assert body == "gr\u00fc\u00df\r\n".encode()
+    assert re.search(r"<= jos\u00e9@remote\.test .*P=utf8esmtp", utf8.mainlog()), utf8.mainlog()
