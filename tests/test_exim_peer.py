@@ -32,8 +32,10 @@ def exim():
     work = Path(tempfile.mkdtemp(prefix="transportd-exim-"))
     work.chmod(0o755)
 
-    def factory(relay_to: str, name: str = "exim.test", **settings: str) -> EximMTA:
-        mta = EximMTA(work / f"ex{len(started)}", relay_to, name=name, settings=settings)
+    def factory(relay_to: str, name: str = "exim.test", *, transport: dict[str, str] | None = None,
+                auth: tuple[str, str] | None = None, **settings: str) -> EximMTA:
+        mta = EximMTA(work / f"ex{len(started)}", relay_to, name=name, settings=settings, transport=transport,
+                      auth=auth)
         started.append(mta)
         return mta.start()
     try:
@@ -131,3 +133,38 @@ def test_the_node_delivers_to_exim(make_node, sink, usink, exim):
     assert "X-Sink-Rcpt-To: <\u00f1and\u00fa@foreign.test>".encode() in head, head
     assert body == "gr\u00fc\u00df\r\n".encode()
     assert re.search(r"<= jos\u00e9@remote\.test .*P=utf8esmtp", utf8.mainlog()), utf8.mainlog()
+
+
+def test_exim_relays_through_the_node_with_starttls_and_auth(make_node, sink, exim, tmp_path):
+    """A smart-host setup as operators write it: Exim must use TLS (verifying the node's
+    certificate against the CA) and AUTH PLAIN, and the node relays only for authenticated
+    clients (no trusted network, ``require_tls``). Exim's delivery line shows the TLS session,
+    the verified certificate (``CV=yes``), the authenticator (``A=plain``) and CHUNKING (``K``)."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    cert = ca.issue_cert("node1.transportd.test", "127.0.0.1")
+    tls = Path(tempfile.mkdtemp(prefix="transportd-exim-tls-"))
+    tls.chmod(0o755)
+    cert.private_key_and_cert_chain_pem.write_to_path(str(tls / "cert.pem"))
+    cert.private_key_pem.write_to_path(str(tls / "key.pem"))
+    ca.cert_pem.write_to_path(str(tls / "ca.pem"))
+    for pem in tls.iterdir():
+        pem.chmod(0o644)  # Exim reads the CA as Debian-exim
+    sink.start()
+    node = make_node(smart_host=sink.address, overrides={
+        "frontend": {"tls_certificate": str(tls / "cert.pem"), "tls_key": str(tls / "key.pem"), "require_tls": True,
+                     "auth_users": {"exim": "s3cret"}},
+        "routing": {"trusted_networks": []}}).start()
+    mta = exim(f"127.0.0.1:{node.port}", auth=("exim", "s3cret"),
+               transport={"hosts_avoid_tls": "", "hosts_require_tls": "*", "tls_verify_certificates": str(tls / "ca.pem"),
+                          "tls_verify_cert_hostnames": ""})
+    try:
+        assert send(mta, "bob@remote.test", ["carol@foreign.test"], "exim with auth") == {}
+        got = wait_for(lambda: by_subject(sink, "exim with auth"), timeout=30, what="the message at the sink")
+        assert len(got) == 1
+        lines = wait_for(lambda: deliveries(mta), timeout=10, what="Exim's delivery line")
+        assert len(lines) == 1 and " X=TLS" in lines[0] and " CV=yes " in lines[0] and " A=plain " in lines[0] \
+            and " K " in lines[0], lines
+        assert " == " not in mta.mainlog(), mta.mainlog()
+    finally:
+        shutil.rmtree(tls, ignore_errors=True)

@@ -38,10 +38,12 @@ def exim_binary() -> str:
 class EximMTA:
     """Exim in ``work/exim``: ``start``, ``stop``, ``mainlog``; ``settings`` are extra main
     options (name -> value) over the defaults below; ``transport`` extra options of the smtp
-    transport that relays (e.g. ``hosts_try_chunking``)."""
+    transport that relays (e.g. ``hosts_require_tls``); with ``auth`` (user, password) Exim
+    authenticates to the next hop with AUTH PLAIN and requires it."""
 
     def __init__(self, work: Path, relay_to: str, *, host: str = "127.0.0.1", name: str = "exim.test",
-                 settings: dict[str, str] | None = None, transport: dict[str, str] | None = None):
+                 settings: dict[str, str] | None = None, transport: dict[str, str] | None = None,
+                 auth: tuple[str, str] | None = None):
         self.dir = work / "exim"
         self.host = host
         self.port = free_port_on(host)
@@ -64,7 +66,9 @@ class EximMTA:
             "log_selector": "+received_recipients +smtp_protocol_error +smtp_syntax_error +deliver_time",
             **(settings or {})}
         smtp = {"driver": "smtp", "port": relay_port, "hosts_avoid_tls": "*", "hosts_try_chunking": "*",
-                **(transport or {})}
+                **({"hosts_require_auth": "*"} if auth else {}), **(transport or {})}
+        authenticators = ("" if auth is None else "\nbegin authenticators\nplain:\n  driver = plaintext\n"
+                          f"  public_name = PLAIN\n  client_send = ^{auth[0]}^{auth[1]}\n")
         (self.dir / "exim.conf").write_text(
             "# written by transportd.devtools.exim: loopback only, one next hop\n"
             + "".join(f"{k} = {v}\n" for k, v in main.items())
@@ -72,7 +76,7 @@ class EximMTA:
             + f"\nbegin routers\nrelay:\n  driver = manualroute\n  route_list = * {relay_host}\n"
             + "  transport = relay\n  self = send\n"
             + "\nbegin transports\nrelay:\n" + "".join(f"  {k} = {v}\n" for k, v in smtp.items())
-            + "\nbegin retry\n* * F,10m,2s\n")
+            + "\nbegin retry\n* * F,10m,2s\n" + authenticators)
 
     @property
     def address(self) -> str:
