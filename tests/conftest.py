@@ -306,6 +306,27 @@ class TransportdSink:
         return [p.read_bytes() for p in sorted((self.dir / "new").iterdir())]
 
 
+def private_mtas(prefix: str, build: Any):
+    """The body of a fixture that yields a factory of started MTAs (``transportd.devtools``'
+    Postfix and Exim): ``build(folder, *args, **kw)`` makes one, the factory starts it; all are
+    stopped and their folders removed at the end. The folders are outside pytest's (0700) tree:
+    the MTAs' daemons run as their own users and must reach them."""
+    started: list[Any] = []
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    work.chmod(0o755)
+
+    def factory(*args: Any, **kw: Any) -> Any:
+        mta = build(work / f"mta{len(started)}", *args, **kw)
+        started.append(mta)
+        return mta.start()
+    try:
+        yield factory
+    finally:
+        for mta in started:
+            mta.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
 @pytest.fixture
 def usink(procs):
     return TransportdSink(procs)

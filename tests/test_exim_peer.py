@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
-from test_postfix_peer import by_subject, sink_args
+from conftest import private_mtas, wait_for
+from test_postfix_peer import assert_utf8_arrived, by_subject, sink_args
 
 from transportd.devtools.exim import EximMTA
 
@@ -26,24 +26,11 @@ pytestmark = pytest.mark.skipif(EximMTA.available() is not None, reason=f"{EximM
 
 @pytest.fixture
 def exim():
-    """A factory of started Exim daemons, stopped at the end; their folders are outside pytest's
-    (0700) tree: Exim runs as Debian-exim and must reach its spool."""
-    started: list[EximMTA] = []
-    work = Path(tempfile.mkdtemp(prefix="transportd-exim-"))
-    work.chmod(0o755)
-
-    def factory(relay_to: str, name: str = "exim.test", *, transport: dict[str, str] | None = None,
-                auth: tuple[str, str] | None = None, **settings: str) -> EximMTA:
-        mta = EximMTA(work / f"ex{len(started)}", relay_to, name=name, settings=settings, transport=transport,
-                      auth=auth)
-        started.append(mta)
-        return mta.start()
-    try:
-        yield factory
-    finally:
-        for mta in started:
-            mta.stop()
-        shutil.rmtree(work, ignore_errors=True)
+    """A factory of started Exim daemons (``exim(relay_to, name, transport=, auth=, **main)``)."""
+    def build(folder: Path, relay_to: str, name: str = "exim.test", *, transport: dict[str, str] | None = None,
+              auth: tuple[str, str] | None = None, **settings: str) -> EximMTA:
+        return EximMTA(folder, relay_to, name=name, settings=settings, transport=transport, auth=auth)
+    yield from private_mtas("transportd-exim-", build)
 
 
 def send(mta: EximMTA, sender: str, rcpts: list[str], subject: str, body: str = "hello\r\n", *,
@@ -92,12 +79,7 @@ def test_exim_sends_smtputf8_into_the_node(make_node, usink, exim):
     mta = exim(f"127.0.0.1:{node.port}")
     assert send(mta, "jos\u00e9@remote.test", ["\u00f1and\u00fa@foreign.test"], "utf8 via exim",
                 "gr\u00fc\u00df \u2713\r\n", mail_options=("SMTPUTF8", "BODY=8BITMIME")) == {}
-    got = wait_for(usink.messages, timeout=30, what="the message at the sink")
-    assert len(got) == 1
-    head, body = got[0].split(b"\r\n\r\n", 1)
-    assert "X-Sink-Mail-From: <jos\u00e9@remote.test>".encode() in head, head
-    assert "X-Sink-Rcpt-To: <\u00f1and\u00fa@foreign.test>".encode() in head, head
-    assert body == "gr\u00fc\u00df \u2713\r\n".encode()
+    assert_utf8_arrived(usink)
     assert [" K " in line for line in deliveries(mta)] == [True], mta.mainlog()
 
 

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import private_mtas, wait_for
 
 from transportd.devtools.postfix import PostfixMTA
 
@@ -26,24 +26,22 @@ pytestmark = pytest.mark.skipif(PostfixMTA.available() is not None,
 
 @pytest.fixture
 def postfix():
-    """A factory of started Postfix instances, stopped at the end. Their folders are outside
-    pytest's (0700) tree: Postfix's daemons run as the postfix user and must reach them."""
-    started: list[PostfixMTA] = []
-    work = Path(tempfile.mkdtemp(prefix="transportd-postfix-"))
-    work.chmod(0o755)
+    """A factory of started Postfix instances (``postfix(relay_to, name, **main_cf)``)."""
+    def build(folder: Path, relay_to: str, name: str = "postfix.test", **settings: str) -> PostfixMTA:
+        return PostfixMTA(folder, relay_to, name=name,
+                          settings={"smtputf8_enable": "yes", "minimal_backoff_time": "1s",
+                                    "maximal_backoff_time": "2s", "queue_run_delay": "1s", **settings})
+    yield from private_mtas("transportd-postfix-", build)
 
-    def factory(relay_to: str, name: str = "postfix.test", **settings: str) -> PostfixMTA:
-        mta = PostfixMTA(work / f"pf{len(started)}", relay_to, name=name,
-                         settings={"smtputf8_enable": "yes", "minimal_backoff_time": "1s",
-                                   "maximal_backoff_time": "2s", "queue_run_delay": "1s", **settings})
-        started.append(mta)
-        return mta.start()
-    try:
-        yield factory
-    finally:
-        for mta in started:
-            mta.stop()
-        shutil.rmtree(work, ignore_errors=True)
+
+def assert_utf8_arrived(usink) -> None:
+    """The one message of the UTF-8 chains at the transportd sink, its envelope and body whole."""
+    got = wait_for(usink.messages, timeout=30, what="the message at the sink")
+    assert len(got) == 1
+    head, body = got[0].split(b"\r\n\r\n", 1)
+    assert "X-Sink-Mail-From: <jos\u00e9@remote.test>".encode() in head, head
+    assert "X-Sink-Rcpt-To: <\u00f1and\u00fa@foreign.test>".encode() in head, head
+    assert body == "gr\u00fc\u00df \u2713\r\n".encode()
 
 
 def sink_args(message: bytes) -> tuple[str, list[str]]:
@@ -104,12 +102,7 @@ def test_smtputf8_crosses_postfix_the_node_and_postfix(make_node, usink, postfix
     into = postfix(f"127.0.0.1:{node.port}", name="relay-in.test")
     assert send(into.host, into.port, "jos\u00e9@remote.test", ["\u00f1and\u00fa@foreign.test"], "utf8 chain",
                 "gr\u00fc\u00df \u2713\r\n", mail_options=("SMTPUTF8", "BODY=8BITMIME")) == {}
-    got = wait_for(usink.messages, timeout=30, what="the message at the sink")
-    assert len(got) == 1
-    head, body = got[0].split(b"\r\n\r\n", 1)
-    assert "X-Sink-Mail-From: <jos\u00e9@remote.test>".encode() in head, head
-    assert "X-Sink-Rcpt-To: <\u00f1and\u00fa@foreign.test>".encode() in head, head
-    assert body == "gr\u00fc\u00df \u2713\r\n".encode()
+    assert_utf8_arrived(usink)
     assert not node.tracking(event_id="FAIL") and "status=bounced" not in into.maillog() + out.maillog()
 
 

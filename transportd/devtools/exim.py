@@ -25,7 +25,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from transportd.devtools.postfix import free_port_on, process_alive
+from transportd.devtools.postfix import LoopbackMTA, free_port_on, process_alive
 
 UNPACKED = "/opt/transportd-exim/usr/sbin/exim4"
 EXIM_USER = "Debian-exim"
@@ -35,7 +35,7 @@ def exim_binary() -> str:
     return os.environ.get("TRANSPORTD_EXIM") or shutil.which("exim4") or UNPACKED
 
 
-class EximMTA:
+class EximMTA(LoopbackMTA):
     """Exim in ``work/exim``: ``start``, ``stop``, ``mainlog``; ``settings`` are extra main
     options (name -> value) over the defaults below; ``transport`` extra options of the smtp
     transport that relays (e.g. ``hosts_require_tls``); with ``auth`` (user, password) Exim
@@ -77,10 +77,6 @@ class EximMTA:
             + "  transport = relay\n  self = send\n"
             + "\nbegin transports\nrelay:\n" + "".join(f"  {k} = {v}\n" for k, v in smtp.items())
             + "\nbegin retry\n* * F,10m,2s\n" + authenticators)
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
 
     @staticmethod
     def available() -> str | None:

@@ -58,7 +58,18 @@ def process_alive(pid: int) -> bool:
     return state != "Z"
 
 
-class PostfixMTA:
+class LoopbackMTA:
+    """An MTA of the tests, listening on one loopback address and port."""
+
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class PostfixMTA(LoopbackMTA):
     """Postfix in ``work/postfix``: ``start``, ``stop``, ``maillog``; ``settings`` are extra
     ``main.cf`` lines (name -> value) over the defaults below, e.g. ``smtputf8_enable``,
     ``message_size_limit``, ``smtpd_recipient_restrictions``."""
@@ -92,10 +103,6 @@ class PostfixMTA:
                                      + "".join(f"{k} = {v}\n" for k, v in main.items()))
         (etc / "master.cf").write_text("# written by transportd.devtools.postfix: smtp inet on loopback only\n"
                                        f"{host}:{self.port} inet n - n - - smtpd\n" + _SERVICES)
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
 
     @staticmethod
     def available() -> str | None:
