@@ -438,13 +438,13 @@ class HalfClose:
     """A client may end its sending side once its last commands are out: Exim pipelines ``BDAT n
     LAST`` (or the final dot) with QUIT and then shuts its socket down for writing, waiting for
     the replies. aiosmtpd cancels the session at the end of input, so such a client never got its
-    250 and deferred the message for good. Here the commands read before the end are carried out
+    250 and tried again later, while the node had already made the message durable: a copy more
+    at every try. Here the commands read before the end are carried out
     and answered as usual (TCP half-close); the session ends when the reader reaches the end
     (``EndOfInput``). Over TLS asyncio's transport has no half-close: aiosmtpd's way stays."""
 
     session: Session | None
     _reader: asyncio.StreamReader | None
-    _handler_coroutine: asyncio.Task | None
 
     def _cb_client_connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         super()._cb_client_connected(reader, writer)  # type: ignore[misc]
