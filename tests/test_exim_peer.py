@@ -150,3 +150,21 @@ def test_exim_relays_through_the_node_with_starttls_and_auth(make_node, sink, ex
         assert " == " not in mta.mainlog(), mta.mainlog()
     finally:
         shutil.rmtree(tls, ignore_errors=True)
+
+
+def test_the_node_waits_for_each_reply_where_exim_offers_no_pipelining(make_node, sink, exim):
+    """Exim enforces RFC 5321's command synchronisation where Postfix only logs it: where PIPELINING
+    is not offered, a RCPT followed by more input before its reply gets ``554 SMTP synchronization
+    error`` (checked by hand with a raw socket). With PIPELINING, CHUNKING and DSN not offered,
+    the node sends one command at a time, several recipients included, and Exim takes the message."""
+    sink.start()
+    mta = exim(sink.address, pipelining_advertise_hosts="", chunking_advertise_hosts="", dsn_advertise_hosts="")
+    node = make_node(smart_host=mta.address).start()
+    with smtplib.SMTP("127.0.0.1", node.port, timeout=20) as c:
+        c.sendmail("bob@remote.test", ["r1@foreign.test", "r2@foreign.test", "r3@foreign.test"],
+                   b"From: bob@remote.test\r\nSubject: no pipelining\r\n\r\nbody\r\n")
+    got = wait_for(lambda: by_subject(sink, "no pipelining"), timeout=30, what="the message at the sink")
+    assert len(got) == 1 and len(sink_args(got[0])[1]) == 3, got
+    assert "synchronization error" not in mta.mainlog(), mta.mainlog()
+    rows = wait_for(lambda: node.tracking(event_id="SENDEXTERNAL"), timeout=10, what="the SENDEXTERNAL row")
+    assert len(rows) == 1 and not node.tracking(event_id="DEFER"), rows
