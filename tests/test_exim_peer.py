@@ -168,3 +168,27 @@ def test_the_node_waits_for_each_reply_where_exim_offers_no_pipelining(make_node
     assert "synchronization error" not in mta.mainlog(), mta.mainlog()
     rows = wait_for(lambda: node.tracking(event_id="SENDEXTERNAL"), timeout=10, what="the SENDEXTERNAL row")
     assert len(rows) == 1 and not node.tracking(event_id="DEFER"), rows
+
+
+def test_the_node_sends_the_recipients_exim_defers_past_its_limit_again(make_node, sink, exim):
+    """Exim takes 2 recipients per message (``recipients_max``) and answers the others ``452`` (RFC
+    5321 4.5.3.1.10: too many recipients, try again): the node sends them in further transactions
+    at once, every recipient arrives once, each SENDEXTERNAL row naming the Exim message it went in."""
+    sink.start()
+    mta = exim(sink.address, recipients_max="2")
+    node = make_node(smart_host=mta.address).start()
+    rcpts = [f"r{i}@foreign.test" for i in range(5)]
+    with smtplib.SMTP("127.0.0.1", node.port, timeout=20) as c:
+        c.sendmail("bob@remote.test", rcpts, b"From: bob@remote.test\r\nSubject: five to exim\r\n\r\nbody\r\n")
+    wait_for(lambda: sum(len(sink_args(m)[1]) for m in by_subject(sink, "five to exim")) >= 5, timeout=40,
+             what="all five recipients at the sink")
+    got = sorted(r.split()[0] for m in by_subject(sink, "five to exim") for r in sink_args(m)[1])
+    assert got == sorted(f"<{r}>" for r in rcpts), got
+    assert "too many recipients" in mta.mainlog()
+    rows = wait_for(lambda: [r for r in node.tracking(event_id="SENDEXTERNAL")
+                             if len(r["recipient-address"].split(";")) in (1, 2)], timeout=10,
+                    what="the SENDEXTERNAL rows")
+    exim_ids = re.findall(r"^\S+ \S+ (\S+) <= bob@remote\.test ", mta.mainlog(), re.MULTILINE)
+    assert sorted(len(r["recipient-address"].split(";")) for r in rows) == [1, 2, 2], rows
+    assert sorted({i for r in rows for i in re.findall(r"id=([^\s;]+)", r["recipient-status"])}) == sorted(exim_ids)
+    assert not node.tracking(event_id="FAIL")
