@@ -13,6 +13,7 @@ import re
 import shutil
 import smtplib
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,29 @@ def test_the_node_sends_the_recipients_exim_defers_past_its_limit_again(make_nod
     assert sorted(len(r["recipient-address"].split(";")) for r in rows) == [1, 2, 2], rows
     assert sorted({i for r in rows for i in re.findall(r"id=([^\s;]+)", r["recipient-status"])}) == sorted(exim_ids)
     assert not node.tracking(event_id="FAIL")
+
+
+def test_a_next_hop_that_ends_sessions_after_n_messages_costs_no_deferral(make_node, sink, exim):
+    """Exim takes 2 messages per connection (``smtp_accept_max_per_connection``) and answers the
+    next MAIL ``421 too many messages in this connection``, as Exchange does past its
+    MaxMessagesPerConnection. The node's batches (and its sessions kept between them) hold more:
+    each such 421 on a session that carried messages, or was kept, is the session's end, not the
+    message's deferral. The message goes at once on a new session: every message arrives within
+    seconds (the retry interval is 30 s here) and no DEFER is written."""
+    sink.start()
+    mta = exim(sink.address, smtp_accept_max_per_connection="2")
+    node = make_node(smart_host=mta.address, overrides={"delivery": {
+        "connection_cache_time": 5, "transient_failure_retry_interval": 30,
+        "outbound_connection_failure_retry_interval": 30}}).start()
+    for i in range(3):
+        with smtplib.SMTP("127.0.0.1", node.port, timeout=20) as c:
+            for j in range(3):
+                c.sendmail("bob@remote.test", [f"r{i}{j}@foreign.test"],
+                           f"From: bob@remote.test\r\nSubject: burst {i}{j}\r\n\r\nbody\r\n".encode())
+        time.sleep(0.3)  # part of the scenario: the next burst finds the session kept from this one
+    wait_for(lambda: len(by_subject(sink, "burst")) >= 9, timeout=20, what="the 9 messages at the sink")
+    assert sorted(m.split(b"Subject: burst ")[1][:2] for m in by_subject(sink, "burst")) == [
+        f"{i}{j}".encode() for i in range(3) for j in range(3)]
+    assert "too many messages in one connection" in mta.mainlog()  # the 421s were given
+    assert not node.tracking(event_id="DEFER"), node.tracking(event_id="DEFER")
+    assert "ended the session after" in node.log()

@@ -173,6 +173,26 @@ class SmtpConnector:
             client.close()  # the batch goes on as after a failed first message of a new session
             raise
 
+    async def _renewed(self, client: NextHopSession, it: WorkItem, carried: int,
+                       reply: str) -> tuple[NextHopSession, list[Outcome]]:
+        """The next hop ended with a 421 a session that had carried messages or was kept from an
+        earlier batch: its limit of messages per connection (Exim's smtp_accept_max_per_connection,
+        Exchange's MaxMessagesPerConnection) or of idle time, not a refusal of the message, of which
+        nothing was taken. It goes at once on a new session, as the batch's next ones do; a new
+        session that carried nothing yet is never renewed so (a next hop refusing every session)."""
+        log.info("%s:%s ended the session after %d message(s) of this batch (%s); going on on a new one",
+                 client.target.host, client.target.port, carried, reply)
+        client.close()
+        try:
+            client, _, _ = await self._connect(it)
+        except NextHopUnavailable as exc:
+            raise PeerTransientError(str(exc)) from None
+        try:
+            return client, await self._send_one(client, it)
+        except BaseException:
+            client.close()
+            raise
+
     async def deliver(self, batch: list[WorkItem]) -> AsyncIterator[Delivered]:
         try:
             client, target, peer_session = await self.open(batch[0], len(batch))
@@ -186,6 +206,7 @@ class SmtpConnector:
         remote = target.host
         progressed = False  # anything delivered or failed in this session
         finished = False  # every message of the batch had its go: the session may be kept
+        carried = 0  # messages delivered on the session at hand
         try:
             for i, it in enumerate(batch):
                 hop = peer_session is not None and peer_session.peer_queue_database_id is not None
@@ -195,6 +216,10 @@ class SmtpConnector:
                         client, outs = await self._first_on_kept(client, it)
                     else:
                         outs = await self._send_one(client, it, xshadow=guid)
+                    if peer_session is None and _ended_by_421(outs) and (carried or getattr(client, "reused", False)):
+                        client, outs = await self._renewed(client, it, carried, outs[0].reply)
+                        carried = 0
+                    carried += any(o.status == mq.DELIVERED for o in outs)
                 except (OSError, PeerTransientError, ProtocolError) as exc:
                     reply = f"451 4.4.2 Connection to {target.host}:{target.port} lost: {describe(exc)}"
                     yield Delivered.every_recipient(batch[i:], mq.RETRY, reply, queue_error=reply, remote=remote)
@@ -325,6 +350,12 @@ def _over_recipient_limit(reply: tuple[int, str]) -> bool:
     if code not in (452, 552):
         return False
     return text.startswith(("4.5.3", "5.5.3")) or "too many recipients" in text.lower()
+
+
+def _ended_by_421(outs: list[Outcome]) -> bool:
+    """Every recipient of the message deferred by a 421: the next hop closed the session (RFC 5321
+    3.8) before taking anything of it."""
+    return bool(outs) and all(o.status == mq.RETRY and o.reply.startswith("421") for o in outs)
 
 
 def _outcome(recipient_id: int, reply: tuple[int, str]) -> Outcome:
