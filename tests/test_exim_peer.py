@@ -13,6 +13,7 @@ import re
 import shutil
 import smtplib
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -219,3 +220,55 @@ def test_a_next_hop_that_ends_sessions_after_n_messages_costs_no_deferral(make_n
     assert "too many messages in one connection" in mta.mainlog()  # the 421s were given
     assert not node.tracking(event_id="DEFER"), node.tracking(event_id="DEFER")
     assert "ended the session after" in node.log()
+
+
+def test_a_next_hop_at_its_connection_limit_gets_no_more_sessions_and_costs_no_deferral(make_node, sink, exim):
+    """Exim takes 2 connections from one address (``smtp_accept_max_per_host``; Exchange's
+    MaxInboundConnectionPerSource and Postfix's anvil do the same) and greets a third with ``421
+    Too many concurrent SMTP connections``. The node would open up to 20 sessions to it: a 4xx
+    greeting while its sessions to that next hop are open (or one just was) is the next hop's
+    limit, not its failure. That batch goes back to the queue unattempted (no DEFER, no attempt,
+    no queue retry), the node opens no more sessions to it than it had for a while, and the open
+    ones carry everything (the retry intervals are 30 s here: a deferral would show)."""
+    sink.start()
+    mta = exim(sink.address, smtp_accept_max_per_host="2")
+    node = make_node(smart_host=mta.address, overrides={"delivery": {
+        "transient_failure_retry_interval": 30, "outbound_connection_failure_retry_interval": 30}}).start()
+
+    def burst(k: int) -> None:
+        with smtplib.SMTP("127.0.0.1", node.port, timeout=20) as c:
+            for j in range(10):
+                c.sendmail("bob@remote.test", [f"r{k}{j}@foreign.test"],
+                           f"From: bob@remote.test\r\nSubject: load {k}{j}\r\n\r\nbody\r\n".encode())
+    clients = [threading.Thread(target=burst, args=(k,)) for k in range(6)]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join(timeout=60)
+    wait_for(lambda: len(by_subject(sink, "load")) >= 60, timeout=25, what="the 60 messages at the sink")
+    assert len(by_subject(sink, "load")) == 60
+    assert "too many connections" in mta.mainlog().lower(), mta.mainlog()[-2000:]  # the limit was met
+    assert not node.tracking(event_id="DEFER"), node.tracking(event_id="DEFER")[:3]
+    assert "turned a new session away" in node.log()
+    assert len(node.tracking(event_id="SENDEXTERNAL")) == 60
+
+
+def test_a_next_hop_that_turns_every_session_away_is_deferred_as_before(make_node, sink, exim):
+    """A 4xx greeting with no session of ours to that next hop open, being opened or just opened is
+    its refusal, not its limit: the message is deferred (DEFER, the queue in Retry) and not tried
+    again before the retry interval."""
+    mta = exim("127.0.0.1:9", acl_smtp_connect="acl_busy")
+    conf = mta.dir / "exim.conf"
+    conf.write_text(conf.read_text().replace("begin acl\n", "begin acl\nacl_busy:\n  defer message = busy, come back later\n"))
+    mta.stop()
+    mta.start()
+    node = make_node(smart_host=mta.address, overrides={"delivery": {"transient_failure_retry_interval": 30,
+                                                                      "outbound_connection_failure_retry_interval": 30}}).start()
+    probes = mta.mainlog().count("busy, come back later")  # start()'s own connection to the port
+    with smtplib.SMTP("127.0.0.1", node.port, timeout=20) as c:
+        c.sendmail("bob@remote.test", ["x@foreign.test"], b"From: bob@remote.test\r\nSubject: refused\r\n\r\nbody\r\n")
+    rows = wait_for(lambda: node.tracking(event_id="DEFER"), timeout=15, what="the DEFER row")
+    assert "greeting 4" in rows[0]["recipient-status"] and "busy" in rows[0]["recipient-status"], rows
+    time.sleep(2)  # waiting for absence: no second attempt before the retry interval
+    assert len(node.tracking(event_id="DEFER")) == 1
+    assert mta.mainlog().count("busy, come back later") == probes + 1, mta.mainlog()

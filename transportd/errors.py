@@ -64,6 +64,10 @@ class PeerTransientError(PeerError):
     """Worth trying again: no connection, a timeout, a 4xx, a session that broke."""
 
 
+class GreetingRefused(PeerTransientError):
+    """The server answered the connection with a 4xx greeting (421: busy, too many connections)."""
+
+
 class PeerPermanentError(PeerError):
     """Not worth trying again as is: a 5xx, or the peer does not offer what is needed."""
 
@@ -73,7 +77,12 @@ class NextHopError(TransportdError):
 
 
 class NextHopUnavailable(NextHopError):
-    """No session could be opened to any host of a next hop (a DEFER for the whole batch)."""
+    """No session could be opened to any host of a next hop (a DEFER for the whole batch).
+    ``busy``: every host answered with a 4xx greeting (it is up, and turned this session away)."""
+
+    def __init__(self, message: str, busy: bool = False):
+        super().__init__(message)
+        self.busy = busy
 
 
 class NextHopPermanentError(NextHopError):

@@ -16,6 +16,7 @@ failure of that message only, and the rest of the batch goes on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -127,6 +128,9 @@ class SmtpConnector:
         self.cfg = cfg
         self.store = store
         d = cfg.delivery
+        self._open_sessions: dict[tuple[str, str], int] = {}  # per next hop: sessions carrying a batch
+        self._opening: dict[tuple[str, str], int] = {}  # per next hop: sessions being opened
+        self._established: dict[tuple[str, str], float] = {}  # per next hop: when one last opened
         self.cache = SessionCache(d.connection_cache_time, d.max_messages_per_connection,
                                   d.max_per_domain_outbound_connections)
 
@@ -193,16 +197,58 @@ class SmtpConnector:
             client.close()
             raise
 
-    async def deliver(self, batch: list[WorkItem]) -> AsyncIterator[Delivered]:
+    async def _open_counted(self, key: tuple[str, str], item: WorkItem,
+                            messages: int) -> tuple[Any, SmtpTarget, PeerSession | None]:
+        """``open``, counting per next hop the sessions being opened and open."""
+        self._opening[key] = self._opening.get(key, 0) + 1
         try:
-            client, target, peer_session = await self.open(batch[0], len(batch))
+            opened = await self.open(item, messages)
+        finally:
+            self._opening[key] -= 1
+        self._open_sessions[key] = self._open_sessions.get(key, 0) + 1
+        self._established[key] = time.monotonic()
+        return opened
+
+    async def _at_limit(self, key: tuple[str, str]) -> int:
+        """How many sessions a next hop that just turned one away (4xx greeting) takes from us: our
+        sessions open or kept to it, once those opened beside this one have their answer (a burst's
+        extra sessions are refused before the others' EHLO), or 1 when one opened a moment ago (the
+        next hop still counts a connection just closed). 0: it takes none; a plain deferral."""
+        deadline = time.monotonic() + self.cfg.delivery.send_connect_timeout
+        while not self._open_sessions.get(key) and self._opening.get(key) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        n = self._open_sessions.get(key, 0) + self.cache.kept(key)
+        recent = time.monotonic() - self._established.get(key, float("-inf")) <= 1 + self.cfg.delivery.connection_cache_time
+        return n or int(recent)
+
+    async def deliver(self, batch: list[WorkItem]) -> AsyncIterator[Delivered]:
+        key = _cache_key(batch[0])
+        try:
+            client, target, peer_session = await self._open_counted(key, batch[0], len(batch))
         except NextHopPermanentError as exc:
             yield Delivered.every_recipient(batch, mq.FAILED, exc.reply)
             return
         except NextHopUnavailable as exc:
             reply = f"451 4.4.0 Unable to connect to {batch[0].next_hop}: {exc}"
+            most = await self._at_limit(key) if exc.busy else 0
+            if most:
+                # Up, and at its limit of connections from us (Exim's smtp_accept_max_per_host,
+                # Exchange's MaxInboundConnectionPerSource): our other sessions carry the batch.
+                log.info("%s turned a new session away (%s): its limit; at most %d session(s) to it for %.0fs",
+                         batch[0].next_hop, exc, most, self.cfg.delivery.transient_failure_retry_interval)
+                yield Delivered.every_recipient(batch, mq.READY, reply, concurrency=most)
+                return
             yield Delivered.every_recipient(batch, mq.RETRY, reply, queue_error=reply)
             return
+        try:
+            async with contextlib.aclosing(self._deliver_on(client, target, peer_session, batch)) as reports:
+                async for report in reports:
+                    yield report
+        finally:
+            self._open_sessions[key] -= 1
+
+    async def _deliver_on(self, client: Any, target: SmtpTarget, peer_session: PeerSession | None,
+                          batch: list[WorkItem]) -> AsyncIterator[Delivered]:
         remote = target.host
         progressed = False  # anything delivered or failed in this session
         finished = False  # every message of the batch had its go: the session may be kept

@@ -45,6 +45,10 @@ class Delivered:
     forks: Sequence[tuple[int, str, str, int, str | None]] = ()  # hop-by-hop shadows kept here
     internal: dict[int, tuple[str, BaseException]] = field(default_factory=dict)  # message id -> (step, error)
     expiry: bool = False  # expiries: FAIL from ROUTING, DSN 4.4.7, no queue attempt
+    # The next hop turned a new session away (a 4xx greeting) while ours to it were open: its limit
+    # of connections per client. The recipients went back unattempted (READY: no DEFER, no attempt,
+    # no queue retry) and the scheduler opens at most this many sessions to it for a while.
+    concurrency: int | None = None
 
     @classmethod
     def every_recipient(cls, items: list[WorkItem], status: str, reply: str, **kw: Any) -> "Delivered":
@@ -191,7 +195,7 @@ class OutcomeRecorder:
                 mq.queue_attempt_result(conn, d.items[0].queue_id, now, error=d.queue_error, **retry)
             for it in d.items:
                 mid = it.message_id
-                mq.record_outcomes(conn, d.outcomes.get(mid, []), now, **retry)
+                mq.record_outcomes(conn, d.outcomes.get(mid, []), now, ready_delay=dl.queue_poll_interval, **retry)
                 if mid in d.internal:
                     if mq.count_internal_failure(conn, mid, threshold):
                         poisoned.append(mid)
@@ -251,6 +255,8 @@ class OutcomeRecorder:
                       recipient_status=statuses, source_context=reply, connector_id=it.queue_identity,
                       server_ip=remote, client_hostname=self.cfg.node.name,
                       server_hostname=it.next_hop if it.delivery_type == PEER else remote)
+            elif status == mq.READY:
+                continue  # handed back unattempted (the next hop's connection limit): no event
             elif status == mq.RETRY:
                 track("DEFER", "SMTP", row, recipients=rcpts, recipient_status=statuses,
                       source_context=it.queue_identity, connector_id=it.queue_identity)

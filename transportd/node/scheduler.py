@@ -44,6 +44,7 @@ class Scheduler:
         self._rotate = 0  # round-robin start over the due queues
         self._stopping = False
         self._on_pass = on_pass  # told after every pass (the scheduler_passes counter)
+        self._caps: dict[int, tuple[int, float]] = {}  # queue -> (most sessions, until): its next hop's limit
 
     async def run(self) -> None:
         interval = self.cfg.delivery.queue_poll_interval
@@ -82,7 +83,7 @@ class Scheduler:
 
         def quota(qid: int) -> int:
             # As many recipients as this queue's free sessions can take: a saturated queue is skipped.
-            free = min(d.max_per_domain_outbound_connections - busy.get(qid, 0), free_total)
+            free = min(self._most_sessions(qid, now) - busy.get(qid, 0), free_total)
             return max(0, free) * d.max_messages_per_connection
         self._rotate += 1
         work = await self.store.aread(lambda c: mq.due_work(c, now, exclude=self.in_flight, quota=quota,
@@ -96,7 +97,7 @@ class Scheduler:
         total = self._sessions_total
         plan: list[tuple[int, list[WorkItem]]] = []
         for qid, items in by_queue.items():
-            while items and sessions.get(qid, 0) < d.max_per_domain_outbound_connections \
+            while items and sessions.get(qid, 0) < self._most_sessions(qid, now) \
                     and total < d.max_outbound_connections:
                 batch, items = items[:d.max_messages_per_connection], items[d.max_messages_per_connection:]
                 plan.append((qid, batch))
@@ -117,6 +118,16 @@ class Scheduler:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def _most_sessions(self, qid: int, now: float) -> int:
+        """Sessions a queue may have: max_per_domain_outbound_connections, or fewer for
+        transient_failure_retry_interval after its next hop turned one away (``Delivered.concurrency``)."""
+        most = self.cfg.delivery.max_per_domain_outbound_connections
+        cap = self._caps.get(qid)
+        if cap is not None and now >= cap[1]:
+            del self._caps[qid]
+            cap = None
+        return most if cap is None else min(most, cap[0])
+
     async def _claim(self, batch: list[WorkItem], now: float) -> list[WorkItem]:
         """Mark the batch's recipients Active; keep only those this claim got."""
         ids = [r for it in batch for r in it.recipient_ids]
@@ -136,6 +147,8 @@ class Scheduler:
         pending = {it.message_id: it for it in batch}
         try:
             async for report in self.connector_for(batch[0].delivery_type).deliver(batch):
+                if report.concurrency:
+                    self._caps[qid] = (report.concurrency, time.time() + self.cfg.delivery.transient_failure_retry_interval)
                 await self.recorder.commit(report)
                 for it in report.items:
                     pending.pop(it.message_id, None)

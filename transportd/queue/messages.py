@@ -75,7 +75,7 @@ class NewMessage:
 class Outcome:
     """The result of one delivery attempt for one recipient row."""
     recipient_id: int
-    status: str  # DELIVERED | RETRY | FAILED
+    status: str  # DELIVERED | RETRY | FAILED, or READY: handed back unattempted
     reply: str = ""
     duplicate: bool = False
 
@@ -447,15 +447,18 @@ def retry_delay(attempt: int, interval: float, count: int, long_interval: float)
 
 
 def record_outcomes(conn: Connection, outcomes: Sequence[Outcome], now: float, *,
-                    retry_interval: float, retry_count: int, long_interval: float) -> None:
-    """Write each recipient's result; a recipient no longer Active (removed meanwhile) is left alone."""
+                    retry_interval: float, retry_count: int, long_interval: float, ready_delay: float = 0.0) -> None:
+    """Write each recipient's result; a recipient no longer Active (removed meanwhile) is left alone.
+    READY hands a recipient back unattempted: due again after ``ready_delay``, no attempt counted."""
     raw = driver(conn)
     for o in outcomes:
         row = raw.execute(_RECIPIENT_STATE, (o.recipient_id,)).fetchone()
         if row is None or row[0] != ACTIVE:
             continue
         attempts = row[1] + 1
-        if o.status == RETRY:
+        if o.status == READY:
+            values = {"status": READY, "attempts": row[1], "next_retry_at": now + ready_delay, "last_error": o.reply}
+        elif o.status == RETRY:
             delay = retry_delay(attempts, retry_interval, retry_count, long_interval)
             values = dict(status=RETRY, attempts=attempts, next_retry_at=now + delay, last_error=o.reply)
         elif o.status == DELIVERED:

@@ -17,7 +17,12 @@ import random
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from transportd.errors import PEER_FAILURES, NextHopPermanentError, NextHopUnavailable
+from transportd.errors import (
+    PEER_FAILURES,
+    GreetingRefused,
+    NextHopPermanentError,
+    NextHopUnavailable,
+)
 from transportd.smtp.addresses import literal_address
 from transportd.smtp.dsnparams import DsnRequest
 from transportd.smtp.transaction import Replies, Transaction
@@ -67,6 +72,7 @@ async def connect(targets: list[SmtpTarget], *, local_hostname: str, timeout: fl
                   tls: dict[str, Any]) -> tuple[NextHopSession, SmtpTarget]:
     """A session (EHLO done) to the first target that answers; NextHopUnavailable when none does."""
     errors = []
+    busy = bool(targets)  # every host up and turning this session away (a 4xx greeting)
     for t in targets:
         wire = SmtpWire(t.host, t.port, local_hostname=local_hostname, timeout=timeout, helo_fallback=True, **tls)
         try:
@@ -75,8 +81,9 @@ async def connect(targets: list[SmtpTarget], *, local_hostname: str, timeout: fl
             return NextHopSession(wire), t
         except PEER_FAILURES as exc:
             errors.append(f"{t.host}:{t.port}: {describe(exc)}")
+            busy = busy and isinstance(exc, GreetingRefused)
             wire.close()
-    raise NextHopUnavailable("; ".join(errors) or "no hosts for next hop")
+    raise NextHopUnavailable("; ".join(errors) or "no hosts for next hop", busy=busy)
 
 
 class NextHopSession:
@@ -161,6 +168,10 @@ class SessionCache:
             self._quit(session)
         self._idle.pop(key, None)
         return None
+
+    def kept(self, key: Any) -> int:
+        """Sessions kept for ``key`` now (connections the next hop still counts)."""
+        return len(self._idle.get(key, ()))
 
     def keep(self, key: Any, session: NextHopSession) -> bool:
         """Keep ``session`` for the next batch to ``key``; False: not kept (the caller QUITs it)."""

@@ -22,7 +22,7 @@ import ssl
 from dataclasses import dataclass
 from typing import Any
 
-from transportd.errors import PeerPermanentError, PeerTransientError, ProtocolError
+from transportd.errors import GreetingRefused, PeerPermanentError, PeerTransientError, ProtocolError
 
 log = logging.getLogger("transportd")
 
@@ -73,7 +73,8 @@ class SmtpWire:
         greeting = await self.read_reply()
         if greeting.code != 220:
             self.close()
-            raise PeerTransientError(f"greeting {greeting.code} {greeting.message}")
+            error = GreetingRefused if 400 <= greeting.code < 500 else PeerTransientError
+            raise error(f"greeting {greeting.code} {greeting.message}")
         return greeting
 
     async def ehlo(self) -> Reply:
