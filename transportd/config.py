@@ -379,11 +379,13 @@ KEYS: tuple[Key, ...] = (
         "send connector: time allowed to open a connection and read the greeting", "", DUR,
         limits=(1 * SEC, 10 * MIN)),
     Key("delivery", "max_per_domain_outbound_connections", 20, _int,
-        "concurrent outbound sessions per next hop", "MaxPerDomainOutboundConnections", limits=(1, INT32_MAX)),
+        "concurrent outbound sessions per next hop (fewer for a while after the next hop greets one more with a "
+        "4xx while ours are open: its own limit)", "MaxPerDomainOutboundConnections", limits=(1, INT32_MAX)),
     Key("delivery", "max_outbound_connections", 1000, _int,
         "concurrent outbound sessions in all", "MaxOutboundConnections", limits=(1, INT32_MAX)),
     Key("delivery", "max_messages_per_connection", 20, _int,
-        "messages sent over one outbound session before it is closed", "MaxMessagesPerConnection",
+        "messages sent over one outbound session before it is closed (a next hop that closes sooner with `421` "
+        "gets the rest on a new session at once)", "MaxMessagesPerConnection",
         limits=(1, INT32_MAX)),
     Key("delivery", "queue_poll_interval", 0.5, parse_duration,
         "how often the queue database is scanned for due work and operator changes", "", DUR,
