@@ -167,15 +167,7 @@ class SmtpConnector:
             log.info("kept session to %s:%s closed by the next hop (%s); opening a new one",
                      client.target.host, client.target.port, describe(exc))
             client.close()
-        try:
-            client, _, _ = await self._connect(it)  # new: another kept one may be as stale
-        except NextHopUnavailable as exc:
-            raise PeerTransientError(str(exc)) from None
-        try:
-            return client, await self._send_one(client, it)
-        except BaseException:
-            client.close()  # the batch goes on as after a failed first message of a new session
-            raise
+        return await self._on_new_session(it)  # new: another kept one may be as stale
 
     async def _renewed(self, client: NextHopSession, it: WorkItem, carried: int,
                        reply: str) -> tuple[NextHopSession, list[Outcome]]:
@@ -187,6 +179,11 @@ class SmtpConnector:
         log.info("%s:%s ended the session after %d message(s) of this batch (%s); going on on a new one",
                  client.target.host, client.target.port, carried, reply)
         client.close()
+        return await self._on_new_session(it)
+
+    async def _on_new_session(self, it: WorkItem) -> tuple[NextHopSession, list[Outcome]]:
+        """``it`` on a new session to its next hop, which carries the rest of the batch; a session
+        that fails here is closed and the batch goes on as after a failed first message."""
         try:
             client, _, _ = await self._connect(it)
         except NextHopUnavailable as exc:
