@@ -112,6 +112,7 @@ class NodeEvents:
 
     def _track(self, event_id: str, source: str, row: dict, recipients: list[str] | None,
                fields: dict[str, Any]) -> None:
+        kept = self.tracking.pending_rows  # rows a full disk left waiting go before this one
         try:
             self.tracking.write(
                 event_id, source,
@@ -124,6 +125,9 @@ class NodeEvents:
             log.error("cannot write tracking log (%s %s): %s; %d row(s) kept to write when it can "
                       "(%d given up)", event_id, row.get("id"), exc, self.tracking.pending_rows,
                       self.tracking.dropped_rows)
+        else:
+            if kept:
+                log.info("tracking log writable again: wrote %d kept row(s)", kept)
         try:
             self.metrics.on_event(event_id, row, str(fields.get("source_context") or ""),
                                   str(fields.get("connector_id") or ""))
