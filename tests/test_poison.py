@@ -180,8 +180,12 @@ def test_one_message_failing_in_a_delivery_batch_leaves_the_others_and_ends_in_p
     assert status == "Retry" and error.startswith("451 4.3.0 internal error in deliver: InjectedFault"), error
     queues = {q["identity"]: q["message_count"] for q in node.cli_json("queue", "list")}
     assert queues["Poison"] == 1 and queues[queue] == 0
-    events = [e["event-id"] for e in node.tracking(internal_message_id=str(bad))]
-    assert events.count("DEFER") == 2 and events[-1] == "POISONMESSAGE", events
+    # the row is written just after the commit that moved the message
+    def events_to_poison():
+        events = [e["event-id"] for e in node.tracking(internal_message_id=str(bad))]
+        return events if events[-1:] == ["POISONMESSAGE"] else None
+    events = wait_for(events_to_poison, timeout=5, what="the POISONMESSAGE row")
+    assert events.count("DEFER") == 2, events
     assert "failed with an internal error" in node.log() and "moved to the Poison queue" in node.log()
     time.sleep(2.5)  # waiting for absence: held, so not retried, not expired, no DSN
     assert poison_ids(node) == [bad] and not node.tracking(event_id="DSN")

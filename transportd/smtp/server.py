@@ -469,7 +469,8 @@ class HalfClose:
         session = self.session
         if session is None or session.ssl is not None or self._reader is None:
             return super().eof_received()  # type: ignore[misc]
-        log.info("%r end of input: serving the commands read before it", session.peer)
+        if self._reader._buffer:  # commands sent before the end wait (Exim's way); else a plain close
+            log.info("%r end of input: serving the commands read before it", session.peer)
         # The stream sees its end (the session's next read ends it); the transport stays open for
         # the replies (StreamReaderProtocol's own answer to a half-close).
         return asyncio.StreamReaderProtocol.eof_received(self)  # type: ignore[arg-type]
