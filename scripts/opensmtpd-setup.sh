@@ -26,4 +26,4 @@ done
 mkdir -p /var/lib/opensmtpd/empty
 # smtpctl (``schedule all``) must be setgid opensmtpq, as the package's postinst makes it
 chgrp opensmtpq "$dest/usr/sbin/smtpctl" && chmod 2555 "$dest/usr/sbin/smtpctl"
-"$dest/usr/sbin/smtpd" -h 2>&1 | sed -n 1p
+{ "$dest/usr/sbin/smtpd" -h 2>&1 || true; } | sed -n 1p  # "version: OpenSMTPD ..." (usage exits 1)

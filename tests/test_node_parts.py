@@ -324,3 +324,20 @@ async def test_a_message_refused_for_want_of_shadows_writes_only_the_discards(tm
     assert sorted(store.read(lambda c: [r.shadow_node for r in c.exec_driver_sql(
         "SELECT shadow_node FROM discard_events")])) == ["peer2.t", "peer3.t"]
     assert tracking.events == []
+
+
+@pytest.mark.parametrize(("reply", "over"), [
+    ((452, "4.5.3 Too many recipients"), True),             # RFC 5321 4.5.3.1.10
+    ((452, "Too many recipients"), True),                   # no enhanced code, said in the text
+    ((552, "5.5.3 Too many recipients"), True),             # RFC 821's code, taken as temporary
+    ((451, "4.5.3 Too many recipients: Too many recipients"), True),  # OpenSMTPD's max-rcpt
+    ((550, "5.5.3 Too many recipients"), True),             # RFC 3463 X.5.3: split the message
+    ((452, "4.2.2 Mailbox full"), False),                   # about the recipient: deferred
+    ((451, "4.3.0 Try again later"), False),
+    ((450, "4.5.30 not an enhanced code we know"), False),
+    ((550, "5.1.1 User unknown"), False),
+    ((250, "2.1.5 Ok"), False),
+])
+def test_a_rcpt_refused_for_too_many_recipients_is_known_by_its_code(reply, over):
+    from transportd.node.connectors import _over_recipient_limit
+    assert _over_recipient_limit(reply) is over

@@ -195,3 +195,29 @@ def test_a_message_over_opensmtpds_size_limit_fails_at_once_with_a_dsn(make_node
     # the only copy at the sink is the DSN, from <> through OpenSMTPD, with the message's headers
     dsn = wait_for(lambda: by_subject(sink, "big for osd"), timeout=30, what="the DSN at the sink")
     assert len(dsn) == 1 and sink_args(dsn[0])[0] == "<>" and b"multipart/report" in dsn[0], dsn
+
+
+def test_opensmtpds_limits_per_session_and_per_message_cost_no_deferral(make_node, sink, opensmtpd):
+    """OpenSMTPD's ``smtp limit max-rcpt`` answers the recipients past it ``451 4.5.3 Too many
+    recipients`` (RFC 3463's X.5.3: split the message) and ``max-mails`` ends a session after so
+    many transactions: the node sends the other recipients in further transactions and the other
+    messages on further sessions, at once: every recipient at the sink once, no DEFER row."""
+    sink.start()
+    mta = opensmtpd(sink.address, extra="smtp limit max-mails 3\nsmtp limit max-rcpt 2")
+    node = make_node(smart_host=mta.address).start()
+    rcpts = [f"r{i}@foreign.test" for i in range(5)]
+    with smtplib.SMTP("127.0.0.1", node.port, timeout=20) as c:
+        for i in range(6):
+            c.sendmail("bob@remote.test", rcpts, f"From: bob@remote.test\r\nSubject: limits {i}\r\n\r\nx\r\n".encode())
+
+    def arrived() -> list[tuple[str, str]] | None:
+        got = sorted((re.search(rb"Subject: (limits \d)", m).group(1).decode(), r.split()[0])
+                     for m in by_subject(sink, "limits") for r in sink_args(m)[1])
+        return got if len(got) >= 30 else None
+    got = wait_for(arrived, timeout=30, what="30 recipients at the sink")
+    assert got == sorted((f"limits {i}", f"<{r}>") for i in range(6) for r in rcpts), got
+    assert "451 4.5.3 Too many recipients" in mta.log()
+    assert "452 4.5.3 Too many recipients: Too many messages sent" in mta.log()  # max-mails, at MAIL
+    assert "deferred a further transaction on the session" in node.log()  # QUIT, and a new session
+    assert not node.tracking(event_id="DEFER"), node.tracking(event_id="DEFER")[:2]
+    assert not node.tracking(event_id="FAIL")

@@ -384,8 +384,8 @@ KEYS: tuple[Key, ...] = (
     Key("delivery", "max_outbound_connections", 1000, _int,
         "concurrent outbound sessions in all", "MaxOutboundConnections", limits=(1, INT32_MAX)),
     Key("delivery", "max_messages_per_connection", 20, _int,
-        "messages sent over one outbound session before it is closed (a next hop that closes sooner with `421` "
-        "gets the rest on a new session at once)", "MaxMessagesPerConnection",
+        "messages sent over one outbound session before it is closed (a next hop that closes sooner with `421`, "
+        "or defers MAIL on it, gets the rest on a new session at once)", "MaxMessagesPerConnection",
         limits=(1, INT32_MAX)),
     Key("delivery", "queue_poll_interval", 0.5, parse_duration,
         "how often the queue database is scanned for due work and operator changes", "", DUR,

@@ -170,15 +170,22 @@ class SmtpConnector:
         return await self._on_new_session(it)  # new: another kept one may be as stale
 
     async def _renewed(self, client: NextHopSession, it: WorkItem, carried: int,
-                       reply: str) -> tuple[NextHopSession, list[Outcome]]:
-        """The next hop ended with a 421 a session that had carried messages or was kept from an
-        earlier batch: its limit of messages per connection (Exim's smtp_accept_max_per_connection,
-        Exchange's MaxMessagesPerConnection) or of idle time, not a refusal of the message, of which
-        nothing was taken. It goes at once on a new session, as the batch's next ones do; a new
-        session that carried nothing yet is never renewed so (a next hop refusing every session)."""
-        log.info("%s:%s ended the session after %d message(s) of this batch (%s); going on on a new one",
-                 client.target.host, client.target.port, carried, reply)
-        client.close()
+                       reply: str, ended: bool) -> tuple[NextHopSession, list[Outcome]]:
+        """The next hop ended with a 421, or deferred the MAIL of, a session that had carried
+        messages or was kept from an earlier batch: its limit of messages per connection (Exim's
+        smtp_accept_max_per_connection, Exchange's MaxMessagesPerConnection; OpenSMTPD's
+        ``max-mails`` answers MAIL ``452 4.5.3`` and keeps the session open) or of idle time, not a
+        refusal of the message, of which nothing was taken. It goes at once on a new session, as
+        the batch's next ones do; a new session that carried nothing yet is never renewed so (a
+        next hop refusing every session or every message)."""
+        if ended:
+            log.info("%s:%s ended the session after %d message(s) of this batch (%s); going on on a new one",
+                     client.target.host, client.target.port, carried, reply)
+            client.close()
+        else:
+            log.info("%s:%s deferred a further transaction on the session after %d message(s) of this batch "
+                     "(%s); going on on a new one", client.target.host, client.target.port, carried, reply)
+            await client.quit()
         return await self._on_new_session(it)
 
     async def _on_new_session(self, it: WorkItem) -> tuple[NextHopSession, list[Outcome]]:
@@ -259,8 +266,10 @@ class SmtpConnector:
                         client, outs = await self._first_on_kept(client, it)
                     else:
                         outs = await self._send_one(client, it, xshadow=guid)
-                    if peer_session is None and _ended_by_421(outs) and (carried or getattr(client, "reused", False)):
-                        client, outs = await self._renewed(client, it, carried, outs[0].reply)
+                    ended = _ended_by_421(outs)
+                    if peer_session is None and (carried or getattr(client, "reused", False)) and (
+                            ended or _mail_deferred(client, outs)):
+                        client, outs = await self._renewed(client, it, carried, outs[0].reply, ended)
                         carried = 0
                     carried += any(o.status == mq.DELIVERED for o in outs)
                 except (OSError, PeerTransientError, ProtocolError) as exc:
@@ -386,19 +395,26 @@ def _cache_key(item: WorkItem) -> tuple[str, str]:
 
 
 def _over_recipient_limit(reply: tuple[int, str]) -> bool:
-    """A RCPT refused for too many recipients in the transaction (RFC 5321 4.5.3.1.10: 452, and a
-    552 the client should take as the same, temporary), by its enhanced code 4.5.3 / 5.5.3 or its
-    text: not about the recipient, so it is retried, never failed."""
+    """A RCPT refused for too many recipients in the transaction: not about the recipient, so it
+    is retried, never failed. By its enhanced code X.5.3 whatever the reply code (RFC 3463: the
+    message is to be split, the other recipients sent in a later transaction; OpenSMTPD's
+    ``max-rcpt`` answers ``451 4.5.3``), or a 452, or the 552 RFC 821 had (RFC 5321 4.5.3.1.10:
+    taken as the same, temporary), saying so in its text."""
     code, text = reply
-    if code not in (452, 552):
-        return False
-    return text.startswith(("4.5.3", "5.5.3")) or "too many recipients" in text.lower()
+    if 400 <= code < 600 and text.split(" ", 1)[0] in ("4.5.3", "5.5.3"):
+        return True
+    return code in (452, 552) and "too many recipients" in text.lower()
 
 
 def _ended_by_421(outs: list[Outcome]) -> bool:
     """Every recipient of the message deferred by a 421: the next hop closed the session (RFC 5321
     3.8) before taking anything of it."""
     return bool(outs) and all(o.status == mq.RETRY and o.reply.startswith("421") for o in outs)
+
+
+def _mail_deferred(client: Any, outs: list[Outcome]) -> bool:
+    """The message's MAIL got a 4xx on ``client`` (every recipient deferred with it, nothing taken)."""
+    return bool(outs) and getattr(client, "mail_deferred", False) and all(o.status == mq.RETRY for o in outs)
 
 
 def _outcome(recipient_id: int, reply: tuple[int, str]) -> Outcome:

@@ -94,6 +94,7 @@ class NextHopSession:
         self.target = SmtpTarget(wire.hostname, wire.port)
         self.transactions = 0  # started on this session
         self.reused = False  # taken from a SessionCache: the next hop may have closed it meanwhile
+        self.mail_deferred = False  # the last transaction's MAIL got a 4xx (nothing of it was taken)
 
     @property
     def idle(self) -> bool:
@@ -122,6 +123,7 @@ class NextHopSession:
             more = tx.answer(reply.code, reply.message)
             if more:
                 self.wire.write(more)
+        self.mail_deferred = 400 <= tx.replies.mail[0] < 500
         return tx.replies
 
     async def rset(self) -> Any:
