@@ -557,9 +557,10 @@ def tls_files(tmp_path_factory):
     cert.cert_chain_pems[0].write_to_path(str(d / "cert.pem"))
     for pem in cert.cert_chain_pems[1:]:
         pem.write_to_path(str(d / "cert.pem"), append=True)
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
     ctx = ssl.create_default_context()
     ca.configure_trust(ctx)
-    return {"cert": str(d / "cert.pem"), "key": str(d / "key.pem"), "client_ctx": ctx}
+    return {"cert": str(d / "cert.pem"), "key": str(d / "key.pem"), "ca": str(d / "ca.pem"), "client_ctx": ctx}
 
 
 def tls_node(make_node, tls_files, sink=None, **frontend):
