@@ -23,7 +23,7 @@ for user in opensmtpd opensmtpq; do
   id "$user" >/dev/null 2>&1 || useradd --system --gid "$user" --no-create-home --home-dir /var/lib/opensmtpd/empty \
     --shell /usr/sbin/nologin "$user"
 done
-mkdir -p /var/lib/opensmtpd/empty
+mkdir -p /var/lib/opensmtpd/empty /var/spool/smtpd  # the chroot; the spool path each test daemon mounts its own over
 # smtpctl (``schedule all``) must be setgid opensmtpq, as the package's postinst makes it
 chgrp opensmtpq "$dest/usr/sbin/smtpctl" && chmod 2555 "$dest/usr/sbin/smtpctl"
 { "$dest/usr/sbin/smtpd" -h 2>&1 || true; } | sed -n 1p  # "version: OpenSMTPD ..." (usage exits 1)

@@ -19,18 +19,24 @@ from __future__ import annotations
 
 import os
 import pwd
-import shlex
-import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-from transportd.devtools.postfix import LoopbackMTA, free_port_on, process_alive
+from transportd.devtools.postfix import (
+    LoopbackMTA,
+    free_port_on,
+    in_mount_namespace,
+    mount_namespaces,
+    stop_process,
+)
 
 UNPACKED = "/opt/transportd-opensmtpd/usr/sbin/smtpd"
 USERS = ("opensmtpd", "opensmtpq")
 CHROOT = "/var/lib/opensmtpd/empty"
+SPOOL = "/var/spool/smtpd"
+"""Compiled in; the machine's stays empty (each daemon has its folder's mounted there)."""
 
 
 def opensmtpd_binary() -> str:
@@ -78,20 +84,14 @@ class OpenSMTPD(LoopbackMTA):
                 pwd.getpwnam(user)
             except KeyError:
                 return f"no {user} user (bash scripts/opensmtpd-setup.sh)"
-        if not Path(CHROOT).is_dir():
-            return f"no {CHROOT} (bash scripts/opensmtpd-setup.sh)"
-        res = subprocess.run(["unshare", "-m", "true"], capture_output=True, text=True, timeout=30, check=False)
-        if res.returncode:
-            return f"no mount namespace for a private spool (unshare -m): {res.stderr.strip()[:200]}"
-        return None
+        for folder in (CHROOT, SPOOL):
+            if not Path(folder).is_dir():
+                return f"no {folder} (bash scripts/opensmtpd-setup.sh)"
+        return mount_namespaces()
 
     def _in_namespace(self, *command: str) -> list[str]:
-        """``command`` in a mount namespace of its own where this instance's spool and control
-        socket folder are the compiled-in paths."""
-        spool, run = self.dir / "spool", self.dir / "run"
-        script = (f"mkdir -p /var/spool/smtpd && mount --bind {shlex.quote(str(spool))} /var/spool/smtpd"
-                  f" && mount --bind {shlex.quote(str(run))} /run && exec {shlex.join(command)}")
-        return ["unshare", "-m", "sh", "-c", script]
+        """``command`` where this instance's spool and control socket folder are the compiled-in paths."""
+        return in_mount_namespace({self.dir / "spool": SPOOL, self.dir / "run": "/run"}, list(command))
 
     def log(self) -> str:
         path = self.dir / "smtpd.log"
@@ -127,19 +127,5 @@ class OpenSMTPD(LoopbackMTA):
 
     def stop(self) -> None:
         """SIGTERM to the daemon it started, SIGKILL to its process group after 10 s."""
-        if self.proc is None:
-            return
-        pid = self.proc.pid
-        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-            try:
-                os.kill(pid, sig) if sig == signal.SIGTERM else os.killpg(pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        self.proc = None
-        if process_alive(pid):  # pragma: no cover - reported, never left silently
-            raise RuntimeError(f"OpenSMTPD {pid} did not stop")
+        proc, self.proc = self.proc, None
+        stop_process(proc, "OpenSMTPD")

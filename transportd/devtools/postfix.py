@@ -9,7 +9,9 @@ point it at anything but loopback.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -48,6 +50,37 @@ def free_port_on(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def in_mount_namespace(binds: dict[Path, str], command: list[str]) -> list[str]:
+    """``command`` in a mount namespace of its own (``unshare -m``; the mounts are private to it)
+    where each file or folder of ``binds`` is mounted over the path it names: an MTA whose paths
+    are compiled in (OpenSMTPD's spool) or that reads the machine's files (Sendmail's
+    ``/etc/hosts``) gets its own. Root only."""
+    mounts = " && ".join(f"mount --bind {shlex.quote(str(src))} {shlex.quote(dst)}" for src, dst in binds.items())
+    return ["unshare", "-m", "sh", "-c", f"{mounts} && exec {shlex.join(command)}"]
+
+
+def mount_namespaces() -> str | None:
+    """None when ``in_mount_namespace`` works here, else why not."""
+    res = subprocess.run(["unshare", "-m", "true"], capture_output=True, text=True, timeout=30, check=False)
+    return None if res.returncode == 0 else f"no mount namespace (unshare -m): {res.stderr.strip()[:200]}"
+
+
+def stop_process(proc: subprocess.Popen | None, what: str) -> None:
+    """SIGTERM to a daemon a test started in the foreground in a session of its own (its process
+    group), up to 10 s for it to end, then SIGKILL to what is left of that group (a child it left
+    behind, or the daemon itself)."""
+    if proc is None:
+        return
+    with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(5)
+    if process_alive(proc.pid):  # pragma: no cover - reported, never left silently
+        raise RuntimeError(f"{what} {proc.pid} did not stop")
 
 
 def process_alive(pid: int) -> bool:
