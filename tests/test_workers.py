@@ -87,6 +87,7 @@ def test_workers_share_the_frontend_and_the_owner_tracks_counts_and_delivers_at_
     rows = [line for p in (node.data_dir / "msgtrk").glob("MSGTRK*.LOG")
             for line in p.read_text(encoding="utf-8-sig").splitlines() if ",RECEIVE," in line]
     assert len(rows) == 12
+    assert "Traceback" not in node.log_path.read_text()  # (a worker's tracking log once lacked an attribute)
     samples = scrape_until("127.0.0.1", node.metrics_port,
                            lambda s: value(s, "transportd_messages_received_total", connector="frontend") == 12,
                            "12 receptions counted by the owner")

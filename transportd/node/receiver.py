@@ -62,6 +62,10 @@ class Forward:
 
 
 class ForwardedTracking:
+    """A worker's tracking log: each row goes to the owner, whose log writes it (and keeps the
+    rows a full volume refuses: none wait here)."""
+    pending_rows = dropped_rows = 0
+
     def __init__(self, send: Any):
         self.write = Forward(send, "track")
 
