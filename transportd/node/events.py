@@ -112,7 +112,7 @@ class NodeEvents:
 
     def _track(self, event_id: str, source: str, row: dict, recipients: list[str] | None,
                fields: dict[str, Any]) -> None:
-        kept = self.tracking.pending_rows  # rows a full disk left waiting go before this one
+        kept = getattr(self.tracking, "pending_rows", 0)  # rows a full disk left go before this one
         try:
             self.tracking.write(
                 event_id, source,
