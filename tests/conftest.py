@@ -328,6 +328,44 @@ def private_mtas(prefix: str, build: Any):
 
 
 @pytest.fixture
+def relay_tls():
+    """For a real MTA relaying into a node over STARTTLS with AUTH: a folder other users can read
+    (the MTAs run as users of their own) with a CA (``ca.pem``) and the node's certificate
+    (``cert.pem``, ``key.pem``) for node1.transportd.test and 127.0.0.1; removed at the end.
+    ``node_overrides(tls, user, password)`` gives the node's settings."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    cert = ca.issue_cert("node1.transportd.test", "127.0.0.1")
+    tls = Path(tempfile.mkdtemp(prefix="transportd-relay-tls-"))
+    tls.chmod(0o755)
+    cert.private_key_and_cert_chain_pem.write_to_path(str(tls / "cert.pem"))
+    cert.private_key_pem.write_to_path(str(tls / "key.pem"))
+    ca.cert_pem.write_to_path(str(tls / "ca.pem"))
+    for pem in tls.iterdir():
+        pem.chmod(0o644)
+    try:
+        yield tls
+    finally:
+        shutil.rmtree(tls, ignore_errors=True)
+
+
+def tls_relay_overrides(tls: Path, user: str, password: str) -> dict:
+    """A node that relays only for authenticated clients over TLS (no trusted network,
+    ``require_tls``), with ``relay_tls``'s certificate and one user."""
+    return {"frontend": {"tls_certificate": str(tls / "cert.pem"), "tls_key": str(tls / "key.pem"),
+                         "require_tls": True, "auth_users": {user: password}},
+            "routing": {"trusted_networks": []}}
+
+
+def private_mtas_of(mta_class: Any, prefix: str, default_name: str):
+    """``private_mtas`` for an MTA class built as ``mta_class(folder, relay_to, name=..., **kw)``:
+    the fixture's factory is ``factory(relay_to, name=default_name, **kw)``."""
+    def build(folder: Path, relay_to: str | None, name: str = default_name, **kw: Any) -> Any:
+        return mta_class(folder, relay_to, name=name, **kw)
+    yield from private_mtas(prefix, build)
+
+
+@pytest.fixture
 def usink(procs):
     return TransportdSink(procs)
 

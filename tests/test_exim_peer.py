@@ -10,16 +10,20 @@ records what crossed both hops.
 from __future__ import annotations
 
 import re
-import shutil
 import smtplib
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import private_mtas, wait_for
-from test_postfix_peer import assert_utf8_arrived, by_subject, sink_args
+from conftest import private_mtas, tls_relay_overrides, wait_for
+from test_postfix_peer import (
+    DSN_MAIL,
+    assert_relayed_with_dsn,
+    assert_utf8_arrived,
+    by_subject,
+    sink_args,
+)
 
 from transportd.devtools.exim import EximMTA
 
@@ -57,7 +61,7 @@ def test_exim_chunks_into_the_node_and_the_dsn_parameters_cross(make_node, sink,
     node = make_node(smart_host=sink.address).start()
     mta = exim(f"127.0.0.1:{node.port}")
     assert send(mta, "bob@remote.test", ["carol@foreign.test"], "exim chunks", "caf\u00e9\r\n",
-                mail_options=("BODY=8BITMIME", "RET=HDRS", "ENVID=ENV-7"),
+                mail_options=DSN_MAIL,
                 rcpt_options=("NOTIFY=FAILURE,DELAY", "ORCPT=rfc822;carol@foreign.test")) == {}
     got = wait_for(lambda: by_subject(sink, "exim chunks"), timeout=30, what="the message at the sink")
     lines = wait_for(lambda: deliveries(mta), timeout=10, what="Exim's delivery line")
@@ -66,11 +70,7 @@ def test_exim_chunks_into_the_node_and_the_dsn_parameters_cross(make_node, sink,
     assert re.search(r" K C=\"250 2\.0\.0 Ok: queued as (\d+)\"", lines[0]), lines[0]  # K: CHUNKING used
     assert lines[0].split("queued as ")[1].split('"')[0] == received[0]["internal-message-id"]
     assert " == " not in mta.mainlog() and "closed connection" not in mta.mainlog(), mta.mainlog()
-    mail, rcpts = sink_args(got[0])
-    assert mail.split()[0] == "<bob@remote.test>" and {"RET=HDRS", "ENVID=ENV-7"} <= set(mail.split()[1:]), mail
-    assert len(rcpts) == 1 and rcpts[0].split()[0] == "<carol@foreign.test>", rcpts
-    assert set(rcpts[0].split()[1:]) == {"ORCPT=rfc822;carol@foreign.test", "NOTIFY=FAILURE,DELAY"}, rcpts
-    assert "caf\u00e9".encode() in got[0]
+    assert_relayed_with_dsn(got[0], {"ORCPT=rfc822;carol@foreign.test", "NOTIFY=FAILURE,DELAY"})
     assert [r["client-hostname"] for r in received] == ["exim.test"]
 
 
@@ -119,39 +119,23 @@ def test_the_node_delivers_to_exim(make_node, sink, usink, exim):
     assert re.search(r"<= jos\u00e9@remote\.test .*P=utf8esmtp", utf8.mainlog()), utf8.mainlog()
 
 
-def test_exim_relays_through_the_node_with_starttls_and_auth(make_node, sink, exim, tmp_path):
+def test_exim_relays_through_the_node_with_starttls_and_auth(make_node, sink, exim, relay_tls):
     """A smart-host setup as operators write it: Exim must use TLS (verifying the node's
     certificate against the CA) and AUTH PLAIN, and the node relays only for authenticated
     clients (no trusted network, ``require_tls``). Exim's delivery line shows the TLS session,
     the verified certificate (``CV=yes``), the authenticator (``A=plain``) and CHUNKING (``K``)."""
-    trustme = pytest.importorskip("trustme")
-    ca = trustme.CA()
-    cert = ca.issue_cert("node1.transportd.test", "127.0.0.1")
-    tls = Path(tempfile.mkdtemp(prefix="transportd-exim-tls-"))
-    tls.chmod(0o755)
-    cert.private_key_and_cert_chain_pem.write_to_path(str(tls / "cert.pem"))
-    cert.private_key_pem.write_to_path(str(tls / "key.pem"))
-    ca.cert_pem.write_to_path(str(tls / "ca.pem"))
-    for pem in tls.iterdir():
-        pem.chmod(0o644)  # Exim reads the CA as Debian-exim
     sink.start()
-    node = make_node(smart_host=sink.address, overrides={
-        "frontend": {"tls_certificate": str(tls / "cert.pem"), "tls_key": str(tls / "key.pem"), "require_tls": True,
-                     "auth_users": {"exim": "s3cret"}},
-        "routing": {"trusted_networks": []}}).start()
+    node = make_node(smart_host=sink.address, overrides=tls_relay_overrides(relay_tls, "exim", "s3cret")).start()
     mta = exim(f"127.0.0.1:{node.port}", auth=("exim", "s3cret"),
-               transport={"hosts_avoid_tls": "", "hosts_require_tls": "*", "tls_verify_certificates": str(tls / "ca.pem"),
-                          "tls_verify_cert_hostnames": ""})
-    try:
-        assert send(mta, "bob@remote.test", ["carol@foreign.test"], "exim with auth") == {}
-        got = wait_for(lambda: by_subject(sink, "exim with auth"), timeout=30, what="the message at the sink")
-        assert len(got) == 1
-        lines = wait_for(lambda: deliveries(mta), timeout=10, what="Exim's delivery line")
-        assert len(lines) == 1 and " X=TLS" in lines[0] and " CV=yes " in lines[0] and " A=plain " in lines[0] \
-            and " K " in lines[0], lines
-        assert " == " not in mta.mainlog(), mta.mainlog()
-    finally:
-        shutil.rmtree(tls, ignore_errors=True)
+               transport={"hosts_avoid_tls": "", "hosts_require_tls": "*",
+                          "tls_verify_certificates": str(relay_tls / "ca.pem"), "tls_verify_cert_hostnames": ""})
+    assert send(mta, "bob@remote.test", ["carol@foreign.test"], "exim with auth") == {}
+    got = wait_for(lambda: by_subject(sink, "exim with auth"), timeout=30, what="the message at the sink")
+    assert len(got) == 1
+    lines = wait_for(lambda: deliveries(mta), timeout=10, what="Exim's delivery line")
+    assert len(lines) == 1 and " X=TLS" in lines[0] and " CV=yes " in lines[0] and " A=plain " in lines[0] \
+        and " K " in lines[0], lines
+    assert " == " not in mta.mainlog(), mta.mainlog()
 
 
 def test_the_node_waits_for_each_reply_where_exim_offers_no_pipelining(make_node, sink, exim):

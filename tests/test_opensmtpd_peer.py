@@ -9,15 +9,12 @@ records what crossed both hops.
 from __future__ import annotations
 
 import re
-import shutil
 import smtplib
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
-from conftest import private_mtas, wait_for
-from test_postfix_peer import by_subject, send, sink_args
+from conftest import private_mtas_of, tls_relay_overrides, wait_for
+from test_postfix_peer import DSN_MAIL, assert_relayed_with_dsn, by_subject, send, sink_args
 
 from transportd.devtools.opensmtpd import OpenSMTPD
 
@@ -27,9 +24,7 @@ pytestmark = pytest.mark.skipif(OpenSMTPD.available() is not None, reason=f"{Ope
 @pytest.fixture
 def opensmtpd():
     """A factory of started OpenSMTPD daemons (``opensmtpd(relay_to, name, relay=, listen=, extra=)``)."""
-    def build(folder, relay_to: str, name: str = "opensmtpd.test", **kw) -> OpenSMTPD:
-        return OpenSMTPD(folder, relay_to, name=name, **kw)
-    yield from private_mtas("transportd-opensmtpd-", build)
+    yield from private_mtas_of(OpenSMTPD, "transportd-opensmtpd-", "opensmtpd.test")
 
 
 def exactly(n: int, rows):
@@ -38,6 +33,24 @@ def exactly(n: int, rows):
         got = rows()
         return got if len(got) == n else None
     return ready
+
+
+def through_the_next_hop(node, sink, subject: str, n: int) -> list[dict]:
+    """``n`` messages to dan and erin, each with RET=FULL, ENVID=ENV-i and NOTIFY=SUCCESS, sent to
+    ``node``, whose next hop relays to ``sink``: each arrives with its DSN parameters. Returns the
+    node's ``n`` SENDEXTERNAL rows."""
+    for i in range(n):
+        send("127.0.0.1", node.port, "bob@remote.test", ["dan@foreign.test", "erin@foreign.test"], f"{subject} {i}",
+             mail_options=("RET=FULL", f"ENVID=ENV-{i}"), rcpt_options=("NOTIFY=SUCCESS",))
+    got = wait_for(exactly(n, lambda: by_subject(sink, subject)), timeout=30, what=f"the {n} messages at the sink")
+    for m in got:
+        mail, rcpts = sink_args(m)
+        i = re.search(rb"Subject: " + subject.encode() + rb" (\d+)", m).group(1).decode()
+        assert {"RET=FULL", f"ENVID=ENV-{i}"} <= set(mail.split()), mail
+        assert sorted(r.split()[0] for r in rcpts) == ["<dan@foreign.test>", "<erin@foreign.test>"], rcpts
+        assert all("NOTIFY=SUCCESS" in r.split() for r in rcpts), rcpts
+    return wait_for(exactly(n, lambda: node.tracking(event_id="SENDEXTERNAL")), timeout=10,
+                    what=f"{n} SENDEXTERNAL rows")
 
 
 def relayed(mta: OpenSMTPD) -> list[str]:
@@ -53,18 +66,14 @@ def test_opensmtpd_relays_into_the_node_with_data_and_the_dsn_parameters_cross(m
     node = make_node(smart_host=sink.address).start()
     mta = opensmtpd(f"127.0.0.1:{node.port}")
     assert send(mta.host, mta.port, "bob@remote.test", ["carol@foreign.test"], "osd relays", "caf\u00e9\r\n",
-                mail_options=("BODY=8BITMIME", "RET=HDRS", "ENVID=ENV-7"),
+                mail_options=DSN_MAIL,
                 rcpt_options=("NOTIFY=FAILURE,DELAY", "ORCPT=rfc822;carol@foreign.test")) == {}
     got = wait_for(lambda: by_subject(sink, "osd relays"), timeout=30, what="the message at the sink")
     lines = wait_for(lambda: relayed(mta), timeout=10, what="OpenSMTPD's relay line")
     received = node.tracking(event_id="RECEIVE")
     assert len(got) == 1 and len(lines) == 1 and len(received) == 1, (got, lines, received)
     assert "queued as " + received[0]["internal-message-id"] in lines[0], lines[0]
-    mail, rcpts = sink_args(got[0])
-    assert mail.split()[0] == "<bob@remote.test>" and {"RET=HDRS", "ENVID=ENV-7"} <= set(mail.split()[1:]), mail
-    assert len(rcpts) == 1 and rcpts[0].split()[0] == "<carol@foreign.test>", rcpts
-    assert set(rcpts[0].split()[1:]) == {"ORCPT=rfc822;carol@foreign.test", "NOTIFY=FAILURE,DELAY"}, rcpts
-    assert "caf\u00e9".encode() in got[0]
+    assert_relayed_with_dsn(got[0], {"ORCPT=rfc822;carol@foreign.test", "NOTIFY=FAILURE,DELAY"})
     assert [r["client-hostname"] for r in received] == ["opensmtpd.test"]
 
 
@@ -75,56 +84,30 @@ def test_the_node_delivers_to_opensmtpd_without_pipelining(make_node, sink, open
     sink.start()
     mta = opensmtpd(sink.address)
     node = make_node(smart_host=mta.address).start()
-    for i in range(5):
-        send("127.0.0.1", node.port, "bob@remote.test", ["dan@foreign.test", "erin@foreign.test"], f"to osd {i}",
-             mail_options=("RET=FULL", f"ENVID=ENV-{i}"), rcpt_options=("NOTIFY=SUCCESS",))
-    got = wait_for(exactly(5, lambda: by_subject(sink, "to osd")), timeout=30,
-                   what="the 5 messages at the sink")
-    for m in got:
-        mail, rcpts = sink_args(m)
-        i = re.search(rb"Subject: to osd (\d)", m).group(1).decode()
-        assert {"RET=FULL", f"ENVID=ENV-{i}"} <= set(mail.split()), mail
-        assert sorted(r.split()[0] for r in rcpts) == ["<dan@foreign.test>", "<erin@foreign.test>"], rcpts
-        assert all("NOTIFY=SUCCESS" in r.split() for r in rcpts), rcpts
-    rows = wait_for(exactly(5, lambda: node.tracking(event_id="SENDEXTERNAL")),
-                    timeout=10, what="5 SENDEXTERNAL rows")
+    rows = through_the_next_hop(node, sink, "to osd", 5)
     assert all(re.search(r"250 2\.0\.0 \S+ Message accepted for delivery", r["recipient-status"]) for r in rows), rows
     assert not node.tracking(event_id="DEFER") and not node.tracking(event_id="FAIL")
 
 
-def test_opensmtpd_relays_through_the_node_with_starttls_and_auth(make_node, sink, opensmtpd, tmp_path):
+def test_opensmtpd_relays_through_the_node_with_starttls_and_auth(make_node, sink, opensmtpd, relay_tls):
     """A smart-host setup as operators write it for OpenSMTPD: ``relay host smtp+tls://label@node
-    auth <secrets>``, the node's certificate checked against the CA, and the node relays only for
-    authenticated clients (no trusted network, ``require_tls``)."""
-    trustme = pytest.importorskip("trustme")
-    ca = trustme.CA()
-    cert = ca.issue_cert("node1.transportd.test", "127.0.0.1")
-    tls = Path(tempfile.mkdtemp(prefix="transportd-osd-tls-"))
-    tls.chmod(0o755)
-    cert.private_key_and_cert_chain_pem.write_to_path(str(tls / "cert.pem"))
-    cert.private_key_pem.write_to_path(str(tls / "key.pem"))
-    ca.cert_pem.write_to_path(str(tls / "ca.pem"))
-    (tls / "secrets").write_text("node osd:s3cret\n")
-    for f in tls.iterdir():
-        f.chmod(0o644)
+    auth <secrets> ca NAME``, the node's certificate checked against the CA, and the node relays
+    only for authenticated clients (no trusted network, ``require_tls``)."""
+    secrets = relay_tls / "secrets"
+    secrets.write_text("node osd:s3cret\n")
+    secrets.chmod(0o644)
     sink.start()
-    node = make_node(smart_host=sink.address, overrides={
-        "frontend": {"tls_certificate": str(tls / "cert.pem"), "tls_key": str(tls / "key.pem"), "require_tls": True,
-                     "auth_users": {"osd": "s3cret"}},
-        "routing": {"trusted_networks": []}}).start()
+    node = make_node(smart_host=sink.address, overrides=tls_relay_overrides(relay_tls, "osd", "s3cret")).start()
     mta = opensmtpd(None, relay=f"host smtp+tls://node@127.0.0.1:{node.port} auth <secrets> ca node",
-                    extra=f'table secrets file:{tls / "secrets"}\nca node cert "{tls / "ca.pem"}"')
-    try:
-        assert send(mta.host, mta.port, "bob@remote.test", ["carol@foreign.test"], "osd with auth") == {}
-        got = wait_for(lambda: by_subject(sink, "osd with auth"), timeout=30, what="the message at the sink")
-        assert len(got) == 1
-        lines = wait_for(lambda: relayed(mta), timeout=10, what="OpenSMTPD's relay line")
-        assert len(lines) == 1 and "queued as " in lines[0], lines
-        log = mta.log()
-        assert " mta tls ciphers=TLSv1." in log and ' mta server-cert-check result="success"' in log, log[-3000:]
-        assert not node.tracking(event_id="FAIL")
-    finally:
-        shutil.rmtree(tls, ignore_errors=True)
+                    extra=f'table secrets file:{secrets}\nca node cert "{relay_tls / "ca.pem"}"')
+    assert send(mta.host, mta.port, "bob@remote.test", ["carol@foreign.test"], "osd with auth") == {}
+    got = wait_for(lambda: by_subject(sink, "osd with auth"), timeout=30, what="the message at the sink")
+    assert len(got) == 1
+    lines = wait_for(lambda: relayed(mta), timeout=10, what="OpenSMTPD's relay line")
+    assert len(lines) == 1 and "queued as " in lines[0], lines
+    log = mta.log()
+    assert " mta tls ciphers=TLSv1." in log and ' mta server-cert-check result="success"' in log, log[-3000:]
+    assert not node.tracking(event_id="FAIL")
 
 
 def test_a_utf8_message_is_not_sent_to_opensmtpd_which_offers_no_smtputf8(make_node, sink, opensmtpd):

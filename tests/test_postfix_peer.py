@@ -34,6 +34,20 @@ def postfix():
     yield from private_mtas("transportd-postfix-", build)
 
 
+DSN_MAIL = ("BODY=8BITMIME", "RET=HDRS", "ENVID=ENV-7")
+"""MAIL parameters of the relay tests: what an MTA in front of a node must pass on (RFC 3461)."""
+
+
+def assert_relayed_with_dsn(message: bytes, rcpt_params: set[str]) -> None:
+    """bob's message to carol (8-bit body, ``DSN_MAIL``) as smtp-sink got it behind two hops: the
+    MAIL parameters and carol's ``rcpt_params`` crossed both, the body whole."""
+    mail, rcpts = sink_args(message)
+    assert mail.split()[0] == "<bob@remote.test>" and {"RET=HDRS", "ENVID=ENV-7"} <= set(mail.split()[1:]), mail
+    assert len(rcpts) == 1 and rcpts[0].split()[0] == "<carol@foreign.test>", rcpts
+    assert set(rcpts[0].split()[1:]) == rcpt_params, rcpts
+    assert "caf\u00e9".encode() in message
+
+
 def assert_utf8_arrived(usink) -> None:
     """The one message of the UTF-8 chains at the transportd sink, its envelope and body whole."""
     got = wait_for(usink.messages, timeout=30, what="the message at the sink")

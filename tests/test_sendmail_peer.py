@@ -12,9 +12,9 @@ import re
 import time
 
 import pytest
-from conftest import private_mtas, wait_for
-from test_opensmtpd_peer import exactly
-from test_postfix_peer import by_subject, send, sink_args
+from conftest import private_mtas_of, wait_for
+from test_opensmtpd_peer import through_the_next_hop
+from test_postfix_peer import DSN_MAIL, assert_relayed_with_dsn, by_subject, send, sink_args
 
 from transportd.devtools.sendmail import SendmailMTA
 
@@ -24,9 +24,7 @@ pytestmark = pytest.mark.skipif(SendmailMTA.available() is not None, reason=f"{S
 @pytest.fixture
 def sendmail():
     """A factory of started Sendmail daemons (``sendmail(relay_to, name, defines=)``)."""
-    def build(folder, relay_to: str, name: str = "sendmail.test", **kw) -> SendmailMTA:
-        return SendmailMTA(folder, relay_to, name=name, **kw)
-    yield from private_mtas("transportd-sendmail-", build)
+    yield from private_mtas_of(SendmailMTA, "transportd-sendmail-", "sendmail.test")
 
 
 def test_sendmail_relays_into_the_node_and_the_dsn_parameters_cross(make_node, sink, sendmail):
@@ -37,18 +35,14 @@ def test_sendmail_relays_into_the_node_and_the_dsn_parameters_cross(make_node, s
     node = make_node(smart_host=sink.address).start()
     mta = sendmail(f"127.0.0.1:{node.port}")
     assert send(mta.host, mta.port, "bob@remote.test", ["carol@foreign.test"], "sendmail relays", "caf\u00e9\r\n",
-                mail_options=("BODY=8BITMIME", "RET=HDRS", "ENVID=ENV-7"), rcpt_options=("NOTIFY=FAILURE,DELAY",)) == {}
+                mail_options=DSN_MAIL, rcpt_options=("NOTIFY=FAILURE,DELAY",)) == {}
     got = wait_for(lambda: by_subject(sink, "sendmail relays"), timeout=30, what="the message at the sink")
     received = wait_for(lambda: node.tracking(event_id="RECEIVE"), timeout=10, what="the RECEIVE row")
     wait_for(lambda: re.search(r"<<< 250 2\.0\.0 Ok: queued as \d+", mta.traffic()), timeout=10,
              what="the node's 250 in Sendmail's traffic")
     assert len(got) == 1 and len(received) == 1, (got, received)
     assert f"<<< 250 2.0.0 Ok: queued as {received[0]['internal-message-id']}" in mta.traffic()
-    mail, rcpts = sink_args(got[0])
-    assert mail.split()[0] == "<bob@remote.test>" and {"RET=HDRS", "ENVID=ENV-7"} <= set(mail.split()[1:]), mail
-    assert len(rcpts) == 1 and rcpts[0].split()[0] == "<carol@foreign.test>", rcpts
-    assert rcpts[0].split()[1:] == ["NOTIFY=FAILURE,DELAY"], rcpts
-    assert "caf\u00e9".encode() in got[0]
+    assert_relayed_with_dsn(got[0], {"NOTIFY=FAILURE,DELAY"})
     assert [r["client-hostname"] for r in received] == ["sendmail.test"]
 
 
@@ -59,17 +53,7 @@ def test_the_node_delivers_to_sendmail(make_node, sink, sendmail):
     sink.start()
     mta = sendmail(sink.address)
     node = make_node(smart_host=mta.address).start()
-    for i in range(4):
-        send("127.0.0.1", node.port, "bob@remote.test", ["dan@foreign.test", "erin@foreign.test"], f"to sendmail {i}",
-             mail_options=("RET=FULL", f"ENVID=ENV-{i}"), rcpt_options=("NOTIFY=SUCCESS",))
-    got = wait_for(exactly(4, lambda: by_subject(sink, "to sendmail")), timeout=30, what="the 4 messages at the sink")
-    for m in got:
-        mail, rcpts = sink_args(m)
-        i = re.search(rb"Subject: to sendmail (\d)", m).group(1).decode()
-        assert {"RET=FULL", f"ENVID=ENV-{i}"} <= set(mail.split()), mail
-        assert sorted(r.split()[0] for r in rcpts) == ["<dan@foreign.test>", "<erin@foreign.test>"], rcpts
-        assert all("NOTIFY=SUCCESS" in r.split() for r in rcpts), rcpts
-    rows = wait_for(exactly(4, lambda: node.tracking(event_id="SENDEXTERNAL")), timeout=10, what="4 SENDEXTERNAL rows")
+    rows = through_the_next_hop(node, sink, "to sendmail", 4)
     assert all(re.fullmatch(r"(250 2\.0\.0 \w+ Message accepted for delivery;?){2}", r["recipient-status"])
                for r in rows), [r["recipient-status"] for r in rows]
     assert not node.tracking(event_id="DEFER") and not node.tracking(event_id="FAIL")
