@@ -20,4 +20,5 @@ if [ ! -x "$dest/usr/libexec/sendmail/sendmail" ] || [ ! -f "$dest/usr/share/sen
   for deb in "$tmp"/*.deb; do dpkg -x "$deb" "$dest"; done
   rm -rf "$tmp"
 fi
-{ "$dest/usr/libexec/sendmail/sendmail" -d0.1 -bt -C /dev/null </dev/null 2>&1 || true; } | sed -n 1p  # "Version 8.17..."
+# (not started here: outside its test namespace Sendmail sleeps a minute qualifying the host name)
+echo "sendmail unpacked in $dest"
