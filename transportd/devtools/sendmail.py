@@ -74,7 +74,8 @@ class SendmailMTA(LoopbackMTA):
             + "FEATURE(`no_default_msa')dnl\nFEATURE(`promiscuous_relay')dnl\nFEATURE(`accept_unresolvable_domains')dnl\n"
             + f"DAEMON_OPTIONS(`Port={self.port}, Addr={host}, Name=MTA')dnl\nMAILER(`smtp')dnl\n")
         (self.dir / "service.switch").write_text("hosts files\naliases files\n")
-        (self.dir / "hosts").write_text(f"{host} {name} localhost\n127.0.0.1 localhost\n")
+        # the machine's own name too: Sendmail looks it up at start (never by DNS, see resolv.conf)
+        (self.dir / "hosts").write_text(f"{host} {name} localhost\n127.0.0.1 localhost {socket.gethostname()}\n")
         (self.dir / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
         built = subprocess.run(["m4", str(self.dir / "sendmail.mc")], capture_output=True, text=True, timeout=30,
                                check=False)

@@ -123,8 +123,8 @@ class NodeEvents:
                 return_path=row.get("sender") or "", **fields)
         except Exception as exc:  # noqa: BLE001 - logging must not fail mail
             log.error("cannot write tracking log (%s %s): %s; %d row(s) kept to write when it can "
-                      "(%d given up)", event_id, row.get("id"), exc, self.tracking.pending_rows,
-                      self.tracking.dropped_rows)
+                      "(%d given up)", event_id, row.get("id"), exc, getattr(self.tracking, "pending_rows", 0),
+                      getattr(self.tracking, "dropped_rows", 0))
         else:
             if kept:
                 log.info("tracking log writable again: wrote %d kept row(s)", kept)
