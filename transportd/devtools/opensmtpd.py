@@ -8,7 +8,8 @@ It listens on one loopback address and port only and relays everything it takes 
 
 OpenSMTPD's spool (``/var/spool/smtpd``) and control socket (``/run/smtpd.sock``) are compiled
 in; each daemon runs in a mount namespace of its own (``unshare -m``) where its folder's
-``spool`` and ``run`` are mounted there, so several can run and none touches the machine's. Debian's
+``spool`` and ``run`` are mounted there, so several can run and none touches the machine's, and
+whose ``/etc/resolv.conf`` names loopback only. Debian's
 package conflicts with postfix (both are the system MTA), so the binary comes unpacked from the
 package (``scripts/opensmtpd-setup.sh``, which .ci/run calls): ``TRANSPORTD_OPENSMTPD`` or
 ``/opt/transportd-opensmtpd/usr/sbin/smtpd``. It runs as the ``opensmtpd`` and ``opensmtpq``
@@ -64,6 +65,8 @@ class OpenSMTPD(LoopbackMTA):
         os.chmod(work, 0o755)
         os.chmod(self.dir, 0o755)
         os.chmod(spool, 0o711)  # smtpd refuses a spool with other modes
+        # its resolver asks loopback only (names it looks up are in /etc/hosts or addresses)
+        (self.dir / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
         action = relay or f"host smtp://{relay_to}"
         (self.dir / "smtpd.conf").write_text(
             "# written by transportd.devtools.opensmtpd: loopback only, one next hop\n"
@@ -91,7 +94,8 @@ class OpenSMTPD(LoopbackMTA):
 
     def _in_namespace(self, *command: str) -> list[str]:
         """``command`` where this instance's spool and control socket folder are the compiled-in paths."""
-        return in_mount_namespace({self.dir / "spool": SPOOL, self.dir / "run": "/run"}, list(command))
+        return in_mount_namespace({self.dir / "spool": SPOOL, self.dir / "run": "/run",
+                                   self.dir / "resolv.conf": "/etc/resolv.conf"}, list(command))
 
     def log(self) -> str:
         path = self.dir / "smtpd.log"
