@@ -332,7 +332,7 @@ def relay_tls():
     """For a real MTA relaying into a node over STARTTLS with AUTH: a folder other users can read
     (the MTAs run as users of their own) with a CA (``ca.pem``) and the node's certificate
     (``cert.pem``, ``key.pem``) for node1.transportd.test and 127.0.0.1; removed at the end.
-    ``node_overrides(tls, user, password)`` gives the node's settings."""
+    ``tls_relay_overrides(tls, user, password)`` gives the node's settings."""
     trustme = pytest.importorskip("trustme")
     ca = trustme.CA()
     cert = ca.issue_cert("node1.transportd.test", "127.0.0.1")

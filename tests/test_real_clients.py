@@ -1,6 +1,7 @@
 """Clients people script mail with, other than swaks, against a real node: curl's SMTP client
 (monitoring and CI scripts: no PIPELINING, its own dot-stuffing, STARTTLS with --ssl-reqd,
-AUTH and the AUTH= parameter, SMTPUTF8 where the addresses need it)."""
+AUTH and the AUTH= parameter, SMTPUTF8 where the addresses need it) and msmtp (laptops and cron
+jobs: GnuTLS, AUTH, pipelining, DSN options)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ CURL = shutil.which("curl")
 pytestmark = pytest.mark.skipif(CURL is None, reason="no curl")
 
 
-def curl(port: int, *args: str, message: bytes, tls: bool = False) -> subprocess.CompletedProcess:
+def curl(port: int, *args: str, message: bytes) -> subprocess.CompletedProcess:
     """curl sending ``message`` to the node at ``port`` (``-v``: the dialogue on stderr)."""
     cmd = [CURL, "-sS", "-v", "--max-time", "30", f"smtp://127.0.0.1:{port}/client.test", *args, "-T", "-"]
     return subprocess.run(cmd, input=message, capture_output=True, timeout=60, check=False)
