@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,9 +73,11 @@ def main() -> int:
     ap.add_argument("--sessions", type=int, default=6)
     ap.add_argument("--rate-messages", type=int, default=3000, help="at most this many messages in all")
     ap.add_argument("--json", default="benchmarks/results/promotion_under_load.json")
+    ap.add_argument("--keep", action="store_true", help="keep the nodes' folders and logs (kept anyway when the run fails)")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="transportd-promotion-"))
+    finished = False
     sink = Sink(free_port())
     procs: list[subprocess.Popen] = []
     load_start = os.getloadavg()
@@ -139,6 +142,7 @@ def main() -> int:
         print(json.dumps(result, indent=2))
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        finished = True
         return 0
     finally:
         for p in procs:
@@ -147,6 +151,10 @@ def main() -> int:
         for p in procs:
             stop_proc(p, 20)
         sink.stop()
+        if args.keep or not finished:
+            print(f"nodes' folders and logs kept in {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -123,14 +123,20 @@ def write_toml(path: Path, sections: dict[str, dict[str, Any]]) -> None:
 
 
 class ProcessRegistry:
-    """Every process started by a test, ended by PID at teardown."""
+    """Every process started by a test, ended by PID at teardown; then the folders given to
+    ``remove_after`` (outside pytest's tree) are removed."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
+        self.folders: list[Path] = []
 
     def add(self, proc: subprocess.Popen) -> subprocess.Popen:
         self.procs.append(proc)
         return proc
+
+    def remove_after(self, folder: Path) -> Path:
+        self.folders.append(folder)
+        return folder
 
     def cleanup(self) -> None:
         for p in self.procs:
@@ -146,6 +152,8 @@ class ProcessRegistry:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=5)
+        for folder in self.folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class Node:
@@ -292,7 +300,7 @@ class TransportdSink:
 
     def __init__(self, procs, *args: str):
         self.port = free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="transportd-usink-"))
+        self.dir = procs.remove_after(Path(tempfile.mkdtemp(prefix="transportd-usink-")))
         self.proc = procs.add(subprocess.Popen(
             [sys.executable, "-m", "transportd", "sink", "--listen", f"127.0.0.1:{self.port}", "--dir",
              str(self.dir), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
