@@ -459,6 +459,7 @@ COMPANIONS = {
     "shadow_redundancy.shadow_resubmit_time_span": {"shadow_heartbeat_frequency": 0.1},
     "shadow_redundancy.shadow_message_auto_discard_interval": {"shadow_heartbeat_frequency": 0.1},
     "shadow_redundancy.min_shadow_copies": {"shadow_copies": 9},
+    "tracking.message_tracking_log_max_file_size": {"message_tracking_log_max_directory_size": "unlimited"},
 }
 
 
@@ -594,6 +595,9 @@ def test_a_misspelt_peer_key_gets_a_suggestion() -> None:
     ({"shadow_redundancy": {"shadow_heartbeat_frequency": "1h", "shadow_message_auto_discard_interval": "10m"}},
      ("shadow_redundancy.shadow_message_auto_discard_interval: 10m is shorter than one "
       "shadow_redundancy.shadow_heartbeat_frequency (1h)")),
+    ({"tracking": {"message_tracking_log_max_directory_size": "5MB"}},
+     "tracking.message_tracking_log_max_directory_size: 5MB is less than tracking.message_tracking_log_max_file_size "
+     "(10MB)"),
 ])
 def test_values_that_contradict_each_other_are_refused_naming_both(raw, message) -> None:
     with pytest.raises(ConfigError) as info:
@@ -610,9 +614,24 @@ def test_values_that_contradict_each_other_are_refused_naming_both(raw, message)
     {"shadow_redundancy": {"shadow_heartbeat_frequency": 0.5, "shadow_resubmit_time_span": 3}},
     {"delivery": {"message_expiration_timeout": 3, "delay_notification_timeout": "4h"},
      "safety_net": {"safety_net_hold_time": "15s"}},
-], ids=["timeouts", "equal-timeouts", "equal-shadow-timers", "test-cluster", "expiry-before-delay-dsn"])
+    {"tracking": {"message_tracking_log_max_file_size": "1MB", "message_tracking_log_max_directory_size": "1MB"}},
+    {"tracking": {"message_tracking_log_max_file_size": "4GB", "message_tracking_log_max_directory_size": 0}},
+], ids=["timeouts", "equal-timeouts", "equal-shadow-timers", "test-cluster", "expiry-before-delay-dsn",
+        "tracking-folder-one-file", "tracking-folder-unlimited"])
 def test_values_that_fit_together_are_accepted(raw) -> None:
     load_dict(raw)
+
+
+def test_tracking_folder_size_takes_exchanges_unlimited() -> None:
+    """MessageTrackingLogMaxDirectorySize's "unlimited" (any case) is no limit (0); the defaults are
+    Exchange's: 30 days, 1000 MB."""
+    cfg = load_dict({"tracking": {"message_tracking_log_max_directory_size": "Unlimited"}})
+    assert cfg.tracking.message_tracking_log_max_directory_size == 0
+    default = load_dict({}).tracking
+    assert (default.message_tracking_log_max_age, default.message_tracking_log_max_directory_size) == (
+        30 * 86400.0, 1000 * 1024 ** 2)
+    with pytest.raises(ConfigError, match=r"^n\.toml: tracking\.message_tracking_log_max_directory_size: "):
+        load_dict({"tracking": {"message_tracking_log_max_directory_size": "lots"}}, source="n.toml")
 
 
 # --------------------------------------------------------------------------- every shipped config

@@ -5,7 +5,8 @@ root; skipped otherwise, saying so). While the disk is full the daemon answers 4
 cannot keep), stays up, keeps every message it acknowledged, and accepts mail again
 once space returns; a restart afterwards still finds every acknowledged message.
 A corrupt queue database found at start-up is covered in test_store.py
-(test_daemon_moves_garbage_database_aside_and_serves).
+(test_daemon_moves_garbage_database_aside_and_serves). The last test keeps the tracking logs
+from filling a disk at all: their retention limits.
 """
 
 from __future__ import annotations
@@ -102,3 +103,45 @@ def test_a_full_tracking_log_volume_costs_no_tracking_row(make_node, sink, small
     for i in ids:
         assert ("RECEIVE", str(i)) in rows and ("SENDEXTERNAL", str(i)) in rows, i
     assert node.alive
+
+
+def test_tracking_logs_past_retention_are_removed_by_the_running_node(make_node, sink):
+    """MessageTrackingLogMaxAge and MessageTrackingLogMaxDirectorySize: a tracking-log file last
+    written before the age limit is removed, then the oldest files while the folder is over the
+    size limit, by the running node's housekeeping; the file being written and files that are not
+    tracking logs stay, and mail goes on."""
+    sink.start()
+    node = make_node(smart_host=sink.address, overrides={"tracking": {
+        "message_tracking_log_max_file_size": "2KB", "message_tracking_log_max_directory_size": "8KB",
+        "message_tracking_log_max_age": "1d"}})
+    folder = node.data_dir / "msgtrk"
+    folder.mkdir(parents=True)
+    old = folder / "MSGTRK20260101-1.LOG"
+    old.write_bytes(b"#Software: transportd\r\n")
+    long_ago = os.path.getmtime(old) - 40 * 86400
+    os.utime(old, (long_ago, long_ago))
+    notes = folder / "README.txt"  # not a tracking log: never removed, never counted
+    notes.write_bytes(b"n" * 20000)
+    os.utime(notes, (long_ago, long_ago))
+    node.start()
+    for n in range(20):
+        code, msg = send(node.port, n)
+        assert code == 250, msg
+    wait_for(lambda: len(sink.messages()) >= 20, timeout=30, what="20 at the sink")
+
+    def folder_size() -> int:
+        return sum(p.stat().st_size for p in folder.glob("MSGTRK*.LOG"))
+    wait_for(lambda: folder_size() <= 8 * 1024, timeout=15, what="the folder within 8KB")
+    log = node.log()
+    assert re.search(r"tracking log retention: removed MSGTRK20260101-1\.LOG \(\d+ bytes\), older than "
+                     r"message_tracking_log_max_age", log), log[-3000:]
+    removed = re.findall(r"tracking log retention: removed (MSGTRK\S+) \(\d+ bytes\), folder over "
+                         r"message_tracking_log_max_directory_size", log)
+    assert removed and not any((folder / name).exists() for name in removed), removed
+    assert not old.exists() and notes.exists()
+    code, msg = send(node.port, 20)  # the node writes on into its current file
+    assert code == 250, msg
+    last = re.search(r"queued as (\d+)", msg).group(1)
+    wait_for(lambda: [r for r in node.tracking(event_id="SENDEXTERNAL") if r["internal-message-id"] == last],
+             timeout=15, what="the 21st message's SENDEXTERNAL row")
+    assert node.alive and "Traceback" not in node.log()

@@ -20,6 +20,7 @@ from transportd.tracking import (
     FIELDS_2013,
     FIELDS_2016,
     TrackingLog,
+    files_past_retention,
     format_datetime,
     iter_log_files,
     parse_datetime,
@@ -279,6 +280,67 @@ def test_row_larger_than_limit_gets_its_own_file(tmp_path):
     files = iter_log_files(tmp_path)
     per_file = [[r["custom-data"] for r in parse_log_file(f)] for f in files]
     assert per_file == [["small"], ["big"], ["small2"]]
+
+
+DAY = 86400.0
+
+
+def test_retention_by_age_then_by_size_oldest_first_never_the_current_file():
+    """Exchange's circular logging: files last written before MessageTrackingLogMaxAge go, then
+    the oldest while the folder is over MessageTrackingLogMaxDirectorySize; 0 turns a rule off."""
+    now = 100 * DAY
+    files = [(Path(f"MSGTRK202611{d:02d}-1.LOG"), 1000, now - (30 - d) * DAY) for d in range(1, 30)]
+    current = files[-1][0]
+    # by age only: written more than 10 days ago
+    by_age = files_past_retention(files, now, 10 * DAY, 0, current)
+    assert [p.name for p, _ in by_age] == [f"MSGTRK202611{d:02d}-1.LOG" for d in range(1, 20)]
+    assert {why for _, why in by_age} == {"older than message_tracking_log_max_age"}
+    # by size only: 29 files of 1,000 bytes in 5,000 bytes: the 24 oldest go, the newest 5 stay
+    by_size = files_past_retention(files, now, 0, 5000, current)
+    assert [p.name for p, _ in by_size] == [f"MSGTRK202611{d:02d}-1.LOG" for d in range(1, 25)]
+    assert {why for _, why in by_size} == {"folder over message_tracking_log_max_directory_size"}
+    # both: age first, then size over what is left
+    both = files_past_retention(files, now, 10 * DAY, 3000, current)
+    assert [p.name for p, _ in both] == [f"MSGTRK202611{d:02d}-1.LOG" for d in range(1, 27)]
+    # neither rule: nothing; the current file stays even when it alone is too old and too big
+    assert files_past_retention(files, now, 0, 0, current) == []
+    assert files_past_retention([(current, 10**9, 0.0)], now, DAY, 1000, current) == []
+    # the same modification time: the lower name (the earlier file of the day) goes first
+    same = [(Path("MSGTRK20261122-2.LOG"), 10, now), (Path("MSGTRK20261122-1.LOG"), 10, now)]
+    assert [p.name for p, _ in files_past_retention(same, now, 0, 10)] == ["MSGTRK20261122-1.LOG"]
+
+
+def test_remove_old_files_removes_only_our_files_past_retention(tmp_path):
+    import os
+    clock = Clock()
+    log = make_log(tmp_path, clock, max_file_size=2000)
+    now = T0.timestamp()
+    old = tmp_path / "MSGTRK20261001-1.LOG"
+    old.write_bytes(b"x" * 100)
+    os.utime(old, (now - 40 * DAY, now - 40 * DAY))
+    foreign = tmp_path / "notes.txt"  # not a tracking-log file: never touched, not counted
+    foreign.write_bytes(b"y" * 100000)
+    os.utime(foreign, (now - 400 * DAY, now - 400 * DAY))
+    for i in range(40):  # several files of at most 2,000 bytes today
+        log.write("RECEIVE", "SMTP", custom_data=f"row{i}", message_subject="s" * 200)
+    today = sorted(tmp_path.glob("MSGTRK20261122-*.LOG"), key=lambda p: int(p.stem.split("-")[1]))
+    assert len(today) > 4
+    for n, path in enumerate(today):  # written one second apart, in order
+        os.utime(path, (now - 100 + n, now - 100 + n))
+    removed = log.remove_old_files(now, 30 * DAY, 5000)
+    names = [p.name for p, _, _ in removed]
+    assert names[0] == old.name and removed[0][2] == "older than message_tracking_log_max_age"
+    left = sorted(tmp_path.glob("MSGTRK*.LOG"))
+    assert sum(p.stat().st_size for p in left) <= 5000
+    assert log.current_path in left and foreign.exists()
+    assert set(names[1:]) == {p.name for p in today} - {p.name for p in left}
+    assert all(not (tmp_path / n).exists() for n in names)
+    # the rows go on into the current file, and a second round finds nothing more to remove
+    log.write("SEND", "SMTP", custom_data="after")
+    assert log.remove_old_files(now, 30 * DAY, 0) == []
+    current = log.current_path
+    log.close()
+    assert [r["custom-data"] for r in parse_log_file(current)][-1] == "after"
 
 
 def test_roll_by_day(tmp_path):

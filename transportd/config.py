@@ -243,6 +243,13 @@ def _credentials(value: Any) -> dict[str, str]:
     return dict(value)
 
 
+def _size_or_unlimited(value: Any) -> int:
+    # Exchange's "unlimited" for a size: 0 here (no limit).
+    if isinstance(value, str) and value.strip().lower() == "unlimited":
+        return 0
+    return parse_size(value)
+
+
 def _duplicate_window(value: Any) -> float:
     # Exchange: at most 49 days; a larger value falls back to 24 hours.
     seconds = parse_duration(value)
@@ -469,6 +476,13 @@ KEYS: tuple[Key, ...] = (
         "folder of the MSGTRK files; empty = <data_dir>/msgtrk", "MessageTrackingLogPath"),
     Key("tracking", "message_tracking_log_max_file_size", 10 * MB, parse_size,
         "roll to a new file past this size", "MessageTrackingLogMaxFileSize", SIZE, limits=(1, 4 * GB)),
+    Key("tracking", "message_tracking_log_max_age", 30 * DAY, parse_duration,
+        "files last written longer ago than this are removed (checked every housekeeping round); 0s = never "
+        "by age", "MessageTrackingLogMaxAge", DUR, limits=(0, 24855 * DAY)),
+    Key("tracking", "message_tracking_log_max_directory_size", 1000 * MB, _size_or_unlimited,
+        "the oldest files are removed while the folder's MSGTRK files hold more than this; 0 or 'unlimited' = "
+        "no limit; at least message_tracking_log_max_file_size", "MessageTrackingLogMaxDirectorySize", SIZE,
+        limits=(0, 1024 * GB)),
     # Prometheus metrics
     Key("metrics", "listen", "", _metrics_listen,
         "address:port of the Prometheus /metrics endpoint ('9101' alone = 127.0.0.1:9101); empty = off"),
@@ -778,6 +792,14 @@ def _cross_checks(cfg: Config, source: str) -> None:
         # Rank 1 must have a heartbeat round to notice the loss, promote and adopt the others.
         _require_longer(cfg, "shadow_redundancy.shadow_rank_delay", "shadow_redundancy.shadow_heartbeat_frequency",
                         source, "the next rank would promote before rank 1 could adopt it")
+    tracking = cfg.tracking
+    if 0 < tracking.message_tracking_log_max_directory_size < tracking.message_tracking_log_max_file_size:
+        # Set-TransportService refuses it too.
+        raise ConfigError(f"{source}: tracking.message_tracking_log_max_directory_size: "
+                          f"{format_size(tracking.message_tracking_log_max_directory_size)} is less than "
+                          f"tracking.message_tracking_log_max_file_size "
+                          f"({format_size(tracking.message_tracking_log_max_file_size)}): the folder could not "
+                          "hold one full file")
     _require_longer(cfg, "shadow_redundancy.shadow_message_auto_discard_interval",
                     "shadow_redundancy.shadow_heartbeat_frequency", source,
                     "discard events would be dropped before the shadow's first poll")

@@ -30,6 +30,7 @@ __all__ = [
     "FIELDS_2013",
     "FIELDS_2016",
     "TrackingLog",
+    "files_past_retention",
     "format_datetime",
     "iter_log_files",
     "parse_datetime",
@@ -174,6 +175,30 @@ def _write_all(file: BinaryIO, data: bytes) -> None:
         view = view[written:]
 
 
+def files_past_retention(files: Sequence[tuple[Path, int, float]], now: float, max_age: float,
+                         max_directory_size: int, current: Path | None = None) -> list[tuple[Path, str]]:
+    """Which tracking-log files to remove, Exchange's way (MessageTrackingLogMaxAge,
+    MessageTrackingLogMaxDirectorySize): ``files`` are (path, size, last-modified time) of one
+    folder; a file last written more than ``max_age`` seconds before ``now`` goes, then the
+    oldest ones while the folder holds more than ``max_directory_size`` bytes. 0 turns either
+    rule off. ``current`` (the file being written) always stays and counts in the folder's size.
+    Returns (path, reason) oldest first."""
+    removed: list[tuple[Path, str]] = []
+    total = sum(size for _, size, _ in files)
+    for path, size, mtime in sorted(files, key=lambda f: (f[2], f[0].name)):
+        if path == current:
+            continue
+        if max_age and now - mtime > max_age:
+            why = "older than message_tracking_log_max_age"
+        elif max_directory_size and total > max_directory_size:
+            why = "folder over message_tracking_log_max_directory_size"
+        else:
+            continue
+        removed.append((path, why))
+        total -= size
+    return removed
+
+
 def _exclusive(path: str, flags: int) -> int:
     """Opener for a new file in append mode that fails if the file exists (like "xb")."""
     return os.open(path, flags | os.O_EXCL, 0o666)
@@ -194,6 +219,35 @@ class _LogFiles:
     _number: int
     _size: int
     _has_rows: bool
+    _lock: threading.Lock
+
+    def remove_old_files(self, now: float, max_age: float, max_directory_size: int) -> list[tuple[Path, int, str]]:
+        """Remove this folder's own files past the retention limits (``files_past_retention``;
+        ``now`` is epoch seconds, compared with the files' last-modified times), never the file
+        being written; returns (path, size, reason) of each file removed. A file another
+        process removed first is skipped; other I/O errors are raised."""
+        files = []
+        for entry in os.scandir(self.directory):
+            if _OWN_NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                files.append((Path(entry.path), st.st_size, st.st_mtime))
+        with self._lock:
+            current = self._path
+        removed = []
+        sizes = {path: size for path, size, _ in files}
+        for path, why in files_past_retention(files, now, max_age, max_directory_size, current):
+            with self._lock:  # the writer may have rolled over to it meanwhile: never that one
+                if path == self._path:
+                    continue
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    continue
+            removed.append((path, sizes[path], why))
+        return removed
 
     def _header(self, now: datetime) -> bytes:
         lines = (

@@ -154,6 +154,21 @@ class NodeEvents:
             return
         log.info("tracking log writable again: wrote %d kept row(s)", waiting - left)
 
+    def apply_tracking_retention(self, now: float) -> None:
+        """Remove the tracking-log files past tracking.message_tracking_log_max_age or beyond
+        message_tracking_log_max_directory_size (never the file being written); never raises."""
+        remove = getattr(self.tracking, "remove_old_files", None)  # none where tracking is off
+        t = self.cfg.tracking
+        if remove is None or not (t.message_tracking_log_max_age or t.message_tracking_log_max_directory_size):
+            return
+        try:
+            removed = remove(now, t.message_tracking_log_max_age, t.message_tracking_log_max_directory_size)
+        except OSError as exc:  # tried again at the next round
+            log.error("tracking log retention: cannot remove old files: %s", exc)
+            return
+        for path, size, why in removed:
+            log.info("tracking log retention: removed %s (%d bytes), %s", path.name, size, why)
+
     def log_dsn(self, original: dict, dsn_id: int, dsn: NewMessage) -> None:
         self.track("DSN", "DSN", {"id": dsn_id, "network_message_id": dsn.network_message_id,
                                   "message_id": dsn.message_id, "sender": "", "subject": dsn.subject,

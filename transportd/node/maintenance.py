@@ -3,8 +3,10 @@
 It owns the work nobody asks for: failing recipients older than
 *MessageExpirationTimeout* (FAIL from ROUTING, a DSN with 4.4.7), one delay DSN
 per message waiting longer than *DelayNotificationTimeout*, dropping what left
-the Safety Net and the duplicate-detection window, and making recipients left
-Active (or messages left pending) by a failed commit deliverable again. Each
+the Safety Net and the duplicate-detection window, removing tracking-log files
+past their retention (*MessageTrackingLogMaxAge*, *MessageTrackingLogMaxDirectorySize*),
+and making recipients left Active (or messages left pending) by a failed commit
+deliverable again. Each
 runs at its own pace; one message's failure never stops the others. It never
 talks SMTP.
 """
@@ -129,6 +131,7 @@ class Maintenance:
             self.store.queue_changed.set()
 
     async def housekeeping(self, now: float) -> None:
+        await asyncio.to_thread(self.events.apply_tracking_retention, now)
         window = self.cfg.mailbox.duplicate_detection_window
         n_msgs, n_dup = await self.store.write(lambda c: mq.purge_expired(c, now, window))
         if self.delivered is not None:
