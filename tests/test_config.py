@@ -203,7 +203,8 @@ def test_values_are_normalised() -> None:
     assert cfg.routing.accepted_domains == ["example.test", "*.sub.example.test"]
     assert cfg.routing.trusted_networks == [ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("::1/128")]
     assert cfg.routing.smart_host == "relay.test:25"
-    assert cfg.frontend.listen == "::1:2525"
+    assert cfg.frontend.listen == "[::1]:2525"  # what config show prints reads back
+    assert cfgmod.parse_hostport(cfg.frontend.listen) == ("::1", 2525)
     assert cfg.frontend.max_message_size == 10 * 1024 ** 2
     assert cfg.delivery.message_expiration_timeout == 86400.0
 
@@ -596,8 +597,8 @@ def test_a_misspelt_peer_key_gets_a_suggestion() -> None:
      ("shadow_redundancy.shadow_message_auto_discard_interval: 10m is shorter than one "
       "shadow_redundancy.shadow_heartbeat_frequency (1h)")),
     ({"tracking": {"message_tracking_log_max_directory_size": "5MB"}},
-     "tracking.message_tracking_log_max_directory_size: 5MB is less than tracking.message_tracking_log_max_file_size "
-     "(10MB)"),
+     ("tracking.message_tracking_log_max_directory_size: 5MB is less than "
+      "tracking.message_tracking_log_max_file_size (10MB)")),
 ])
 def test_values_that_contradict_each_other_are_refused_naming_both(raw, message) -> None:
     with pytest.raises(ConfigError) as info:

@@ -190,6 +190,37 @@ def test_smtputf8_8bitmime_and_pipelined_transaction(make_node):
 
 # --------------------------------------------------------------------------- 2. relay control
 
+def test_a_node_on_ipv6_loopback(make_node, sink):
+    """A frontend on ``[::1]``: the client's address literal in Received is ``[IPv6:::1]`` (RFC
+    5321 4.4), the relay rule matches ``::1/128``, the tracking row names the client, ``config
+    show`` prints the listener as ``[::1]:PORT`` (it reads back) and ``health`` finds it."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    sink.start()
+    node = make_node(smart_host=sink.address, overrides={
+        "frontend": {"listen": "[::1]:0"}, "routing": {"trusted_networks": ["::1/128"]}})
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+            port = probe.getsockname()[1]
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback: {exc}")
+    node.sections["frontend"]["listen"] = f"[::1]:{port}"
+    write_toml(node.config_path, node.sections)
+    node.start(wait=False)
+    wait_for(lambda: " ready on " in node.log(), timeout=15, what="the node ready")
+    with smtplib.SMTP("::1", port, timeout=20) as c:
+        c.ehlo("v6client.test")
+        assert c.sendmail("a@remote.test", ["b@elsewhere.test"], b"Subject: over v6\r\n\r\nhi\r\n") == {}
+    got = wait_for(sink.messages, timeout=15, what="the message at the sink")
+    assert b"Received: from v6client.test ([IPv6:::1])\n" in got[0], got[0][:400]  # the sink writes LF
+    row = wait_for(lambda: node.tracking(event_id="RECEIVE"), what="the RECEIVE row")[0]
+    assert (row["client-ip"], row["client-hostname"]) == ("::1", "v6client.test")
+    shown = node.cli("config", "show").stdout
+    assert re.search(rf"^frontend\.listen\s+\[::1\]:{port}\s", shown, re.MULTILINE), shown
+    assert node.cli("health", check=False).returncode == 0
+
+
 def test_relay_denied_for_untrusted_client(make_node, sink):
     sink.start()
     node = make_node(smart_host=sink.address).start()

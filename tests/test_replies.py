@@ -245,6 +245,17 @@ def test_received_is_added_every_time() -> None:
     assert [k for k, _ in _headers(second.data)].count("Message-ID") == 1
 
 
+@pytest.mark.parametrize("client_ip, literal", [
+    ("127.0.0.1", "127.0.0.1"), ("::1", "IPv6:::1"), ("2001:DB8:0:0::1", "IPv6:2001:db8::1"),
+    ("fe80::1%eth0", "IPv6:fe80::1"), ("::ffff:192.0.2.7", "192.0.2.7"), ("", "unknown"),
+    ("not an [ip]", "not?an??ip?"),
+])
+def test_received_names_the_client_by_an_rfc5321_address_literal(client_ip, literal) -> None:
+    """RFC 5321 4.4's TCP-info: an IPv6 client is ``[IPv6:...]``, never a bare ``[::1]``."""
+    first_line = _prep(b"Subject: x\r\n\r\n", client_ip=client_ip).data.split(b"\r\n", 1)[0]
+    assert first_line == f"Received: from client.test ([{literal}])".encode()
+
+
 def test_helo_is_sanitised_and_lf_only_messages_work() -> None:
     p = _prep(b"Subject: lf only\n\nbody\n", helo="bad helo\x00\xff")
     first_line = p.data.split(b"\r\n", 1)[0]

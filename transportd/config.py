@@ -208,16 +208,20 @@ def _enum(*choices: str) -> Callable[[Any], str]:
     return parse
 
 
+def join_hostport(host: str, port: int) -> str:
+    """``host:port``, an IPv6 address in brackets (``[::1]:2525``): what ``parse_hostport`` reads
+    back, what ``config show`` prints and what the code splits at its last colon."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _optional_hostport(value: Any) -> str:
     if value == "":
         return ""
-    host, port = parse_hostport(value, default_port=25)
-    return f"{host}:{port}"
+    return join_hostport(*parse_hostport(value, default_port=25))
 
 
 def _hostport_str(value: Any) -> str:
-    host, port = parse_hostport(value)
-    return f"{host}:{port}"
+    return join_hostport(*parse_hostport(value))
 
 
 def _optional_listen(value: Any) -> str:
@@ -694,7 +698,7 @@ def _peers(value: Any, source: str, me: str) -> list[PeerConfig]:
             raise ConfigError(f"{where}.name: {name} is this node itself")
         if any(p.name == name for p in out):
             raise ConfigError(f"{where}.name: {name} is listed twice")
-        out.append(PeerConfig(name, item["site"].strip(), f"{host}:{port}"))
+        out.append(PeerConfig(name, item["site"].strip(), join_hostport(host, port)))
     return out
 
 

@@ -359,7 +359,7 @@ class PeerConnector(SmtpConnector):
         if peer is None:
             raise NextHopUnavailable(f"{item.next_hop} is not a configured peer")
         host, _, port = peer.transport.rpartition(":")
-        return [SmtpTarget(host, int(port))]
+        return [SmtpTarget(host.strip("[]"), int(port))]
 
     async def open(self, item: WorkItem, messages: int = 1) -> tuple[Any, SmtpTarget, PeerSession | None]:
         """An authenticated pipelining session to the peer (smtp/wire.py), started hop by hop

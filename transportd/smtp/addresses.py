@@ -47,6 +47,21 @@ def relay_allowed(client_ip: str, networks: Sequence[ipaddress.IPv4Network | ipa
     return any(ip in net for net in networks)
 
 
+def address_literal_of(client_ip: str) -> str:
+    """A client's address as RFC 5321's address literal inside the brackets of a Received
+    field's TCP-info (4.4, 4.1.3): ``192.0.2.1``; ``IPv6:2001:db8::1`` (the zone of a link-local
+    address left out, no literal holds one); an IPv4 client seen on an IPv6 socket
+    (``::ffff:192.0.2.1``) as its IPv4 address. Anything that is not an address is returned as
+    given, printable ASCII only."""
+    try:
+        ip = ipaddress.ip_address(client_ip.split("%", 1)[0])
+    except ValueError:
+        return re.sub(r"[^\x21-\x5a\x5e-\x7e]", "?", client_ip) or "unknown"  # no [ \ ] in a literal
+    if isinstance(ip, ipaddress.IPv6Address):
+        return str(ip.ipv4_mapped) if ip.ipv4_mapped else f"IPv6:{ip.compressed}"
+    return str(ip)
+
+
 _LOCAL_PART = re.compile(r"^[A-Za-z0-9!#$%&'*+/=?^_`{|}~.\-\u0080-\U0010ffff]+$")
 _QUOTED_LOCAL_PART = re.compile(r'^"(?:[ !#-\[\]-~\u0080-\U0010ffff]|\\[ -~])*"$')
 """RFC 5321 4.1.2's Quoted-string: qtextSMTP (printable ASCII but '"' and '\\', and the space) or

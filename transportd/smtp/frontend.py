@@ -23,6 +23,7 @@ from aiosmtpd.smtp import SMTP, Envelope, Session
 from transportd.errors import MessageRejected
 from transportd.smtp import replies
 from transportd.smtp.addresses import (
+    address_literal_of,
     domain_of,
     is_accepted,
     postmaster_address,
@@ -82,7 +83,7 @@ def prepare_message(data: bytes, *, node_name: str, client_ip: str, helo: str, n
     date_text = rfc5322_date(now)
     helo_safe = re.sub(r"[^\x21-\x7e]", "?", helo or "unknown")[:255]
     proto = received_protocol(extended=extended, tls=tls, authenticated=authenticated, smtputf8=smtputf8)
-    extra.append(f"Received: from {helo_safe} ([{client_ip}])\r\n\tby {node_name} ({connector}) with {proto}"
+    extra.append(f"Received: from {helo_safe} ([{address_literal_of(client_ip)}])\r\n\tby {node_name} ({connector}) with {proto}"
                  f" id {network_message_id};\r\n\t{date_text}")
     if not message_id:
         message_id = f"<{network_message_id}@{node_name}>"
