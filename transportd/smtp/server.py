@@ -288,12 +288,16 @@ class _Replies:
     _plain_250: bool
     _writer: asyncio.StreamWriter
     enable_SMTPUTF8: bool
+    _param_error = ""  # what was wrong with MAIL's or RCPT's parameters (_DsnParameters)
 
     async def push(self, status: Any) -> None:
         """One reply line, in our wording. A line of a multiline reply (``250-...``, RFC 5321
         4.2.1) is held until the reply's last line, so a reply goes out in one write: aiosmtpd
-        writes and drains each line, and an EHLO reply was ten writes (~16 us of CPU each here, idle)."""
+        writes and drains each line, and an EHLO reply was ten writes (~16 us of CPU each here, idle).
+        aiosmtpd's syntax reply to parameters we refused says what was wrong with them."""
         if isinstance(status, str):
+            if self._param_error and status.startswith("501 Syntax: "):
+                status, self._param_error = replies.S501_BAD_PARAMETER.format(error=self._param_error), ""
             if not (self._plain_250 and status.startswith("250")):
                 status = replies.translate(status)
             status = replies.wire_safe(status).encode("utf-8" if self.enable_SMTPUTF8 else "ascii")
@@ -350,12 +354,13 @@ class _DsnParameters:
     dsn = True
     dsn_params = ""
     _path_params = ""
+    _param_error = ""
     session: Session | None
     envelope: Envelope | None
 
     def _getparams(self, params: Any) -> dict[str, str | bool] | None:
         result = super()._getparams(params)  # type: ignore[misc]
-        self.dsn_params = ""
+        self.dsn_params = self._param_error = ""
         if result is None or not (self.session and self.session.extended_smtp):
             return result
         keys = dsnparams.RCPT_KEYS if self.envelope and self.envelope.mail_from else dsnparams.MAIL_KEYS
@@ -364,6 +369,7 @@ class _DsnParameters:
         text, error = dsnparams.parse(self._path_params, keys)
         if error:
             log.info("%s refused: %s", "RCPT" if keys is dsnparams.RCPT_KEYS else "MAIL", error)
+            self._param_error = error  # the reply says it (_Replies.push)
             return None
         for k in keys:
             result.pop(k, None)
