@@ -343,6 +343,19 @@ def test_remove_old_files_removes_only_our_files_past_retention(tmp_path):
     assert [r["custom-data"] for r in parse_log_file(current)][-1] == "after"
 
 
+def test_search_skips_a_file_removed_after_it_was_listed(tmp_path, monkeypatch):
+    log = make_log(tmp_path, max_file_size=700)
+    for i in range(4):
+        log.write("RECEIVE", "SMTP", custom_data=f"row{i}", message_subject="x" * 100)
+    log.close()
+    files = iter_log_files(tmp_path)
+    assert len(files) > 2
+    monkeypatch.setattr(tracking, "iter_log_files", lambda d: files)
+    files[0].unlink()  # listed, then removed by the node's retention
+    rows = [r["custom-data"] for r in search(tmp_path)]
+    assert rows and "row3" in rows and "row0" not in rows
+
+
 def test_roll_by_day(tmp_path):
     clock = Clock(datetime(2026, 11, 22, 23, 59, 59, 999000, tzinfo=UTC))
     log = make_log(tmp_path, clock)

@@ -645,6 +645,15 @@ def parse_log_file(
             yield result
 
 
+def _rows_if_present(path: Path, errors: list[tuple[Path, int, str]] | None) -> Iterator[dict[str, str]]:
+    """``parse_log_file``'s rows, none if the file was removed after it was listed (the node's
+    retention removes old files while a search runs)."""
+    try:
+        yield from parse_log_file(path, errors)
+    except FileNotFoundError:
+        return
+
+
 def _report(errors: list[tuple[Path, int, str]] | None, path: Path, line: int, reason: str) -> None:
     if errors is not None:
         errors.append((path, line, reason))
@@ -705,7 +714,7 @@ def search(
     end_utc = None if end is None else _as_utc(end)
 
     for path in iter_log_files(directory):
-        for row in parse_log_file(path, errors):
+        for row in _rows_if_present(path, errors):
             if want_event is not None and row["event-id"].strip().casefold() != want_event:
                 continue
             if (
