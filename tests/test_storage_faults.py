@@ -109,11 +109,12 @@ def test_tracking_logs_past_retention_are_removed_by_the_running_node(make_node,
     """MessageTrackingLogMaxAge and MessageTrackingLogMaxDirectorySize: a tracking-log file last
     written before the age limit is removed, then the oldest files while the folder is over the
     size limit, by the running node's housekeeping; the file being written and files that are not
-    tracking logs stay, and mail goes on."""
+    tracking logs stay, and mail goes on. With MessageTrackingLogSubjectLoggingEnabled off the
+    rows carry no subject (the message still does)."""
     sink.start()
     node = make_node(smart_host=sink.address, overrides={"tracking": {
         "message_tracking_log_max_file_size": "2KB", "message_tracking_log_max_directory_size": "8KB",
-        "message_tracking_log_max_age": "1d"}})
+        "message_tracking_log_max_age": "1d", "message_tracking_log_subject_logging_enabled": False}})
     folder = node.data_dir / "msgtrk"
     folder.mkdir(parents=True)
     old = folder / "MSGTRK20260101-1.LOG"
@@ -144,4 +145,8 @@ def test_tracking_logs_past_retention_are_removed_by_the_running_node(make_node,
     last = re.search(r"queued as (\d+)", msg).group(1)
     wait_for(lambda: [r for r in node.tracking(event_id="SENDEXTERNAL") if r["internal-message-id"] == last],
              timeout=15, what="the 21st message's SENDEXTERNAL row")
+    rows = [r for r in node.tracking() if r["internal-message-id"] == last]
+    assert {r["event-id"] for r in rows} == {"RECEIVE", "SENDEXTERNAL"}
+    assert all(r["message-subject"] == "" for r in rows), rows
+    assert any(b"Subject: disk 20" in m for m in sink.messages())
     assert node.alive and "Traceback" not in node.log()

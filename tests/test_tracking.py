@@ -356,6 +356,14 @@ def test_search_skips_a_file_removed_after_it_was_listed(tmp_path, monkeypatch):
     assert rows and "row3" in rows and "row0" not in rows
 
 
+def test_subject_logging_off_leaves_the_subject_field_empty(tmp_path):
+    log = make_log(tmp_path, subject_logging=False)
+    log.write("RECEIVE", "SMTP", message_subject="Salary review", sender_address="a@example.test")
+    log.close()
+    [row] = search(tmp_path)
+    assert row["message-subject"] == "" and row["sender-address"] == "a@example.test"
+
+
 def test_roll_by_day(tmp_path):
     clock = Clock(datetime(2026, 11, 22, 23, 59, 59, 999000, tzinfo=UTC))
     log = make_log(tmp_path, clock)

@@ -480,6 +480,9 @@ KEYS: tuple[Key, ...] = (
         "folder of the MSGTRK files; empty = <data_dir>/msgtrk", "MessageTrackingLogPath"),
     Key("tracking", "message_tracking_log_max_file_size", 10 * MB, parse_size,
         "roll to a new file past this size", "MessageTrackingLogMaxFileSize", SIZE, limits=(1, 4 * GB)),
+    Key("tracking", "message_tracking_log_subject_logging_enabled", True, _bool,
+        "write each message's Subject in the message-subject field (false: the field stays empty)",
+        "MessageTrackingLogSubjectLoggingEnabled"),
     Key("tracking", "message_tracking_log_max_age", 30 * DAY, parse_duration,
         "files last written longer ago than this are removed (checked every housekeeping round); 0s = never "
         "by age", "MessageTrackingLogMaxAge", DUR, limits=(0, 24855 * DAY)),

@@ -364,6 +364,7 @@ class TrackingLog(_LogFiles):
         clock: Callable[[], datetime] = utc_now,
         fields: Sequence[str] = FIELDS_2016,
         max_pending_bytes: int = 8 * 1024 * 1024,
+        subject_logging: bool = True,
     ) -> None:
         if tuple(fields) not in (FIELDS_2016, FIELDS_2010):
             raise ValueError("fields: FIELDS_2016 or FIELDS_2010")
@@ -383,6 +384,7 @@ class TrackingLog(_LogFiles):
         self._has_rows = False
         self._closed = False
         self.max_pending_bytes = max_pending_bytes
+        self.subject_logging = subject_logging  # MessageTrackingLogSubjectLoggingEnabled
         self._pending: deque[bytes] = deque()  # rows not yet written, oldest first
         self._pending_bytes = 0
         self.dropped_rows = 0  # rows given up: more than max_pending_bytes waited
@@ -460,7 +462,7 @@ class TrackingLog(_LogFiles):
                 "recipient-count": "" if recipient_count is None else recipient_count,
                 "related-recipient-address": related_recipient_address,
                 "reference": reference,
-                "message-subject": message_subject,
+                "message-subject": message_subject if self.subject_logging else "",
                 "sender-address": sender_address,
                 "return-path": return_path,
                 "message-info": message_info,

@@ -202,7 +202,8 @@ def tracking_log_for(cfg: Config, store: QueueStore):
         return None
     node_name = store.read(recorded_node_name) or cfg.node.name
     return TrackingLog(cfg.tracking_dir, node_name, max_file_size=cfg.tracking.message_tracking_log_max_file_size,
-                       fields=config_mod.tracking_fields(cfg))
+                       fields=config_mod.tracking_fields(cfg),
+                       subject_logging=cfg.tracking.message_tracking_log_subject_logging_enabled)
 
 
 def admin_event(trk: Any, event_id: str, row: dict, context: str, **fields: Any) -> None:

@@ -94,7 +94,7 @@ class Node:
             self.events.tracking = TrackingLog(
                 cfg.tracking_dir, cfg.node.name, server_ip=address_of(host.strip("[]")),
                 max_file_size=cfg.tracking.message_tracking_log_max_file_size, software_version=__version__,
-                fields=tracking_fields(cfg))
+                fields=tracking_fields(cfg), subject_logging=cfg.tracking.message_tracking_log_subject_logging_enabled)
         for row in poisoned:
             self.metrics.internal_failures.labels("crash").inc()
             self.events.poisoned(row, "the node crashed while delivering it")
