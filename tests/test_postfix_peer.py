@@ -239,3 +239,40 @@ def test_starttls_with_postfix_on_both_sides(make_node, sink, postfix):
                  what="the node's STARTTLS session in the second Postfix's log")
     finally:
         shutil.rmtree(certs, ignore_errors=True)
+
+
+@pytest.mark.parametrize("broken", ["no certificate", "TLSv1 only"])
+def test_a_next_hop_whose_starttls_fails_gets_the_message_in_plaintext(make_node, sink, postfix, broken):
+    """Opportunistic TLS (RFC 3207; Postfix's ``may``, Exchange's default): a next hop that offers
+    STARTTLS and then cannot do it is still a next hop. A Postfix whose certificate is missing
+    answers STARTTLS ``454 4.7.0 TLS not available``: the node goes on in plaintext on the same
+    session. A Postfix that speaks only TLS 1.0 fails the handshake (OpenSSL's defaults here refuse
+    it): the node sends the message at once on a new session without STARTTLS. Either way it
+    arrives once, without a deferral."""
+    sink.start()
+    if broken == "no certificate":
+        tls = {"smtpd_tls_security_level": "may", "smtpd_tls_cert_file": "/nonexistent/cert.pem",
+               "smtpd_tls_key_file": "/nonexistent/key.pem"}
+    else:
+        trustme = pytest.importorskip("trustme")
+        certs = Path(tempfile.mkdtemp(prefix="transportd-tls-"))
+        certs.chmod(0o755)
+        cert = trustme.CA().issue_cert("relay-out.test")
+        cert.private_key_pem.write_to_path(str(certs / "out.key"))
+        cert.cert_chain_pems[0].write_to_path(str(certs / "out.pem"))
+        tls = {"smtpd_tls_security_level": "may", "smtpd_tls_cert_file": str(certs / "out.pem"),
+               "smtpd_tls_key_file": str(certs / "out.key"), "smtpd_tls_protocols": ">=TLSv1, <=TLSv1",
+               "smtpd_tls_mandatory_protocols": ">=TLSv1, <=TLSv1", "tls_preempt_cipherlist": "no",
+               "smtpd_tls_loglevel": "1"}
+    out = postfix(sink.address, name="relay-out.test", **tls)
+    node = make_node(smart_host=out.address).start()
+    assert send("127.0.0.1", node.port, "bob@remote.test", ["carol@foreign.test"], f"tls {broken}") == {}
+    got = wait_for(lambda: by_subject(sink, f"tls {broken}"), timeout=30, what="the message at the sink")
+    assert len(got) == 1
+    assert not node.tracking(event_id="DEFER"), node.tracking(event_id="DEFER")
+    said = ("answered STARTTLS 454 4.7.0 TLS not available due to local problem: going on without TLS"
+            if broken == "no certificate" else "failed: SSLError: ")
+    assert said in node.log(), node.log()[-3000:]
+    if broken != "no certificate":
+        assert "sending on a new session without TLS" in node.log()
+        shutil.rmtree(certs, ignore_errors=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 
 import pytest
 
@@ -125,7 +126,6 @@ async def test_a_pipelining_next_hop_gets_one_group_and_a_lone_dot_when_it_says_
 
 async def test_starttls_is_used_when_a_next_hop_offers_it(tmp_path) -> None:
     """start_tls None (the SMTP connector's): STARTTLS when offered, then EHLO again over TLS."""
-    import ssl
 
     import trustme
     from aiosmtpd.controller import Controller
@@ -166,7 +166,6 @@ async def test_plaintext_after_the_starttls_220_is_discarded(caplog) -> None:
     """A next hop (or a man in the middle) that sends a reply in plaintext right after its 220 to
     STARTTLS: that reply is never taken for the answer to the EHLO sent over TLS (the client side
     of CVE-2011-0411's class)."""
-    import ssl
 
     import trustme
 
@@ -199,6 +198,69 @@ async def test_plaintext_after_the_starttls_220_is_discarded(caplog) -> None:
         assert (await session.wire.execute_command(b"NOOP")).message == "2.0.0 ok over tls"
         await session.quit()
     assert "in plaintext after its STARTTLS 220: discarded" in caplog.text
+
+
+async def test_a_next_hop_whose_starttls_is_refused_gets_the_message_in_plaintext(caplog) -> None:
+    """Opportunistic TLS (RFC 3207 4.1): STARTTLS answered 454 (a Postfix without its
+    certificate) leaves the session as it was; the transaction goes on without TLS."""
+    server, port = await scripted([
+        (None, b"220 mx.test ESMTP\r\n"), (b"EHLO me.test", b"250-mx.test\r\n250-STARTTLS\r\n250 PIPELINING\r\n"),
+        (b"STARTTLS", b"454 4.7.0 TLS not available due to local problem\r\n"),
+        (b"MAIL FROM:<a@x.test>", b""), (b"RCPT", b""), (b"DATA", b"250 ok\r\n250 ok\r\n354 go\r\n"),
+        (b"x", b""), (b".", b"250 queued\r\n"), (b"QUIT", b"221 bye\r\n"),
+    ])
+    async with server:
+        session, _ = await connect([SmtpTarget("127.0.0.1", port)], local_hostname="me.test", timeout=5,
+                                   connect_timeout=5, tls={"start_tls": None, "validate_certs": False})
+        assert (await session.transact("a@x.test", [], ["b@y.test"], b"x\r\n")).data == (250, "queued")
+        await session.quit()
+    assert "answered STARTTLS 454 4.7.0 TLS not available due to local problem: going on without TLS" in caplog.text
+
+
+async def test_a_failed_tls_handshake_with_a_next_hop_is_followed_by_a_session_without_tls(caplog) -> None:
+    """STARTTLS answered 220, then no TLS (here: plaintext where the handshake should be): the
+    connection is lost, and at once a new one goes without STARTTLS, where a deferral would have
+    met the same failure at every retry. To a peer (TLS required) it stays a failure."""
+    sessions: list[list[bytes]] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen: list[bytes] = []
+        sessions.append(seen)
+        writer.write(b"220 mx.test ESMTP\r\n")
+        try:
+            while line := await reader.readuntil(b"\n"):
+                seen.append(line.split()[0] if line.strip() else line)
+                if line.startswith(b"EHLO"):
+                    writer.write(b"250-mx.test\r\n250 STARTTLS\r\n")
+                elif line.startswith(b"STARTTLS"):
+                    writer.write(b"220 go ahead\r\nthis is no TLS server hello at all\r\n" * 20)
+                    await writer.drain()
+                    await asyncio.sleep(0.2)
+                    break
+                elif line.startswith(b"QUIT"):
+                    writer.write(b"221 bye\r\n")
+                    break
+                else:
+                    writer.write(b"250 ok\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        session, _ = await connect([SmtpTarget("127.0.0.1", port)], local_hostname="me.test", timeout=5,
+                                   connect_timeout=5, tls={"start_tls": None, "validate_certs": False})
+        assert (await session.wire.execute_command(b"NOOP")).code == 250
+        await session.quit()
+        assert sessions[0] == [b"EHLO", b"STARTTLS"] and sessions[1] == [b"EHLO", b"NOOP", b"QUIT"], sessions
+        assert "sending on a new session without TLS" in caplog.text
+        wire = SmtpWire("127.0.0.1", port, local_hostname="me.test", timeout=5, start_tls=True)
+        await wire.connect()
+        with pytest.raises(OSError):  # a peer's session, TLS required: the failure itself (SSL or reset)
+            await wire.ehlo()
+        wire.close()
+        assert len(sessions) == 3  # and no second try without TLS
 
 
 async def test_no_starttls_when_a_next_hop_does_not_offer_it() -> None:

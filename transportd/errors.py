@@ -13,6 +13,7 @@ message's ids, counted towards the Poison queue, answered ``451 4.3.0``.
     │                                  (also a ValueError: it is raised while parsing values)
     ├── PeerError                      a peer's transport connector could not do what we asked
     │   ├── PeerTransientError         no connection, timeout, 4xx, a broken session: try again later
+    │   │   └── TlsHandshakeFailed     STARTTLS accepted, then TLS failed (opportunistic: again in plaintext)
     │   └── PeerPermanentError         a 5xx, or the peer does not offer what we need
     ├── NextHopError                   a delivery's next hop
     │   ├── NextHopUnavailable         no session to any of its hosts (DEFER the whole batch)
@@ -66,6 +67,11 @@ class PeerTransientError(PeerError):
 
 class GreetingRefused(PeerTransientError):
     """The server answered the connection with a 4xx greeting (421: busy, too many connections)."""
+
+
+class TlsHandshakeFailed(PeerTransientError):
+    """STARTTLS was answered 220 and then the TLS session (or the EHLO over it) failed: the
+    connection is unusable; where TLS was only opportunistic, a new one without it is."""
 
 
 class PeerPermanentError(PeerError):

@@ -13,6 +13,7 @@ decides an outcome (node/connectors.py does); deciding *whether* SMTPUTF8 may be
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -22,11 +23,14 @@ from transportd.errors import (
     GreetingRefused,
     NextHopPermanentError,
     NextHopUnavailable,
+    TlsHandshakeFailed,
 )
 from transportd.smtp.addresses import literal_address
 from transportd.smtp.dsnparams import DsnRequest
 from transportd.smtp.transaction import Replies, Transaction
 from transportd.smtp.wire import SmtpWire
+
+log = logging.getLogger("transportd")
 
 
 @dataclass
@@ -74,15 +78,27 @@ async def connect(targets: list[SmtpTarget], *, local_hostname: str, timeout: fl
     errors = []
     busy = bool(targets)  # every host up and turning this session away (a 4xx greeting)
     for t in targets:
-        wire = SmtpWire(t.host, t.port, local_hostname=local_hostname, timeout=timeout, helo_fallback=True, **tls)
-        try:
-            await wire.connect(connect_timeout)
-            await wire.ehlo()
-            return NextHopSession(wire), t
-        except PEER_FAILURES as exc:
-            errors.append(f"{t.host}:{t.port}: {describe(exc)}")
-            busy = busy and isinstance(exc, GreetingRefused)
-            wire.close()
+        options = tls
+        for _attempt in range(2):
+            wire = SmtpWire(t.host, t.port, local_hostname=local_hostname, timeout=timeout, helo_fallback=True,
+                            **options)
+            try:
+                await wire.connect(connect_timeout)
+                await wire.ehlo()
+                return NextHopSession(wire), t
+            except TlsHandshakeFailed as exc:  # raised only where TLS was opportunistic (SmtpWire.ehlo)
+                wire.close()
+                # Opportunistic TLS that failed after the server's 220 (a TLS version or cipher
+                # in common with none, a broken certificate chain on its side): at once again on
+                # a new connection without STARTTLS, rather than a deferral that would meet the
+                # same failure at every retry until the message expired.
+                log.warning("%s; sending on a new session without TLS", exc)
+                options = {**tls, "start_tls": False}
+            except PEER_FAILURES as exc:
+                errors.append(f"{t.host}:{t.port}: {describe(exc)}")
+                busy = busy and isinstance(exc, GreetingRefused)
+                wire.close()
+                break
     raise NextHopUnavailable("; ".join(errors) or "no hosts for next hop", busy=busy)
 
 

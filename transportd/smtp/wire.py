@@ -4,7 +4,8 @@ transport connector or to a next hop outside the boundary.
 It owns the socket: connecting and reading the greeting, EHLO and the keywords the
 server offers (HELO where a next hop does not know EHLO), STARTTLS (required to peers,
 with the certificate checked against ``transport.tls_ca`` where set; used when offered
-by a next hop), AUTH PLAIN's exchange, writing bytes a caller (a sans-I/O
+by a next hop, and then only opportunistic: a refusal goes on in plaintext, a failed
+handshake raises ``TlsHandshakeFailed`` for a new session without it), AUTH PLAIN's exchange, writing bytes a caller (a sans-I/O
 ``Transaction`` or ``ClientConnection``) produced, and reading replies one at a time as
 they come, so a pipelined group's replies are taken from the stream in order. It never
 decides what to send or what a reply means for a message (smtp/transaction.py,
@@ -22,7 +23,13 @@ import ssl
 from dataclasses import dataclass
 from typing import Any
 
-from transportd.errors import GreetingRefused, PeerPermanentError, PeerTransientError, ProtocolError
+from transportd.errors import (
+    GreetingRefused,
+    PeerPermanentError,
+    PeerTransientError,
+    ProtocolError,
+    TlsHandshakeFailed,
+)
 
 log = logging.getLogger("transportd")
 
@@ -87,6 +94,12 @@ class SmtpWire:
         if self.start_tls is True or (self.start_tls is None and offered):
             answer = await self.execute_command(b"STARTTLS")
             if answer.code != 220:
+                if self.start_tls is None:
+                    # Opportunistic (RFC 3207 4.1: the client decides whether to go on): the
+                    # session is as it was before STARTTLS, as Postfix's "may" goes on.
+                    log.warning("%s:%d answered STARTTLS %d %s: going on without TLS", self.hostname, self.port,
+                                answer.code, answer.message.replace("\n", " "))
+                    return reply
                 raise PeerPermanentError(f"STARTTLS answered {answer.code} {answer.message}")
             assert self._writer is not None and self._reader is not None
             if self._reader._buffer:
@@ -95,9 +108,16 @@ class SmtpWire:
                 log.warning("%s:%d sent %d octet(s) in plaintext after its STARTTLS 220: discarded",
                             self.hostname, self.port, len(self._reader._buffer))
                 self._reader._buffer.clear()
-            await asyncio.wait_for(self._writer.start_tls(tls_context(self.tls), server_hostname=self.hostname),
-                                   self.timeout)
-            reply = await self._ehlo()
+            try:
+                await asyncio.wait_for(self._writer.start_tls(tls_context(self.tls), server_hostname=self.hostname),
+                                       self.timeout)
+                reply = await self._ehlo()
+            except (OSError, TimeoutError, PeerTransientError, ProtocolError) as exc:
+                if self.start_tls is True:
+                    raise
+                self.close()
+                raise TlsHandshakeFailed(f"STARTTLS with {self.hostname}:{self.port} failed: "
+                                         f"{exc.__class__.__name__}: {exc}") from exc
         return reply
 
     async def _ehlo(self) -> Reply:
