@@ -90,6 +90,24 @@ def test_parse_hostport_default_port() -> None:
         parse_hostport("smtp.example.test")
 
 
+@pytest.mark.parametrize("name, kept", [
+    ("node1.example.test", "node1.example.test"), ("MX-1.Example.TEST.", "MX-1.Example.TEST"), ("node1", "node1"),
+    ("a" * 63 + ".test", "a" * 63 + ".test"), ("9node.example.test", "9node.example.test"),
+])
+def test_node_name_takes_host_names(name, kept) -> None:
+    assert load_dict({"node": {"name": name}}).node.name == kept
+
+
+@pytest.mark.parametrize("name", [
+    "node 1.example.test", "node_1.example.test", "-node.example.test", "node-.example.test", "a..b.test",
+    "a" * 64 + ".test", "ü.example.test", "node1.example.test:25", ".".join(["abcdefgh"] * 30),
+])
+def test_node_name_that_is_no_host_name_is_refused(name) -> None:
+    """node.name is the EHLO name: a name no next hop could take is a configuration error."""
+    with pytest.raises(ConfigError, match=r"^n\.toml: node\.name: .* is not a host name "):
+        load_dict({"node": {"name": name}}, source="n.toml")
+
+
 @pytest.mark.parametrize("value", [
     "", "   ", "host:0", "host:65536", "host:abc", "::1:25", "a b:25", "host:25:26", ":25", 2525, None,
 ])

@@ -139,6 +139,16 @@ def test_text_log_timestamps_are_utc_with_z(make_node, sink):
     assert abs((datetime.now(UTC) - ts).total_seconds()) < 600, line
 
 
+def test_a_node_name_that_is_not_fully_qualified_is_warned_about(make_node):
+    node = make_node(overrides={"node": {"name": "shortname"}}).start()
+    wait_for(lambda: "ready on" in node.log(), timeout=10, what="the ready line")
+    assert re.search(r"WARNING transportd: node\.name 'shortname' is not fully qualified: next hops that check "
+                     r"the EHLO name", node.log()), node.log()[-2000:]
+    fqdn = make_node("node2").start()  # node2.transportd.test
+    wait_for(lambda: "ready on" in fqdn.log(), timeout=10, what="node2's ready line")
+    assert "not fully qualified" not in fqdn.log()
+
+
 def test_a_node_that_cannot_start_says_why_in_json_when_asked(tmp_path):
     import json
     import subprocess

@@ -175,6 +175,19 @@ def _str(value: Any) -> str:
     return value
 
 
+_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def _host_name(value: Any) -> str:
+    """A host name (RFC 1123 2.1): the EHLO name, the Received and tracking name, the peers' name
+    for this node. Empty: the host's FQDN, found at load."""
+    text = _str(value).strip()
+    if text and (len(text) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in text.rstrip(".").split("."))):
+        raise ValueError(f"{text!r} is not a host name (letters, digits and hyphens in dot-separated labels): "
+                         "it is the name the node gives in EHLO (RFC 5321 4.1.1.1)")
+    return text.rstrip(".")
+
+
 def _str_list(value: Any) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ValueError(f"expected a list of strings, got {value!r}")
@@ -293,7 +306,7 @@ INT32_MAX = 2**31 - 1  # Exchange's "unlimited" integers are Int32
 
 KEYS: tuple[Key, ...] = (
     # node
-    Key("node", "name", "", _str, "this node's FQDN, used in EHLO, Received, tracking logs and by peers"),
+    Key("node", "name", "", _host_name, "this node's FQDN, used in EHLO, Received, tracking logs and by peers"),
     Key("node", "site", "default-site", _str, "the site (Active Directory site) this node belongs to"),
     Key("node", "data_dir", "./data", _str,
         "folder for the queue database, mailbox store and tracking logs (relative to the config file)"),

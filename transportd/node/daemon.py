@@ -115,6 +115,10 @@ class Node:
         log.info("transportd %s node %s (site %s) serving frontend on %s; queue database %s (ID %s)",
                  __version__, cfg.node.name, cfg.node.site, cfg.frontend.listen, cfg.db_path,
                  store.queue_database_id)
+        if "." not in cfg.node.name:
+            log.warning("node.name %r is not fully qualified: next hops that check the EHLO name (RFC 5321 "
+                        "4.1.1.1; Postfix's reject_non_fqdn_helo_hostname) may refuse this node's mail; set "
+                        "node.name to its FQDN", cfg.node.name)
 
     async def _serve(self, listen: str, factory: Any, reuse_port: bool = False) -> None:
         host, _, port = listen.rpartition(":")
