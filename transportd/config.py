@@ -333,7 +333,9 @@ KEYS: tuple[Key, ...] = (
         "a file holding the cluster secret (its first line; relative to the config file), e.g. a compose "
         "secret at /run/secrets/NAME; instead of cluster.secret"),
     # frontend receive connector
-    Key("frontend", "listen", "127.0.0.1:2525", _hostport_str, "address:port of the frontend receive connector"),
+    Key("frontend", "listen", "127.0.0.1:2525", _hostport_str,
+        "address:port of the frontend receive connector; one address: 0.0.0.0 is every IPv4 address, [::] every "
+        "IPv6 one (IPv6 only)"),
     Key("frontend", "max_message_size", 36 * MB, parse_size,
         "largest message accepted (bytes); larger gets 552 5.3.4", "MaxMessageSize", SIZE, limits=(1 * KB, 2 * GB)),
     Key("frontend", "max_recipients_per_message", 200, _int,
