@@ -320,6 +320,28 @@ def test_generated_logs_of_2_3_and_10_nodes_with_deaths_match_the_truth(spark, t
         assert messages.filter("network_message_id = ''").count() < messages.count() // 10
 
 
+def test_a_file_removed_while_the_job_reads_is_skipped_and_said(spark, tmp_path, monkeypatch):
+    """A node's retention may remove its oldest tracking-log file while the job reads a live
+    folder: the job does not fail on it (Spark's FILE_NOT_EXIST); the other files are read and the
+    summary names the file removed."""
+    from transportd.analytics import reader
+    generate(tmp_path / "logs", messages=300, nodes=3, seed=3)
+    files = reader.list_files(spark, [str(tmp_path / "logs")], recursive=True)
+    victim = files[0]
+    read_rows = reader.read_rows
+
+    def read_then_remove(spark_, files_):
+        rows = read_rows(spark_, files_)  # listed and planned; then the file goes
+        os.remove(victim)
+        return rows
+    monkeypatch.setattr(reader, "read_rows", read_then_remove)
+    s = job.analyze(spark, [str(tmp_path / "logs")], str(tmp_path / "out"), recursive=True, progress=False,
+                    report=False)
+    assert s["files"] == len(files) and s["files_removed_while_read"] == [victim]
+    assert 0 < s["rows"] and s["events_by_node"]
+    assert "1 input file(s) removed while the job read them" in job.console_table(s)
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed")
 def test_report_opens_offline_in_headless_chromium_with_every_chart_drawn(generated, tmp_path):
     base, _, summary = generated

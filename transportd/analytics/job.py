@@ -955,6 +955,10 @@ def console_table(summary: dict) -> str:
 
     lines = [(f"logs {summary['log_start']} .. {summary['log_end']}: {summary['events']} events, "
               f"{summary['messages']} messages, {summary['malformed']['rows']} malformed rows")]
+    gone = summary.get("files_removed_while_read") or []
+    if gone:
+        lines.append(f"warning:     {len(gone)} input file(s) removed while the job read them (a node's "
+                     f"retention?): their rows may be missing, e.g. {gone[0]}")
     lines.append("states:      " + ", ".join(f"{k} {v}" for k, v in summary["states"].items()))
     lines.append(f"coverage:    {pct(summary['redundancy_coverage'])} of {summary['received']} received "
                  f"made redundant; {summary['unprotected_messages']} accepted unprotected, "
@@ -1081,6 +1085,10 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
             scratch.append(_join(out, "parsed.scratch"))
             reader.narrow(rows).write.option("parquet.enable.dictionary", "false").mode("overwrite").parquet(
                 scratch[-1])
+        # The text has been read: a local file gone by now was removed while the job ran (a
+        # node's tracking-log retention on a live folder): its rows, if it was gone before Spark
+        # read it, are missing from what follows. Said in the summary, not a failure.
+        removed = [f for f in files if "://" not in f and not os.path.exists(f)]
         step("parse")
         try:
             parsed = spark.read.parquet(_join(out, "events") if write_events else scratch[-1])
@@ -1126,6 +1134,7 @@ def analyze(spark: Any, paths: Sequence[str], out: str, *, name_filter: str = DE
         summary = summarize(spark, messages, anomalies, malformed, facts, episode_gap, grace_seconds)
         summary["inputs"] = list(paths)
         summary["files"] = len(files)
+        summary["files_removed_while_read"] = removed
         summary["rows"] = int(facts["rows"]) + summary["malformed"]["rows"]
         step("summary")
         summary["seconds"] = round(time.monotonic() - started, 3)

@@ -196,7 +196,10 @@ def _read_group(spark: Any, fields: tuple[str, ...], header: bool, files: list[s
     df = (spark.read.schema(schema)
           .options(comment="#", quote='"', escape='"', mode="PERMISSIVE", multiLine="false",
                    columnNameOfCorruptRecord=CORRUPT, ignoreLeadingWhiteSpace="false",
-                   ignoreTrailingWhiteSpace="false", enforceSchema="true", header="false")
+                   ignoreTrailingWhiteSpace="false", enforceSchema="true", header="false",
+                   # a node's retention may remove its oldest file while the job reads a live
+                   # folder: that file's rows are not read (analyze counts such files), no failure
+                   ignoreMissingFiles="true")
           .csv(list(files)))
     index = {name: i for i, name in reversed(list(enumerate(fields)))}
     cols = [F.col(f"c{index[name]}") if name in index else F.lit(None).cast("string") for name in NEEDED]
