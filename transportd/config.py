@@ -312,6 +312,9 @@ KEYS: tuple[Key, ...] = (
         "folder for the queue database, mailbox store and tracking logs (relative to the config file)"),
     Key("node", "log_level", "info", _enum("debug", "info", "warning", "error"), "operational log level"),
     Key("node", "log_format", "text", _enum("text", "json"), "operational log lines: readable text or JSON"),
+    Key("node", "tls_certificate_check_interval", 60.0, parse_duration,
+        "how often a receive connector looks whether its TLS certificate or key file changed (at a "
+        "connection's start), to use a renewed one without a restart; 0s = never", "", DUR, limits=(0, 1 * DAY)),
     # transport receive connector (boundary peers) and cluster membership
     Key("transport", "listen", "", _optional_listen,
         "address:port of the transport receive connector for boundary peers; empty = none"),

@@ -38,7 +38,8 @@ from transportd.queue.store import QueueStore
 from transportd.redundancy.manager import ShadowManager
 from transportd.redundancy.server import TransportHandler, TransportSMTP, make_peer_authenticator
 from transportd.smtp.frontend import FrontendHandler
-from transportd.smtp.server import ConnectionCounter, say_shutting_down, server_tls, smtp_factory
+from transportd.smtp.server import ConnectionCounter, say_shutting_down, smtp_factory
+from transportd.smtp.tls import server_tls
 from transportd.tracking import TrackingLog
 
 log = logging.getLogger("transportd")
@@ -140,7 +141,8 @@ class Node:
             counter = ConnectionCounter(fe.max_inbound_connection, fe.max_inbound_connection_per_source)
             self.metrics.watch_connections("frontend", counter)
         handler = FrontendHandler(cfg, self.accept_path.accept, "frontend")
-        await self._serve(fe.listen, smtp_factory(cfg, handler, counter, server_tls(fe.tls_certificate, fe.tls_key)),
+        await self._serve(fe.listen, smtp_factory(cfg, handler, counter, server_tls(
+            fe.tls_certificate, fe.tls_key, cfg.node.tls_certificate_check_interval)),
                           reuse_port=processes > 1)
         if processes > 1:
             self.workers = WorkerSupervisor(cfg, processes - 1, self.events, self.store.queue_changed,
@@ -149,7 +151,8 @@ class Node:
 
     async def _listen_transport(self) -> None:
         cfg = self.cfg
-        tls_context = server_tls(cfg.transport.tls_certificate, cfg.transport.tls_key)
+        tls_context = server_tls(cfg.transport.tls_certificate, cfg.transport.tls_key,
+                                 cfg.node.tls_certificate_check_interval)
         counter = ConnectionCounter(cfg.frontend.max_inbound_connection,
                                     max(cfg.frontend.max_inbound_connection_per_source, 100))
         self.metrics.watch_connections("transport", counter)

@@ -32,7 +32,8 @@ from transportd.node.workers import TERMINAL, encode
 from transportd.queue.store import QueueStore
 from transportd.redundancy.manager import ShadowManager
 from transportd.smtp.frontend import FrontendHandler
-from transportd.smtp.server import say_shutting_down, server_tls, smtp_factory
+from transportd.smtp.server import say_shutting_down, smtp_factory
+from transportd.smtp.tls import server_tls
 
 log = logging.getLogger("transportd.node.receiver")
 
@@ -131,7 +132,7 @@ class ReceiveWorker:
         loop = asyncio.get_running_loop()
         server = await loop.create_server(
             smtp_factory(cfg, FrontendHandler(cfg, accept_path.accept, "frontend"), counter,
-                         server_tls(fe.tls_certificate, fe.tls_key)),
+                         server_tls(fe.tls_certificate, fe.tls_key, cfg.node.tls_certificate_check_interval)),
             host=host.strip("[]"), port=int(port), reuse_address=True, reuse_port=True)
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)

@@ -15,13 +15,13 @@ import asyncio
 import inspect
 import logging
 import re
-import ssl
 import weakref
 from typing import Any, Awaitable, Callable
 
 from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, Session, syntax
 
 from transportd.smtp import dsnparams, replies
+from transportd.smtp.tls import ServerTLS
 
 log = logging.getLogger("transportd.smtp.server")
 
@@ -805,18 +805,11 @@ def smtp_factory(cfg: Any, handler: Any, counter: ConnectionCounter,
             chunking=fe.chunking_enabled if chunking is None else chunking,
             hostname=cfg.node.name, ident="ESMTP transportd", data_size_limit=fe.max_message_size,
             enable_SMTPUTF8=True, decode_data=False, timeout=fe.connection_inactivity_timeout,
-            tls_context=tls_context, require_starttls=starttls_required,
+            tls_context=tls_context.context() if isinstance(tls_context, ServerTLS) else tls_context,
+            require_starttls=starttls_required,
             command_call_limit={"*": 1_000_000, "EHLO": 20, "HELO": 20, "NOOP": 100, "VRFY": 20,
                                 "EXPN": 20, "HELP": 20, "STARTTLS": 3, "AUTH": 10, "RSET": 10_000},
             **auth_kwargs, **rate_kwargs,
         )
     return factory
 
-
-def server_tls(certificate: str, key: str) -> ssl.SSLContext | None:
-    """The TLS context of a receive connector, or None without a certificate."""
-    if not certificate:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(certificate, key)
-    return context

@@ -1,0 +1,125 @@
+"""A receive connector's certificate renewed on disk is used without a restart (smtp/tls.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import smtplib
+import ssl
+from pathlib import Path
+
+import pytest
+from conftest import wait_for
+
+from transportd.smtp.tls import ServerTLS
+
+trustme = pytest.importorskip("trustme")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def write_pair(folder: Path, cert, stamp: int) -> None:
+    """The certificate and key files, with a distinct modification time (as a renewal writes)."""
+    cert.cert_chain_pems[0].write_to_path(str(folder / "cert.pem"))
+    cert.private_key_pem.write_to_path(str(folder / "key.pem"))
+    for name in ("cert.pem", "key.pem"):
+        os.utime(folder / name, ns=(stamp, stamp))
+
+
+def _loaded_serial(context: ssl.SSLContext) -> int:
+    """The serial number of the certificate a context serves, by a handshake in memory."""
+    client_ctx = ssl.create_default_context()
+    client_ctx.check_hostname = False
+    client_ctx.verify_mode = ssl.CERT_NONE
+    c_in, c_out, s_in, s_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    client = client_ctx.wrap_bio(c_in, c_out, server_side=False)
+    server = context.wrap_bio(s_in, s_out, server_side=True)
+    for _ in range(10):
+        for side, out, into in ((client, c_out, s_in), (server, s_out, c_in)):
+            try:
+                side.do_handshake()
+            except ssl.SSLWantReadError:
+                pass
+            into.write(out.read())
+    der = client.getpeercert(binary_form=True)
+    from cryptography import x509
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+def test_a_renewed_pair_is_taken_at_the_next_check_and_a_broken_one_never(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="transportd")
+    ca = trustme.CA()
+    first, second, third = (ca.issue_cert("node1.transportd.test") for _ in range(3))
+    write_pair(tmp_path, first, 10**18)
+    clock = Clock()
+    tls = ServerTLS(str(tmp_path / "cert.pem"), str(tmp_path / "key.pem"), check_interval=60, clock=clock)
+    original = tls.context()
+    serial = _loaded_serial(original)
+    write_pair(tmp_path, second, 2 * 10**18)
+    assert tls.context() is original  # not yet due: no file is read
+    clock.now += 60
+    renewed = tls.context()
+    assert renewed is not original and _loaded_serial(renewed) != serial and tls.reloads == 1
+    assert "changed: new sessions use it" in caplog.text
+    # a certificate written without its key yet (a renewal half done): the one in use stays
+    third.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    os.utime(tmp_path / "cert.pem", ns=(3 * 10**18, 3 * 10**18))
+    clock.now += 60
+    assert tls.context() is renewed and tls.reloads == 1
+    assert caplog.text.count("does not load") == 1
+    clock.now += 60
+    assert tls.context() is renewed and caplog.text.count("does not load") == 1  # said once per change
+    third.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    os.utime(tmp_path / "key.pem", ns=(3 * 10**18, 3 * 10**18))
+    clock.now += 60
+    assert _loaded_serial(tls.context()) not in (serial, _loaded_serial(renewed)) and tls.reloads == 2
+
+
+def test_no_check_with_an_interval_of_zero(tmp_path):
+    ca = trustme.CA()
+    write_pair(tmp_path, ca.issue_cert("a.test"), 10**18)
+    clock = Clock()
+    tls = ServerTLS(str(tmp_path / "cert.pem"), str(tmp_path / "key.pem"), check_interval=0, clock=clock)
+    first = tls.context()
+    write_pair(tmp_path, ca.issue_cert("a.test"), 2 * 10**18)
+    clock.now += 10**6
+    assert tls.context() is first
+
+
+def peer_serial(port: int) -> int:
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    with smtplib.SMTP("127.0.0.1", port, timeout=20) as c:
+        c.ehlo("client.test")
+        c.starttls(context=context)
+        der = c.sock.getpeercert(binary_form=True)
+    from cryptography import x509
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+def test_a_running_node_serves_its_renewed_certificate(make_node, tmp_path):
+    """certbot (or a secret mounted in a container) replaces the files: the node's next STARTTLS
+    session presents the new certificate, with no restart, and says so in its log."""
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    ca = trustme.CA()
+    old, new = ca.issue_cert("node1.transportd.test", "127.0.0.1"), ca.issue_cert("node1.transportd.test")
+    write_pair(certs, old, 10**18)
+    node = make_node(overrides={
+        "node": {"tls_certificate_check_interval": 1},
+        "frontend": {"tls_certificate": str(certs / "cert.pem"), "tls_key": str(certs / "key.pem")}}).start()
+    from cryptography import x509
+    old_serial = x509.load_pem_x509_certificate(old.cert_chain_pems[0].bytes()).serial_number
+    new_serial = x509.load_pem_x509_certificate(new.cert_chain_pems[0].bytes()).serial_number
+    assert peer_serial(node.port) == old_serial
+    write_pair(certs, new, 2 * 10**18)
+    wait_for(lambda: peer_serial(node.port) == new_serial, timeout=15, interval=0.5, what="the renewed certificate")
+    assert "TLS certificate" in node.log() and "changed: new sessions use it" in node.log()
+    assert node.alive
