@@ -128,8 +128,11 @@ def test_postfix_sends_the_recipients_past_the_nodes_limit_again(make_node, sink
     mta = postfix(f"127.0.0.1:{node.port}")
     rcpts = [f"r{i}@foreign.test" for i in range(5)]
     assert send(mta.host, mta.port, "bob@remote.test", rcpts, "five recipients") == {}
-    wait_for(lambda: sum(len(sink_args(m)[1]) for m in by_subject(sink, "five recipients")) >= 5, timeout=40,
-             what="all five recipients at the sink")
+    try:
+        wait_for(lambda: sum(len(sink_args(m)[1]) for m in by_subject(sink, "five recipients")) >= 5, timeout=40,
+                 what="all five recipients at the sink")
+    except AssertionError as exc:  # which side held them: Postfix's log and the node's say
+        raise AssertionError(f"{exc}\n--- Postfix:\n{mta.maillog()[-4000:]}\n--- node:\n{node.log()[-4000:]}") from None
     got = sorted(r.split()[0] for m in by_subject(sink, "five recipients") for r in sink_args(m)[1])
     assert got == sorted(f"<{r}>" for r in rcpts), got
     received = node.tracking(event_id="RECEIVE")  # three messages: 2 + 2 + 1 recipients
