@@ -6,9 +6,8 @@ per message waiting longer than *DelayNotificationTimeout*, dropping what left
 the Safety Net and the duplicate-detection window, removing tracking-log files
 past their retention (*MessageTrackingLogMaxAge*, *MessageTrackingLogMaxDirectorySize*),
 and making recipients left Active (or messages left pending) by a failed commit
-deliverable again. Each
-runs at its own pace; one message's failure never stops the others. It never
-talks SMTP.
+deliverable again. Each runs at its own pace; one message's failure never stops
+the others. It never talks SMTP.
 """
 
 from __future__ import annotations
