@@ -227,13 +227,14 @@ class _LogFiles:
         being written; returns (path, size, reason) of each file removed. A file another
         process removed first is skipped; other I/O errors are raised."""
         files = []
-        for entry in os.scandir(self.directory):
-            if _OWN_NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                files.append((Path(entry.path), st.st_size, st.st_mtime))
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                if _OWN_NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    files.append((Path(entry.path), st.st_size, st.st_mtime))
         with self._lock:
             current = self._path
         removed = []

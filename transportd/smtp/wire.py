@@ -5,9 +5,10 @@ It owns the socket: connecting and reading the greeting, EHLO and the keywords t
 server offers (HELO where a next hop does not know EHLO), STARTTLS (required to peers,
 with the certificate checked against ``transport.tls_ca`` where set; used when offered
 by a next hop, and then only opportunistic: a refusal goes on in plaintext, a failed
-handshake raises ``TlsHandshakeFailed`` for a new session without it), AUTH PLAIN's exchange, writing bytes a caller (a sans-I/O
-``Transaction`` or ``ClientConnection``) produced, and reading replies one at a time as
-they come, so a pipelined group's replies are taken from the stream in order. It never
+handshake raises ``TlsHandshakeFailed`` for a new session without it), AUTH PLAIN's
+exchange, writing bytes a caller (a sans-I/O ``Transaction`` or ``ClientConnection``)
+produced, and reading replies one at a time as they come, so a pipelined group's replies
+are taken from the stream in order. It never
 decides what to send or what a reply means for a message (smtp/transaction.py,
 redundancy/connection.py and node/connectors.py do), and it holds no queue database.
 (aiosmtplib, the client before it, reads one reply per command written, which pipelining
