@@ -238,6 +238,52 @@ def test_quoted_local_parts_and_address_literals_are_relayed_as_received(make_no
     assert not events(node, "DEFER") and not events(node, "FAIL")
 
 
+@pytest.fixture
+def dns_server():
+    from dnsserver import TestDnsServer
+    with TestDnsServer() as server:
+        yield server
+
+
+def test_mail_goes_to_the_mx_hosts_the_node_looks_up_and_a_backup_mx_never_to_itself(make_node, sink, dns_server):
+    """No smart host: MX records and host addresses come from the servers of
+    delivery.external_dns_servers (here a DNS server on loopback). The best MX that refuses the
+    connection is passed over for the next; the tracking row names the host and the address that
+    took the message. A node listed as a backup MX (RFC 5321 5.1) holds mail for the better hosts
+    and never tries itself or the worse ones; one listed as the best MX bounces the message (a
+    loop, 5.4.6) instead of sending it to itself."""
+    sink.start()
+    node = make_node(overrides={"delivery": {"mx_port": sink.port, "external_dns_servers": [dns_server.address],
+                                             "transient_failure_retry_interval": 600}})
+    dns_server.records = {
+        "far.test": {"MX": ["10 down.far.test.", "20 up.far.test."]},
+        "down.far.test": {"A": ["127.0.0.9"]},  # nothing listens there: connection refused
+        "up.far.test": {"A": ["127.0.0.1"]},
+        "backup.test": {"MX": ["10 down.far.test.", f"20 {node.name}.", "30 up.far.test."]},
+        "loop.test": {"MX": [f"10 {node.name}.", "20 up.far.test."]},
+        node.name: {"A": ["127.0.0.1"]},
+    }
+    node.start()
+    tag = uuid.uuid4().hex[:12]
+    queued_id(swaks(node.port, "--to", "carol@far.test", "--from", "bob@example.test", "--header", f"Subject: mx {tag}"))
+    wait_for(sink.messages, what="message at the sink")
+    [sent] = wait_events(node, "SENDEXTERNAL")
+    assert (sent["server-hostname"], sent["server-ip"]) == ("up.far.test", "127.0.0.1")
+    assert sink_envelope(sink.messages()[0])[1] == ["<carol@far.test>"]
+
+    held = queued_id(swaks(node.port, "--to", "dave@backup.test", "--from", "bob@example.test"))
+    [defer] = wait_events(node, "DEFER", internal_message_id=str(held))
+    assert "down.far.test[127.0.0.9]" in defer["recipient-status"], defer
+    looped = queued_id(swaks(node.port, "--to", "erin@loop.test", "--from", "bob@example.test"))
+    [fail] = wait_events(node, "FAIL", internal_message_id=str(looped))
+    assert fail["recipient-status"].startswith("554 5.4.6"), fail
+    files = wait_for(lambda: node.maildir_files("bob@example.test"), what="DSN in bob's Maildir")
+    _, [block] = dsn_parts(files[0])
+    assert (block["Final-Recipient"].lower(), block["Status"]) == ("rfc822; erin@loop.test", "5.4.6")
+    assert len(sink.messages()) == 1  # neither went to a worse MX host (up.far.test) or to the node
+    assert [q for q in node.cli_json("queue", "list") if q["state"] == "Retry"], "backup.test's queue in Retry"
+
+
 @pytest.mark.parametrize("pipelining", [True, False], ids=["pipelining", "one-command-at-a-time"])
 def test_a_batch_goes_out_on_one_session_with_or_without_pipelining(make_node, sink, pipelining):
     """Several messages, two recipients each, held while the smart host is down, then sent together

@@ -243,6 +243,22 @@ def _optional_listen(value: Any) -> str:
     return _hostport_str(value)
 
 
+def _dns_servers(value: Any) -> list[str]:
+    servers = []
+    for item in _str_list(value):
+        try:
+            try:
+                host, port = str(ipaddress.ip_address(item.strip())), 53  # a bare IPv6 address too
+            except ValueError:
+                host, port = parse_hostport(item, default_port=53)
+                ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(f"{item!r} is not a DNS server address ('192.0.2.53', '192.0.2.53:5353', "
+                             "'[2001:db8::53]:53')") from None
+        servers.append(join_hostport(host, port))
+    return servers
+
+
 def _metrics_listen(value: Any) -> str:
     # A bare port binds loopback: metrics are served beyond it only where configured so.
     if isinstance(value, int) and not isinstance(value, bool):
@@ -420,6 +436,9 @@ KEYS: tuple[Key, ...] = (
         "how often the queue database is scanned for due work and operator changes", "", DUR,
         limits=(0.01 * SEC, 1 * MIN)),
     Key("delivery", "mx_port", 25, _int, "port used for next hops found by MX lookup", limits=(1, 65535)),
+    Key("delivery", "external_dns_servers", [], _dns_servers,
+        "DNS servers asked for the MX records and addresses of next hops without a smart host ('address' or "
+        "'address:port'); empty = the machine's resolver (/etc/resolv.conf)", "ExternalDNSServers"),
     Key("delivery", "delay_notification_timeout", 4 * HOUR, parse_duration,
         "a message still not delivered this long after it was received gets one delay DSN (RFC 3464 "
         "action delayed) to its sender; 0 = never", "DelayNotificationTimeout", DUR, limits=(0.0, 30 * DAY)),

@@ -24,6 +24,7 @@ import weakref
 from typing import Any, AsyncIterator
 
 from transportd import faults
+from transportd.config import parse_hostport
 from transportd.errors import (
     PEER_FAILURES,
     NextHopPermanentError,
@@ -42,9 +43,10 @@ from transportd.queue.store import QueueStore
 from transportd.redundancy.manager import ShadowManager
 from transportd.redundancy.peers import PeerSession, open_session
 from transportd.smtp import client as smtpclient
-from transportd.smtp.client import NextHopSession, SessionCache, SmtpTarget, describe, resolve_mx
+from transportd.smtp.client import NextHopSession, SessionCache, describe
 from transportd.smtp.dsnparams import DsnRequest
 from transportd.smtp.envelope import plan_send
+from transportd.smtp.mx import NextHopResolver, SmtpTarget
 
 log = logging.getLogger("transportd.node.connectors")
 
@@ -133,6 +135,10 @@ class SmtpConnector:
         self._established: dict[tuple[str, str], float] = {}  # per next hop: when one last opened
         self.cache = SessionCache(d.connection_cache_time, d.max_messages_per_connection,
                                   d.max_per_domain_outbound_connections)
+        self.resolver = NextHopResolver(
+            [parse_hostport(s, default_port=53) for s in d.external_dns_servers], d.mx_port,
+            own_names=[cfg.node.name],
+            own_endpoints=[parse_hostport(a) for a in (cfg.frontend.listen, cfg.transport.listen) if a])
 
     async def close(self) -> None:
         """QUIT the sessions kept for a next batch (the node stops)."""
@@ -140,7 +146,7 @@ class SmtpConnector:
 
     async def targets(self, item: WorkItem) -> list[SmtpTarget]:
         if item.delivery_type == DNS:
-            return await resolve_mx(item.next_hop, self.cfg.delivery.mx_port)
+            return await self.resolver.targets(item.next_hop)
         host, _, port = item.next_hop.rpartition(":")
         return [SmtpTarget(host.strip("[]"), int(port))]
 
@@ -253,7 +259,7 @@ class SmtpConnector:
 
     async def _deliver_on(self, client: Any, target: SmtpTarget, peer_session: PeerSession | None,
                           batch: list[WorkItem]) -> AsyncIterator[Delivered]:
-        remote = target.host
+        remote = {"remote": target.host, "remote_address": target.connect_to}
         progressed = False  # anything delivered or failed in this session
         finished = False  # every message of the batch had its go: the session may be kept
         carried = 0  # messages delivered on the session at hand
@@ -274,16 +280,16 @@ class SmtpConnector:
                     carried += any(o.status == mq.DELIVERED for o in outs)
                 except (OSError, PeerTransientError, ProtocolError) as exc:
                     reply = f"451 4.4.2 Connection to {target.host}:{target.port} lost: {describe(exc)}"
-                    yield Delivered.every_recipient(batch[i:], mq.RETRY, reply, queue_error=reply, remote=remote)
+                    yield Delivered.every_recipient(batch[i:], mq.RETRY, reply, queue_error=reply, **remote)
                     return
                 except (asyncio.CancelledError, StoreError):
                     raise
                 except Exception as exc:  # noqa: BLE001 - this message only: the others go on
-                    yield internal_failure([it], "deliver", exc, remote=remote)
+                    yield internal_failure([it], "deliver", exc, **remote)
                     if i + 1 < len(batch) and not await smtpclient.rset_ok(client):
                         # The session cannot go on: the rest is retried on a new one, not counted.
                         reply = f"451 4.4.2 Session to {target.host}:{target.port} reset after an internal error"
-                        yield Delivered.every_recipient(batch[i + 1:], mq.RETRY, reply, remote=remote)
+                        yield Delivered.every_recipient(batch[i + 1:], mq.RETRY, reply, **remote)
                         return
                     continue
                 progressed = progressed or any(o.status != mq.RETRY for o in outs)
@@ -292,7 +298,7 @@ class SmtpConnector:
                 queue_error = outs[-1].reply if outs and not progressed and i == len(batch) - 1 else None
                 forks = [(it.message_id, it.next_hop, guid, it.queue_id, peer_session.peer_queue_database_id)] \
                     if guid and peer_session and any(o.status == mq.DELIVERED for o in outs) else []
-                yield Delivered([it], {it.message_id: outs}, queue_error=queue_error, remote=remote, forks=forks)
+                yield Delivered([it], {it.message_id: outs}, queue_error=queue_error, **remote, forks=forks)
             finished = True
         finally:
             if not (finished and peer_session is None and self.cache.keep(_cache_key(batch[0]), client)):

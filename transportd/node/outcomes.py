@@ -42,6 +42,7 @@ class Delivered:
     outcomes: dict[int, list[Outcome]]  # message id -> one outcome per recipient row
     queue_error: str | None = None  # the next hop itself failed (the queue goes to Retry)
     remote: str = ""  # the host that answered
+    remote_address: str = ""  # its address, where the host is a name (MX lookup); else ``remote`` is one
     forks: Sequence[tuple[int, str, str, int, str | None]] = ()  # hop-by-hop shadows kept here
     internal: dict[int, tuple[str, BaseException]] = field(default_factory=dict)  # message id -> (step, error)
     expiry: bool = False  # expiries: FAIL from ROUTING, DSN 4.4.7, no queue attempt
@@ -56,10 +57,11 @@ class Delivered:
                    **kw)
 
 
-def internal_failure(items: list[WorkItem], step: str, exc: BaseException, remote: str = "") -> Delivered:
+def internal_failure(items: list[WorkItem], step: str, exc: BaseException, remote: str = "",
+                     remote_address: str = "") -> Delivered:
     """Handling ``items`` failed with an internal error: Retry with 451 4.3.0, counted."""
     reply = internal_reply(step, exc)
-    return Delivered.every_recipient(items, mq.RETRY, reply, remote=remote,
+    return Delivered.every_recipient(items, mq.RETRY, reply, remote=remote, remote_address=remote_address,
                                      internal={it.message_id: (step, exc) for it in items}, expiry=step == "expire")
 
 
@@ -220,7 +222,7 @@ class OutcomeRecorder:
                 log.error("%s of message %s to %s failed with an internal error: %s: %s", step, it.message_id,
                           it.queue_identity, exc.__class__.__name__, exc, exc_info=exc, extra=ids)
                 self.events.metrics.internal_failures.labels(step).inc()
-            self._track(row, it, d.outcomes.get(it.message_id, []), d.remote, expiry=d.expiry)
+            self._track(row, it, d.outcomes.get(it.message_id, []), d.remote, d.remote_address, expiry=d.expiry)
             if it.message_id in created:
                 dsn_id, dsn = created[it.message_id]
                 self.events.log_dsn(row, dsn_id, dsn)
@@ -236,7 +238,8 @@ class OutcomeRecorder:
             log.exception("could not record the internal failure of message %s", item.message_id,
                           extra={"internal_message_id": item.message_id, "network_message_id": ""})
 
-    def _track(self, row: dict, it: WorkItem, outs: list[Outcome], remote: str, expiry: bool = False) -> None:
+    def _track(self, row: dict, it: WorkItem, outs: list[Outcome], remote: str, remote_address: str = "",
+               expiry: bool = False) -> None:
         addr = dict(zip(it.recipient_ids, it.addresses))
         groups: dict[tuple[str, str, bool], list[str]] = defaultdict(list)
         for o in outs:
@@ -253,7 +256,7 @@ class OutcomeRecorder:
                 # (a peer by its node name, else the host that answered) in server-hostname.
                 track("SEND" if it.delivery_type == PEER else "SENDEXTERNAL", "SMTP", row, recipients=rcpts,
                       recipient_status=statuses, source_context=reply, connector_id=it.queue_identity,
-                      server_ip=remote, client_hostname=self.cfg.node.name,
+                      server_ip=remote_address or remote, client_hostname=self.cfg.node.name,
                       server_hostname=it.next_hop if it.delivery_type == PEER else remote)
             elif status == mq.READY:
                 continue  # handed back unattempted (the next hop's connection limit): no event

@@ -1,75 +1,32 @@
-"""Outbound SMTP sessions to next hops outside the boundary: their hosts, connecting, transactions.
+"""Outbound SMTP sessions to next hops outside the boundary: connecting, transactions.
 
-It owns finding a next hop's hosts (MX by preference, equal ones in random order, RFC 5321 5.1; a null MX
-is permanent, RFC 7505), opening a session to the first host that answers (EHLO, HELO where
-EHLO is unknown, STARTTLS where offered), and running a transaction on it with our pipelining
-client (smtp/wire.py under smtp/transaction.py): MAIL, RCPT and DATA in one write where the next
-hop offers PIPELINING, one command at a time where it does not; the envelope goes out byte for
-byte (the address exactly as received, UTF-8, in angle brackets). It never reads the queue or
-decides an outcome (node/connectors.py does); deciding *whether* SMTPUTF8 may be used is
-``envelope.plan_send``'s job.
+It owns opening a session to the first of a next hop's targets that answers (smtp/mx.py finds
+them; EHLO, HELO where EHLO is unknown, STARTTLS where offered), and running a transaction on it
+with our pipelining client (smtp/wire.py under smtp/transaction.py): MAIL, RCPT and DATA in one
+write where the next hop offers PIPELINING, one command at a time where it does not; the envelope
+goes out byte for byte (the address exactly as received, UTF-8, in angle brackets). It never reads
+the queue or decides an outcome (node/connectors.py does); deciding *whether* SMTPUTF8 may be used
+is ``envelope.plan_send``'s job.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
-from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from transportd.errors import (
     PEER_FAILURES,
     GreetingRefused,
-    NextHopPermanentError,
     NextHopUnavailable,
     TlsHandshakeFailed,
 )
-from transportd.smtp.addresses import literal_address
 from transportd.smtp.dsnparams import DsnRequest
+from transportd.smtp.mx import SmtpTarget
 from transportd.smtp.transaction import Replies, Transaction
 from transportd.smtp.wire import SmtpWire
 
 log = logging.getLogger("transportd")
-
-
-@dataclass
-class SmtpTarget:
-    host: str
-    port: int
-
-
-def order_mx(records: Iterable[tuple[int, str]], rng: random.Random | None = None) -> list[str]:
-    """MX host names by preference, hosts of equal preference in a random order (RFC 5321 5.1:
-    "the SMTP client SHOULD pick one at random"), so their load is spread; empty names dropped."""
-    shuffle = (rng or random).random
-    keyed = sorted((pref, shuffle(), host) for pref, host in records)
-    return [host for _, _, host in keyed if host]
-
-
-async def resolve_mx(domain: str, port: int) -> list[SmtpTarget]:
-    """MX hosts by preference (equal ones shuffled), else the domain's own address (RFC 5321 5.1);
-    an address literal is the host itself, with no lookup (RFC 5321 5.1: "the address literal")."""
-    if domain.startswith("["):
-        ip = literal_address(domain)
-        if ip is None:  # the receive connectors refuse these; an older queue may hold one
-            raise NextHopPermanentError(f"553 5.1.2 No host in the address literal {domain}")
-        return [SmtpTarget(ip, port)]
-    import dns.asyncresolver
-    import dns.exception
-    import dns.resolver
-    try:
-        answer = await dns.asyncresolver.resolve(domain, "MX", lifetime=10)
-        hosts = order_mx((r.preference, str(r.exchange).rstrip(".")) for r in answer)
-        if not hosts:
-            raise NextHopPermanentError(f"556 5.1.10 {domain} does not accept mail (null MX, RFC 7505)")
-        return [SmtpTarget(h, port) for h in hosts]
-    except dns.resolver.NoAnswer:
-        return [SmtpTarget(domain, port)]
-    except dns.resolver.NXDOMAIN:
-        raise NextHopPermanentError(f"550 5.1.2 Host or domain name not found: {domain}") from None
-    except dns.exception.DNSException as exc:
-        raise NextHopUnavailable(f"MX lookup for {domain} failed: {exc}") from None
 
 
 async def connect(targets: list[SmtpTarget], *, local_hostname: str, timeout: float, connect_timeout: float,
@@ -80,8 +37,8 @@ async def connect(targets: list[SmtpTarget], *, local_hostname: str, timeout: fl
     for t in targets:
         options = tls
         for _attempt in range(2):
-            wire = SmtpWire(t.host, t.port, local_hostname=local_hostname, timeout=timeout, helo_fallback=True,
-                            **options)
+            wire = SmtpWire(t.host, t.port, address=t.address, local_hostname=local_hostname, timeout=timeout,
+                            helo_fallback=True, **options)
             try:
                 await wire.connect(connect_timeout)
                 await wire.ehlo()
@@ -95,7 +52,8 @@ async def connect(targets: list[SmtpTarget], *, local_hostname: str, timeout: fl
                 log.warning("%s; sending on a new session without TLS", exc)
                 options = {**tls, "start_tls": False}
             except PEER_FAILURES as exc:
-                errors.append(f"{t.host}:{t.port}: {describe(exc)}")
+                where = f"{t.host}[{t.address}]" if t.address and t.address != t.host else t.host
+                errors.append(f"{where}:{t.port}: {describe(exc)}")
                 busy = busy and isinstance(exc, GreetingRefused)
                 wire.close()
                 break

@@ -60,8 +60,10 @@ class SmtpWire:
     never; ``helo_fallback``: HELO after an EHLO answered 500 or 502 (RFC 5321 4.1.1.1)."""
 
     def __init__(self, hostname: str, port: int, *, local_hostname: str, timeout: float,
-                 start_tls: bool | None = False, helo_fallback: bool = False, **tls: Any):
+                 start_tls: bool | None = False, helo_fallback: bool = False, address: str | None = None,
+                 **tls: Any):
         self.hostname = hostname
+        self.address = address  # connected to where the host's address was looked up (smtp/mx.py)
         self.port = port
         self.local_hostname = local_hostname
         self.timeout = timeout
@@ -77,7 +79,7 @@ class SmtpWire:
     async def connect(self, timeout: float | None = None) -> Reply:
         """Open the connection and read the greeting (220)."""
         self._reader, self._writer = await asyncio.wait_for(
-            asyncio.open_connection(self.hostname, self.port, limit=1 << 20), timeout or self.timeout)
+            asyncio.open_connection(self.address or self.hostname, self.port, limit=1 << 20), timeout or self.timeout)
         greeting = await self.read_reply()
         if greeting.code != 220:
             self.close()
