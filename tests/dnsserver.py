@@ -3,7 +3,8 @@ hops go over real sockets to it, as the node's would to its resolver (``delivery
 
 ``records``: name -> {type: [rdata text]}, e.g. ``{"far.test": {"MX": ["10 mx1.far.test."]},
 "mx1.far.test": {"A": ["127.0.0.1"]}}``. A name not in it is NXDOMAIN; a type it lacks is an empty
-answer (NOERROR, no data); a name in ``failing`` gets SERVFAIL. Editable while it runs.
+answer (NOERROR, no data); a name in ``failing`` gets SERVFAIL. Editable while it runs: answers
+carry ``ttl`` (0 by default, so a resolver's cache keeps none).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class TestDnsServer:
         self.records: dict[str, dict[str, list[str]]] = {}
         self.failing: set[str] = set()
         self.queries: list[tuple[str, str]] = []
+        self.ttl = 0
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.bind((host, 0))
         self._sock.settimeout(0.2)
@@ -79,6 +81,6 @@ class TestDnsServer:
         elif name not in self.records:
             response.set_rcode(dns.rcode.NXDOMAIN)
         elif self.records[name].get(rdtype):
-            response.answer.append(dns.rrset.from_text_list(question.name, 60, "IN", rdtype,
+            response.answer.append(dns.rrset.from_text_list(question.name, self.ttl, "IN", rdtype,
                                                             self.records[name][rdtype]))
         return response

@@ -32,11 +32,20 @@ async def test_mx_hosts_in_preference_order_each_at_its_addresses(dns_server):
         "mx2.far.test": {"A": ["127.0.0.12", "127.0.0.13"]},
         "mx3.far.test": {"AAAA": ["::1"]},
     }
-    targets = await resolver(dns_server).targets("far.test")
-    assert hosts(targets) == [("mx1.far.test", "127.0.0.11", 25), ("mx1.far.test", "::1", 25),
-                              ("mx2.far.test", "127.0.0.12", 25), ("mx2.far.test", "127.0.0.13", 25),
-                              ("mx3.far.test", "::1", 25)]
+    found = hosts(await resolver(dns_server).targets("far.test"))
+    assert found[:2] == [("mx1.far.test", "127.0.0.11", 25), ("mx1.far.test", "::1", 25)]
+    assert sorted(found[2:4]) == [("mx2.far.test", "127.0.0.12", 25), ("mx2.far.test", "127.0.0.13", 25)]
+    assert found[4:] == [("mx3.far.test", "::1", 25)]
     assert ("far.test", "MX") in dns_server.queries
+
+
+async def test_answers_are_kept_for_their_ttl(dns_server):
+    dns_server.records = {"far.test": {"MX": ["10 mx1.far.test."]}, "mx1.far.test": {"A": ["127.0.0.11"]}}
+    dns_server.ttl = 300
+    r = resolver(dns_server)
+    for _ in range(3):
+        assert [t.address for t in await r.targets("far.test")] == ["127.0.0.11"]
+    assert sorted(dns_server.queries) == [("far.test", "MX"), ("mx1.far.test", "A"), ("mx1.far.test", "AAAA")]
 
 
 async def test_no_mx_is_the_implicit_mx_of_the_domain_itself(dns_server):

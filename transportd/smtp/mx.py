@@ -107,6 +107,7 @@ class NextHopResolver:
             if self.servers:
                 resolver.nameservers = [dns.nameserver.Do53Nameserver(a, p) for a, p in self.servers]
             resolver.lifetime = DNS_LIFETIME
+            resolver.cache = dns.resolver.Cache()  # answers kept for their TTL: one lookup per domain, not per batch
             self._resolver = resolver
         return self._resolver
 
