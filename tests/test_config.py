@@ -167,6 +167,10 @@ def test_defaults_are_not_shared_between_configs() -> None:
     ({"frontend": {"max_recipients_per_message": True}}, "frontend.max_recipients_per_message:"),
     ({"frontend": {"require_tls": "yes"}}, "frontend.require_tls: expected true or false"),
     ({"frontend": {"listen": "127.0.0.1"}}, "frontend.listen:"),
+    ({"frontend": {"listen": []}}, "frontend.listen: expected 'host:port' or a list of them"),
+    ({"frontend": {"listen": ["127.0.0.1:25", "127.0.0.1:25"]}}, "frontend.listen: 127.0.0.1:25 is listed twice"),
+    ({"delivery": {"external_dns_servers": ["dns.example.test"]}},
+     "delivery.external_dns_servers: 'dns.example.test' is not a DNS server address"),
     ({"frontend": {"max_message_size": "big"}}, "frontend.max_message_size:"),
     ({"frontend": {"connection_timeout": "soon"}}, "frontend.connection_timeout:"),
     ({"frontend": {"connection_timeout": 0}}, "frontend.connection_timeout: 0s is out of range (1s..1d)"),
@@ -221,8 +225,8 @@ def test_values_are_normalised() -> None:
     assert cfg.routing.accepted_domains == ["example.test", "*.sub.example.test"]
     assert cfg.routing.trusted_networks == [ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("::1/128")]
     assert cfg.routing.smart_host == "relay.test:25"
-    assert cfg.frontend.listen == "[::1]:2525"  # what config show prints reads back
-    assert cfgmod.parse_hostport(cfg.frontend.listen) == ("::1", 2525)
+    assert cfg.frontend.listen == ["[::1]:2525"]  # what config show prints reads back
+    assert cfgmod.parse_hostport(cfg.frontend.listen[0]) == ("::1", 2525)
     assert cfg.frontend.max_message_size == 10 * 1024 ** 2
     assert cfg.delivery.message_expiration_timeout == 86400.0
 
@@ -343,8 +347,8 @@ def test_load_file_errors_are_one_line(tmp_path: Path) -> None:
 def test_shipped_single_node_config_loads() -> None:
     path = REPO / "config" / "single-node.toml"
     cfg = load(path)
-    assert cfg.frontend.listen == "127.0.0.1:2525"
-    assert parse_hostport(cfg.frontend.listen) == ("127.0.0.1", 2525)
+    assert cfg.frontend.listen == ["127.0.0.1:2525"]
+    assert parse_hostport(cfg.frontend.listen[0]) == ("127.0.0.1", 2525)
     assert cfg.routing.accepted_domains == ["example.test"]
     assert cfg.routing.smart_host == "127.0.0.1:2500"
     assert cfg.routing.trusted_networks == [ipaddress.ip_network("127.0.0.1/32")]

@@ -19,7 +19,7 @@ import sys
 import time
 
 import pytest
-from conftest import queued_id, swaks, wait_for, write_toml
+from conftest import free_port, queued_id, swaks, wait_for, write_toml
 
 NODE_NAME = "node1.transportd.test"
 ENHANCED = re.compile(r"^\d{3} [245]\.\d{1,3}\.\d{1,3} ")
@@ -217,8 +217,42 @@ def test_a_node_on_ipv6_loopback(make_node, sink):
     row = wait_for(lambda: node.tracking(event_id="RECEIVE"), what="the RECEIVE row")[0]
     assert (row["client-ip"], row["client-hostname"]) == ("::1", "v6client.test")
     shown = node.cli("config", "show").stdout
-    assert re.search(rf"^frontend\.listen\s+\[::1\]:{port}\s", shown, re.MULTILINE), shown
+    assert re.search(rf"^frontend\.listen\s+\[\[::1\]:{port}\]\s", shown, re.MULTILINE), shown
     assert node.cli("health", check=False).returncode == 0
+
+
+def test_a_node_on_several_bindings_ipv4_and_ipv6_with_receive_workers(make_node, sink):
+    """``frontend.listen`` as a list (Exchange's Bindings): IPv4 and IPv6 loopback on one port and
+    a second IPv4 address on another, served by the node and its receive worker alike (each process
+    binds every one, SO_REUSEPORT). A message over each arrives; ``health`` checks each."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    sink.start()
+    node = make_node(smart_host=sink.address, overrides={"routing": {"trusted_networks": ["127.0.0.0/8", "::1/128"]}})
+    other = free_port()
+    bindings = [f"127.0.0.1:{node.port}", f"[::1]:{node.port}", f"127.0.0.3:{other}"]
+    node.sections["frontend"].update(listen=bindings, workers=2)
+    write_toml(node.config_path, node.sections)
+    try:
+        node.start()
+    except Exception:
+        if "[::1]" in node.log() and "Cannot assign requested address" in node.log():
+            pytest.skip("no IPv6 loopback")
+        raise
+    wait_for(lambda: "receive worker 1" in node.log() and "serving the frontend on" in node.log(), timeout=30,
+             what="the receive worker serving")
+    assert f"serving the frontend on {', '.join(bindings)}" in node.log()
+    for host, port in (("127.0.0.1", node.port), ("::1", node.port), ("127.0.0.3", other)):
+        for _ in range(3):  # new sessions: the kernel spreads them over the two processes
+            with smtplib.SMTP(host, port, timeout=20) as c:
+                c.ehlo("client.test")
+                assert c.sendmail("a@remote.test", ["b@elsewhere.test"], f"Subject: via {host}\r\n\r\nhi\r\n") == {}
+    got = wait_for(lambda: len(sink.messages()) == 9 and sink.messages(), timeout=20, what="9 messages at the sink")
+    assert sorted(m.count(b"Subject: via ") for m in got) == [1] * 9
+    assert {h: sum(f"Subject: via {h}\n".encode() in m for m in got) for h in ("127.0.0.1", "::1", "127.0.0.3")} \
+        == {"127.0.0.1": 3, "::1": 3, "127.0.0.3": 3}
+    health = node.cli("health", check=False)
+    assert health.returncode == 0 and all(b in health.stdout for b in bindings), health.stdout
 
 
 def test_relay_denied_for_untrusted_client(make_node, sink):

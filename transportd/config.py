@@ -237,6 +237,20 @@ def _hostport_str(value: Any) -> str:
     return join_hostport(*parse_hostport(value))
 
 
+def _bindings(value: Any) -> list[str]:
+    """One 'address:port' or a list of them (Exchange's Bindings): ``["0.0.0.0:25", "[::]:25"]``."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items or not all(isinstance(v, str) for v in items):
+        raise ValueError(f"expected 'host:port' or a list of them, got {value!r}")
+    out: list[str] = []
+    for item in items:
+        text = _hostport_str(item)
+        if text in out:
+            raise ValueError(f"{text} is listed twice")
+        out.append(text)
+    return out
+
+
 def _optional_listen(value: Any) -> str:
     if value == "":
         return ""
@@ -352,9 +366,9 @@ KEYS: tuple[Key, ...] = (
         "a file holding the cluster secret (its first line; relative to the config file), e.g. a compose "
         "secret at /run/secrets/NAME; instead of cluster.secret"),
     # frontend receive connector
-    Key("frontend", "listen", "127.0.0.1:2525", _hostport_str,
-        "address:port of the frontend receive connector; one address: 0.0.0.0 is every IPv4 address, [::] every "
-        "IPv6 one (IPv6 only)"),
+    Key("frontend", "listen", "127.0.0.1:2525", _bindings,
+        "address:port of the frontend receive connector, or a list of them; 0.0.0.0 is every IPv4 address, [::] "
+        "every IPv6 one (IPv6 only): ['0.0.0.0:25', '[::]:25'] for both", "Bindings"),
     Key("frontend", "max_message_size", 36 * MB, parse_size,
         "largest message accepted (bytes); larger gets 552 5.3.4", "MaxMessageSize", SIZE, limits=(1 * KB, 2 * GB)),
     Key("frontend", "max_recipients_per_message", 200, _int,

@@ -45,7 +45,7 @@ def health(config: str | None, servers: tuple[str, ...], timeout: float) -> None
     """
     if not servers:
         cfg = load_config(node_location(config, None)[0], None)
-        servers = tuple(a for a in (cfg.frontend.listen, cfg.transport.listen) if a)
+        servers = tuple(a for a in (*cfg.frontend.listen, cfg.transport.listen) if a)
     bad = [(a, why) for a in servers if (why := smtp_greets(a, timeout)) is not None]
     for address, why in bad:
         click.echo(f"transportd: unhealthy: {address}: {why}", err=True)

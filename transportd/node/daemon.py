@@ -91,7 +91,7 @@ class Node:
             log.info("crash recovery: %d recipient(s) left Active are Ready again", recovered)
         await self._move_legacy_delivered_to(store)
         if cfg.tracking.message_tracking_log_enabled:
-            host, _, _ = cfg.frontend.listen.rpartition(":")
+            host, _, _ = cfg.frontend.listen[0].rpartition(":")
             self.events.tracking = TrackingLog(
                 cfg.tracking_dir, cfg.node.name, server_ip=address_of(host.strip("[]")),
                 max_file_size=cfg.tracking.message_tracking_log_max_file_size, software_version=__version__,
@@ -114,7 +114,7 @@ class Node:
             await self._listen_transport()
         self.shadow.start()
         log.info("transportd %s node %s (site %s) serving frontend on %s; queue database %s (ID %s)",
-                 __version__, cfg.node.name, cfg.node.site, cfg.frontend.listen, cfg.db_path,
+                 __version__, cfg.node.name, cfg.node.site, ", ".join(cfg.frontend.listen), cfg.db_path,
                  store.queue_database_id)
         if "." not in cfg.node.name:
             log.warning("node.name %r is not fully qualified: next hops that check the EHLO name (RFC 5321 "
@@ -141,9 +141,10 @@ class Node:
             counter = ConnectionCounter(fe.max_inbound_connection, fe.max_inbound_connection_per_source)
             self.metrics.watch_connections("frontend", counter)
         handler = FrontendHandler(cfg, self.accept_path.accept, "frontend")
-        await self._serve(fe.listen, smtp_factory(cfg, handler, counter, server_tls(
-            fe.tls_certificate, fe.tls_key, cfg.node.tls_certificate_check_interval)),
-                          reuse_port=processes > 1)
+        factory = smtp_factory(cfg, handler, counter, server_tls(
+            fe.tls_certificate, fe.tls_key, cfg.node.tls_certificate_check_interval))
+        for listen in fe.listen:  # one server per binding, all sharing the session counter and limits
+            await self._serve(listen, factory, reuse_port=processes > 1)
         if processes > 1:
             self.workers = WorkerSupervisor(cfg, processes - 1, self.events, self.store.queue_changed,
                                             self.log_format, sessions)
@@ -242,7 +243,7 @@ async def _serve(cfg: Config, log_format: str) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("%s ready on %s", cfg.node.name, cfg.frontend.listen)  # a log line: JSON with --log-format json
+    log.info("%s ready on %s", cfg.node.name, ", ".join(cfg.frontend.listen))  # a log line: JSON with --log-format json
     await stop.wait()
     log.info("shutting down")
     await node.stop()

@@ -128,23 +128,27 @@ class ReceiveWorker:
         fe = cfg.frontend
         self.sessions.clear(self.index)
         counter = self.sessions.counter(self.index, fe.max_inbound_connection, fe.max_inbound_connection_per_source)
-        host, _, port = fe.listen.rpartition(":")
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(
-            smtp_factory(cfg, FrontendHandler(cfg, accept_path.accept, "frontend"), counter,
-                         server_tls(fe.tls_certificate, fe.tls_key, cfg.node.tls_certificate_check_interval)),
-            host=host.strip("[]"), port=int(port), reuse_address=True, reuse_port=True)
+        factory = smtp_factory(cfg, FrontendHandler(cfg, accept_path.accept, "frontend"), counter,
+                               server_tls(fe.tls_certificate, fe.tls_key, cfg.node.tls_certificate_check_interval))
+        servers = []
+        for listen in fe.listen:
+            host, _, port = listen.rpartition(":")
+            servers.append(await loop.create_server(factory, host=host.strip("[]"), port=int(port),
+                                                    reuse_address=True, reuse_port=True))
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C reaches the owner, which stops us
         tasks = [asyncio.ensure_future(self._report(store, stop)),
                  asyncio.ensure_future(self._owner_gone(reader, stop))]
-        log.info("receive worker %d (pid %d) serving the frontend on %s", self.index, os.getpid(), fe.listen)
+        log.info("receive worker %d (pid %d) serving the frontend on %s", self.index, os.getpid(),
+                 ", ".join(fe.listen))
         await stop.wait()
-        server.close()
+        for server in servers:
+            server.close()
         say_shutting_down()
         try:
-            await asyncio.wait_for(server.wait_closed(), 5)
+            await asyncio.wait_for(asyncio.gather(*(server.wait_closed() for server in servers)), 5)
         except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - stopping anyway
             pass
         shadow.pool.close()
