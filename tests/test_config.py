@@ -296,11 +296,21 @@ def test_tls_files_resolve_against_the_config_folder(tmp_path: Path) -> None:
         load_dict({"frontend": {"tls_certificate": "cert.pem", "tls_key": "missing.pem"}}, base_dir=tmp_path)
 
 
-def test_require_tls_and_auth_need_a_certificate() -> None:
+def test_require_tls_and_auth_need_a_certificate(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"frontend\.require_tls:"):
         load_dict({"frontend": {"require_tls": True}})
     with pytest.raises(ConfigError, match=r"frontend\.auth_users:"):
         load_dict({"frontend": {"auth_users": {"u": "p"}}})
+    with pytest.raises(ConfigError, match=r"frontend\.implicit_tls_listen: needs frontend\.tls_certificate"):
+        load_dict({"frontend": {"implicit_tls_listen": "0.0.0.0:465"}})
+    (tmp_path / "cert.pem").write_text("c")
+    (tmp_path / "key.pem").write_text("k")
+    tls = {"tls_certificate": "cert.pem", "tls_key": "key.pem"}
+    with pytest.raises(ConfigError, match=r"frontend\.implicit_tls_listen: 127\.0\.0\.1:2525 is also in frontend\.listen"):
+        load_dict({"frontend": {**tls, "implicit_tls_listen": ["127.0.0.1:2525"]}}, base_dir=tmp_path)
+    cfg = load_dict({"frontend": {**tls, "implicit_tls_listen": "0.0.0.0:465"}}, base_dir=tmp_path)
+    assert cfg.frontend.implicit_tls_listen == ["0.0.0.0:465"]
+    assert load_dict({}).frontend.implicit_tls_listen == []
 
 
 # --------------------------------------------------------------------------- files

@@ -691,6 +691,53 @@ def test_starttls_then_auth_allows_relay(make_node, sink, tls_files):
     wait_for(lambda: len(sink.messages()) == 2, timeout=10, what="both relayed messages at the sink")
 
 
+def test_implicit_tls_submission_port(make_node, sink, tls_files):
+    """RFC 8314 implicit TLS (``frontend.implicit_tls_listen``, submissions on port 465 as mail
+    clients default to): the greeting comes over TLS; EHLO offers AUTH and no STARTTLS; relay after
+    AUTH, the Received field saying ESMTPSA; swaks --tls-on-connect and curl smtps:// likewise. A
+    client speaking plaintext to it gets nothing and the node goes on; ``health`` checks it with a
+    handshake; the STARTTLS listener is unchanged."""
+    sink.start()
+    tls_port = free_port()
+    node = tls_node(make_node, tls_files, sink, implicit_tls_listen=[f"127.0.0.1:{tls_port}"])
+    assert f"ready on 127.0.0.1:{node.port}, 127.0.0.1:{tls_port} (implicit TLS)" in node.log()
+    with socket.create_connection(("127.0.0.1", tls_port), timeout=10) as plain:
+        plain.sendall(b"EHLO plain.test\r\n")  # not a TLS ClientHello: the handshake fails, the node closes
+        answer = b""
+        while chunk := plain.recv(512):
+            answer += chunk
+        assert b"220" not in answer and b"250" not in answer, answer
+    s = smtplib.SMTP_SSL("127.0.0.1", tls_port, timeout=10, source_address=("127.0.0.2", 0),
+                         context=tls_files["client_ctx"])
+    try:
+        assert s.sock.version() in ("TLSv1.2", "TLSv1.3")
+        s.ehlo("client.test")
+        assert not s.has_extn("starttls")
+        assert set(s.esmtp_features["auth"].split()) == {"PLAIN", "LOGIN"}
+        assert s.docmd("STARTTLS")[0] == 502
+        assert s.docmd("MAIL", "FROM:<alice@remote.test>")[0] == 250
+        assert s.docmd("RCPT", "TO:<bob@foreign.test>") == (550, b"5.7.1 Relaying denied")
+        s.rset()
+        assert s.login("alice", "s3cret")[0] == 235
+        assert s.sendmail("alice@remote.test", ["bob@foreign.test"], b"Subject: implicit-tls\r\n\r\nhi\r\n") == {}
+    finally:
+        s.close()
+    r = swaks(tls_port, "--tls-on-connect", "--auth", "PLAIN", "--auth-user", "alice", "--auth-password", "s3cret",
+              "--local-interface", "127.0.0.2", "--from", "alice@remote.test", "--to", "carol@foreign.test",
+              "--header", "Subject: swaks-tls-on-connect")
+    queued_id(r)
+    curl = subprocess.run(["curl", "-sS", "--max-time", "30", f"smtps://127.0.0.1:{tls_port}/client.test",
+                           "--cacert", tls_files["ca"], "--interface", "127.0.0.2", "--user", "alice:s3cret",
+                           "--mail-from", "alice@remote.test", "--mail-rcpt", "dave@foreign.test", "-T", "-"],
+                          input=b"Subject: curl-smtps\r\n\r\nhi\r\n", capture_output=True, timeout=60, check=False)
+    assert curl.returncode == 0, curl.stderr
+    got = wait_for(lambda: len(sink.messages()) == 3 and sink.messages(), timeout=15, what="all three at the sink")
+    assert all(b"with ESMTPSA" in m for m in got), got[0][:600]
+    assert node.proc.poll() is None
+    health = node.cli("health", check=False)
+    assert health.returncode == 0 and f"127.0.0.1:{tls_port} (implicit TLS)" in health.stdout, health
+
+
 def test_tls_without_auth_users_offers_no_auth(make_node, tls_files):
     """A certificate and no frontend.auth_users: STARTTLS, but no AUTH after it (aiosmtpd offered
     AUTH LOGIN PLAIN there, with a check that always failed); AUTH gets Postfix's 503, HELP does

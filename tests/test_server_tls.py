@@ -9,7 +9,7 @@ import ssl
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import free_port, wait_for
 
 from transportd.smtp.tls import ServerTLS
 
@@ -81,6 +81,22 @@ def test_a_renewed_pair_is_taken_at_the_next_check_and_a_broken_one_never(tmp_pa
     assert _loaded_serial(tls.context()) not in (serial, _loaded_serial(renewed)) and tls.reloads == 2
 
 
+def test_an_implicit_tls_listener_hands_each_handshake_to_the_current_certificate(tmp_path):
+    """frontend.implicit_tls_listen's context is fixed when the server starts; each handshake is
+    handed to ``context()``, so a renewal is served there too."""
+    ca = trustme.CA()
+    first, second = ca.issue_cert("node1.transportd.test"), ca.issue_cert("node1.transportd.test")
+    write_pair(tmp_path, first, 10**18)
+    clock = Clock()
+    tls = ServerTLS(str(tmp_path / "cert.pem"), str(tmp_path / "key.pem"), check_interval=60, clock=clock)
+    front = tls.implicit_context()
+    serial = _loaded_serial(front)
+    write_pair(tmp_path, second, 2 * 10**18)
+    assert _loaded_serial(front) == serial  # not yet due
+    clock.now += 60
+    assert _loaded_serial(front) not in (serial, None) and tls.reloads == 1
+
+
 def test_no_check_with_an_interval_of_zero(tmp_path):
     ca = trustme.CA()
     write_pair(tmp_path, ca.issue_cert("a.test"), 10**18)
@@ -92,34 +108,42 @@ def test_no_check_with_an_interval_of_zero(tmp_path):
     assert tls.context() is first
 
 
-def peer_serial(port: int) -> int:
+def peer_serial(port: int, implicit: bool = False) -> int:
     context = ssl.create_default_context()
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
-    with smtplib.SMTP("127.0.0.1", port, timeout=20) as c:
-        c.ehlo("client.test")
-        c.starttls(context=context)
-        der = c.sock.getpeercert(binary_form=True)
+    if implicit:
+        with smtplib.SMTP_SSL("127.0.0.1", port, timeout=20, context=context) as c:
+            der = c.sock.getpeercert(binary_form=True)
+    else:
+        with smtplib.SMTP("127.0.0.1", port, timeout=20) as c:
+            c.ehlo("client.test")
+            c.starttls(context=context)
+            der = c.sock.getpeercert(binary_form=True)
     from cryptography import x509
     return x509.load_der_x509_certificate(der).serial_number
 
 
 def test_a_running_node_serves_its_renewed_certificate(make_node, tmp_path):
     """certbot (or a secret mounted in a container) replaces the files: the node's next STARTTLS
-    session presents the new certificate, with no restart, and says so in its log."""
+    session, and the next on its implicit-TLS port, presents the new certificate, with no
+    restart, and says so in its log."""
     certs = tmp_path / "certs"
     certs.mkdir()
     ca = trustme.CA()
     old, new = ca.issue_cert("node1.transportd.test", "127.0.0.1"), ca.issue_cert("node1.transportd.test")
     write_pair(certs, old, 10**18)
+    tls_port = free_port()
     node = make_node(overrides={
         "node": {"tls_certificate_check_interval": 1},
-        "frontend": {"tls_certificate": str(certs / "cert.pem"), "tls_key": str(certs / "key.pem")}}).start()
+        "frontend": {"tls_certificate": str(certs / "cert.pem"), "tls_key": str(certs / "key.pem"),
+                     "implicit_tls_listen": f"127.0.0.1:{tls_port}"}}).start()
     from cryptography import x509
     old_serial = x509.load_pem_x509_certificate(old.cert_chain_pems[0].bytes()).serial_number
     new_serial = x509.load_pem_x509_certificate(new.cert_chain_pems[0].bytes()).serial_number
-    assert peer_serial(node.port) == old_serial
+    assert peer_serial(node.port) == old_serial == peer_serial(tls_port, implicit=True)
     write_pair(certs, new, 2 * 10**18)
     wait_for(lambda: peer_serial(node.port) == new_serial, timeout=15, interval=0.5, what="the renewed certificate")
+    assert peer_serial(tls_port, implicit=True) == new_serial
     assert "TLS certificate" in node.log() and "changed: new sessions use it" in node.log()
     assert node.alive

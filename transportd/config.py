@@ -160,6 +160,11 @@ def worker_count(cfg: Config) -> int:
     return int(n)
 
 
+def frontend_bindings(cfg: Config) -> str:
+    """The frontend's bindings as a log line says them: ``127.0.0.1:25, 127.0.0.1:465 (implicit TLS)``."""
+    return ", ".join([*cfg.frontend.listen, *(f"{b} (implicit TLS)" for b in cfg.frontend.implicit_tls_listen)])
+
+
 def tracking_fields(cfg: Config) -> tuple[str, ...]:
     """The MSGTRK fields this node writes (``tracking.format``)."""
     from transportd.tracking import FIELDS_2010, FIELDS_2016
@@ -249,6 +254,12 @@ def _bindings(value: Any) -> list[str]:
             raise ValueError(f"{text} is listed twice")
         out.append(text)
     return out
+
+
+def _optional_bindings(value: Any) -> list[str]:
+    if value == "" or value == []:
+        return []
+    return _bindings(value)
 
 
 def _optional_listen(value: Any) -> str:
@@ -390,6 +401,10 @@ KEYS: tuple[Key, ...] = (
     Key("frontend", "tls_certificate", "", _str, "PEM certificate chain; when set, STARTTLS is offered"),
     Key("frontend", "tls_key", "", _str, "PEM private key for tls_certificate"),
     Key("frontend", "require_tls", False, _bool, "refuse mail transactions before STARTTLS", "RequireTLS"),
+    Key("frontend", "implicit_tls_listen", [], _optional_bindings,
+        "address:port (or a list) where the frontend speaks TLS from the first byte, no STARTTLS (RFC 8314's "
+        "implicit TLS, submissions on port 465: ['0.0.0.0:465']); same limits, AUTH and relay rules; needs "
+        "tls_certificate; empty = none"),
     Key("frontend", "chunking_enabled", True, _bool,
         "offer CHUNKING (BDAT, RFC 3030) on the frontend receive connector", "ChunkingEnabled"),
     Key("frontend", "max_acknowledgement_delay", 30.0, parse_duration,
@@ -823,6 +838,12 @@ def _cross_checks(cfg: Config, source: str) -> None:
     fe = cfg.frontend
     if fe.require_tls and not fe.tls_certificate:
         raise ConfigError(f"{source}: frontend.require_tls: needs tls_certificate and tls_key")
+    if fe.implicit_tls_listen and not fe.tls_certificate:
+        raise ConfigError(f"{source}: frontend.implicit_tls_listen: needs frontend.tls_certificate and tls_key")
+    both = set(fe.listen) & set(fe.implicit_tls_listen)
+    if both:
+        raise ConfigError(f"{source}: frontend.implicit_tls_listen: {', '.join(sorted(both))} is also in "
+                          "frontend.listen (one binding speaks TLS from the start or offers STARTTLS, not both)")
     if fe.auth_users and not fe.tls_certificate:
         raise ConfigError(f"{source}: frontend.auth_users: AUTH is offered only after STARTTLS; "
                           "set tls_certificate and tls_key")

@@ -15,12 +15,20 @@ from transportd import config as config_mod
 from transportd.cli.common import load_config, node_location
 
 
-def smtp_greets(address: str, timeout: float) -> str | None:
-    """None when ``host:port`` answers with an SMTP 220 greeting, else what went wrong."""
+def smtp_greets(address: str, timeout: float, implicit_tls: bool = False) -> str | None:
+    """None when ``host:port`` answers with an SMTP 220 greeting (after a TLS handshake where it
+    speaks TLS from the start, its certificate not checked: a liveness check), else what went wrong."""
     import socket as socket_mod
+    import ssl
     try:
         host, port = config_mod.parse_hostport(address)
-        with socket_mod.create_connection((host.strip("[]"), port), timeout=timeout) as s:
+        with socket_mod.create_connection((host.strip("[]"), port), timeout=timeout) as raw:
+            s = raw
+            if implicit_tls:
+                context = ssl.create_default_context()
+                context.check_hostname = False
+                context.verify_mode = ssl.CERT_NONE
+                s = context.wrap_socket(raw)
             s.settimeout(timeout)
             greeting = s.recv(512)
             s.sendall(b"QUIT\r\n")
@@ -46,9 +54,13 @@ def health(config: str | None, servers: tuple[str, ...], timeout: float) -> None
     if not servers:
         cfg = load_config(node_location(config, None)[0], None)
         servers = tuple(a for a in (*cfg.frontend.listen, cfg.transport.listen) if a)
-    bad = [(a, why) for a in servers if (why := smtp_greets(a, timeout)) is not None]
+        implicit = tuple(cfg.frontend.implicit_tls_listen)
+    else:
+        implicit = ()
+    bad = [(a, why) for a in (*servers, *implicit)
+           if (why := smtp_greets(a, timeout, implicit_tls=a in implicit)) is not None]
     for address, why in bad:
         click.echo(f"transportd: unhealthy: {address}: {why}", err=True)
     if bad:
         sys.exit(1)
-    click.echo("healthy: " + ", ".join(servers))
+    click.echo("healthy: " + ", ".join([*servers, *(f"{a} (implicit TLS)" for a in implicit)]))

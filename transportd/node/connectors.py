@@ -138,7 +138,8 @@ class SmtpConnector:
         self.resolver = NextHopResolver(
             [parse_hostport(s, default_port=53) for s in d.external_dns_servers], d.mx_port,
             own_names=[cfg.node.name],
-            own_endpoints=[parse_hostport(a) for a in (*cfg.frontend.listen, cfg.transport.listen) if a])
+            own_endpoints=[parse_hostport(a) for a in (*cfg.frontend.listen, *cfg.frontend.implicit_tls_listen,
+                                                      cfg.transport.listen) if a])
 
     async def close(self) -> None:
         """QUIT the sessions kept for a next batch (the node stops)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from transportd import __version__
-from transportd.config import Config, tracking_fields, worker_count
+from transportd.config import Config, frontend_bindings, tracking_fields, worker_count
 from transportd.errors import StoreError
 from transportd.node.accept import AcceptPath
 from transportd.node.connectors import MailboxConnector, PeerConnector, SmtpConnector
@@ -38,7 +38,13 @@ from transportd.queue.store import QueueStore
 from transportd.redundancy.manager import ShadowManager
 from transportd.redundancy.server import TransportHandler, TransportSMTP, make_peer_authenticator
 from transportd.smtp.frontend import FrontendHandler
-from transportd.smtp.server import ConnectionCounter, say_shutting_down, smtp_factory
+from transportd.smtp.server import (
+    ConnectionCounter,
+    implicit_tls_bindings,
+    say_shutting_down,
+    serve_binding,
+    smtp_factory,
+)
 from transportd.smtp.tls import server_tls
 from transportd.tracking import TrackingLog
 
@@ -114,18 +120,15 @@ class Node:
             await self._listen_transport()
         self.shadow.start()
         log.info("transportd %s node %s (site %s) serving frontend on %s; queue database %s (ID %s)",
-                 __version__, cfg.node.name, cfg.node.site, ", ".join(cfg.frontend.listen), cfg.db_path,
+                 __version__, cfg.node.name, cfg.node.site, frontend_bindings(cfg), cfg.db_path,
                  store.queue_database_id)
         if "." not in cfg.node.name:
             log.warning("node.name %r is not fully qualified: next hops that check the EHLO name (RFC 5321 "
                         "4.1.1.1; Postfix's reject_non_fqdn_helo_hostname) may refuse this node's mail; set "
                         "node.name to its FQDN", cfg.node.name)
 
-    async def _serve(self, listen: str, factory: Any, reuse_port: bool = False) -> None:
-        host, _, port = listen.rpartition(":")
-        server = await asyncio.get_running_loop().create_server(factory, host=host.strip("[]"), port=int(port),
-                                                                reuse_address=True, reuse_port=reuse_port or None)
-        self.servers.append(server)
+    async def _serve(self, listen: str, factory: Any, reuse_port: bool = False, **tls: Any) -> None:
+        self.servers.append(await serve_binding(listen, factory, reuse_port=reuse_port or None, **tls))
 
     async def _listen_frontend(self) -> None:
         """The frontend in this process and, with ``frontend.workers`` > 1, in receive workers
@@ -141,10 +144,12 @@ class Node:
             counter = ConnectionCounter(fe.max_inbound_connection, fe.max_inbound_connection_per_source)
             self.metrics.watch_connections("frontend", counter)
         handler = FrontendHandler(cfg, self.accept_path.accept, "frontend")
-        factory = smtp_factory(cfg, handler, counter, server_tls(
-            fe.tls_certificate, fe.tls_key, cfg.node.tls_certificate_check_interval))
+        tls = server_tls(fe.tls_certificate, fe.tls_key, cfg.node.tls_certificate_check_interval)
+        factory = smtp_factory(cfg, handler, counter, tls)
         for listen in fe.listen:  # one server per binding, all sharing the session counter and limits
             await self._serve(listen, factory, reuse_port=processes > 1)
+        for listen, implicit, options in implicit_tls_bindings(cfg, handler, counter, tls):
+            await self._serve(listen, implicit, reuse_port=processes > 1, **options)
         if processes > 1:
             self.workers = WorkerSupervisor(cfg, processes - 1, self.events, self.store.queue_changed,
                                             self.log_format, sessions)
@@ -243,7 +248,7 @@ async def _serve(cfg: Config, log_format: str) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("%s ready on %s", cfg.node.name, ", ".join(cfg.frontend.listen))  # a log line: JSON with --log-format json
+    log.info("%s ready on %s", cfg.node.name, frontend_bindings(cfg))  # a log line: JSON with --log-format json
     await stop.wait()
     log.info("shutting down")
     await node.stop()

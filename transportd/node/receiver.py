@@ -23,7 +23,7 @@ import socket
 import sys
 from typing import Any
 
-from transportd.config import Config
+from transportd.config import Config, frontend_bindings
 from transportd.errors import StoreError
 from transportd.node.accept import AcceptPath
 from transportd.node.events import NodeEvents
@@ -32,7 +32,12 @@ from transportd.node.workers import TERMINAL, encode
 from transportd.queue.store import QueueStore
 from transportd.redundancy.manager import ShadowManager
 from transportd.smtp.frontend import FrontendHandler
-from transportd.smtp.server import say_shutting_down, smtp_factory
+from transportd.smtp.server import (
+    implicit_tls_bindings,
+    say_shutting_down,
+    serve_binding,
+    smtp_factory,
+)
 from transportd.smtp.tls import server_tls
 
 log = logging.getLogger("transportd.node.receiver")
@@ -129,20 +134,19 @@ class ReceiveWorker:
         self.sessions.clear(self.index)
         counter = self.sessions.counter(self.index, fe.max_inbound_connection, fe.max_inbound_connection_per_source)
         loop = asyncio.get_running_loop()
-        factory = smtp_factory(cfg, FrontendHandler(cfg, accept_path.accept, "frontend"), counter,
-                               server_tls(fe.tls_certificate, fe.tls_key, cfg.node.tls_certificate_check_interval))
-        servers = []
-        for listen in fe.listen:
-            host, _, port = listen.rpartition(":")
-            servers.append(await loop.create_server(factory, host=host.strip("[]"), port=int(port),
-                                                    reuse_address=True, reuse_port=True))
+        handler = FrontendHandler(cfg, accept_path.accept, "frontend")
+        tls = server_tls(fe.tls_certificate, fe.tls_key, cfg.node.tls_certificate_check_interval)
+        factory = smtp_factory(cfg, handler, counter, tls)
+        servers = [await serve_binding(listen, factory, reuse_port=True) for listen in fe.listen]
+        for listen, implicit, options in implicit_tls_bindings(cfg, handler, counter, tls):
+            servers.append(await serve_binding(listen, implicit, reuse_port=True, **options))
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C reaches the owner, which stops us
         tasks = [asyncio.ensure_future(self._report(store, stop)),
                  asyncio.ensure_future(self._owner_gone(reader, stop))]
         log.info("receive worker %d (pid %d) serving the frontend on %s", self.index, os.getpid(),
-                 ", ".join(fe.listen))
+                 frontend_bindings(cfg))
         await stop.wait()
         for server in servers:
             server.close()

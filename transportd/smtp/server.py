@@ -496,8 +496,31 @@ def say_shutting_down() -> int:
     return told
 
 
-class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _ShutdownNotice, HalfClose, _DsnParameters, _AuthParameter,
-                  SMTP):
+class _ImplicitTLS:
+    """A session on a listener of ``frontend.implicit_tls_listen`` (RFC 8314): the handshake is
+    done before the session starts. aiosmtpd knows TLS only from its own STARTTLS: the session is
+    marked as it would be after one, so AUTH is offered where it needs TLS, require_tls is met and
+    the Received field says ESMTPS; STARTTLS itself is not offered (no context to start)."""
+
+    transport: Any
+    session: Session | None
+    _tls_protocol: Any
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        first = self.transport is None
+        super().connection_made(transport)  # type: ignore[misc]
+        if first and self.session is not None and transport.get_extra_info("ssl_object") is not None:
+            self._tls_protocol = IMPLICIT_TLS
+            self.session.ssl = {name: transport.get_extra_info(name)
+                                for name in ("ssl_object", "peercert", "cipher", "sslcontext")}
+
+
+IMPLICIT_TLS = object()
+"""Where aiosmtpd keeps the TLS protocol its STARTTLS made: a session that began in TLS."""
+
+
+class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _ShutdownNotice, HalfClose, _ImplicitTLS, _DsnParameters,
+                  _AuthParameter, SMTP):
     """aiosmtpd's SMTP with connection limits, an absolute timeout and our reply wording."""
 
     def __init__(self, handler: Any, *, counter: ConnectionCounter, connection_timeout: float,
@@ -813,3 +836,24 @@ def smtp_factory(cfg: Any, handler: Any, counter: ConnectionCounter,
         )
     return factory
 
+
+
+async def serve_binding(listen: str, factory: Callable[[], Any], *, reuse_port: bool | None = None,
+                        **tls: Any) -> asyncio.Server:
+    """A listening server for one ``host:port`` binding (``[::1]:25`` for IPv6)."""
+    host, _, port = listen.rpartition(":")
+    return await asyncio.get_running_loop().create_server(factory, host=host.strip("[]"), port=int(port),
+                                                          reuse_address=True, reuse_port=reuse_port, **tls)
+
+
+def implicit_tls_bindings(cfg: Any, handler: Any, counter: ConnectionCounter,
+                          tls: ServerTLS | None) -> list[tuple[str, Callable[[], LimitedSMTP], dict[str, Any]]]:
+    """The frontend's bindings of ``frontend.implicit_tls_listen`` (RFC 8314), each with its
+    session factory (no STARTTLS to offer) and the server options that do the TLS handshake
+    before the session starts; empty without them."""
+    fe = cfg.frontend
+    if not fe.implicit_tls_listen or tls is None:
+        return []
+    factory = smtp_factory(cfg, handler, counter, None, require_tls=False)
+    options = {"ssl": tls.implicit_context(), "ssl_handshake_timeout": fe.connection_inactivity_timeout}
+    return [(listen, factory, options) for listen in fe.implicit_tls_listen]

@@ -42,6 +42,17 @@ class ServerTLS:
         self._refused: Stamp | None = None  # the files' state a reload failed on (said once)
         self.reloads = 0
 
+    def implicit_context(self) -> ssl.SSLContext:
+        """A context for a listener that speaks TLS from the first byte (RFC 8314): at each
+        handshake it hands the connection to ``context()``, so a renewed certificate is taken
+        there as it is at STARTTLS (the callback runs whether or not the client sends SNI)."""
+        front = _context(*self.paths)
+
+        def current(conn: ssl.SSLObject, server_name: str | None, _ctx: ssl.SSLContext) -> None:
+            conn.context = self.context()
+        front.sni_callback = current
+        return front
+
     def _files(self) -> Stamp:
         return tuple((st.st_mtime_ns, st.st_size, st.st_ino) for st in map(os.stat, self.paths))
 
