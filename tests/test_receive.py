@@ -342,6 +342,32 @@ def test_oversize_message_refused_and_session_goes_on(make_node):
     assert node.alive
 
 
+def test_a_header_section_over_max_header_size_is_refused_over_data_and_bdat(make_node):
+    """Exchange's MaxHeaderSize (frontend.max_header_size): a message whose header section is over
+    it is refused, 552 5.3.4, before its header is parsed (megabytes of fields within the message
+    size limit cost the event loop seconds); nothing is queued and the session goes on. The body
+    does not count; a message with no empty line is all header."""
+    node = make_node(overrides={"frontend": {"max_header_size": "4KB"}}).start()
+    fields = b"".join(b"X-Filler-%d: %s\r\n" % (i, b"f" * 70) for i in range(60))  # ~5 KB
+    c = Raw(node.port)
+    ehlo(c)
+    r = send_one(c, "a@remote.test", ["alice@example.test"], b"Subject: big-header\r\n" + fields + b"\r\nhi\r\n")
+    assert r == "552 5.3.4 Header size exceeds fixed maximum size", r
+    r = send_one(c, "a@remote.test", ["alice@example.test"], b"Subject: no-body\r\n" + fields)
+    assert_reply(r, 552, "5.3.4")
+    small = b"Subject: big-body\r\n" + b"".join(fields.splitlines(keepends=True)[:35]) + b"\r\n" + b"body\r\n" * 2000
+    r = send_one(c, "a@remote.test", ["alice@example.test"], small)
+    assert re.fullmatch(r"250 2\.0\.0 Ok: queued as \d+", r), r
+    assert_reply(c.cmd("MAIL FROM:<a@remote.test>"), 250, "2.1.0")
+    assert_reply(c.cmd("RCPT TO:<alice@example.test>"), 250, "2.1.5")
+    chunk = b"Subject: bdat-header\r\n" + fields + b"\r\nhi\r\n"
+    c.send(b"BDAT %d LAST\r\n" % len(chunk) + chunk)
+    assert_reply(c.reply()[-1], 552, "5.3.4")
+    assert_reply(c.cmd("QUIT"), 221, "2.0.0")
+    assert [m["subject"] for m in messages(node)] == ["big-body"]
+    assert "header section over frontend.max_header_size" in node.log()
+
+
 # --------------------------------------------------------------------------- 4. line length
 
 def test_over_long_lines(make_node):

@@ -37,9 +37,10 @@ from transportd.redundancy.copies import ShadowResult
 from transportd.redundancy.manager import ShadowManager
 from transportd.redundancy.server import peer_name
 from transportd.smtp.frontend import new_network_message_id, prepare_message, received_as
-from transportd.smtp.headers import hop_count, network_id_from
+from transportd.smtp.headers import header_size, hop_count, network_id_from
 from transportd.smtp.replies import (
     S451_NOT_REDUNDANT,
+    S552_HEADER_TOO_BIG,
     S451_STORE_UNAVAILABLE,
     S554_HOP_COUNT,
     S554_NO_VALID_RECIPIENTS,
@@ -94,6 +95,13 @@ class AcceptPath:
         now = time.time()
         if not envelope.rcpt_tos:
             raise MessageRejected(S554_NO_VALID_RECIPIENTS)
+        limit = self.cfg.frontend.max_header_size
+        if connector == "frontend" and header_size(envelope.original_content or b"") > limit:
+            # Before any header is parsed: a header section of megabytes is refused for its size,
+            # as Exchange's MaxHeaderSize does, not parsed (seconds of the event loop) and relayed.
+            log.warning("message from %s refused: header section over frontend.max_header_size (%d octets)",
+                        str((session.peer or ("", 0))[0]), limit)
+            raise MessageRejected(S552_HEADER_TOO_BIG)
         msg = self._message(envelope, session, connector, now)
         session.accepted_message_id = msg.message_id  # for a reply that names it (Exchange's acceptance reply)
         # Every line logged while accepting it (the shadow copy's too) carries its id and client.

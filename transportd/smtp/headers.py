@@ -27,6 +27,13 @@ def split_headers(data: bytes) -> tuple[bytes, bytes]:
     return data[:m.end()], data[m.end():]
 
 
+def header_size(data: bytes) -> int:
+    """Octets of the header section (up to and with the empty line that ends it; all of ``data``
+    where no empty line ends it)."""
+    m = _HEADER_END.search(data)
+    return m.end() if m else len(data)
+
+
 def _header_text(value: object) -> str:
     """A header value as text: raw UTF-8 (RFC 6532) decoded, undecodable octets replaced.
 

@@ -49,6 +49,7 @@ S550_NO_POSTMASTER = ("550 5.1.1 No postmaster mailbox here: this node accepts m
 S550_NOT_AUTHORIZED = "550 5.7.1 Not authorized"
 S553_UNDECLARED_UTF8 = "553 5.6.7 Must declare SMTPUTF8 to send unicode address"
 S552_MESSAGE_TOO_BIG = "552 5.3.4 Message size exceeds fixed maximum message size"
+S552_HEADER_TOO_BIG = "552 5.3.4 Header size exceeds fixed maximum size"  # Exchange's words (MaxHeaderSize)
 S554_NO_VALID_RECIPIENTS = "554 5.5.1 No valid recipients"
 
 # aiosmtpd's wording -> ours (exact text, or a prefix when it ends with '*').
