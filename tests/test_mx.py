@@ -127,6 +127,11 @@ async def test_an_mx_host_at_an_address_and_port_this_node_listens_on_is_itself(
     assert [t.address for t in await other_port.targets("far.test")] == ["127.0.0.32", "127.0.0.31"]
     dns_server.records["mx1.far.test"] = {"A": ["192.0.2.1"]}
     assert [t.address for t in await wildcard.targets("far.test")] == ["192.0.2.1"]
+    # A listener given by name (node1:2525 in a container): its name and the addresses it bound.
+    named = resolver(dns_server, 2525, own_endpoints=[("localhost", 2525)])
+    assert "localhost" in named.own_names and ("127.0.0.1", 2525) in named.own_endpoints
+    dns_server.records["alias.far.test"] = {"A": ["127.0.0.1"]}
+    assert [t.address for t in await named.targets("far.test")] == ["192.0.2.1"]
 
 
 def test_short_of_self_keeps_what_is_better_than_this_node():

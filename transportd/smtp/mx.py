@@ -87,7 +87,13 @@ class NextHopResolver:
         self.resolv_conf = resolv_conf
         self.port = port
         self.own_names = {n.lower().rstrip(".") for n in own_names if n}
-        self.own_endpoints = {(_canonical(a), p) for a, p in own_endpoints}
+        self.own_endpoints: set[tuple[str, int]] = set()
+        for host, port in own_endpoints:
+            try:
+                self.own_endpoints.add((_canonical(host), port))
+            except ValueError:  # a listener given by name (node1:2525 in a container): a name we are
+                self.own_names.add(host.lower().rstrip("."))  # known by, and the addresses bound
+                self.own_endpoints.update((_canonical(str(info[4][0])), port) for info in _addresses_of(host))
         self._resolver: Any = None
 
     @property
@@ -189,6 +195,14 @@ class NextHopResolver:
             except dns.exception.DNSException as exc:
                 failure = exc
         return found if found or failure is None else failure
+
+
+def _addresses_of(host: str) -> list[Any]:
+    """What the listener's name resolves to (as it was bound: the machine's resolver); [] if nothing."""
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return []
 
 
 def _canonical(address: str) -> str:
