@@ -168,6 +168,8 @@ def test_defaults_are_not_shared_between_configs() -> None:
     ({"frontend": {"require_tls": "yes"}}, "frontend.require_tls: expected true or false"),
     ({"frontend": {"listen": "127.0.0.1"}}, "frontend.listen:"),
     ({"frontend": {"listen": []}}, "frontend.listen: expected 'host:port' or a list of them"),
+    ({"routing": {"smart_host": ["a.test", "a.test:25"]}}, "routing.smart_host: a.test:25 is listed twice"),
+    ({"routing": {"smart_host": ["a.test:99999"]}}, "routing.smart_host: port must be 1-65535"),
     ({"frontend": {"listen": ["127.0.0.1:25", "127.0.0.1:25"]}}, "frontend.listen: 127.0.0.1:25 is listed twice"),
     ({"delivery": {"external_dns_servers": ["dns.example.test"]}},
      "delivery.external_dns_servers: 'dns.example.test' is not a DNS server address"),
@@ -225,6 +227,9 @@ def test_values_are_normalised() -> None:
     assert cfg.routing.accepted_domains == ["example.test", "*.sub.example.test"]
     assert cfg.routing.trusted_networks == [ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("::1/128")]
     assert cfg.routing.smart_host == "relay.test:25"
+    # Several smart hosts: a list, or Postfix's relayhost way (commas or blanks); the queue's next hop.
+    for several in (["relay1.test", "[::1]:2525"], "relay1.test, [::1]:2525", "relay1.test [::1]:2525"):
+        assert load_dict({"routing": {"smart_host": several}}).routing.smart_host == "relay1.test:25,[::1]:2525"
     assert cfg.frontend.listen == ["[::1]:2525"]  # what config show prints reads back
     assert cfgmod.parse_hostport(cfg.frontend.listen[0]) == ("::1", 2525)
     assert cfg.frontend.max_message_size == 10 * 1024 ** 2

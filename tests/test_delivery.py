@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import queued_id, swaks, wait_for
+from conftest import Sink, free_port, queued_id, swaks, wait_for
 
 GUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$", re.IGNORECASE)
 FIXED_DATE = "Sat, 21 Nov 2026 10:00:00 +0000"
@@ -236,6 +236,32 @@ def test_quoted_local_parts_and_address_literals_are_relayed_as_received(make_no
     sent = node.tracking(event_id="SENDEXTERNAL")
     assert sent and all(s["server-ip"] == "127.0.0.1" for s in sent)
     assert not events(node, "DEFER") and not events(node, "FAIL")
+
+
+def test_several_smart_hosts_share_the_load_and_one_down_is_passed_over(make_node, sink, procs):
+    """routing.smart_host as a list (Exchange's SmartHosts): each session starts at one of them at
+    random and goes on to the next where one does not answer. One of three is down (nothing
+    listens): every message arrives once, at one of the two others, both get some, and none is
+    deferred. (One message per session and no kept sessions, so each message is a new choice.)"""
+    other = Sink(procs).start()
+    try:
+        down = f"127.0.0.1:{free_port()}"
+        sink.start()
+        node = make_node(smart_host=[down, sink.address, other.address], overrides={"delivery": {
+            "max_messages_per_connection": 1, "connection_cache_time": 0}}).start()
+        assert node.cli("config", "show").stdout.count(f"{down},{sink.address},{other.address}") == 1
+        for i in range(20):
+            queued_id(swaks(node.port, "--to", f"rcpt{i}@foreign.test", "--from", "bob@example.test",
+                            "--header", f"Subject: spread {i}"))
+        wait_for(lambda: len(sink.messages()) + len(other.messages()) == 20, timeout=30, what="20 messages")
+        got = [sink_envelope(m)[1][0] for m in sink.messages()], [sink_envelope(m)[1][0] for m in other.messages()]
+        assert sorted(got[0] + got[1]) == sorted(f"<rcpt{i}@foreign.test>" for i in range(20))
+        assert got[0] and got[1], got
+        assert not events(node, "DEFER")
+        assert {r["server-ip"] for r in wait_events(node, "SENDEXTERNAL", n=20)} == {"127.0.0.1"}
+    finally:
+        other.stop()
+        other.cleanup()
 
 
 @pytest.fixture

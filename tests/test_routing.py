@@ -196,3 +196,15 @@ def test_length_limit_counts_octets_not_characters() -> None:
     address = "ü" * 60 + "@" + ".".join(["c" * 45] * 3) + ".test"
     assert len(address) <= 254 < len(address.encode())
     assert not valid_address(address)
+
+
+def test_several_smart_hosts_are_tried_from_a_random_one_on() -> None:
+    import random
+
+    from transportd.node.connectors import smart_host_targets
+    assert [(t.host, t.port) for t in smart_host_targets("relay.test:25")] == [("relay.test", 25)]
+    rng = random.Random(3)
+    orders = {tuple((t.host, t.port) for t in smart_host_targets("a.test:25,[::1]:2525,b.test:26", rng))
+              for _ in range(60)}
+    assert all(sorted(o) == [("::1", 2525), ("a.test", 25), ("b.test", 26)] for o in orders)
+    assert {o[0] for o in orders} == {("::1", 2525), ("a.test", 25), ("b.test", 26)}  # each one starts

@@ -238,6 +238,23 @@ def _optional_hostport(value: Any) -> str:
     return join_hostport(*parse_hostport(value, default_port=25))
 
 
+def _smart_hosts(value: Any) -> str:
+    """One ``host[:port]`` or several (a list, or joined by commas or blanks as Postfix's relayhost
+    takes them): ``host:port`` entries joined by commas, the queue's next hop as routing names it."""
+    if value == "" or value == []:
+        return ""
+    items = re.split(r"[,\s]+", value.strip()) if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(v, str) and v.strip() for v in items):
+        raise ValueError(f"expected 'host:port' or a list of them, got {value!r}")
+    hosts: list[str] = []
+    for item in items:
+        host = _optional_hostport(item.strip())
+        if host in hosts:
+            raise ValueError(f"{host} is listed twice")
+        hosts.append(host)
+    return ",".join(hosts)
+
+
 def _hostport_str(value: Any) -> str:
     return join_hostport(*parse_hostport(value))
 
@@ -425,8 +442,9 @@ KEYS: tuple[Key, ...] = (
         "AcceptedDomain"),
     Key("routing", "trusted_networks", [], _networks,
         "client networks allowed to relay to any domain without AUTH (CIDR list); empty = no relay"),
-    Key("routing", "smart_host", "", _optional_hostport,
-        "next hop for every non-accepted domain ('host:port'); empty = MX lookup", "SmartHosts"),
+    Key("routing", "smart_host", "", _smart_hosts,
+        "next hop for every non-accepted domain ('host:port'), or several (a list): each session starts at one "
+        "of them at random and goes on to the next where one does not answer; empty = MX lookup", "SmartHosts"),
     Key("routing", "mailbox_database_rules", [], _str_list,
         "'pattern=DATABASE' entries mapping recipients to mailbox databases ('alice@example.test=MDB02', "
         "'*@sales.example.test=MDB03'); the first match wins, else routing.mailbox_database"),

@@ -40,8 +40,8 @@ from transportd.smtp.frontend import new_network_message_id, prepare_message, re
 from transportd.smtp.headers import header_size, hop_count, network_id_from
 from transportd.smtp.replies import (
     S451_NOT_REDUNDANT,
-    S552_HEADER_TOO_BIG,
     S451_STORE_UNAVAILABLE,
+    S552_HEADER_TOO_BIG,
     S554_HOP_COUNT,
     S554_NO_VALID_RECIPIENTS,
 )

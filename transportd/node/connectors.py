@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 import uuid
 import weakref
@@ -148,8 +149,7 @@ class SmtpConnector:
     async def targets(self, item: WorkItem) -> list[SmtpTarget]:
         if item.delivery_type == DNS:
             return await self.resolver.targets(item.next_hop)
-        host, _, port = item.next_hop.rpartition(":")
-        return [SmtpTarget(host.strip("[]"), int(port))]
+        return smart_host_targets(item.next_hop)
 
     async def open(self, item: WorkItem, messages: int = 1) -> tuple[Any, SmtpTarget, PeerSession | None]:
         """A session for a batch of ``messages`` to ``item``'s next hop: a kept one, else a new one."""
@@ -394,6 +394,19 @@ class PeerConnector(SmtpConnector):
                         data: bytes, xshadow: str | None, dsn: DsnRequest | None = None) -> Any:
         """MAIL (``XSHADOW=`` hop by hop), RCPT and BDAT LAST (or DATA) in one write."""
         return await client.relay(sender, options, recipients, data, xshadow, dsn)
+
+
+def smart_host_targets(next_hop: str, rng: random.Random | None = None) -> list[SmtpTarget]:
+    """The smart hosts of a queue (``host:port``, several joined by commas) in a random order:
+    each session starts at one of them, so the load is spread, and goes on to the next where one
+    does not answer (Exchange's send connector with several SmartHosts: load balanced, fault
+    tolerant)."""
+    targets = []
+    for hop in next_hop.split(","):
+        host, _, port = hop.rpartition(":")
+        targets.append(SmtpTarget(host.strip("[]"), int(port)))
+    (rng or random).shuffle(targets)
+    return targets
 
 
 def _cache_key(item: WorkItem) -> tuple[str, str]:

@@ -88,12 +88,13 @@ class NextHopResolver:
         self.port = port
         self.own_names = {n.lower().rstrip(".") for n in own_names if n}
         self.own_endpoints: set[tuple[str, int]] = set()
-        for host, port in own_endpoints:
+        for host, listening in own_endpoints:
             try:
-                self.own_endpoints.add((_canonical(host), port))
+                self.own_endpoints.add((_canonical(host), listening))
             except ValueError:  # a listener given by name (node1:2525 in a container): a name we are
                 self.own_names.add(host.lower().rstrip("."))  # known by, and the addresses bound
-                self.own_endpoints.update((_canonical(str(info[4][0])), port) for info in _addresses_of(host))
+                self.own_endpoints.update((_canonical(str(info[4][0])), listening)
+                                          for info in _addresses_of(host))
         self._resolver: Any = None
 
     @property
