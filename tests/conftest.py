@@ -113,12 +113,14 @@ def read_db(path: Path | str, sql: str, args: tuple = ()) -> list[tuple]:
         con.close()
 
 
-def write_toml(path: Path, sections: dict[str, dict[str, Any]]) -> None:
+def write_toml(path: Path, sections: dict[str, Any]) -> None:
+    """Tables, and arrays of tables (``[[peers]]``) given as lists of dicts."""
     lines = []
     for section, values in sections.items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
-        lines.append("")
+        for table in values if isinstance(values, list) else [values]:
+            lines.append(f"[[{section}]]" if isinstance(values, list) else f"[{section}]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in table.items()]
+            lines.append("")
     path.write_text("\n".join(lines))
 
 

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import Sink, free_port, queued_id, swaks, wait_for
+from conftest import Sink, free_port, queued_id, swaks, wait_for, write_toml
 
 GUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$", re.IGNORECASE)
 FIXED_DATE = "Sat, 21 Nov 2026 10:00:00 +0000"
@@ -262,6 +262,30 @@ def test_several_smart_hosts_share_the_load_and_one_down_is_passed_over(make_nod
     finally:
         other.stop()
         other.cleanup()
+
+
+def test_a_send_connector_takes_its_address_spaces_elsewhere(make_node, sink, procs):
+    """[[send_connectors]] (Exchange's send connectors with address spaces): mail for partner.test
+    and its subdomains goes to the partner's relay, the rest to routing.smart_host; the queue and
+    the SENDEXTERNAL row name the relay each went to."""
+    partner = Sink(procs).start()
+    try:
+        sink.start()
+        node = make_node(smart_host=sink.address)
+        node.sections["send_connectors"] = [{"name": "partner", "address_spaces": ["partner.test", "*.partner.test"],
+                                             "smart_hosts": [partner.address]}]
+        write_toml(node.config_path, node.sections)
+        node.start()
+        queued_id(swaks(node.port, "--to", "a@partner.test,b@eu.partner.test,c@foreign.test", "--from",
+                        "bob@example.test"))
+        wait_for(lambda: partner.messages() and sink.messages(), timeout=15, what="the message at both relays")
+        assert sorted(sink_envelope(partner.messages()[0])[1]) == ["<a@partner.test>", "<b@eu.partner.test>"]
+        assert sink_envelope(sink.messages()[0])[1] == ["<c@foreign.test>"]
+        sent = {r["connector-id"] for r in wait_events(node, "SENDEXTERNAL", n=2)}
+        assert sent == {f"smarthost:{partner.address}", f"smarthost:{sink.address}"}
+    finally:
+        partner.stop()
+        partner.cleanup()
 
 
 @pytest.fixture

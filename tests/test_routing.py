@@ -76,6 +76,33 @@ def test_without_smart_host_the_queue_is_per_domain_dns() -> None:
     assert route("e@x.test", accepted_domains=[], smart_host="") == NextHop("dns:x.test", DNS, "x.test")
 
 
+def test_send_connectors_route_by_the_closest_address_space() -> None:
+    """Exchange's send connectors: the address space that matches the domain most closely wins (an
+    exact domain, then the longest ``*.domain``, then ``*``; the first listed among equals); one
+    without smart hosts sends to the MX hosts; a domain no connector matches goes by
+    routing.smart_host; accepted domains stay local whatever the connectors say."""
+    c = load_dict({
+        "routing": {"accepted_domains": ["example.test"], "smart_host": "relay.test:2500"},
+        "send_connectors": [
+            {"name": "partner", "address_spaces": ["partner.test", "*.corp.partner.test"],
+             "smart_hosts": ["p1.test:2526", "p2.test"]},
+            {"name": "direct", "address_spaces": ["*.partner.test", "*.example.test"]},
+            {"name": "also-partner", "address_spaces": ["partner.test"], "smart_hosts": "never.test"},
+        ]})
+    partner = NextHop("smarthost:p1.test:2526,p2.test:25", SMART_HOST, "p1.test:2526,p2.test:25")
+    assert route_config("a@Partner.Test", c) == partner
+    assert route_config("a@x.corp.partner.test", c) == partner  # *.corp.partner.test beats *.partner.test
+    assert route_config("a@sales.partner.test", c) == NextHop("dns:sales.partner.test", DNS, "sales.partner.test")
+    assert route_config("a@example.test", c) == LOCAL
+    assert route_config("a@sub.example.test", c) == NextHop("dns:sub.example.test", DNS, "sub.example.test")
+    assert route_config("a@other.test", c) == NextHop("smarthost:relay.test:2500", SMART_HOST, "relay.test:2500")
+    catch_all = load_dict({"send_connectors": [{"name": "internet", "address_spaces": ["*"],
+                                                 "smart_hosts": "out.test:587"},
+                                                {"name": "lab", "address_spaces": ["lab.test"]}]})
+    assert route_config("a@any.test", catch_all) == NextHop("smarthost:out.test:587", SMART_HOST, "out.test:587")
+    assert route_config("a@lab.test", catch_all) == NextHop("dns:lab.test", DNS, "lab.test")
+
+
 def test_domain_of_and_is_accepted() -> None:
     assert domain_of("a@B.Test.") == "b.test"
     assert domain_of("weird@local@Host.Test") == "host.test"

@@ -641,6 +641,15 @@ class PeerConfig:
     transport: str  # host:port of the peer's transport connector
 
 
+@dataclass(frozen=True)
+class SendConnectorConfig:
+    """``[[send_connectors]]``: mail for the domains of its address spaces goes to its smart hosts
+    (``host:port`` joined by commas, as ``routing.smart_host``) or, with none, to their MX hosts."""
+    name: str
+    address_spaces: tuple[str, ...]
+    smart_hosts: str = ""
+
+
 # --------------------------------------------------------------------------- loaded config
 
 @_refuse_assignment
@@ -661,6 +670,7 @@ class Config:
     metrics: MetricsSettings
     peers: tuple[PeerConfig, ...] = ()
     mailbox_databases: dict[str, str] = field(default_factory=dict)
+    send_connectors: tuple[SendConnectorConfig, ...] = ()
     path: Path | None = None
     base_dir: Path = field(default_factory=Path.cwd)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -743,7 +753,7 @@ def _parse_section(raw: dict, section: str, source: str) -> dict[str, Any]:
 
 
 def load_dict(raw: dict, source: str = "<config>", base_dir: Path | None = None,
-              extra_sections: tuple[str, ...] = ("peers", "mailbox_databases")) -> Config:
+              extra_sections: tuple[str, ...] = ("peers", "mailbox_databases", "send_connectors")) -> Config:
     """Validate a parsed TOML document; ConfigError names the first bad key."""
     for name in raw:
         if name not in _BY_SECTION and name not in extra_sections:
@@ -755,10 +765,12 @@ def load_dict(raw: dict, source: str = "<config>", base_dir: Path | None = None,
         values["node"]["name"] = socket.getfqdn() or "localhost"
     peers = _peers(raw.get("peers", []), source, values["node"]["name"])
     mailbox_databases = _mailbox_databases(raw.get("mailbox_databases", {}), source)
+    send_connectors = _send_connectors(raw.get("send_connectors", []), source)
     _resolve_tls_files(values, base, source)
     _read_secret_file(values["cluster"], base, source)
     cfg = Config(**{s: SECTION_TYPES[s](**v) for s, v in values.items()}, peers=tuple(peers),
-                 mailbox_databases=mailbox_databases, path=None, base_dir=base, raw=raw)
+                 mailbox_databases=mailbox_databases, send_connectors=tuple(send_connectors), path=None,
+                 base_dir=base, raw=raw)
     _cross_checks(cfg, source)
     return cfg
 
@@ -789,6 +801,40 @@ def _peers(value: Any, source: str, me: str) -> list[PeerConfig]:
         if any(p.name == name for p in out):
             raise ConfigError(f"{where}.name: {name} is listed twice")
         out.append(PeerConfig(name, item["site"].strip(), join_hostport(host, port)))
+    return out
+
+
+def _send_connectors(value: Any, source: str) -> list[SendConnectorConfig]:
+    """``[[send_connectors]]`` tables: name, address_spaces (domains, ``*.domain``, ``*``), smart_hosts."""
+    if not isinstance(value, list):
+        raise ConfigError(f"{source}: send_connectors: expected [[send_connectors]] tables")
+    fields = ("name", "address_spaces", "smart_hosts")
+    out: list[SendConnectorConfig] = []
+    for i, item in enumerate(value):
+        where = f"{source}: send_connectors[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError(f"{where}: expected a table with name, address_spaces and smart_hosts")
+        unknown = sorted(set(item) - set(fields))
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}: unknown key{_did_you_mean(unknown[0], fields)}")
+        name = item.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f"{where}.name: required, a non-empty string")
+        if any(c.name == name.strip() for c in out):
+            raise ConfigError(f"{where}.name: {name.strip()} is listed twice")
+        spaces = item.get("address_spaces")
+        if not isinstance(spaces, list) or not spaces:
+            raise ConfigError(f"{where}.address_spaces: required, a list of domains ('partner.example', "
+                              "'*.partner.example', '*')")
+        try:
+            domains = _domains([s for s in spaces if s != "*"])
+        except ValueError as exc:
+            raise ConfigError(f"{where}.address_spaces: {exc}") from None
+        try:
+            hosts = _smart_hosts(item.get("smart_hosts", ""))
+        except ValueError as exc:
+            raise ConfigError(f"{where}.smart_hosts: {exc}") from None
+        out.append(SendConnectorConfig(name.strip(), tuple(domains + ["*"] * ("*" in spaces)), hosts))
     return out
 
 
