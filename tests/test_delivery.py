@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Sink, free_port, queued_id, swaks, wait_for, write_toml
+from test_receive import tls_files  # noqa: F401 - fixture
 
 GUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$", re.IGNORECASE)
 FIXED_DATE = "Sat, 21 Nov 2026 10:00:00 +0000"
@@ -286,6 +287,48 @@ def test_a_send_connector_takes_its_address_spaces_elsewhere(make_node, sink, pr
     finally:
         partner.stop()
         partner.cleanup()
+
+
+def test_a_send_connector_that_requires_tls_validates_its_next_hop_or_defers(make_node, sink, tls_files):  # noqa: F811
+    """A send connector's TLS policy (Exchange's RequireTLS and TlsAuthLevel): STARTTLS required of
+    its next hops; DomainValidation checks the certificate against tls_ca and the host name the
+    connector names, CertificateValidation the chain only. A next hop that offers no STARTTLS (smtp-sink),
+    or whose certificate does not name the host, gets nothing: the message is deferred (DEFER,
+    the queue in Retry), never sent in plaintext. The next hop here is another node with a
+    certificate for node1.transportd.test and 127.0.0.1, listening on 127.0.0.1 and 127.0.0.3."""
+    sink.start()
+    receiver = make_node("node1", overrides={
+        "frontend": {"tls_certificate": tls_files["cert"], "tls_key": tls_files["key"]},
+        "routing": {"accepted_domains": ["named.test", "chain.test", "mismatch.test"]}})
+    port = receiver.port
+    receiver.sections["frontend"]["listen"] = [f"127.0.0.1:{port}", f"127.0.0.3:{port}"]
+    write_toml(receiver.config_path, receiver.sections)
+    receiver.start()
+    required = {"require_tls": True, "tls_ca": tls_files["ca"]}
+    sender = make_node("node2", smart_host=sink.address, overrides={"delivery": {"transient_failure_retry_interval": 600}})
+    sender.sections["send_connectors"] = [
+        {"name": "named", "address_spaces": ["named.test"], "smart_hosts": f"127.0.0.1:{port}",
+         "tls_auth_level": "DomainValidation", **required},
+        {"name": "mismatch", "address_spaces": ["mismatch.test"], "smart_hosts": f"127.0.0.3:{port}",
+         "tls_auth_level": "DomainValidation", **required},
+        {"name": "chain", "address_spaces": ["chain.test"], "smart_hosts": f"localhost:{port}",
+         "tls_auth_level": "CertificateValidation", **required},
+        {"name": "plain", "address_spaces": ["plain.test"], "smart_hosts": sink.address, "require_tls": True},
+    ]
+    write_toml(sender.config_path, sender.sections)
+    sender.start()
+    ids = {rcpt: queued_id(swaks(sender.port, "--to", rcpt, "--from", "bob@example.test"))
+           for rcpt in ("a@named.test", "b@chain.test", "c@mismatch.test", "d@plain.test")}
+    for rcpt in ("a@named.test", "b@chain.test"):
+        [stored] = wait_for(lambda r=rcpt: receiver.maildir_files(r), timeout=20, what=f"{rcpt} delivered over TLS")
+        assert re.search(rb"from node2\.transportd\.test \(\[127\.0\.0\.1\]\)\s+by node1\.transportd\.test "
+                         rb"\(frontend\) with ESMTPS", stored.read_bytes()), stored.read_bytes()[:500]
+    [mismatch] = wait_events(sender, "DEFER", internal_message_id=str(ids["c@mismatch.test"]))
+    assert "certificate verify failed" in mismatch["recipient-status"], mismatch
+    [plain] = wait_events(sender, "DEFER", internal_message_id=str(ids["d@plain.test"]))
+    assert "does not offer STARTTLS" in plain["recipient-status"], plain
+    time.sleep(1)
+    assert not receiver.maildir_files("c@mismatch.test") and not sink.messages()
 
 
 @pytest.fixture

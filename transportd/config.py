@@ -226,6 +226,9 @@ def _enum(*choices: str) -> Callable[[Any], str]:
     return parse
 
 
+TLS_AUTH_LEVEL = _enum("EncryptionOnly", "CertificateValidation", "DomainValidation")
+
+
 def join_hostport(host: str, port: int) -> str:
     """``host:port``, an IPv6 address in brackets (``[::1]:2525``): what ``parse_hostport`` reads
     back, what ``config show`` prints and what the code splits at its last colon."""
@@ -648,6 +651,17 @@ class SendConnectorConfig:
     name: str
     address_spaces: tuple[str, ...]
     smart_hosts: str = ""
+    require_tls: bool = False  # STARTTLS required of its next hops (Exchange's RequireTLS)
+    tls_auth_level: str = "EncryptionOnly"  # or CertificateValidation, DomainValidation (TlsAuthLevel)
+    tls_ca: str = ""  # CA bundle for the validation (PEM); empty: the system's
+
+    def tls_options(self) -> dict[str, Any]:
+        """STARTTLS options (smtp/wire.py) for its next hops: opportunistic unless required."""
+        if not self.require_tls:
+            return {"start_tls": None, "validate_certs": False}
+        level = self.tls_auth_level
+        return {"start_tls": True, "validate_certs": level != "EncryptionOnly",
+                "check_hostname": level == "DomainValidation", "cert_bundle": self.tls_ca or None}
 
 
 # --------------------------------------------------------------------------- loaded config
@@ -765,7 +779,7 @@ def load_dict(raw: dict, source: str = "<config>", base_dir: Path | None = None,
         values["node"]["name"] = socket.getfqdn() or "localhost"
     peers = _peers(raw.get("peers", []), source, values["node"]["name"])
     mailbox_databases = _mailbox_databases(raw.get("mailbox_databases", {}), source)
-    send_connectors = _send_connectors(raw.get("send_connectors", []), source)
+    send_connectors = _send_connectors(raw.get("send_connectors", []), source, base)
     _resolve_tls_files(values, base, source)
     _read_secret_file(values["cluster"], base, source)
     cfg = Config(**{s: SECTION_TYPES[s](**v) for s, v in values.items()}, peers=tuple(peers),
@@ -804,11 +818,12 @@ def _peers(value: Any, source: str, me: str) -> list[PeerConfig]:
     return out
 
 
-def _send_connectors(value: Any, source: str) -> list[SendConnectorConfig]:
-    """``[[send_connectors]]`` tables: name, address_spaces (domains, ``*.domain``, ``*``), smart_hosts."""
+def _send_connectors(value: Any, source: str, base_dir: Path) -> list[SendConnectorConfig]:
+    """``[[send_connectors]]`` tables: name, address_spaces (domains, ``*.domain``, ``*``),
+    smart_hosts, require_tls, tls_auth_level, tls_ca (relative to the config file)."""
     if not isinstance(value, list):
         raise ConfigError(f"{source}: send_connectors: expected [[send_connectors]] tables")
-    fields = ("name", "address_spaces", "smart_hosts")
+    fields = ("name", "address_spaces", "smart_hosts", "require_tls", "tls_auth_level", "tls_ca")
     out: list[SendConnectorConfig] = []
     for i, item in enumerate(value):
         where = f"{source}: send_connectors[{i}]"
@@ -834,7 +849,28 @@ def _send_connectors(value: Any, source: str) -> list[SendConnectorConfig]:
             hosts = _smart_hosts(item.get("smart_hosts", ""))
         except ValueError as exc:
             raise ConfigError(f"{where}.smart_hosts: {exc}") from None
-        out.append(SendConnectorConfig(name.strip(), tuple(domains + ["*"] * ("*" in spaces)), hosts))
+        tls = {}
+        for key, parse in (("require_tls", _bool), ("tls_auth_level", TLS_AUTH_LEVEL), ("tls_ca", _str)):
+            if key in item:
+                try:
+                    tls[key] = parse(item[key])
+                except ValueError as exc:
+                    raise ConfigError(f"{where}.{key}: {exc}") from None
+        if tls.get("tls_ca"):
+            ca = Path(tls["tls_ca"]) if Path(tls["tls_ca"]).is_absolute() else base_dir / tls["tls_ca"]
+            if not ca.is_file():
+                raise ConfigError(f"{where}.tls_ca: no such file: {ca}")
+            tls["tls_ca"] = str(ca)
+        if (tls.get("tls_ca") or tls.get("tls_auth_level", "EncryptionOnly") != "EncryptionOnly") \
+                and not tls.get("require_tls"):
+            raise ConfigError(f"{where}.require_tls: tls_auth_level and tls_ca apply where TLS is required; "
+                              "set require_tls = true")
+        made = SendConnectorConfig(name.strip(), tuple(domains + ["*"] * ("*" in spaces)), hosts, **tls)
+        same = next((c for c in out if hosts and c.smart_hosts == hosts), None)
+        if same is not None and same.tls_options() != made.tls_options():
+            raise ConfigError(f"{where}.smart_hosts: the same as send connector {same.name}'s, with other TLS "
+                              "settings: mail for the same smart hosts shares one queue and one TLS policy")
+        out.append(made)
     return out
 
 

@@ -39,7 +39,7 @@ from transportd.queue import messages as mq
 from transportd.queue.delivered import DeliveredLog, DeliveredLogError
 from transportd.queue.mailbox import MailboxStore
 from transportd.queue.messages import Outcome, WorkItem
-from transportd.queue.routing import DNS
+from transportd.queue.routing import DNS, send_connector_for
 from transportd.queue.store import QueueStore
 from transportd.redundancy.manager import ShadowManager
 from transportd.redundancy.peers import PeerSession, open_session
@@ -146,6 +146,14 @@ class SmtpConnector:
         """QUIT the sessions kept for a next batch (the node stops)."""
         await self.cache.close()
 
+    def _send_connector(self, item: WorkItem) -> Any | None:
+        """The send connector of a queue, as the configuration has it now: by its domain's address
+        space (MX), or by its smart hosts; None: routing.smart_host's or MX without one."""
+        connectors = self.cfg.send_connectors
+        if item.delivery_type == DNS:
+            return send_connector_for(item.next_hop, connectors)
+        return next((c for c in connectors if c.smart_hosts == item.next_hop), None)
+
     async def targets(self, item: WorkItem) -> list[SmtpTarget]:
         if item.delivery_type == DNS:
             return await self.resolver.targets(item.next_hop)
@@ -160,9 +168,11 @@ class SmtpConnector:
 
     async def _connect(self, item: WorkItem) -> tuple[Any, SmtpTarget, PeerSession | None]:
         d = self.cfg.delivery
+        connector = self._send_connector(item)
         client, target = await smtpclient.connect(
             await self.targets(item), local_hostname=self.cfg.node.name, timeout=d.send_connection_inactivity_timeout,
-            connect_timeout=d.send_connect_timeout, tls={"start_tls": None, "validate_certs": False})
+            connect_timeout=d.send_connect_timeout,
+            tls=connector.tls_options() if connector else {"start_tls": None, "validate_certs": False})
         return client, target, None
 
     async def _first_on_kept(self, client: NextHopSession, it: WorkItem) -> tuple[NextHopSession, list[Outcome]]:

@@ -46,7 +46,9 @@ class Reply:
 def tls_context(options: dict[str, Any]) -> ssl.SSLContext:
     """The context for STARTTLS from the session's options (``validate_certs``, ``cert_bundle``)."""
     if options.get("validate_certs"):
-        return ssl.create_default_context(cafile=options.get("cert_bundle"))
+        ctx = ssl.create_default_context(cafile=options.get("cert_bundle"))
+        ctx.check_hostname = options.get("check_hostname", True)
+        return ctx
     ctx = ssl.create_default_context()
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
