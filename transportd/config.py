@@ -789,19 +789,28 @@ def load_dict(raw: dict, source: str = "<config>", base_dir: Path | None = None,
     return cfg
 
 
-def _peers(value: Any, source: str, me: str) -> list[PeerConfig]:
-    """``[[peers]]`` tables: name (FQDN), site, transport (host:port)."""
+def _tables(value: Any, source: str, name: str, fields: tuple[str, ...], wanted: str) -> list[tuple[str, dict]]:
+    """The tables of an array of tables (``[[name]]``), each with where it is for an error; a
+    value that is no such array, an item that is no table, or an unknown key is an error."""
     if not isinstance(value, list):
-        raise ConfigError(f"{source}: peers: expected [[peers]] tables")
-    fields = ("name", "site", "transport")
-    out: list[PeerConfig] = []
+        raise ConfigError(f"{source}: {name}: expected [[{name}]] tables")
+    out = []
     for i, item in enumerate(value):
-        where = f"{source}: peers[{i}]"
+        where = f"{source}: {name}[{i}]"
         if not isinstance(item, dict):
-            raise ConfigError(f"{where}: expected a table with name, site and transport")
+            raise ConfigError(f"{where}: expected a table with {wanted}")
         unknown = sorted(set(item) - set(fields))
         if unknown:
             raise ConfigError(f"{where}.{unknown[0]}: unknown key{_did_you_mean(unknown[0], fields)}")
+        out.append((where, item))
+    return out
+
+
+def _peers(value: Any, source: str, me: str) -> list[PeerConfig]:
+    """``[[peers]]`` tables: name (FQDN), site, transport (host:port)."""
+    fields = ("name", "site", "transport")
+    out: list[PeerConfig] = []
+    for where, item in _tables(value, source, "peers", fields, "name, site and transport"):
         for key in fields:
             if not isinstance(item.get(key), str) or not item[key].strip():
                 raise ConfigError(f"{where}.{key}: required, a non-empty string")
@@ -821,17 +830,9 @@ def _peers(value: Any, source: str, me: str) -> list[PeerConfig]:
 def _send_connectors(value: Any, source: str, base_dir: Path) -> list[SendConnectorConfig]:
     """``[[send_connectors]]`` tables: name, address_spaces (domains, ``*.domain``, ``*``),
     smart_hosts, require_tls, tls_auth_level, tls_ca (relative to the config file)."""
-    if not isinstance(value, list):
-        raise ConfigError(f"{source}: send_connectors: expected [[send_connectors]] tables")
     fields = ("name", "address_spaces", "smart_hosts", "require_tls", "tls_auth_level", "tls_ca")
     out: list[SendConnectorConfig] = []
-    for i, item in enumerate(value):
-        where = f"{source}: send_connectors[{i}]"
-        if not isinstance(item, dict):
-            raise ConfigError(f"{where}: expected a table with name, address_spaces and smart_hosts")
-        unknown = sorted(set(item) - set(fields))
-        if unknown:
-            raise ConfigError(f"{where}.{unknown[0]}: unknown key{_did_you_mean(unknown[0], fields)}")
+    for where, item in _tables(value, source, "send_connectors", fields, "name and address_spaces"):
         name = item.get("name")
         if not isinstance(name, str) or not name.strip():
             raise ConfigError(f"{where}.name: required, a non-empty string")
