@@ -305,8 +305,10 @@ def _hop_id(event: Any):
     recipient-status or source-context); null elsewhere or when the reply names none."""
     from pyspark.sql import functions as F
 
+    # The expression is written once, inside the branch: written twice (the condition and the
+    # value), Spark's common-subexpression elimination would run the regular expression on every row.
     found = F.regexp_extract(F.concat_ws(" ", F.col("recipient_status"), F.col("source_context")), HOP_ID, 1)
-    return F.when((event == "SEND") & (found != ""), found)
+    return F.when(event == "SEND", F.nullif(found, F.lit("")))
 
 
 def internal_id(event: Any, netid: Any):
@@ -326,16 +328,17 @@ def _message_key(event: Any, netid: Any, message_id: Any):
                   F.coalesce(F.when(netid != "", netid), F.when(message_id != "", message_id)))
 
 
-def _recipient_change(event: Any, wanted: Any):
+def _recipient_change(event: Any, wanted: Any, written_text: Any = None, related_text: Any = None):
     """(recipients, replaced) of a row: the new recipients and the ones they replace on a
     recipient change (EXPAND, RESOLVE: as written; REDIRECT, DUPLICATEREDIRECT: Exchange writes
     the recipient redirected in recipient-address and the alternate in related-recipient-address,
     and a row with no alternate replaces nobody), the recipients as written on other rows;
-    recipients only where ``wanted`` (a condition on the row) holds."""
+    recipients only where ``wanted`` (a condition on the row) holds. ``written_text`` and
+    ``related_text``: the two fields already trimmed and lower-cased (``_list_text``), if at hand."""
     from pyspark.sql import functions as F
 
-    related = _recipient_list("related_recipient_address")
-    written = _recipient_list("recipient_address")
+    related = _recipient_list(_list_text("related_recipient_address") if related_text is None else related_text)
+    written = _recipient_list(_list_text("recipient_address") if written_text is None else written_text)
     reversed_ = event.isin(*REVERSED_CHANGE_EVENTS)
     new = F.when(reversed_, related).otherwise(written)
     replaced = (F.when(reversed_, F.when(F.size(related) > 0, written).otherwise(F.array().cast("array<string>")))
@@ -430,14 +433,21 @@ RECIPIENT_EVENTS = ("BADMAIL", "DELIVER", "DROP", "DSN", "DUPLICATEDELIVER", "DU
 """Events whose recipients the job reads (entry, take, delivery, done and recipient-change events)."""
 
 
-def _recipient_list(col: Any):
-    """``a@x; B@y`` -> ``[a@x, b@y]``: split on ';' (a plain split; the regular expression that
-    also drops the blanks around each ';' only for a value that holds a blank, and the one that
-    keeps a quoted local part such as ``"a;b"@x`` whole only for a value that holds a '"'),
-    empty items dropped."""
+def _list_text(col: str):
+    """A recipient list field, trimmed and lower-cased (what ``_recipient_list`` splits)."""
     from pyspark.sql import functions as F
 
-    text = F.lower(F.trim(col))
+    return F.lower(F.trim(col))
+
+
+def _recipient_list(text: Any):
+    """``a@x; b@y`` (``_list_text`` of a field) -> ``[a@x, b@y]``: split on ';' (a plain split;
+    the regular expression that also drops the blanks around each ';' only for a value that holds
+    a blank, and the one that keeps a quoted local part such as ``"a;b"@x`` whole only for a value
+    that holds a '"'), empty items dropped. ``text`` is read up to eight times: give it as a
+    column computed in an earlier projection (``narrow``), not as an expression, where it counts."""
+    from pyspark.sql import functions as F
+
     blank = F.lit(False)
     for ch in (" ", "\t", "\x0b", "\x0c"):
         blank = blank | (F.instr(text, ch) > 0)
@@ -464,20 +474,26 @@ def narrow(rows: Any):
     message_id = F.trim("message_id")
     event = F.upper(F.trim("event_id"))
     # every row: the event, time, key and node (these decide whether a row is malformed and
-    # which message and node it belongs to)
+    # which message and node it belongs to); and, as columns of their own, the values the next
+    # projection reads several times (Spark computes a column once; an expression read in
+    # several branches of a CASE is computed in each): the host names, and the recipient lists'
+    # text on the rows whose recipients are read.
     first = rows.select(
         "file", F.col("reason").alias("csv_reason"), "line", "source_context", "source",
-        "recipient_address", "sender_address", "server_hostname", "client_hostname",
-        "related_recipient_address", "legacy", "internal_message_id", "recipient_status",
+        "sender_address", "legacy", "internal_message_id", "recipient_status",
         F.lower(F.trim("network_message_id")).alias("netid"),
         F.trim("date_time").try_cast("timestamp").alias("time"),
         event.alias("event"),
         _message_key(event, netid, message_id).alias("key"),
         (netid != "").alias("has_netid"),
-        message_id.alias("message_id"))
+        message_id.alias("message_id"),
+        F.lower(F.trim("server_hostname")).alias("server"),
+        F.lower(F.trim("client_hostname")).alias("client"),
+        F.when(event.isin(*RECIPIENT_EVENTS), _list_text("recipient_address")).alias("written_text"),
+        F.when(event.isin(*RECIPIENT_CHANGE_EVENTS), _list_text("related_recipient_address")).alias("related_text"))
     e = F.col("event")
-    server = F.lower(F.trim("server_hostname"))
-    client = F.lower(F.trim("client_hostname"))
+    server = F.col("server")
+    client = F.col("client")
     sent_by_client = e.isin(*SEND_EVENTS) & (client != "")
     ctx = F.col("source_context")
     reason = (F.when(F.col("csv_reason").isNotNull(), F.col("csv_reason"))
@@ -486,7 +502,8 @@ def narrow(rows: Any):
     second = first.select("*", reason.alias("malformed_reason"))
     valid = F.col("malformed_reason").isNull()
     source = F.upper(F.trim("source"))
-    recipients, replaced = _recipient_change(e, e.isin(*RECIPIENT_EVENTS))
+    recipients, replaced = _recipient_change(e, e.isin(*RECIPIENT_EVENTS), F.col("written_text"),
+                                             F.col("related_text"))
     return second.select(
         valid.alias("valid"),
         F.when(~valid, F.col("file")).alias("file"),
