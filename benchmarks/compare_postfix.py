@@ -206,6 +206,10 @@ class TransportdCluster:
     def cpu(self) -> float:
         return sum(tree_cpu(p) for p in self.pids())
 
+    def cpu_by_node(self) -> dict[str, float]:
+        """CPU seconds per node (its process tree: receive workers included)."""
+        return {s.short: tree_cpu(p) for s, p in zip(self.specs, self.pids())}
+
     def rss(self) -> dict[str, float]:
         return {s.short: round(status_kb(p, "VmHWM") / 1024, 1) for s, p in zip(self.specs, self.pids())}
 
@@ -397,6 +401,8 @@ def measure(system: Any, sink: Sink, *, messages: int, sessions: int, size: int,
     sampler = RssSampler(system, every=0.5 if not duration else 5)
     sampler.start()
     base = sink.count
+    by_node = getattr(system, "cpu_by_node", None)
+    node_cpu0 = by_node() if by_node else {}
     cpu0 = system.cpu()
     t0 = time.monotonic()
     if duration:
@@ -417,6 +423,10 @@ def measure(system: Any, sink: Sink, *, messages: int, sessions: int, size: int,
         "backlog_at_load_end": backlog,
         "cpu_s_per_1000": round(cpu / max(1, messages) * 1000, 2),
     }
+    if by_node:  # where the CPU goes: with --entry node1, node1 is the primary, the others hold shadows
+        figures["cpu_ms_per_message_by_node"] = {
+            name: round((seconds - node_cpu0.get(name, 0.0)) / max(1, messages) * 1000, 2)
+            for name, seconds in by_node().items()}
     if duration:
         figures.update({"latency_messages": len(lat), "latency_failures": len(failures),
                         "ack_p50_ms": round(percentile(lat, 50) * 1000, 2),

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 METHODS = {
     "_handle_client": "connection refused over a limit: reply and close before the session starts",
     "_timeout_cb": "ConnectionInactivityTimeout: say 421 before aiosmtpd closes",
-    "_reset_timeout": "DATA lines count as activity",
+    "_reset_timeout": "DATA lines count as activity; a deadline pushed back, not a timer re-armed",
     "_call_handler_hook": "DATA read in chunks, then the handler's DATA hook",
     "_set_post_data_state": "after DATA",
     "smtp_DATA": "replaced by the chunked reader",
@@ -35,6 +35,7 @@ INSTANCE_ATTRIBUTES = {
     "_reader": "the DATA reader reads the stream itself",
     "_writer": "raw replies (docs/PROTOCOL.md's XSHADOWREQUEST/XQDISCARD lines) and 421 on a time-out",
     "_timeout_handle": "activity timer",
+    "_timeout_duration": "the inactivity deadline pushed back by activity (_InactivityDeadline)",
     "_decode_data": "the chunked reader only works on undecoded data",
     "_handler_coroutine": "cancelled by aiosmtpd when the client goes away (we shield commits)",
     "_auth_required": "BDAT refuses a chunk before AUTH where AUTH is required, as DATA does",

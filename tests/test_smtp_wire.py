@@ -94,6 +94,38 @@ async def test_auth_refused_and_a_silent_peer() -> None:
         wire.close()
 
 
+async def test_the_timeout_is_per_reply_and_a_late_reply_ends_the_session() -> None:
+    """Each reply has ``timeout`` of its own (three replies 0.3 s apart all count under a 0.5 s
+    timeout, 0.9 s in all); one that does not come in time fails with TimeoutError and the session
+    is closed, never reused out of step."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"220 slow\r\n")
+        for delay in (0.3, 0.3, 0.3, 2.0):
+            await reader.readuntil(b"\n")
+            await asyncio.sleep(delay)
+            writer.write(b"250 ok\r\n")
+        await asyncio.sleep(1)
+        writer.close()
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        wire = SmtpWire("127.0.0.1", port, local_hostname="me.test", timeout=0.5)
+        await wire.connect()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for _ in range(3):
+            assert (await wire.execute_command(b"NOOP")).code == 250
+        assert loop.time() - t0 >= 0.85
+        t1 = loop.time()
+        with pytest.raises(asyncio.TimeoutError, match="within 0.5 s"):
+            await wire.execute_command(b"NOOP")
+        assert 0.45 <= loop.time() - t1 < 1.5
+        assert not wire.is_connected and not wire.idle
+        with pytest.raises(PeerTransientError):
+            wire.write(b"NOOP\r\n")
+        wire.close()
+
+
 # ------------------------------------------------------------------ sessions to next hops outside
 
 async def test_a_next_hop_without_ehlo_gets_helo_and_one_command_at_a_time() -> None:

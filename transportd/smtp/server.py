@@ -436,6 +436,36 @@ class _ShutdownNotice:
         return getattr(self._reader, "_waiter", None) is not None
 
 
+class _InactivityDeadline:
+    """ConnectionInactivityTimeout as a deadline pushed back, not a timer re-armed: aiosmtpd
+    cancels and re-creates its timer at every command, and LimitedSMTP counts every chunk a client
+    sends as activity too (a dozen timers per message). Here activity only moves the deadline; the
+    one timer, when it fires early, sets itself for the deadline; a shorter duration (aiosmtpd's
+    PROXY time-out) re-arms it at once. Past the deadline aiosmtpd's ``_timeout_cb`` runs as before."""
+
+    loop: asyncio.AbstractEventLoop
+    _timeout_duration: float
+    _timeout_handle: asyncio.TimerHandle | None
+    _inactive_at = 0.0
+
+    def _reset_timeout(self, duration: float | None = None) -> None:
+        delay = duration or self._timeout_duration
+        self._inactive_at = deadline = self.loop.time() + delay
+        handle = self._timeout_handle
+        if handle is not None and not handle.cancelled() and handle.when() <= deadline:
+            return  # it fires no later than the deadline, and looks again then
+        if handle is not None:
+            handle.cancel()
+        self._timeout_handle = self.loop.call_later(delay, self._inactivity_check)
+
+    def _inactivity_check(self) -> None:
+        left = self._inactive_at - self.loop.time()
+        if left > 0:
+            self._timeout_handle = self.loop.call_later(left, self._inactivity_check)
+        else:
+            self._timeout_cb()  # type: ignore[attr-defined]
+
+
 class EndOfInput(ConnectionResetError):
     """The client ended its sending side, and every whole command it sent before was served."""
 
@@ -520,7 +550,7 @@ IMPLICIT_TLS = object()
 
 
 class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _ShutdownNotice, HalfClose, _ImplicitTLS, _DsnParameters,
-                  _AuthParameter, SMTP):
+                  _AuthParameter, _InactivityDeadline, SMTP):
     """aiosmtpd's SMTP with connection limits, an absolute timeout and our reply wording."""
 
     def __init__(self, handler: Any, *, counter: ConnectionCounter, connection_timeout: float,
