@@ -182,9 +182,11 @@ class SmtpWire:
         ~12 us of CPU here, a few per message): a reply not there by the deadline fails the read
         with TimeoutError and closes the session (it is out of step: never used again)."""
         loop = asyncio.get_running_loop()
-        self._deadline = loop.time() + self.timeout
-        if self._watch is None:
-            self._watch = loop.call_at(self._deadline, self._check_deadline)
+        self._deadline = deadline = loop.time() + self.timeout
+        if self._watch is None or self._watch.when() > deadline:  # (a timer set for later: set it again)
+            if self._watch is not None:
+                self._watch.cancel()
+            self._watch = loop.call_at(deadline, self._check_deadline)
         try:
             return await self._read_reply()
         finally:
