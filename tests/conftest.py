@@ -34,6 +34,27 @@ SMTP_SINK = shutil.which("smtp-sink") or "/usr/sbin/smtp-sink"
 SWAKS = shutil.which("swaks") or "/usr/bin/swaks"
 
 
+NODE_LOG_TAIL = 120  # lines of each node log shown with a failed test
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test shows the end of each node log under its temporary folder: pytest keeps only
+    the last three runs' folders, so a failure seen in CI is otherwise gone before anyone looks."""
+    outcome = yield
+    report = outcome.get_result()
+    tmp = item.funcargs.get("tmp_path") if hasattr(item, "funcargs") else None
+    if not report.failed or report.when not in ("setup", "call") or tmp is None:
+        return
+    for path in sorted(Path(tmp).glob("**/node*.log"))[:8]:
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        report.sections.append((f"{path.relative_to(tmp)} (last {NODE_LOG_TAIL} of {len(lines)} lines)",
+                                "\n".join(lines[-NODE_LOG_TAIL:])))
+
+
 _HANDED_OUT: set[int] = set()
 
 

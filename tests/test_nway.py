@@ -430,3 +430,102 @@ def test_a_shadow_made_on_a_peers_new_database_is_not_forgotten_with_the_old_one
     events = cluster.tx("n1", lambda c: c.execute(select(discard_events.c.shadow_node, discard_events.c.shadow_guid))
                         .all())
     assert sorted(events) == sorted([("n2", old), ("n2", both)]), events
+
+
+def test_two_copies_on_one_peer_count_as_one_peers_protection(cluster) -> None:
+    """A promoted copy that got a new shadow on a peer which also held the lost primary's copy
+    (adopted later) has two copies there: that is one peer, so with two shadows wanted it is
+    ``partial``, not ``shadowed`` (the peer's loss would take both)."""
+    guid = cluster.accept("n1", ["n2"], "m1", 0.0)
+    mid = cluster.tx("n1", lambda c: c.execute(select(message_shadows.c.message_id)).scalar())
+    cluster.tx("n1", lambda c: sq.record_adopted(c, "n2", [(mid, str(uuid.uuid4()), 1)], 1.0))
+    cluster.tx("n1", lambda c: sq.settle_reshadow(c, mid, [], guid, [], True, 2.0, wanted=2))
+    assert cluster.db["n1"].read(lambda c: c.execute(select(mq.messages.c.redundancy)).scalar()) == mq.PARTIAL
+    cluster.tx("n1", lambda c: sq.settle_reshadow(c, mid, [("n3", 2)], guid, [], True, 3.0, wanted=2))
+    assert cluster.db["n1"].read(lambda c: c.execute(select(mq.messages.c.redundancy)).scalar()) == "shadowed"
+
+
+class _Session:
+    def __init__(self, answer: list[tuple[str, int]]):
+        self.answer = answer
+
+    async def shadow_request(self, dbid: str) -> None:
+        pass
+
+    async def adopt(self, old_primary: str, rank: int, guids: list[str]) -> list[tuple[str, int]]:
+        return [a for a in self.answer if a[0] in guids]
+
+
+class _Pool:
+    """A peer pool whose sessions fail (the peer down) or adopt what they are asked."""
+
+    def __init__(self):
+        self.up = False
+        self.answer: list[tuple[str, int]] = []
+
+    def takes_shadows(self, peer) -> bool:
+        return True
+
+    async def session(self, peer):
+        if not self.up:
+            raise ConnectionRefusedError(111, "Connection refused")
+        return _Session(self.answer)
+
+    def release(self, s, ok: bool) -> None:
+        pass
+
+
+async def test_a_peer_still_to_adopt_gets_no_new_shadow_of_the_message(tmp_path) -> None:
+    """A peer that missed the adoption (down when we promoted) holds a copy of the message already:
+    until it has answered, no new shadow of it goes there. (A new shadow placed on it in the
+    moment it came back, between the round's adoption retry and its re-shadow, and its own copy
+    adopted a round later, left two copies on one peer, counted as two shadows.)"""
+    from test_node_parts import RecordingTracking
+
+    from transportd.config import load_dict
+    from transportd.node.events import NodeEvents
+    from transportd.node.metrics import NodeMetrics
+    from transportd.redundancy.copies import ShadowResult
+    from transportd.redundancy.manager import ShadowManager
+
+    cfg = load_dict({"node": {"name": "n3", "data_dir": str(tmp_path / "n3")}, "cluster": {"secret": "s3cret-unit"},
+                     "frontend": {"listen": "127.0.0.1:2525"}, "transport": {"listen": "127.0.0.1:2526"},
+                     "shadow_redundancy": {"shadow_copies": 2},
+                     "peers": [{"name": "n1", "site": "site-a", "transport": "127.0.0.1:9"},
+                               {"name": "n2", "site": "site-a", "transport": "127.0.0.1:9"}]})
+    store = QueueStore.open(tmp_path / "n3.db")
+    store.start_writer()
+    try:
+        manager = ShadowManager(cfg, store, NodeEvents(cfg, NodeMetrics("n3"), store, RecordingTracking()))
+        pool = _Pool()
+        manager.adoptions.pool = pool
+        excluded: list[set[str]] = []
+
+        async def no_peer_answers(msg, guid, recipients, exclude=(), copies=None, first_rank=1):
+            excluded.append(set(exclude))
+            return ShadowResult(None, "No suitable shadow servers")
+        manager.make_shadow = no_peer_answers
+
+        msg = NewMessage(network_message_id="m1", sender="a@x", data=b"Subject: t\r\n\r\nbody\r\n",
+                         recipients={NextHop("sink.example", "DnsConnectorDelivery", "sink.example"): ["b@x"]},
+                         received_at=0.0, expires_at=3600.0, redundancy="unprotected")
+        mid = await store.write(lambda c: mq.enqueue(c, msg))
+        row = store.read(lambda c: dict(c.execute(select(mq.messages).where(mq.messages.c.id == mid)).mappings().one()))
+        rows = [{**row, "shadow_guid": "g-old", "shadow_rank": 1}]
+        assert await manager.adoptions.ask_all(rows, "n1") == 0
+        assert manager.adoptions.pending_peers(mid) == {"n2"}  # down: asked again each round
+        assert await manager.adoptions.ask_again() == 0
+        # n2 back between the retry and the re-shadow: it is not offered a new copy
+        assert not await manager._reshadow(row, None, False)
+        assert "n2" in excluded[-1]
+        pool.up, pool.answer = True, [("g-old", 1)]
+        assert await manager.adoptions.ask_again() == 1
+        assert manager.adoptions.pending_peers(mid) == set()
+        await manager._reshadow(row, None, False)  # no new copy: n1 is gone, n2 holds its own
+        assert "n2" in excluded[-1]  # now as a holder
+        held = store.read(lambda c: c.execute(select(message_shadows.c.shadow_node, message_shadows.c.shadow_guid))
+                          .all())
+        assert held == [("n2", "g-old")]
+        assert store.read(lambda c: c.execute(select(mq.messages.c.redundancy)).scalar()) == mq.PARTIAL
+    finally:
+        store.close()

@@ -152,7 +152,8 @@ def settle_reshadow(conn: Connection, message_id: int, shadow_nodes: Iterable[st
         record_shadow(conn, message_id, node, guid, now, rank)
         if state != mq.QUEUED:
             discard_uncertain(conn, [node], guid, now)
-    held = conn.execute(select(func.count()).select_from(message_shadows)
+    # by peer: two copies on one peer (a new shadow and an adopted one) are one peer's protection
+    held = conn.execute(select(func.count(message_shadows.c.shadow_node.distinct()))
                         .where(message_shadows.c.message_id == message_id)).scalar() or 0
     redundancy = redundancy_of(held, wanted) if had_recipients or held else "none"
     mq.UPDATE_MESSAGE.run(conn, {"redundancy": redundancy}, message_id)

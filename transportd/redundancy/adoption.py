@@ -47,14 +47,16 @@ class Adoptions:
         many copies were adopted. A peer that fails is remembered and asked again (``ask_again``)."""
         copies = {r["id"]: (lost, r["shadow_guid"], int(r.get("shadow_rank") or 1))
                   for r in rows if r.get("shadow_guid")}
+        asked = [p for p in self.peers if p.name != lost and copies and self.pool.takes_shadows(p)]
+        # Pending before the first question: while a peer has not answered, no new shadow of
+        # these messages is placed on it (it holds one already: ``pending_peers``).
+        for peer in asked:
+            self._unasked.setdefault(peer.name, {}).update(copies)
         adopted = 0
-        for peer in self.peers:
-            if peer.name == lost or not copies or not self.pool.takes_shadows(peer):
-                continue
+        for peer in asked:
             done = await self._ask(peer, copies, quiet=False)
-            if done is None:
-                self._unasked.setdefault(peer.name, {}).update(copies)
-            else:
+            if done is not None:
+                self._answered(peer.name, copies)
                 adopted += done
         return adopted
 
@@ -70,11 +72,28 @@ class Adoptions:
             if peer is None or not copies:
                 self._unasked.pop(name, None)
                 continue
-            done = await self._ask(peer, dict(copies), quiet=True)
+            asked = dict(copies)
+            done = await self._ask(peer, asked, quiet=True)
             if done is not None:
-                self._unasked.pop(name, None)
+                self._answered(name, asked)
                 adopted += done
         return adopted
+
+    def pending_peers(self, message_id: int) -> set[str]:
+        """The peers still to be asked to adopt their copy of our promoted message ``message_id``:
+        each holds a copy of it already, so none gets a new shadow of it meanwhile (the copy it
+        holds becomes one when it answers; a second copy on the same peer protects nothing)."""
+        return {name for name, copies in self._unasked.items() if message_id in copies}
+
+    def _answered(self, name: str, asked: dict[int, tuple[str, str, int]]) -> None:
+        """``name`` answered for ``asked`` (copies added for it meanwhile stay to be asked)."""
+        pending = self._unasked.get(name)
+        if pending is None:
+            return
+        for mid in asked:
+            pending.pop(mid, None)
+        if not pending:
+            del self._unasked[name]
 
     async def _ask(self, peer: Peer, copies: dict[int, tuple[str, str, int]], quiet: bool) -> int | None:
         """XSHADOWADOPT to ``peer`` for ``copies`` (by lost primary and rank, in batches), the copies

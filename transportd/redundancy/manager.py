@@ -238,7 +238,8 @@ class ShadowManager:
             wanted = self.sr.shadow_copies
             result = ShadowResult(None, "No suitable shadow servers")
             guid = str(uuid.uuid4())
-            missing = wanted - len(holders)
+            # Two copies on one peer protect against nothing more than one: holders count by peer.
+            missing = wanted - len({h for h, _ in holders})
             if self.enabled and body is not None and addrs and missing > 0:
                 msg = NewMessage(network_message_id=row["network_message_id"], sender=row["sender"], data=body,
                                  recipients={}, received_at=now, expires_at=now, subject=row.get("subject") or "",
@@ -247,7 +248,8 @@ class ShadowManager:
                 # New copies rank after the shadows it has (no two shadows of a message share a rank).
                 first = min(MAX_SHADOW_RANK - missing + 1, 1 + max((r for _, r in holders), default=0))
                 result = await self.make_shadow(msg, guid, addrs,
-                                                exclude=[e for e in (exclude, *(h for h, _ in holders)) if e],
+                                                exclude=[e for e in (exclude, *(h for h, _ in holders),
+                                                                     *self.adoptions.pending_peers(mid)) if e],
                                                 copies=missing, first_rank=max(1, first))
             # Recorded with the time the copies exist (not the start): a peer's new queue database
             # first seen by this very copy's session must not count it among the lost (reprotect).
