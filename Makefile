@@ -28,6 +28,10 @@ bench-compare: install
 bench-accept: install
 	$(PY) benchmarks/accept_path_cpu.py --messages 3000 --concurrency 8
 
+.PHONY: bench-holder
+bench-holder: install
+	$(PY) benchmarks/shadow_holder_cpu.py --messages 4000 --concurrency 4
+
 # A ShadowStateChange promotion of 20,000 shadows while clients send (docs/reliability.md).
 .PHONY: bench-promotion
 bench-promotion: install

@@ -77,6 +77,18 @@ def test_promotion_under_load_benchmark_runs_small(tmp_path):
     assert figures["ack_p99_ms"] >= figures["ack_p50_ms"] > 0 and figures["node3_peak_rss_mb"] > 0
 
 
+def test_shadow_holder_cpu_benchmark_runs_small(tmp_path):
+    """The holder's side of a shadow copy alone: a real node, kept authenticated sessions."""
+    out = tmp_path / "holder.json"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "shadow_holder_cpu.py"), "--messages", "40",
+                          "--warm-up", "10", "--concurrency", "2", "--json", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    figures = json.loads(out.read_text())
+    assert figures["copies"] == 40 and figures["cpu_ms_per_copy"] > 0
+    assert figures["shadows_held"] == 50  # every copy, warm-up included, is held by the node
+
+
 def test_accept_path_cpu_benchmark_runs_small(tmp_path):
     """The accept path alone: one writer job per accepted message (a figure, and the issue's rule)."""
     out = tmp_path / "accept.json"
