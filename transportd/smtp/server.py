@@ -12,6 +12,7 @@ that builds a session. It never decides relay or storage: a handler does
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import re
@@ -611,7 +612,7 @@ class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _ShutdownNotice, HalfClose, _
                 self.transport.close()
                 return
             await method(arg)
-        return limited
+        return functools.update_wrapper(limited, method)  # HELP reads the verb's syntax from it
 
     def _say_and_close(self, reply: str) -> None:
         if self.transport is not None and not self.transport.is_closing():
