@@ -638,3 +638,34 @@ def test_version_1_database_migrates_and_keeps_its_messages(tmp_path) -> None:
     finally:
         store.close()
     assert not list(tmp_path.glob("queue.db.corrupt-*"))
+
+
+def test_version_6_database_drops_the_indexes_no_query_needs(tmp_path) -> None:
+    """Schema 7: ``ix_recipients_queue`` (the prefix of ``ix_recipients_queue_due``) is dropped and
+    ``ix_messages_dsn_of`` holds DSNs only; a DSN is still found by the message it reports on."""
+    import sqlite3 as sq
+
+    path = tmp_path / "queue.db"
+    QueueStore.open(path).close()
+    con = sq.connect(path)  # what schema 6 had
+    con.execute("DROP INDEX ix_messages_dsn_of")
+    con.execute("CREATE INDEX ix_messages_dsn_of ON messages (dsn_of)")
+    con.execute("CREATE INDEX ix_recipients_queue ON recipients (queue_id, status)")
+    con.execute("PRAGMA user_version = 6")
+    con.commit()
+    con.close()
+
+    store = QueueStore.open(path)
+    try:
+        rows = dict(store.read(lambda c: c.exec_driver_sql(
+            "SELECT name, sql FROM sqlite_master WHERE type = 'index'").all()))
+        assert "ix_recipients_queue" not in rows and "ix_recipients_queue_due" in rows
+        assert rows["ix_messages_dsn_of"].endswith("WHERE dsn_of IS NOT NULL")
+        plan = store.read(lambda c: c.exec_driver_sql(
+            "EXPLAIN QUERY PLAN SELECT count(*) FROM messages WHERE dsn_of = ?", (5,)).all())
+        assert any("ix_messages_dsn_of" in str(r[-1]) for r in plan), plan
+        plan = store.read(lambda c: c.exec_driver_sql(
+            "EXPLAIN QUERY PLAN SELECT id FROM recipients WHERE queue_id = ? AND status = ?", (1, "Ready")).all())
+        assert any("ix_recipients_queue_due" in str(r[-1]) for r in plan), plan
+    finally:
+        store.close()
