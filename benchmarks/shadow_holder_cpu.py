@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,7 +28,10 @@ import time
 import uuid
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from accept_throughput import free_port, wait_port
 
 from transportd.devtools.cluster import render_toml
 from transportd.redundancy.peers import open_session
@@ -38,12 +40,6 @@ from transportd.redundancy.protocol import Peer
 HOLDER = "holder.bench.test"
 PRIMARY = "primary.bench.test"
 SECRET = "bench-secret-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pid: int, tid: int | None = None) -> float:
@@ -94,7 +90,7 @@ async def play(port: int, dbid: str, messages: int, warm_up: int, concurrency: i
             "copies_per_s": round(messages / wall, 1), "cpu_ms_per_copy": round(1000 * cpu / messages, 3),
             # the event loop's thread, and the others (the queue database's group-commit writer)
             "main_thread_cpu_ms_per_copy": round(1000 * main / messages, 3),
-            "other_threads_cpu_ms_per_copy": round(1000 * (cpu - main) / messages, 3)}
+            "other_threads_cpu_ms_per_copy": round(1000 * max(0.0, cpu - main) / messages, 3)}
 
 
 def _shadows_held(db: Path) -> int:
@@ -128,17 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     proc = subprocess.Popen([sys.executable, "-m", "transportd", "serve", "--config", str(config)],
                             stdout=log, stderr=subprocess.STDOUT, cwd=str(Path.cwd()))
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the node exited with {proc.returncode}:\n{(work / 'node.log').read_text()}")
-            try:
-                socket.create_connection(("127.0.0.1", tport), timeout=0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("the node's transport connector never listened") from None
-                time.sleep(0.1)
+        try:
+            wait_port(tport, timeout=30)
+        except SystemExit:
+            raise SystemExit(f"the node did not listen (exit code {proc.poll()}):\n"
+                             f"{(work / 'node.log').read_text()}") from None
         load = os.getloadavg()[0]
         result = asyncio.run(play(tport, str(uuid.uuid4()), args.messages, args.warm_up, args.concurrency,
                                   args.size, proc.pid))
