@@ -47,7 +47,9 @@ class Adoptions:
         many copies were adopted. A peer that fails is remembered and asked again (``ask_again``)."""
         copies = {r["id"]: (lost, r["shadow_guid"], int(r.get("shadow_rank") or 1))
                   for r in rows if r.get("shadow_guid")}
-        asked = [p for p in self.peers if p.name != lost and copies and self.pool.takes_shadows(p)]
+        if not copies:
+            return 0
+        asked = [p for p in self.peers if p.name != lost and self.pool.takes_shadows(p)]
         # Pending before the first question: while a peer has not answered, no new shadow of
         # these messages is placed on it (it holds one already: ``pending_peers``).
         for peer in asked:
