@@ -50,7 +50,11 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
 
 
 def message(size: int, i: int) -> bytes:
-    head = (f"From: a@example.test\r\nTo: b@foreign.test\r\nSubject: copy {i}\r\n"
+    # As a primary sends its copies: its Received field first, naming the network-message-id
+    # (the holder reads it from there instead of making one).
+    head = (f"Received: from client.bench.test ([127.0.0.1])\r\n\tby {PRIMARY} (Frontend) with ESMTP"
+            f" id {uuid.uuid4()};\r\n\tSat, 28 Nov 2026 12:00:00 +0000\r\n"
+            f"From: a@example.test\r\nTo: b@foreign.test\r\nSubject: copy {i}\r\n"
             f"Message-ID: <{uuid.uuid4()}@bench.test>\r\nDate: Sat, 28 Nov 2026 12:00:00 +0000\r\n\r\n")
     line = b"x" * 76 + b"\r\n"
     body = line * max(1, (size - len(head)) // len(line))
