@@ -916,3 +916,121 @@ def test_a_host_label_keeps_an_address_whole(spark):
                                 ("2001:db8::25",)], ["host"])
     labels = [r[0] for r in df.select(job.host_label("host")).collect()]
     assert labels == ["EX1", "hub1", "10.0.0.5", "10.9.9.9", "[10.0.0.5]", "2001:db8::25"]
+
+
+def test_exchange_logs_named_copied_and_sent_as_real_servers_write_them(spark, tmp_path):
+    """Journeys as real Exchange servers log them, each misread before:
+
+    - Exchange 2010, one Message-ID received in two SMTP transactions (a list server's one
+      recipient per transaction): two copies on the hub; one delivered, the other still queued
+      there. Read as one copy, the delivery ended it and the message was reported lost.
+    - a SEND to the next hop by its FQDN while that server logs under its short name (2010 hub to
+      hub, 2016 server to server): the next hop's logs are given, so the message did not leave
+      them; and the 2016 next hop's shadow names its primary by FQDN too.
+    - an Edge server (outside the boundary) sends into the organisation, whose server finds no
+      shadow: Exchange 2013+ moves a sent message into Safety Net once the next hop acknowledges
+      it, so the one copy is the receiving server's: unprotected, not protected by the Edge's.
+    - rows with no host name in Exchange's own folder layout name the server above
+      V15/TransportRoles/Logs/MessageTracking, not "logs"."""
+    f16, f10 = FIELDS_2016, FIELDS_2010
+    logs = tmp_path / "logs"
+
+    def r10(**kw):
+        return exchange_row(f10, **kw)
+    same = {"message_id": "<list-42@lists.fabrikam.test>", "sender_address": "list-bounces@lists.fabrikam.test"}
+    write_log(logs / "HUB1" / "MSGTRK20240301-1.LOG", f10, [
+        r10(date_time="2024-03-01T10:50:00.000Z", client_ip="203.0.113.20", client_hostname="lists.fabrikam.test",
+            server_hostname="HUB1", source="SMTP", event_id="RECEIVE", internal_message_id="5010",
+            recipient_address="ann@contoso.test", **same),
+        r10(date_time="2024-03-01T10:50:00.100Z", client_ip="203.0.113.20", client_hostname="lists.fabrikam.test",
+            server_hostname="HUB1", source="SMTP", event_id="RECEIVE", internal_message_id="5011",
+            recipient_address="dan@contoso.test", **same),
+        r10(date_time="2024-03-01T10:50:00.600Z", client_hostname="HUB1", server_hostname="MBX1",
+            source="STOREDRIVER", event_id="DELIVER", internal_message_id="5010", recipient_address="ann@contoso.test",
+            **same),
+        # hub to hub: the next hop named by its FQDN
+        r10(date_time="2024-03-01T10:40:00.000Z", client_ip="10.1.0.9", client_hostname="client9",
+            server_hostname="HUB1", source="SMTP", event_id="RECEIVE", internal_message_id="5006",
+            message_id="<b5@fabrikam.test>", recipient_address="ivy@contoso.test", sender_address="bob@fabrikam.test"),
+        r10(date_time="2024-03-01T10:40:00.500Z", client_ip="10.1.0.10", client_hostname="HUB1",
+            server_hostname="HUB2.contoso.test", source="SMTP", event_id="SEND", internal_message_id="5006",
+            message_id="<b5@fabrikam.test>", recipient_address="ivy@contoso.test", sender_address="bob@fabrikam.test"),
+    ], header=False, bom=False, newline="\r\n")
+    write_log(logs / "HUB2" / "MSGTRK20240301-1.LOG", f10, [
+        r10(date_time="2024-03-01T10:40:00.450Z", client_ip="10.1.0.10", client_hostname="HUB1.contoso.test",
+            server_hostname="HUB2", source="SMTP", event_id="RECEIVE", internal_message_id="7006",
+            message_id="<b5@fabrikam.test>", recipient_address="ivy@contoso.test", sender_address="bob@fabrikam.test"),
+        r10(date_time="2024-03-01T10:41:00.000Z", client_hostname="HUB2", server_hostname="MBX2",
+            source="STOREDRIVER", event_id="DEFER", internal_message_id="7006", message_id="<b5@fabrikam.test>",
+            recipient_address="ivy@contoso.test", sender_address="bob@fabrikam.test",
+            recipient_status="432 4.2.0 STOREDRV.Deliver; mailbox database thread limit exceeded"),
+    ], header=False, bom=False, newline="\r\n")
+
+    def r16(**kw):
+        return exchange_row(f16, transport_traffic_type="Email", schema_version="15.01.2507.009", **kw)
+    hop, edge = "22222222-bbbb-4bbb-8bbb-000000000001", "22222222-bbbb-4bbb-8bbb-000000000002"
+    h = {"message_id": "<d1@fabrikam.test>", "network_message_id": hop, "recipient_address": "kim@contoso.test",
+         "sender_address": "bob@fabrikam.test"}
+    g = {"message_id": "<e1@fabrikam.test>", "network_message_id": edge, "recipient_address": "lee@contoso.test",
+         "sender_address": "bob@fabrikam.test"}
+    write_log(logs / "EX1" / "MSGTRK2024030110-1.LOG", f16, [
+        r16(date_time="2024-03-01T11:00:00.000Z", client_hostname="mail.fabrikam.test", server_hostname="EX1",
+            source="SMTP", event_id="RECEIVE", internal_message_id="100", **h),
+        r16(date_time="2024-03-01T11:00:00.100Z", server_hostname="EX1", source="SMTP", event_id="HAREDIRECT",
+            source_context="EX2.contoso.test=250 2.6.0 Queued mail for redundancy", internal_message_id="100", **h),
+        r16(date_time="2024-03-01T11:00:01.000Z", client_hostname="EX1", server_hostname="EX3.contoso.test",
+            source="SMTP", event_id="SEND", internal_message_id="100", **h),
+        # from the Edge: no shadow server to be had
+        r16(date_time="2024-03-01T11:30:00.400Z", client_hostname="EDGE1.perimeter.test", server_hostname="EX1",
+            source="SMTP", event_id="RECEIVE", internal_message_id="1012", **g),
+        r16(date_time="2024-03-01T11:30:00.410Z", server_hostname="EX1", source_context="No suitable shadow servers",
+            source="SMTP", event_id="HAREDIRECTFAIL", internal_message_id="1012", **g),
+    ], header=True, bom=True, newline="\r\n")
+    write_log(logs / "EX2" / "MSGTRK2024030110-1.LOG", f16, [
+        r16(date_time="2024-03-01T11:00:00.050Z", client_hostname="EX1.contoso.test", server_hostname="EX2",
+            source="SMTP", event_id="HARECEIVE", internal_message_id="200", **h),
+        r16(date_time="2024-03-01T11:00:01.200Z", client_hostname="EX1.contoso.test", server_hostname="EX2",
+            source_context="ExplicitlyDiscarded;x", source="SMTP", event_id="HADISCARD", internal_message_id="200", **h),
+    ], header=True, bom=True, newline="\r\n")
+    write_log(logs / "EX3" / "MSGTRK2024030110-1.LOG", f16, [
+        r16(date_time="2024-03-01T11:00:01.000Z", client_hostname="EX1.contoso.test", server_hostname="EX3",
+            source="SMTP", event_id="RECEIVE", internal_message_id="300", **h),
+        r16(date_time="2024-03-01T11:00:01.100Z", server_hostname="EX3", source="SMTP", event_id="HAREDIRECT",
+            source_context="EX4.contoso.test=250 2.6.0 Queued mail for redundancy", internal_message_id="300", **h),
+        r16(date_time="2024-03-01T11:01:00.000Z", client_hostname="EX3", server_hostname="mbx9.contoso.test",
+            source="SMTP", event_id="DEFER", internal_message_id="300", recipient_status="451 4.4.0 retry", **{
+                k: v for k, v in h.items() if k != "recipient_address"}, recipient_address="kim@contoso.test"),
+    ], header=True, bom=True, newline="\r\n")
+    write_log(logs / "EX4" / "MSGTRK2024030110-1.LOG", f16, [
+        r16(date_time="2024-03-01T11:00:01.050Z", client_hostname="EX3.contoso.test", server_hostname="EX4",
+            source="SMTP", event_id="HARECEIVE", internal_message_id="400", **h),
+    ], header=True, bom=True, newline="\r\n")
+    write_log(logs / "EDGE1" / "MSGTRK2024030111-1.LOG", f16, [
+        r16(date_time="2024-03-01T11:30:00.000Z", client_hostname="mail.fabrikam.test",
+            server_hostname="EDGE1.perimeter.test", source="SMTP", event_id="RECEIVE", internal_message_id="9", **g),
+        r16(date_time="2024-03-01T11:30:00.500Z", client_hostname="EDGE1.perimeter.test", server_hostname="EX1",
+            source_context="250 2.6.0 <e1@fabrikam.test> [InternalId=1012, Hostname=EX1.contoso.test] Queued mail",
+            source="SMTP", event_id="SEND", internal_message_id="9", **g),
+    ], header=True, bom=True, newline="\r\n")
+    write_log(logs / "EX6" / "V15" / "TransportRoles" / "Logs" / "MessageTracking" / "MSGTRKMS2024030111-1.LOG",
+              f16, [r16(date_time="2024-03-01T11:40:00.000Z", source="STOREDRIVER", event_id="NOTIFYMAPI")],
+              header=True, bom=True, newline="\r\n")
+
+    out = tmp_path / "out"
+    summary = job.analyze(spark, [str(logs)], str(out), recursive=True, progress=False, report=False)
+    messages = {r["key"]: r.asDict(recursive=True) for r in spark.read.parquet(str(out / "messages")).collect()}
+
+    listed = messages["<list-42@lists.fabrikam.test>"]
+    assert (listed["state"], listed["live_copy_nodes"]) == ("in flight unprotected", ["hub1"]), listed
+    assert (listed["recipient_count"], listed["recipients_delivered"]) == (2, 1)
+    b5 = messages["<b5@fabrikam.test>"]  # the 2010 hub keeps a shadow for its peer hub
+    assert (b5["state"], b5["live_copy_nodes"]) == ("in flight protected", ["hub1", "hub2"]), b5
+    d1 = messages[hop]  # EX1's copy went to Safety Net with the SEND; EX3 holds it, shadowed on EX4
+    assert d1["state"] == "in flight protected", d1
+    assert d1["live_copy_nodes"] == ["ex3.contoso.test", "ex4.contoso.test"], d1
+    assert (d1["undiscarded_shadow_nodes"] or []) == [], d1
+    e1 = messages[edge]
+    assert (e1["state"], e1["live_copy_nodes"]) == ("in flight unprotected", ["ex1.contoso.test"]), e1
+    assert e1["unprotected_at_receipt"] is True
+    assert summary["lost"] == 0 and summary["states"]["left the logs"] == 0, summary["states"]
+    assert "logs" not in summary["events_by_node"] and summary["events_by_node"]["ex6"] == {"NOTIFYMAPI": 1}

@@ -249,7 +249,7 @@ def narrow_events(rows: Any):
         (F.col("network_message_id") != "").alias("has_netid"),
         "message_id",
         reader.internal_id(e, F.col("network_message_id")).alias("internal_id"),
-        "hop_id",
+        "hop_id", "writer",
     )
 
 
@@ -286,6 +286,29 @@ def node_names(names: set[str]) -> dict[str, str]:
     return out
 
 
+def host_aliases(nodes: set[str], names: set[str]) -> dict[str, dict[str, str]]:
+    """How a host named elsewhere than in a node's own rows (a SEND's next hop, a HARECEIVE's
+    primary) is one of the ``nodes`` of the logs: ``short`` maps a short name to the node whose
+    first label it is (the node short or fully qualified), ``fqdn`` maps the first label of a fully
+    qualified name to the node that logs under that short name (Exchange names itself by its short
+    name and its peers by their FQDN). Only where nothing contradicts it: a label two nodes share,
+    or (for ``fqdn``) a label two fully qualified names seen begin with, maps to nothing."""
+    def label(n: str) -> str:
+        return n.split(".", 1)[0]
+
+    nodes = {n for n in nodes if n and not _is_address(n)}
+    count: dict[str, int] = {}
+    for n in nodes:
+        count[label(n)] = count.get(label(n), 0) + 1
+    fqdns: dict[str, set[str]] = {}
+    for n in names:
+        if n and "." in n and not _is_address(n):
+            fqdns.setdefault(label(n), set()).add(n)
+    short = {label(n): n for n in nodes if count[label(n)] == 1}
+    fqdn = {n: n for n in nodes if "." not in n and count[n] == 1 and len(fqdns.get(n, ())) <= 1}
+    return {"short": short, "fqdn": fqdn}
+
+
 def collect_facts(parsed: Any) -> dict[str, Any]:
     """One pass over the events for the small facts everything else needs (collected: at most
     nodes x events x peers rows, and one row per file and reason of malformed rows): the span of
@@ -303,7 +326,8 @@ def collect_facts(parsed: Any) -> dict[str, Any]:
     grouped = (parsed.groupBy(
         valid.alias("valid"), "file", "malformed_reason", ok(F.col("node")).alias("node"),
         ok(e).alias("event"), ok(F.col("source")).alias("source"), ok(F.when(head, F.col("peer"))).alias("peer"),
-        ok(F.when(e == "RESUBMIT", F.col("reason"))).alias("reason"), ok(F.col("key").isNull()).alias("no_key"),
+        ok(F.when(e == "RESUBMIT", F.col("reason"))).alias("reason"),
+        ok(F.col("client_hostname")).alias("primary"), ok(F.col("key").isNull()).alias("no_key"),
         ok(F.col("has_netid")).alias("has_netid"))
         .agg(F.min(ok(F.col("time"))).alias("start"), F.max(ok(F.col("time"))).alias("end"),
              F.count(F.lit(1)).alias("n"))
@@ -315,6 +339,8 @@ def collect_facts(parsed: Any) -> dict[str, Any]:
         names.add(r["node"])
         if r["peer"]:
             names.add(r["peer"])
+        if r["primary"]:  # a HARECEIVE's primary: a node of the boundary
+            names.add(r["primary"])
     rename = node_names(names)
 
     def canon(name: str | None) -> str | None:
@@ -353,6 +379,7 @@ def collect_facts(parsed: Any) -> dict[str, Any]:
         if why == "ShadowStateChange" or last is None or last <= when:
             cutoffs[node] = max(cutoffs.get(node, when), when)
     facts["cutoffs"] = cutoffs
+    facts["by_label"] = host_aliases(facts["nodes"], names)
     facts["events_by_node"] = {n: dict(sorted(v.items())) for n, v in sorted(facts["events_by_node"].items())}
     return facts
 
@@ -368,12 +395,19 @@ def _map_lit(mapping: dict[str, Any], value_type: str = "string"):
     return F.create_map(*items)
 
 
-def _renamed(col: str, rename: dict[str, str]):
+def _renamed(col: str, rename: dict[str, str], by_label: dict[str, dict[str, str]] | None = None):
+    """``col`` (a host name) as the node name the logs know it by: the FQDN of a short name
+    (``rename``), and with ``by_label`` (``host_aliases``) a host named by its other form."""
     from pyspark.sql import functions as F
 
-    if not rename:
-        return F.col(col)
-    return F.coalesce(F.try_element_at(_map_lit(rename), F.col(col)), F.col(col))
+    c = F.col(col)
+    out = F.try_element_at(_map_lit(rename), c) if rename else F.lit(None).cast("string")
+    if by_label and by_label.get("short"):
+        out = F.coalesce(out, F.when(~c.contains("."), F.try_element_at(_map_lit(by_label["short"]), c)))
+    if by_label and by_label.get("fqdn"):
+        out = F.coalesce(out, F.when(c.contains(".") & ~c.rlike(f"^({_ADDRESS})$"),
+                                     F.try_element_at(_map_lit(by_label["fqdn"]), F.substring_index(c, ".", 1))))
+    return F.coalesce(out, c)
 
 
 # ---------------------------------------------------------------------------- per message
@@ -453,13 +487,27 @@ def _per_node(ev: Any, facts: dict[str, Any]):
     mailbox_resubmit = (e == "RESUBMIT") & F.coalesce(F.col("source") == MAILBOX_SOURCE, F.lit(False))
     cutoff = F.try_element_at(_map_lit(facts["cutoffs"], "timestamp"), node) \
         if facts["cutoffs"] else F.lit(None).cast("timestamp")
+    take = e.isin(*TAKE_EVENTS) & ~mailbox_resubmit
+    # A SEND releases the recipients it names where the sender keeps no copy (schema.RELEASE_EVENTS).
+    logged = F.array(*[F.lit(n) for n in sorted(facts["nodes"])]) if facts.get("nodes") else F.array().cast(
+        "array<string>")
+    writer = F.col("writer")
+    send_releases = (e == "SEND") & ((writer == "exchange") | (
+        (writer == "exchange2010") & F.coalesce(~F.array_contains(logged, F.col("peer")), F.lit(True))))
+    # The recipients a node took: those of its largest take (a promoted or resubmitted copy takes
+    # the same ones again); where rows are keyed by Message-ID (Exchange 2010's), the distinct
+    # recipients of all its takes, for one Message-ID may be two transactions (two copies) there.
+    if facts.get("by_message_id"):
+        taken = F.size(F.array_distinct(F.flatten(F.collect_list(F.when(take, F.col("recipients"))))))
+    else:
+        taken = F.max(F.when(take, F.size("recipients")))
     kn = ev.groupBy("key", "node").agg(
-        F.max(F.when(e.isin(*TAKE_EVENTS) & ~mailbox_resubmit, t)).alias("last_take"),
-        F.max(F.when(e.isin(*RELEASE_EVENTS) & kept, t)).alias("last_release"),
+        F.max(F.when(take, t)).alias("last_take"),
+        F.max(F.when((e.isin(*RELEASE_EVENTS) & kept) | send_releases, t)).alias("last_release"),
         F.max(F.when(e.isin(*COPY_RELEASE_EVENTS) & kept, t)).alias("last_copy_release"),
-        F.max(F.when(e.isin(*TAKE_EVENTS) & ~mailbox_resubmit, F.size("recipients"))).alias("taken_count"),
-        F.sum(F.when(e.isin(*RELEASE_EVENTS) & ~e.isin(*COPY_RELEASE_EVENTS), F.size("recipients")))
-        .alias("released_count"),
+        taken.alias("taken_count"),
+        F.sum(F.when((e.isin(*RELEASE_EVENTS) & ~e.isin(*COPY_RELEASE_EVENTS)) | send_releases,
+                     F.size("recipients"))).alias("released_count"),
         F.min(when_event(["HARECEIVE"], t)).alias("shadow_received"),
         F.min(F.when((e == "HADISCARD") & kept, t)).alias("shadow_discarded"),
         F.min(F.when(redundancy, t)).alias("promoted_here"),
@@ -574,14 +622,15 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
 
     facts = facts or {"rename": {}, "cutoffs": {}, "nodes": set()}
     rename = facts["rename"]
+    by_label = facts.get("by_label")
 
     ev = ev.filter(F.col("key").isNotNull())
     if facts.get("by_netid") and facts.get("by_message_id"):
         ev = join_message_ids(ev)
     ev = (ev
           .select("key", "time", _renamed("node", rename).alias("node"), "event", "source",
-                  _renamed("peer", rename).alias("peer"), "reason", "recipients", "replaced", "context",
-                  _renamed("client_hostname", rename).alias("client_hostname"), "sender",
+                  _renamed("peer", rename, by_label).alias("peer"), "reason", "recipients", "replaced", "context",
+                  _renamed("client_hostname", rename, by_label).alias("client_hostname"), "sender", "writer",
                   "has_netid", "message_id"))
     # Two shuffles by key, one per aggregate (each reads only its columns); the join of the two
     # results is on those same partitions (no third exchange). Each task aggregates the keys of its

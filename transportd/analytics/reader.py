@@ -22,6 +22,7 @@ import csv
 import fnmatch
 import glob
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -172,14 +173,26 @@ def file_format(lines: list[str]) -> tuple[tuple[str, ...], bool]:
     return FIELDS_2016, False
 
 
-def plan(spark: Any, files: Sequence[str]) -> dict[tuple[tuple[str, ...], bool], list[str]]:
-    """Files grouped by (field names, header given)."""
-    groups: dict[tuple[tuple[str, ...], bool], list[str]] = {}
+def written_by_transportd(lines: list[str]) -> bool:
+    """Whether a file's ``#Software:`` header names transportd (Exchange writes ``Microsoft
+    Exchange Server``): the two keep a sent message differently (``RELEASE_EVENTS``)."""
+    for line in lines:
+        if line.lower().startswith("#software:"):
+            return line[10:].strip().lower().startswith("transportd")
+        if not line.startswith("#") and line.strip():
+            break
+    return False
+
+
+def plan(spark: Any, files: Sequence[str]) -> dict[tuple[tuple[str, ...], bool, bool], list[str]]:
+    """Files grouped by (field names, header given, written by transportd)."""
+    groups: dict[tuple[tuple[str, ...], bool, bool], list[str]] = {}
     for f in files:
         try:
-            fmt = file_format(_head_lines(spark, f))
+            lines = _head_lines(spark, f)
+            fmt = (*file_format(lines), written_by_transportd(lines))
         except (OSError, Exception):  # noqa: BLE001 - unreadable: Spark will say when it reads it
-            fmt = (FIELDS_2016, False)
+            fmt = (FIELDS_2016, False, False)
         groups.setdefault(fmt, []).append(f)
     return groups
 
@@ -187,7 +200,7 @@ def plan(spark: Any, files: Sequence[str]) -> dict[tuple[tuple[str, ...], bool],
 # ------------------------------------------------------------------------- reading
 
 
-def _read_group(spark: Any, fields: tuple[str, ...], header: bool, files: list[str]):
+def _read_group(spark: Any, fields: tuple[str, ...], header: bool, ours: bool, files: list[str]):
     from pyspark.sql import functions as F
     from pyspark.sql.types import StringType, StructField, StructType
 
@@ -206,6 +219,7 @@ def _read_group(spark: Any, fields: tuple[str, ...], header: bool, files: list[s
     names = (F.array(*[F.lit(n) for n in fields]) if header else F.lit(None).cast("array<string>"))
     return df.select(F.col("_metadata.file_path").alias("file"), F.col(CORRUPT).alias("bad_line"),
                      names.alias("header_names"), F.lit(LEGACY_MARK not in fields).alias("legacy"),
+                     F.lit(ours).alias("ours"),
                      *[c.alias(n.replace("-", "_")) for c, n in zip(cols, NEEDED, strict=True)])
 
 
@@ -223,8 +237,8 @@ def read_rows(spark: Any, files: Sequence[str]):
     if not groups:
         raise InputError("no input files")
     df = None
-    for (fields, header), members in sorted(groups.items()):
-        part = _read_group(spark, fields, header, members)
+    for (fields, header, ours), members in sorted(groups.items()):
+        part = _read_group(spark, fields, header, ours, members)
         df = part if df is None else df.unionByName(part)
     assert df is not None
 
@@ -265,17 +279,22 @@ def read_rows(spark: Any, files: Sequence[str]):
     legacy = F.when(bad, ~F.coalesce(F.array_contains(F.col("names"), LEGACY_MARK), F.lit(False))).otherwise(
         F.col("legacy"))
     return df.select("file", "reason", F.when(~ok, F.substring("bad_line", 1, 500)).alias("line"), *out,
-                     legacy.alias("legacy"))
+                     legacy.alias("legacy"), "ours")
 
 
 def _folder_node():
-    """The node a row's file names by its folder: the folder's name, or the one above it when
-    the folder has a generic name (``msgtrk``, ``MessageTracking``, ...)."""
+    """The node a row's file names by its folder: the folder's name, or the nearest one above it
+    whose name is not generic (``msgtrk``, ``MessageTracking``, Exchange's ``V15/TransportRoles/Logs``,
+    ...); the folder itself when every one above is generic."""
     from pyspark.sql import functions as F
 
-    folder = F.regexp_extract("file", r"([^/]+)/[^/]+$", 1)
-    grand = F.regexp_extract("file", r"([^/]+)/[^/]+/[^/]+$", 1)
-    return F.lower(F.when(F.lower(folder).isin(*GENERIC_FOLDERS) & (grand != ""), grand).otherwise(folder))
+    folder = F.lower(F.regexp_extract("file", r"([^/]+)/[^/]+$", 1))
+    generic = "|".join(re.escape(g) for g in GENERIC_FOLDERS)
+    # the file's folders (its URI without the file name and the scheme), generic names cut off the end
+    path = F.regexp_replace(F.lower(F.regexp_extract("file", r"^(?:[a-z]+:)?(.*)/[^/]+$", 1)),
+                            f"(/({generic}))+$", "")
+    named = F.regexp_extract(path, r"([^/]+)$", 1)
+    return F.when(named != "", named).otherwise(folder)
 
 
 def _local_node(event: Any, source: Any, client: Any, server: Any, legacy: Any):
@@ -363,6 +382,16 @@ def _peer(event: Any, ctx: Any, sent_by_client: Any, server: Any):
             .when(sent_by_client & (server != ""), server))
 
 
+def _send_writer(event: Any):
+    """Who wrote a SEND row, which decides whether the sender keeps the message (``RELEASE_EVENTS``):
+    ``transportd``, ``exchange2010`` (Exchange 2010's format, no network-message-id) or
+    ``exchange`` (2013 and later); null on other rows."""
+    from pyspark.sql import functions as F
+
+    return F.when(event == "SEND", F.when(F.col("ours"), F.lit("transportd"))
+                  .when(F.col("legacy"), F.lit("exchange2010")).otherwise(F.lit("exchange")))
+
+
 def _redundancy_reason(event: Any, source: Any, ctx: Any):
     """Why shadow redundancy resubmitted (ShadowHeartbeatFailure, ShadowStateChange, ...)."""
     from pyspark.sql import functions as F
@@ -408,6 +437,7 @@ def normalize(rows: Any):
         F.lower(F.trim("sender_address")).alias("sender"),
         _peer(event, ctx, sent_by_client, server).alias("peer"),
         _redundancy_reason(event, source, ctx).alias("reason"),
+        _send_writer(event).alias("writer"),
     )
     reason = (F.when(F.col("csv_reason").isNotNull(), F.col("csv_reason"))
               .when(F.col("time").isNull(), F.lit("bad date-time"))
@@ -480,7 +510,7 @@ def narrow(rows: Any):
     # text on the rows whose recipients are read.
     first = rows.select(
         "file", F.col("reason").alias("csv_reason"), "line", "source_context", "source",
-        "sender_address", "legacy", "internal_message_id", "recipient_status",
+        "sender_address", "legacy", "ours", "internal_message_id", "recipient_status",
         F.lower(F.trim("network_message_id")).alias("netid"),
         F.trim("date_time").try_cast("timestamp").alias("time"),
         event.alias("event"),
@@ -523,4 +553,5 @@ def narrow(rows: Any):
         "has_netid", "message_id",
         internal_id(e, F.col("netid")).alias("internal_id"),
         _hop_id(e).alias("hop_id"),
+        _send_writer(e).alias("writer"),
     )

@@ -60,10 +60,15 @@ MAILBOX_SOURCE = "STOREDRIVER"
 RELEASE_EVENTS = (
     "HADISCARD", "DELIVER", "DUPLICATEDELIVER", "SENDEXTERNAL", "FAIL", "DROP", "BADMAIL",
 )
-"""The node no longer holds the copy it took. SEND is not one: the sender keeps the message
-as a shadow (hop-by-hop, docs/PROTOCOL.md section 3) until the next hop's discard, logged as
-HADISCARD on the sender. REDIRECT is not one either: Exchange writes it when a recipient is
-redirected to an alternate recipient, and the message stays where it is."""
+"""The node no longer holds the copy it took. SEND is one only where the sender keeps no copy:
+transportd's sender keeps the message as a shadow (hop-by-hop, docs/PROTOCOL.md section 3) until
+the next hop's discard, logged as HADISCARD on the sender; Exchange 2013 and later move a sent
+message into Safety Net once the next hop acknowledges it (no HADISCARD follows on the sender), as
+does Exchange 2010 for a next hop outside the logs given (a 2010 hub keeps a shadow only for a
+next hop that speaks XSHADOW: another server of the organisation). The ``writer`` of a SEND row
+(from its file's ``#Software:`` header and format) decides. REDIRECT is not one either: Exchange
+writes it when a recipient is redirected to an alternate recipient, and the message stays where
+it is."""
 
 COPY_RELEASE_EVENTS = ("HADISCARD", "BADMAIL")
 """Releases of the whole copy whatever its recipients. The other release events are about the
@@ -143,9 +148,11 @@ SEND_FOLLOW_SECONDS = 1.0
 earlier than this before it (clocks of two servers may differ a little); a SEND this close to
 the end of the logs is taken as followed (the next hop's row may not be written yet)."""
 
-GENERIC_FOLDERS = ("msgtrk", "messagetracking", "logs", "log", "tracking")
-"""When server-hostname is empty the node is the file's folder, or the folder above it when the
-folder has one of these generic names (data/cluster/node1/msgtrk -> node1)."""
+GENERIC_FOLDERS = ("msgtrk", "messagetracking", "logs", "log", "tracking", "transportroles", "v8", "v14", "v15",
+                   "exchange server", "exchange%20server", "microsoft", "program files", "program%20files")
+"""When server-hostname is empty the node is the file's folder, or the nearest folder above it
+whose name is not one of these generic ones (data/cluster/node1/msgtrk -> node1; Exchange's own
+layout, EX6/V15/TransportRoles/Logs/MessageTracking -> EX6; a file's URI writes a blank as %20)."""
 
 
 def column_name(field: str) -> str:
