@@ -23,12 +23,13 @@ def reference(stream: bytes, size_limit: int | None, line_limit: int) -> tuple[b
         line, pos = stream[pos:end], end
         if line == b".\r\n":
             break
-        size += len(line)
+        stored = line[1:] if line.startswith(b".") else line
+        size += len(stored)  # RFC 1870 section 4: the size excludes the doubled quoting dots
         if error is None and size_limit and size > size_limit:
             error = DATA_TOO_MUCH
-        if error is None and len(line) > line_limit:
+        if error is None and len(line) > line_limit:  # the line as sent
             error = DATA_TOO_LONG
-        lines.append(line[1:] if line.startswith(b".") else line)
+        lines.append(stored)
     return (b"" if error else b"".join(lines)), error, stream[pos:]
 
 
@@ -83,6 +84,16 @@ def test_examples_dot_stuffing_and_empty_message():
     ]:
         got = asyncio.run(feed_and_read(stream, [], None, 1002))
         assert got == (content, None, b""), stream
+
+
+def test_the_size_limit_counts_the_message_not_its_stuffing_dots():
+    """RFC 1870 section 4: a message's size is its octets with CRLFs, "but not counting the SMTP
+    DATA command's terminating dot or doubled quoting dots". A message of exactly the SIZE limit
+    with dot lines fits, over DATA as over BDAT; one octet more does not."""
+    message = b"a\r\n.x\r\n..\r\n" + b"z" * 20 + b"\r\n"  # two lines that begin with a dot
+    stuffed = b"a\r\n..x\r\n...\r\n" + b"z" * 20 + b"\r\n.\r\n"
+    assert asyncio.run(feed_and_read(stuffed, [], len(message), 1002)) == (message, None, b"")
+    assert asyncio.run(feed_and_read(stuffed, [3, 9], len(message) - 1, 1002))[:2] == (b"", DATA_TOO_MUCH)
 
 
 def test_long_message_in_one_piece_and_limits():

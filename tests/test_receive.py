@@ -677,10 +677,16 @@ def test_starttls_then_auth_allows_relay(make_node, sink, tls_files):
         s.ehlo("client.test")
         assert not s.has_extn("starttls")
         assert set(s.esmtp_features["auth"].split()) == {"PLAIN", "LOGIN"}
+        # RFC 3207 section 4.2: no second STARTTLS inside TLS (aiosmtpd answered 220 and the
+        # session died in a nested handshake); the session goes on.
+        assert s.docmd("STARTTLS") == (503, b"5.5.1 Error: TLS already active")
         # Not authenticated yet: still no relay.
         assert s.docmd("MAIL", "FROM:<alice@remote.test>")[0] == 250
         code, msg = s.docmd("RCPT", "TO:<bob@foreign.test>")
         assert (code, msg) == (550, b"5.7.1 Relaying denied")
+        # RFC 4954 section 4: AUTH inside a mail transaction is refused, and changes nothing.
+        assert s.docmd("AUTH", "PLAIN AGFsaWNlAHMzY3JldA==") == (503, b"5.5.1 Error: MAIL transaction in progress")
+        assert s.docmd("RCPT", "TO:<bob@foreign.test>")[0] == 550
         s.rset()
         with pytest.raises(smtplib.SMTPAuthenticationError) as err:
             s.login("alice", "wrong")

@@ -41,7 +41,8 @@ async def read_data(reader: asyncio.StreamReader, size_limit: int | None,
     reads past the terminating line, so pipelined commands stay in ``reader``.
     ``error``: None, DATA_TOO_LONG (a line, CRLF included, over ``line_limit``) or DATA_TOO_MUCH
     (more than ``size_limit`` octets); after an error the content is dropped but the message is
-    still read to its end. ``size_limit`` counts what the client sent (stuffing dots and CRLFs).
+    still read to its end. ``size_limit`` counts the message's octets, CRLFs included, stuffing
+    dots not (RFC 1870 section 4, as SIZE declares it).
     """
     parts: list[bytes] = []
     size = 0
@@ -65,7 +66,8 @@ async def read_data(reader: asyncio.StreamReader, size_limit: int | None,
             rest, too_long = await _rest_of_line(reader)
             if rest == b"\r\n":
                 break  # the lone dot: end of data
-            size += 1  # the stuffing dot: counted as sent, dropped from the content
+            # the stuffing dot: dropped from the content, and not counted (RFC 1870 section 4:
+            # a message's size excludes "any doubled quoting dots")
             if too_long or 1 + len(rest) > line_limit:
                 error = error or DATA_TOO_LONG
             add(rest)
@@ -401,6 +403,12 @@ class _Unoffered:
         if not self._auth_methods:
             await self.push(replies.S503_AUTH_NOT_ENABLED)
             return
+        envelope = getattr(self, "envelope", None)
+        if envelope is not None and envelope.mail_from is not None:
+            # RFC 4954 section 4: AUTH during a mail transaction MUST be refused with 503 (the
+            # transaction's relay rights were judged with the identity it began with).
+            await self.push(replies.S503_AUTH_IN_TRANSACTION)
+            return
         await super().smtp_AUTH(arg)  # type: ignore[misc]
 
     @syntax("STARTTLS", when="tls_context")
@@ -409,6 +417,11 @@ class _Unoffered:
         and 502 (not implemented) tells a client so, where aiosmtpd's 454 would say "try later"."""
         if not self.tls_context:
             await self.push(replies.S502_NOT_IMPLEMENTED)
+            return
+        if getattr(self, "_tls_protocol", None) is not None:
+            # RFC 3207 section 4.2: no STARTTLS once TLS is up (aiosmtpd would answer 220 and try
+            # a handshake inside the first, which fails and drops the session).
+            await self.push(replies.S503_TLS_ACTIVE)
             return
         await super().smtp_STARTTLS(arg)  # type: ignore[misc]
 
