@@ -368,6 +368,26 @@ def test_a_header_section_over_max_header_size_is_refused_over_data_and_bdat(mak
     assert "header section over frontend.max_header_size" in node.log()
 
 
+def test_a_message_with_more_received_fields_than_max_hop_count_is_refused_as_a_loop(make_node):
+    """Exchange's MaxHopCount (frontend.max_hop_count) counts the Received fields a message comes
+    with (RFC 5321 6.3's loop detection): as many as allowed are accepted, one more is refused 554
+    5.4.14 and nothing is queued; the Received field the node adds is not counted against it."""
+    node = make_node(overrides={"frontend": {"max_hop_count": 3}}).start()
+
+    def hops(n: int, subject: str) -> bytes:
+        return b"".join(b"Received: from hop%d.remote.test by relay%d.remote.test; Sat, 28 Nov 2026 12:00:0%d +0000\r\n"
+                        % (i, i, i) for i in range(n)) + b"Subject: " + subject.encode() + b"\r\n\r\nhi\r\n"
+    c = Raw(node.port)
+    ehlo(c)
+    r = send_one(c, "a@remote.test", ["alice@example.test"], hops(3, "three-hops"))
+    assert re.fullmatch(r"250 2\.0\.0 Ok: queued as \d+", r), r
+    r = send_one(c, "a@remote.test", ["alice@example.test"], hops(4, "four-hops"))
+    assert r == "554 5.4.14 Hop count exceeded - possible mail loop", r
+    assert_reply(c.cmd("QUIT"), 221, "2.0.0")
+    assert [m["subject"] for m in messages(node)] == ["three-hops"]
+    assert "looped (4 Received headers)" in node.log()
+
+
 # --------------------------------------------------------------------------- 4. line length
 
 def test_over_long_lines(make_node):

@@ -111,7 +111,9 @@ class AcceptPath:
 
     async def _accept(self, msg: NewMessage, session: Session, connector: str, now: float) -> int:
         netid = msg.network_message_id
-        hops = hop_count(msg.data)
+        # The Received fields the message came with (Exchange's MaxHopCount counts those of the
+        # submitted message): ours, added on receipt, is not one of them.
+        hops = hop_count(msg.data) - 1
         if hops > self.cfg.frontend.max_hop_count:
             log.warning("message from %s looped (%d Received headers): refused", msg.client_ip, hops,
                         extra=message_ids({"network_message_id": netid}))
