@@ -931,7 +931,8 @@ def test_exchange_logs_named_copied_and_sent_as_real_servers_write_them(spark, t
       shadow: Exchange 2013+ moves a sent message into Safety Net once the next hop acknowledges
       it, so the one copy is the receiving server's: unprotected, not protected by the Edge's.
     - rows with no host name in Exchange's own folder layout name the server above
-      V15/TransportRoles/Logs/MessageTracking, not "logs"."""
+      V15/TransportRoles/Logs/MessageTracking, not "logs".
+    - transportd nodes without shadow redundancy: the sender of a hop-by-hop SEND keeps nothing."""
     f16, f10 = FIELDS_2016, FIELDS_2010
     logs = tmp_path / "logs"
 
@@ -1016,10 +1017,27 @@ def test_exchange_logs_named_copied_and_sent_as_real_servers_write_them(spark, t
               f16, [r16(date_time="2024-03-01T11:40:00.000Z", source="STOREDRIVER", event_id="NOTIFYMAPI")],
               header=True, bom=True, newline="\r\n")
 
+    # transportd nodes without shadow redundancy (no HA row anywhere): a hop-by-hop SEND keeps nothing
+    from datetime import UTC, datetime, timedelta
+    t0 = datetime(2024, 3, 1, 11, 50, tzinfo=UTC)
+    plain = {n: TrackingLog(logs / n / "msgtrk", f"{n}.test", clock=lambda: t0) for n in ("plain1", "plain2")}
+    relayed = "33333333-cccc-4ccc-8ccc-000000000001"
+    for node, at, event, kw in (("plain1", 0, "RECEIVE", {}),
+                                ("plain1", 1, "SEND", {"client_hostname": "plain1.test",
+                                                       "server_hostname": "plain2.test"}),
+                                ("plain2", 1.1, "RECEIVE", {}),
+                                ("plain2", 2, "DEFER", {"recipient_status": ["451 4.4.1 no answer"]})):
+        plain[node].write(event, "SMTP", network_message_id=relayed, message_id="<p@x>", recipients=["q@far.test"],
+                          date_time=t0 + timedelta(seconds=at), **kw)
+    for log in plain.values():
+        log.close()
+
     out = tmp_path / "out"
     summary = job.analyze(spark, [str(logs)], str(out), recursive=True, progress=False, report=False)
     messages = {r["key"]: r.asDict(recursive=True) for r in spark.read.parquet(str(out / "messages")).collect()}
 
+    p = messages[relayed]
+    assert (p["state"], p["live_copy_nodes"]) == ("in flight unprotected", ["plain2.test"]), p
     listed = messages["<list-42@lists.fabrikam.test>"]
     assert (listed["state"], listed["live_copy_nodes"]) == ("in flight unprotected", ["hub1"]), listed
     assert (listed["recipient_count"], listed["recipients_delivered"]) == (2, 1)

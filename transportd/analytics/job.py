@@ -492,8 +492,15 @@ def _per_node(ev: Any, facts: dict[str, Any]):
     logged = F.array(*[F.lit(n) for n in sorted(facts["nodes"])]) if facts.get("nodes") else F.array().cast(
         "array<string>")
     writer = F.col("writer")
+    # transportd keeps a sent message as a shadow where shadow redundancy is on: a node that wrote
+    # no row of it (HAREDIRECT, HAREDIRECTFAIL, HARECEIVE, HADISCARD) in the logs given runs without
+    # it, and its SEND hands the message on (docs/PROTOCOL.md section 2).
+    ha = sorted(n for n, by_event in facts.get("events_by_node", {}).items()
+                if any(ev in by_event for ev in ("HAREDIRECT", "HAREDIRECTFAIL", "HARECEIVE", "HADISCARD")))
+    ha_nodes = F.array(*[F.lit(n) for n in ha]) if ha else F.array().cast("array<string>")
     send_releases = (e == "SEND") & ((writer == "exchange") | (
-        (writer == "exchange2010") & F.coalesce(~F.array_contains(logged, F.col("peer")), F.lit(True))))
+        (writer == "exchange2010") & F.coalesce(~F.array_contains(logged, F.col("peer")), F.lit(True)))
+        | ((writer == "transportd") & ~F.array_contains(ha_nodes, node)))
     # The recipients a node took: those of its largest take (a promoted or resubmitted copy takes
     # the same ones again); where rows are keyed by Message-ID (Exchange 2010's), the distinct
     # recipients of all its takes, for one Message-ID may be two transactions (two copies) there.

@@ -62,7 +62,9 @@ RELEASE_EVENTS = (
 )
 """The node no longer holds the copy it took. SEND is one only where the sender keeps no copy:
 transportd's sender keeps the message as a shadow (hop-by-hop, docs/PROTOCOL.md section 3) until
-the next hop's discard, logged as HADISCARD on the sender; Exchange 2013 and later move a sent
+the next hop's discard, logged as HADISCARD on the sender, where shadow redundancy is on (a node
+that wrote no HAREDIRECT, HAREDIRECTFAIL, HARECEIVE or HADISCARD runs without it and keeps
+nothing); Exchange 2013 and later move a sent
 message into Safety Net once the next hop acknowledges it (no HADISCARD follows on the sender), as
 does Exchange 2010 for a next hop outside the logs given (a 2010 hub keeps a shadow only for a
 next hop that speaks XSHADOW: another server of the organisation). The ``writer`` of a SEND row
