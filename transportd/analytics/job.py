@@ -498,9 +498,11 @@ def _per_node(ev: Any, facts: dict[str, Any]):
     ha = sorted(n for n, by_event in facts.get("events_by_node", {}).items()
                 if any(ev in by_event for ev in ("HAREDIRECT", "HAREDIRECTFAIL", "HARECEIVE", "HADISCARD")))
     ha_nodes = F.array(*[F.lit(n) for n in ha]) if ha else F.array().cast("array<string>")
+    # (without the rows per node, as when facts are not given, every transportd node keeps its SENDs)
+    plain_relay = ~F.array_contains(ha_nodes, node) if "events_by_node" in facts else F.lit(False)
     send_releases = (e == "SEND") & ((writer == "exchange") | (
         (writer == "exchange2010") & F.coalesce(~F.array_contains(logged, F.col("peer")), F.lit(True)))
-        | ((writer == "transportd") & ~F.array_contains(ha_nodes, node)))
+        | ((writer == "transportd") & plain_relay))
     # The recipients a node took: those of its largest take (a promoted or resubmitted copy takes
     # the same ones again); where rows are keyed by Message-ID (Exchange 2010's), the distinct
     # recipients of all its takes, for one Message-ID may be two transactions (two copies) there.
