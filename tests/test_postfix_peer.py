@@ -13,6 +13,7 @@ import re
 import shutil
 import smtplib
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -128,9 +129,21 @@ def test_postfix_sends_the_recipients_past_the_nodes_limit_again(make_node, sink
     mta = postfix(f"127.0.0.1:{node.port}")
     rcpts = [f"r{i}@foreign.test" for i in range(5)]
     assert send(mta.host, mta.port, "bob@remote.test", rcpts, "five recipients") == {}
+    flushed = [time.monotonic()]
+
+    def arrived() -> bool:
+        if sum(len(sink_args(m)[1]) for m in by_subject(sink, "five recipients")) >= 5:
+            return True
+        # Postfix retries the deferred recipients at its next queue run; now and then (about one
+        # run in six here) its queue manager finds the file still being delivered and leaves it
+        # for longer than the test waits. `postfix flush`, as an operator would, asks for the
+        # run at once: the further transactions are still Postfix's own.
+        if time.monotonic() - flushed[0] > 5:
+            mta.postfix("flush")
+            flushed[0] = time.monotonic()
+        return False
     try:
-        wait_for(lambda: sum(len(sink_args(m)[1]) for m in by_subject(sink, "five recipients")) >= 5, timeout=40,
-                 what="all five recipients at the sink")
+        wait_for(arrived, timeout=40, what="all five recipients at the sink")
     except AssertionError as exc:  # which side held them: Postfix's log and the node's say
         raise AssertionError(f"{exc}\n--- Postfix:\n{mta.maillog()[-4000:]}\n--- node:\n{node.log()[-4000:]}") from None
     got = sorted(r.split()[0] for m in by_subject(sink, "five recipients") for r in sink_args(m)[1])
