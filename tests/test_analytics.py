@@ -918,6 +918,19 @@ def test_a_host_label_keeps_an_address_whole(spark):
     assert labels == ["EX1", "hub1", "10.0.0.5", "10.9.9.9", "[10.0.0.5]", "2001:db8::25"]
 
 
+def test_a_short_name_and_its_fqdn_are_one_node_only_where_nothing_contradicts_it():
+    """Pure naming rules (no Spark): a short name is its one FQDN's node; a label two FQDNs begin
+    with, a label two nodes share, and addresses map to nothing."""
+    names = {"ex1", "ex1.contoso.test", "hub", "hub.a.test", "hub.b.test", "10.0.0.5", "ex3.contoso.test", ""}
+    assert job.node_names(names) == {"ex1": "ex1.contoso.test"}
+    aliases = job.host_aliases({"ex1", "ex2.contoso.test", "hub", "mx", "mx.b.test", "10.0.0.5"},
+                               {"ex1.contoso.test", "hub.a.test", "hub.b.test", "10.0.0.9"})
+    # ex1 logs under its short name: its FQDN's label maps to it; hub: two FQDNs begin with it, none
+    assert aliases["fqdn"] == {"ex1": "ex1"}
+    # mx and mx.b.test share a label: neither is the node a bare "mx" names
+    assert aliases["short"] == {"ex1": "ex1", "ex2": "ex2.contoso.test", "hub": "hub"}
+
+
 def test_exchange_logs_named_copied_and_sent_as_real_servers_write_them(spark, tmp_path):
     """Journeys as real Exchange servers log them, each misread before:
 

@@ -270,14 +270,20 @@ def host_label(col: str) -> Any:
     return F.when(F.col(col).rlike(f"^({_ADDRESS})$"), F.col(col)).otherwise(F.substring_index(F.col(col), ".", 1))
 
 
+def _fqdns_by_label(names: set[str]) -> dict[str, set[str]]:
+    """The fully qualified names among ``names`` (not addresses), by their first label."""
+    out: dict[str, set[str]] = {}
+    for n in names:
+        if n and "." in n and not _is_address(n):
+            out.setdefault(n.split(".", 1)[0], set()).add(n)
+    return out
+
+
 def node_names(names: set[str]) -> dict[str, str]:
     """Host name -> node name: a first label and the one FQDN it begins are one node (the FQDN),
     unless two FQDNs begin with that label (then nothing says which one it is). Addresses and
     names already fully qualified map to themselves."""
-    by_label: dict[str, set[str]] = {}
-    for n in names:
-        if "." in n and not _is_address(n):
-            by_label.setdefault(n.split(".", 1)[0], set()).add(n)
+    by_label = _fqdns_by_label(names)
     out = {}
     for n in names:
         if n and "." not in n and len(by_label.get(n, ())) == 1:
@@ -300,10 +306,7 @@ def host_aliases(nodes: set[str], names: set[str]) -> dict[str, dict[str, str]]:
     count: dict[str, int] = {}
     for n in nodes:
         count[label(n)] = count.get(label(n), 0) + 1
-    fqdns: dict[str, set[str]] = {}
-    for n in names:
-        if n and "." in n and not _is_address(n):
-            fqdns.setdefault(label(n), set()).add(n)
+    fqdns = _fqdns_by_label(names)
     short = {label(n): n for n in nodes if count[label(n)] == 1}
     fqdn = {n: n for n in nodes if "." not in n and count[n] == 1 and len(fqdns.get(n, ())) <= 1}
     return {"short": short, "fqdn": fqdn}
