@@ -207,7 +207,7 @@ def test_discard_batch_size_is_checked(count: object) -> None:
 def test_resubmit() -> None:
     c = ClientConnection(PRIMARY)
     assert c.send_resubmit("db1", 100, 200.5) == b"XRESUBMIT db1 100.000 200.500\r\n"
-    text = "2.0.0 3 message(s) resubmitted from the Shadow Safety Net"
+    text = "2.0.0 3 message(s) resubmitted from the Safety Net"
     assert c.receive_data(f"250 {text}\r\n".encode()) == [ResubmitAnswered(250, text)]
     c.send_resubmit("db1", 1, 1)
     assert c.receive_data(R501) == [CommandRefused("XRESUBMIT", 501, "5.5.4 Invalid arguments")]
@@ -543,7 +543,7 @@ def test_xqdiscard() -> None:
 def test_xresubmit() -> None:
     s = server()
     assert one(s, "XRESUBMIT db1 100.000 200.500") == ResubmitRequested(PRIMARY, "db1", 100.0, 200.5)
-    assert s.resubmit_reply(3) == b"250 2.0.0 3 message(s) resubmitted from the Shadow Safety Net\r\n"
+    assert s.resubmit_reply(3) == b"250 2.0.0 3 message(s) resubmitted from the Safety Net\r\n"
     with pytest.raises(LocalProtocolError):
         s.resubmit_reply(0)
 
@@ -654,7 +654,7 @@ SERVER_EVENTS = [OtherCommand(b"NOOP"), ShadowRequestReceived(PRIMARY, P_DBID), 
                  ResubmitRequested(PRIMARY, "db", 1.0, 2.0), Refusal(R501),
                  Refusal(b"500 5.5.2 Command line too long\r\n"), OtherCommand(b"QUIT")]
 SERVER_OUTPUT = [f"250 {b64(SHADOW)}\r\n".encode(), f"250 {G1}\r\n".encode(),
-                 b"250 2.0.0 0 message(s) resubmitted from the Shadow Safety Net\r\n"]
+                 b"250 2.0.0 0 message(s) resubmitted from the Safety Net\r\n"]
 
 
 def run_server(chunks: list[bytes]) -> tuple[list[object], list[bytes], str | None]:
@@ -723,4 +723,4 @@ def test_client_and_server_agree() -> None:
     [ev] = shadow.receive_data(watcher.send_resubmit("db", 5, 6))
     assert ev == ResubmitRequested(PRIMARY, "db", 5.0, 6.0)
     assert watcher.receive_data(shadow.resubmit_reply(2)) == [
-        ResubmitAnswered(250, "2.0.0 2 message(s) resubmitted from the Shadow Safety Net")]
+        ResubmitAnswered(250, "2.0.0 2 message(s) resubmitted from the Safety Net")]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from conftest import free_port, queued_id, swaks, wait_for, wait_port
@@ -65,9 +66,33 @@ def test_resubmit_picks_destination_window_and_safety_net(tmp_path):
                                                            sources=("shadow",), now=now))
         assert [(r.original_id, r.recipients, r.source) for r in from_shadow] == [
             (shadow, ["carol@example.test"], "shadow")]
-        by_queue = store.transaction(lambda c: resubmit(c, cfg, destination="smarthost:127.0.0.1:2500",
-                                                        start=now - 100, end=now, now=now))
-        assert sorted(r.recipients[0] for r in by_queue) == ["x@far.test", "y@far.test"]
+        # x@far.test and y@far.test went outside the boundary: never resubmitted (Exchange), by any
+        # destination, so no outside recipient sees a message twice
+        outside = store.transaction(lambda c: resubmit(c, cfg, destination="smarthost:127.0.0.1:2500",
+                                                       start=now - 100, end=now, now=now))
+        assert outside == []
+    finally:
+        store.close()
+
+
+def test_a_peers_request_takes_its_shadows_and_the_primary_copies_for_its_destination(tmp_path):
+    """XRESUBMIT from n2.t (``for_primary``): our shadows of n2.t and our Primary Safety Net copies
+    for the destination (mail handed to n2.t hop by hop is among them); not the shadows of another
+    primary (n3.t resubmits those), and never a recipient outside the boundary."""
+    cfg = _cfg(tmp_path)
+    store = QueueStore.open(tmp_path / "queue.db")
+    try:
+        now = 1_800_000_000.0
+        ours, _ = store.transaction(lambda c: _processed(c, cfg, ["alice@example.test", "x@far.test"], now - 50))
+        of_n2, _ = store.transaction(lambda c: _processed(c, cfg, ["bob@example.test", "y@far.test"], now - 40,
+                                                          role="shadow"))
+        of_n3, _ = store.transaction(lambda c: _processed(c, cfg, ["carol@example.test"], now - 30, role="shadow"))
+        store.transaction(lambda c: c.execute(update(messages).where(messages.c.id == of_n3).values(
+            primary_node="n3.t")))
+        done = store.transaction(lambda c: resubmit(c, cfg, destination="MDB01", start=now - 100, end=now,
+                                                    sources=("primary", "shadow"), for_primary="n2.t", now=now))
+        assert sorted((r.original_id, r.source, tuple(r.recipients)) for r in done) == [
+            (ours, "primary", ("alice@example.test",)), (of_n2, "shadow", ("bob@example.test",))]
     finally:
         store.close()
 
@@ -96,11 +121,11 @@ def test_resubmitted_copy_keeps_the_senders_dsn_parameters(tmp_path):
     store = QueueStore.open(tmp_path / "queue.db")
     try:
         now = 1_800_000_000.0
-        params = {"x@far.test": "NOTIFY=NEVER ORCPT=rfc822;X@far.test", "y@far.test": ""}
-        store.transaction(lambda c: _processed(c, cfg, ["x@far.test", "y@far.test"], now - 50,
+        params = {"x@example.test": "NOTIFY=NEVER ORCPT=rfc822;X@example.test", "y@example.test": ""}
+        store.transaction(lambda c: _processed(c, cfg, ["x@example.test", "y@example.test"], now - 50,
                                                dsn_mail="RET=HDRS ENVID=QQ+2B314", dsn_rcpt=params))
-        [done] = store.transaction(lambda c: resubmit(c, cfg, destination="smarthost:127.0.0.1:2500",
-                                                      start=now - 100, end=now, now=now))
+        [done] = store.transaction(lambda c: resubmit(c, cfg, destination="MDB01", start=now - 100, end=now,
+                                                      now=now))
         new = store.read(lambda c: mq.message_row(c, done.new_id))
         assert new["dsn_params"] == "RET=HDRS ENVID=QQ+2B314"
         got = store.read(lambda c: {r.address: r.dsn_params for r in c.execute(
@@ -273,7 +298,9 @@ def test_redirect_refuses_an_unknown_target(two_nodes):
 
 def test_resubmit_gap_is_filled_from_the_peers_shadow_safety_net(two_nodes, procs, tmp_path):
     """node1 loses its whole data dir (queue database and mailboxes); the window before its new queue
-    database is resubmitted from node2's Shadow Safety Net, and alice gets her message back."""
+    database is resubmitted from node2's Safety Net, and alice gets both her messages back: the one
+    node1 received (node2 held its shadow) and the one node2 received and handed node1 hop by hop
+    (node1 took it as primary; node2's copy is in node2's Primary Safety Net, the only one left)."""
     import shutil
     import signal
     from datetime import datetime, timezone
@@ -286,9 +313,17 @@ def test_resubmit_gap_is_filled_from_the_peers_shadow_safety_net(two_nodes, proc
     time.sleep(1.1)  # part of the scenario (a clock): --start has whole seconds, the message comes after
     queued_id(swaks(int(port), "--to", "alice@example.test", "--from", "bob@remote.test",
                     "--header", "Subject: safety net me", server=host))
+    h2, _, p2 = node2.frontend.rpartition(":")
+    queued_id(swaks(int(p2), "--to", "alice@example.test", "--from", "dan@remote.test",
+                    "--header", "Subject: handed hop by hop", server=h2))
     alice = lambda: MailboxStore(__import__("pathlib").Path(node1.data_dir) / "mailboxes").list("alice@example.test")
-    wait_for(alice, what="delivery to alice on node1")
-    wait_for(lambda: _events(node2.config, event_id="HADISCARD"), timeout=15, what="node2 moving its shadow to its Shadow Safety Net")
+    wait_for(lambda: len(alice()) == 2, what="delivery of both messages to alice on node1")
+
+    def node2_safety_net():
+        res = _cli(node2.config, "safetynet", "list", "--json")
+        return sorted(json.loads(x)["safety_net"] for x in res.stdout.splitlines())
+    wait_for(lambda: node2_safety_net() == ["Primary", "Shadow"], timeout=15,
+             what="node2's shadow in its Shadow Safety Net, its hop-by-hop copy in its Primary Safety Net")
 
     # node1 dies and comes back with nothing: a new queue database ID, an empty mailbox store.
     proc1 = next(p for p in procs.procs if node1.config in p.args)
@@ -304,12 +339,13 @@ def test_resubmit_gap_is_filled_from_the_peers_shadow_safety_net(two_nodes, proc
     res = _cli(node1.config, "safetynet", "resubmit", "--destination", "MDB01", "--start", start)
     assert res.returncode == 0, res.stderr
     assert "0 message(s) resubmitted" in res.stdout  # node1's own Primary Safety Net is empty
-    assert f"{node2.name}: 250 2.0.0 1 message(s) resubmitted from the Shadow Safety Net" in res.stdout
+    assert f"{node2.name}: 250 2.0.0 2 message(s) resubmitted from the Safety Net" in res.stdout
 
     resub = _events(node2.config, event_id="RESUBMIT")
-    assert [(e["source"], e["source-context"]) for e in resub] == [("SAFETYNET", "MDB01;MessageResubmit")]
-    files = wait_for(alice, timeout=20, what="the resubmitted copy in alice's Maildir")
-    assert len(files) == 1 and b"Subject: safety net me" in files[0].read_bytes()
+    assert [(e["source"], e["source-context"]) for e in resub] == [("SAFETYNET", "MDB01;MessageResubmit")] * 2
+    files = wait_for(lambda: len(alice()) == 2 and alice(), timeout=20, what="the resubmitted copies in alice's Maildir")
+    subjects = sorted(line for f in files for line in f.read_bytes().splitlines() if line.startswith(b"Subject:"))
+    assert subjects == [b"Subject: handed hop by hop", b"Subject: safety net me"]
 
 
 def test_discard_events_are_kept_until_the_shadow_quits(two_nodes, procs, sink):
@@ -399,4 +435,17 @@ def test_shadow_node_resubmits_for_an_unreachable_primary(two_nodes, procs):
     res = _cli(node2.config, "safetynet", "resubmit", "--destination", "MDB01", "--start", start,
                "--for-primary", node1.name, "--force")
     assert res.returncode == 0, res.stderr
-    assert res.stdout.startswith("1 message(s) of node1.transportd.test resubmitted")
+    assert res.stdout.startswith("1 message(s) resubmitted to MDB01 for node1.transportd.test"), res.stdout
+
+
+def test_resubmit_to_a_next_hop_outside_the_boundary_is_refused(tmp_path):
+    """Exchange: no resubmission from Safety Net once a message crossed the boundary; the CLI says
+    so and changes nothing."""
+    [spec] = generate(tmp_path / "cluster", nodes=1, sites=1, ip_base=random.randint(20, 200),
+                      frontend_port=free_port(), transport_port=free_port())
+    for destination in ("smarthost:127.0.0.1:2500", "dns:example.org"):
+        res = _cli(spec.config, "safetynet", "resubmit", "--destination", destination, "--start",
+                   "2026-01-01T00:00:00Z")
+        assert res.returncode == 2, res
+        assert "outside the boundary" in res.stderr and "Traceback" not in res.stderr
+    assert not (Path(spec.data_dir) / "queue.db").exists()

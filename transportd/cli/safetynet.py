@@ -55,19 +55,26 @@ def safetynet_list(cfg: Config, source: str, as_json: bool) -> None:
 @safetynet_group.command("resubmit")
 @node_options
 @click.option("--destination", required=True,
-              help="a mailbox database (MDB01) or a queue identity (smarthost:127.0.0.1:2500)")
+              help="a mailbox database (MDB01), or the queue of a peer of the boundary (peer:NODE); never a "
+                   "next hop outside the boundary")
 @click.option("--start", required=True, help="window start (ISO 8601)")
 @click.option("--end", default=None, help="window end (ISO 8601; default now)")
 @click.option("--from", "source", type=click.Choice(["primary", "shadow", "both"]), default="both",
               show_default=True, help="which Safety Net of this node to resubmit from")
 @click.option("--for-primary", "for_primary", default=None, metavar="NODE",
-              help="on a shadow node: resubmit the Shadow Safety Net copies of NODE, which has been "
-                   "unreachable longer than safety_net.primary_safety_net_unreachable_time")
+              help="on a shadow node: resubmit the Shadow Safety Net copies of NODE (and this node's Primary "
+                   "Safety Net copies for DESTINATION), NODE having been unreachable longer than "
+                   "safety_net.primary_safety_net_unreachable_time")
 @click.option("--force", is_flag=True, help="with --for-primary: even if NODE answered recently")
 def safetynet_resubmit(cfg: Config, destination: str, start: str, end: str | None, source: str,
                        for_primary: str | None, force: bool) -> None:
     """Queue again what this node's Safety Net holds for DESTINATION in a time window."""
-    from transportd.queue.safetynet import database_created_at, resubmit
+    from transportd.queue.safetynet import database_created_at, outside_boundary, resubmit
+    if outside_boundary(destination):
+        raise click.BadParameter(
+            f"{destination} is a next hop outside the boundary: Safety Net never resubmits what crossed it "
+            f"(its recipients would see the message twice, as in Exchange); name a mailbox database or a "
+            f"peer's queue", param_hint="--destination")
     if for_primary:
         _resubmit_for_unreachable_primary(cfg, destination, start, end, for_primary.lower(), force)
         return
@@ -94,7 +101,7 @@ def safetynet_resubmit(cfg: Config, destination: str, start: str, end: str | Non
             click.echo(f"note: this queue database was created at {fmt_time(created)} UTC; nothing here covers "
                        f"the window before that, and no peers are configured to ask", err=True)
         else:
-            click.echo(f"this queue database was created at {fmt_time(created)} UTC: asking the peers' Shadow "
+            click.echo(f"this queue database was created at {fmt_time(created)} UTC: asking the peers' "
                        f"Safety Nets for {fmt_time(s)} - {fmt_time(gap_end)} UTC")
             for peer, answer in ask_peers_to_resubmit(cfg, destination, s, gap_end):
                 click.echo(f"  {peer}: {answer}")
@@ -124,12 +131,14 @@ def _resubmit_for_unreachable_primary(cfg: Config, destination: str, start: str,
             return
         failures: list = []
         done = store.transaction(functools.partial(resubmit, cfg=cfg, destination=destination, start=s, end=e,
-                                                   sources=("shadow",), for_primary=primary, failures=failures))
+                                                   sources=("primary", "shadow"), for_primary=primary,
+                                                   failures=failures))
         trk = tracking_log_for(cfg, store)
     finally:
         store.close()
     log_resubmits(trk, done, destination)
-    click.echo(f"{len(done)} message(s) of {primary} resubmitted to {destination} from this node's Shadow Safety Net")
+    click.echo(f"{len(done)} message(s) resubmitted to {destination} for {primary} from this node's Safety Net "
+               f"(its shadows here, and what this node processed for {destination})")
     report_resubmit_failures(failures)
 
 

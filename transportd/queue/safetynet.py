@@ -1,10 +1,12 @@
 """Safety Net resubmission (docs/PROTOCOL.md section 5): copies kept after processing, replayed on request.
 
 It owns choosing, from this node's Primary or Shadow Safety Net, the messages of a
-time window that went (or would go) to one destination (a mailbox database or a
-queue identity), and queueing them again as new copies: the same
+time window that went (or would go) to one destination (a mailbox database, or the
+queue of a peer of the boundary), and queueing them again as new copies: the same
 network-message-id, origin ``resubmit``, DSNs suppressed. Duplicate detection at
-the mailbox store keeps users from seeing copies twice. Expiry of the Safety Net
+the mailbox store keeps users from seeing copies twice. Recipients outside the
+boundary are never resubmitted (Exchange: no resubmission once a message crossed
+it; an outside recipient would see the copy twice). Expiry of the Safety Net
 itself is the delivery agent's housekeeping.
 """
 
@@ -14,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, func, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.engine import Connection
 
 from transportd import faults
@@ -38,6 +40,12 @@ def destination_matches(hop_identity: str, destination: str) -> bool:
     if hop_identity == destination:
         return True
     return hop_identity == f"mailbox:{destination}" or hop_identity.startswith("peer:") and destination == hop_identity[5:]
+
+
+def outside_boundary(destination: str) -> bool:
+    """A queue identity of a next hop outside the boundary (a smart host, a send connector's hosts,
+    a domain's MX hosts): Safety Net never resubmits to one."""
+    return destination.startswith(("smarthost:", "dns:"))
 
 
 def database_of(address: str, cfg: Any) -> str | None:
@@ -66,7 +74,10 @@ def resubmit(conn: Connection, cfg: Any, *, destination: str, start: float, end:
         # The window is when a copy entered the Safety Net (delivered, or discarded on a shadow),
         # as Exchange's resubmit requests mean it, not when the message was first received.
         func.coalesce(messages.c.completed_at, messages.c.received_at).between(start, end),
-        *( [messages.c.primary_node == for_primary] if for_primary else [] )).order_by(messages.c.id)).mappings().all()
+        # For a peer (``for_primary``): its shadows, and every copy of our Primary Safety Net (mail we
+        # handed it hop by hop is in ours: it took that mail as primary, we kept the copy).
+        *([or_(messages.c.role == "primary", messages.c.primary_node == for_primary)] if for_primary else [])
+    ).order_by(messages.c.id)).mappings().all()
     for m in rows:
         try:
             with mq.savepoint(conn, "resubmit_one"):
@@ -91,7 +102,11 @@ def _resubmit_one(conn: Connection, cfg: Any, m: Any, destination: str, now: flo
     cond = recipients.c.message_id == m["id"]
     if m["role"] == "primary":
         cond = and_(cond, recipients.c.status == mq.DELIVERED)
-    params = {a: d or "" for a, d in conn.execute(select(recipients.c.address, recipients.c.dsn_params).where(cond))}
+    # Only recipients inside the boundary (accepted domains: a mailbox database here or on a peer):
+    # "No resubmission of the message from Safety Net can occur after the primary message has been
+    # successfully transmitted across the transport high availability boundary" (Exchange).
+    params = {a: d or "" for a, d in conn.execute(select(recipients.c.address, recipients.c.dsn_params).where(cond))
+              if is_accepted(domain_of(a), cfg.routing.accepted_domains)}
     addrs = list(params)
     chosen = {hop: a for hop, a in bifurcate(addrs, cfg).items()
               if destination_matches(hop.identity, destination)}

@@ -672,4 +672,4 @@ class ServerConnection:
 
     def resubmit_reply(self, count: int) -> bytes:
         self._take(ResubmitRequested, "XRESUBMIT")
-        return _wire(f"250 2.0.0 {int(count)} message(s) resubmitted from the Shadow Safety Net")
+        return _wire(f"250 2.0.0 {int(count)} message(s) resubmitted from the Safety Net")

@@ -161,10 +161,14 @@ class ShadowQueues:
         return total
 
     async def resubmit_for(self, primary: str, destination: str, start: float, end: float) -> int:
-        """Resubmit our Shadow Safety Net copies of ``primary`` for a destination and window."""
+        """A peer's resubmit request (``primary`` asks, or asked and has been unreachable too long):
+        our Shadow Safety Net copies of ``primary`` and our Primary Safety Net copies for the
+        destination and window. The latter include the mail we handed ``primary`` hop by hop (it
+        took it as primary; our copy is the only other one once its queue database is lost), as
+        Exchange's broadcast asks every Safety Net of the boundary for the database's messages."""
         failures: list = []
         done = await self.store.write(lambda c: safetynet.resubmit(
-            c, self.cfg, destination=destination, start=start, end=end, sources=("shadow",),
+            c, self.cfg, destination=destination, start=start, end=end, sources=("primary", "shadow"),
             for_primary=primary, failures=failures), queue_changed=True)
         for row, exc in failures:
             await self.events.message_failed(row, "resubmit", exc)
@@ -172,7 +176,7 @@ class ShadowQueues:
             self.events.track("RESUBMIT", "SAFETYNET", {"id": r.new_id, "network_message_id": r.network_message_id},
                               recipients=r.recipients, reference=str(r.original_id),
                               source_context=f"{destination};MessageResubmit")
-        log.info("resubmitted %d Shadow Safety Net copies of %s for %s", len(done), primary, destination)
+        log.info("resubmitted %d Safety Net copies for %s at %s's request", len(done), destination, primary)
         return len(done)
 
     async def resubmit_requested(self, primary: str, now: float) -> int:
@@ -186,7 +190,7 @@ class ShadowQueues:
                 result = "expired: the Safety Net no longer holds that window"
             else:
                 n = await self.resubmit_for(primary, req["destination"], req["start_at"], req["end_at"])
-                result = f"{n} message(s) resubmitted from the Shadow Safety Net"
+                result = f"{n} message(s) resubmitted from the Safety Net"
                 log.warning("%s unreachable for %s: resubmit request %d for %s served here: %s", primary,
                             self.cfg.safety_net.primary_safety_net_unreachable_time, req["id"],
                             req["destination"], result)
