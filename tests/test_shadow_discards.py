@@ -77,3 +77,47 @@ def test_a_discard_cut_short_by_its_caller_still_writes_every_hadiscard(tmp_path
         assert left == 0
     finally:
         store.close()
+
+
+def test_a_hop_by_hop_fork_never_discarded_expires_as_an_unacknowledged_shadow(tmp_path):
+    """A message handed to a peer hop by hop stays here (a fork) until that peer's discard. A peer
+    drops a discard event nobody asks for within ShadowMessageAutoDiscardInterval (this node down
+    that long): nothing else would end the fork, and the message would stay queued for good. After
+    SafetyNetHoldTime + MessageExpirationTimeout it expires (HADISCARD Expired), as a shadow does;
+    a younger fork, and a message with a recipient still pending, are left as they are."""
+    from sqlalchemy import select, update
+
+    from transportd.queue.store import messages, recipients, shadow_forks
+
+    cfg = load_dict({"node": {"name": "n2.t", "data_dir": str(tmp_path)}})
+    store = QueueStore.open(tmp_path / "queue.db")
+    now = 1_800_000_000.0
+    expire_after = 4 * 86400
+
+    def forked(conn, rcpts, handed, taken_at):
+        mid = mq.enqueue(conn, mq.NewMessage(str(uuid.uuid4()), "a@x.test", b"Subject: s\r\n\r\nb\r\n",
+                                             bifurcate(rcpts, cfg), taken_at, taken_at + 3600))
+        rows = conn.execute(select(recipients.c.id, recipients.c.address).where(
+            recipients.c.message_id == mid)).all()
+        conn.execute(update(recipients).where(recipients.c.message_id == mid).values(status=mq.ACTIVE))
+        mq.record_outcomes(conn, [mq.Outcome(r.id, mq.DELIVERED) for r in rows if r.address in handed],
+                           taken_at, retry_interval=1, retry_count=1, long_interval=1)
+        sq.record_forks(conn, [(mid, "p1.t", str(uuid.uuid4()), 1, "db1")], taken_at)
+        assert not mq.finish_if_done(conn, mid, taken_at, 3600)  # held for the fork
+        return mid
+
+    try:
+        old = store.transaction(lambda c: forked(c, ["r1@far.test"], {"r1@far.test"}, now - expire_after - 10))
+        young = store.transaction(lambda c: forked(c, ["r2@far.test"], {"r2@far.test"}, now - 60))
+        partial = store.transaction(lambda c: forked(c, ["r3@far.test", "r4@near.test"], {"r3@far.test"},
+                                                     now - expire_after - 10))
+        expired = store.transaction(lambda c: sq.shadow_housekeeping(
+            c, now, auto_discard=2 * 86400, expire_after=expire_after, hold=2 * 86400, live_tokens=set()))
+        assert [r["id"] for r in expired] == [old]
+        state = store.read(lambda c: dict(c.execute(select(messages.c.id, messages.c.state)).all()))
+        assert (state[old], state[young], state[partial]) == (mq.MSG_REMOVED, mq.QUEUED, mq.QUEUED)
+        forks = store.read(lambda c: sorted(c.execute(select(shadow_forks.c.message_id)).scalars()))
+        assert forks == [young]  # the partial message's fork ended; its pending recipient goes on
+        assert "p1.t" in store.read(lambda c: sq.primaries_to_poll(c))  # the young fork still polls it
+    finally:
+        store.close()

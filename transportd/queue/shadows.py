@@ -326,7 +326,9 @@ def shadow_housekeeping(conn: Connection, now: float, *, auto_discard: float, ex
                         hold: float, live_tokens: set[str]) -> list[dict]:
     """Drop discard events nobody asked for within ``auto_discard``, close resubmit requests older
     than the Safety Net, hand out again the events of sessions gone (not in ``live_tokens``), and
-    remove shadows never discarded within ``expire_after``; returns those shadows' rows."""
+    remove shadows never discarded within ``expire_after``, hop-by-hop forks too (the copy we kept
+    of a message a peer took as primary: its discard event may have been dropped on the peer, and
+    nothing else would ever end it); returns the rows of the copies that expired."""
     conn.execute(delete(discard_events).where(discard_events.c.created_at < now - auto_discard))
     conn.execute(update(resubmit_requests).where(
         resubmit_requests.c.done_at.is_(None), resubmit_requests.c.created_at < now - hold)
@@ -341,4 +343,23 @@ def shadow_housekeeping(conn: Connection, now: float, *, auto_discard: float, ex
     ids = [r["id"] for r in rows]
     if ids:
         conn.execute(update(messages).where(messages.c.id.in_(ids)).values(state=mq.MSG_REMOVED, completed_at=now))
-    return [dict(r) for r in rows]
+    return [dict(r) for r in rows] + _expire_forks(conn, now, now - expire_after)
+
+
+def _expire_forks(conn: Connection, now: float, before: float) -> list[dict]:
+    """Forks taken before ``before`` end as an unacknowledged shadow does (Exchange: it expires
+    after SafetyNetHoldTime + MessageExpirationTimeout): the message leaves the queue once nothing
+    else of it is pending, not kept in the Safety Net; returns the messages that ended."""
+    old = shadow_forks.c.created_at < before
+    ids = sorted(set(conn.execute(select(shadow_forks.c.message_id).where(old).limit(1000)).scalars()))
+    if not ids:
+        return []
+    conn.execute(delete(shadow_forks).where(old, shadow_forks.c.message_id.in_(ids)))
+    ended = []
+    for mid in ids:
+        try:
+            if mq.finish_if_done(conn, mid, now, 0.0):
+                ended.append(mid)
+        except LookupError:  # a fork left by a message no longer in the queue: nothing to end
+            continue
+    return [mq.message_row(conn, mid) or {"id": mid} for mid in ended]

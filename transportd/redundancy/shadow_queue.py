@@ -199,7 +199,8 @@ class ShadowQueues:
         return len(pending)
 
     async def housekeeping(self, now: float, live_tokens: set[str]) -> None:
-        """Drop discard events nobody asked for; expire shadows never acknowledged."""
+        """Drop discard events nobody asked for; expire shadows (and hop-by-hop forks) never
+        acknowledged."""
         cfg = self.cfg
         expired = await self.store.write(lambda c: sq.shadow_housekeeping(
             c, now, auto_discard=cfg.shadow_redundancy.shadow_message_auto_discard_interval,
