@@ -687,3 +687,14 @@ def test_shell_completion_is_clicks():
     out = subprocess.run([sys.executable, "-m", "transportd"], capture_output=True, text=True, timeout=30,
                          env=env, check=False).stdout
     assert out.split() == ["plain,remove", "plain,resume"], out
+
+
+@pytest.mark.parametrize("cmd", [["message", "show"], ["message", "export"], ["message", "remove"],
+                                 ["message", "suspend"], ["message", "resume"], ["message", "list"]])
+def test_a_message_id_past_sqlites_integers_is_one_line_and_exit_2(tmp_path, cmd):
+    """An id no SQLite integer can hold was an OverflowError traceback out of the query."""
+    path = tmp_path / "node.toml"
+    path.write_text(f'[node]\ndata_dir = "{tmp_path / "data"}"\n')
+    res = invoke(*cmd, "99999999999999999999999999", "--config", str(path))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res
+    assert "99999999999999999999999999" in res.stderr, res.stderr  # (the real CLI: one line, as above)

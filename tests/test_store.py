@@ -669,3 +669,44 @@ def test_version_6_database_drops_the_indexes_no_query_needs(tmp_path) -> None:
         assert any("ix_recipients_queue_due" in str(r[-1]) for r in plan), plan
     finally:
         store.close()
+
+
+def test_daemon_with_a_read_only_database_says_so_and_exits_cleanly(make_node) -> None:
+    """A queue database the node cannot write (made immutable: root ignores file modes) stops the
+    start with one line naming the database, exit 1, no traceback; it was a raw OperationalError
+    out of the first write, after the store had opened."""
+    import shutil
+    import subprocess as sp
+
+    if shutil.which("chattr") is None:
+        pytest.skip("chattr not installed")
+    node = make_node()
+    node.start()
+    assert node.stop() == 0
+    db = node.data_dir / "queue.db"
+    if sp.run(["chattr", "+i", str(db)], capture_output=True).returncode != 0:
+        pytest.skip("this file system has no immutable flag")
+    try:
+        node.start(wait=False)
+        assert node.proc is not None
+        assert node.proc.wait(timeout=30) == 1
+        log = node.log()
+        assert "cannot start: queue database" in log and str(db) in log and "readonly" in log, log
+        assert "Traceback" not in log
+    finally:
+        sp.run(["chattr", "-i", str(db)], capture_output=True)
+
+
+def test_sighup_is_said_and_the_node_goes_on(make_node) -> None:
+    """A hangup killed the node (no handler): a crash as far as the next start could tell. It is
+    logged, and the node keeps serving; SIGTERM still stops it cleanly."""
+    import signal as sig
+
+    node = make_node()
+    node.start()
+    assert node.proc is not None
+    node.proc.send_signal(sig.SIGHUP)
+    wait_for(lambda: "SIGHUP" in node.log(), what="the SIGHUP line")
+    assert node.alive
+    queued_id(swaks(node.port, "--to", "alice@example.test", "--from", "bob@remote.test"))
+    assert node.stop() == 0

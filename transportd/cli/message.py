@@ -46,6 +46,12 @@ def selection_options(fn: Callable) -> Callable:
     return wrapper
 
 
+
+# Internal message ids are SQLite integers (at most 2**63 - 1): a larger number names no message.
+MAX_MESSAGE_ID = 2**63 - 1
+MESSAGE_ID = click.IntRange(0, MAX_MESSAGE_ID)
+
+
 def parse_selection(words: Sequence[str], filters: Sequence[str]) -> Selection:
     """The selection of the command line; a bad id or term is one line and exit 2, nothing done."""
     try:
@@ -60,8 +66,10 @@ def parse_selection(words: Sequence[str], filters: Sequence[str]) -> Selection:
             continue
         given = True
         for token in (read_stdin_ids() if word == "-" else [word]):
-            if not token.isdigit():
+            if not (token.isascii() and token.isdigit()):
                 raise ConfigCliError(f"message id {token!r}{' (on stdin)' if word == '-' else ''}: not a number")
+            if int(token) > MAX_MESSAGE_ID:
+                raise ConfigCliError(f"message id {token}: no message has so large an id (at most {MAX_MESSAGE_ID})")
             ids.append(int(token))
     if everything and given:
         raise ConfigCliError("give message ids or ALL, not both")
@@ -146,7 +154,7 @@ def get_message(cfg: Config, message_id: int) -> dict:
 
 @message_group.command("show")
 @node_options
-@click.argument("message_id", type=int)
+@click.argument("message_id", type=MESSAGE_ID)
 @json_option("one JSON object")
 def message_show(cfg: Config, message_id: int, as_json: bool) -> None:
     """Envelope, headers, per-recipient status and tracking events of one message."""
@@ -190,7 +198,7 @@ def message_show(cfg: Config, message_id: int, as_json: bool) -> None:
 
 @message_group.command("export")
 @node_options
-@click.argument("message_id", type=int)
+@click.argument("message_id", type=MESSAGE_ID)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), default=None,
               help="file to write (default: standard output)")
 @click.option("--envelope", is_flag=True,

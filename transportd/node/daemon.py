@@ -34,7 +34,7 @@ from transportd.queue import messages as mq
 from transportd.queue.delivered import DeliveredLog
 from transportd.queue.mailbox import MailboxStore
 from transportd.queue.routing import MAILBOX, PEER
-from transportd.queue.store import QueueStore
+from transportd.queue.store import DATABASE_ERRORS, QueueStore
 from transportd.redundancy.manager import ShadowManager
 from transportd.redundancy.server import TransportHandler, TransportSMTP, make_peer_authenticator
 from transportd.smtp.frontend import FrontendHandler
@@ -244,10 +244,20 @@ async def _serve(cfg: Config, log_format: str) -> int:
     except StoreError as exc:
         log.error("cannot start: %s", exc)
         return 1
+    except DATABASE_ERRORS as exc:  # e.g. a queue database file made read-only
+        log.error("cannot start: queue database %s cannot be used: %s", cfg.db_path,
+                  getattr(exc, "orig", None) or exc)
+        if node.store is not None:
+            node.store.close()
+        return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # A hangup (a closed terminal, a reload habit) must not kill the node as a crash would.
+    loop.add_signal_handler(signal.SIGHUP, lambda: log.warning(
+        "SIGHUP: nothing to reload, the node reads its configuration at start; to apply a change, "
+        "stop it (SIGTERM) and start it again"))
     log.info("%s ready on %s", cfg.node.name, frontend_bindings(cfg))  # a log line: JSON with --log-format json
     await stop.wait()
     log.info("shutting down")

@@ -143,6 +143,7 @@ class ReceiveWorker:
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C reaches the owner, which stops us
+        loop.add_signal_handler(signal.SIGHUP, lambda: None)  # a hangup of the group: the owner says it
         tasks = [asyncio.ensure_future(self._report(store, stop)),
                  asyncio.ensure_future(self._owner_gone(reader, stop))]
         log.info("receive worker %d (pid %d) serving the frontend on %s", self.index, os.getpid(),

@@ -307,6 +307,11 @@ MIGRATIONS: list[Callable[[Connection], None]] = [_migration_1, _migration_2, _m
 
 
 
+# What a failed statement or commit raises (the driver's error, or SQLAlchemy's around it): for
+# callers outside this package, which never import SQLAlchemy.
+DATABASE_ERRORS = (sqlite3.Error, DatabaseError, OperationalError)
+
+
 # SQLite primary result codes that describe the environment, not the file's content.
 _ENVIRONMENT_ERRORS = frozenset({
     sqlite3.SQLITE_PERM, sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_NOMEM,
