@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session, syntax
 
-from transportd.errors import MessageRejected
+from transportd.errors import MessageRejected, StoreError
 from transportd.redundancy.connection import (
     AdoptRequested,
     DiscardRequested,
@@ -225,10 +225,12 @@ class TransportHandler(FrontendHandler):
                 return exc.reply
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001
-                log.exception("storing a shadow copy for %s failed", request.primary_fqdn,
-                              extra={"internal_message_id": None,
-                                     "network_message_id": network_id_from(envelope.original_content or b"")})
+            except Exception as exc:  # noqa: BLE001
+                # The queue database (a full disk...) is said in one line; anything else with its traceback.
+                (log.error if isinstance(exc, StoreError) else log.exception)(
+                    "storing a shadow copy for %s failed: %s", request.primary_fqdn, exc,
+                    extra={"internal_message_id": None,
+                           "network_message_id": network_id_from(envelope.original_content or b"")})
                 return replies.S451_INTERNAL
             return redundancy_reply(message_id, internal_id, self.manager.node_name)
         return await super().handle_DATA(server, session, envelope)

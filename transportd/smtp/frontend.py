@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable
 
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
-from transportd.errors import MessageRejected
+from transportd.errors import MessageRejected, StoreError
 from transportd.smtp import replies
 from transportd.smtp.addresses import (
     address_literal_of,
@@ -175,6 +175,9 @@ class FrontendHandler:
         except asyncio.CancelledError:
             # The client went away; the shielded accept finishes on its own (the sender retries).
             raise
+        except StoreError as exc:  # the queue database (a full disk...): said, not a traceback
+            log.error("accepting a message from %s failed: %s", session.peer, exc)
+            return replies.S451_INTERNAL
         except Exception:  # noqa: BLE001 - never a 5xx for our own failure
             log.exception("accepting a message from %s failed", session.peer)
             return replies.S451_INTERNAL
@@ -185,7 +188,10 @@ class FrontendHandler:
         return replies.S250_QUEUED.format(id=internal_id)
 
     async def handle_exception(self, error: Exception) -> str:
-        log.exception("SMTP session error: %s", error)
+        if isinstance(error, StoreError):  # the queue database (a full disk...): said, not a traceback
+            log.error("SMTP session error: %s", error)
+        else:
+            log.exception("SMTP session error: %s", error)
         return replies.S451_INTERNAL
 
 
