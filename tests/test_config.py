@@ -37,6 +37,7 @@ def test_parse_duration_accepts(value, seconds) -> None:
 @pytest.mark.parametrize("value", [
     "", " ", "abc", "5x", "m5", "5m3", "1h30", "h", "-5", "-5m", "nan", "inf", "1:2", "02:00",
     "5 minutes", "1h,30m", True, False, None, [5], {"s": 5}, -1, float("nan"), float("inf"),
+    "02:99:00", "00:00:60", "00:60:00", "1.24:00:00",  # a TimeSpan's minutes and seconds are under 60
     pytest.param(10 ** 400, id="huge-int"),
 ])
 def test_parse_duration_rejects_with_value_error(value) -> None:

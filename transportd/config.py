@@ -62,6 +62,10 @@ def parse_duration(value: Any) -> float:
         m = _TIMESPAN_RE.match(text)
         if m:
             days, hours, minutes, secs = m.groups()
+            if int(minutes) > 59 or float(secs) >= 60 or (days and int(hours) > 23):
+                # A TimeSpan as Exchange reads it ([d.]hh:mm:ss): 02:99:00 is a typo, not 219 minutes.
+                raise ValueError(f"a TimeSpan [d.]hh:mm:ss has minutes and seconds under 60 (and hours "
+                                 f"under 24 after days), got {value!r}")
             seconds = int(days or 0) * 86400 + int(hours) * 3600 + int(minutes) * 60 + float(secs)
         else:
             try:
