@@ -314,6 +314,21 @@ def test_tls_files_resolve_against_the_config_folder(tmp_path: Path) -> None:
         load_dict({"frontend": {"tls_certificate": "cert.pem", "tls_key": "missing.pem"}}, base_dir=tmp_path)
 
 
+def test_tls_files_that_are_not_what_the_key_names_are_refused_naming_it(tmp_path: Path) -> None:
+    """A folder given as a file said "no such file"; a CA bundle of garbage was taken, to fail every
+    TLS session to the peers later."""
+    (tmp_path / "cert.pem").write_text("c")
+    (tmp_path / "keys").mkdir()
+    with pytest.raises(ConfigError, match=r"frontend\.tls_key: not a regular file: .*keys"):
+        load_dict({"frontend": {"tls_certificate": "cert.pem", "tls_key": "keys"}}, base_dir=tmp_path)
+    (tmp_path / "ca.pem").write_text("not a certificate\n")
+    with pytest.raises(ConfigError, match=r"transport\.tls_ca: .*ca\.pem holds no PEM certificate"):
+        load_dict({"transport": {"tls_ca": "ca.pem"}}, base_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"send_connectors\[0\]\.tls_ca: .*holds no PEM certificate"):
+        load_dict({"send_connectors": [{"name": "out", "address_spaces": ["*"], "smart_hosts": "127.0.0.1:25",
+                                        "require_tls": True, "tls_ca": "ca.pem"}]}, base_dir=tmp_path)
+
+
 def test_require_tls_and_auth_need_a_certificate(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"frontend\.require_tls:"):
         load_dict({"frontend": {"require_tls": True}})

@@ -710,3 +710,18 @@ def test_sighup_is_said_and_the_node_goes_on(make_node) -> None:
     assert node.alive
     queued_id(swaks(node.port, "--to", "alice@example.test", "--from", "bob@remote.test"))
     assert node.stop() == 0
+
+
+def test_a_certificate_and_a_key_that_do_not_match_stop_the_start_naming_the_keys(make_node, tmp_path) -> None:
+    """They said only "[X509: KEY_VALUES_MISMATCH] key values mismatch": not which setting."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    ca.issue_cert("node1.transportd.test").cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    ca.issue_cert("other.transportd.test").private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    node = make_node(overrides={"frontend": {"tls_certificate": str(tmp_path / "cert.pem"),
+                                             "tls_key": str(tmp_path / "key.pem")}})
+    node.start(wait=False)
+    assert node.proc is not None and node.proc.wait(timeout=30) == 1
+    log = node.log()
+    assert "cannot start: frontend.tls_certificate and frontend.tls_key" in log and "key.pem" in log, log
+    assert "Traceback" not in log

@@ -865,6 +865,7 @@ def _send_connectors(value: Any, source: str, base_dir: Path) -> list[SendConnec
             ca = Path(tls["tls_ca"]) if Path(tls["tls_ca"]).is_absolute() else base_dir / tls["tls_ca"]
             if not ca.is_file():
                 raise ConfigError(f"{where}.tls_ca: no such file: {ca}")
+            _check_ca_bundle(ca, f"{where}.tls_ca")
             tls["tls_ca"] = str(ca)
         if (tls.get("tls_ca") or tls.get("tls_auth_level", "EncryptionOnly") != "EncryptionOnly") \
                 and not tls.get("require_tls"):
@@ -902,8 +903,22 @@ def _resolve_tls_files(values: dict[str, dict[str, Any]], base_dir: Path, source
             if table[name]:
                 p = Path(table[name]) if Path(table[name]).is_absolute() else base_dir / table[name]
                 if not p.is_file():
-                    raise ConfigError(f"{source}: {section}.{name}: no such file: {p}")
+                    raise ConfigError(f"{source}: {section}.{name}: "
+                                      f"{'not a regular file' if p.exists() else 'no such file'}: {p}")
+                if name == "tls_ca":
+                    _check_ca_bundle(p, f"{source}: {section}.tls_ca")
                 table[name] = str(p)
+
+
+def _check_ca_bundle(path: Path, where: str) -> None:
+    """A CA bundle must hold PEM certificates: a garbage file would only fail each TLS session later."""
+    import ssl
+    try:
+        ssl.create_default_context().load_verify_locations(cafile=str(path))
+    except ssl.SSLError as exc:
+        raise ConfigError(f"{where}: {path} holds no PEM certificate ({exc.reason or exc})") from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read {path}: {exc.strerror or exc}") from None
 
 
 def _read_secret_file(cluster: dict[str, Any], base_dir: Path, source: str) -> None:

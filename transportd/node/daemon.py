@@ -144,7 +144,7 @@ class Node:
             counter = ConnectionCounter(fe.max_inbound_connection, fe.max_inbound_connection_per_source)
             self.metrics.watch_connections("frontend", counter)
         handler = FrontendHandler(cfg, self.accept_path.accept, "frontend")
-        tls = server_tls(fe.tls_certificate, fe.tls_key, cfg.node.tls_certificate_check_interval)
+        tls = server_tls(fe.tls_certificate, fe.tls_key, cfg.node.tls_certificate_check_interval, "frontend")
         factory = smtp_factory(cfg, handler, counter, tls)
         for listen in fe.listen:  # one server per binding, all sharing the session counter and limits
             await self._serve(listen, factory, reuse_port=processes > 1)
@@ -158,7 +158,7 @@ class Node:
     async def _listen_transport(self) -> None:
         cfg = self.cfg
         tls_context = server_tls(cfg.transport.tls_certificate, cfg.transport.tls_key,
-                                 cfg.node.tls_certificate_check_interval)
+                                 cfg.node.tls_certificate_check_interval, "transport")
         counter = ConnectionCounter(cfg.frontend.max_inbound_connection,
                                     max(cfg.frontend.max_inbound_connection_per_source, 100))
         self.metrics.watch_connections("transport", counter)

@@ -135,7 +135,7 @@ class ReceiveWorker:
         counter = self.sessions.counter(self.index, fe.max_inbound_connection, fe.max_inbound_connection_per_source)
         loop = asyncio.get_running_loop()
         handler = FrontendHandler(cfg, accept_path.accept, "frontend")
-        tls = server_tls(fe.tls_certificate, fe.tls_key, cfg.node.tls_certificate_check_interval)
+        tls = server_tls(fe.tls_certificate, fe.tls_key, cfg.node.tls_certificate_check_interval, "frontend")
         factory = smtp_factory(cfg, handler, counter, tls)
         servers = [await serve_binding(listen, factory, reuse_port=True) for listen in fe.listen]
         for listen, implicit, options in implicit_tls_bindings(cfg, handler, counter, tls):

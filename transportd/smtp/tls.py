@@ -82,8 +82,14 @@ class ServerTLS:
         log.info("TLS certificate %s changed: new sessions use it", self.paths[0])
 
 
-def server_tls(certificate: str, key: str, check_interval: float = 60.0) -> ServerTLS | None:
-    """A receive connector's TLS certificate, or None without one."""
+def server_tls(certificate: str, key: str, check_interval: float = 60.0, section: str = "") -> ServerTLS | None:
+    """A receive connector's TLS certificate, or None without one. One that does not load raises
+    OSError naming the config keys (``section``.tls_certificate and tls_key) and the files."""
     if not certificate:
         return None
-    return ServerTLS(certificate, key, check_interval)
+    try:
+        return ServerTLS(certificate, key, check_interval)
+    except (ssl.SSLError, ValueError) as exc:
+        where = f"{section}.tls_certificate and {section}.tls_key" if section else "tls_certificate and tls_key"
+        raise OSError(f"{where} ({certificate}, {key}) do not load as a certificate and its private key: "
+                      f"{getattr(exc, 'reason', None) or exc}") from None
