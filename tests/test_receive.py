@@ -219,6 +219,8 @@ def test_a_node_on_ipv6_loopback(make_node, sink):
     shown = node.cli("config", "show").stdout
     assert re.search(rf"^frontend\.listen\s+\[\[::1\]:{port}\]\s", shown, re.MULTILINE), shown
     assert node.cli("health", check=False).returncode == 0
+    # with the data directory alone, the node's own config (it listens on [::1] only): was an error
+    assert node.cli("health", use_data_dir=True, check=False).returncode == 0
 
 
 def test_a_node_on_several_bindings_ipv4_and_ipv6_with_receive_workers(make_node, sink):

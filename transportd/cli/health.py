@@ -2,7 +2,8 @@
 
 It owns connecting to the node's frontend and transport connectors (or each
 ``--server``), reading the greeting and the exit code (0 healthy, 1 not). It never
-sends mail, never opens the queue database and never reads tracking logs.
+sends mail and never reads tracking logs; it opens the queue database only when given a
+data directory alone (``transportd -d DIR health``: which config the node runs is recorded there).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 import click
 
 from transportd import config as config_mod
-from transportd.cli.common import load_config, node_location
+from transportd.cli.common import _data_dir_option, load_config, node_location
 
 
 def smtp_greets(address: str, timeout: float, implicit_tls: bool = False) -> str | None:
@@ -42,17 +43,18 @@ def smtp_greets(address: str, timeout: float, implicit_tls: bool = False) -> str
 @click.command("health")
 @click.option("--config", "-c", "config", type=click.Path(dir_okay=False), default=None,
               help="node config file (TOML; or TRANSPORTD_CONFIG)")
+@_data_dir_option()
 @click.option("--server", "servers", multiple=True, metavar="HOST:PORT",
               help="check this SMTP listener instead of the node's (repeatable)")
 @click.option("--timeout", type=float, default=5.0, show_default=True, help="seconds per listener")
-def health(config: str | None, servers: tuple[str, ...], timeout: float) -> None:
+def health(config: str | None, data_dir: str | None, servers: tuple[str, ...], timeout: float) -> None:
     """Exit 0 when the node's frontend and transport connectors (or each --server) greet with 220.
 
     The container healthcheck: ``transportd health`` in a node, ``transportd health --server
     sink:2500`` for the sink.
     """
     if not servers:
-        cfg = load_config(node_location(config, None)[0], None)
+        cfg = load_config(*node_location(config, data_dir))
         servers = tuple(a for a in (*cfg.frontend.listen, cfg.transport.listen) if a)
         implicit = tuple(cfg.frontend.implicit_tls_listen)
     else:
