@@ -698,3 +698,12 @@ def test_a_message_id_past_sqlites_integers_is_one_line_and_exit_2(tmp_path, cmd
     res = invoke(*cmd, "99999999999999999999999999", "--config", str(path))
     assert res.returncode == 2 and "Traceback" not in res.stderr, res
     assert "99999999999999999999999999" in res.stderr, res.stderr  # (the real CLI: one line, as above)
+
+
+def test_cluster_config_into_a_folder_that_cannot_be_made_is_one_line_and_exit_2(tmp_path):
+    """A FileNotFoundError traceback before."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    res = invoke("cluster", "config", "--out", str(blocker / "cluster"))
+    assert res.returncode == 2, res
+    assert "cannot write the node configs" in res.stderr and "Traceback" not in res.stderr, res.stderr

@@ -70,6 +70,9 @@ def _generate(directory: Path, nodes: int, sites: int, ip_base: int, frontend_po
                          secret=secret, versions=per_node)
     except ValueError as exc:
         raise ConfigCliError(str(exc)) from None
+    except OSError as exc:  # a folder that cannot be made or written
+        raise ConfigCliError(f"cannot write the node configs in {directory}: "
+                             f"{exc.strerror or exc}{f' ({exc.filename})' if exc.filename else ''}") from None
     if not host.startswith("127."):
         raise ConfigCliError("--sink: the local cluster stays on loopback (127.0.0.0/8)")
     for spec in specs:
