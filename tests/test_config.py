@@ -3,6 +3,8 @@ unknown-name suggestions, cross-checks, the shipped files."""
 
 from __future__ import annotations
 
+import re
+
 import dataclasses
 import ipaddress
 from pathlib import Path
@@ -327,6 +329,19 @@ def test_tls_files_that_are_not_what_the_key_names_are_refused_naming_it(tmp_pat
     with pytest.raises(ConfigError, match=r"send_connectors\[0\]\.tls_ca: .*holds no PEM certificate"):
         load_dict({"send_connectors": [{"name": "out", "address_spaces": ["*"], "smart_hosts": "127.0.0.1:25",
                                         "require_tls": True, "tls_ca": "ca.pem"}]}, base_dir=tmp_path)
+
+
+@pytest.mark.parametrize(("values", "needle"), [
+    ({"transport": {"listen": "127.0.0.1:2525"}}, "transport.listen: 127.0.0.1:2525 is also where frontend.listen"),
+    ({"metrics": {"listen": "2525"}}, "metrics.listen: 127.0.0.1:2525 is also where frontend.listen"),
+    ({"frontend": {"listen": "0.0.0.0:2600"}, "transport": {"listen": "127.0.0.5:2600"}},
+     "transport.listen: 127.0.0.5:2600 is also where frontend.listen listens (0.0.0.0:2600)"),
+])
+def test_two_listeners_on_one_address_and_port_are_refused_naming_both(values, needle) -> None:
+    """They failed at start ("address already in use") after the first listener had been opened."""
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_dict(values)
+    load_dict({"frontend": {"listen": "[::1]:2600"}, "transport": {"listen": "127.0.0.5:2600"}})  # two families
 
 
 def test_require_tls_and_auth_need_a_certificate(tmp_path: Path) -> None:

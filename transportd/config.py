@@ -892,6 +892,37 @@ def _mailbox_databases(value: Any, source: str) -> dict[str, str]:
     return out
 
 
+def _listeners_apart(cfg: Config, source: str) -> None:
+    """No two listeners of different keys on one address and port (a wildcard of a family covers
+    that family's addresses): the second bind failed at start, after the first had been opened."""
+    import ipaddress
+
+    def family(host: str) -> tuple[int, bool] | None:
+        try:
+            ip = ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            return None  # a name: compared as written
+        return ip.version, ip.is_unspecified
+
+    seen: list[tuple[str, str, int]] = []
+    keys = [("frontend.listen", cfg.frontend.listen), ("frontend.implicit_tls_listen", cfg.frontend.implicit_tls_listen),
+            ("transport.listen", [cfg.transport.listen] if cfg.transport.listen else []),
+            ("metrics.listen", [cfg.metrics.listen] if cfg.metrics.listen else [])]
+    for key, addresses in keys:
+        for address in addresses:
+            host, port = parse_hostport(address)
+            for other_key, other_host, other_port in seen:
+                if other_key == key or other_port != port:
+                    continue
+                a, b = family(host), family(other_host)
+                same = host.strip("[]").lower() == other_host.strip("[]").lower() or (
+                    a is not None and b is not None and a[0] == b[0] and (a[1] or b[1]))
+                if same:
+                    raise ConfigError(f"{source}: {key}: {address} is also where {other_key} listens "
+                                      f"({other_host}:{other_port}): one address and port, one listener")
+            seen.append((key, host, port))
+
+
 def _resolve_tls_files(values: dict[str, dict[str, Any]], base_dir: Path, source: str) -> None:
     """A connector's tls_certificate and tls_key: both or neither, existing files, made absolute (tls_ca too)."""
     for section, names in (("transport", ("tls_certificate", "tls_key", "tls_ca")),
@@ -967,6 +998,7 @@ def _cross_checks(cfg: Config, source: str) -> None:
     if both:
         raise ConfigError(f"{source}: frontend.implicit_tls_listen: {', '.join(sorted(both))} is also in "
                           "frontend.listen (one binding speaks TLS from the start or offers STARTTLS, not both)")
+    _listeners_apart(cfg, source)
     if fe.auth_users and not fe.tls_certificate:
         raise ConfigError(f"{source}: frontend.auth_users: AUTH is offered only after STARTTLS; "
                           "set tls_certificate and tls_key")
