@@ -3,10 +3,9 @@ unknown-name suggestions, cross-checks, the shipped files."""
 
 from __future__ import annotations
 
-import re
-
 import dataclasses
 import ipaddress
+import re
 from pathlib import Path
 from typing import Any
 
