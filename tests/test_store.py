@@ -725,3 +725,13 @@ def test_a_certificate_and_a_key_that_do_not_match_stop_the_start_naming_the_key
     log = node.log()
     assert "cannot start: frontend.tls_certificate and frontend.tls_key" in log and "key.pem" in log, log
     assert "Traceback" not in log
+
+
+def test_a_data_dir_that_is_a_file_stops_the_start_naming_the_key(make_node) -> None:
+    """It said only "[Errno 17] File exists"."""
+    node = make_node()
+    node.data_dir.parent.mkdir(parents=True, exist_ok=True)
+    node.data_dir.write_text("not a folder")
+    node.start(wait=False)
+    assert node.proc is not None and node.proc.wait(timeout=30) == 1
+    assert f"cannot start: node.data_dir: {node.data_dir} is not a folder" in node.log(), node.log()

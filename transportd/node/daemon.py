@@ -81,6 +81,8 @@ class Node:
 
     async def start(self) -> None:
         cfg = self.cfg
+        if cfg.data_dir.exists() and not cfg.data_dir.is_dir():
+            raise OSError(f"node.data_dir: {cfg.data_dir} is not a folder")
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = store = QueueStore.open(cfg.db_path, create=True, repair=True, node_name=cfg.node.name)
         store.start_writer()
