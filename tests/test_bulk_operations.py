@@ -270,6 +270,21 @@ def test_remove_by_filter_among_thousands_in_batches_and_shadows_discard(cluster
                                       "GROUP BY 1, 2", (node1.name,))
     assert held == [(0, mq.QUEUED, OTHERS + 3)], held
 
+    # A shadow copy named on node2 is its primary's: remove (with an NDR), suspend and resume are
+    # refused, naming the primary, and change nothing (no NDR for mail node1 still delivers).
+    shadow_id = read_db(node2.cfg.db_path, "SELECT min(id) FROM messages WHERE role = 'shadow' "
+                                           "AND state = 'Queued'")[0][0]
+    count_all = "SELECT count(*), sum(suspended) FROM messages WHERE state = 'Queued'"
+    before = read_db(node2.cfg.db_path, count_all)
+    for verb in (["remove", "--ndr"], ["suspend"], ["resume"]):
+        res = transportd("message", *verb, str(shadow_id), "--config", node2.config)
+        assert res.returncode == 1, (verb, res.stdout, res.stderr)
+        assert f"message {shadow_id} is a shadow copy held for {node1.name}" in res.stderr, res.stderr
+        assert f"nothing {verb[0]}" in res.stderr and "Traceback" not in res.stderr
+    assert read_db(node2.cfg.db_path, count_all) == before
+    assert read_db(node2.cfg.db_path, "SELECT state, suspended FROM messages WHERE id = ?",
+                   (shadow_id,)) == [(mq.QUEUED, 0)]
+
 
 # ------------------------------------------------------------------------------ filter terms (pure)
 

@@ -220,6 +220,9 @@ def test_message_export_writes_the_queued_octets_and_show_names_the_dsn_paramete
     assert f"{len(data)} octets written" in done.stderr
     missing = cli(node, "message", "export", "999999", check=False)
     assert missing.returncode != 0 and "no message 999999" in missing.stderr
+    nowhere = cli(node, "message", "export", str(mid), "-o", str(tmp_path / "no-such-dir" / "x.eml"), check=False)
+    assert nowhere.returncode == 1 and "Traceback" not in nowhere.stderr, nowhere.stderr
+    assert f"cannot write {tmp_path / 'no-such-dir' / 'x.eml'}: No such file or directory" in nowhere.stderr
 
     shown = cli(node, "message", "show", str(mid)).stdout
     assert "DSN (RFC 3461):" in shown and "RET=HDRS ENVID=E77" in shown, shown
@@ -237,7 +240,11 @@ def test_suspend_and_resume_queue_and_message(make_node, sink):
 
     res = node.cli("queue", "suspend", ident)
     assert "suspended" in res.stdout
+    assert "was already suspended (nothing changed)" in cli(node, "queue", "suspend", ident).stdout
     held = send(node, "dave@foreign.test")
+    # Retry-Queue of a suspended queue would deliver nothing: refused, back-off and state unchanged.
+    refused = cli(node, "queue", "retry", ident, check=False)
+    assert refused.returncode == 1 and f"queue {ident} is suspended" in refused.stderr, refused.stderr
     node.wait_passes(3)  # whole scheduler passes that saw the message due in a suspended queue
     assert len(sink.messages()) == 1, "a suspended queue delivered"
     q = queue_by_identity(node, ident, use_data_dir=True)
@@ -245,6 +252,7 @@ def test_suspend_and_resume_queue_and_message(make_node, sink):
     assert message_ids(node) == [held]
     node.cli("queue", "resume", ident, use_data_dir=True)
     wait_for(lambda: len(sink.messages()) == 2, timeout=2.5, what="delivery after queue resume")
+    assert "was not suspended (nothing changed)" in cli(node, "queue", "resume", ident).stdout
     wait_for(lambda: message_ids(node) == [], timeout=2, what="queue empty")
     assert queue_by_identity(node, ident)["state"] == "Ready"
 
@@ -253,6 +261,8 @@ def test_suspend_and_resume_queue_and_message(make_node, sink):
     one = send(node, "erin@foreign.test")
     res = cli(node, "message", "suspend", str(one), use_data_dir=True)
     assert f"message {one} suspended" in res.stdout
+    again = cli(node, "message", "suspend", str(one))
+    assert "no message suspended: the 1 selected were already suspended" in again.stdout, again.stdout
     cli(node, "queue", "resume", ident)
     node.wait_passes(3)
     assert len(sink.messages()) == 2, "a suspended message was delivered"
@@ -415,6 +425,9 @@ def test_tracking_search_filters(make_node, sink):
             rows = search("--recipient", "alice@example.test")
             assert rows and all("alice@example.test" in r["recipient-address"] for r in rows)
             assert {r["internal-message-id"] for r in rows} == {str(a)}
+            # Repeated, any of them (as -Recipients): both messages, not the last address only.
+            rows = search("--recipient", "alice@example.test", "--recipient", "CAROL@foreign.test")
+            assert {r["internal-message-id"] for r in rows} == {str(a), str(b)}, rows
 
             rows = search("--event-id", "deliver")
             assert [(r["event-id"], r["internal-message-id"]) for r in rows] == [("DELIVER", str(a))]
@@ -429,6 +442,9 @@ def test_tracking_search_filters(make_node, sink):
             assert search("--start", fmt(last + timedelta(seconds=1))) == []
             assert len(search("--start", fmt(first), "--end", fmt(last))) == len(everything)
             assert len(search("--start", fmt(first - timedelta(hours=1)))) == len(everything)
+            backwards = cli(node, "tracking", "search", "--start", fmt(last), "--end", fmt(first),
+                            check=False, use_data_dir=use_data_dir)
+            assert backwards.returncode == 2 and "is before --start" in backwards.stderr, backwards.stderr
             # Combined filters are ANDed.
             assert search("--sender", "zed@remote.test", "--event-id", "DELIVER") == []
 
@@ -445,6 +461,13 @@ def test_tracking_search_filters(make_node, sink):
     res = node.cli("tracking", "search", "--start", "2026-13-45", check=False, use_data_dir=True)
     assert res.returncode == 2 and "--start" in res.stderr and "2026-13-45" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+    # A row that cannot be read is skipped and counted on stderr, not silently dropped.
+    log = max((node.data_dir / "msgtrk").glob("*.LOG"))
+    with open(log, "a", encoding="utf-8") as f:
+        f.write('2026-11-22T10:00:00.000Z,"unterminated\n')
+    res = node.cli("tracking", "search", "--event-id", "DELIVER", "--json", use_data_dir=True)
+    assert [json.loads(ln)["internal-message-id"] for ln in res.stdout.splitlines()] == [str(a)]
+    assert "warning: 1 malformed tracking row(s) skipped" in res.stderr and log.name in res.stderr, res.stderr
 
 
 # ------------------------------------------------------------------------------ 7. config

@@ -343,6 +343,10 @@ def test_resubmit_gap_is_filled_from_the_peers_shadow_safety_net(two_nodes, proc
 
     resub = _events(node2.config, event_id="RESUBMIT")
     assert [(e["source"], e["source-context"]) for e in resub] == [("SAFETYNET", "MDB01;MessageResubmit")] * 2
+    # Each row names the message as Exchange's do: its sender, Message-ID, subject and size.
+    assert sorted(e["message-subject"] for e in resub) == ["handed hop by hop", "safety net me"], resub
+    assert all(e["sender-address"] and e["return-path"] and e["message-id"] and int(e["total-bytes"]) > 0
+               for e in resub), resub
     files = wait_for(lambda: len(alice()) == 2 and alice(), timeout=20, what="the resubmitted copies in alice's Maildir")
     subjects = sorted(line for f in files for line in f.read_bytes().splitlines() if line.startswith(b"Subject:"))
     assert subjects == [b"Subject: handed hop by hop", b"Subject: safety net me"]
@@ -436,6 +440,8 @@ def test_shadow_node_resubmits_for_an_unreachable_primary(two_nodes, procs):
                "--for-primary", node1.name, "--force")
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("1 message(s) resubmitted to MDB01 for node1.transportd.test"), res.stdout
+    by_cli = _events(node2.config, event_id="RESUBMIT")[-1]  # written by the CLI, as complete as the node's
+    assert by_cli["sender-address"] and by_cli["message-id"] == resub[0]["message-id"], by_cli
 
 
 def test_resubmit_to_a_next_hop_outside_the_boundary_is_refused(tmp_path):

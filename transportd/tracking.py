@@ -693,7 +693,7 @@ def search(
     network_message_id: str | None = None,
     internal_message_id: str | int | None = None,
     sender: str | None = None,
-    recipient: str | None = None,
+    recipient: str | Sequence[str] | None = None,
     event_id: str | None = None,
     start: datetime | None = None,
     end: datetime | None = None,
@@ -701,8 +701,9 @@ def search(
 ) -> Iterator[dict[str, str]]:
     """Yield the rows of every log in ``directory`` that match all the given filters.
 
-    Addresses, event-id and network-message-id compare case-insensitively (``recipient``
-    matches any entry of the ``;`` list); ``message_id`` compares exactly, with or without
+    Addresses, event-id and network-message-id compare case-insensitively (``recipient``, one
+    address or several, matches when any of them is an entry of the ``;`` list, as
+    Get-MessageTrackingLog's ``-Recipients``); ``message_id`` compares exactly, with or without
     angle brackets. ``start``/``end`` are inclusive (naive means UTC); with either given,
     rows whose date-time does not parse are skipped. Rows come in file order; malformed rows
     are skipped and reported into ``errors`` as in ``parse_log_file``.
@@ -711,7 +712,9 @@ def search(
     want_network_id = None if network_message_id is None else network_message_id.strip().lower()
     want_internal_id = None if internal_message_id is None else str(internal_message_id).strip()
     want_sender = None if sender is None else sender.strip().casefold()
-    want_recipient = None if recipient is None else recipient.strip().casefold()
+    if isinstance(recipient, str):
+        recipient = (recipient,)
+    want_recipients = None if not recipient else {r.strip().casefold() for r in recipient}
     want_event = None if event_id is None else event_id.strip().casefold()
     start_utc = None if start is None else _as_utc(start)
     end_utc = None if end is None else _as_utc(end)
@@ -737,9 +740,9 @@ def search(
                 continue
             if want_sender is not None and row["sender-address"].strip().casefold() != want_sender:
                 continue
-            if want_recipient is not None and want_recipient not in {
+            if want_recipients is not None and want_recipients.isdisjoint(
                 address.strip().casefold() for address in split_list(row["recipient-address"])
-            }:
+            ):
                 continue
             if start_utc is not None or end_utc is not None:
                 try:

@@ -83,7 +83,7 @@ def _config_option(**kw: Any) -> Callable:
                         help=f"node config file (TOML; or {CONFIG_ENVVAR})", **kw)
 
 
-def _data_dir_option() -> Callable:
+def data_dir_option() -> Callable:
     return click.option("--data-dir", "-d", "data_dir", type=click.Path(file_okay=False), default=None,
                         help="node data directory (instead of --config)")
 
@@ -92,7 +92,7 @@ def root_options(fn: Callable) -> Callable:
     """The root group's node options: they apply to every command after them, where the same
     option given after the command wins. TRANSPORTD_CONFIG is read here, through click's envvar."""
     @_config_option(envvar=CONFIG_ENVVAR, show_envvar=True)
-    @_data_dir_option()
+    @data_dir_option()
     @click.option("--json", "as_json", is_flag=True, help="JSON lines, for every command that prints a table")
     @click.pass_context
     @functools.wraps(fn)
@@ -123,7 +123,7 @@ def node_location(config: str | None, data_dir: str | None) -> tuple[str | None,
 
 def node_options(fn: Callable) -> Callable:
     @_config_option()
-    @_data_dir_option()
+    @data_dir_option()
     @functools.wraps(fn)
     def wrapper(*args: Any, config: str | None, data_dir: str | None, **kwargs: Any) -> Any:
         cfg = load_config(*node_location(config, data_dir))

@@ -13,7 +13,7 @@ import sys
 import click
 
 from transportd import config as config_mod
-from transportd.cli.common import _data_dir_option, load_config, node_location
+from transportd.cli.common import data_dir_option, load_config, node_location
 
 
 def smtp_greets(address: str, timeout: float, implicit_tls: bool = False) -> str | None:
@@ -43,7 +43,7 @@ def smtp_greets(address: str, timeout: float, implicit_tls: bool = False) -> str
 @click.command("health")
 @click.option("--config", "-c", "config", type=click.Path(dir_okay=False), default=None,
               help="node config file (TOML; or TRANSPORTD_CONFIG)")
-@_data_dir_option()
+@data_dir_option()
 @click.option("--server", "servers", multiple=True, metavar="HOST:PORT",
               help="check this SMTP listener instead of the node's (repeatable)")
 @click.option("--timeout", type=float, default=5.0, show_default=True, help="seconds per listener")

@@ -221,8 +221,11 @@ def message_export(cfg: Config, message_id: int, output: str | None, envelope: b
         sys.stdout.buffer.write(data)
         sys.stdout.buffer.flush()
         return
-    with open(output, "wb") as f:
-        f.write(data)
+    try:
+        with open(output, "wb") as f:
+            f.write(data)
+    except OSError as exc:
+        raise CliError(f"cannot write {output}: {exc.strerror or exc}") from None
     click.echo(f"message {message_id}: {len(data)} octets written to {output}", err=True)
 
 
@@ -253,6 +256,8 @@ class Action:
     infinitive: str  # "remove"
     batch: Callable[..., list]
     after_batch: Callable[[Any, list, bool], list[dict]]
+    # why a selected message was left as it was (besides leaving the queue meanwhile)
+    unchanged: str = ""
 
 
 def batches(ids: Sequence[int], size: int) -> Iterator[Sequence[int]]:
@@ -270,6 +275,8 @@ def run_action(cfg: Config, selection: Selection, action: Action, *, dry_run: bo
     try:
         ids = store.read(functools.partial(admin.selected_ids, selection=selection, now=now))
         unknown = store.read(functools.partial(admin.unknown_ids, ids=selection.ids)) if selection.ids else []
+        if unknown:
+            refuse_shadow_copies(store.read(functools.partial(admin.shadow_copies_named, ids=unknown)), action)
         if dry_run:
             for chunk in batches(ids, batch_size):
                 print_rows(store.read(functools.partial(admin.listed, ids=chunk)), as_json,
@@ -299,6 +306,18 @@ def run_action(cfg: Config, selection: Selection, action: Action, *, dry_run: bo
     return finish(results, ids, unknown, selection, action, as_json, dry_run=False)
 
 
+def refuse_shadow_copies(shadows: dict[int, str], action: Action) -> None:
+    """A named shadow copy stops the command before anything changes: its primary delivers the
+    message and discards this copy, so removing it here would only drop the redundancy (and an NDR
+    would tell the sender of a failure that did not happen)."""
+    if shadows:
+        mid, primary = next(iter(sorted(shadows.items())))
+        more = f" (and {len(shadows) - 1} more shadow copies)" if len(shadows) > 1 else ""
+        raise CliError(f"message {mid} is a shadow copy held for {primary}{more}: its primary delivers it "
+                       f"and discards this copy; {action.infinitive} it on {primary} "
+                       f"(see transportd shadow show {primary}); nothing {action.verb}")
+
+
 def single(selection: Selection) -> bool:
     return selection.ids is not None and len(selection.ids) == 1 and not selection.terms
 
@@ -312,7 +331,8 @@ def finish(results: list[dict], ids: Sequence[int], unknown: Sequence[int], sele
     if not ids:
         say(f"no queued message matches {selection.describe()} (nothing {action.verb})", as_json)
     elif not (results or dry_run):
-        say(f"no message {action.verb}: the {len(ids)} selected left the queue meanwhile", as_json)
+        why = f"{action.unchanged} or " if action.unchanged else ""
+        say(f"no message {action.verb}: the {len(ids)} selected {why}left the queue meanwhile", as_json)
     return results
 
 
@@ -336,7 +356,8 @@ def message_suspend(cfg: Config, selection: Selection, dry_run: bool, batch_size
         if as_json:
             emit_json(out)
         return out
-    done = run_action(cfg, selection, Action("suspended", "suspend", admin.suspend_batch, after),
+    done = run_action(cfg, selection, Action("suspended", "suspend", admin.suspend_batch, after,
+                                         "were already suspended"),
                       dry_run=dry_run, batch_size=batch_size, as_json=as_json)
     if done and single(selection) and not as_json:
         click.echo(f"message {done[0]['id']} suspended")
@@ -357,7 +378,8 @@ def message_resume(cfg: Config, selection: Selection, dry_run: bool, batch_size:
         if as_json:
             emit_json(out)
         return out
-    done = run_action(cfg, selection, Action("resumed", "resume", admin.resume_batch, after),
+    done = run_action(cfg, selection, Action("resumed", "resume", admin.resume_batch, after,
+                                         "were neither suspended nor in the Poison queue"),
                       dry_run=dry_run, batch_size=batch_size, as_json=as_json)
     if done and single(selection) and not as_json:
         r = done[0]

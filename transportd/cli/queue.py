@@ -98,7 +98,8 @@ def queue_action(cfg: Config, name: str, action: Callable[[Any], dict | None]) -
 def queue_suspend(cfg: Config, queue: str) -> None:
     """Stop delivery from a queue (messages stay queued)."""
     q = queue_action(cfg, queue, functools.partial(admin.set_queue_suspended_by_name, name=queue, suspended=True))
-    click.echo(f"queue {q['identity']} suspended")
+    click.echo(f"queue {q['identity']} suspended" if q["changed"]
+               else f"queue {q['identity']} was already suspended (nothing changed)")
 
 
 @queue_group.command("resume")
@@ -107,7 +108,8 @@ def queue_suspend(cfg: Config, queue: str) -> None:
 def queue_resume(cfg: Config, queue: str) -> None:
     """Resume delivery from a suspended queue."""
     q = queue_action(cfg, queue, functools.partial(admin.set_queue_suspended_by_name, name=queue, suspended=False))
-    click.echo(f"queue {q['identity']} resumed")
+    click.echo(f"queue {q['identity']} resumed" if q["changed"]
+               else f"queue {q['identity']} was not suspended (nothing changed)")
 
 
 @queue_group.command("retry")
@@ -116,7 +118,10 @@ def queue_resume(cfg: Config, queue: str) -> None:
 def queue_retry(cfg: Config, queue: str) -> None:
     """Retry a queue now, ignoring its back-off."""
     q = queue_action(cfg, queue, functools.partial(admin.retry_queue_by_name, name=queue))
-    click.echo(f"queue {q['identity']} will be retried now")
+    if not q["changed"]:
+        raise CliError(f"queue {q['identity']} is suspended: nothing leaves it until "
+                       f"'transportd queue resume {q['identity']}' (nothing changed)")
+    click.echo(f"queue {q['identity']} will be retried now ({q['recipients']} recipient(s) due)")
 
 
 @click.command("redirect")

@@ -156,8 +156,9 @@ def log_resubmits(trk: Any, done: list, destination: str) -> None:
     try:
         for r in done:
             trk.write("RESUBMIT", "SAFETYNET", internal_message_id=r.new_id, network_message_id=r.network_message_id,
-                      recipients=r.recipients, reference=str(r.original_id),
-                      source_context=f"{destination};MessageResubmit")
+                      message_id=r.message_id, sender_address=r.sender, return_path=r.sender,
+                      message_subject=r.subject, total_bytes=r.size, recipients=r.recipients,
+                      reference=str(r.original_id), source_context=f"{destination};MessageResubmit")
     finally:
         trk.close()
 

@@ -24,26 +24,36 @@ def tracking_group() -> None:
 @click.option("--network-message-id", default=None)
 @click.option("--internal-message-id", default=None)
 @click.option("--sender", default=None)
-@click.option("--recipient", default=None)
+@click.option("--recipient", "recipients", multiple=True,
+              help="a recipient address; repeat for any of several (as -Recipients)")
 @click.option("--event-id", default=None, help="RECEIVE, DELIVER, SENDEXTERNAL, DEFER, FAIL, DSN, ...")
 @click.option("--start", default=None, help="from this time (ISO 8601, UTC by default)")
 @click.option("--end", default=None, help="up to this time (ISO 8601)")
 @json_option("JSON lines")
 def tracking_search(cfg: Config, message_id: str | None, network_message_id: str | None,
-                    internal_message_id: str | None, sender: str | None, recipient: str | None,
+                    internal_message_id: str | None, sender: str | None, recipients: tuple[str, ...],
                     event_id: str | None, start: str | None, end: str | None, as_json: bool) -> None:
-    """Search this node's MSGTRK files."""
+    """Search this node's MSGTRK files (rows that cannot be read are counted on stderr)."""
     from transportd.tracking import search
     s, e = parse_when(start, "--start"), parse_when(end, "--end")
+    if s is not None and e is not None and e < s:
+        raise click.BadParameter(f"{end} is before --start {start}: no row could match", param_hint="--end")
     if not cfg.tracking_dir.is_dir():
         raise CliError(f"no tracking logs at {cfg.tracking_dir}")
+    errors: list = []
     rows = search(cfg.tracking_dir, message_id=message_id, network_message_id=network_message_id,
-                  internal_message_id=internal_message_id, sender=sender, recipient=recipient,
-                  event_id=event_id, start=s, end=e)
-    if as_json:
-        emit_json(rows)
-        return
-    rows = list(rows)
+                  internal_message_id=internal_message_id, sender=sender, recipient=recipients,
+                  event_id=event_id, start=s, end=e, errors=errors)
+    try:
+        if as_json:
+            emit_json(rows)
+            return
+        rows = list(rows)
+    finally:
+        if errors:
+            path, line, reason = errors[0]
+            click.echo(f"transportd: warning: {len(errors)} malformed tracking row(s) skipped "
+                       f"(first: {path}:{line}: {reason})", err=True)
     click.echo(table(["date-time", "event", "source", "internal id", "sender", "recipients", "message-id",
                       "status / context"],
                      [(r["date-time"], r["event-id"], r["source"], r["internal-message-id"], r["sender-address"],

@@ -58,18 +58,22 @@ def recorded_node_name(conn: Connection) -> str | None:
 # --------------------------------------------------------------------------- queues
 
 def set_queue_suspended_by_name(conn: Connection, name: str, suspended: bool) -> dict | None:
-    """Suspend-Queue / Resume-Queue by identity or id; the queue row, or None when there is none."""
+    """Suspend-Queue / Resume-Queue by identity or id; the queue row (``changed``: False when it
+    already was so), or None when there is none."""
     q = mq.resolve_queue(conn, name)
     if q is not None:
-        mq.set_queue_suspended(conn, q["id"], suspended)
+        q["changed"] = mq.set_queue_suspended(conn, q["id"], suspended)
     return q
 
 
 def retry_queue_by_name(conn: Connection, name: str) -> dict | None:
-    """Retry-Queue by identity or id; the queue row, or None when there is none."""
+    """Retry-Queue by identity or id; the queue row, or None when there is none. A suspended queue
+    is left as it is (``changed`` False): nothing leaves it until it is resumed."""
     q = mq.resolve_queue(conn, name)
     if q is not None:
-        mq.retry_queue_now(conn, q["id"])
+        q["changed"] = not q["suspended"]
+        if q["changed"]:
+            q["recipients"] = mq.retry_queue_now(conn, q["id"])
     return q
 
 
@@ -119,6 +123,13 @@ def unknown_ids(conn: Connection, ids: Sequence[int]) -> list[int]:
     found = set(conn.execute(select(messages.c.id).where(
         sel.condition(sel.Selection(ids=tuple(ids)), 0.0))).scalars())
     return [i for i in ids if i not in found]
+
+
+def shadow_copies_named(conn: Connection, ids: Sequence[int]) -> dict[int, str]:
+    """Of ``ids``, the queued shadow copies (not an operator command's to act on): id -> primary."""
+    return dict(conn.execute(select(messages.c.id, messages.c.primary_node).where(
+        messages.c.id.in_(list(ids)), messages.c.role == "shadow", messages.c.state == mq.QUEUED,
+        messages.c.poisoned == 0)).tuples().all())
 
 
 def _still_matching(conn: Connection, ids: Sequence[int], selection: Selection, now: float) -> list[int]:

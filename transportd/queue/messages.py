@@ -555,8 +555,10 @@ def drop_legacy_delivered_to(conn: Connection, rows: Sequence[tuple[str, str, st
 
 # --------------------------------------------------------------------------- operator actions
 
-def set_queue_suspended(conn: Connection, queue_id: int, suspended: bool) -> None:
-    conn.execute(update(queues).where(queues.c.id == queue_id).values(suspended=int(suspended)))
+def set_queue_suspended(conn: Connection, queue_id: int, suspended: bool) -> bool:
+    """Suspend-Queue / Resume-Queue; False when the queue already was so."""
+    return conn.execute(update(queues).where(queues.c.id == queue_id, queues.c.suspended == int(not suspended))
+                        .values(suspended=int(suspended))).rowcount > 0
 
 
 def retry_queue_now(conn: Connection, queue_id: int) -> int:
@@ -567,7 +569,9 @@ def retry_queue_now(conn: Connection, queue_id: int) -> int:
 
 
 def set_message_suspended(conn: Connection, message_id: int, suspended: bool) -> bool:
-    return conn.execute(update(messages).where(messages.c.id == message_id, messages.c.state == QUEUED)
+    """Suspend or resume a queued message; False when it is not queued or already so."""
+    return conn.execute(update(messages).where(messages.c.id == message_id, messages.c.state == QUEUED,
+                                               messages.c.suspended == int(not suspended))
                         .values(suspended=int(suspended))).rowcount > 0
 
 

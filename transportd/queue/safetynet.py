@@ -33,6 +33,16 @@ class Resubmitted:
     network_message_id: str
     recipients: list[str]
     source: str  # "primary" or "shadow"
+    message_id: str = ""
+    sender: str = ""
+    subject: str = ""
+    size: int | None = None
+
+    def row(self) -> dict:
+        """The new copy as a message row, for its RESUBMIT tracking row (sender, Message-ID,
+        subject and size as the original's, as Exchange writes them)."""
+        return {"id": self.new_id, "network_message_id": self.network_message_id, "message_id": self.message_id,
+                "sender": self.sender, "subject": self.subject, "size": self.size}
 
 
 def destination_matches(hop_identity: str, destination: str) -> bool:
@@ -126,7 +136,7 @@ def _resubmit_one(conn: Connection, cfg: Any, m: Any, destination: str, now: flo
         # the sender's DSN parameters (RFC 3461) go on with the copy, for a next hop that offers DSN
         dsn_mail=m["dsn_params"] or "", dsn_rcpt={a.lower(): d for a, d in params.items() if d})
     new_id = mq.enqueue(conn, copy)
-    return Resubmitted(m["id"], new_id, m["network_message_id"],
-                       [a for v in chosen.values() for a in v], m["role"])
+    return Resubmitted(m["id"], new_id, m["network_message_id"], [a for v in chosen.values() for a in v],
+                       m["role"], m["message_id"] or "", m["sender"] or "", m["subject"] or "", len(body))
 
 

@@ -186,10 +186,10 @@ def term_condition(term: Term, now: float) -> ColumnElement:
 
 def condition(selection: Selection, now: float, include_done: bool = False,
               among: Sequence[int] | None = None) -> ColumnElement:
-    """The selection as a condition on ``messages``: the named ids, else primary messages and the
-    Poison queue's; queued ones unless ``include_done``; limited to ``among`` ids when given."""
-    # A filter or ALL looks at what ``message list`` shows; ids an operator named are taken as named.
-    cond = [] if selection.ids is not None else [or_(messages.c.role == "primary", messages.c.poisoned == 1)]
+    """The selection as a condition on ``messages``: primary messages and the Poison queue's
+    (named ids too: a shadow copy is its primary's to deliver, remove or bounce, never an
+    operator's here); queued ones unless ``include_done``; limited to ``among`` ids when given."""
+    cond = [or_(messages.c.role == "primary", messages.c.poisoned == 1)]
     if not include_done:
         cond.append(messages.c.state == mq.QUEUED)
     if selection.ids is not None:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session, syntax
 
-from transportd.errors import MessageRejected, StoreError
+from transportd.errors import MessageRejected
 from transportd.redundancy.connection import (
     AdoptRequested,
     DiscardRequested,
@@ -33,7 +33,7 @@ from transportd.redundancy.connection import (
 from transportd.redundancy.protocol import redundancy_reply
 from transportd.smtp import replies
 from transportd.smtp.addresses import valid_address
-from transportd.smtp.frontend import FrontendHandler, add_recipient, undeclared_utf8
+from transportd.smtp.frontend import FrontendHandler, add_recipient, log_failure, undeclared_utf8
 from transportd.smtp.headers import network_id_from
 from transportd.smtp.server import LimitedSMTP, fixed_hook_signatures
 
@@ -226,11 +226,9 @@ class TransportHandler(FrontendHandler):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001
-                # The queue database (a full disk...) is said in one line; anything else with its traceback.
-                (log.error if isinstance(exc, StoreError) else log.exception)(
-                    "storing a shadow copy for %s failed: %s", request.primary_fqdn, exc,
-                    extra={"internal_message_id": None,
-                           "network_message_id": network_id_from(envelope.original_content or b"")})
+                log_failure(log, exc, "storing a shadow copy for %s failed", request.primary_fqdn,
+                            extra={"internal_message_id": None,
+                                   "network_message_id": network_id_from(envelope.original_content or b"")})
                 return replies.S451_INTERNAL
             return redundancy_reply(message_id, internal_id, self.manager.node_name)
         return await super().handle_DATA(server, session, envelope)

@@ -173,8 +173,7 @@ class ShadowQueues:
         for row, exc in failures:
             await self.events.message_failed(row, "resubmit", exc)
         for r in done:
-            self.events.track("RESUBMIT", "SAFETYNET", {"id": r.new_id, "network_message_id": r.network_message_id},
-                              recipients=r.recipients, reference=str(r.original_id),
+            self.events.track("RESUBMIT", "SAFETYNET", r.row(), recipients=r.recipients, reference=str(r.original_id),
                               source_context=f"{destination};MessageResubmit")
         log.info("resubmitted %d Safety Net copies for %s at %s's request", len(done), destination, primary)
         return len(done)

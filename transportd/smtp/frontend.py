@@ -175,11 +175,8 @@ class FrontendHandler:
         except asyncio.CancelledError:
             # The client went away; the shielded accept finishes on its own (the sender retries).
             raise
-        except StoreError as exc:  # the queue database (a full disk...): said, not a traceback
-            log.error("accepting a message from %s failed: %s", session.peer, exc)
-            return replies.S451_INTERNAL
-        except Exception:  # noqa: BLE001 - never a 5xx for our own failure
-            log.exception("accepting a message from %s failed", session.peer)
+        except Exception as exc:  # noqa: BLE001 - never a 5xx for our own failure
+            log_failure(log, exc, "accepting a message from %s failed", session.peer)
             return replies.S451_INTERNAL
         return self.accepted_reply(internal_id, session)
 
@@ -188,11 +185,17 @@ class FrontendHandler:
         return replies.S250_QUEUED.format(id=internal_id)
 
     async def handle_exception(self, error: Exception) -> str:
-        if isinstance(error, StoreError):  # the queue database (a full disk...): said, not a traceback
-            log.error("SMTP session error: %s", error)
-        else:
-            log.exception("SMTP session error: %s", error)
+        log_failure(log, error, "SMTP session error")
         return replies.S451_INTERNAL
+
+
+def log_failure(logger: logging.Logger, exc: BaseException, what: str, *args: Any, **kwargs: Any) -> None:
+    """Log an internal failure answered 451: a StoreError (the queue database: a full disk...) in
+    one line, anything else with its traceback (a bug to find)."""
+    if isinstance(exc, StoreError):
+        logger.error(what + ": %s", *args, exc, **kwargs)
+    else:
+        logger.error(what + ": %s", *args, exc, exc_info=exc, **kwargs)
 
 
 def undeclared_utf8(envelope: Envelope, address: str) -> bool:
