@@ -618,3 +618,36 @@ def test_cluster_up_runs_a_working_cluster_and_stops_it(procs, tmp_path):
     left = [p for p in pids if running(p)]
     assert not left, f"processes still running after the cluster stopped: {left}"
     assert "[cluster] stopping" in output()
+
+
+def test_cluster_up_stops_with_exit_1_when_no_node_could_start(procs, tmp_path):
+    """Every node's frontend address already taken: the nodes exit, and so does ``cluster up``
+    (exit 1, saying why) instead of running on with nothing to serve mail."""
+    import socket
+    base = random.randint(20, 200)
+    fport, tport, sport = free_port(), free_port(), free_port()
+    args = ["--ip-base", str(base), "--frontend-port", str(fport), "--transport-port", str(tport),
+            "--sink", f"127.0.0.{base + 3}:{sport}"]
+    specs = run_cli("cluster", "config", "--out", str(tmp_path / "configs"), *args)
+    assert specs.returncode == 0, specs.stderr
+    taken = []
+    for line in specs.stdout.splitlines():  # "<config>  <name>  <site>  frontend H:P  transport H:P"
+        host, _, port = line.split("frontend ")[1].split()[0].rpartition(":")
+        s = socket.socket()
+        s.bind((host, int(port)))
+        s.listen()
+        taken.append(s)
+    assert len(taken) == 3
+    try:
+        with open(tmp_path / "cluster.out", "wb") as out:
+            proc = procs.add(subprocess.Popen(
+                [sys.executable, "-m", "transportd", "cluster", "up", "--data-dir", str(tmp_path / "cl"), *args],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+            code = proc.wait(timeout=60)
+    finally:
+        for s in taken:
+            s.close()
+    output = (tmp_path / "cluster.out").read_text(errors="replace")
+    assert code == 1, output[-5000:]
+    assert "[cluster] every node has exited" in output and "[cluster] stopping" in output, output[-5000:]
+    assert "Traceback" not in output, output[-5000:]

@@ -197,15 +197,22 @@ class Cluster:
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
         reported: set[str] = set()
+        nodes = {spec.short for spec in self.specs}
+        code = 0
         while not stop.is_set():
             for label, proc in self.procs.items():
                 if proc.poll() is not None and label not in reported:
                     reported.add(label)
                     with self._lock:
                         print(f"[cluster] {label} exited with code {proc.returncode}", flush=True)
+            if nodes <= reported:  # nothing left to serve mail (addresses taken, bad configs...)
+                with self._lock:
+                    print("[cluster] every node has exited (their lines above say why)", flush=True)
+                code = 1
+                break
             stop.wait(0.5)
         self.stop()
-        return 0
+        return code
 
     def stop(self) -> None:
         with self._lock:
