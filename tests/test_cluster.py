@@ -651,3 +651,5 @@ def test_cluster_up_stops_with_exit_1_when_no_node_could_start(procs, tmp_path):
     assert code == 1, output[-5000:]
     assert "[cluster] every node has exited" in output and "[cluster] stopping" in output, output[-5000:]
     assert "Traceback" not in output, output[-5000:]
+    assert output.count(f":{fport}: cannot listen: Address already in use") == 3, output[-5000:]
+    assert "cannot start: frontend.listen 127.0.0." in output, output[-5000:]

@@ -100,7 +100,7 @@ def test_metrics_port_taken_means_the_node_does_not_start(make_node):
     second = make_node("second", overrides={"metrics": {"listen": f"127.0.0.1:{port}"}})
     second.start(wait=False)
     assert second.proc.wait(timeout=20) == 1
-    assert "cannot start" in second.log()
+    assert f"cannot start: metrics.listen 127.0.0.1:{port}: cannot listen: Address already in use" in second.log()
     assert taken.alive
 
 

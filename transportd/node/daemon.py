@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
 import signal
 import socket
 from pathlib import Path
@@ -89,7 +90,10 @@ class Node:
         self.events.store = store
         self.metrics.watch_store(store)
         if cfg.metrics.listen:
-            self.metrics.serve(cfg.metrics.listen)
+            try:
+                self.metrics.serve(cfg.metrics.listen)
+            except OSError as exc:
+                raise listen_error("metrics.listen", cfg.metrics.listen, exc) from None
         if cfg.path is not None:
             # The CLI run with only --data-dir reads this node's config (routing, tracking path) from here.
             await store.write(lambda c: mq.remember_config_path(c, str(Path(cfg.path).resolve())))
@@ -129,8 +133,11 @@ class Node:
                         "4.1.1.1; Postfix's reject_non_fqdn_helo_hostname) may refuse this node's mail; set "
                         "node.name to its FQDN", cfg.node.name)
 
-    async def _serve(self, listen: str, factory: Any, reuse_port: bool = False, **tls: Any) -> None:
-        self.servers.append(await serve_binding(listen, factory, reuse_port=reuse_port or None, **tls))
+    async def _serve(self, key: str, listen: str, factory: Any, reuse_port: bool = False, **tls: Any) -> None:
+        try:
+            self.servers.append(await serve_binding(listen, factory, reuse_port=reuse_port or None, **tls))
+        except OSError as exc:
+            raise listen_error(key, listen, exc) from None
 
     async def _listen_frontend(self) -> None:
         """The frontend in this process and, with ``frontend.workers`` > 1, in receive workers
@@ -149,9 +156,9 @@ class Node:
         tls = server_tls(fe.tls_certificate, fe.tls_key, cfg.node.tls_certificate_check_interval, "frontend")
         factory = smtp_factory(cfg, handler, counter, tls)
         for listen in fe.listen:  # one server per binding, all sharing the session counter and limits
-            await self._serve(listen, factory, reuse_port=processes > 1)
+            await self._serve("frontend.listen", listen, factory, reuse_port=processes > 1)
         for listen, implicit, options in implicit_tls_bindings(cfg, handler, counter, tls):
-            await self._serve(listen, implicit, reuse_port=processes > 1, **options)
+            await self._serve("frontend.implicit_tls_listen", listen, implicit, reuse_port=processes > 1, **options)
         if processes > 1:
             self.workers = WorkerSupervisor(cfg, processes - 1, self.events, self.store.queue_changed,
                                             self.log_format, sessions)
@@ -166,7 +173,7 @@ class Node:
         self.metrics.watch_connections("transport", counter)
         handler = TransportHandler(cfg, self.accept_path.accept, self.shadow)
         authenticator = make_peer_authenticator({p.name for p in cfg.peers}, cfg.cluster.secret)
-        await self._serve(cfg.transport.listen, smtp_factory(
+        await self._serve("transport.listen", cfg.transport.listen, smtp_factory(
             cfg, handler, counter, tls_context, smtp_class=TransportSMTP, authenticator=authenticator,
             auth_require_tls=tls_context is not None, require_tls=tls_context is not None,
             chunking=cfg.transport.chunking_enabled))
@@ -222,6 +229,13 @@ class Node:
             log.error("%d tracking row(s) kept after failed writes could not be written at the stop",
                       self.events.tracking.pending_rows)
         log.info("node %s stopped", self.cfg.node.name)
+
+
+def listen_error(key: str, listen: str, exc: OSError) -> OSError:
+    """A listener that could not be opened (an address in use, not on this host...), as the one
+    line that stops the start: the key, the address and the reason."""
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    return OSError(f"{key} {listen}: cannot listen: {reason}")
 
 
 def serve(cfg: Config, log_format: str = "text") -> int:
