@@ -79,6 +79,11 @@ def test_filters_stdin_suspend_resume_and_no_match(make_node, sink):
     assert len(spam) == 4 and len(ok) == 4 and len(coffee) == 1, (spam, ok, coffee)
     assert set(spam).isdisjoint(ok) and coffee[0] not in spam + ok
     everything = spam + ok + coffee
+    # DateReceived as Exchange means it: received after a time (all nine), or before it (none).
+    hour_ago = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 3600))
+    assert sorted(m["id"] for m in node.cli_json("message", "list", "--filter", f"DateReceived>{hour_ago}")) \
+        == sorted(everything)
+    assert node.cli("message", "list", "--filter", f"received<{hour_ago}").stdout.startswith("no message matches")
 
     # A filter that matches nothing says so and exits 0, with nothing changed.
     before = statuses(db, everything)
@@ -297,6 +302,9 @@ def test_remove_by_filter_among_thousands_in_batches_and_shadows_discard(cluster
     ("age>1h", "age", ">", 3600.0),
     ("size>=1MB", "size", ">=", 1024 * 1024),
     ("subject=a = b", "subject", "=", "a = b"),
+    # Exchange's DateReceived -gt: received after that time (not an age, which runs the other way)
+    ("DateReceived>2026-11-28T10:00Z", "received", ">", 1795860000.0),
+    ("received<=2026-11-28T11:00:00+01:00", "received", "<=", 1795860000.0),
 ])
 def test_filter_terms(text, field, op, value):
     term = parse_term(text)
@@ -306,6 +314,8 @@ def test_filter_terms(text, field, op, value):
 @pytest.mark.parametrize("text, needle", [
     ("sendr=x", "unknown field 'sendr'"), ("sender>x", "= or !="), ("age=soon", "soon"),
     ("size>huge", "huge"), ("state=frozen", "unknown state"), ("subject=", "empty"), ("just words", "FIELD=VALUE"),
+    ("age=1h", "age takes >=, <=, >, <"), ("age!=1h", "age takes"), ("received=2026-11-28", "received takes"),
+    ("datereceived>yesterday", "ISO 8601"),
 ])
 def test_bad_filter_terms_name_the_term(text, needle):
     with pytest.raises(FilterError) as err:

@@ -156,6 +156,14 @@ def test_message_list_and_show(make_node, sink):
             assert by_id[m1]["queues"] == [ident]
             assert "451 4.4.0" in by_id[m1]["last_error"]
             assert message_ids(node, "--queue", ident, use_data_dir=use_data_dir) == [m1, m2, m3]
+            # --limit says when it cut the list; ids named and not queued are named, exit 1.
+            cut = cli(node, "message", "list", "--limit", "2", "--json", use_data_dir=use_data_dir)
+            assert [json.loads(ln)["id"] for ln in cut.stdout.splitlines()] == [m1, m2]
+            assert "only the first 2 message(s) are listed" in cut.stderr, cut.stderr
+            assert "only the first" not in cli(node, "message", "list", "--limit", "3", use_data_dir=use_data_dir).stderr
+            named = cli(node, "message", "list", str(m2), "9999", "--json", check=False, use_data_dir=use_data_dir)
+            assert named.returncode == 1 and "no queued message 9999" in named.stderr, named.stderr
+            assert [json.loads(ln)["id"] for ln in named.stdout.splitlines()] == [m2]
             # The queue's message count and the per-queue message list agree.
             for q in cli_json(node, "queue", "list", use_data_dir=use_data_dir):
                 listed = message_ids(node, "--queue", q["identity"], use_data_dir=use_data_dir)
@@ -583,7 +591,7 @@ def test_unknown_queue_and_message(make_node, sink):
                 assert res.returncode == 1, (cmd, res.returncode, res.stderr)
                 assert "no queue" in res.stderr and cmd[-1] in res.stderr, res.stderr
                 assert "Traceback" not in res.stderr
-            for cmd in (["message", "show", "9999"], ["message", "suspend", "9999"],
+            for cmd in (["message", "show", "9999"], ["message", "list", "9999"], ["message", "suspend", "9999"],
                         ["message", "resume", "9999"], ["message", "remove", "9999"],
                         ["message", "remove", "9999", "--ndr"]):
                 res = cli(node, *cmd, check=False, use_data_dir=use_data_dir)

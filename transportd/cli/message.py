@@ -38,8 +38,9 @@ def selection_options(fn: Callable) -> Callable:
     """IDS (numbers, ``-`` for ids on stdin, ``ALL``) and repeatable ``--filter`` terms (AND)."""
     @click.argument("ids", nargs=-1, metavar="[ID...|-|ALL]")
     @click.option("--filter", "filters", multiple=True, metavar="FIELD=VALUE",
-                  help="select by sender, recipient, subject (patterns with * and ?), queue, state, age or "
-                       "size (age>1h, size>=1MB); repeat for AND; see docs/operations.md")
+                  help="select by sender, recipient, subject (patterns with * and ?), queue, state, age, "
+                       "received or size (age>1h, received>2026-11-28T10:00Z, size>=1MB); repeat for AND; "
+                       "see docs/operations.md")
     @functools.wraps(fn)
     def wrapper(*args: Any, ids: tuple[str, ...], filters: tuple[str, ...], **kwargs: Any) -> Any:
         return fn(*args, selection=parse_selection(ids, filters), **kwargs)
@@ -129,11 +130,22 @@ def print_rows(rows: list[dict], as_json: bool, **extra: Any) -> None:
 def message_list(cfg: Config, selection: Selection, queue: str | None, include_done: bool, limit: int,
                  as_json: bool) -> None:
     """List queued messages (all, the ids given, or those --filter selects)."""
-    rows = list_rows(cfg, queue, include_done, selection, limit or None)
-    if not rows and not selection.empty and not selection.everything:
+    rows = list_rows(cfg, queue, include_done, selection, limit + 1 if limit else None)
+    more = bool(limit) and len(rows) > limit
+    rows = rows[:limit] if limit else rows
+    missing = [] if selection.ids is None or selection.terms or queue or more else \
+        sorted(set(selection.ids) - {r["id"] for r in rows})
+    if not rows and not selection.empty and not selection.everything and not missing:
         say(f"no message matches {selection.describe()}", as_json)
         return
     print_rows(rows, as_json)
+    if more:
+        click.echo(f"transportd: only the first {limit} message(s) are listed (--limit; --limit 0 lists all)",
+                   err=True)
+    if missing:
+        shown = ", ".join(str(i) for i in missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10
+                                                           else "")
+        raise CliError(f"no {'' if include_done else 'queued '}message {shown}")
 
 
 def say(text: str, as_json: bool) -> None:

@@ -15,8 +15,10 @@ Fields (Exchange names accepted as aliases):
   recipient pending in it;
 - ``state`` (``status``): Ready, Retry (``deferred``), Active, Suspended (``hold``), Poison, and
   with ``--all`` SafetyNet and Removed, as ``message list`` shows them;
-- ``age`` (since it was received) with a duration (``age>1h``), ``size`` with a size
-  (``size>=1MB``): ``>``, ``>=``, ``<``, ``<=``, ``=``.
+- ``age`` (since it was received) with a duration (``age>1h``): ``>``, ``>=``, ``<``, ``<=``;
+  ``received`` (``datereceived``, as Exchange's ``DateReceived -gt``) with an ISO 8601 time
+  (``received>2026-11-28T10:00Z``: received after it), the same operators; ``size`` with a size
+  (``size>=1MB``): those and ``=``, ``!=``.
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ from transportd.config import ConfigError, parse_duration, parse_size
 from transportd.errors import FilterError
 from transportd.queue import messages as mq
 from transportd.queue.store import messages, queues, recipients
+from transportd.tracking import parse_datetime
 
-FIELDS = ("sender", "recipient", "subject", "queue", "state", "age", "size")
+FIELDS = ("sender", "recipient", "subject", "queue", "state", "age", "received", "size")
 ALIASES = {"from": "sender", "fromaddress": "sender", "to": "recipient", "recipients": "recipient",
-           "status": "state", "datereceived": "age"}
+           "status": "state", "datereceived": "received"}
 TEXT_OPS = ("=", "!=")
 NUMBER_OPS = (">=", "<=", "!=", "=", ">", "<")
+ORDER_OPS = (">=", "<=", ">", "<")  # a time or an age: equality would never hold
 # Message states a filter can name, with the names a Postfix or Exchange operator may use.
 STATES = {"ready": mq.READY, "retry": mq.RETRY, "deferred": mq.RETRY, "active": mq.ACTIVE,
           "suspended": "Suspended", "hold": "Suspended", "poison": mq.POISON,
@@ -85,13 +89,18 @@ def parse_term(text: str) -> Term:
     name = ALIASES.get(name, name)
     if name not in FIELDS:
         raise FilterError(f"--filter {text!r}: unknown field {m.group(1)!r} (fields: {', '.join(FIELDS)})")
-    if name in ("age", "size"):
-        if op not in NUMBER_OPS:
-            raise FilterError(f"--filter {text!r}: {name} takes {', '.join(NUMBER_OPS)}")
+    if name in ("age", "received", "size"):
+        ops = NUMBER_OPS if name == "size" else ORDER_OPS
+        if op not in ops:
+            raise FilterError(f"--filter {text!r}: {name} takes {', '.join(ops)}")
         try:
-            value: Any = parse_duration(raw) if name == "age" else parse_size(raw)
+            if name == "received":
+                value: Any = parse_datetime(raw).timestamp()
+            else:
+                value = parse_duration(raw) if name == "age" else parse_size(raw)
         except (ConfigError, ValueError) as exc:
-            raise FilterError(f"--filter {text!r}: {exc}") from None
+            what = "expected an ISO 8601 time like 2026-11-28T10:00:00Z" if name == "received" else exc
+            raise FilterError(f"--filter {text!r}: {what}") from None
         return Term(name, op, value, text.strip())
     if op not in TEXT_OPS:
         raise FilterError(f"--filter {text!r}: {name} takes = or != (a pattern with * and ?)")
@@ -168,6 +177,8 @@ def term_condition(term: Term, now: float) -> ColumnElement:
     if term.field == "age":  # age > X  <=>  received_at < now - X
         flipped = {">": "<", ">=": "<=", "<": ">", "<=": ">=", "=": "=", "!=": "!="}[term.op]
         return _number(messages.c.received_at, flipped, now - term.value)
+    if term.field == "received":
+        return _number(messages.c.received_at, term.op, term.value)
     if term.field == "size":
         return _number(messages.c.size, term.op, term.value)
     if term.field == "state":
