@@ -589,3 +589,8 @@ def test_health_fails_for_a_listener_that_does_not_greet(tmp_path):
     assert res.returncode == 1
     assert f"127.0.0.1:{closed}: Connection refused" in res.stderr
     assert f"127.0.0.1:{silent_port}: answered b'HTTP/1.0" in res.stderr
+    # A --server that is no address is bad input (exit 2), not an unhealthy listener; nothing is tried.
+    res = subprocess.run([sys.executable, "-m", "transportd", "health", "--server", "nonsense"],
+                         capture_output=True, text=True, timeout=60, check=False, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 2 and "--server" in res.stderr and "nonsense" in res.stderr, res.stderr
+    assert "unhealthy" not in res.stderr

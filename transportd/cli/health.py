@@ -1,7 +1,7 @@
 """``transportd health``: the container healthcheck, an SMTP 220 greeting from each listener.
 
 It owns connecting to the node's frontend and transport connectors (or each
-``--server``), reading the greeting and the exit code (0 healthy, 1 not). It never
+``--server``), reading the greeting and the exit code (0 healthy, 1 not, 2 bad options). It never
 sends mail and never reads tracking logs; it opens the queue database only when given a
 data directory alone (``transportd -d DIR health``: which config the node runs is recorded there).
 """
@@ -53,6 +53,11 @@ def health(config: str | None, data_dir: str | None, servers: tuple[str, ...], t
     The container healthcheck: ``transportd health`` in a node, ``transportd health --server
     sink:2500`` for the sink.
     """
+    for address in servers:  # a --server that is no address is bad input (exit 2), not an unhealthy node
+        try:
+            config_mod.parse_hostport(address)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--server") from None
     if not servers:
         cfg = load_config(*node_location(config, data_dir))
         servers = tuple(a for a in (*cfg.frontend.listen, cfg.transport.listen) if a)
