@@ -738,3 +738,18 @@ def test_cluster_config_into_a_folder_that_cannot_be_made_is_one_line_and_exit_2
     res = invoke("cluster", "config", "--out", str(blocker / "cluster"))
     assert res.returncode == 2, res
     assert "cannot write the node configs" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_cluster_config_with_a_bad_set_writes_nothing(tmp_path):
+    """A bad --set is refused before any file is written: no folder made, and a cluster's configs
+    already there are left as they were (cluster up regenerates them in place)."""
+    fresh = tmp_path / "fresh"
+    res = invoke("cluster", "config", "--out", str(fresh), "--set", "frontend.bogus=1")
+    assert res.returncode == 2 and "frontend.bogus: unknown key" in res.stderr, res.stderr
+    assert not fresh.exists()
+    existing = tmp_path / "existing"
+    assert invoke("cluster", "config", "--out", str(existing)).returncode == 0
+    before = {p.name: p.read_text() for p in existing.iterdir()}
+    res = invoke("cluster", "config", "--out", str(existing), "--set", "frontend.listen=nope")
+    assert res.returncode == 2 and "frontend.listen" in res.stderr and "nope" in res.stderr, res.stderr
+    assert {p.name: p.read_text() for p in existing.iterdir()} == before

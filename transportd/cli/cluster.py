@@ -15,6 +15,7 @@ from typing import Callable
 import click
 
 from transportd import config as config_mod
+from transportd.config import ConfigError
 from transportd.cli.common import (
     CliError,
     ConfigCliError,
@@ -68,7 +69,7 @@ def _generate(directory: Path, nodes: int, sites: int, ip_base: int, frontend_po
         specs = generate(directory, nodes=nodes, sites=sites, ip_base=ip_base, frontend_port=frontend_port,
                          transport_port=transport_port, sink_address=sink_address, overrides=extra,
                          secret=secret, versions=per_node)
-    except ValueError as exc:
+    except (ValueError, ConfigError) as exc:
         raise ConfigCliError(str(exc)) from None
     except OSError as exc:  # a folder that cannot be made or written
         raise ConfigCliError(f"cannot write the node configs in {directory}: "
