@@ -458,10 +458,12 @@ def test_garbage_gets_clean_errors_and_daemon_stays_up(make_node):
         (b"DATA", "503 5.5.1"),                         # DATA before MAIL
         (b"MAIL FROM:<a@remote.test> BODY=BINARYMIME", "501 5.5.4"),
         (b"MAIL FROM:<a@remote.test> SIZE=lots", "501 5.5.4"),
+        (b"MAIL FROM:<a@remote.test", "553 5.1.3"),  # a path never closed (was taken as <a@remote.test>)
         (b"MAIL FROM:<a@remote.test>", "250 2.1.0"),
         (b"MAIL FROM:<b@remote.test>", "503 5.5.1"),    # nested MAIL
         (b"DATA", "503 5.5.1"),                         # DATA before RCPT
         (b"RCPT TO:<not an address>", "501 5.1.3"),
+        (b"RCPT TO:<alice@example.test", "553 5.1.3"),
         (b"RCPT TO:<x\xff@example.test>", "501 5.1.3"),
         (b"RCPT TO:<a@[999.1.1.1]>", "501 5.1.3"),            # an address literal with no address
         (b"RCPT TO:<bad address@example.test>", "501 5.1.3"),  # blanks in a local part not quoted
@@ -470,7 +472,7 @@ def test_garbage_gets_clean_errors_and_daemon_stays_up(make_node):
         (b"RCPT TO:<alice@example.test> FOO=BAR", "555 5."),
         (b"RCPT alice@example.test", "501 5.5.4"),
         (b"XYZZY\rinjected", "500 5.5.1"),
-        (b"VRFY <a\xff\xfe", "252 2.0.0"),
+        (b"VRFY <a\xff\xfe", "502 5.5.1"),  # a path never closed
         (b"VRFY \"", "502 5.5.1"),  # the email package's parser raised IndexError on these
         (b"VRFY a@", "502 5.5.1"),
         (b"VRFY (x\x1b[2J\xff", "502 5.5.1"),  # echoed back: control octets and bad UTF-8 become '?'

@@ -660,7 +660,9 @@ class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _ShutdownNotice, HalfClose, _
         'a@[1'); any of these is a malformed address, not an internal error. The common form is
         read by ``plain_path`` first."""
         plain = plain_path(arg, self.local_part_limit)
-        if plain is None:
+        if plain is None and arg.lstrip().startswith("<") and ">" not in arg:
+            plain = None, None  # "<a@b" with no ">": a path never closed is a syntax error, as Postfix's
+        elif plain is None:
             try:
                 plain = _as_sent(arg, *super()._getaddr(arg))
             except Exception:  # noqa: BLE001 - the parser's failure on bad input is that input's error
