@@ -735,3 +735,11 @@ def test_a_data_dir_that_is_a_file_stops_the_start_naming_the_key(make_node) -> 
     node.start(wait=False)
     assert node.proc is not None and node.proc.wait(timeout=30) == 1
     assert f"cannot start: node.data_dir: {node.data_dir} is not a folder" in node.log(), node.log()
+
+
+def test_a_listen_address_that_does_not_resolve_stops_the_start_naming_the_key(make_node) -> None:
+    """It said "[Errno -2] ..." or "Unknown error -2" (a resolver error taken for an OS error)."""
+    node = make_node(overrides={"transport": {"listen": "999.1.1.1:2526"}})
+    node.start(wait=False)
+    assert node.proc is not None and node.proc.wait(timeout=30) == 1
+    assert "cannot start: transport.listen 999.1.1.1:2526: cannot listen: no such address" in node.log(), node.log()

@@ -234,7 +234,10 @@ class Node:
 def listen_error(key: str, listen: str, exc: OSError) -> OSError:
     """A listener that could not be opened (an address in use, not on this host...), as the one
     line that stops the start: the key, the address and the reason."""
-    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    if isinstance(exc, socket.gaierror):  # a host that does not resolve: its errno is no OS error
+        reason = f"no such address ({exc.strerror})"
+    else:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
     return OSError(f"{key} {listen}: cannot listen: {reason}")
 
 
