@@ -659,6 +659,22 @@ def test_queue_list_watch(make_node, sink):
     assert proc.returncode == 0, (proc.returncode, err)
     assert b"Traceback" not in err, err
     assert piped_out.count("transportd queue list") >= 2 and ident in piped_out, piped_out
+    # With --json, a stream of JSON lines and nothing else (no header, no clear screen), even on a terminal.
+    master, slave = pty.openpty()
+    streamed = node.registry.add(subprocess.Popen([*cmd, "--json"], stdout=slave, stderr=subprocess.PIPE,
+                                                  stdin=subprocess.DEVNULL))
+    os.close(slave)
+    chunks.clear()
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    wait_for(lambda: b"".join(chunks).count(b"\n") >= 3, timeout=30, what="three JSON lines")
+    os.kill(streamed.pid, signal.SIGINT)
+    assert streamed.wait(timeout=10) == 0
+    t.join(timeout=5)
+    os.close(master)
+    lines = [ln for ln in b"".join(chunks).decode().split("\n")[:-1] if ln.strip()]  # whole lines
+    rows = [json.loads(ln) for ln in lines]
+    assert all(r["identity"] == ident and r["time"] for r in rows), lines
 
 
 # ------------------------------------------------------------------------------ 11. where the node options go

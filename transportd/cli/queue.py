@@ -10,7 +10,6 @@ never writes SQL: each read and each action is one queue-layer function run in
 from __future__ import annotations
 
 import functools
-import json
 import time
 from typing import Any, Callable
 
@@ -22,7 +21,6 @@ from transportd.cli.common import (
     emit_json,
     fmt_time,
     iso,
-    json_default,
     json_option,
     node_options,
     open_store,
@@ -72,9 +70,12 @@ def queue_list(cfg: Config, as_json: bool, watch: bool, interval: float) -> None
     try:
         while True:
             rows = queue_rows(cfg)
-            out = "\n".join(json.dumps(r, default=json_default) for r in rows) if as_json else render_queues(rows)
-            click.echo("\x1b[H\x1b[2J" + f"transportd queue list  {fmt_time(time.time())} UTC  (Ctrl-C stops)\n\n"
-                       + out, nl=True)
+            if as_json:  # a stream of JSON lines only: each refresh's rows, stamped with its time
+                now = iso(time.time())
+                emit_json({**r, "time": now} for r in rows)
+            else:
+                click.echo("\x1b[H\x1b[2J" + f"transportd queue list  {fmt_time(time.time())} UTC  "
+                           "(Ctrl-C stops)\n\n" + render_queues(rows), nl=True)
             time.sleep(max(0.1, interval))
     except KeyboardInterrupt:
         pass
