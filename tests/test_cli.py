@@ -20,7 +20,7 @@ import pytest
 
 from click.testing import CliRunner
 
-from conftest import queued_id, swaks, wait_for
+from conftest import free_port, queued_id, swaks, wait_for, write_toml
 from helpers import assert_one_error_line, run_cli
 from transportd import config as config_mod
 from transportd.cli import cli as transportd_cli
@@ -769,3 +769,33 @@ def test_cluster_config_with_a_bad_set_writes_nothing(tmp_path):
     res = invoke("cluster", "config", "--out", str(existing), "--set", "frontend.listen=nope")
     assert res.returncode == 2 and "frontend.listen" in res.stderr and "nope" in res.stderr, res.stderr
     assert {p.name: p.read_text() for p in existing.iterdir()} == before
+
+
+def test_one_node_per_data_dir_and_the_cli_says_when_none_runs(make_node, sink, tmp_path):
+    """A second ``serve`` on a data dir a node runs on stops at once naming the first one's pid
+    (two daemons would deliver every message twice); after a kill -9 the next start takes it.
+    With the node stopped, a removal says that its peers have not heard of it."""
+    peer = {"name": "ghost.transportd.test", "site": "site-b", "transport": f"127.0.0.1:{free_port()}"}
+    overrides = {**LONG_RETRY, "shadow_redundancy": {"shadow_redundancy_enabled": True},
+                 "cluster": {"secret": "s3cret-for-the-test"}, "transport": {"listen": f"127.0.0.1:{free_port()}"}}
+    node = make_node(smart_host=sink.address, overrides=overrides)
+    write_toml(node.config_path, {**node.sections, "peers": [peer]})
+    node.start()
+    m1, m2 = send(node, "carol@foreign.test"), send(node, "dave@foreign.test")  # accepted unprotected
+    second = make_node("second", overrides={"node": {"data_dir": str(node.data_dir), "name": node.name,
+                                                      "site": "site-a", "log_level": "debug"}})
+    second.start(wait=False)
+    assert second.proc.wait(timeout=30) == 1
+    assert (f"cannot start: node.data_dir {node.data_dir}: another transportd node runs on it "
+            f"(pid {node.proc.pid})") in second.log(), second.log()
+    assert node.alive
+
+    running = cli(node, "message", "remove", str(m1))
+    assert "not running" not in running.stderr, running.stderr
+    node.proc.kill()
+    node.proc.wait(timeout=10)
+    stopped = cli(node, "message", "remove", str(m2))
+    assert f"message {m2} removed" in stopped.stdout
+    assert "the node is not running: its peers learn" in stopped.stderr, stopped.stderr
+    node.start()  # the lock died with the killed process
+    assert node.alive

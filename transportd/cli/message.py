@@ -373,6 +373,7 @@ def message_suspend(cfg: Config, selection: Selection, dry_run: bool, batch_size
                       dry_run=dry_run, batch_size=batch_size, as_json=as_json)
     if done and single(selection) and not as_json:
         click.echo(f"message {done[0]['id']} suspended")
+    warn_if_stopped(cfg, done, "suspended")
 
 
 @message_group.command("resume")
@@ -439,6 +440,22 @@ def message_remove(cfg: Config, selection: Selection, dry_run: bool, batch_size:
                       dry_run=dry_run, batch_size=batch_size, as_json=as_json)
     if done and single(selection) and not as_json:
         click.echo(f"message {done[0]['id']} removed" + (" (NDR queued to the sender)" if done[0]["ndr"] else ""))
+    warn_if_stopped(cfg, done, "removed")
+
+
+def warn_if_stopped(cfg: Config, done: list[dict], verb: str) -> None:
+    """With the node stopped its peers hear of nothing: a shadow copy of a message removed or
+    suspended here is still theirs to take over once the node has been silent for
+    shadow_resubmit_time_span. Said on stderr, so the operator can start the node in time."""
+    from transportd.config import format_duration
+    from transportd.node import datalock
+    sr = cfg.shadow_redundancy
+    if not done or not (sr.shadow_redundancy_enabled and cfg.peers) or datalock.holder(cfg.data_dir) is not None:
+        return
+    click.echo(f"transportd: note: the node is not running: its peers learn that these messages were {verb} "
+               f"when it starts; a peer holding a shadow copy takes it over and delivers it if the node "
+               f"stays down longer than shadow_resubmit_time_span ({format_duration(sr.shadow_resubmit_time_span)})",
+               err=True)
 
 
 def log_removal(trk: Any, row: dict, removed: list[dict], created: tuple[int, Any] | None, reply: str,

@@ -23,6 +23,7 @@ from transportd import __version__
 from transportd.config import Config, frontend_bindings, tracking_fields, worker_count
 from transportd.errors import StoreError
 from transportd.node.accept import AcceptPath
+from transportd.node import datalock
 from transportd.node.connectors import MailboxConnector, PeerConnector, SmtpConnector
 from transportd.node.events import NodeEvents
 from transportd.node.maintenance import Maintenance
@@ -79,12 +80,14 @@ class Node:
         self.scheduler: Scheduler | None = None
         self.servers: list[asyncio.AbstractServer] = []
         self._tasks: list[asyncio.Task] = []
+        self._data_lock: int | None = None
 
     async def start(self) -> None:
         cfg = self.cfg
         if cfg.data_dir.exists() and not cfg.data_dir.is_dir():
             raise OSError(f"node.data_dir: {cfg.data_dir} is not a folder")
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        self._data_lock = datalock.take(cfg.data_dir)  # one node per data dir (DataDirInUse: an OSError)
         self.store = store = QueueStore.open(cfg.db_path, create=True, repair=True, node_name=cfg.node.name)
         store.start_writer()
         self.events.store = store
@@ -228,7 +231,14 @@ class Node:
         if self.events.tracking.pending_rows:
             log.error("%d tracking row(s) kept after failed writes could not be written at the stop",
                       self.events.tracking.pending_rows)
+        self.release_data_dir()
         log.info("node %s stopped", self.cfg.node.name)
+
+    def release_data_dir(self) -> None:
+        """The data dir's lock, given back (another node may start on it)."""
+        if self._data_lock is not None:
+            os.close(self._data_lock)
+            self._data_lock = None
 
 
 def listen_error(key: str, listen: str, exc: OSError) -> OSError:
@@ -259,15 +269,18 @@ async def _serve(cfg: Config, log_format: str) -> int:
         log.error("cannot start: %s", exc)
         if node.store is not None:
             node.store.close()
+        node.release_data_dir()
         return 1
     except StoreError as exc:
         log.error("cannot start: %s", exc)
+        node.release_data_dir()
         return 1
     except DATABASE_ERRORS as exc:  # e.g. a queue database file made read-only
         log.error("cannot start: queue database %s cannot be used: %s", cfg.db_path,
                   getattr(exc, "orig", None) or exc)
         if node.store is not None:
             node.store.close()
+        node.release_data_dir()
         return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
