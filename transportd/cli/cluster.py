@@ -15,7 +15,6 @@ from typing import Callable
 import click
 
 from transportd import config as config_mod
-from transportd.config import ConfigError
 from transportd.cli.common import (
     CliError,
     ConfigCliError,
@@ -26,6 +25,7 @@ from transportd.cli.common import (
 )
 from transportd.cli.queue import queue_rows
 from transportd.cli.shadow import shadow_rows
+from transportd.config import ConfigError
 
 
 @click.group("cluster")
@@ -132,6 +132,7 @@ def cluster_up(data_dir: str, nodes: int, sites: int, ip_base: int, frontend_por
 def cluster_status(data_dir: str, as_json: bool) -> None:
     """Each node alive or not, with its queue and shadow counts."""
     import socket as socket_mod
+
     from transportd.devtools.cluster import load_cluster_json, pid_alive
     try:
         doc = load_cluster_json(Path(data_dir).resolve())

@@ -22,8 +22,8 @@ from typing import Any
 from transportd import __version__
 from transportd.config import Config, frontend_bindings, tracking_fields, worker_count
 from transportd.errors import StoreError
-from transportd.node.accept import AcceptPath
 from transportd.node import datalock
+from transportd.node.accept import AcceptPath
 from transportd.node.connectors import MailboxConnector, PeerConnector, SmtpConnector
 from transportd.node.events import NodeEvents
 from transportd.node.maintenance import Maintenance
