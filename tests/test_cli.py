@@ -600,6 +600,9 @@ def test_unknown_queue_and_message(make_node, sink):
                 assert "Traceback" not in res.stderr
             res = cli(node, "message", "show", "abc", check=False, use_data_dir=use_data_dir)
             assert res.returncode == 2 and "abc" in res.stderr
+            for verb in ("retry", "suspend", "resume"):  # the Poison queue: its messages, one by one
+                res = cli(node, "queue", verb, "poison", check=False, use_data_dir=use_data_dir)
+                assert res.returncode == 1 and "the Poison queue is not retried" in res.stderr, res.stderr
         # The real ones are untouched by all that.
         assert message_ids(node) == [mid]
         assert queue_by_identity(node, ident)["state"] == "Retry"

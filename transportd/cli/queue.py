@@ -83,6 +83,9 @@ def queue_list(cfg: Config, as_json: bool, watch: bool, interval: float) -> None
 
 def queue_action(cfg: Config, name: str, action: Callable[[Any], dict | None]) -> dict:
     """Run ``action`` (a queue-layer function of the connection returning the queue row or None)."""
+    if name.lower() == mq.POISON.lower():  # not a delivery queue: its messages are released one by one
+        raise CliError("the Poison queue is not retried, suspended or resumed as a whole (nor is Exchange's): "
+                       "resume or remove its messages (transportd message resume --filter queue=Poison)")
     store = open_store(cfg)
     try:
         q = store.transaction(action)
