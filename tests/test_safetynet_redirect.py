@@ -454,4 +454,8 @@ def test_resubmit_to_a_next_hop_outside_the_boundary_is_refused(tmp_path):
                    "2026-01-01T00:00:00Z")
         assert res.returncode == 2, res
         assert "outside the boundary" in res.stderr and "Traceback" not in res.stderr
+    # A name the config does not know (a typo) is refused, listing those it does.
+    res = _cli(spec.config, "safetynet", "resubmit", "--destination", "MDB99", "--start", "2026-01-01T00:00:00Z")
+    assert res.returncode == 2 and "MDB99 is no mailbox database or peer queue" in res.stderr, res.stderr
+    assert "MDB01" in res.stderr and "Traceback" not in res.stderr
     assert not (Path(spec.data_dir) / "queue.db").exists()

@@ -69,12 +69,17 @@ def safetynet_list(cfg: Config, source: str, as_json: bool) -> None:
 def safetynet_resubmit(cfg: Config, destination: str, start: str, end: str | None, source: str,
                        for_primary: str | None, force: bool) -> None:
     """Queue again what this node's Safety Net holds for DESTINATION in a time window."""
-    from transportd.queue.safetynet import database_created_at, outside_boundary, resubmit
+    from transportd.queue.safetynet import database_created_at, known_destinations, outside_boundary, resubmit
     if outside_boundary(destination):
         raise click.BadParameter(
             f"{destination} is a next hop outside the boundary: Safety Net never resubmits what crossed it "
             f"(its recipients would see the message twice, as in Exchange); name a mailbox database or a "
             f"peer's queue", param_hint="--destination")
+    known = known_destinations(cfg)
+    if destination not in known:
+        raise click.BadParameter(
+            f"{destination} is no mailbox database or peer queue this node knows (known: "
+            f"{', '.join(sorted(known))})", param_hint="--destination")
     if for_primary:
         _resubmit_for_unreachable_primary(cfg, destination, start, end, for_primary.lower(), force)
         return

@@ -58,6 +58,16 @@ def outside_boundary(destination: str) -> bool:
     return destination.startswith(("smarthost:", "dns:"))
 
 
+def known_destinations(cfg: Any) -> set[str]:
+    """The destinations a resubmit request can name: the mailbox databases the config knows
+    (this node's, those of ``[mailbox_databases]`` and of the routing rules), their queues
+    (``mailbox:DB``) and the peers' queues (``peer:NODE``)."""
+    dbs = {cfg.routing.mailbox_database, *cfg.mailbox_databases,
+           *(rule.partition("=")[2].strip() for rule in cfg.routing.mailbox_database_rules)}
+    dbs.discard("")
+    return dbs | {f"mailbox:{db}" for db in dbs} | {f"peer:{p.name}" for p in cfg.peers}
+
+
 def database_of(address: str, cfg: Any) -> str | None:
     """The mailbox database of an accepted-domain recipient (wherever it lives), else None."""
     if not is_accepted(domain_of(address), cfg.routing.accepted_domains):
