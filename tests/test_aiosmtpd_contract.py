@@ -114,9 +114,13 @@ TRICKY = ATEXT + '.@<>"()[]\\:,; \tÄ'
 
 def _reference(arg: str, limit: int):
     """aiosmtpd's own answer (a parser's exception read as a malformed address, as ours does),
-    with a local part it quoted for the client unquoted again (``server._as_sent``)."""
+    with a local part it quoted for the client unquoted again (``server._as_sent``), and our one
+    deliberate difference: a path opened with ``<`` and never closed is malformed (aiosmtpd reads
+    ``<a@b`` as ``<a@b>``)."""
     from transportd.smtp.server import _as_sent
 
+    if arg.lstrip().startswith("<") and ">" not in arg:
+        return None, None
     s = SMTP.__new__(SMTP)
     s.local_part_limit = limit
     try:

@@ -283,6 +283,18 @@ def _as_sent(arg: str, address: Any, rest: Any) -> tuple[Any, Any]:
     return (address, rest) if path.startswith('"') else (address.replace('"', ""), rest)
 
 
+def _parsed_path(arg: str, parse: Callable[[str], tuple[Any, Any]]) -> tuple[Any, Any]:
+    """What aiosmtpd's parser (``parse``) reads in a path the fast path did not, held to what the
+    client sent; (None, None) for a malformed one: the parser's own failure on it, or a path opened
+    with ``<`` and never closed (the parser took ``<a@b`` as ``<a@b>``; Postfix refuses it)."""
+    if arg.lstrip().startswith("<") and ">" not in arg:
+        return None, None
+    try:
+        return _as_sent(arg, *parse(arg))
+    except Exception:  # noqa: BLE001 - the parser's failure on bad input is that input's error
+        return None, None
+
+
 class _Replies:
     """How a session's replies go on the wire: in our wording, each reply in one write (aiosmtpd
     writes each line). LimitedSMTP sets ``_held`` and ``_plain_250``."""
@@ -660,13 +672,8 @@ class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _ShutdownNotice, HalfClose, _
         'a@[1'); any of these is a malformed address, not an internal error. The common form is
         read by ``plain_path`` first."""
         plain = plain_path(arg, self.local_part_limit)
-        if plain is None and arg.lstrip().startswith("<") and ">" not in arg:
-            plain = None, None  # "<a@b" with no ">": a path never closed is a syntax error, as Postfix's
-        elif plain is None:
-            try:
-                plain = _as_sent(arg, *super()._getaddr(arg))
-            except Exception:  # noqa: BLE001 - the parser's failure on bad input is that input's error
-                plain = None, None
+        if plain is None:
+            plain = _parsed_path(arg, super()._getaddr)
         self._path_params = plain[1] or ""  # the parameters as sent, for RFC 3461's (_DsnParameters)
         return plain
 
