@@ -124,7 +124,7 @@ def print_rows(rows: list[dict], as_json: bool, **extra: Any) -> None:
 @selection_options
 @click.option("--queue", "queue", default=None,
               help="only messages in this queue (identity or id; 'Poison' for the Poison queue)")
-@click.option("--all", "include_done", is_flag=True, help="include Safety Net and removed messages")
+@click.option("--all", "include_done", is_flag=True, help="include Safety Net copies, and removed messages not yet purged (a running node purges them within seconds)")
 @click.option("--limit", type=click.IntRange(0), default=1000, show_default=True, help="at most this many; 0: all")
 @json_option()
 def message_list(cfg: Config, selection: Selection, queue: str | None, include_done: bool, limit: int,
