@@ -9,21 +9,25 @@ included), so there is nothing stale to clean after a crash. It never reads the 
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import os
 import time
 from pathlib import Path
 
 LOCK_NAME = "node.lock"
+log = logging.getLogger("transportd")
 
 
 class DataDirInUse(OSError):
     """Another process holds the data directory's lock."""
 
 
-def take(data_dir: Path) -> int:  # called once at start, before the event loop serves anything
+def take(data_dir: Path) -> int | None:  # called once at start, before the event loop serves anything
     """Lock ``data_dir`` for this process and write its pid in the lock file; the file
-    descriptor (keep it open while the node runs). DataDirInUse when a node already runs there."""
+    descriptor (keep it open while the node runs). DataDirInUse when a node already runs there;
+    None (and a warning) where the file system has no locks to give (some network mounts)."""
     path = data_dir / LOCK_NAME
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
@@ -40,9 +44,13 @@ def take(data_dir: Path) -> int:  # called once at start, before the event loop 
         os.close(fd)
         raise DataDirInUse(f"node.data_dir {data_dir}: another transportd node runs on it"
                            f"{f' (pid {pid})' if pid else ''}; stop it first") from None
-    except OSError:
+    except OSError as exc:
         os.close(fd)
-        raise
+        if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        log.warning("cannot lock %s (%s): a second node started on this data dir would not be refused",
+                    path, exc.strerror)
+        return None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
