@@ -82,6 +82,11 @@ def test_shadow_exists_on_remote_site_when_client_gets_250(cluster):
     shadow = one(node3.cli_json("shadow", "show", node1.name), "shadow of node1 on node3")
     assert shadow["network_message_id"] == netid
     assert shadow["state"] == "Shadow"
+    # A host name in any case is the same primary; a name that is none is said, exit 1 (was an empty table).
+    assert one(node3.cli_json("shadow", "show", node1.name.upper()))["id"] == shadow["id"]
+    res = run_cli("shadow", "show", "nosuch.transportd.test", "--config", str(node3.config))
+    assert res.returncode == 1 and "no primary 'nosuch.transportd.test'" in res.stderr, res.stderr
+    assert node1.name in res.stderr
 
     redirect = one(node1.tracking(event_id="HAREDIRECT"), "HAREDIRECT on node1")
     assert redirect["network-message-id"] == netid

@@ -12,7 +12,7 @@ import functools
 
 import click
 
-from transportd.cli.common import emit_json, iso, json_option, node_options, open_store, table
+from transportd.cli.common import CliError, emit_json, iso, json_option, node_options, open_store, table
 from transportd.config import Config
 from transportd.queue import admin
 from transportd.queue import messages as mq
@@ -55,12 +55,18 @@ def shadow_list(cfg: Config, as_json: bool) -> None:
 @click.option("--all", "include_done", is_flag=True, help="include copies in the Shadow Safety Net")
 @json_option("JSON lines")
 def shadow_show(cfg: Config, primary: str, include_done: bool, as_json: bool) -> None:
-    """The shadow copies held for one primary."""
+    """The shadow copies held for one primary (a peer, or a node this one holds copies for)."""
     store = open_store(cfg)
     try:
+        known = {r["primary"] for r in store.read(admin.shadow_summary)} | {p.name for p in cfg.peers}
+        if primary not in known and primary.lower() in {k.lower() for k in known}:
+            primary = next(k for k in known if k.lower() == primary.lower())  # host names: any case
         rows = store.read(functools.partial(admin.shadow_copies, primary=primary, include_done=include_done))
     finally:
         store.close()
+    if not rows and primary not in known:
+        raise CliError(f"no primary {primary!r}: neither a peer nor a node this one holds shadows for "
+                       f"(known: {', '.join(sorted(known)) or 'none'})")
     out = [{"id": r["id"], "network_message_id": r["network_message_id"], "shadow_guid": r["shadow_guid"],
             "message_id": r["message_id"], "from": r["sender"], "size": r["size"],
             "received_at": iso(r["received_at"]), "state": "Shadow" if r["state"] == mq.QUEUED else r["state"],
