@@ -142,8 +142,8 @@ def queue_id_for(conn: Connection, hop: NextHop, now: float) -> int:
 
 
 def resolve_queue(conn: Connection, name: str) -> dict | None:
-    """A queue by identity or numeric id."""
-    cond = queues.c.identity == name
+    """A queue by identity (in any case: host and domain names are) or numeric id."""
+    cond = func.lower(queues.c.identity) == name.lower()
     if name.isdigit():
         cond = or_(cond, queues.c.id == int(name))
     row = conn.execute(select(queues).where(cond)).mappings().first()
