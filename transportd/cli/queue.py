@@ -57,7 +57,8 @@ def render_queues(rows: list[dict]) -> str:
 @node_options
 @json_option("JSON lines")
 @click.option("--watch", "watch", is_flag=True, help="refresh in place until Ctrl-C")
-@click.option("--interval", type=float, default=1.0, show_default=True, help="--watch refresh seconds")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              help="--watch refresh seconds (at least 0.1)")
 def queue_list(cfg: Config, as_json: bool, watch: bool, interval: float) -> None:
     """List delivery queues: identity, delivery type, state, message count, next retry, last error."""
     if not watch:
@@ -76,7 +77,7 @@ def queue_list(cfg: Config, as_json: bool, watch: bool, interval: float) -> None
             else:
                 click.echo("\x1b[H\x1b[2J" + f"transportd queue list  {fmt_time(time.time())} UTC  "
                            "(Ctrl-C stops)\n\n" + render_queues(rows), nl=True)
-            time.sleep(max(0.1, interval))
+            time.sleep(interval)
     except KeyboardInterrupt:
         pass
 
