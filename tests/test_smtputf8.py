@@ -184,3 +184,22 @@ def test_8bit_headers_without_smtputf8_are_never_sent_to_a_7bit_next_hop(make_no
     assert " 5.6.3 " in fail["recipient-status"]
     wait_for(lambda: node.maildir_files("bob@example.test"), timeout=10, what="the DSN to bob")
     assert not sink.messages()
+
+
+def test_an_encoded_word_subject_is_tracked_and_listed_as_its_text_and_delivered_as_sent(make_node):
+    """RFC 2047: most non-ASCII subjects travel as encoded-words. The tracking log's
+    message-subject and the queue's subject hold the text they stand for (as Exchange's logs do,
+    so a search by subject finds it); the message itself keeps the field byte for byte."""
+    node = make_node().start()
+    field = b"Subject: =?UTF-8?B?R3LDvMOfZQ==?= =?ISO-8859-1?Q?aus_K=F6ln?=\r\n"
+    data = b"From: <bob@remote.test>\r\nTo: <alice@example.test>\r\n" + field + b"\r\nhi\r\n"
+    send("127.0.0.1", node.port, "bob@remote.test", ["alice@example.test"], data)
+    receive = one(wait_for(lambda: node.tracking(event_id="RECEIVE"), what="RECEIVE"))
+    assert receive["message-subject"] == "Grüßeaus Köln", receive  # blanks between encoded-words go (RFC 2047 6.2)
+    deliver = one(wait_for(lambda: node.tracking(event_id="DELIVER"), what="DELIVER"))
+    assert deliver["message-subject"] == receive["message-subject"]
+    found = node.cli_json("tracking", "search", "--subject", "KÖLN")  # anywhere, in any case: -MessageSubject
+    assert {r["event-id"] for r in found} >= {"RECEIVE", "DELIVER"}, found
+    assert node.cli_json("tracking", "search", "--subject", "Köln!") == []
+    [stored] = wait_for(lambda: node.maildir_files("alice@example.test"), what="the mailbox copy")
+    assert field in stored.read_bytes()

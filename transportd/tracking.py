@@ -698,12 +698,14 @@ def search(
     start: datetime | None = None,
     end: datetime | None = None,
     errors: list[tuple[Path, int, str]] | None = None,
+    subject: str | None = None,
 ) -> Iterator[dict[str, str]]:
     """Yield the rows of every log in ``directory`` that match all the given filters.
 
     Addresses, event-id and network-message-id compare case-insensitively (``recipient``, one
     address or several, matches when any of them is an entry of the ``;`` list, as
-    Get-MessageTrackingLog's ``-Recipients``); ``message_id`` compares exactly, with or without
+    Get-MessageTrackingLog's ``-Recipients``); ``subject`` is found anywhere in the subject, in
+    any case (as ``-MessageSubject``); ``message_id`` compares exactly, with or without
     angle brackets. ``start``/``end`` are inclusive (naive means UTC); with either given,
     rows whose date-time does not parse are skipped. Rows come in file order; malformed rows
     are skipped and reported into ``errors`` as in ``parse_log_file``.
@@ -716,6 +718,7 @@ def search(
         recipient = (recipient,)
     want_recipients = None if not recipient else {r.strip().casefold() for r in recipient}
     want_event = None if event_id is None else event_id.strip().casefold()
+    want_subject = None if subject is None else subject.casefold()
     start_utc = None if start is None else _as_utc(start)
     end_utc = None if end is None else _as_utc(end)
 
@@ -739,6 +742,8 @@ def search(
             ):
                 continue
             if want_sender is not None and row["sender-address"].strip().casefold() != want_sender:
+                continue
+            if want_subject is not None and want_subject not in row["message-subject"].casefold():
                 continue
             if want_recipients is not None and want_recipients.isdisjoint(
                 address.strip().casefold() for address in split_list(row["recipient-address"])

@@ -26,13 +26,14 @@ def tracking_group() -> None:
 @click.option("--sender", default=None)
 @click.option("--recipient", "recipients", multiple=True,
               help="a recipient address; repeat for any of several (as -Recipients)")
+@click.option("--subject", default=None, help="text found anywhere in the subject, in any case (as -MessageSubject)")
 @click.option("--event-id", default=None, help="RECEIVE, DELIVER, SENDEXTERNAL, DEFER, FAIL, DSN, ...")
 @click.option("--start", default=None, help="from this time (ISO 8601, UTC by default)")
 @click.option("--end", default=None, help="up to this time (ISO 8601)")
 @json_option("JSON lines")
 def tracking_search(cfg: Config, message_id: str | None, network_message_id: str | None,
                     internal_message_id: str | None, sender: str | None, recipients: tuple[str, ...],
-                    event_id: str | None, start: str | None, end: str | None, as_json: bool) -> None:
+                    subject: str | None, event_id: str | None, start: str | None, end: str | None, as_json: bool) -> None:
     """Search this node's MSGTRK files (rows that cannot be read are counted on stderr)."""
     from transportd.tracking import search
     s, e = parse_when(start, "--start"), parse_when(end, "--end")
@@ -43,7 +44,7 @@ def tracking_search(cfg: Config, message_id: str | None, network_message_id: str
     errors: list = []
     rows = search(cfg.tracking_dir, message_id=message_id, network_message_id=network_message_id,
                   internal_message_id=internal_message_id, sender=sender, recipient=recipients,
-                  event_id=event_id, start=s, end=e, errors=errors)
+                  event_id=event_id, start=s, end=e, errors=errors, subject=subject)
     try:
         if as_json:
             emit_json(rows)

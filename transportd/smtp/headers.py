@@ -1,15 +1,17 @@
 """Header fields of a message as received: the one parser every layer reads a header with.
 
 It owns splitting the header block from the body, reading Message-ID, Date and
-Subject (raw, so UTF-8 survives), the network message id a primary wrote into
+Subject (raw, so UTF-8 survives; the Subject's encoded-words decoded), the network message id a primary wrote into
 its Received field, and the hop count (Received fields of the header block only:
 a forwarded message's own Received lines are body). It never changes a message.
 """
 
 from __future__ import annotations
 
+import email.policy
 import email.utils
 import re
+import unicodedata
 from datetime import UTC, datetime
 from email.parser import BytesHeaderParser
 from email.policy import compat32
@@ -84,12 +86,29 @@ def _raw_items(block: bytes) -> list[tuple[str, str]]:
 
 
 def header_fields(data: bytes) -> tuple[str, str, str]:
-    """(Message-ID, Date, Subject) of a message, as text ("" when absent; the first of each). Pure."""
+    """(Message-ID, Date, Subject) of a message, as text ("" when absent; the first of each); the
+    Subject's RFC 2047 encoded-words decoded, as Exchange's tracking logs and queue viewer show it.
+    Pure."""
     found: dict[str, str] = {}
     for name, value in _raw_items(split_headers(data)[0]):
         found.setdefault(name.lower(), value)
-    return tuple(_header_text(_FOLD.sub("", found.get(k, "")))  # unfolded (RFC 5322 2.2.3)
-                 for k in ("message-id", "date", "subject"))  # type: ignore[return-value]
+    message_id, date, subject = (_header_text(_FOLD.sub("", found.get(k, "")))  # unfolded (RFC 5322 2.2.3)
+                                 for k in ("message-id", "date", "subject"))
+    return message_id, date, decoded_subject(subject)
+
+
+def decoded_subject(text: str) -> str:
+    """A Subject with encoded-words (``=?UTF-8?B?...?=``, RFC 2047) as the text they stand for, on
+    one line (a control character an encoded-word carried becomes a space); as it is when it holds
+    none, or when the email package cannot read them."""
+    if "=?" not in text:
+        return text
+    try:
+        decoded = str(email.policy.default.header_factory("Subject", text))
+    except Exception:  # noqa: BLE001 - the email package has failed on hostile input: keep it as sent
+        return text
+    return "".join(" " if unicodedata.category(ch) in ("Cc", "Zl", "Zp") or 0xD800 <= ord(ch) <= 0xDFFF
+                   else ch for ch in decoded).strip()
 
 
 # any protocol of RFC 3848 / RFC 6531 (SMTP, ESMTPSA, UTF8SMTPS, ...)
