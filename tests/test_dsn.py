@@ -275,16 +275,23 @@ def test_long_subject_is_folded_and_truncated() -> None:
 
 
 def test_delayed_subject_only_when_every_recipient_is_delayed() -> None:
+    until = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
     delayed = RecipientReport(
         address="bob@example.net",
         action="delayed",
         status="4.4.7",
         diagnostic="451 4.4.7 try later",
+        will_retry_until=until,
     )
     msg = _parse(_build(recipients=[delayed]))
     assert msg["Subject"] == "Delivery delayed: Quarterly report"
     blocks = _status_blocks(msg)
     assert (blocks[1]["Action"], blocks[1]["Status"]) == ("delayed", "4.4.7")
+    # RFC 3464 2.3.8: when the MTA gives up, for a delayed recipient only
+    assert email.utils.parsedate_to_datetime(blocks[1]["Will-Retry-Until"]) == until
+    failed = _status_blocks(_parse(_build(recipients=[RecipientReport(
+        address="bob@example.net", action="failed", status="5.1.1", will_retry_until=until)])))
+    assert failed[1]["Will-Retry-Until"] is None
     assert "delayed" in msg.get_payload()[0].get_content()
 
     mixed = _parse(_build(recipients=[delayed, TWO_RECIPIENTS[1]]))
@@ -628,3 +635,20 @@ def test_dsn_needs_utf8(
 def test_dsn_needs_utf8_counts_a_utf8_orcpt() -> None:
     reports = [RecipientReport(address="bob@example.net", original_recipient=f"utf-8;{UTF8_RCPT}")]
     assert dsn_needs_utf8("alice@example.org", reports, ORIGINAL, True)
+
+
+def test_utf8_addresses_escape_plus_equals_and_backslash() -> None:
+    """RFC 6533 3: utf-8-addr-unitext (and -xtext) leave out '+', '=' and '\\': a plus-address
+    (common) is written with \\x{2B}, in both kinds of DSN."""
+    plus = "jörg+news=x@bücher.example"
+    report = RecipientReport(address=plus, action="failed", status="5.1.1", original_recipient=f"utf-8;{plus}")
+    for utf8 in (True, False):
+        raw = _build_utf8(recipients=[report], utf8=utf8)
+        if utf8:
+            _, rcpt = _status_fields(raw)
+            assert rcpt["Final-Recipient"] == "utf-8; jörg\\x{2B}news\\x{3D}x@bücher.example", rcpt
+            assert rcpt["Original-Recipient"] == rcpt["Final-Recipient"], rcpt
+        else:
+            _, status = _raw_part(raw, 1)
+            assert b"Final-Recipient: utf-8; j\\x{F6}rg\\x{2B}news\\x{3D}x@b\\x{FC}cher.example\r\n" in status
+            assert b"Original-Recipient: utf-8; j\\x{F6}rg\\x{2B}news\\x{3D}x@b\\x{FC}cher.example\r\n" in status

@@ -4,6 +4,7 @@ too (transportd/smtp/dsnparams.py)."""
 
 from __future__ import annotations
 
+import email.utils
 import smtplib
 import time
 import uuid
@@ -216,3 +217,8 @@ def test_delay_notices_follow_notify(make_node, sink):
     assert [(b["Action"], b["Final-Recipient"].lower(), b["Original-Recipient"]) for b in blocks] == [
         ("delayed", "rfc822; dave@elsewhere.test", "rfc822; Dave@x.test")]
     assert f"told-{tag}" in str(msg["Subject"]) and "Original-Envelope-Id: D1" in msg.as_string()
+    # when it was last tried and until when it will be (the message's expiry: 2 days by default)
+    tried = email.utils.parsedate_to_datetime(blocks[0]["Last-Attempt-Date"]).timestamp()
+    until = email.utils.parsedate_to_datetime(blocks[0]["Will-Retry-Until"]).timestamp()
+    assert time.time() - 60 < tried <= time.time() + 1, blocks[0]
+    assert abs(until - (tried + 2 * 86400)) < 120, blocks[0]

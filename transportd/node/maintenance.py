@@ -25,6 +25,7 @@ from transportd.node.outcomes import (
     dsn_message,
     internal_failure,
     status_of,
+    utc,
 )
 from transportd.queue import messages as mq
 from transportd.queue.delivered import DeliveredLog
@@ -101,7 +102,9 @@ class Maintenance:
                 reports = [RecipientReport(address=r["address"], action="delayed",
                                            status=status_of(r["last_error"] or "451 4.4.1"),
                                            diagnostic=r["last_error"] or "",
-                                           original_recipient=dsnparams.orcpt_of(r["dsn_params"]))
+                                           original_recipient=dsnparams.orcpt_of(r["dsn_params"]),
+                                           last_attempt=utc(r["last_attempt_at"]),
+                                           will_retry_until=utc(m["expires_at"]))
                            for r in m["waiting"] if dsnparams.wants(r["dsn_params"], dsnparams.DELAY)]
                 dsn = dsn_message(self.cfg, m, body, reports, now)
                 dsn_id = await self.store.write(lambda c, mid=m["id"], dsn=dsn: mq.record_delay_dsn(c, mid, dsn, now),

@@ -93,7 +93,7 @@ def dsn_message(cfg: Any, original: dict, original_body: bytes, reports: Sequenc
     asked = original.get("dsn_params") or ""
     data = build_dsn(
         reporting_mta=cfg.node.name, original_sender=sender, original_message=original_body,
-        recipients=list(reports), arrival_date=_dt(original.get("received_at") or now), now=_dt(now), utf8=utf8,
+        recipients=list(reports), arrival_date=utc(original.get("received_at") or now), now=utc(now), utf8=utf8,
         original_envelope_id=dsnparams.envid_of(asked),
         include_body=dsnparams.returns_full(asked) and any(r.action == "failed" for r in reports),
     )
@@ -133,8 +133,9 @@ def _action(it: WorkItem, o: Outcome) -> str:
     return "delivered" if it.delivery_type == MAILBOX else "relayed"
 
 
-def _dt(ts: float) -> datetime:
-    return datetime.fromtimestamp(ts, tz=timezone.utc)
+def utc(ts: float | None) -> datetime | None:
+    """A queue database time (seconds since the epoch) as an aware UTC datetime; None as None."""
+    return None if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc)
 
 
 class OutcomeRecorder:
@@ -151,6 +152,7 @@ class OutcomeRecorder:
         reports = [RecipientReport(address=addr[o.recipient_id], action=_action(it, o),
                                    status="4.4.7" if expiry else status_of(o.reply), diagnostic=o.reply,
                                    remote_mta="" if expiry or it.delivery_type == MAILBOX else remote,
+                                   last_attempt=None if expiry else utc(now),
                                    original_recipient=dsnparams.orcpt_of(params.get(o.recipient_id, "")))
                    for o in told]
         return dsn_message(self.cfg, row, body, reports, now)

@@ -420,7 +420,7 @@ def expired_recipients(conn: Connection, now: float, limit: int = 1000) -> list[
 def delayed_messages(conn: Connection, now: float, timeout: float, limit: int = 100) -> list[dict]:
     """Messages owed a delay DSN: queued (as primary, not held) since before ``now - timeout`` with
     a recipient still waiting in Retry, a sender to tell, and none sent yet. With their waiting
-    recipients (address, last error)."""
+    recipients (address, last error, DSN parameters, last attempt)."""
     rows = [dict(r) for r in conn.execute(select(messages).where(
         messages.c.state == QUEUED, messages.c.role == "primary", messages.c.poisoned == 0,
         messages.c.suspended == 0, messages.c.delay_dsn_at.is_(None), messages.c.received_at <= now - timeout,
@@ -430,7 +430,8 @@ def delayed_messages(conn: Connection, now: float, timeout: float, limit: int = 
         .order_by(messages.c.id).limit(limit)).mappings()]
     for m in rows:
         m["waiting"] = [dict(r) for r in conn.execute(select(
-            recipients.c.address, recipients.c.last_error, recipients.c.dsn_params).where(
+            recipients.c.address, recipients.c.last_error, recipients.c.dsn_params,
+            recipients.c.last_attempt_at).where(
             recipients.c.message_id == m["id"], recipients.c.status == RETRY)).mappings()]
     return rows
 

@@ -82,6 +82,8 @@ class RecipientReport:
     # RFC 3461 ORCPT value, already xtext-decoded, as "type;address" (e.g. "rfc822;a@b");
     # None when the client gave no ORCPT. Rendered as Original-Recipient.
     original_recipient: str | None = None
+    # when the MTA gives up (the message expires); rendered for "delayed" only (RFC 3464 2.3.8)
+    will_retry_until: datetime | None = None
 
 
 def status_from_reply(code: int, text: str) -> str:
@@ -421,12 +423,24 @@ def _address_field(value: str, utf8: bool = False) -> str:
     if value.isascii():
         return f"rfc822; {_field_text(value)}"
     if utf8 and _is_unicode(value):
-        return f"utf-8; {_display_text(value)}"
-    xtext = "".join(
-        ch if 0x21 <= ord(ch) <= 0x7E and ch not in "+=\\" else f"\\x{{{ord(ch):X}}}"
-        for ch in value
-    )
-    return f"utf-8; {xtext}"
+        return f"utf-8; {_unitext(value)}"
+    return f"utf-8; {_utf8_xtext(value)}"
+
+
+_UTF8_XTEXT = re.compile(r"(?:[\x21-\x2A\x2C-\x3C\x3E-\x5B\x5D-\x7E]|\\x\{[0-9A-Fa-f]{1,6}\})+")
+
+
+def _utf8_xtext(address: str) -> str:
+    """An address as RFC 6533's utf-8-addr-xtext: printable ASCII but ``+``, ``=`` and ``\\``;
+    everything else as ``\\x{HEX}``."""
+    return "".join(ch if 0x21 <= ord(ch) <= 0x7E and ch not in "+=\\" else f"\\x{{{ord(ch):X}}}"
+                   for ch in address)
+
+
+def _unitext(address: str) -> str:
+    """An address as RFC 6533's utf-8-addr-unitext: raw UTF-8 (controls as spaces), but ``\\``,
+    ``+`` and ``=`` as ``\\x{HEX}`` (a plus-address is common)."""
+    return _display_text(address).replace("\\", "\\x{5C}").replace("+", "\\x{2B}").replace("=", "\\x{3D}")
 
 
 def _recipient_block(rcpt: RecipientReport, utf8: bool = False) -> list[str]:
@@ -439,7 +453,9 @@ def _recipient_block(rcpt: RecipientReport, utf8: bool = False) -> list[str]:
             utf8 and sep and addr and not addr.isascii() and _is_unicode(addr)
             and addr_type.strip().lower() in ("rfc822", "utf-8")
         ):
-            value = f"utf-8; {_display_text(addr)}"
+            value = f"utf-8; {_unitext(addr)}"
+        elif sep and addr_type.strip().lower() == "utf-8" and addr and not _UTF8_XTEXT.fullmatch(addr):
+            value = f"utf-8; {_utf8_xtext(addr)}"  # (one already in its 7-bit form is kept as it is)
         elif sep and addr_type.strip() and addr:
             value = f"{_field_text(addr_type)}; {_field_text(addr)}"
         else:
@@ -458,6 +474,8 @@ def _recipient_block(rcpt: RecipientReport, utf8: bool = False) -> list[str]:
         lines.append(_fold_field("Diagnostic-Code", f"smtp; {diagnostic}"))
     if rcpt.last_attempt is not None:
         lines.append(f"Last-Attempt-Date: {rfc5322_date(rcpt.last_attempt)}\r\n")
+    if rcpt.will_retry_until is not None and rcpt.action == "delayed":
+        lines.append(f"Will-Retry-Until: {rfc5322_date(rcpt.will_retry_until)}\r\n")
     return lines
 
 
