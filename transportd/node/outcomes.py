@@ -30,7 +30,7 @@ from transportd.queue.store import QueueStore
 from transportd.smtp import dsnparams
 from transportd.smtp.client import describe
 from transportd.smtp.dsn import RecipientReport, build_dsn, dsn_needs_utf8, status_from_reply
-from transportd.smtp.headers import field_value, rfc5322_date
+from transportd.smtp.headers import header_fields, rfc5322_date
 
 log = logging.getLogger("transportd.node.outcomes")
 
@@ -97,14 +97,12 @@ def dsn_message(cfg: Any, original: dict, original_body: bytes, reports: Sequenc
         original_envelope_id=dsnparams.envid_of(asked),
         include_body=dsnparams.returns_full(asked) and any(r.action == "failed" for r in reports),
     )
-    actions = {r.action for r in reports}
+    message_id, _, subject = header_fields(data)  # its own Subject ("Undeliverable: <original's>"), decoded
     return NewMessage(
         network_message_id=str(uuid.uuid4()), sender="", data=data,
         recipients=bifurcate([sender], cfg), received_at=now,
         expires_at=now + cfg.delivery.message_expiration_timeout,
-        message_id=field_value(data, "Message-ID"), submit_time=rfc5322_date(now),
-        subject="Undeliverable" if "failed" in actions else "Delivery delayed" if actions == {"delayed"}
-        else "Delivery status notification",
+        message_id=message_id, submit_time=rfc5322_date(now), subject=subject,
         origin="dsn", smtputf8=utf8, body_type="8BITMIME" if utf8 else "",
         dsn_of=original.get("id"),
     )
