@@ -196,6 +196,17 @@ def test_quoting_exact_bytes(tmp_path):
     assert b",a=1,Email," in raw
 
 
+def test_a_lone_surrogate_is_written_as_a_question_mark_not_lost(tmp_path):
+    """Octets that were no UTF-8 (kept as surrogate escapes) must not cost the row: it was
+    dropped with a UnicodeEncodeError, neither written nor kept."""
+    log = make_log(tmp_path)
+    log.write("RECEIVE", "SMTP", message_subject="bad\udcff octet", sender_address="a@b.test")
+    log.close()
+    assert log.pending_rows == 0
+    [row] = list(tracking.parse_log_file(next(tmp_path.iterdir())))
+    assert row["message-subject"] == "bad? octet" and row["sender-address"] == "a@b.test"
+
+
 @pytest.mark.parametrize(
     "subject",
     [

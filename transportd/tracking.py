@@ -476,7 +476,8 @@ class TrackingLog(_LogFiles):
                 "log-id": new_log_id(),
                 "schema-version": self.software_version,
             }
-            data = _csv_line([str(values[name]) for name in self.fields]).encode("utf-8")
+            # (a lone surrogate, from octets that were no UTF-8, becomes "?": the row is written all the same)
+            data = _csv_line([str(values[name]) for name in self.fields]).encode("utf-8", "replace")
             try:
                 self._write_pending(now)  # the rows kept before this one go first
             except BaseException:
