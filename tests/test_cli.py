@@ -507,6 +507,9 @@ def test_config_show_shipped_file():
     assert by_key["delivery.message_expiration_timeout"]["value"] == "2d"
     assert by_key["shadow_redundancy.shadow_redundancy_enabled"]["value"] == "false"
     assert by_key["node.name"]["value"] == "node1.transportd.test"
+    # --data-dir alone naming no folder: the defaults, and a note saying so (not silently)
+    nowhere = run_cli("config", "show", "--data-dir", "/nonexistent/transportd")
+    assert nowhere.returncode == 0 and "no folder /nonexistent/transportd: the defaults" in nowhere.stderr
     assert data_dir.exists() == existed, "config show created the data directory"
 
 

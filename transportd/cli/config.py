@@ -29,6 +29,9 @@ def config_reference() -> None:
 @json_option("JSON lines")
 def config_show(cfg: Config, as_json: bool) -> None:
     """Print every key's effective value, with its Exchange name and meaning."""
+    if cfg.path is None and not cfg.data_dir.is_dir():  # -d alone, naming no node's folder: say so
+        click.echo(f"transportd: note: no folder {cfg.data_dir}: the defaults are shown (no node has run there)",
+                   err=True)
     rows = []
     for key, value in cfg.effective():
         rows.append({"key": key.dotted, "value": config_mod.format_value(key, value),
