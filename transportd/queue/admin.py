@@ -129,7 +129,7 @@ def shadow_copies_named(conn: Connection, ids: Sequence[int]) -> dict[int, str]:
     """Of ``ids``, the queued shadow copies (not an operator command's to act on): id -> primary."""
     return dict(conn.execute(select(messages.c.id, messages.c.primary_node).where(
         messages.c.id.in_(list(ids)), messages.c.role == "shadow", messages.c.state == mq.QUEUED,
-        messages.c.poisoned == 0)).tuples().all())
+        messages.c.poisoned == 0)).all())
 
 
 def _still_matching(conn: Connection, ids: Sequence[int], selection: Selection, now: float) -> list[int]:
