@@ -16,8 +16,18 @@ from typing import Any
 import click
 
 from transportd import config as config_mod
-from transportd.cli.common import (CliError, emit_json, fmt_time, iso, json_option, node_options, open_store,
-                                   parse_when, table, tracking_log_for)
+from transportd.cli.common import (
+    CliError,
+    emit_json,
+    fmt_time,
+    iso,
+    json_option,
+    node_options,
+    open_store,
+    parse_when,
+    table,
+    tracking_log_for,
+)
 from transportd.config import Config
 from transportd.queue import admin
 
@@ -69,7 +79,12 @@ def safetynet_list(cfg: Config, source: str, as_json: bool) -> None:
 def safetynet_resubmit(cfg: Config, destination: str, start: str, end: str | None, source: str,
                        for_primary: str | None, force: bool) -> None:
     """Queue again what this node's Safety Net holds for DESTINATION in a time window."""
-    from transportd.queue.safetynet import database_created_at, known_destinations, outside_boundary, resubmit
+    from transportd.queue.safetynet import (
+        database_created_at,
+        known_destinations,
+        outside_boundary,
+        resubmit,
+    )
     if outside_boundary(destination):
         raise click.BadParameter(
             f"{destination} is a next hop outside the boundary: Safety Net never resubmits what crossed it "

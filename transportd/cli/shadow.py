@@ -12,7 +12,15 @@ import functools
 
 import click
 
-from transportd.cli.common import CliError, emit_json, iso, json_option, node_options, open_store, table
+from transportd.cli.common import (
+    CliError,
+    emit_json,
+    iso,
+    json_option,
+    node_options,
+    open_store,
+    table,
+)
 from transportd.config import Config
 from transportd.queue import admin
 from transportd.queue import messages as mq
