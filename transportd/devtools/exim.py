@@ -104,12 +104,18 @@ class EximMTA(LoopbackMTA):
         return log.read_text(errors="replace") if log.exists() else ""
 
     def start(self, timeout: float = 20) -> EximMTA:
-        self.exim("-bd", "-q1s")  # the daemon detaches; its pid is in the pid file
         pid_file = self.dir / "spool" / "exim.pid"
+        pid_file.unlink(missing_ok=True)  # a stopped daemon's (a restart must not read its pid)
+        self.exim("-bd", "-q1s")  # the daemon detaches; its pid is in the pid file
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if pid_file.exists() and pid_file.read_text().strip():
-                self.pid = int(pid_file.read_text().split()[0])
+            try:  # (the file can go or be half written between two looks: a daemon writing or removing it)
+                text = pid_file.read_text()
+                pid = int(text.split()[0]) if text.strip() else 0
+            except (OSError, ValueError):
+                pid = 0
+            if pid:
+                self.pid = pid
                 try:
                     socket.create_connection((self.host, self.port), timeout=1).close()
                     return self
