@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from transportd.smtp.headers import rfc5322_date
+from transportd.smtp.headers import decoded_subject, rfc5322_date
 
 __all__ = ["RecipientReport", "build_dsn", "dsn_needs_utf8", "status_from_reply"]
 
@@ -593,11 +593,7 @@ def _original_subject(headers_lf: bytes) -> str:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         text = raw.decode("latin-1")
-    try:
-        decoded = str(email.policy.default.header_factory("Subject", text))
-    except Exception:  # noqa: BLE001 - the email package has crashed on hostile input
-        decoded = text
-    subject = _display_text(decoded)
+    subject = _display_text(decoded_subject(text))
     if len(subject) > _MAX_SUBJECT_CHARS:
         subject = subject[:_MAX_SUBJECT_CHARS].rstrip() + "..."
     return subject
