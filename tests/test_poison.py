@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import smtplib
+import subprocess
+import sys
 import time
 
 import pytest
@@ -16,6 +18,8 @@ from clusters import netid_of
 from conftest import read_db, wait_for
 
 from transportd import faults
+from transportd.node import handling
+from transportd.node.handling import HandlingMark
 from transportd.queue import messages as mq
 from transportd.queue.messages import NewMessage
 from transportd.queue.routing import NextHop, SMART_HOST
@@ -74,17 +78,44 @@ def test_a_clean_attempt_forgets_earlier_failures(store):
     assert store.transaction(lambda c: mq.count_internal_failure(c, mid, 2)) is False
 
 
-def test_a_crash_counts_against_the_messages_being_delivered(store):
-    busy = store.transaction(lambda c: mq.enqueue(c, new_message("busy", n_rcpts=2)))
-    idle = store.transaction(lambda c: mq.enqueue(c, new_message("idle")))
-    ids = [w.recipient_ids for w in store.read(lambda c: mq.due_work(c, time.time() + 1)) if w.message_id == busy][0]
-    store.transaction(lambda c: mq.mark_active(c, ids, time.time()))
-    assert store.transaction(lambda c: mq.count_crashes(c, 2)) == []
-    assert store.transaction(mq.recover_after_restart) == 2
-    store.transaction(lambda c: mq.mark_active(c, ids, time.time()))
-    moved = store.transaction(lambda c: mq.count_crashes(c, 2))
-    assert [r["id"] for r in moved] == [busy]
-    assert store.read(lambda c: mq.message_row(c, idle))["poison_count"] == 0
+def test_a_crash_counts_against_the_message_being_handled_only(store):
+    """recover_at_start after an unclean stop counts the messages the handling mark names, not
+    every message with a recipient left Active; after a clean stop it counts nothing."""
+    handled = store.transaction(lambda c: mq.enqueue(c, new_message("handled")))
+    waiting = store.transaction(lambda c: mq.enqueue(c, new_message("waiting", n_rcpts=2)))
+    for w in store.read(lambda c: mq.due_work(c, time.time() + 1)):
+        store.transaction(lambda c, ids=w.recipient_ids: mq.mark_active(c, ids, time.time()))
+    assert store.transaction(lambda c: mq.recover_at_start(c, 2, [handled])) == ([], 3)
+    for w in store.read(lambda c: mq.due_work(c, time.time() + 1)):
+        store.transaction(lambda c, ids=w.recipient_ids: mq.mark_active(c, ids, time.time()))
+    moved, ready = store.transaction(lambda c: mq.recover_at_start(c, 2, [handled, handled]))
+    assert [r["id"] for r in moved] == [handled] and ready == 3
+    assert store.read(lambda c: mq.message_row(c, waiting))["poison_count"] == 0
+    store.transaction(mq.mark_clean_stop)
+    other = store.transaction(lambda c: mq.enqueue(c, new_message("other")))
+    assert store.transaction(lambda c: mq.recover_at_start(c, 1, [other])) == ([], 0)
+    assert store.read(lambda c: mq.message_row(c, other))["poison_count"] == 0
+    assert store.transaction(lambda c: mq.recover_at_start(c, 2, [424242])) == ([], 0)  # gone: nothing
+
+
+def test_the_handling_mark_survives_the_process_that_wrote_it(tmp_path):
+    """A process killed inside a step leaves the message's id and the step in DATA_DIR/handling;
+    a step that ends leaves nothing; a torn or foreign file is read as far as it makes sense."""
+    code = ("import os, sys; from pathlib import Path; from transportd.node.handling import HandlingMark\n"
+            "mark, left = HandlingMark.open(Path(sys.argv[1]))\n"
+            "with mark.step(7, 'deliver'):\n    pass\n"
+            "with mark.step(12, 'dsn'):\n    os._exit(3)\n")
+    assert subprocess.run([sys.executable, "-c", code, str(tmp_path)]).returncode == 3
+    mark, left = HandlingMark.open(tmp_path)
+    assert left == [(12, "dsn")]
+    with mark.step(5, "deliver"):
+        assert handling.parse((tmp_path / handling.FILE_NAME).read_bytes()) == [(5, "deliver")]
+    mark.close()
+    assert HandlingMark.open(tmp_path)[1] == []
+    (tmp_path / handling.FILE_NAME).write_bytes(b"12 dsn\nnonsense\n\xff\xfe 9\n-4 x\n31\n" + b"4" * 300)
+    assert HandlingMark.open(tmp_path)[1] == [(12, "dsn"), (31, "handling")]  # no id past SQLite's 64 bits
+    with handling.NO_MARK.step(1, "deliver"):  # the mark of a part built alone writes nothing
+        pass
 
 
 def test_savepoint_undoes_only_the_failing_block(store):
@@ -228,22 +259,23 @@ def test_dsn_and_expiry_failures_are_isolated_per_message(make_node, sink):
     assert fails and fails[0]["source-context"] == "MessageExpired"
 
 
-def test_kill_9_twice_while_handling_a_message_puts_it_in_poison(make_node, sink):
-    """A message whose delivery kills the daemon (here: hangs it until kill -9) twice is in the
-    Poison queue at the next start, and the node runs and delivers the others."""
+def test_kill_9_twice_while_a_message_hangs_the_node_puts_it_in_poison(make_node, sink):
+    """A message whose content step hangs the whole node (here: the fault's synchronous spin, as
+    a parser sent into a loop; then kill -9, as an operator or a watchdog would) twice is in the
+    Poison queue at the next start, and the node runs and delivers the others. The messages that
+    were only waiting on the next hop at those kills are not counted."""
     sink.start()
     node = make_node(smart_host=sink.address)
-    node.env["TRANSPORTD_TEST_FAULTS"] = plan("deliver", action="hang")
+    node.env["TRANSPORTD_TEST_FAULTS"] = plan("deliver", action="spin")
     node.start()
     smtp_send(node.port, "before", "carol@elsewhere.test")
     wait_for(lambda: sink_subjects(sink) == ["before"], timeout=10, what="a first delivery")
     bad = smtp_send(node.port, "POISON", "carol@elsewhere.test")
+    mark = node.data_dir / handling.FILE_NAME
 
-    def active() -> bool:
-        return db_rows(node, "SELECT count(*) FROM recipients WHERE message_id = ? AND status = 'Active'",
-                       (bad,))[0][0] == 1
     for _ in range(2):
-        wait_for(active, timeout=10, what="the node to be handling the message")
+        wait_for(lambda: handling.parse(mark.read_bytes()) == [(bad, "deliver")], timeout=10,
+                 what="the node to hang in the message's content step")
         node.kill9()
         assert poison_ids(node) == []
         node.start()
@@ -252,7 +284,36 @@ def test_kill_9_twice_while_handling_a_message_puts_it_in_poison(make_node, sink
     smtp_send(node.port, "after", "carol@elsewhere.test")
     wait_for(lambda: sink_subjects(sink) == ["after", "before"], timeout=10, what="the node to deliver again")
     assert [e["event-id"] for e in node.tracking(internal_message_id=str(bad))][-1] == "POISONMESSAGE"
-    assert "crashed while delivering it" in node.log()
+    assert "crashed while handling it (step deliver)" in node.log()
+    assert handling.parse(mark.read_bytes()) == []
+
+
+def test_kill_9_while_messages_wait_on_the_next_hop_counts_against_none(make_node, sink):
+    """Two kill -9s while a message's delivery waits (the fault's "hang": a next hop that never
+    answers; the node itself runs on) are not its fault: at the third start it is still queued
+    with no failure counted, and it is delivered once the wait is gone."""
+    sink.start()
+    node = make_node(smart_host=sink.address)
+    node.env["TRANSPORTD_TEST_FAULTS"] = plan("deliver", action="hang")
+    node.start()
+    waiting = smtp_send(node.port, "POISON waits", "carol@elsewhere.test")
+
+    def active() -> bool:
+        return db_rows(node, "SELECT count(*) FROM recipients WHERE message_id = ? AND status = 'Active'",
+                       (waiting,))[0][0] == 1
+    for _ in range(2):
+        wait_for(active, timeout=10, what="the node to be delivering the message")
+        assert node.cli("health").returncode == 0  # the node serves while the delivery waits
+        node.kill9()
+        node.start()
+    wait_for(active, timeout=10, what="the node to be delivering the message again")
+    assert poison_ids(node) == []
+    assert db_rows(node, "SELECT poison_count FROM messages WHERE id = ?", (waiting,)) == [(0,)]
+    node.kill9()
+    del node.env["TRANSPORTD_TEST_FAULTS"]
+    node.start()
+    wait_for(lambda: sink_subjects(sink) == ["POISON waits"], timeout=10, what="the delivery")
+    assert "crashed while handling" not in node.log()
 
 
 # --------------------------------------------------------------------------- the shadow loops (a cluster)

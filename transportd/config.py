@@ -501,7 +501,7 @@ KEYS: tuple[Key, ...] = (
         "action delayed) to its sender; 0 = never", "DelayNotificationTimeout", DUR, limits=(0.0, 30 * DAY)),
     Key("delivery", "poison_message_detection_enabled", True, _bool,
         "move a message whose handling failed with an internal error poison_threshold times (a crash "
-        "during its delivery counts) to the Poison queue", "PoisonMessageDetectionEnabled"),
+        "of the node while it converted the message or built its DSN counts) to the Poison queue", "PoisonMessageDetectionEnabled"),
     Key("delivery", "poison_threshold", 2, _int,
         "internal failures of one message before it is held in the Poison queue (never retried, "
         "expired or bounced on its own; message resume / remove)", "PoisonThreshold", limits=(1, 10)),

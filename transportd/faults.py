@@ -7,10 +7,12 @@ It is off unless the environment variable ``TRANSPORTD_TEST_FAULTS`` holds a JSO
 plan when the process starts; nothing in the configuration, the CLI or the docs
 for operators turns it on. It never changes data: it only raises or hangs.
 
-Plan: ``{"match": "TEXT", "steps": ["deliver", ...], "action": "raise" | "hang"}``.
+Plan: ``{"match": "TEXT", "steps": ["deliver", ...], "action": "raise" | "hang" | "spin"}``.
 A message matches when TEXT occurs in its subject, sender or network-message-id.
-Steps are the loops of ``STEPS``; "hang" blocks the handling coroutine for ever (so
-a test can kill the process while a message is being handled).
+Steps are the loops of ``STEPS``; "hang" blocks the handling coroutine for ever (the
+message waits, as on a next hop that never answers; the node goes on); "spin" blocks the
+whole process inside the step's synchronous part (as a message that sends a parser into a
+loop would), so a test can kill the process while a message hangs it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from typing import Any
 
 ENV = "TRANSPORTD_TEST_FAULTS"
@@ -54,15 +57,22 @@ def matches(step: str, row: Any) -> bool:
 
 
 def check(step: str, row: Any) -> None:
-    """Raise InjectedFault when the plan says this step fails for this message."""
+    """Raise InjectedFault when the plan says this step fails for this message ("spin": block
+    the process for ever)."""
     if matches(step, row):
+        while (_plan or {}).get("action") == "spin":
+            time.sleep(1)
         raise InjectedFault(f"injected fault in {step}")
 
 
 async def acheck(step: str, row: Any) -> None:
-    """``check``, or block for ever when the plan's action is "hang"."""
+    """``check`` in a coroutine's asynchronous part: block the coroutine for ever when the
+    plan's action is "hang"; "spin" is left to the step's synchronous ``check``."""
     if matches(step, row):
-        if (_plan or {}).get("action") == "hang":
+        action = (_plan or {}).get("action")
+        if action == "spin":
+            return
+        if action == "hang":
             await asyncio.Event().wait()
         raise InjectedFault(f"injected fault in {step}")
 

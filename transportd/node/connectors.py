@@ -34,6 +34,7 @@ from transportd.errors import (
     ProtocolError,
     StoreError,
 )
+from transportd.node.handling import NO_MARK, HandlingMark
 from transportd.node.outcomes import Delivered, internal_failure
 from transportd.queue import messages as mq
 from transportd.queue.delivered import DeliveredLog, DeliveredLogError
@@ -58,9 +59,11 @@ class MailboxConnector:
     """Local delivery into the Maildir mailbox store, with duplicate detection (DeliveredTo kept
     beside the mailboxes, so a lost queue database does not forget what they hold)."""
 
-    def __init__(self, cfg: Any, store: QueueStore, mailboxes: MailboxStore, delivered: DeliveredLog):
+    def __init__(self, cfg: Any, store: QueueStore, mailboxes: MailboxStore, delivered: DeliveredLog, *,
+                 handling: HandlingMark = NO_MARK):
         self.cfg = cfg
         self.store = store
+        self.handling = handling
         self.mailboxes = mailboxes
         self.delivered = delivered
         # One lock per mailbox being delivered to right now: held only by the deliveries using it.
@@ -88,8 +91,10 @@ class MailboxConnector:
         if row is None or body is None:
             return [Outcome(r, mq.FAILED, MISSING_BODY) for r in it.recipient_ids]
         await faults.acheck("deliver", row)
-        # Final delivery: the reverse-path goes in as Return-Path (RFC 5321 4.4), "<>" for a DSN.
-        body = b"Return-Path: <" + (row["sender"] or "").encode("utf-8", "surrogateescape") + b">\r\n" + body
+        with self.handling.step(it.message_id, "deliver"):  # the content step a message could crash
+            faults.check("deliver", row)
+            # Final delivery: the reverse-path goes in as Return-Path (RFC 5321 4.4), "<>" for a DSN.
+            body = b"Return-Path: <" + (row["sender"] or "").encode("utf-8", "surrogateescape") + b">\r\n" + body
         outs: list[Outcome] = []
         for rid, address in zip(it.recipient_ids, it.addresses):
             lock = self._locks.get(address.lower())
@@ -127,9 +132,10 @@ class SmtpConnector:
     """Delivery over SMTP: one session per batch, several messages per session; a session to a next
     hop outside the boundary is kept for the next batch a short while (``SessionCache``)."""
 
-    def __init__(self, cfg: Any, store: QueueStore):
+    def __init__(self, cfg: Any, store: QueueStore, *, handling: HandlingMark = NO_MARK):
         self.cfg = cfg
         self.store = store
+        self.handling = handling
         d = cfg.delivery
         self._open_sessions: dict[tuple[str, str], int] = {}  # per next hop: sessions carrying a batch
         self._opening: dict[tuple[str, str], int] = {}  # per next hop: sessions being opened
@@ -325,10 +331,12 @@ class SmtpConnector:
         await faults.acheck("deliver", row)
         # SMTPUTF8 and 8BITMIME as the message needs them and the next hop offers them; a next hop
         # that cannot take it gets no attempt (5.6.7 / 5.6.9 / 5.6.3 and a DSN).
-        plan = plan_send(row["sender"], it.addresses, body, smtputf8=bool(row["smtputf8"]),
-                         body_type=row["body_type"] or "",
-                         next_hop_smtputf8=client.supports_extension("smtputf8"),
-                         next_hop_8bitmime=client.supports_extension("8bitmime"))
+        with self.handling.step(it.message_id, "deliver"):  # the content step a message could crash
+            faults.check("deliver", row)
+            plan = plan_send(row["sender"], it.addresses, body, smtputf8=bool(row["smtputf8"]),
+                             body_type=row["body_type"] or "",
+                             next_hop_smtputf8=client.supports_extension("smtputf8"),
+                             next_hop_8bitmime=client.supports_extension("8bitmime"))
         if plan.error:
             return [Outcome(r, mq.FAILED, plan.error) for r in it.recipient_ids]
         options = list(plan.options)
@@ -367,8 +375,8 @@ class PeerConnector(SmtpConnector):
     """Delivery to a peer's transport connector as primary: authenticated, and hop by hop (the
     peer becomes primary, we keep a fork as its shadow) when both sides run shadow redundancy."""
 
-    def __init__(self, cfg: Any, store: QueueStore, shadow: ShadowManager):
-        super().__init__(cfg, store)
+    def __init__(self, cfg: Any, store: QueueStore, shadow: ShadowManager, *, handling: HandlingMark = NO_MARK):
+        super().__init__(cfg, store, handling=handling)
         self.shadow = shadow
 
     async def targets(self, item: WorkItem) -> list[SmtpTarget]:

@@ -26,6 +26,7 @@ from transportd.node import datalock
 from transportd.node.accept import AcceptPath
 from transportd.node.connectors import MailboxConnector, PeerConnector, SmtpConnector
 from transportd.node.events import NodeEvents
+from transportd.node.handling import HandlingMark
 from transportd.node.maintenance import Maintenance
 from transportd.node.metrics import NodeMetrics
 from transportd.node.outcomes import OutcomeRecorder
@@ -88,6 +89,7 @@ class Node:
             raise OSError(f"node.data_dir: {cfg.data_dir} is not a folder")
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self._data_lock = datalock.take(cfg.data_dir)  # one node per data dir (DataDirInUse: an OSError)
+        self.events.handling, crashed_in = HandlingMark.open(cfg.data_dir)
         self.store = store = QueueStore.open(cfg.db_path, create=True, repair=True, node_name=cfg.node.name)
         store.start_writer()
         self.events.store = store
@@ -101,7 +103,8 @@ class Node:
             # The CLI run with only --data-dir reads this node's config (routing, tracking path) from here.
             await store.write(lambda c: mq.remember_config_path(c, str(Path(cfg.path).resolve())))
         threshold = self.events.poison_threshold
-        poisoned, recovered = await store.write(lambda c: mq.recover_at_start(c, threshold))
+        poisoned, recovered = await store.write(
+            lambda c: mq.recover_at_start(c, threshold, [mid for mid, _ in crashed_in]))
         if recovered:
             log.info("crash recovery: %d recipient(s) left Active are Ready again", recovered)
         await self._move_legacy_delivered_to(store)
@@ -111,17 +114,19 @@ class Node:
                 cfg.tracking_dir, cfg.node.name, server_ip=address_of(host.strip("[]")),
                 max_file_size=cfg.tracking.message_tracking_log_max_file_size, software_version=__version__,
                 fields=tracking_fields(cfg), subject_logging=cfg.tracking.message_tracking_log_subject_logging_enabled)
+        steps = dict(crashed_in)
         for row in poisoned:
             self.metrics.internal_failures.labels("crash").inc()
-            self.events.poisoned(row, "the node crashed while delivering it")
+            self.events.poisoned(row, f"the node crashed while handling it (step {steps.get(row['id'], '?')})")
         self.shadow = ShadowManager(cfg, store, self.events)
         self.accept_path = AcceptPath(cfg, store, self.events, self.shadow)
         recorder = OutcomeRecorder(cfg, store, self.events)
         self.scheduler = Scheduler(cfg, store, recorder,
                                    Maintenance(cfg, store, self.events, recorder, self.delivered),
-                                   {MAILBOX: MailboxConnector(cfg, store, self.mailboxes, self.delivered),
-                                    PEER: PeerConnector(cfg, store, self.shadow),
-                                    "smtp": SmtpConnector(cfg, store)},
+                                   {MAILBOX: MailboxConnector(cfg, store, self.mailboxes, self.delivered,
+                                                              handling=self.events.handling),
+                                    PEER: PeerConnector(cfg, store, self.shadow, handling=self.events.handling),
+                                    "smtp": SmtpConnector(cfg, store, handling=self.events.handling)},
                                    on_pass=self.metrics.scheduler_passes.inc)
         self._tasks.append(asyncio.ensure_future(self.scheduler.run()))
         await self._listen_frontend()
@@ -221,9 +226,9 @@ class Node:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.metrics.close()
         if self.store is not None:
-            try:  # recipients left Active by this stop are not a crash's victims
+            try:  # no crash: the next start counts nothing against the messages (node/handling.py)
                 await self.store.write(mq.mark_clean_stop)
-            except Exception as exc:  # noqa: BLE001 - then the next start counts them, as after a crash
+            except Exception as exc:  # noqa: BLE001 - the handling mark is empty: the next start counts none
                 log.error("cannot mark the clean stop: %s", exc)
             self.store.close()
         self.delivered.close()
@@ -236,6 +241,7 @@ class Node:
 
     def release_data_dir(self) -> None:
         """The data dir's lock, given back (another node may start on it)."""
+        self.events.handling.close()
         if self._data_lock is not None:
             os.close(self._data_lock)
             self._data_lock = None

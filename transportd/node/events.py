@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from transportd.node.handling import NO_MARK
 from transportd.node.logs import message_context
 from transportd.queue import messages as mq
 from transportd.queue.messages import NewMessage
@@ -65,6 +66,7 @@ class NodeEvents:
         self.metrics = metrics
         self.store = store
         self.tracking = tracking or NullTrackingLog()
+        self.handling = NO_MARK  # the node's crash context once it runs (node/handling.py)
 
     @property
     def poison_threshold(self) -> int | None:

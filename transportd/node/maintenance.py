@@ -98,15 +98,16 @@ class Maintenance:
                 body = await self.store.aread(lambda c, mid=m["id"]: mq.body(c, mid))
                 if body is None:
                     continue
-                faults.check("dsn", m)
-                reports = [RecipientReport(address=r["address"], action="delayed",
-                                           status=status_of(r["last_error"] or "451 4.4.1"),
-                                           diagnostic=r["last_error"] or "",
-                                           original_recipient=dsnparams.orcpt_of(r["dsn_params"]),
-                                           last_attempt=utc(r["last_attempt_at"]),
-                                           will_retry_until=utc(m["expires_at"]))
-                           for r in m["waiting"] if dsnparams.wants(r["dsn_params"], dsnparams.DELAY)]
-                dsn = dsn_message(self.cfg, m, body, reports, now)
+                with self.events.handling.step(m["id"], "dsn"):  # a content step a message could crash
+                    faults.check("dsn", m)
+                    reports = [RecipientReport(address=r["address"], action="delayed",
+                                               status=status_of(r["last_error"] or "451 4.4.1"),
+                                               diagnostic=r["last_error"] or "",
+                                               original_recipient=dsnparams.orcpt_of(r["dsn_params"]),
+                                               last_attempt=utc(r["last_attempt_at"]),
+                                               will_retry_until=utc(m["expires_at"]))
+                               for r in m["waiting"] if dsnparams.wants(r["dsn_params"], dsnparams.DELAY)]
+                    dsn = dsn_message(self.cfg, m, body, reports, now)
                 dsn_id = await self.store.write(lambda c, mid=m["id"], dsn=dsn: mq.record_delay_dsn(c, mid, dsn, now),
                                                 queue_changed=dsn is not None)
             except Exception as exc:  # noqa: BLE001 - isolated per message

@@ -168,7 +168,8 @@ class OutcomeRecorder:
             if row is None or body is None:
                 continue
             try:
-                dsn = self._dsn_for(it, row, body, told, d.remote, d.expiry, now)
+                with self.events.handling.step(it.message_id, "dsn"):  # a content step a message could crash
+                    dsn = self._dsn_for(it, row, body, told, d.remote, d.expiry, now)
             except Exception as exc:  # noqa: BLE001 - isolated per message (Poison queue)
                 d.internal[it.message_id] = ("dsn", exc)
                 reply = internal_reply("dsn", exc)

@@ -259,13 +259,15 @@ def mark_clean_stop(conn: Connection) -> None:
     conn.execute(meta.insert().values(key=CLEAN_STOP, value="1"))
 
 
-def recover_at_start(conn: Connection, poison_threshold: int | None) -> tuple[list[dict], int]:
-    """Start-up: a crash (no clean-stop mark) counts against each message whose delivery it
-    interrupted (the Poison queue); recipients left Active are Ready again. Returns (messages
-    moved to the Poison queue now, recipients made Ready)."""
+def recover_at_start(conn: Connection, poison_threshold: int | None,
+                     handled: Iterable[int] = ()) -> tuple[list[dict], int]:
+    """Start-up: a crash (no clean-stop mark) counts against the messages the node was handling
+    in a step that could kill it (``handled``, node/handling.py; the Poison queue); recipients
+    left Active are Ready again. Returns (messages moved to the Poison queue now, recipients
+    made Ready)."""
     crashed = conn.execute(meta.select().where(meta.c.key == CLEAN_STOP)).first() is None
     conn.execute(meta.delete().where(meta.c.key == CLEAN_STOP))
-    poisoned = count_crashes(conn, poison_threshold) if crashed else []
+    poisoned = count_crashes(conn, poison_threshold, handled) if crashed else []
     return poisoned, recover_after_restart(conn)
 
 
@@ -286,13 +288,12 @@ def reset_poison_count(conn: Connection, message_id: int) -> None:
     driver(conn).execute(_RESET_POISON_COUNT, (message_id,))
 
 
-def count_crashes(conn: Connection, threshold: int | None) -> list[dict]:
-    """At start after a crash: each message that was being delivered (a recipient left Active)
-    counts one internal failure, as Exchange counts a crash during processing, so a message that
-    kills the daemon cannot crash-loop it. Returns the messages moved to the Poison queue now."""
-    ids = conn.execute(select(recipients.c.message_id).where(recipients.c.status == ACTIVE)
-                       .distinct()).scalars().all()
-    moved = [m for m in ids if count_internal_failure(conn, m, threshold)]
+def count_crashes(conn: Connection, threshold: int | None, handled: Iterable[int]) -> list[dict]:
+    """At start after a crash: each message the node was handling in a step that could kill it
+    counts one internal failure, as Exchange counts a crash against the message being processed,
+    so a message that kills the daemon cannot crash-loop it. Messages merely being delivered
+    (waiting on a next hop) are not suspects. Returns the messages moved to the Poison queue now."""
+    moved = [m for m in dict.fromkeys(handled) if count_internal_failure(conn, m, threshold)]
     return [r for r in (message_row(conn, m) for m in moved) if r]
 
 
