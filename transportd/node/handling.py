@@ -16,8 +16,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 FILE_NAME = "handling"
 _RECORD = 256  # bytes rewritten at each change (spaces after the entries): one pwrite, no truncate
