@@ -318,6 +318,18 @@ def test_multiline_and_long_diagnostic_is_unfolded_and_wrapped() -> None:
     assert code.endswith("policy end")
 
 
+def test_a_long_word_is_cut_only_where_no_line_could_hold_it() -> None:
+    """A 950-octet word (a token in a next hop's reply) gets a line of its own, whole; a word of
+    1,500 octets is cut into pieces that fit. No line passes 998 octets either way."""
+    for size, pieces in ((950, 1), (1500, 2)):
+        word = "x" * size
+        raw = _build(recipients=[RecipientReport(address="bob@example.net", diagnostic=f"550 5.7.1 {word} end")])
+        _assert_wire_safe(raw)
+        code = _status_blocks(_parse(raw))[1]["Diagnostic-Code"]
+        assert code.split()[:3] == ["smtp;", "550", "5.7.1"] and code.split()[-1] == "end"
+        assert len(code.split()[3:-1]) == pieces and "".join(code.split()[3:-1]) == word
+
+
 def test_original_recipient_and_utf8_final_recipient() -> None:
     rcpt = RecipientReport(
         address="jörg+x@example.de",

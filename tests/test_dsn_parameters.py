@@ -52,7 +52,8 @@ def test_dsn_parameters_are_checked_at_mail_and_rcpt(make_node):
     steps = [
         (b"MAIL FROM:<a@remote.test> RET=PARTIAL", f"{bad} RET must be FULL or HDRS"),
         (b"MAIL FROM:<a@remote.test> ENVID=" + b"x" * 101, f"{bad} ENVID longer than 100 characters"),
-        (b"MAIL FROM:<a@remote.test> ENVID=a+0Db", f"{bad} ENVID holds control characters"),  # CR, once decoded
+        (b"MAIL FROM:<a@remote.test> ENVID=a+0Db", f"{bad} ENVID must be printable US-ASCII"),  # CR, once decoded
+        (b"MAIL FROM:<a@remote.test> ENVID=a+C3+A9", f"{bad} ENVID must be printable US-ASCII"),  # RFC 3461 4.4
         (b"MAIL FROM:<a@remote.test> RET=FULL RET=HDRS", f"{bad} RET given twice"),
         (b"MAIL FROM:<a@remote.test> NOTIFY=NEVER", "555 5.5.4"),          # a RCPT parameter
         (b"MAIL FROM:<a@remote.test> BODY=7BITX", "501 5.5.4 BODY can only"),  # not ours: aiosmtpd's reply
@@ -83,7 +84,33 @@ def test_dsn_parameters_are_checked_at_mail_and_rcpt(make_node):
     ("+C3", "\ufffd"), (r"\x{D800}", "\ufffd"), (r"\x{2B}41", "+41"),
 ])
 def test_xtext_decodes(xtext, decoded):
-    assert dsnparams.xtext_decode(xtext) == decoded
+    """RFC 6533's utf-8-addr-xtext (ORCPT's utf-8 type) decodes ``\\x{HEX}`` too; RFC 3461's
+    plain xtext (ENVID, an rfc822 ORCPT) keeps it as text: a backslash is an xtext character."""
+    assert dsnparams.xtext_decode(xtext, utf8=True) == decoded
+    assert dsnparams.xtext_decode(xtext) == (xtext.replace("+2B", "+") if "\\x" in xtext else decoded)
+
+
+def test_an_envid_and_orcpt_come_back_as_the_sender_spelled_them():
+    """RFC 3464 2.2.1: the envelope id is the sender's own (case and spaces kept); a backslash
+    in plain xtext is text. An ENVID of only spaces is no identifier: no field."""
+    from datetime import UTC, datetime
+
+    from transportd.smtp.dsn import RecipientReport, build_dsn
+
+    def notice(envid: str, orcpt: str) -> str:
+        report = RecipientReport(address="bob@x.test", action="relayed", status="2.0.0",
+                                 original_recipient=dsnparams.orcpt_of(f"ORCPT={orcpt}"))
+        data = build_dsn(reporting_mta="n.test", original_sender="s@x.test", recipients=[report],
+                         original_message=b"Subject: x\r\n\r\nhi\r\n", arrival_date=datetime.now(UTC),
+                         now=datetime.now(UTC), original_envelope_id=dsnparams.envid_of(f"ENVID={envid}"))
+        return data.decode("ascii")
+    envid = "Q+20+20x\\x{41}" + "y" * 80  # two spaces, a backslash, 97 characters in all
+    assert dsnparams.parse(f"ENVID={envid}", dsnparams.MAIL_KEYS)[1] is None
+    text = notice(envid, 'rfc822;"a+20+20b"@x.test')
+    assert "\r\nOriginal-Envelope-Id: Q  x\\x{41}" + "y" * 80 + "\r\n" in text  # one line, as spelled
+    assert 'Original-Recipient: rfc822; "a  b"@x.test\r\n' in text
+    assert "\\x{41}" not in notice("plain", r"utf-8;\x{E9}t\x{E9}@x.test").split("Original-Recipient")[1]
+    assert "Original-Envelope-Id" not in notice("+20+20", "rfc822;a@x.test")
 
 
 def test_notify_decides_who_is_told():

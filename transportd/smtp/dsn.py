@@ -65,6 +65,7 @@ _SUBJECT_RE = re.compile(rb"subject[ \t]*:", re.IGNORECASE)
 
 _MAX_LINE = 998  # RFC 5322 2.1.1, excluding CRLF
 _FOLD_WIDTH = 78
+_MAX_LINE = 998  # RFC 5322 2.1.1: octets of a line, CRLF not counted
 _MAX_SUBJECT_CHARS = 200
 _SMTP_POLICY = email.policy.SMTP  # utf8=False: RFC 2047-encodes non-ASCII, CRLF line ends
 
@@ -192,7 +193,8 @@ def build_dsn(
         msgid_domain = _hostname(message_id_domain, "message_id_domain")
     envid = None
     if original_envelope_id is not None:
-        envid = _field_text(_single_line(original_envelope_id, "original_envelope_id"))
+        # The sender's own identifier, spelled as sent (RFC 3464 2.2.1: case and spaces kept).
+        envid = _field_text(_single_line(original_envelope_id, "original_envelope_id"), collapse=False)
 
     full_lf = _EOL_RE.sub(b"\n", bytes(original_message))
     headers_lf = _header_block(full_lf)
@@ -226,8 +228,8 @@ def build_dsn(
 
     # Part 2: machine-readable delivery status.
     status_lines = [f"Reporting-MTA: dns; {_field_text(mta)}\r\n"]
-    if envid:
-        status_lines.append(_fold_field("Original-Envelope-Id", envid))
+    if envid and envid.strip():
+        status_lines.append(_fold_field("Original-Envelope-Id", envid, fold=False))
     status_lines.append(f"Arrival-Date: {rfc5322_date(arrival_date)}\r\n")
     for rcpt in recipients:
         status_lines.append("\r\n")
@@ -358,9 +360,10 @@ def _date_utc(dt: datetime) -> datetime:
     return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt
 
 
-def _field_text(value: str) -> str:
-    """One line of printable ASCII: controls become spaces, whitespace runs collapse,
-    non-ASCII characters become RFC 6533-style ``\\x{HEX}`` escapes."""
+def _field_text(value: str, collapse: bool = True) -> str:
+    """One line of printable ASCII: controls become spaces, whitespace runs collapse (unless
+    ``collapse`` is false: an identifier the sender spelled), non-ASCII characters become RFC
+    6533-style ``\\x{HEX}`` escapes."""
     out = []
     for ch in value:
         o = ord(ch)
@@ -370,22 +373,24 @@ def _field_text(value: str) -> str:
             out.append(f"\\x{{{o:X}}}")
         else:
             out.append(ch)
-    return " ".join("".join(out).split())
+    text = "".join(out)
+    return " ".join(text.split()) if collapse else text
 
 
-def _fold_field(name: str, value: str) -> str:
-    """``name: value`` folded at spaces to ~78 columns, never a line over 998 octets.
+def _fold_field(name: str, value: str, fold: bool = True) -> str:
+    """``name: value`` folded at spaces to ~78 columns (``fold`` false: only where a line would
+    pass 998 octets), never a line over 998 octets; a word longer than a line is cut.
     Widths count UTF-8 octets (the same as characters for the ASCII of a classic DSN)."""
     words: list[str] = []
     for word in value.split(" "):
-        words.extend(_octet_chunks(word, 900))
+        words.extend(_octet_chunks(word, _MAX_LINE - 1) or [word])  # an empty word: a run of spaces kept
     lines: list[str] = []
     current = f"{name}:"
     width = _octets(current)
     has_word = False
     for word in words:
         size = _octets(word)
-        if has_word and width + 1 + size > _FOLD_WIDTH:
+        if (has_word and fold and word and width + 1 + size > _FOLD_WIDTH) or width + 1 + size > _MAX_LINE:
             lines.append(current)
             current, width = " " + word, 1 + size
         else:
@@ -457,7 +462,7 @@ def _recipient_block(rcpt: RecipientReport, utf8: bool = False) -> list[str]:
         elif sep and addr_type.strip().lower() == "utf-8" and addr and not _UTF8_XTEXT.fullmatch(addr):
             value = f"utf-8; {_utf8_xtext(addr)}"  # (one already in its 7-bit form is kept as it is)
         elif sep and addr_type.strip() and addr:
-            value = f"{_field_text(addr_type)}; {_field_text(addr)}"
+            value = f"{_field_text(addr_type)}; {_field_text(addr, collapse=False)}"  # as the sender spelled it
         else:
             value = _address_field(orcpt, utf8)
         lines.append(_fold_field("Original-Recipient", value))

@@ -59,7 +59,8 @@ def _check_envid(value: str) -> str | None:
         return f"ENVID longer than {_ENVID_MAX} characters"
     if not XTEXT.fullmatch(value):
         return "ENVID is not xtext"
-    return None if xtext_decode(value).isprintable() else "ENVID holds control characters"
+    decoded = xtext_decode(value)  # RFC 3461 4.4: printable US-ASCII (graphic and space), as Postfix checks
+    return None if decoded.isascii() and decoded.isprintable() else "ENVID must be printable US-ASCII"
 
 
 def _check_notify(value: str) -> str | None:
@@ -77,10 +78,10 @@ def _check_orcpt(value: str) -> str | None:
     addr_type, semi, address = value.partition(";")
     if not semi or not _ADDR_TYPE.fullmatch(addr_type) or not address:
         return "ORCPT must be addr-type;xtext"
-    pattern = _UTF8_XTEXT if addr_type.lower() == "utf-8" else XTEXT
-    if not pattern.fullmatch(address):
+    utf8 = addr_type.lower() == "utf-8"
+    if not (_UTF8_XTEXT if utf8 else XTEXT).fullmatch(address):
         return "ORCPT's address is not xtext"
-    return None if xtext_decode(address).isprintable() else "ORCPT's address holds control characters"
+    return None if xtext_decode(address, utf8).isprintable() else "ORCPT's address holds control characters"
 
 
 _CHECKS = {"RET": _check_ret, "ENVID": _check_envid, "NOTIFY": _check_notify, "ORCPT": _check_orcpt}
@@ -105,12 +106,13 @@ def wants(params: str, kind: str) -> bool:
     return kind in notify.split(",")
 
 
-def xtext_decode(text: str) -> str:
+def xtext_decode(text: str, utf8: bool = False) -> str:
     """RFC 3461 4's xtext decoded: '+XX' is the octet XX (octets read as UTF-8, an undecodable one
-    as U+FFFD); an RFC 6533 ``\\x{HEX}`` is the character."""
+    as U+FFFD); with ``utf8`` (RFC 6533's utf-8-addr-xtext, ORCPT's ``utf-8`` type) a ``\\x{HEX}``
+    is the character too (in plain xtext it is text: a backslash is an xtext character)."""
     out = bytearray()
     pos = 0
-    for m in _ESCAPE.finditer(text):
+    for m in (_ESCAPE if utf8 else _PLUS_ESCAPE).finditer(text):
         out += text[pos:m.start()].encode("utf-8")
         if m.group(1):
             out.append(int(m.group(1), 16))
@@ -123,6 +125,7 @@ def xtext_decode(text: str) -> str:
 
 
 _ESCAPE = re.compile(r"\+([0-9A-Fa-f]{2})|\\x\{([0-9A-Fa-f]{1,6})\}")
+_PLUS_ESCAPE = re.compile(r"\+([0-9A-Fa-f]{2})()")
 
 
 def envid_of(params: str) -> str | None:
@@ -138,7 +141,7 @@ def orcpt_of(params: str) -> str | None:
     if orcpt is None:
         return None
     addr_type, _, address = orcpt.partition(";")
-    return f"{addr_type};{xtext_decode(address)}"
+    return f"{addr_type};{xtext_decode(address, addr_type.lower() == 'utf-8')}"
 
 
 def returns_full(params: str) -> bool:
