@@ -20,7 +20,7 @@ import pytest
 
 from click.testing import CliRunner
 
-from conftest import free_port, queued_id, swaks, wait_for, write_toml
+from conftest import free_port, queued_id, swaks, wait_for, wait_port, write_toml
 from helpers import assert_one_error_line, run_cli
 from transportd import config as config_mod
 from transportd.cli import cli as transportd_cli
@@ -806,3 +806,35 @@ def test_one_node_per_data_dir_and_the_cli_says_when_none_runs(make_node, sink, 
     assert "the node is not running: its peers learn" in stopped.stderr, stopped.stderr
     node.start()  # the lock died with the killed process
     assert node.alive
+
+
+def test_serve_takes_a_data_dir_as_the_other_commands_do(make_node, tmp_path):
+    """``serve -d DIR`` alone starts again the node that ran there, with the config file it ran
+    with; with a config, ``-d`` before or after the command replaces its node.data_dir (it was
+    ignored: the node ran on the config's folder); a folder where no node ran is refused."""
+    node = make_node(smart_host=f"127.0.0.1:{free_port()}", overrides=LONG_RETRY).start()  # mail stays queued
+    mid = send(node, "carol@foreign.test")
+    assert node.stop() == 0
+
+    def serve(*args: str) -> subprocess.Popen:
+        proc = node.registry.add(subprocess.Popen([sys.executable, "-m", "transportd", *args],
+                                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        wait_port("127.0.0.1", node.port, proc=proc)
+        return proc
+
+    def stop(proc: subprocess.Popen) -> None:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+    proc = serve("serve", "-d", str(node.data_dir))
+    assert [m["id"] for m in cli_json(node, "message", "list")] == [mid]  # the same queue, its config's port
+    stop(proc)
+    other = tmp_path / "other"
+    for args in (("-d", str(other), "serve", "-c", str(node.config_path)),
+                 ("serve", "-c", str(node.config_path), "--data-dir", str(other))):
+        proc = serve(*args)
+        assert (other / "queue.db").is_file()
+        assert cli_json(node, "message", "list", "--data-dir", str(other)) == []
+        stop(proc)
+    nowhere = run_cli("serve", "-d", str(tmp_path / "nowhere"))
+    assert_one_error_line(nowhere, 2, f"--data-dir {tmp_path / 'nowhere'}: no node has run there")

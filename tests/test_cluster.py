@@ -615,6 +615,8 @@ def test_cluster_up_runs_a_working_cluster_and_stops_it(procs, tmp_path):
     wait_for(lambda: "[cluster] node2 exited with code -9" in output(), timeout=5, what="the cluster to notice")
     rows = json_lines(run_cli("cluster", "status", "--data-dir", str(data), "--json").stdout)
     assert [r["alive"] for r in rows] == [True, False, True], rows
+    # -d before the command names the cluster's folder too (it was ignored for ./data/cluster).
+    assert json_lines(run_cli("--json", "-d", str(data), "cluster", "status").stdout) == rows
     pids.remove(doc["nodes"][1]["pid"])
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)

@@ -21,6 +21,7 @@ from transportd.cli.common import (
     emit_json,
     json_option,
     load_config,
+    root,
     table,
 )
 from transportd.cli.queue import queue_rows
@@ -93,15 +94,24 @@ def cluster_config(out: str, nodes: int, sites: int, ip_base: int, frontend_port
         click.echo(f"{s.config}  {s.name}  {s.site}  frontend {s.frontend}  transport {s.transport}")
 
 
+def _cluster_dir(data_dir: str | None) -> Path:
+    """The cluster's folder: ``--data-dir`` after the command, else before it
+    (``transportd -d DIR cluster status``), else ./data/cluster."""
+    return Path(data_dir or root().data_dir or DEFAULT_CLUSTER_DIR).resolve()
+
+
+DEFAULT_CLUSTER_DIR = "./data/cluster"
+
+
 @cluster_group.command("up")
-@click.option("--data-dir", "data_dir", type=click.Path(file_okay=False), default="./data/cluster",
-              show_default=True, help="folder for configs, node data, the sink and cluster.json")
+@click.option("--data-dir", "-d", "data_dir", type=click.Path(file_okay=False), default=None,
+              help=f"folder for configs, node data, the sink and cluster.json  [default: {DEFAULT_CLUSTER_DIR}]")
 @_cluster_options
-def cluster_up(data_dir: str, nodes: int, sites: int, ip_base: int, frontend_port: int, transport_port: int,
+def cluster_up(data_dir: str | None, nodes: int, sites: int, ip_base: int, frontend_port: int, transport_port: int,
                sink_address: str, overrides: tuple[str, ...], versions: str | None) -> None:
     """Start the cluster in the foreground (Ctrl-C or SIGTERM stops every process)."""
     from transportd.devtools.cluster import Cluster
-    directory = Path(data_dir).resolve()
+    directory = _cluster_dir(data_dir)
     secret = None
     old = directory / "node1.toml"
     if old.exists():  # keep the secret of an existing cluster so its data dirs stay usable
@@ -126,16 +136,16 @@ def cluster_up(data_dir: str, nodes: int, sites: int, ip_base: int, frontend_por
 
 
 @cluster_group.command("status")
-@click.option("--data-dir", "data_dir", type=click.Path(file_okay=False), default="./data/cluster",
-              show_default=True)
+@click.option("--data-dir", "-d", "data_dir", type=click.Path(file_okay=False), default=None,
+              help=f"the cluster's folder (of cluster up)  [default: {DEFAULT_CLUSTER_DIR}]")
 @json_option("JSON lines")
-def cluster_status(data_dir: str, as_json: bool) -> None:
+def cluster_status(data_dir: str | None, as_json: bool) -> None:
     """Each node alive or not, with its queue and shadow counts."""
     import socket as socket_mod
 
     from transportd.devtools.cluster import load_cluster_json, pid_alive
     try:
-        doc = load_cluster_json(Path(data_dir).resolve())
+        doc = load_cluster_json(_cluster_dir(data_dir))
     except FileNotFoundError as exc:
         raise CliError(str(exc)) from None
     rows = []

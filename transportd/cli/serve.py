@@ -14,22 +14,31 @@ import click
 
 from transportd import config as config_mod
 from transportd.cli.common import CliError, load_config, node_location
+from transportd.queue.admin import recorded_config_path
 
 
 @click.command("serve")
 @click.option("--config", "-c", "config", type=click.Path(dir_okay=False), default=None,
               help="node config file (TOML; or before the command, or TRANSPORTD_CONFIG)")
+@click.option("--data-dir", "-d", "data_dir", type=click.Path(file_okay=False), default=None,
+              help="node data directory: instead of the config's node.data_dir; alone, the node "
+                   "that ran there is started again with the config file it ran with")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default=None,
               help="operational log format (overrides node.log_format)")
-def serve(config: str | None, log_format: str | None) -> None:
+def serve(config: str | None, data_dir: str | None, log_format: str | None) -> None:
     """Run a node: frontend receive connector, queues and delivery."""
     from transportd.node.daemon import serve as run
     from transportd.node.logs import setup_logging
-    config = node_location(config, None)[0]
-    if config is None:
+    config, data_dir = node_location(config, data_dir)
+    if config is None and data_dir is None:
         raise click.UsageError("Missing option '--config' / '-c' (or TRANSPORTD_CONFIG).")
+    if config is None:
+        config = recorded_config_path(config_mod.default_for_data_dir(data_dir).db_path)
+        if not config or not Path(config).is_file():
+            raise click.UsageError(f"--data-dir {data_dir}: no node has run there with a config file that still "
+                                   f"exists{f' ({config})' if config else ''}; give --config FILE")
     try:
-        cfg = load_config(config, None)
+        cfg = load_config(config, data_dir)
     except click.ClickException as exc:
         if log_format != "json":
             raise
