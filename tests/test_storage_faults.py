@@ -21,9 +21,9 @@ from helpers import fill
 BODY = b"Subject: disk %d\r\n\r\n" + (b"x" * 76 + b"\r\n") * 120  # ~10 KB
 
 
-def send(port: int, n: int) -> tuple[int, str]:
+def send(port: int, n: int, host: str = "127.0.0.1") -> tuple[int, str]:
     try:
-        with smtplib.SMTP("127.0.0.1", port, timeout=20) as s:
+        with smtplib.SMTP(host, port, timeout=20) as s:
             s.ehlo("disk.test")
             s.mail("a@remote.test")
             code, msg = s.rcpt("bob@elsewhere.test")
@@ -150,3 +150,37 @@ def test_tracking_logs_past_retention_are_removed_by_the_running_node(make_node,
     assert all(r["message-subject"] == "" for r in rows), rows
     assert any(b"Subject: disk 20" in m for m in sink.messages())
     assert node.alive and "Traceback" not in node.log()
+
+
+def test_a_copy_whose_message_could_not_be_committed_is_discarded_once_there_is_room(cluster, sink, small_disk):
+    """node1's disk is full between the shadow copy and its own commit: the sender gets a 4xx and
+    sends again, so the peer's copy must not stay (a promotion would deliver it a second time).
+    The discard the full database refused is kept and recorded with the next commit that finds
+    room; the peer drops the copy at its next heartbeat."""
+    from clusters import FOREIGN
+
+    from conftest import queued_id
+
+    sink.start()
+    c = cluster()
+    node1 = c["node1"]
+    node1.set("node", "data_dir", str(small_disk / "data"))
+    c.start()
+    queued_id(node1.swaks(FOREIGN))
+
+    def held_for_node1() -> int:
+        return sum(c[s].shadow_row(node1.name)["shadows"] for s in ("node2", "node3"))
+    wait_for(lambda: held_for_node1() == 0, timeout=15, what="the first message's shadow discarded")
+
+    fill(small_disk)
+    replies = [send(node1.frontend_port, 100 + n, host=node1.host) for n in range(3)]
+    assert node1.proc.poll() is None
+    assert all(code == 250 or 400 <= code < 500 for code, _ in replies), replies
+    assert any(400 <= code < 500 for code, _ in replies), f"the full disk was never noticed: {replies}"
+    wait_for(lambda: held_for_node1() >= 1, timeout=10, what="a peer holding a copy of a refused message")
+
+    os.unlink(small_disk / "filler")
+    wait_for(lambda: node1.swaks(FOREIGN).returncode == 0, timeout=20, what="node1 to accept again")
+    wait_for(lambda: held_for_node1() == 0, timeout=15, what="the orphaned copies discarded by their peers")
+    assert "is queued with the next message the queue database takes" in node1.log()
+    assert "orphaned shadow cop" in node1.log()

@@ -49,6 +49,7 @@ from transportd.smtp.replies import (
 log = logging.getLogger("transportd")
 
 
+MAX_UNRECORDED_DISCARDS = 10_000  # orphaned copies' discards held in memory while the database refuses them
 # Where the 2010 seed bypasses delayed acknowledgement (mq.acknowledgement_state's reasons).
 BYPASSES = ("QueueRetry", "QueueSuspended", "QueueLength")
 
@@ -67,6 +68,9 @@ class AcceptPath:
         self.events = events
         self.shadow = shadow
         self._promotions = 0  # shadow redundancy promotions made (2010): the same-site peers in turn
+        # Discards of orphaned copies the queue database did not take (a full disk failed the
+        # commit): recorded with the next commit that succeeds (peers, guid, time).
+        self._unrecorded_discards: list[tuple[tuple[str, ...], str, float]] = []
 
     def _message(self, envelope: Envelope, session: Session, connector: str, now: float) -> NewMessage:
         cfg = self.cfg
@@ -172,17 +176,24 @@ class AcceptPath:
         # peer's new queue database first seen by the copy's own session must not count this one
         # among the shadows it lost (Heartbeat._state_change, claim_lost_shadows).
         made_at = time.time()
+        orphans, self._unrecorded_discards = self._unrecorded_discards, []  # this commit takes them
 
         def commit(conn):
             mid = mq.enqueue(conn, msg)
             for node, rank in holders:
                 sq.record_shadow(conn, mid, node, guid, made_at, rank)
             sq.discard_uncertain(conn, uncertain, guid, now)
+            for peers, orphan_guid, at in orphans:
+                sq.discard_uncertain(conn, peers, orphan_guid, at)
             return mid
         try:
             faults.check("settle", msg)  # test-only: this commit settles the accept (the step's name)
             internal_id = await self.store.write(commit, queue_changed=True)
+            if orphans:
+                log.info("discards of %d orphaned shadow cop%s recorded now: their peers drop them at the next "
+                         "heartbeat", len(orphans), "y" if len(orphans) == 1 else "ies")
         except Exception as exc:
+            self._unrecorded_discards[:0] = orphans  # for the next commit
             if result is not None:
                 await self._discard_orphan_copy(result, guid, netid, now)
             if not isinstance(exc, StoreError):
@@ -304,8 +315,16 @@ class AcceptPath:
             try:
                 await self.store.write(lambda c: sq.discard_uncertain(c, peers, guid, now))
             except StoreError:
-                log.error("could not queue a discard for shadow %s on %s; it expires on its own",
-                          guid, ", ".join(peers), extra=message_ids({"network_message_id": netid}))
+                # Kept in memory and recorded with the next commit that succeeds (the disk freed),
+                # so the peer does not promote a copy the sender also sends again after our 451.
+                if len(self._unrecorded_discards) < MAX_UNRECORDED_DISCARDS:
+                    self._unrecorded_discards.append((peers, guid, now))
+                    log.error("could not queue a discard for shadow %s on %s; it is queued with the next "
+                              "message the queue database takes", guid, ", ".join(peers),
+                              extra=message_ids({"network_message_id": netid}))
+                else:
+                    log.error("could not queue a discard for shadow %s on %s; it expires on its own",
+                              guid, ", ".join(peers), extra=message_ids({"network_message_id": netid}))
 
     def _enough(self, result: ShadowResult) -> bool:
         """At least *min_shadow_copies* shadows: fewer is a shadow failure."""
