@@ -15,7 +15,8 @@ import os
 import re
 import smtplib
 
-from conftest import free_port, wait_for
+from clusters import FOREIGN
+from conftest import free_port, queued_id, wait_for
 from helpers import fill
 
 BODY = b"Subject: disk %d\r\n\r\n" + (b"x" * 76 + b"\r\n") * 120  # ~10 KB
@@ -157,10 +158,6 @@ def test_a_copy_whose_message_could_not_be_committed_is_discarded_once_there_is_
     sends again, so the peer's copy must not stay (a promotion would deliver it a second time).
     The discard the full database refused is kept and recorded with the next commit that finds
     room; the peer drops the copy at its next heartbeat."""
-    from clusters import FOREIGN
-
-    from conftest import queued_id
-
     sink.start()
     c = cluster()
     node1 = c["node1"]
