@@ -341,3 +341,47 @@ async def test_a_message_refused_for_want_of_shadows_writes_only_the_discards(tm
 def test_a_rcpt_refused_for_too_many_recipients_is_known_by_its_code(reply, over):
     from transportd.node.connectors import _over_recipient_limit
     assert _over_recipient_limit(reply) is over
+
+
+# ------------------------------------------------------------------ a primary reached on a hop-by-hop session
+
+class HopSession:
+    """A delivery session to a primary that answers XSHADOW and XQDISCARD (no discards)."""
+
+    def __init__(self, name: str, dbid: str):
+        self.peer = type("Peer", (), {"name": name})()
+        self.dbid = dbid
+
+    async def identify(self) -> str:
+        return self.dbid
+
+    async def take_discards(self) -> list:
+        return []
+
+
+async def test_a_hop_by_hop_session_that_reaches_a_primary_ends_its_down_time(tmp_path):
+    """A primary our heartbeats could not reach, reached by a hop-by-hop delivery session, is no
+    longer down: the promotion span and the Primary Safety Net's unreachable time start again at
+    its next failure (the old start counted, so one failed heartbeat promoted at once)."""
+    from transportd.queue import shadows as sq
+    from transportd.redundancy.manager import ShadowManager
+
+    primary = "primary.transportd.test"
+    cfg = load_dict({"node": {"name": "unit.transportd.test", "data_dir": str(tmp_path)},
+                     "cluster": {"secret": "s3cret-for-the-test"}, "frontend": {"listen": "127.0.0.1:2525"},
+                     "transport": {"listen": "127.0.0.1:2526"},
+                     "peers": [{"name": primary, "site": "site-a", "transport": "127.0.0.1:9"}]})
+    store = QueueStore.open(tmp_path / "unit.db")
+    store.start_writer()
+    try:
+        manager = ShadowManager(cfg, store, NodeEvents(cfg, NodeMetrics("unit"), store, RecordingTracking()))
+        dbid = "11111111-1111-4111-8111-111111111111"
+        long_ago = time.time() - 86400
+        await store.write(lambda c: sq.upsert_context(c, primary, queue_database_id=dbid, consecutive_failures=9,
+                                                      unreachable_since=long_ago, down_since=long_ago))
+        await manager.heartbeat.hop_session_start(HopSession(primary, dbid))
+        ctx = store.read(lambda c: sq.shadow_context(c, primary))
+        assert (ctx["consecutive_failures"], ctx["unreachable_since"], ctx["down_since"]) == (0, None, None)
+        assert ctx["last_heartbeat_at"] > long_ago
+    finally:
+        store.close()

@@ -167,12 +167,12 @@ def two_nodes(tmp_path, procs, sink):
     return _start_two_nodes(tmp_path, procs, sink)
 
 
-def _start_two_nodes(tmp_path, procs, sink, **delivery):
+def _start_two_nodes(tmp_path, procs, sink, resubmit_span: float = 60, **delivery):
     base = random.randint(20, 200)
     specs = generate(tmp_path / "cluster", nodes=2, sites=1, ip_base=base, frontend_port=free_port(),
                      transport_port=free_port(), sink_address=sink.address,
                      overrides={"shadow_redundancy": {"shadow_heartbeat_frequency": 0.5,
-                                                      "shadow_resubmit_time_span": 60},
+                                                      "shadow_resubmit_time_span": resubmit_span},
                                 "delivery": {"queue_poll_interval": 0.2, "transient_failure_retry_interval": 1,
                                              "outbound_connection_failure_retry_interval": 1,
                                              "send_connect_timeout": 2, **delivery},
@@ -403,11 +403,14 @@ def test_discard_events_are_kept_until_the_shadow_quits(two_nodes, procs, sink):
     s3.quit()
 
 
-def test_shadow_node_resubmits_for_an_unreachable_primary(two_nodes, procs):
+def test_shadow_node_resubmits_for_an_unreachable_primary(tmp_path, procs, sink):
+    """Served once node1 has been unreachable for primary_safety_net_unreachable_time (8 s),
+    though the promotion span (3 s, shorter as by default: 3 h against 12 h) restarts meanwhile
+    (it reset the unreachable time: a request was never served on its own)."""
     import signal
     from datetime import datetime, timezone
 
-    node1, node2 = two_nodes
+    node1, node2 = _start_two_nodes(tmp_path, procs, sink, resubmit_span=3)
     host, _, port = node1.frontend.rpartition(":")
     start = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     time.sleep(1.1)  # part of the scenario (a clock): --start has whole seconds, the message comes after

@@ -193,7 +193,7 @@ def upsert_context(conn: Connection, primary: str, **values: Any) -> None:
     if exists:
         conn.execute(update(shadow_contexts).where(shadow_contexts.c.peer == primary).values(**values))
     else:
-        conn.execute(insert(shadow_contexts).values(peer=primary, consecutive_failures=0, **values))
+        conn.execute(insert(shadow_contexts).values({"peer": primary, "consecutive_failures": 0, **values}))
 
 
 def primaries_to_poll(conn: Connection) -> list[str]:

@@ -25,6 +25,8 @@ Schema (version in ``PRAGMA user_version``):
   out on a session, settled by its token (discard events pile up while a shadow is away).
 - schema 7 drops ``ix_recipients_queue`` (the prefix of ``ix_recipients_queue_due``) and makes
   ``ix_messages_dsn_of`` partial (DSNs only): index work every message paid for, no query used.
+- schema 8 adds ``shadow_contexts.down_since``: since when a primary's heartbeats fail, kept
+  across promotion spans (``unreachable_since`` restarts with each span).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ log = logging.getLogger("transportd.queue.store")
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 metadata = MetaData()
 
@@ -180,6 +182,9 @@ shadow_contexts = Table(
     # When its new queue database ID was first seen (schema 4): the shadows made from the old one
     # are promoted rank by rank from then on (N-way, PROTOCOL.md section 9).
     Column("state_changed_at", Float),
+    # Since when its heartbeats fail, however many promotion spans started since (schema 8): the
+    # Primary Safety Net's unreachable time (shadow resubmit requests) counts from here.
+    Column("down_since", Float),
 )
 
 message_shadows = Table(
@@ -301,8 +306,12 @@ def _migration_7(conn: Connection) -> None:
         conn.exec_driver_sql("CREATE INDEX ix_messages_dsn_of ON messages (dsn_of) WHERE dsn_of IS NOT NULL")
 
 
+def _migration_8(conn: Connection) -> None:
+    _add_columns(conn, "shadow_contexts", {"down_since": "FLOAT"})
+
+
 MIGRATIONS: list[Callable[[Connection], None]] = [_migration_1, _migration_2, _migration_3, _migration_4,
-                                                  _migration_5, _migration_6, _migration_7]
+                                                  _migration_5, _migration_6, _migration_7, _migration_8]
 
 
 

@@ -120,7 +120,8 @@ class Heartbeat:
             log.error("XQDISCARD on a session to %s: protocol violation: %s; keeping every shadow of it",
                       peer_name, exc)
             return dbid
-        await self._context(peer_name, last_heartbeat_at=time.time(), consecutive_failures=0, last_error=None)
+        await self._context(peer_name, last_heartbeat_at=time.time(), consecutive_failures=0, last_error=None,
+                            unreachable_since=None, down_since=None)  # it answered: not down
         if discarded:
             await self.shadows.discard(peer_name, discarded, time.time())
         return dbid
@@ -186,8 +187,10 @@ class Heartbeat:
                                    resubmit_time_span=self.sr.shadow_resubmit_time_span, failures=failures,
                                    retry_count=self.sr.shadow_heartbeat_retry_count if self.sr.version == "2010"
                                    else None, rank_delay=self.sr.shadow_rank_delay)
+        # Down since the first failure of this streak: a promotion span restarting does not move it.
+        down_since = None if ok else (ctx.get("down_since") if ctx else None) or since
         values: dict[str, Any] = {"consecutive_failures": failures, "last_error": error or None,
-                                  "unreachable_since": since}
+                                  "unreachable_since": since, "down_since": down_since}
         state_change = decision.promote and decision.reason == "ShadowStateChange"
         if ok:
             values["last_heartbeat_at"] = now
@@ -199,7 +202,7 @@ class Heartbeat:
         if not ok:
             self.events.metrics.heartbeat_failures.labels(primary).inc()
             log.warning("heartbeat to primary %s failed (%d in a row): %s", primary, failures, error)
-            if since is not None and now - since >= self.cfg.safety_net.primary_safety_net_unreachable_time:
+            if down_since is not None and now - down_since >= self.cfg.safety_net.primary_safety_net_unreachable_time:
                 await self.shadows.resubmit_requested(primary, now)
         if decision.promote:
             await self.shadows.promote(primary, decision.reason, keep_dbid=answered if state_change else None,
