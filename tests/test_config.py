@@ -599,6 +599,18 @@ def test_out_of_range_is_one_line_naming_key_value_and_range(raw, message) -> No
     assert str(info.value) == f"node.toml: {message}"
 
 
+def test_reject_on_shadow_failure_without_peers_is_refused() -> None:
+    """RejectMessageOnShadowFailure with no peer to copy to would refuse every message (Exchange:
+    "use $true only if you have multiple Mailbox servers"): one line naming the key. Off, or with
+    shadow redundancy off, or in 2010 mode (no copy before the 250), it loads."""
+    with pytest.raises(ConfigError) as info:
+        load_dict({"shadow_redundancy": {"reject_message_on_shadow_failure": True}}, source="node.toml")
+    assert str(info.value).startswith("node.toml: shadow_redundancy.reject_message_on_shadow_failure: true with "
+                                      "no [[peers]]: no shadow copy can be made, so every message would be refused")
+    for ok in ({"shadow_redundancy_enabled": False}, {"version": "2010"}):
+        load_dict({"shadow_redundancy": {"reject_message_on_shadow_failure": True, **ok}})
+
+
 def test_several_shadow_copies_are_refused_in_exchange_2010_mode() -> None:
     """Exchange 2010 keeps one shadow, the sending server's: N copies need the 2013 protocol."""
     with pytest.raises(ConfigError) as info:

@@ -534,7 +534,7 @@ KEYS: tuple[Key, ...] = (
     Key("shadow_redundancy", "max_retries_for_local_site_shadow", 2, _int,
         "attempts to shadow within the site", "MaxRetriesForLocalSiteShadow", limits=(0, 255)),
     Key("shadow_redundancy", "reject_message_on_shadow_failure", False, _bool,
-        "answer 451 4.4.0 when no shadow can be made", "RejectMessageOnShadowFailure"),
+        "answer 451 4.4.0 when no shadow can be made (needs [[peers]])", "RejectMessageOnShadowFailure"),
     Key("shadow_redundancy", "shadow_copies", 1, _int,
         "shadow copies made before the 250, each on its own peer (1: Exchange's two copies in all; "
         "2 or more survives the primary and a shadow failing together)", "", limits=(1, 9)),
@@ -1012,6 +1012,12 @@ def _cross_checks(cfg: Config, source: str) -> None:
                     "shadow_redundancy.shadow_heartbeat_frequency", source,
                     "a primary would be given up before its first heartbeat")
     sr = cfg.shadow_redundancy
+    if sr.shadow_redundancy_enabled and sr.reject_message_on_shadow_failure and sr.version != "2010" \
+            and not cfg.peers:
+        # Exchange: "use $true only if you have multiple Mailbox servers".
+        raise ConfigError(f"{source}: shadow_redundancy.reject_message_on_shadow_failure: true with no [[peers]]: "
+                          "no shadow copy can be made, so every message would be refused (configure the peers, "
+                          "or set it false)")
     if sr.min_shadow_copies > sr.shadow_copies:
         raise ConfigError(f"{source}: shadow_redundancy.min_shadow_copies: {sr.min_shadow_copies} is more than "
                           f"shadow_redundancy.shadow_copies ({sr.shadow_copies})")
