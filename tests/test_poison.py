@@ -108,6 +108,8 @@ def test_the_handling_mark_survives_the_process_that_wrote_it(tmp_path):
     assert subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=False).returncode == 3
     mark, left = HandlingMark.open(tmp_path)
     assert left == [(12, "dsn")]
+    assert HandlingMark.open(tmp_path)[1] == [(12, "dsn")]  # a start that fails before counting leaves it
+    mark.clear()
     with mark.step(5, "deliver"):
         assert handling.parse((tmp_path / handling.FILE_NAME).read_bytes()) == [(5, "deliver")]
     mark.close()

@@ -105,6 +105,7 @@ class Node:
         threshold = self.events.poison_threshold
         poisoned, recovered = await store.write(
             lambda c: mq.recover_at_start(c, threshold, [mid for mid, _ in crashed_in]))
+        self.events.handling.clear()  # counted (a start that failed before this counts them next time)
         if recovered:
             log.info("crash recovery: %d recipient(s) left Active are Ready again", recovered)
         await self._move_legacy_delivered_to(store)

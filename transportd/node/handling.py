@@ -36,7 +36,9 @@ class HandlingMark:
     @classmethod
     def open(cls, data_dir: Path) -> tuple[HandlingMark, list[tuple[int, str]]]:
         """The node's mark (taken at start, after the data dir's lock) and what the last process
-        left in it: the (message id, step) it was handling when it ended, [] when none."""
+        left in it: the (message id, step) it was handling when it ended, [] when none. Left in
+        the file until ``clear()`` (once the start has counted them: a start that fails before
+        that leaves them for the next one)."""
         mark = cls(data_dir / FILE_NAME)
         try:
             fd = os.open(mark.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -49,8 +51,11 @@ class HandlingMark:
         except OSError:
             left = []
         mark._fd = fd
-        mark._write()
         return mark, left
+
+    def clear(self) -> None:
+        """Forget what the last process left (its crash has been counted)."""
+        self._write()
 
     @contextlib.contextmanager
     def step(self, message_id: int, name: str) -> Iterator[None]:
