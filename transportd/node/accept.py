@@ -49,9 +49,42 @@ from transportd.smtp.replies import (
 log = logging.getLogger("transportd")
 
 
-MAX_UNRECORDED_DISCARDS = 10_000  # orphaned copies' discards held in memory while the database refuses them
 # Where the 2010 seed bypasses delayed acknowledgement (mq.acknowledgement_state's reasons).
 BYPASSES = ("QueueRetry", "QueueSuspended", "QueueLength")
+
+
+class OrphanCopies:
+    """Shadow copies no local message refers to (the message refused, or its commit failed): a
+    peer may hold one nobody would discard, so each gets a discard event. Those the queue database
+    did not take either (a full disk) are held in memory, at most ``limit``, and recorded with the
+    next commit that succeeds: the peer drops a copy the sender sends again after our 4xx instead
+    of promoting it later (past ``limit`` the copies expire on their own)."""
+
+    def __init__(self, store: QueueStore, limit: int = 10_000):
+        self.store = store
+        self.limit = limit
+        self._held: list[tuple[tuple[str, ...], str, float]] = []
+
+    async def discard(self, result: ShadowResult, guid: str, netid: str, now: float) -> None:
+        peers = tuple(dict.fromkeys((*result.peers, *result.uncertain)))
+        if not peers:
+            return
+        try:
+            await self.store.write(lambda c: sq.discard_uncertain(c, peers, guid, now))
+        except StoreError:
+            held = len(self._held) < self.limit
+            if held:
+                self._held.append((peers, guid, now))
+            log.error("could not queue a discard for shadow %s on %s; %s", guid, ", ".join(peers),
+                      "it is queued with the next message the queue database takes" if held
+                      else "it expires on its own", extra=message_ids({"network_message_id": netid}))
+
+    def take(self) -> list[tuple[tuple[str, ...], str, float]]:
+        held, self._held = self._held, []
+        return held
+
+    def give_back(self, held: list[tuple[tuple[str, ...], str, float]]) -> None:
+        self._held[:0] = held
 
 
 def tracking_row(internal_id: int, msg: NewMessage) -> dict:
@@ -68,9 +101,7 @@ class AcceptPath:
         self.events = events
         self.shadow = shadow
         self._promotions = 0  # shadow redundancy promotions made (2010): the same-site peers in turn
-        # Discards of orphaned copies the queue database did not take (a full disk failed the
-        # commit): recorded with the next commit that succeeds (peers, guid, time).
-        self._unrecorded_discards: list[tuple[tuple[str, ...], str, float]] = []
+        self._orphans = OrphanCopies(store)
 
     def _message(self, envelope: Envelope, session: Session, connector: str, now: float) -> NewMessage:
         cfg = self.cfg
@@ -152,7 +183,7 @@ class AcceptPath:
             shadow_error = exc
             result = ShadowResult(None, f"internal error: {exc.__class__.__name__}: {exc}")
         if not self._enough(result) and sr.reject_message_on_shadow_failure:
-            await self._discard_orphan_copy(result, guid, netid, now)
+            await self._orphans.discard(result, guid, netid, now)
             log.warning("no shadow could be made (%s): message refused with 451 4.4.0", result.reply,
                         extra=message_ids({"network_message_id": netid}))
             raise MessageRejected(S451_NOT_REDUNDANT)
@@ -176,7 +207,7 @@ class AcceptPath:
         # peer's new queue database first seen by the copy's own session must not count this one
         # among the shadows it lost (Heartbeat._state_change, claim_lost_shadows).
         made_at = time.time()
-        orphans, self._unrecorded_discards = self._unrecorded_discards, []  # this commit takes them
+        orphans = self._orphans.take()  # this commit records their discards
 
         def commit(conn):
             mid = mq.enqueue(conn, msg)
@@ -193,9 +224,9 @@ class AcceptPath:
                 log.info("discards of %d orphaned shadow cop%s recorded now: their peers drop them at the next "
                          "heartbeat", len(orphans), "y" if len(orphans) == 1 else "ies")
         except Exception as exc:
-            self._unrecorded_discards[:0] = orphans  # for the next commit
+            self._orphans.give_back(orphans)  # for the next commit
             if result is not None:
-                await self._discard_orphan_copy(result, guid, netid, now)
+                await self._orphans.discard(result, guid, netid, now)
             if not isinstance(exc, StoreError):
                 raise  # 451 4.3.0 at the frontend
             log.error("queue database unavailable, answering 451: %s", exc,
@@ -306,25 +337,6 @@ class AcceptPath:
                 return "MaxAcknowledgementDelay"
             await asyncio.sleep(min(pause, deadline - now))
             pause = min(pause * 2, 0.25)
-
-    async def _discard_orphan_copy(self, result: ShadowResult, guid: str, netid: str, now: float) -> None:
-        """No local message refers to these copies (refused, or its commit failed): a peer may hold
-        one nobody would discard; ask it to, if the queue database takes the discard events."""
-        peers = tuple(dict.fromkeys((*result.peers, *result.uncertain)))
-        if peers:
-            try:
-                await self.store.write(lambda c: sq.discard_uncertain(c, peers, guid, now))
-            except StoreError:
-                # Kept in memory and recorded with the next commit that succeeds (the disk freed),
-                # so the peer does not promote a copy the sender also sends again after our 451.
-                if len(self._unrecorded_discards) < MAX_UNRECORDED_DISCARDS:
-                    self._unrecorded_discards.append((peers, guid, now))
-                    log.error("could not queue a discard for shadow %s on %s; it is queued with the next "
-                              "message the queue database takes", guid, ", ".join(peers),
-                              extra=message_ids({"network_message_id": netid}))
-                else:
-                    log.error("could not queue a discard for shadow %s on %s; it expires on its own",
-                              guid, ", ".join(peers), extra=message_ids({"network_message_id": netid}))
 
     def _enough(self, result: ShadowResult) -> bool:
         """At least *min_shadow_copies* shadows: fewer is a shadow failure."""
