@@ -273,3 +273,38 @@ def test_a_peer_without_chunking_gets_shadow_copies_with_data_and_promotes_them(
     n3.wait_event("RESUBMIT", netid, timeout=20)
     wait_for(lambda: sink_copies(sink, netid), timeout=20, what="the copy made with DATA, promoted, at the sink")
     assert "Traceback" not in n3.log()
+
+
+# ------------------------------------------------------------------------------ per-recipient discards
+
+def test_a_promoted_copy_delivers_only_the_recipients_the_primary_had_not(make_cluster, sink):
+    """node1 delivers one recipient (a mailbox of its own) while the other waits (the smart host
+    is down): node3, holding the shadow, hears of that recipient at its next heartbeat
+    (``XQDISCARD n RCPT``, a ``Delivered=`` entry). node1 is killed; node3's promotion delivers
+    the waiting recipient only: the delivered one is not sent to node1 a second time."""
+    from conftest import read_db
+
+    c = make_cluster(heartbeat=0.5, resubmit=3)
+    c.start()
+    n1, n3 = c["node1"], c["node3"]
+    mid = send(n1, "alice@example.test,carol@foreign.test")
+    netid = accepted_with_shadow(n1, n3, mid)
+    wait_for(lambda: n1.maildir("alice@example.test"), timeout=10, what="alice's delivery on node1")
+    n1.wait_event("DEFER", netid)
+
+    def shadow_recipients() -> dict[str, str]:
+        return dict(read_db(n3.cfg.db_path, "SELECT r.address, r.status FROM recipients r JOIN messages m "
+                                            "ON m.id = r.message_id WHERE m.network_message_id = ?", (netid,)))
+    wait_for(lambda: shadow_recipients().get("alice@example.test") == "Delivered", timeout=10,
+             what="node3 to hear that node1 delivered alice (a per-recipient discard)")
+    assert shadow_recipients()["carol@foreign.test"] != "Delivered"
+    assert n3.shadow_list()[n1.name]["shadows"] == 1  # still a shadow: carol waits
+
+    n1.kill9()
+    sink.start()
+    n3.wait_event("RESUBMIT", netid, timeout=20)
+    wait_for(lambda: sink_copies(sink, netid), timeout=20, what="carol's copy at the sink")
+    wait_for(lambda: set(shadow_recipients().values()) == {"Delivered"}, timeout=10, what="node3 done")
+    assert [r["recipient-address"] for r in n3.tracking(event_id="SENDEXTERNAL", network_message_id=netid)] \
+        == ["carol@foreign.test"]
+    assert not n3.tracking(event_id="SEND", network_message_id=netid)  # nothing for alice towards node1

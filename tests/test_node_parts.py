@@ -387,3 +387,43 @@ async def test_a_hop_by_hop_session_that_reaches_a_primary_ends_its_down_time(tm
         assert ctx["last_heartbeat_at"] > long_ago
     finally:
         store.close()
+
+
+def test_per_recipient_discards_are_handed_only_to_a_shadow_that_asks(tmp_path):
+    """The primary's per-recipient events go to a shadow that asked (``XQDISCARD n RCPT``), never
+    to one that did not (an older node, a 2010 peer: its discards go on as before); on the shadow
+    they mark that recipient of the copy done, and a copy left with nothing to deliver is
+    returned for discarding."""
+    from transportd.queue import shadows as sq
+    from transportd.redundancy import protocol
+
+    assert sq.PER_RECIPIENT == protocol.DELIVERED
+    hop = NextHop("smarthost:127.0.0.1:25", SMART_HOST, "127.0.0.1:25")
+    primary = QueueStore.open(tmp_path / "primary.db")
+    try:
+        mid = primary.transaction(lambda c: mq.enqueue(c, _message(hop, ["a@x.test", "b@x.test"], 1)))
+        primary.transaction(lambda c: sq.record_shadow(c, mid, "shadow.t", "g-1", time.time()))
+        primary.transaction(lambda c: sq.discard_uncertain(c, ["shadow.t"], "g-0", time.time()))
+        reason = protocol.delivered_reason("a@x.test")
+        assert primary.transaction(lambda c: sq.record_delivered_recipients(c, mid, [reason], time.time())) == 1
+        assert primary.transaction(lambda c: sq.take_discard_events(c, "shadow.t", 10, "old")) == [("g-0", None)]
+        primary.transaction(lambda c: sq.settle_discard_events(c, "old", False))
+        assert primary.transaction(lambda c: sq.take_discard_events(c, "shadow.t", 10, "new", True)) == [
+            ("g-0", None), ("g-1", reason)]
+    finally:
+        primary.close()
+
+    shadow = QueueStore.open(tmp_path / "shadow.db")
+    try:
+        msg = _message(hop, ["a@x.test", "b@x.test"], 2)
+        msg.role, msg.redundancy, msg.shadow_guid, msg.primary_node = "shadow", "shadow", "g-1", "primary.t"
+        copy = shadow.transaction(lambda c: mq.enqueue(c, msg))
+        assert shadow.transaction(lambda c: sq.apply_delivered_recipients(
+            c, "primary.t", [("g-1", "a@x.test"), ("g-9", "a@x.test")], time.time())) == []
+        statuses = dict(shadow.read(lambda c: c.exec_driver_sql(
+            "SELECT address, status FROM recipients WHERE message_id = ?", (copy,)).fetchall()))
+        assert statuses == {"a@x.test": mq.DELIVERED, "b@x.test": mq.READY}
+        assert shadow.transaction(lambda c: sq.apply_delivered_recipients(
+            c, "primary.t", [("g-1", "b@x.test")], time.time())) == ["g-1"]
+    finally:
+        shadow.close()

@@ -176,6 +176,27 @@ def test_discard_loop_until_a_short_batch() -> None:
     assert not c.discards_unapplied and c.state is ClientState.IDLE
 
 
+def test_per_recipient_discards_only_where_asked() -> None:
+    """``XQDISCARD n RCPT`` (asked only of a primary that offers XQDISCARDRCPT): ``Delivered=``
+    entries read; asked without it, such an entry is a contract violation (never applied)."""
+    from transportd.redundancy.protocol import delivered_address, delivered_reason
+    reason = delivered_reason("jörg x+y@example.test")
+    c = identified_client()
+    assert c.send_discard(2, recipients=True) == b"XQDISCARD 2 RCPT\r\n"
+    assert c.receive_data(f"250-{G1} {reason}\r\n250 {G2}\r\n".encode()) == [
+        DiscardBatch(((G1, reason), (G2, None)), complete=False)]
+    assert delivered_address(reason) == "jörg x+y@example.test"
+    c = identified_client()
+    c.send_discard(2)
+    with pytest.raises(ProtocolError):
+        c.receive_data(f"250 {G1} {reason}\r\n".encode())
+    s = server()
+    assert isinstance(one(s, XSHADOW), XShadowReceived)
+    assert one(s, "XQDISCARD 10 rcpt") == DiscardRequested(PRIMARY, 10, recipients=True)
+    assert one(s, "XQDISCARD 10") == DiscardRequested(PRIMARY, 10, recipients=False)
+    assert one(s, "XQDISCARD 10 FOO") == Refusal(R501)
+
+
 @pytest.mark.parametrize("reply", [
     f"250-{G1}\r\n250 not-a-guid\r\n".encode(),
     f"250 {G1} Eaten\r\n".encode(),  # an unknown reason

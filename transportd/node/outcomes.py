@@ -18,7 +18,7 @@ import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from transportd import faults
 from transportd.node.events import NodeEvents
@@ -27,6 +27,7 @@ from transportd.queue import shadows as sq
 from transportd.queue.messages import NewMessage, Outcome, WorkItem
 from transportd.queue.routing import MAILBOX, PEER, bifurcate
 from transportd.queue.store import QueueStore
+from transportd.redundancy.protocol import delivered_reason
 from transportd.smtp import dsnparams
 from transportd.smtp.client import describe
 from transportd.smtp.dsn import RecipientReport, build_dsn, dsn_needs_utf8, status_from_reply
@@ -131,6 +132,18 @@ def _action(it: WorkItem, o: Outcome) -> str:
     return "delivered" if it.delivery_type == MAILBOX else "relayed"
 
 
+def _delivered_reasons(it: WorkItem, outs: Iterable[Outcome]) -> list[str]:
+    """The per-recipient discard reasons of the recipients of ``it`` delivered in ``outs``
+    (an address too long for a reply line is left to the message's own discard)."""
+    address = dict(zip(it.recipient_ids, it.addresses))
+    reasons = (delivered_reason(address[o.recipient_id]) for o in outs
+               if o.status == mq.DELIVERED and o.recipient_id in address)
+    return [r for r in dict.fromkeys(reasons) if len(r) <= MAX_PER_RECIPIENT_REASON]
+
+
+MAX_PER_RECIPIENT_REASON = 1000  # octets: a reply line stays far below the peers' 4096
+
+
 def utc(ts: float | None) -> datetime | None:
     """A queue database time (seconds since the epoch) as an aware UTC datetime; None as None."""
     return None if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc)
@@ -206,8 +219,13 @@ class OutcomeRecorder:
                     mq.reset_poison_count(conn, mid)  # it got through: earlier failures no longer count
                 if mid in dsns:
                     created[mid] = (mq.enqueue(conn, dsns[mid][1]), dsns[mid][1])
-                sq.record_forks(conn, [f for f in d.forks if f[0] == mid], now)
-                mq.finish_if_done(conn, mid, now, hold)
+                forks = [f for f in d.forks if f[0] == mid]
+                sq.record_forks(conn, forks, now)
+                delivered = [] if forks else _delivered_reasons(it, d.outcomes.get(mid, ()))
+                if not mq.finish_if_done(conn, mid, now, hold) and delivered:
+                    # Delivered while others wait: the shadows learn it per recipient, so that a
+                    # promotion of theirs does not deliver these a second time.
+                    sq.record_delivered_recipients(conn, mid, delivered, now)
             return created, poisoned
 
         created, poisoned = await self.store.write(job, queue_changed=bool(dsns))  # a DSN is new work

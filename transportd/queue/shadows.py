@@ -70,10 +70,56 @@ def redundancy_of(holders: int, wanted: int) -> str:
     return "shadowed" if holders >= wanted else (mq.PARTIAL if holders else "unprotected")
 
 
-def take_discard_events(conn: Connection, shadow_node: str, n: int, token: str) -> list[tuple[str, str | None]]:
-    """Up to ``n`` (guid, reason) discard events for ``shadow_node``, marked as handed out on ``token``."""
+# The reason of a per-recipient discard event (redundancy/protocol.py's DELIVERED, its wire text):
+# ``Delivered=<xtext of the address>``, handed out only to a shadow that asked for them.
+PER_RECIPIENT = "Delivered="
+
+
+def record_delivered_recipients(conn: Connection, message_id: int, reasons: Iterable[str], now: float) -> int:
+    """Per-recipient discard events: for each shadow of ``message_id``, one per reason (a recipient
+    delivered while others wait). Returns how many were written."""
+    shadows = conn.execute(select(message_shadows.c.shadow_node, message_shadows.c.shadow_guid)
+                           .where(message_shadows.c.message_id == message_id)).all()
+    n = 0
+    for node, guid in shadows:
+        for reason in reasons:
+            conn.execute(_INSERT_DISCARD, {"shadow_node": node, "shadow_guid": guid, "created_at": now,
+                                           "reason": reason})
+            n += 1
+    return n
+
+
+def apply_delivered_recipients(conn: Connection, primary: str, entries: Iterable[tuple[str, str]],
+                               now: float) -> list[str]:
+    """Per-recipient discards of ``primary`` (GUID, address): those recipients of our queued shadow
+    copy are done (the primary delivered them), so a promotion delivers only the others. Returns
+    the GUIDs of copies left with no recipient to deliver (the caller discards them)."""
+    guids = []
+    for guid, address in entries:
+        row = conn.execute(select(messages.c.id).where(
+            messages.c.role == "shadow", messages.c.primary_node == primary,
+            messages.c.state.concat("") == mq.QUEUED, messages.c.shadow_guid == guid)).first()
+        if row is None:
+            continue
+        conn.execute(update(recipients).where(
+            recipients.c.message_id == row.id, recipients.c.address == address,
+            recipients.c.status.not_in(mq.TERMINAL)).values(status=mq.DELIVERED, completed_at=now, last_error=None))
+        pending = conn.execute(select(func.count()).select_from(recipients).where(
+            recipients.c.message_id == row.id, recipients.c.status.not_in(mq.TERMINAL))).scalar()
+        if not pending:
+            guids.append(guid)
+    return list(dict.fromkeys(guids))
+
+
+def take_discard_events(conn: Connection, shadow_node: str, n: int, token: str,
+                        recipients: bool = False) -> list[tuple[str, str | None]]:
+    """Up to ``n`` (guid, reason) discard events for ``shadow_node``, marked as handed out on
+    ``token``; per-recipient ones (``Delivered=``) only with ``recipients`` (the shadow asked)."""
+    only = [] if recipients else [or_(discard_events.c.reason.is_(None),
+                                      discard_events.c.reason.not_like(f"{PER_RECIPIENT}%"))]
     rows = conn.execute(select(discard_events.c.id, discard_events.c.shadow_guid, discard_events.c.reason)
-                        .where(discard_events.c.shadow_node == shadow_node, discard_events.c.sent_token.is_(None))
+                        .where(discard_events.c.shadow_node == shadow_node, discard_events.c.sent_token.is_(None),
+                               *only)
                         .order_by(discard_events.c.id).limit(n)).all()
     if rows:
         conn.execute(update(discard_events).where(discard_events.c.id.in_([r.id for r in rows]))

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from transportd.errors import ProtocolError
 from transportd.redundancy.protocol import (
     MAX_SHADOW_RANK,
+    RCPT_ARG,
     ShadowRequest,
     decode_dbid,
     decode_fqdn,
@@ -42,7 +43,7 @@ from transportd.redundancy.protocol import (
     parse_discard_entries,
     parse_guid,
     parse_resubmit_arg,
-    parse_xqdiscard,
+    parse_xqdiscard_request,
     parse_xshadow,
     parse_xshadowadopt,
     parse_xshadowrequest,
@@ -146,6 +147,7 @@ class XShadowReceived(Event):
 class DiscardRequested(Event):
     peer_fqdn: str
     max_count: int
+    recipients: bool = False  # ``XQDISCARD n RCPT``: per-recipient entries wanted too
 
 
 @dataclass(frozen=True)
@@ -256,6 +258,7 @@ class ClientConnection:
         self.peer_queue_database_id: str | None = None  # from the XSHADOW reply
         self._discards_failed = False
         self._asked = 0
+        self._asked_recipients = False
         self._lines = _Lines()
         self._partial: list[str] = []
         self._partial_code = 0
@@ -296,14 +299,16 @@ class ClientConnection:
             raise LocalProtocolError("XSHADOW was already answered on this session")
         return self._send(ClientState.AWAITING_XSHADOW, f"XSHADOW {encode_fqdn(self.local_fqdn)}")
 
-    def send_discard(self, max_count: int = 50) -> bytes:
+    def send_discard(self, max_count: int = 50, recipients: bool = False) -> bytes:
+        """XQDISCARD; ``recipients``: ask for per-recipient entries too (only of a primary whose
+        EHLO reply offers XQDISCARDRCPT: another answers the argument with 501)."""
         self._ready("XQDISCARD")
         if self.peer_queue_database_id is None:
             raise LocalProtocolError("XQDISCARD before XSHADOW identified the primary")
         if isinstance(max_count, bool) or not isinstance(max_count, int) or not 0 < max_count <= MAX_DISCARD_BATCH:
             raise LocalProtocolError(f"XQDISCARD asks 1 to {MAX_DISCARD_BATCH} ids, not {max_count!r}")
-        self._asked = max_count
-        return self._send(ClientState.AWAITING_DISCARD, f"XQDISCARD {max_count}")
+        self._asked, self._asked_recipients = max_count, recipients
+        return self._send(ClientState.AWAITING_DISCARD, f"XQDISCARD {max_count}" + (f" {RCPT_ARG}" if recipients else ""))
 
     def send_resubmit(self, destination: str, start: float, end: float) -> bytes:
         self._ready("XRESUBMIT")
@@ -428,7 +433,7 @@ class ClientConnection:
             return self._copy_reply(code, text)
         event: Event
         if awaiting is ClientState.AWAITING_DISCARD and code in (250, 251):
-            entries = tuple(parse_discard_entries(code, lines))
+            entries = tuple(parse_discard_entries(code, lines, self._asked_recipients))
             event = DiscardBatch(entries, len(entries) < self._asked)
         elif awaiting is ClientState.AWAITING_ADOPT and code in (250, 251):
             event = Adopted(tuple(parse_adopt_reply(code, lines, self._adopt_asked)))
@@ -594,11 +599,11 @@ class ServerConnection:
         if self.xshadow_peer is None:
             return Refusal(_wire(S503_BAD_SEQUENCE), "XQDISCARD before XSHADOW")
         try:
-            n = parse_xqdiscard(arg, MAX_DISCARD_BATCH)
+            n, recipients = parse_xqdiscard_request(arg, MAX_DISCARD_BATCH)
         except ProtocolError as exc:
             return Refusal(_wire(S501_INVALID_ARGUMENTS), str(exc))
         self.discards_out = True
-        return DiscardRequested(self.xshadow_peer, n)
+        return DiscardRequested(self.xshadow_peer, n, recipients)
 
     def _xresubmit(self, arg: str | None) -> Event:
         if refusal := self._refusal():

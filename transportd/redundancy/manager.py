@@ -142,11 +142,13 @@ class ShadowManager:
         return await self.copier.make(msg, guid, recipients, candidates,
                                       self.sr.shadow_copies if copies is None else copies, first_rank)
 
-    async def take_discard_events(self, shadow_node: str, n: int, token: str) -> list[tuple[str, str | None]]:
+    async def take_discard_events(self, shadow_node: str, n: int, token: str,
+                                  recipients: bool = False) -> list[tuple[str, str | None]]:
         """Up to ``n`` discard ids for a shadow, marked as handed out on session ``token``: deleted
         when that session ends with QUIT (the shadow applied them first), handed out again if it
-        breaks. A discard is never lost to a dropped connection."""
-        return await self.store.write(lambda c: sq.take_discard_events(c, shadow_node, n, token))
+        breaks. A discard is never lost to a dropped connection. ``recipients``: the shadow takes
+        per-recipient entries (``XQDISCARD n RCPT``); another is never handed one."""
+        return await self.store.write(lambda c: sq.take_discard_events(c, shadow_node, n, token, recipients))
 
     async def settle_discard_events(self, token: str, acknowledged: bool) -> None:
         await self.store.write(lambda c: sq.settle_discard_events(c, token, acknowledged))

@@ -34,7 +34,7 @@ from transportd.redundancy.connection import (
     ShadowRequestAccepted,
     TransactionReplies,
 )
-from transportd.redundancy.protocol import Peer, heartbeat_period
+from transportd.redundancy.protocol import RCPT_DISCARDS_KEYWORD, Peer, heartbeat_period
 from transportd.smtp.dsnparams import DsnRequest
 from transportd.smtp.wire import SmtpWire
 
@@ -146,8 +146,9 @@ class PeerSession:
         A malformed reply raises ProtocolError; the session must then end without QUIT (a QUIT
         acknowledges ids we did not apply): ``close()`` does that."""
         entries: list[tuple[str, str | None]] = []
+        recipients = self.client.supports_extension(RCPT_DISCARDS_KEYWORD.lower())  # per-recipient entries too
         while True:
-            events = await self._exchange(self.conn.send_discard(DISCARD_BATCH))
+            events = await self._exchange(self.conn.send_discard(DISCARD_BATCH, recipients))
             batch = next((e for e in events if isinstance(e, DiscardBatch)), None)
             if batch is None:
                 raise ProtocolError(_refusal("XQDISCARD", events))

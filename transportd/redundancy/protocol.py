@@ -93,15 +93,55 @@ def parse_xshadow(arg: str | None) -> str:
 
 
 def parse_xqdiscard(arg: str | None, maximum: int = 1000) -> int:
-    text = (arg or "").strip()
-    if not text.isdigit() or int(text) <= 0:
+    return parse_xqdiscard_request(arg, maximum)[0]
+
+
+def parse_xqdiscard_request(arg: str | None, maximum: int = 1000) -> tuple[int, bool]:
+    """``XQDISCARD <count> [RCPT]``: the batch size (capped at ``maximum``) and whether the shadow
+    takes per-recipient entries (``RCPT``, asked only of a primary that offers ``XQDISCARDRCPT``)."""
+    words = (arg or "").split()
+    recipients = len(words) == 2 and words[1].upper() == RCPT_ARG
+    if not words or len(words) > 2 or (len(words) == 2 and not recipients):
+        raise ProtocolError("XQDISCARD needs a batch size > 0 (and RCPT, or nothing, after it)")
+    if not words[0].isdigit() or int(words[0]) <= 0:
         raise ProtocolError("XQDISCARD needs a batch size > 0")
-    return min(int(text), maximum)
+    return min(int(words[0]), maximum), recipients
 
 
 # Reasons a discard id may carry after it (``250-<guid> DeletedByAdmin``): the message was not
 # processed but removed by an operator. A plain id means processed (ExplicitlyDiscarded).
 DISCARD_REASONS = ("DeletedByAdmin",)
+
+# transportd: per-recipient discards. A primary that offers them says ``XQDISCARDRCPT`` in its
+# EHLO reply; a shadow that takes them asks ``XQDISCARD <n> RCPT``, and entries
+# ``<guid> Delivered=<xtext of a recipient's address>`` then tell it that the primary delivered
+# that recipient while others of the message wait: a promotion of the copy delivers only the others
+# (Exchange keeps a shadow queue per next hop of the primary message for the same end).
+RCPT_DISCARDS_KEYWORD = "XQDISCARDRCPT"
+RCPT_ARG = "RCPT"
+DELIVERED = "Delivered="
+
+
+def xtext_encode(text: str) -> str:
+    """RFC 3461 4's xtext of ``text``'s UTF-8: '+XX' for '+', '=' and every octet outside '!'..'~'."""
+    return "".join(chr(b) if 0x21 <= b <= 0x7E and b not in (0x2B, 0x3D) else f"+{b:02X}"
+                   for b in text.encode("utf-8", "surrogateescape"))
+
+
+_XTEXT = re.compile(r"(?:[!-*,-<>-~]|\+[0-9A-F]{2})+")
+
+
+def delivered_reason(address: str) -> str:
+    return DELIVERED + xtext_encode(address)
+
+
+def delivered_address(reason: str | None) -> str | None:
+    """The address of a ``Delivered=`` reason, or None for any other reason."""
+    if not reason or not reason.startswith(DELIVERED):
+        return None
+    raw = bytes(int(m.group(1), 16) if m.group(1) else ord(m.group(0))
+                for m in re.finditer(r"\+([0-9A-F]{2})|.", reason[len(DELIVERED):], re.DOTALL))
+    return raw.decode("utf-8", "surrogateescape")
 
 
 def format_discard_reply(entries: Sequence[str | tuple[str, str | None]]) -> list[str]:
@@ -112,9 +152,9 @@ def format_discard_reply(entries: Sequence[str | tuple[str, str | None]]) -> lis
     return [f"250-{t}" for t in texts[:-1]] + [f"250 {texts[-1]}"]
 
 
-def parse_discard_entries(code: int, lines: Sequence[str]) -> list[tuple[str, str | None]]:
+def parse_discard_entries(code: int, lines: Sequence[str], recipients: bool = False) -> list[tuple[str, str | None]]:
     """(GUID, reason or None) from an XQDISCARD reply; ProtocolError on any malformed line (keep
-    every shadow then)."""
+    every shadow then). ``recipients``: the shadow asked for per-recipient entries (``Delivered=``)."""
     if code == 251:
         return []
     if code != 250:
@@ -124,7 +164,8 @@ def parse_discard_entries(code: int, lines: Sequence[str]) -> list[tuple[str, st
         if not line.strip():
             continue
         guid, _, reason = line.strip().partition(" ")
-        if reason and reason not in DISCARD_REASONS:
+        per_recipient = recipients and reason.startswith(DELIVERED) and bool(_XTEXT.fullmatch(reason[len(DELIVERED):]))
+        if reason and reason not in DISCARD_REASONS and not per_recipient:
             raise ProtocolError(f"unknown discard reason {reason[:40]!r}")
         out.append((parse_guid(guid), reason or None))
     return out

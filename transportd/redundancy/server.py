@@ -30,7 +30,7 @@ from transportd.redundancy.connection import (
     ShadowRequestReceived,
     XShadowReceived,
 )
-from transportd.redundancy.protocol import redundancy_reply
+from transportd.redundancy.protocol import RCPT_DISCARDS_KEYWORD, redundancy_reply
 from transportd.smtp import replies
 from transportd.smtp.addresses import valid_address
 from transportd.smtp.frontend import FrontendHandler, add_recipient, log_failure, undeclared_utf8
@@ -143,7 +143,8 @@ class TransportSMTP(LimitedSMTP):
     async def _discards(self, verb: str, arg: str | None) -> None:
         event = await self._judge(verb, arg)
         if isinstance(event, DiscardRequested):
-            entries = await self.manager.take_discard_events(event.peer_fqdn, event.max_count, self._discard_token)
+            entries = await self.manager.take_discard_events(event.peer_fqdn, event.max_count, self._discard_token,
+                                                             recipients=event.recipients)
             await self._write(self.conn.discard_reply(entries))
 
     @syntax("XRESUBMIT destination start-epoch end-epoch")
@@ -197,7 +198,9 @@ class TransportHandler(FrontendHandler):
         if not self.manager.sr.shadow_redundancy_enabled:
             return out  # disabled: never advertised (the 2010 seed), so peers make no shadows here
         # 2013 takes shadow requests; 2010 advertises XSHADOW (hop-by-hop shadows, discard polling).
-        return out[:-1] + ["250-XSHADOW" if self.manager.sr.version == "2010" else "250-XSHADOWREQUEST", out[-1]]
+        if self.manager.sr.version == "2010":
+            return out[:-1] + ["250-XSHADOW", out[-1]]
+        return out[:-1] + ["250-XSHADOWREQUEST", f"250-{RCPT_DISCARDS_KEYWORD}", out[-1]]
 
     async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope, address: str,
                           rcpt_options: list[str]) -> str:

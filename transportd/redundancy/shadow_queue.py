@@ -26,6 +26,7 @@ from transportd.queue.messages import NewMessage
 from transportd.queue.routing import bifurcate
 from transportd.queue.store import QueueStore
 from transportd.redundancy.events import EventSink
+from transportd.redundancy.protocol import delivered_address
 from transportd.smtp.frontend import new_network_message_id, received_as
 from transportd.smtp.headers import header_fields, network_id_from
 
@@ -84,6 +85,16 @@ class ShadowQueues:
 
     async def _discard(self, primary: str, entries: list[tuple[str, str | None]], now: float) -> int:
         hold = self.cfg.safety_net.safety_net_hold_time
+        # Per-recipient entries (a recipient the primary delivered while others wait) narrow what a
+        # promotion delivers; a copy they leave with nothing to deliver is discarded as processed.
+        delivered = [(g, a) for g, r in entries if (a := delivered_address(r)) is not None]
+        entries = [(g, r) for g, r in entries if delivered_address(r) is None]
+        if delivered:
+            emptied = await self.store.write(lambda c: sq.apply_delivered_recipients(c, primary, delivered, now))
+            log.debug("%d recipient(s) of shadows of %s delivered by it", len(delivered), primary)
+            entries += [(g, None) for g in emptied if g not in {e[0] for e in entries}]
+        if not entries:
+            return 0
         reasons = {g: r for g, r in entries}
         rows, failed = await self.store.write(lambda c: sq.apply_discards(c, primary, reasons, now, hold))
         for r in rows:
