@@ -112,6 +112,9 @@ def test_the_handling_mark_survives_the_process_that_wrote_it(tmp_path):
     mark.clear()
     with mark.step(5, "deliver"):
         assert handling.parse((tmp_path / handling.FILE_NAME).read_bytes()) == [(5, "deliver")]
+    with mark.step(6, "x" * 300), mark.step(8, "dsn"):  # a record longer than the usual 256 bytes
+        assert handling.parse((tmp_path / handling.FILE_NAME).read_bytes()) == [(6, "x" * 300), (8, "dsn")]
+    assert handling.parse((tmp_path / handling.FILE_NAME).read_bytes()) == []  # none of it left behind
     mark.close()
     assert HandlingMark.open(tmp_path)[1] == []
     (tmp_path / handling.FILE_NAME).write_bytes(b"12 dsn\nnonsense\n\xff\xfe 9\n-4 x\n31\n" + b"4" * 300)

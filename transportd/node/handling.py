@@ -32,6 +32,7 @@ class HandlingMark:
         self._fd: int | None = None
         self._steps: list[tuple[int, str]] = []
         self._failed = False
+        self._size = 0  # the file's length: _RECORD, or more while many steps run at once
 
     @classmethod
     def open(cls, data_dir: Path) -> tuple[HandlingMark, list[tuple[int, str]]]:
@@ -48,6 +49,7 @@ class HandlingMark:
             return cls(), []
         try:
             left = parse(os.pread(fd, 1 << 16, 0))
+            mark._size = os.fstat(fd).st_size
         except OSError:
             left = []
         mark._fd = fd
@@ -73,10 +75,12 @@ class HandlingMark:
         if self._fd is None:
             return
         data = "".join(f"{mid} {name}\n" for mid, name in self._steps).encode()
+        size = max(len(data), _RECORD)
         try:
-            os.pwrite(self._fd, data.ljust(_RECORD), 0)
-            if len(data) > _RECORD:
-                os.ftruncate(self._fd, len(data))
+            os.pwrite(self._fd, data.ljust(size), 0)
+            if size != self._size:  # nothing of a longer record left behind
+                os.ftruncate(self._fd, size)
+                self._size = size
         except OSError as exc:
             if not self._failed:  # said once: the node goes on, only the crash context is missing
                 log.warning("cannot write %s (%s): a message that crashes the node may not be counted "
