@@ -221,11 +221,12 @@ class OutcomeRecorder:
                     created[mid] = (mq.enqueue(conn, dsns[mid][1]), dsns[mid][1])
                 forks = [f for f in d.forks if f[0] == mid]
                 sq.record_forks(conn, forks, now)
-                delivered = [] if forks else _delivered_reasons(it, d.outcomes.get(mid, ()))
-                if not mq.finish_if_done(conn, mid, now, hold) and delivered:
+                if not mq.finish_if_done(conn, mid, now, hold) and not forks:
                     # Delivered while others wait: the shadows learn it per recipient, so that a
                     # promotion of theirs does not deliver these a second time.
-                    sq.record_delivered_recipients(conn, mid, delivered, now)
+                    delivered = _delivered_reasons(it, d.outcomes.get(mid, ()))
+                    if delivered:
+                        sq.record_delivered_recipients(conn, mid, delivered, now)
             return created, poisoned
 
         created, poisoned = await self.store.write(job, queue_changed=bool(dsns))  # a DSN is new work

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from transportd.errors import ProtocolError  # noqa: F401 - raised by every parser here
+from transportd.smtp.dsnparams import XTEXT, xtext_decode
 
 # ------------------------------------------------------------------------- encodings
 
@@ -128,9 +129,6 @@ def xtext_encode(text: str) -> str:
                    for b in text.encode("utf-8", "surrogateescape"))
 
 
-_XTEXT = re.compile(r"(?:[!-*,-<>-~]|\+[0-9A-F]{2})+")
-
-
 def delivered_reason(address: str) -> str:
     return DELIVERED + xtext_encode(address)
 
@@ -139,9 +137,7 @@ def delivered_address(reason: str | None) -> str | None:
     """The address of a ``Delivered=`` reason, or None for any other reason."""
     if not reason or not reason.startswith(DELIVERED):
         return None
-    raw = bytes(int(m.group(1), 16) if m.group(1) else ord(m.group(0))
-                for m in re.finditer(r"\+([0-9A-F]{2})|.", reason[len(DELIVERED):], re.DOTALL))
-    return raw.decode("utf-8", "surrogateescape")
+    return xtext_decode(reason[len(DELIVERED):])
 
 
 def format_discard_reply(entries: Sequence[str | tuple[str, str | None]]) -> list[str]:
@@ -164,7 +160,7 @@ def parse_discard_entries(code: int, lines: Sequence[str], recipients: bool = Fa
         if not line.strip():
             continue
         guid, _, reason = line.strip().partition(" ")
-        per_recipient = recipients and reason.startswith(DELIVERED) and bool(_XTEXT.fullmatch(reason[len(DELIVERED):]))
+        per_recipient = recipients and reason.startswith(DELIVERED) and bool(XTEXT.fullmatch(reason[len(DELIVERED):]))
         if reason and reason not in DISCARD_REASONS and not per_recipient:
             raise ProtocolError(f"unknown discard reason {reason[:40]!r}")
         out.append((parse_guid(guid), reason or None))

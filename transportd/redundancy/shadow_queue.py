@@ -87,8 +87,14 @@ class ShadowQueues:
         hold = self.cfg.safety_net.safety_net_hold_time
         # Per-recipient entries (a recipient the primary delivered while others wait) narrow what a
         # promotion delivers; a copy they leave with nothing to deliver is discarded as processed.
-        delivered = [(g, a) for g, r in entries if (a := delivered_address(r)) is not None]
-        entries = [(g, r) for g, r in entries if delivered_address(r) is None]
+        delivered, whole = [], []
+        for guid, reason in entries:
+            address = delivered_address(reason)
+            if address is None:
+                whole.append((guid, reason))
+            else:
+                delivered.append((guid, address))
+        entries = whole
         if delivered:
             emptied = await self.store.write(lambda c: sq.apply_delivered_recipients(c, primary, delivered, now))
             log.debug("%d recipient(s) of shadows of %s delivered by it", len(delivered), primary)
