@@ -574,8 +574,8 @@ def test_a_dsn_keeps_the_originals_shadows_until_it_is_out(store) -> None:
 def test_acknowledgement_state_says_when_a_held_250_may_go(store) -> None:
     mid = enqueue(store, {SMART: ["x@remote.test"], LOCAL: ["a@example.test"]})
 
-    def state(now: float = T0 + 1):
-        return store.read(lambda c: mq.acknowledgement_state(c, mid, now))
+    def state(now: float = T0 + 1, promoting: set | None = None):
+        return store.read(lambda c: mq.acknowledgement_state(c, mid, now, promoting))
 
     def set_rcpt(address: str, **values) -> None:
         tx(store, lambda c: c.execute(update(recipients).where(recipients.c.message_id == mid,
@@ -605,5 +605,25 @@ def test_acknowledgement_state_says_when_a_held_250_may_go(store) -> None:
     assert state() is None  # 100 messages in the queue, this one included
     enqueue(store, {SMART: ["o99@remote.test"]}, nid="other-99")
     assert state() == "QueueLength"  # more than 100
+    # With promotion (2010 SP1), a queue that went past 100 is promoted for "until the queue
+    # clears"; skipping the delay stops at 100 or fewer.
+    promoting: set = set()
+    assert state(promoting=promoting) == "QueueLength"
+    smart_queue = store.read(lambda c: c.execute(select(queues.c.id).where(queues.c.identity == SMART.identity))
+                             .scalar_one())
+    assert promoting == {smart_queue}
+
+    def deliver_others(first: int, last: int) -> None:
+        tx(store, lambda c: c.execute(update(recipients).where(recipients.c.address.in_(
+            [f"o{i}@remote.test" for i in range(first, last)])).values(status=mq.DELIVERED)))
+
+    deliver_others(0, 50)
+    assert state() is None  # 51 messages: not more than 100
+    assert state(promoting=promoting) == "QueueLength"  # the queue has not cleared
+    deliver_others(50, 99)
+    assert state(promoting=promoting) == "QueueLength"  # one other message still waits
+    deliver_others(99, 100)
+    assert state(promoting=promoting) is None and promoting == set()  # cleared: back to waiting
+    assert state(promoting=promoting) is None
     set_rcpt("x@remote.test", status=mq.DELIVERED)
     assert state() == "Delivered"

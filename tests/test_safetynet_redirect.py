@@ -221,14 +221,14 @@ def test_redirect_drains_a_node_to_its_peer_protected(two_nodes, sink):
 
 def test_redirect_waits_for_an_attempt_under_way_and_moves_what_it_leaves(tmp_path, procs, sink):
     """The next hop accepts the connection and never greets: node1's recipient is Active for the
-    whole attempt (3 s), when the redirect runs. The redirect waits for the attempt to end and moves
+    whole attempt (8 s: two CLI starts fit in it on a loaded machine), when the redirect runs. The redirect waits for the attempt to end and moves
     the deferred recipient to node2, in one run (Redirect-Message drains the queues); with --wait 0
     it moves nothing and says what is still in an attempt."""
     import socket
 
     silent = socket.create_server(("127.0.0.1", sink.port))  # connections complete, nothing is said
     try:
-        node1, node2 = _start_two_nodes(tmp_path, procs, sink, send_connection_inactivity_timeout=3)
+        node1, node2 = _start_two_nodes(tmp_path, procs, sink, send_connection_inactivity_timeout=8)
         host, _, port = node1.frontend.rpartition(":")
         qid = queued_id(swaks(int(port), "--to", "carol@elsewhere.test", "--from", "bob@example.test",
                               server=host))

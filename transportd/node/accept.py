@@ -101,6 +101,8 @@ class AcceptPath:
         self.events = events
         self.shadow = shadow
         self._promotions = 0  # shadow redundancy promotions made (2010): the same-site peers in turn
+        # Queues past 100 messages, promoted for until they clear (mq.acknowledgement_state).
+        self._promoting_queues: set[int] = set()
         self._orphans = OrphanCopies(store)
 
     def _message(self, envelope: Envelope, session: Session, connector: str, now: float) -> NewMessage:
@@ -258,7 +260,8 @@ class AcceptPath:
     async def _accept_delayed(self, msg: NewMessage, connector: str, now: float) -> int:
         """Shadow redundancy 2010: durable here, delivery starts at once, and the 250 waits until the
         message has reached its next hops (or a peer holds it with us as its shadow), a bypass of the
-        seed applies (target queue in Retry, Suspended, over 100 messages), or
+        seed applies (target queue in Retry, Suspended, over 100 messages: with promotion, until it
+        clears), or
         *MaxAcknowledgementDelay* has passed. With *shadow redundancy promotion* a bypass relays the
         message to a node of the site first; one found at once is decided in the commit itself, so
         the message never waits in the bypassed queue."""
@@ -266,7 +269,7 @@ class AcceptPath:
 
         def commit(c):
             mid = mq.enqueue(c, msg)
-            bypass = mq.acknowledgement_state(c, mid, now)
+            bypass = mq.acknowledgement_state(c, mid, now, self._promoting_queues if target else None)
             moved = bypass in BYPASSES and target is not None and bool(
                 mq.redirect_to_peer(c, target, now, message_id=mid))
             return mid, bypass, moved
@@ -324,11 +327,13 @@ class AcceptPath:
         """Wait for the delayed acknowledgement; returns why it may go (mq.acknowledgement_state's
         reasons, or MaxAcknowledgementDelay)."""
         deadline = started + self.cfg.frontend.max_acknowledgement_delay
+        promoting = self._promoting_queues if self.cfg.shadow_redundancy.promotion_enabled and any(
+            p.site == self.cfg.node.site for p in self.cfg.peers) else None
         pause = 0.01
         while True:
             now = time.time()
             try:
-                reason = await self.store.aread(lambda c: mq.acknowledgement_state(c, internal_id, now))
+                reason = await self.store.aread(lambda c: mq.acknowledgement_state(c, internal_id, now, promoting))
             except StoreError:
                 reason = None  # durable already: wait out the delay rather than fail the sender
             if reason is not None:

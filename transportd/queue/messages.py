@@ -191,14 +191,22 @@ def body(conn: Connection, message_id: int) -> bytes | None:
 ACK_QUEUE_LIMIT = 100
 
 
-def acknowledgement_state(conn: Connection, message_id: int, now: float) -> str | None:
+def acknowledgement_state(conn: Connection, message_id: int, now: float,
+                          promoting: set[int] | None = None) -> str | None:
     """Delayed acknowledgement (shadow redundancy 2010): why a held 250 may go now, or None to wait.
 
     ``Delivered``: no recipient is pending any more (delivered to every next hop, failed, or handed
     to a peer that made it redundant hop by hop). The bypasses of the 2010 seed: ``QueueRetry``
     (a target queue is in Retry, or entered it since the message was added), ``QueueSuspended``,
     ``QueueLength`` (a target queue holds more than ACK_QUEUE_LIMIT messages). A suspended message
-    changes nothing."""
+    changes nothing.
+
+    ``promoting`` (shadow redundancy promotion on, 2010 SP1): the ids of the queues that went past
+    ACK_QUEUE_LIMIT, kept by the caller between calls. The seed's SP1 column: once a queue has
+    more than 100 messages, promotion goes on "for subsequent messages until the queue clears",
+    so such a queue stays ``QueueLength`` while it holds any message besides this one, and leaves
+    the set once it holds none. Without it (skipping the delay), only more than 100 counts ("until
+    the target queue size falls below 100")."""
     rows = conn.execute(
         select(recipients.c.status, recipients.c.queue_id, queues.c.suspended, queues.c.retry_count,
                queues.c.next_retry_at)
@@ -210,10 +218,23 @@ def acknowledgement_state(conn: Connection, message_id: int, now: float) -> str 
         return "QueueSuspended"
     if any(r.status == RETRY or r.retry_count or (r.next_retry_at or 0.0) > now for r in pending):
         return "QueueRetry"
-    held = conn.execute(select(func.count(func.distinct(recipients.c.message_id))).where(
-        recipients.c.queue_id.in_({r.queue_id for r in pending}),
-        recipients.c.status.in_((READY, RETRY, ACTIVE)))).scalar() or 0
-    return "QueueLength" if held > ACK_QUEUE_LIMIT else None
+    targets = {r.queue_id for r in pending}
+    held = dict(conn.execute(select(recipients.c.queue_id, func.count(func.distinct(recipients.c.message_id))).where(
+        recipients.c.queue_id.in_(targets), recipients.c.status.in_((READY, RETRY, ACTIVE)))
+        .group_by(recipients.c.queue_id)).all())
+    over = False
+    for queue_id in targets:
+        count = held.get(queue_id, 0)
+        if count > ACK_QUEUE_LIMIT:
+            over = True
+            if promoting is not None:
+                promoting.add(queue_id)
+        elif promoting is not None and queue_id in promoting:
+            if count > 1:  # other messages than this one still wait there
+                over = True
+            else:
+                promoting.discard(queue_id)
+    return "QueueLength" if over else None
 
 
 def message_row(conn: Connection, message_id: int) -> dict | None:
