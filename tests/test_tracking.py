@@ -196,6 +196,24 @@ def test_quoting_exact_bytes(tmp_path):
     assert b",a=1,Email," in raw
 
 
+def test_a_multi_line_reply_is_written_on_the_rows_one_line(tmp_path):
+    """Exchange stores each event on one line of the log; a next hop's multi-line reply (joined by
+    line feeds, as the SMTP client reads it) was written as a quoted record over three lines,
+    which a reader of MSGTRK lines (and the analytics job) took for three malformed rows."""
+    log = make_log(tmp_path)
+    reply = "550 5.1.1 <bad@far.test>: no such user\n5.1.1 see https://far.test/help\r\n5.1.1 code 17"
+    log.write("FAIL", "SMTP", recipients=["bad@far.test"], recipient_status=[reply], source_context=reply)
+    log.write("SEND", "SMTP", recipients=["good@far.test"], recipient_status=["250 2.0.0 ok"])
+    log.close()
+    lines = next(tmp_path.iterdir()).read_bytes().split(b"\r\n")
+    data = [line for line in lines if line and not line.startswith((b"#", b"\xef\xbb\xbf#"))]
+    assert len(data) == 2 and b"\n" not in b"".join(data) and b"\r" not in b"".join(data), data
+    rows = list(parse_log_file(next(tmp_path.iterdir())))
+    flat = "550 5.1.1 <bad@far.test>: no such user 5.1.1 see https://far.test/help 5.1.1 code 17"
+    assert [r["recipient-status"] for r in rows] == [flat, "250 2.0.0 ok"]
+    assert rows[0]["source-context"] == flat
+
+
 def test_a_lone_surrogate_is_written_as_a_question_mark_not_lost(tmp_path):
     """Octets that were no UTF-8 (kept as surrogate escapes) must not cost the row: it was
     dropped with a UnicodeEncodeError, neither written nor kept."""
@@ -208,18 +226,19 @@ def test_a_lone_surrogate_is_written_as_a_question_mark_not_lost(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "subject",
+    ("subject", "read"),
     [
-        "commas, here, and there",
-        'quotes "inside" and "" doubled',
-        "crlf\r\nin the middle",
-        "bare lf\nand bare cr\rtoo",
-        '"starts and ends with a quote"',
-        'mixed, "all",\r\nof them\n',
-        "unicode: Grüße, 日本語",
+        ("commas, here, and there", None),
+        ('quotes "inside" and "" doubled', None),
+        ("crlf\r\nin the middle", "crlf in the middle"),
+        ("bare lf\nand bare cr\rtoo", "bare lf and bare cr too"),
+        ('"starts and ends with a quote"', None),
+        ('mixed, "all",\r\nof them\n', 'mixed, "all", of them'),
+        ("unicode: Grüße, 日本語", None),
     ],
 )
-def test_quoting_round_trips(tmp_path, subject):
+def test_quoting_round_trips(tmp_path, subject, read):
+    """Commas and quotes come back as written; a line break becomes a space (one row per line)."""
     log = make_log(tmp_path)
     log.write("RECEIVE", "SMTP", message_subject=subject, sender_address="s@x", custom_data="1")
     log.write("SEND", "SMTP", message_subject="after", custom_data="2")
@@ -227,7 +246,7 @@ def test_quoting_round_trips(tmp_path, subject):
     errors: list = []
     rows = list(parse_log_file(next(tmp_path.iterdir()), errors))
     assert errors == []
-    assert [r["message-subject"] for r in rows] == [subject, "after"]
+    assert [r["message-subject"] for r in rows] == [read or subject, "after"]
     assert rows[0]["sender-address"] == "s@x"
     assert [r["custom-data"] for r in rows] == ["1", "2"]
 

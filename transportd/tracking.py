@@ -89,6 +89,8 @@ _BOM = b"\xef\xbb\xbf"
 _CRLF = "\r\n"
 _MUST_QUOTE = re.compile(r'[,"\r\n]')
 _QUOTE_OR_BREAK = re.compile(r'["\r\n]')
+_BREAK = re.compile(r"[\r\n]")
+_BREAKS_AND_BLANKS = re.compile(r"[ \t]*[\r\n][\r\n \t]*")
 # Our own file names, used by the writer to find today's files after a restart.
 _OWN_NAME = re.compile(r"^MSGTRK(\d{8})-(\d+)\.LOG$")
 # Any MSGTRK log, ours or Exchange's (MSGTRKyyyymmdd-n, MSGTRKyyyymmddhh-n, MSGTRKMD..., .log).
@@ -128,6 +130,16 @@ def _csv_field(value: str) -> str:
     if _MUST_QUOTE.search(value):
         return '"' + value.replace('"', '""') + '"'
     return value
+
+
+def _one_line(values: list[str]) -> list[str]:
+    """The fields with every line break (and the blanks around it) made one space: Exchange stores
+    "each message event on a single line in the log", and a tool reading MSGTRK reads a line as a
+    row. A next hop's multi-line reply (``550-5.1.1 ...`` then ``550 5.1.1 ...``) comes to a
+    recipient-status or source-context with its lines joined by line feeds."""
+    if not _BREAK.search("".join(values)):
+        return values
+    return [_BREAKS_AND_BLANKS.sub(" ", v).strip(" \t") if _BREAK.search(v) else v for v in values]
 
 
 def _csv_line(values: Sequence[str]) -> str:
@@ -477,7 +489,7 @@ class TrackingLog(_LogFiles):
                 "schema-version": self.software_version,
             }
             # (a lone surrogate, from octets that were no UTF-8, becomes "?": the row is written all the same)
-            data = _csv_line([str(values[name]) for name in self.fields]).encode("utf-8", "replace")
+            data = _csv_line(_one_line([str(values[name]) for name in self.fields])).encode("utf-8", "replace")
             try:
                 self._write_pending(now)  # the rows kept before this one go first
             except BaseException:
