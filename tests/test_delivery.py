@@ -470,7 +470,10 @@ def test_permanent_failure_sends_dsn_to_local_sender(make_node, sink, stage):
     # The DSN is a new message from the null sender, delivered (and tracked) locally.
     dsn_deliver = wait_events(node, "DELIVER", recipient="bob@example.test")
     assert dsn_deliver[0]["internal-message-id"] == dsn_ev[0]["internal-message-id"]
-    assert dsn_deliver[0]["sender-address"] == ""
+    # MSGTRK's return-path "is never empty": the null sender is written <> (sender-address, the
+    # envelope's here, stays empty).
+    assert dsn_deliver[0]["sender-address"] == "" and dsn_deliver[0]["return-path"] == "<>"
+    assert dsn_ev[0]["return-path"] == "<>"
     if stage == "RCPT":
         assert not sink.messages()  # (smtp-sink -f . still dumps the rejected message)
     assert not events(node, "SENDEXTERNAL")
@@ -486,7 +489,9 @@ def test_permanent_failure_for_null_sender_sends_no_dsn(make_node, sink):
               "--header", "Subject: bounce of a bounce")
     qid = queued_id(r)
     rec = wait_events(node, "RECEIVE", internal_message_id=str(qid))
-    assert rec[0]["sender-address"] == ""
+    assert rec[0]["sender-address"] == "" and rec[0]["return-path"] == "<>"
+    # the operator finds the null sender's rows as `--sender '<>'`
+    assert [r["event-id"] for r in node.tracking(sender="<>", event_id="RECEIVE")] == ["RECEIVE"]
 
     fail = wait_events(node, "FAIL", internal_message_id=str(qid))
     assert fail[0]["recipient-status"].startswith("5")

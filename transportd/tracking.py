@@ -132,6 +132,13 @@ def _csv_field(value: str) -> str:
     return value
 
 
+def return_path(sender: str | None) -> str:
+    """The return-path field of an envelope sender: ``<>`` for the null sender (Exchange: the field
+    "is never empty, it can have the null sender address value represented as <>"), empty only
+    where the sender is not known."""
+    return "<>" if sender == "" else (sender or "")
+
+
 def _one_line(values: list[str]) -> list[str]:
     """The fields with every line break (and the blanks around it) made one space: Exchange stores
     "each message event on a single line in the log", and a tool reading MSGTRK reads a line as a
@@ -715,7 +722,8 @@ def search(
 ) -> Iterator[dict[str, str]]:
     """Yield the rows of every log in ``directory`` that match all the given filters.
 
-    Addresses, event-id and network-message-id compare case-insensitively (``recipient``, one
+    Addresses, event-id and network-message-id compare case-insensitively (``sender`` ``<>``
+    finds the null sender's rows by their return-path; ``recipient``, one
     address or several, matches when any of them is an entry of the ``;`` list, as
     Get-MessageTrackingLog's ``-Recipients``); ``subject`` is found anywhere in the subject, in
     any case (as ``-MessageSubject``); ``message_id`` compares exactly, with or without
@@ -754,7 +762,8 @@ def search(
                 and row["internal-message-id"].strip() != want_internal_id
             ):
                 continue
-            if want_sender is not None and row["sender-address"].strip().casefold() != want_sender:
+            if want_sender is not None and row["sender-address"].strip().casefold() != want_sender and not (
+                    want_sender == "<>" and row["return-path"].strip() == "<>"):
                 continue
             if want_subject is not None and want_subject not in row["message-subject"].casefold():
                 continue

@@ -101,8 +101,7 @@ class AcceptPath:
         self.events = events
         self.shadow = shadow
         self._promotions = 0  # shadow redundancy promotions made (2010): the same-site peers in turn
-        # Queues past 100 messages, promoted for until they clear (mq.acknowledgement_state).
-        self._promoting_queues: set[int] = set()
+        self._promoting_queues: set[int] = set()  # past 100 messages, promoted until they clear (2010 SP1)
         self._orphans = OrphanCopies(store)
 
     def _message(self, envelope: Envelope, session: Session, connector: str, now: float) -> NewMessage:
@@ -287,7 +286,7 @@ class AcceptPath:
         elif bypass in BYPASSES:
             reason = bypass
         else:
-            reason = await self._acknowledgement(internal_id, now)
+            reason = await self._acknowledgement(internal_id, now, self._promoting_queues if target else None)
             if reason in BYPASSES and target is not None:  # entered Retry since: promote now
                 moved = await self.store.write(lambda c: mq.redirect_to_peer(c, target, time.time(),
                                                                              message_id=internal_id),
@@ -323,12 +322,10 @@ class AcceptPath:
         reason = await self._acknowledgement(internal_id, started)
         return f"Promoted:{reason}" if reason == "Delivered" else reason
 
-    async def _acknowledgement(self, internal_id: int, started: float) -> str:
+    async def _acknowledgement(self, internal_id: int, started: float, promoting: set[int] | None = None) -> str:
         """Wait for the delayed acknowledgement; returns why it may go (mq.acknowledgement_state's
-        reasons, or MaxAcknowledgementDelay)."""
+        reasons, or MaxAcknowledgementDelay); ``promoting``: the queues promotion is on for."""
         deadline = started + self.cfg.frontend.max_acknowledgement_delay
-        promoting = self._promoting_queues if self.cfg.shadow_redundancy.promotion_enabled and any(
-            p.site == self.cfg.node.site for p in self.cfg.peers) else None
         pause = 0.01
         while True:
             now = time.time()

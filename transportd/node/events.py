@@ -18,6 +18,7 @@ from transportd.node.logs import message_context
 from transportd.queue import messages as mq
 from transportd.queue.messages import NewMessage
 from transportd.queue.store import QueueStore
+from transportd.tracking import return_path
 
 log = logging.getLogger("transportd")
 
@@ -122,7 +123,7 @@ class NodeEvents:
                 network_message_id=row.get("network_message_id") or "",
                 recipients=recipients or [], total_bytes=row.get("size"),
                 message_subject=row.get("subject") or "", sender_address=row.get("sender") or "",
-                return_path=row.get("sender") or "", **fields)
+                return_path=return_path(row.get("sender")), **fields)
         except Exception as exc:  # noqa: BLE001 - logging must not fail mail
             log.error("cannot write tracking log (%s %s): %s; %d row(s) kept to write when it can "
                       "(%d given up)", event_id, row.get("id"), exc, getattr(self.tracking, "pending_rows", 0),
