@@ -180,10 +180,20 @@ def test_local_mailbox_delivery_is_stored_and_tracked(make_node, sink):
     receive = [e for e in events(node, "RECEIVE") if e["internal-message-id"] == str(qid)]
     assert len(receive) == 1 and receive[0]["network-message-id"] == d["network-message-id"]
     assert d["network-message-id"] in files[0].name
+    # message-info of a DELIVER row: the message's origination date-time (UTC), here its receipt
+    assert _origination_matches(d, receive[0])
     # Received header added by the node; Return-Path by the final delivery (RFC 5321 4.4), first.
     assert node.name in stored["Received"]
     assert files[0].read_bytes().startswith(b"Return-Path: <bob@remote.test>\r\nReceived: ")
     assert not sink.messages()
+
+
+def _origination_matches(row: dict, receive: dict) -> bool:
+    """The row's message-info is a UTC date-time within a second of the message's RECEIVE row
+    (the node's clock read twice in the same accept)."""
+    from transportd.tracking import parse_datetime
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", row["message-info"]), row
+    return abs((parse_datetime(row["message-info"]) - parse_datetime(receive["date-time"])).total_seconds()) < 1
 
 
 def test_foreign_domain_goes_to_smart_host(make_node, sink):
@@ -212,6 +222,7 @@ def test_foreign_domain_goes_to_smart_host(make_node, sink):
     assert s["source-context"] == s["recipient-status"]
     assert s["connector-id"] == smarthost_queue(node, sink)
     assert s["server-ip"] == "127.0.0.1"
+    assert _origination_matches(s, events(node, "RECEIVE", internal_message_id=str(qid))[0])
     assert GUID.match(s["network-message-id"])
     assert not all_mailbox_files(node)
     assert not events(node, "DEFER")

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime, timezone
 from typing import Any, Iterable, Sequence
 
 from transportd import faults
@@ -32,6 +32,7 @@ from transportd.smtp import dsnparams
 from transportd.smtp.client import describe
 from transportd.smtp.dsn import RecipientReport, build_dsn, dsn_needs_utf8, status_from_reply
 from transportd.smtp.headers import header_fields, rfc5322_date
+from transportd.tracking import format_datetime
 
 log = logging.getLogger("transportd.node.outcomes")
 
@@ -265,17 +266,22 @@ class OutcomeRecorder:
         for o in outs:
             groups[(o.status, o.reply, o.duplicate)].append(addr.get(o.recipient_id, ""))
         track = self.events.track
+        # message-info of DELIVER and SEND rows: "the message origination date-time in UTC" (here,
+        # when this node received it)
+        origination = format_datetime(datetime.fromtimestamp(row["received_at"], UTC)) if row.get(
+            "received_at") else ""
         for (status, reply, dup), rcpts in groups.items():
             statuses = [reply] * len(rcpts)
             if status == mq.DELIVERED and it.delivery_type == MAILBOX:
                 track("DUPLICATEDELIVER" if dup else "DELIVER", "STOREDRIVER", row, recipients=rcpts,
                       recipient_status=["250 2.0.0 " + ("duplicate dropped" if dup else "delivered")] * len(rcpts),
-                      source_context=f"MDB:{it.next_hop}")
+                      source_context=f"MDB:{it.next_hop}", message_info=origination)
             elif status == mq.DELIVERED:
                 # As Exchange writes SEND rows: the sending server in client-hostname, the next hop
                 # (a peer by its node name, else the host that answered) in server-hostname.
                 track("SEND" if it.delivery_type == PEER else "SENDEXTERNAL", "SMTP", row, recipients=rcpts,
                       recipient_status=statuses, source_context=reply, connector_id=it.queue_identity,
+                      message_info=origination,
                       server_ip=remote_address or remote, client_hostname=self.cfg.node.name,
                       server_hostname=it.next_hop if it.delivery_type == PEER else remote)
             elif status == mq.READY:
