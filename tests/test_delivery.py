@@ -196,6 +196,23 @@ def _origination_matches(row: dict, receive: dict) -> bool:
     return abs((parse_datetime(row["message-info"]) - parse_datetime(receive["date-time"])).total_seconds()) < 1
 
 
+def test_sender_address_is_the_author_and_return_path_the_envelope(make_node, sink):
+    """As Exchange writes them: sender-address is the Sender (else From) field's address,
+    return-path the MAIL FROM (a list's bounce address here); `tracking search --sender` finds
+    the rows by either."""
+    sink.start()
+    node = make_node(smart_host=sink.address).start()
+    qid = str(queued_id(swaks(node.port, "--to", "carol@foreign.test", "--from", "bounces@lists.remote.test",
+                              "--header", 'From: "Doe, \\"JJ\\" John" <John@Remote.test>')))
+    wait_events(node, "SENDEXTERNAL", internal_message_id=qid)
+    rows = [r for r in events(node, "RECEIVE") + events(node, "SENDEXTERNAL") if r["internal-message-id"] == qid]
+    assert [(r["event-id"], r["sender-address"], r["return-path"]) for r in rows] == [
+        ("RECEIVE", "John@Remote.test", "bounces@lists.remote.test"),
+        ("SENDEXTERNAL", "John@Remote.test", "bounces@lists.remote.test")]
+    for who in ("john@remote.test", "bounces@lists.remote.test"):
+        assert {r["event-id"] for r in node.tracking(sender=who)} == {"RECEIVE", "SENDEXTERNAL"}, who
+
+
 def test_foreign_domain_goes_to_smart_host(make_node, sink):
     sink.start()
     node = make_node(smart_host=sink.address).start()
@@ -481,10 +498,11 @@ def test_permanent_failure_sends_dsn_to_local_sender(make_node, sink, stage):
     # The DSN is a new message from the null sender, delivered (and tracked) locally.
     dsn_deliver = wait_events(node, "DELIVER", recipient="bob@example.test")
     assert dsn_deliver[0]["internal-message-id"] == dsn_ev[0]["internal-message-id"]
-    # MSGTRK's return-path "is never empty": the null sender is written <> (sender-address, the
-    # envelope's here, stays empty).
-    assert dsn_deliver[0]["sender-address"] == "" and dsn_deliver[0]["return-path"] == "<>"
-    assert dsn_ev[0]["return-path"] == "<>"
+    # MSGTRK's return-path "is never empty": the null sender is written <>; sender-address is the
+    # DSN's author (its From: field), as Exchange's NDR rows name the MicrosoftExchange... sender.
+    assert dsn_deliver[0]["return-path"] == dsn_ev[0]["return-path"] == "<>"
+    assert dsn_deliver[0]["sender-address"] == dsn_ev[0]["sender-address"] == msg["From"].addresses[0].addr_spec
+    assert msg["From"].addresses[0].addr_spec.startswith("MAILER-DAEMON@")
     if stage == "RCPT":
         assert not sink.messages()  # (smtp-sink -f . still dumps the rejected message)
     assert not events(node, "SENDEXTERNAL")
@@ -500,7 +518,8 @@ def test_permanent_failure_for_null_sender_sends_no_dsn(make_node, sink):
               "--header", "Subject: bounce of a bounce")
     qid = queued_id(r)
     rec = wait_events(node, "RECEIVE", internal_message_id=str(qid))
-    assert rec[0]["sender-address"] == "" and rec[0]["return-path"] == "<>"
+    assert rec[0]["return-path"] == "<>"
+    assert rec[0]["sender-address"] == ""  # swaks's From: <> names no author either
     # the operator finds the null sender's rows as `--sender '<>'`
     assert [r["event-id"] for r in node.tracking(sender="<>", event_id="RECEIVE")] == ["RECEIVE"]
 

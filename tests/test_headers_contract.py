@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from transportd.smtp.headers import (
     _FOLD,
     _header_text,
+    author_address,
     field_value,
     header_fields,
     plain_fields,
@@ -29,12 +30,14 @@ def _email_items(block: bytes) -> list[tuple[str, str]]:
     return list(BytesHeaderParser(policy=compat32).parsebytes(block).raw_items())
 
 
-def _email_header_fields(data: bytes) -> tuple[str, str, str]:
-    """header_fields as it was, with the email package only."""
+def _email_header_fields(data: bytes) -> tuple[str, str, str, str]:
+    """header_fields as it was, with the email package only (the author from its Sender/From)."""
     found: dict[str, str] = {}
     for name, value in _email_items(split_headers(data)[0]):
         found.setdefault(name.lower(), value)
-    return tuple(_header_text(_FOLD.sub("", found.get(k, ""))) for k in ("message-id", "date", "subject"))
+    message_id, date, subject, sender, from_ = (_header_text(_FOLD.sub("", found.get(k, "")))
+                                                for k in ("message-id", "date", "subject", "sender", "from"))
+    return message_id, date, subject, author_address(sender, from_)
 
 
 FIXED = [
@@ -107,3 +110,21 @@ def test_well_formed_blocks_take_the_fast_path(fields) -> None:
                      for n, blanks, v, conts in fields) + b"\r\n"
     fast = plain_fields(block)
     assert fast is not None and fast == _email_items(block)
+
+
+@pytest.mark.parametrize(("sender", "from_", "author"), [
+    ("", '"Doe, \\"JJ\\" John" <john@remote.test>', "john@remote.test"),  # a quoted display name with a comma
+    ("owner-list@lists.test", "Ann <ann@a.test>", "owner-list@lists.test"),  # Sender: first (RFC 5322 3.6.2)
+    ("", "ann@a.test, bob@b.test", "ann@a.test"),  # several authors: the first
+    ("", "Jürgen <jürgen@müller.test>", "jürgen@müller.test"),  # RFC 6532
+    ("", "<>", ""),
+    ("", "undisclosed-recipients:;", ""),
+    ("no address here", "", ""),
+    ("", "", ""),
+])
+def test_the_author_is_the_sender_field_else_the_first_from(sender, from_, author) -> None:
+    """MSGTRK's sender-address: "the Sender header field, or the From header field if Sender
+    isn't present" (Exchange); the return-path keeps the envelope's MAIL FROM."""
+    assert author_address(sender, from_) == author
+    data = "".join(f"{name}: {value}\r\n" for name, value in (("Sender", sender), ("From", from_)) if value)
+    assert header_fields((data + "Subject: s\r\n\r\nbody").encode())[3] == author

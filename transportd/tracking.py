@@ -18,10 +18,10 @@ import os
 import re
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, date, datetime
 from pathlib import Path
-from typing import BinaryIO, Self
+from typing import Any, BinaryIO, Self
 
 import transportd
 
@@ -137,6 +137,13 @@ def return_path(sender: str | None) -> str:
     "is never empty, it can have the null sender address value represented as <>"), empty only
     where the sender is not known."""
     return "<>" if sender == "" else (sender or "")
+
+
+def sender_address(row: Mapping[str, Any]) -> str:
+    """The sender-address field of a message row: its header's author (Exchange: "the Sender
+    header field, or the From header field if Sender isn't present"), else its envelope sender
+    (a header naming no address, a row from before the queue database kept the author)."""
+    return row.get("author") or row.get("sender") or ""
 
 
 def _one_line(values: list[str]) -> list[str]:
@@ -722,8 +729,9 @@ def search(
 ) -> Iterator[dict[str, str]]:
     """Yield the rows of every log in ``directory`` that match all the given filters.
 
-    Addresses, event-id and network-message-id compare case-insensitively (``sender`` ``<>``
-    finds the null sender's rows by their return-path; ``recipient``, one
+    Addresses, event-id and network-message-id compare case-insensitively (``sender`` matches the
+    sender-address, the header's author, or the return-path, the envelope's: ``<>`` finds the null
+    sender's rows; ``recipient``, one
     address or several, matches when any of them is an entry of the ``;`` list, as
     Get-MessageTrackingLog's ``-Recipients``); ``subject`` is found anywhere in the subject, in
     any case (as ``-MessageSubject``); ``message_id`` compares exactly, with or without
@@ -762,8 +770,8 @@ def search(
                 and row["internal-message-id"].strip() != want_internal_id
             ):
                 continue
-            if want_sender is not None and row["sender-address"].strip().casefold() != want_sender and not (
-                    want_sender == "<>" and row["return-path"].strip() == "<>"):
+            if want_sender is not None and want_sender not in (
+                    row["sender-address"].strip().casefold(), row["return-path"].strip().casefold()):
                 continue
             if want_subject is not None and want_subject not in row["message-subject"].casefold():
                 continue

@@ -208,6 +208,8 @@ def tracking_log_for(cfg: Config, store: QueueStore):
 
 def admin_event(trk: Any, event_id: str, row: dict, context: str, **fields: Any) -> None:
     """One MSGTRK row (source ADMIN) about a message an operator acted on."""
+    from transportd.tracking import return_path, sender_address
     trk.write(event_id, "ADMIN", internal_message_id=row["id"], message_id=row["message_id"],
-              network_message_id=row["network_message_id"], sender_address=row["sender"],
+              network_message_id=row["network_message_id"], sender_address=sender_address(row),
+              return_path=return_path(row.get("sender")),
               message_subject=row["subject"], total_bytes=row["size"], source_context=context, **fields)

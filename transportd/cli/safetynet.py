@@ -177,7 +177,7 @@ def log_resubmits(trk: Any, done: list, destination: str) -> None:
     try:
         for r in done:
             trk.write("RESUBMIT", "SAFETYNET", internal_message_id=r.new_id, network_message_id=r.network_message_id,
-                      message_id=r.message_id, sender_address=r.sender, return_path=return_path(r.sender),
+                      message_id=r.message_id, sender_address=r.author or r.sender, return_path=return_path(r.sender),
                       message_subject=r.subject, total_bytes=r.size, recipients=r.recipients,
                       reference=str(r.original_id), source_context=f"{destination};MessageResubmit")
     finally:

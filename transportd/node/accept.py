@@ -90,7 +90,7 @@ class OrphanCopies:
 def tracking_row(internal_id: int, msg: NewMessage) -> dict:
     """The message fields a tracking event of the accept path carries."""
     return {"id": internal_id, "network_message_id": msg.network_message_id, "message_id": msg.message_id,
-            "sender": msg.sender, "subject": msg.subject, "size": len(msg.data),
+            "sender": msg.sender, "author": msg.author, "subject": msg.subject, "size": len(msg.data),
             "client_ip": msg.client_ip, "client_hostname": msg.client_hostname}
 
 
@@ -121,7 +121,7 @@ class AcceptPath:
             recipients=bifurcate(envelope.rcpt_tos, cfg), received_at=now,
             expires_at=now + cfg.delivery.message_expiration_timeout,
             message_id=prepared.message_id, submit_time=prepared.submit_time, subject=prepared.subject,
-            client_ip=client_ip, client_hostname=session.host_name or "", origin="smtp",
+            author=prepared.author, client_ip=client_ip, client_hostname=session.host_name or "", origin="smtp",
             smtputf8=smtputf8, body_type=body_type,
             dsn_mail=getattr(envelope, "dsn_mail", ""), dsn_rcpt=getattr(envelope, "dsn_rcpt", {}),
         )

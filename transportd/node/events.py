@@ -18,7 +18,7 @@ from transportd.node.logs import message_context
 from transportd.queue import messages as mq
 from transportd.queue.messages import NewMessage
 from transportd.queue.store import QueueStore
-from transportd.tracking import return_path
+from transportd.tracking import return_path, sender_address
 
 log = logging.getLogger("transportd")
 
@@ -122,7 +122,7 @@ class NodeEvents:
                 internal_message_id=row.get("id"), message_id=row.get("message_id") or "",
                 network_message_id=row.get("network_message_id") or "",
                 recipients=recipients or [], total_bytes=row.get("size"),
-                message_subject=row.get("subject") or "", sender_address=row.get("sender") or "",
+                message_subject=row.get("subject") or "", sender_address=sender_address(row),
                 return_path=return_path(row.get("sender")), **fields)
         except Exception as exc:  # noqa: BLE001 - logging must not fail mail
             log.error("cannot write tracking log (%s %s): %s; %d row(s) kept to write when it can "
@@ -174,7 +174,7 @@ class NodeEvents:
 
     def log_dsn(self, original: dict, dsn_id: int, dsn: NewMessage) -> None:
         self.track("DSN", "DSN", {"id": dsn_id, "network_message_id": dsn.network_message_id,
-                                  "message_id": dsn.message_id, "sender": "", "subject": dsn.subject,
+                                  "message_id": dsn.message_id, "sender": "", "author": dsn.author, "subject": dsn.subject,
                                   "size": len(dsn.data)},
                    recipients=[a for v in dsn.recipients.values() for a in v],
                    reference=original.get("message_id") or "",

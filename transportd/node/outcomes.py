@@ -99,12 +99,12 @@ def dsn_message(cfg: Any, original: dict, original_body: bytes, reports: Sequenc
         original_envelope_id=dsnparams.envid_of(asked),
         include_body=dsnparams.returns_full(asked) and any(r.action == "failed" for r in reports),
     )
-    message_id, _, subject = header_fields(data)  # its own Subject ("Undeliverable: <original's>"), decoded
+    message_id, _, subject, author = header_fields(data)  # its own Subject ("Undeliverable: <original's>"), decoded
     return NewMessage(
         network_message_id=str(uuid.uuid4()), sender="", data=data,
         recipients=bifurcate([sender], cfg), received_at=now,
         expires_at=now + cfg.delivery.message_expiration_timeout,
-        message_id=message_id, submit_time=rfc5322_date(now), subject=subject,
+        message_id=message_id, submit_time=rfc5322_date(now), subject=subject, author=author,
         origin="dsn", smtputf8=utf8, body_type="8BITMIME" if utf8 else "",
         dsn_of=original.get("id"),
     )

@@ -51,6 +51,7 @@ class NewMessage:
     message_id: str = ""
     submit_time: str = ""
     subject: str = ""
+    author: str = ""  # the Sender (else From) address of its header: MSGTRK's sender-address
     client_ip: str = ""
     client_hostname: str = ""
     origin: str = "smtp"
@@ -156,7 +157,7 @@ def enqueue(conn: Connection, msg: NewMessage) -> int:
     """Insert a message, its body and one recipient row per (recipient, next hop)."""
     mid = _INSERT_MESSAGE.run(conn, dict(
         network_message_id=msg.network_message_id, message_id=msg.message_id,
-        submit_time=msg.submit_time, sender=msg.sender, subject=msg.subject[:500],
+        submit_time=msg.submit_time, sender=msg.sender, subject=msg.subject[:500], author=msg.author,
         size=len(msg.data), received_at=msg.received_at, expires_at=msg.expires_at,
         client_ip=msg.client_ip, client_hostname=msg.client_hostname, origin=msg.origin,
         role=msg.role, state=QUEUED, suspended=0, suppress_dsn=int(msg.suppress_dsn),

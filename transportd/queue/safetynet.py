@@ -37,12 +37,13 @@ class Resubmitted:
     sender: str = ""
     subject: str = ""
     size: int | None = None
+    author: str = ""
 
     def row(self) -> dict:
         """The new copy as a message row, for its RESUBMIT tracking row (sender, Message-ID,
         subject and size as the original's, as Exchange writes them)."""
         return {"id": self.new_id, "network_message_id": self.network_message_id, "message_id": self.message_id,
-                "sender": self.sender, "subject": self.subject, "size": self.size}
+                "sender": self.sender, "author": self.author, "subject": self.subject, "size": self.size}
 
 
 def destination_matches(hop_identity: str, destination: str) -> bool:
@@ -139,7 +140,7 @@ def _resubmit_one(conn: Connection, cfg: Any, m: Any, destination: str, now: flo
     copy = mq.NewMessage(
         network_message_id=m["network_message_id"], sender=m["sender"], data=body, recipients=chosen,
         received_at=now, expires_at=now + cfg.delivery.message_expiration_timeout,
-        message_id=m["message_id"], submit_time=m["submit_time"], subject=m["subject"],
+        message_id=m["message_id"], submit_time=m["submit_time"], subject=m["subject"], author=m["author"],
         client_ip=m["client_ip"], client_hostname=m["client_hostname"], origin="resubmit",
         suppress_dsn=True, redundancy="unprotected", smtputf8=bool(m["smtputf8"]),
         body_type=m["body_type"] or "",
@@ -147,6 +148,7 @@ def _resubmit_one(conn: Connection, cfg: Any, m: Any, destination: str, now: flo
         dsn_mail=m["dsn_params"] or "", dsn_rcpt={a.lower(): d for a, d in params.items() if d})
     new_id = mq.enqueue(conn, copy)
     return Resubmitted(m["id"], new_id, m["network_message_id"], [a for v in chosen.values() for a in v],
-                       m["role"], m["message_id"] or "", m["sender"] or "", m["subject"] or "", len(body))
+                       m["role"], m["message_id"] or "", m["sender"] or "", m["subject"] or "", len(body),
+                       m["author"] or "")
 
 

@@ -57,7 +57,7 @@ log = logging.getLogger("transportd.queue.store")
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 metadata = MetaData()
 
@@ -90,6 +90,8 @@ messages = Table(
     Column("submit_time", String, nullable=False, default=""),  # Date header, for duplicate detection
     Column("sender", String, nullable=False, default=""),
     Column("subject", String, nullable=False, default=""),
+    # The Sender (else From) address of its header (schema 9): MSGTRK's sender-address
+    Column("author", String, nullable=False, default=""),
     Column("size", Integer, nullable=False),
     Column("received_at", Float, nullable=False),
     Column("expires_at", Float, nullable=False),
@@ -310,8 +312,13 @@ def _migration_8(conn: Connection) -> None:
     _add_columns(conn, "shadow_contexts", {"down_since": "FLOAT"})
 
 
+def _migration_9(conn: Connection) -> None:
+    _add_columns(conn, "messages", {"author": "VARCHAR NOT NULL DEFAULT ''"})
+
+
 MIGRATIONS: list[Callable[[Connection], None]] = [_migration_1, _migration_2, _migration_3, _migration_4,
-                                                  _migration_5, _migration_6, _migration_7, _migration_8]
+                                                  _migration_5, _migration_6, _migration_7, _migration_8,
+                                                  _migration_9]
 
 
 

@@ -35,7 +35,7 @@ log = logging.getLogger("transportd.redundancy.shadow_queue")
 # Shadows promoted per commit (and tracked before the loop runs anything else).
 PROMOTE_PAGE = 500
 # What re-shadowing a promoted copy needs of its row (and its tracking rows show).
-RESHADOW_FIELDS = ("id", "network_message_id", "message_id", "sender", "subject", "size", "smtputf8", "body_type",
+RESHADOW_FIELDS = ("id", "network_message_id", "message_id", "sender", "author", "subject", "size", "smtputf8", "body_type",
                    "shadow_guid", "shadow_rank")
 
 
@@ -54,7 +54,7 @@ class ShadowQueues:
         """Keep a shadow copy for ``request.primary_fqdn`` durably; returns (internal id, Message-ID)."""
         now = time.time()
         data = envelope.original_content or b""
-        message_id, submit_time, subject = header_fields(data)
+        message_id, submit_time, subject, author = header_fields(data)
         smtputf8, body_type = received_as(envelope)
         network_id = network_id_from(data) or new_network_message_id()
         msg = NewMessage(
@@ -63,7 +63,7 @@ class ShadowQueues:
             recipients=bifurcate(envelope.rcpt_tos, self.cfg), received_at=now,
             expires_at=now + self.cfg.delivery.message_expiration_timeout,
             message_id=message_id, submit_time=submit_time,
-            subject=subject, client_ip=str((session.peer or ("",))[0]),
+            subject=subject, author=author, client_ip=str((session.peer or ("",))[0]),
             client_hostname=request.primary_fqdn, origin="shadow", role="shadow", redundancy="shadow",
             shadow_guid=guid, primary_node=request.primary_fqdn, primary_dbid=request.primary_dbid,
             shadow_rank=rank, smtputf8=smtputf8, body_type=body_type,
@@ -71,7 +71,7 @@ class ShadowQueues:
         )
         internal_id = await self.store.write(lambda c: mq.enqueue(c, msg))
         row = {"id": internal_id, "network_message_id": network_id, "message_id": msg.message_id,
-               "sender": msg.sender, "subject": msg.subject, "size": len(data)}
+               "sender": msg.sender, "author": author, "subject": msg.subject, "size": len(data)}
         self.events.track("HARECEIVE", "SMTP", row, recipients=list(envelope.rcpt_tos), source_context=guid,
                           client_hostname=request.primary_fqdn, client_ip=msg.client_ip)
         return internal_id, msg.message_id

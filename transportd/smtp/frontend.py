@@ -42,6 +42,7 @@ class PreparedMessage:
     message_id: str
     submit_time: str
     subject: str
+    author: str = ""  # the Sender (else From) address: MSGTRK's sender-address
 
 
 def add_recipient(server: Any, envelope: Envelope, address: str, rcpt_options: list[str]) -> None:
@@ -78,7 +79,7 @@ def prepare_message(data: bytes, *, node_name: str, client_ip: str, helo: str, n
                     now: float, connector: str = "frontend", tls: bool = False, extended: bool = True,
                     authenticated: bool = False, smtputf8: bool = False) -> PreparedMessage:
     """Add Received (always), Message-ID and Date (when missing); read Subject. Pure."""
-    message_id, submit_time, subject = header_fields(data)
+    message_id, submit_time, subject, author = header_fields(data)
     extra: list[str] = []
     date_text = rfc5322_date(now)
     helo_safe = re.sub(r"[^\x21-\x7e]", "?", helo or "unknown")[:255]
@@ -97,7 +98,7 @@ def prepare_message(data: bytes, *, node_name: str, client_ip: str, helo: str, n
         # into our Date): the blank line makes it the body, as Postfix's cleanup does. The
         # client's octets are kept as they came.
         prefix += b"\r\n"
-    return PreparedMessage(prefix + data, message_id[:998], submit_time[:200], subject)
+    return PreparedMessage(prefix + data, message_id[:998], submit_time[:200], subject, author)
 
 
 _FIELD_START = re.compile(rb"[!-9;-~]+[ \t]*:|\r?\n")

@@ -85,16 +85,36 @@ def _raw_items(block: bytes) -> list[tuple[str, str]]:
     return items
 
 
-def header_fields(data: bytes) -> tuple[str, str, str]:
-    """(Message-ID, Date, Subject) of a message, as text ("" when absent; the first of each); the
-    Subject's RFC 2047 encoded-words decoded, as Exchange's tracking logs and queue viewer show it.
-    Pure."""
+def header_fields(data: bytes) -> tuple[str, str, str, str]:
+    """(Message-ID, Date, Subject, author) of a message, as text ("" when absent; the first of
+    each); the Subject's RFC 2047 encoded-words decoded, as Exchange's tracking logs and queue
+    viewer show it; the author is ``author_address`` of its Sender and From fields. Pure."""
     found: dict[str, str] = {}
     for name, value in _raw_items(split_headers(data)[0]):
         found.setdefault(name.lower(), value)
-    message_id, date, subject = (_header_text(_FOLD.sub("", found.get(k, "")))  # unfolded (RFC 5322 2.2.3)
-                                 for k in ("message-id", "date", "subject"))
-    return message_id, date, decoded_subject(subject)
+    message_id, date, subject, sender, from_ = (_header_text(_FOLD.sub("", found.get(k, "")))  # unfolded (RFC 5322 2.2.3)
+                                                for k in ("message-id", "date", "subject", "sender", "from"))
+    return message_id, date, decoded_subject(subject), author_address(sender, from_)
+
+
+def author_address(sender: str, from_: str) -> str:
+    """The address MSGTRK's sender-address names: the ``Sender:`` field's mailbox, else the first
+    of ``From:`` (RFC 5322 3.6.2), as an addr-spec; "" when neither holds one (a null ``<>``, a
+    group with no member, text that is no address). At most 320 characters. Pure."""
+    for value in (sender, from_):
+        for _, address in _addresses(value):
+            if "@" in address and len(address) <= 320 and not any(ch in address for ch in " \t\r\n<>,"):
+                return address
+    return ""
+
+
+def _addresses(value: str) -> list[tuple[str, str]]:
+    if "@" not in value:
+        return []
+    try:
+        return email.utils.getaddresses([value])
+    except Exception:  # noqa: BLE001 - the email package has failed on hostile input: none read
+        return []
 
 
 def decoded_subject(text: str) -> str:
