@@ -7,6 +7,7 @@ window, 4xx -> Retry + `queue retry`, and bifurcation.
 
 from __future__ import annotations
 
+import asyncio
 import email
 import email.policy
 import re
@@ -1009,3 +1010,160 @@ def test_a_session_is_kept_for_the_next_batch_and_quit_when_idle(make_node, coun
         send(node, n)
     wait_for(lambda: hop.sessions[-1]["quit"], timeout=10, what="QUIT after the batch")
     assert [(s["messages"], s["quit"]) for s in hop.sessions[3:]] == [(1, True), (1, True)]
+
+
+# --------------------------------------------------------------------------- 1d. what a next hop may already hold
+
+CLOSE = "close the connection, unanswered"
+REPLIES = {"EHLO": "250-hop.test\r\n250 PIPELINING", "QUIT": "221 2.0.0 bye", ".": "250 2.0.0 queued",
+           "DATA": "554 5.5.1 no valid recipients"}
+
+
+class ScriptedNextHop:
+    """A next hop in asyncio (its own event loop, in a thread of this process) that speaks ESMTP
+    with PIPELINING line by line and takes at most ``rcpt_limit`` recipients per transaction
+    (452 4.5.3 for more). ``script(hop, session, line)`` may answer any line (``"connect"`` before
+    the greeting, ``"."`` for a complete end of data) otherwise: a reply, ``(delay, reply)``, or
+    CLOSE. It notes every session's lines (``sessions``), each message it took as (session,
+    recipients) (``messages``, before its reply goes out) and when each end of data came (``dots``)."""
+
+    def __init__(self, script=None, rcpt_limit: int = 100) -> None:
+        self.script = script or (lambda hop, session, line: None)
+        self.rcpt_limit = rcpt_limit
+        self.sessions: list[list[str]] = []
+        self.messages: list[tuple[int, list[str]]] = []
+        self.dots: list[float] = []
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._serve, "127.0.0.1", 0), self.loop).result(10)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def recipients(self) -> list[list[str]]:
+        return [rcpts for _, rcpts in self.messages]
+
+    async def _serve(self, reader, writer) -> None:
+        session, lines, rcpts = len(self.sessions), [], []
+        self.sessions.append(lines)
+
+        async def say(line: str, default: str) -> bool:
+            reply = self.script(self, session, line) or default
+            if reply == CLOSE:
+                writer.close()
+                return False
+            if isinstance(reply, tuple):
+                await asyncio.sleep(reply[0])
+                reply = reply[1]
+            writer.write(reply.encode() + b"\r\n")
+            await writer.drain()
+            return not reply.startswith("221")
+        try:
+            going = await say("connect", "220 hop.test ESMTP")
+            while going:
+                line = (await reader.readline()).decode("utf-8", "replace").rstrip("\r\n")
+                if not line:
+                    break
+                lines.append(line)
+                verb = line.split(":")[0].split(" ")[0].upper()
+                if verb == "DATA" and rcpts:
+                    if not await say(line, "354 go on"):
+                        break
+                    while await reader.readline() not in (b".\r\n", b""):
+                        pass
+                    lines.append(".")
+                    self.messages.append((session, list(rcpts)))
+                    self.dots.append(time.monotonic())
+                    line, verb = ".", "."
+                    rcpts.clear()
+                elif verb in ("MAIL", "RSET"):
+                    rcpts.clear()
+                default = REPLIES.get(verb, "250 ok")
+                if verb == "RCPT":
+                    taken = len(rcpts) < self.rcpt_limit
+                    if taken:
+                        rcpts.append(line.split("<", 1)[1].split(">", 1)[0])
+                    default = "250 2.1.5 ok" if taken else "452 4.5.3 Too many recipients"
+                going = await say(line, default)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    def stop(self) -> None:
+        async def close() -> None:
+            self.server.close()
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+        asyncio.run_coroutine_threadsafe(close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def scripted_hop():
+    """A factory of ``ScriptedNextHop``s, every one stopped at the end."""
+    made: list[ScriptedNextHop] = []
+
+    def factory(script=None, **kw) -> ScriptedNextHop:
+        made.append(ScriptedNextHop(script, **kw))
+        return made[-1]
+    yield factory
+    for hop in made:
+        hop.stop()
+
+
+def recipient_states(node) -> dict[str, str]:
+    from conftest import read_db
+    return dict(read_db(node.data_dir / "queue.db", "SELECT address, status FROM recipients"))
+
+
+def late_reply_to_the_first_dot(hop, session, line):
+    """The next hop answers the end of data of its first session 4 s after the dot."""
+    return (4.0, "250 2.0.0 queued") if line == "." and session == 0 else None
+
+
+def test_a_clean_stop_lets_a_transaction_whose_data_went_out_finish(make_node, scripted_hop):
+    """SIGTERM 1.2 s after the dot, while the next hop holds its 250 (4 s): the stop waits for the
+    reply (within delivery.stop_grace_time), records the delivery, then QUITs; after the restart
+    nothing is sent again. (The stop cancelled the transaction: QUIT read the late 250 as its own
+    reply, the message stayed Active and went out a second time after the restart.)"""
+    hop = scripted_hop(late_reply_to_the_first_dot)
+    node = make_node(smart_host=hop.address).start()
+    queued_id(swaks(node.port, "--to", "carol@foreign.test", "--from", "bob@example.test"))
+    wait_for(lambda: hop.dots, timeout=15, what="the end of data at the next hop")
+    time.sleep(max(0.0, hop.dots[0] + 1.2 - time.monotonic()))
+    stopped = time.monotonic()
+    assert node.stop() == 0
+    took = time.monotonic() - stopped
+    assert recipient_states(node) == {"carol@foreign.test": "Delivered"}
+    assert 2.0 < took < 10, f"the stop took {took:.1f}s: it waits for the reply, 2.8 s, and no longer"
+    assert hop.sessions[0][-2:] == [".", "QUIT"]
+    assert len(events(node, "SENDEXTERNAL")) == 1 and not events(node, "DEFER")
+    node.start()
+    node.wait_passes(5)
+    assert len(hop.messages) == 1
+
+
+def test_a_stop_whose_grace_runs_out_leaves_the_message_for_retry(make_node, scripted_hop):
+    """delivery.stop_grace_time bounds the wait: past it the transaction is cut (closed, no QUIT
+    into it, the late 250 never read) and its message left Active, sent again after the restart
+    (the next hop may then hold it twice, as after a crash)."""
+    hop = scripted_hop(late_reply_to_the_first_dot)
+    node = make_node(smart_host=hop.address, overrides={"delivery": {"stop_grace_time": 1}}).start()
+    queued_id(swaks(node.port, "--to", "carol@foreign.test", "--from", "bob@example.test"))
+    wait_for(lambda: hop.dots, timeout=15, what="the end of data at the next hop")
+    stopped = time.monotonic()
+    assert node.stop() == 0
+    assert time.monotonic() - stopped < 3.5
+    assert recipient_states(node) == {"carol@foreign.test": "Active"}  # Ready again at the next start
+    assert "QUIT" not in hop.sessions[0]
+    node.start()
+    wait_for(lambda: recipient_states(node) == {"carol@foreign.test": "Delivered"}, timeout=15,
+             what="the delivery after the restart")
+    assert len(hop.messages) == 2

@@ -480,6 +480,12 @@ KEYS: tuple[Key, ...] = (
     Key("delivery", "send_connect_timeout", 30.0, parse_duration,
         "send connector: time allowed to open a connection and read the greeting", "", DUR,
         limits=(1 * SEC, 10 * MIN)),
+    Key("delivery", "stop_grace_time", 20.0, parse_duration,
+        "on a clean stop (SIGTERM), how long a delivery in the middle of a transaction (its commands or "
+        "data sent) may still take to get its reply and record the outcome; past it, it is cut and its "
+        "message sent again after the restart (the next hop may then hold it twice); every other "
+        "delivery stops at once. Keep it under the time the service manager waits (compose: 30 s)",
+        "", DUR, limits=(0.0, 10 * MIN)),
     Key("delivery", "max_per_domain_outbound_connections", 20, _int,
         "concurrent outbound sessions per next hop (fewer for a while after the next hop greets one more with a "
         "4xx while ours are open: its own limit)", "MaxPerDomainOutboundConnections", limits=(1, INT32_MAX)),

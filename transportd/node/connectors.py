@@ -10,7 +10,9 @@ items and yields ``Delivered`` reports (outcomes per recipient) as it goes, so
 the scheduler commits each message's outcome before the next is sent. A
 connector reads the message it delivers from the queue database and never
 writes an outcome itself; one message's failure is reported as an internal
-failure of that message only, and the rest of the batch goes on.
+failure of that message only, and the rest of the batch goes on. The SMTP
+connectors mark in a ``DeliveryDrain`` a transaction under way until the
+scheduler has committed its outcome, and start none once the node is stopping.
 """
 
 from __future__ import annotations
@@ -128,14 +130,39 @@ class MailboxConnector:
         return outs
 
 
+class DeliveryDrain:
+    """The deliveries a clean stop must let finish: the batches (their tasks) in a transaction whose
+    outcome is not committed yet, which the next hop may already hold (its data and dot sent, the
+    reply awaited). Cancelled there, a batch would leave the message Active, sent again after the
+    restart; so the stop (``Scheduler.stop``) gives these their grace and cancels the others at
+    once, and once ``stopping`` no batch starts another transaction."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self._in_transaction: set[asyncio.Task | None] = set()
+
+    def transaction_begins(self) -> None:
+        """The running batch writes its first command of a message."""
+        self._in_transaction.add(asyncio.current_task())
+
+    def outcome_recorded(self) -> None:
+        """The running batch's outcome is committed (or the batch is over): nothing of it in flight."""
+        self._in_transaction.discard(asyncio.current_task())
+
+    def in_transaction(self, task: asyncio.Task | None = None) -> bool:
+        return (task or asyncio.current_task()) in self._in_transaction
+
+
 class SmtpConnector:
     """Delivery over SMTP: one session per batch, several messages per session; a session to a next
     hop outside the boundary is kept for the next batch a short while (``SessionCache``)."""
 
-    def __init__(self, cfg: Any, store: QueueStore, *, handling: HandlingMark = NO_MARK):
+    def __init__(self, cfg: Any, store: QueueStore, *, handling: HandlingMark = NO_MARK,
+                 drain: DeliveryDrain | None = None):
         self.cfg = cfg
         self.store = store
         self.handling = handling
+        self.drain = drain or DeliveryDrain()
         d = cfg.delivery
         self._open_sessions: dict[tuple[str, str], int] = {}  # per next hop: sessions carrying a batch
         self._opening: dict[tuple[str, str], int] = {}  # per next hop: sessions being opened
@@ -282,6 +309,8 @@ class SmtpConnector:
         carried = 0  # messages delivered on the session at hand
         try:
             for i, it in enumerate(batch):
+                if self.drain.stopping:
+                    break  # the rest stays Active: Ready again at the next start
                 hop = peer_session is not None and peer_session.peer_queue_database_id is not None
                 guid = str(uuid.uuid4()) if hop else None
                 try:
@@ -316,9 +345,13 @@ class SmtpConnector:
                 forks = [(it.message_id, it.next_hop, guid, it.queue_id, peer_session.peer_queue_database_id)] \
                     if guid and peer_session and any(o.status == mq.DELIVERED for o in outs) else []
                 yield Delivered([it], {it.message_id: outs}, queue_error=queue_error, **remote, forks=forks)
-            finished = True
+            finished = not self.drain.stopping
         finally:
-            if not (finished and peer_session is None and self.cache.keep(_cache_key(batch[0]), client)):
+            if self.drain.in_transaction():
+                # Cut in the middle of a transaction (the stop's grace ran out): out of step, so
+                # no QUIT, whose reply would be the one the transaction awaited.
+                client.close()
+            elif not (finished and peer_session is None and self.cache.keep(_cache_key(batch[0]), client)):
                 await client.quit()  # a peer session sends no QUIT after a discard reply it could not apply
 
     async def _send_one(self, client: Any, it: WorkItem, xshadow: str | None = None) -> list[Outcome]:
@@ -346,6 +379,7 @@ class SmtpConnector:
         dsn = DsnRequest.of(row.get("dsn_params") or "", it.addresses, it.dsn_params)  # RFC 3461, passed on
         it.dsn_passed = client.supports_extension("dsn")
         outs: list[Outcome] = []
+        self.drain.transaction_begins()
         while True:
             replies = await self._transact(client, row["sender"], options, addresses, plan.data, xshadow, dsn)
             these = [_outcome(rid, replies.mail if replies.mail[0] != 250 else
@@ -375,8 +409,9 @@ class PeerConnector(SmtpConnector):
     """Delivery to a peer's transport connector as primary: authenticated, and hop by hop (the
     peer becomes primary, we keep a fork as its shadow) when both sides run shadow redundancy."""
 
-    def __init__(self, cfg: Any, store: QueueStore, shadow: ShadowManager, *, handling: HandlingMark = NO_MARK):
-        super().__init__(cfg, store, handling=handling)
+    def __init__(self, cfg: Any, store: QueueStore, shadow: ShadowManager, *, handling: HandlingMark = NO_MARK,
+                 drain: DeliveryDrain | None = None):
+        super().__init__(cfg, store, handling=handling, drain=drain)
         self.shadow = shadow
 
     async def targets(self, item: WorkItem) -> list[SmtpTarget]:

@@ -24,7 +24,7 @@ from transportd.config import Config, frontend_bindings, tracking_fields, worker
 from transportd.errors import StoreError
 from transportd.node import datalock
 from transportd.node.accept import AcceptPath
-from transportd.node.connectors import MailboxConnector, PeerConnector, SmtpConnector
+from transportd.node.connectors import DeliveryDrain, MailboxConnector, PeerConnector, SmtpConnector
 from transportd.node.events import NodeEvents
 from transportd.node.handling import HandlingMark
 from transportd.node.maintenance import Maintenance
@@ -122,13 +122,14 @@ class Node:
         self.shadow = ShadowManager(cfg, store, self.events)
         self.accept_path = AcceptPath(cfg, store, self.events, self.shadow)
         recorder = OutcomeRecorder(cfg, store, self.events)
+        drain, handling = DeliveryDrain(), self.events.handling
         self.scheduler = Scheduler(cfg, store, recorder,
                                    Maintenance(cfg, store, self.events, recorder, self.delivered),
                                    {MAILBOX: MailboxConnector(cfg, store, self.mailboxes, self.delivered,
-                                                              handling=self.events.handling),
-                                    PEER: PeerConnector(cfg, store, self.shadow, handling=self.events.handling),
-                                    "smtp": SmtpConnector(cfg, store, handling=self.events.handling)},
-                                   on_pass=self.metrics.scheduler_passes.inc)
+                                                              handling=handling),
+                                    PEER: PeerConnector(cfg, store, self.shadow, handling=handling, drain=drain),
+                                    "smtp": SmtpConnector(cfg, store, handling=handling, drain=drain)},
+                                   on_pass=self.metrics.scheduler_passes.inc, drain=drain)
         self._tasks.append(asyncio.ensure_future(self.scheduler.run()))
         await self._listen_frontend()
         if cfg.transport.listen:
@@ -204,6 +205,9 @@ class Node:
             log.info("%d DeliveredTo record(s) moved from the queue database to %s", moved, self.delivered.path)
 
     async def stop(self) -> None:
+        # Deliveries first: no new work from now on, while a transaction under way gets its grace
+        # (delivery.stop_grace_time) as the listeners and receive workers stop beside it.
+        deliveries = asyncio.ensure_future(self.scheduler.stop()) if self.scheduler is not None else None
         if self.shadow is not None:
             self.shadow.accepting = False
         for s in self.servers:
@@ -220,8 +224,8 @@ class Node:
                 pass
         if self.shadow is not None:
             await self.shadow.stop()
-        if self.scheduler is not None:
-            await self.scheduler.stop()
+        if deliveries is not None:
+            await deliveries
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

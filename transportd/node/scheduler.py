@@ -6,7 +6,9 @@ robin within the session limits (*max_outbound_connections*, per next hop,
 messages per session), claims them (Active), hands each batch to its connector
 and commits what the connector reports through the outcome recorder. It runs
 the periodic maintenance (expiry, housekeeping, delay DSNs, orphaned states) at
-its own pace. It never talks SMTP and never builds a DSN itself.
+its own pace. It owns the clean stop of deliveries too: no new work, and a
+batch in a transaction (``DeliveryDrain``) gets its grace to finish. It never
+talks SMTP and never builds a DSN itself.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from collections import defaultdict
 from typing import Any, Callable
 
+from transportd.node.connectors import DeliveryDrain
 from transportd.node.maintenance import Maintenance
 from transportd.node.outcomes import OutcomeRecorder, internal_failure
 from transportd.queue import messages as mq
@@ -31,7 +34,8 @@ class Scheduler:
     """Runs in the node's event loop: scheduler tick, one task per session, maintenance."""
 
     def __init__(self, cfg: Any, store: QueueStore, recorder: OutcomeRecorder, maintenance: Maintenance,
-                 connectors: dict[str, Any], on_pass: Callable[[], Any] = lambda: None):
+                 connectors: dict[str, Any], on_pass: Callable[[], Any] = lambda: None,
+                 drain: DeliveryDrain | None = None):
         self.cfg = cfg
         self.store = store
         self.recorder = recorder
@@ -43,6 +47,7 @@ class Scheduler:
         self._tasks: set[asyncio.Task] = set()
         self._rotate = 0  # round-robin start over the due queues
         self._stopping = False
+        self.drain = drain or DeliveryDrain()  # the SMTP connectors' transactions under way
         self._on_pass = on_pass  # told after every pass (the scheduler_passes counter)
         self._caps: dict[int, tuple[int, float]] = {}  # queue -> (most sessions, until): its next hop's limit
 
@@ -65,12 +70,24 @@ class Scheduler:
             self._on_pass()
 
     async def stop(self) -> None:
-        self._stopping = True
+        """A clean stop: no new work; every batch is cancelled at once but those in a transaction,
+        which may hold a message the next hop already took: these get delivery.stop_grace_time to
+        read the reply and commit the outcome (then QUIT). One still waiting then is cut, its
+        message left Active for a retry after the restart, as after a crash."""
+        self._stopping = self.drain.stopping = True
         self.store.queue_changed.set()
         for t in list(self._tasks):
-            t.cancel()
+            if not self.drain.in_transaction(t):
+                t.cancel()
         if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            grace = self.cfg.delivery.stop_grace_time
+            _, late = await asyncio.wait(set(self._tasks), timeout=grace)
+            if late:
+                log.warning("%d delivery session(s) still awaiting a reply after the stop's grace (%gs): cut, "
+                            "their messages are retried after the restart", len(late), grace)
+            for t in late:
+                t.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         for connector in self.connectors.values():
             if hasattr(connector, "close"):
                 await connector.close()  # sessions kept for a next batch get their QUIT
@@ -106,6 +123,8 @@ class Scheduler:
         if not plan:
             return
         claimed = await self._claim([it for _, batch in plan for it in batch], now)
+        if self._stopping:
+            return  # the stop began meanwhile: what was claimed is Ready again at the next start
         kept = {id(it) for it in claimed}  # the items themselves (a message may be in several queues)
         for qid, batch in plan:
             batch = [it for it in batch if id(it) in kept]
@@ -150,6 +169,7 @@ class Scheduler:
                 if report.concurrency:
                     self._caps[qid] = (report.concurrency, time.time() + self.cfg.delivery.transient_failure_retry_interval)
                 await self.recorder.commit(report)
+                self.drain.outcome_recorded()
                 for it in report.items:
                     pending.pop(it.message_id, None)
         except asyncio.CancelledError:
@@ -160,6 +180,7 @@ class Scheduler:
             if pending:
                 await self.recorder.commit_safely(internal_failure(list(pending.values()), "deliver", exc), batch[0])
         finally:
+            self.drain.outcome_recorded()
             for it in batch:
                 self.in_flight.difference_update(it.recipient_ids)
             self._sessions_per_queue[qid] -= 1
