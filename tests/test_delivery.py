@@ -1167,3 +1167,22 @@ def test_a_stop_whose_grace_runs_out_leaves_the_message_for_retry(make_node, scr
     wait_for(lambda: recipient_states(node) == {"carol@foreign.test": "Delivered"}, timeout=15,
              what="the delivery after the restart")
     assert len(hop.messages) == 2
+
+
+def test_recipients_a_next_hop_took_before_its_session_broke_are_not_sent_again(make_node, scripted_hop):
+    """A next hop that takes 2 recipients per message gets a message for 3 in two transactions of
+    one session, and the session breaks at the second one's MAIL. The two it took stay delivered
+    (SENDEXTERNAL), only the third is deferred and goes on the retry. (All three were deferred and
+    the first two sent again.)"""
+    def script(hop, session, line):
+        mails = sum(sent.startswith("MAIL") for sent in hop.sessions[session])
+        return CLOSE if session == 0 and line.startswith("MAIL") and mails == 2 else None
+    hop = scripted_hop(script, rcpt_limit=2)
+    node = make_node(smart_host=hop.address).start()  # retried after 1 s
+    rcpts = ["r0@foreign.test", "r1@foreign.test", "r2@foreign.test"]
+    queued_id(swaks(node.port, "--from", "bob@example.test", "--to", ",".join(rcpts)))
+    wait_for(lambda: len(hop.messages) >= 2 and recipient_states(node) == dict.fromkeys(rcpts, "Delivered"),
+             timeout=20, what="every recipient delivered")
+    assert hop.recipients() == [rcpts[:2], rcpts[2:]]
+    assert [e["recipient-address"] for e in events(node, "DEFER")] == ["r2@foreign.test"]
+    assert sorted(r for e in events(node, "SENDEXTERNAL") for r in e["recipient-address"].split(";")) == rcpts

@@ -24,6 +24,7 @@ import random
 import time
 import uuid
 import weakref
+from collections.abc import Awaitable, Callable
 from typing import Any, AsyncIterator
 
 from transportd import faults
@@ -153,6 +154,16 @@ class DeliveryDrain:
         return (task or asyncio.current_task()) in self._in_transaction
 
 
+class SessionLost(PeerTransientError):
+    """The session broke in a later transaction of a message split over several (the next hop's
+    limit of recipients per message): ``settled`` holds the outcomes the earlier ones got, which
+    stand."""
+
+    def __init__(self, cause: BaseException, settled: list[Outcome]):
+        super().__init__(describe(cause))
+        self.settled = settled
+
+
 class SmtpConnector:
     """Delivery over SMTP: one session per batch, several messages per session; a session to a next
     hop outside the boundary is kept for the next batch a short while (``SessionCache``)."""
@@ -213,6 +224,8 @@ class SmtpConnector:
         it waited (its idle timeout, as our write went out), once more on a new one."""
         try:
             return client, await self._send_one(client, it)
+        except SessionLost:
+            raise  # the next hop took a part of the message: never the whole again
         except (OSError, PeerTransientError) as exc:
             log.info("kept session to %s:%s closed by the next hop (%s); opening a new one",
                      client.target.host, client.target.port, describe(exc))
@@ -325,8 +338,7 @@ class SmtpConnector:
                         carried = 0
                     carried += any(o.status == mq.DELIVERED for o in outs)
                 except (OSError, PeerTransientError, ProtocolError) as exc:
-                    reply = f"451 4.4.2 Connection to {target.host}:{target.port} lost: {describe(exc)}"
-                    yield Delivered.every_recipient(batch[i:], mq.RETRY, reply, queue_error=reply, **remote)
+                    yield _session_lost(batch[i:], target, exc, **remote)
                     return
                 except (asyncio.CancelledError, StoreError):
                     raise
@@ -355,8 +367,8 @@ class SmtpConnector:
                 await client.quit()  # a peer session sends no QUIT after a discard reply it could not apply
 
     async def _send_one(self, client: Any, it: WorkItem, xshadow: str | None = None) -> list[Outcome]:
-        """One message as one transaction (``_transact``); each recipient's outcome from its RCPT
-        reply and the data reply, MAIL's refusal for all."""
+        """One message as one transaction (``_transact``), or several where the next hop limits
+        the recipients per message (``_transactions``); the outcome of each recipient."""
         row, body = self.store.read_here(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
         it.row = row
         if row is None or body is None:
@@ -375,27 +387,12 @@ class SmtpConnector:
         options = list(plan.options)
         if client.supports_extension("size"):
             options.append(f"SIZE={len(plan.data)}")
-        addresses, rids = list(it.addresses), list(it.recipient_ids)
         dsn = DsnRequest.of(row.get("dsn_params") or "", it.addresses, it.dsn_params)  # RFC 3461, passed on
         it.dsn_passed = client.supports_extension("dsn")
-        outs: list[Outcome] = []
         self.drain.transaction_begins()
-        while True:
-            replies = await self._transact(client, row["sender"], options, addresses, plan.data, xshadow, dsn)
-            these = [_outcome(rid, replies.mail if replies.mail[0] != 250 else
-                              rcpt if rcpt[0] not in (250, 251) else replies.data)
-                     for rid, rcpt in zip(rids, replies.recipients)]
-            # RFC 5321 4.5.3.1.10: the recipients over the next hop's limit per message (452, or 552
-            # as RFC 821 had it) go at once in the session's next transaction, while each delivers
-            # some (a hop-by-hop relay is one fork per message: its over-limit recipients wait).
-            over = [k for k, rcpt in enumerate(replies.recipients) if _over_recipient_limit(rcpt)] \
-                if replies.data[0] == 250 and xshadow is None else []
-            if not over or len(over) == len(addresses):
-                outs += these
-                break
-            retried = set(over)
-            outs += [o for k, o in enumerate(these) if k not in retried]
-            addresses, rids = [addresses[k] for k in over], [rids[k] for k in over]
+        outs = await _transactions(
+            lambda rcpts: self._transact(client, row["sender"], options, rcpts, plan.data, xshadow, dsn),
+            list(it.addresses), list(it.recipient_ids), split=xshadow is None)
         if any(o.status != mq.DELIVERED for o in outs):
             await smtpclient.rset_ok(client)  # a refused MAIL or RCPT may leave the transaction open
         return outs
@@ -465,6 +462,46 @@ def smart_host_targets(next_hop: str, rng: random.Random | None = None) -> list[
 def _cache_key(item: WorkItem) -> tuple[str, str]:
     """Sessions are kept per next hop (a smart host, or a domain's MX hosts), as queues are."""
     return item.delivery_type, item.next_hop
+
+
+async def _transactions(transact: Callable[[list[str]], Awaitable[Any]], addresses: list[str], rids: list[int],
+                        split: bool) -> list[Outcome]:
+    """A message's transactions on one session: each recipient's outcome from its RCPT reply and
+    the data reply, MAIL's refusal for all. RFC 5321 4.5.3.1.10: the recipients over the next hop's
+    limit per message (452, or 552 as RFC 821 had it) go at once in the session's next transaction,
+    while each delivers some (not ``split``: a hop-by-hop relay is one fork per message, its
+    over-limit recipients wait). A session that breaks after one of them finished raises
+    SessionLost with the outcomes settled so far: the next hop holds what those delivered."""
+    outs: list[Outcome] = []
+    while True:
+        try:
+            replies = await transact(addresses)
+        except (OSError, PeerTransientError, ProtocolError) as exc:
+            if outs:
+                raise SessionLost(exc, outs) from exc
+            raise
+        these = [_outcome(rid, replies.mail if replies.mail[0] != 250 else
+                          rcpt if rcpt[0] not in (250, 251) else replies.data)
+                 for rid, rcpt in zip(rids, replies.recipients)]
+        over = [k for k, rcpt in enumerate(replies.recipients) if _over_recipient_limit(rcpt)] \
+            if replies.data[0] == 250 and split else []
+        if not over or len(over) == len(addresses):
+            return outs + these
+        retried = set(over)
+        outs += [o for k, o in enumerate(these) if k not in retried]
+        addresses, rids = [addresses[k] for k in over], [rids[k] for k in over]
+
+
+def _session_lost(items: list[WorkItem], target: SmtpTarget, exc: BaseException, **remote: str) -> Delivered:
+    """The session broke while ``items[0]`` was being sent: its recipients, and the rest of the
+    batch, go to Retry with the queue, but for those an earlier transaction of the message settled
+    (``SessionLost``): a recipient the next hop took is recorded delivered, never sent again."""
+    reply = f"451 4.4.2 Connection to {target.host}:{target.port} lost: {describe(exc)}"
+    lost = Delivered.every_recipient(items, mq.RETRY, reply, queue_error=reply, **remote)
+    settled = {o.recipient_id: o for o in exc.settled} if isinstance(exc, SessionLost) else {}
+    first = items[0].message_id
+    lost.outcomes[first] = [settled.get(o.recipient_id, o) for o in lost.outcomes[first]]
+    return lost
 
 
 def _over_recipient_limit(reply: tuple[int, str]) -> bool:
