@@ -1186,3 +1186,22 @@ def test_recipients_a_next_hop_took_before_its_session_broke_are_not_sent_again(
     assert hop.recipients() == [rcpts[:2], rcpts[2:]]
     assert [e["recipient-address"] for e in events(node, "DEFER")] == ["r2@foreign.test"]
     assert sorted(r for e in events(node, "SENDEXTERNAL") for r in e["recipient-address"].split(";")) == rcpts
+
+
+def test_a_kept_session_that_breaks_after_the_end_of_data_is_a_deferral_not_a_resend(make_node, scripted_hop):
+    """A session kept for the next batch (connection_cache_time) carries a second message; the next
+    hop reads its data and dot and closes without a reply. It may hold the message: a DEFER and the
+    retry interval (RFC 5321 4.5.4.1), not a new session at once (which sent it twice, 8 ms apart).
+    Only a kept session found closed at MAIL is renewed at once (test_a_session_is_kept_...)."""
+    hop = scripted_hop(lambda hop, session, line: CLOSE if line == "." and len(hop.messages) == 2 else None)
+    node = make_node(smart_host=hop.address, overrides={
+        "delivery": {"connection_cache_time": 10, "transient_failure_retry_interval": 30}}).start()
+    queued_id(swaks(node.port, "--to", "a1@foreign.test", "--from", "bob@example.test"))
+    wait_events(node, "SENDEXTERNAL")
+    queued_id(swaks(node.port, "--to", "a2@foreign.test", "--from", "bob@example.test"))
+    wait_for(lambda: events(node, "DEFER") or len(hop.messages) > 2, timeout=15,
+             what="a DEFER (or a resend) of the second message")
+    time.sleep(0.5)  # waiting for absence: a resend goes out within milliseconds
+    assert len(hop.messages) == 2 and len(hop.sessions) == 1
+    assert recipient_states(node) == {"a1@foreign.test": "Delivered", "a2@foreign.test": "Retry"}
+    assert [e["recipient-address"] for e in events(node, "DEFER")] == ["a2@foreign.test"]

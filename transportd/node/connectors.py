@@ -221,12 +221,16 @@ class SmtpConnector:
 
     async def _first_on_kept(self, client: NextHopSession, it: WorkItem) -> tuple[NextHopSession, list[Outcome]]:
         """The batch's first message on a kept session; if the next hop closed that session while
-        it waited (its idle timeout, as our write went out), once more on a new one."""
+        it waited (its idle timeout, as our write went out: found closed at MAIL, nothing of the
+        message taken), once more on a new one. A session that broke once MAIL was accepted (after
+        the dot, say, the reply lost) may have given the next hop the message, or a part of it
+        (``SessionLost``): an ordinary failure, deferred for the retry interval (RFC 5321 4.5.4.1),
+        never sent again at once."""
         try:
             return client, await self._send_one(client, it)
-        except SessionLost:
-            raise  # the next hop took a part of the message: never the whole again
         except (OSError, PeerTransientError) as exc:
+            if isinstance(exc, SessionLost) or not client.nothing_taken:
+                raise
             log.info("kept session to %s:%s closed by the next hop (%s); opening a new one",
                      client.target.host, client.target.port, describe(exc))
             client.close()

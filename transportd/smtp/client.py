@@ -69,6 +69,14 @@ class NextHopSession:
         self.transactions = 0  # started on this session
         self.reused = False  # taken from a SessionCache: the next hop may have closed it meanwhile
         self.mail_deferred = False  # the last transaction's MAIL got a 4xx (nothing of it was taken)
+        self._transaction: Transaction | None = None  # the last one started
+
+    @property
+    def nothing_taken(self) -> bool:
+        """The last transaction's MAIL was never accepted (the session found closed at it, a 421 or
+        a refusal), so none of its data went out: the next hop holds nothing of that message,
+        however the transaction ended, and sending it again cannot duplicate it."""
+        return self._transaction is None or not self._transaction.mail_accepted
 
     @property
     def idle(self) -> bool:
@@ -91,6 +99,7 @@ class NextHopSession:
                          pipelining=self.wire.supports_extension("pipelining"),
                          dsn=dsn if self.wire.supports_extension("dsn") else None)
         self.transactions += 1
+        self._transaction = tx
         self.wire.write(tx.start())
         while tx.replies is None:
             reply = await self.wire.read_reply()

@@ -108,6 +108,12 @@ class Transaction:
         return b"DATA\r\n"
 
     @property
+    def mail_accepted(self) -> bool:
+        """MAIL was answered 250: from here on the server may come to hold the message (no data
+        goes out before it)."""
+        return bool(self._got) and accepted("MAIL", self._got[0][0])
+
+    @property
     def any_accepted(self) -> bool:
         return (len(self._got) > 1 and accepted("MAIL", self._got[0][0])
                 and any(accepted("RCPT", code) for code, _ in self._got[1:]))
