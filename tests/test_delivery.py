@@ -1205,3 +1205,19 @@ def test_a_kept_session_that_breaks_after_the_end_of_data_is_a_deferral_not_a_re
     assert len(hop.messages) == 2 and len(hop.sessions) == 1
     assert recipient_states(node) == {"a1@foreign.test": "Delivered", "a2@foreign.test": "Retry"}
     assert [e["recipient-address"] for e in events(node, "DEFER")] == ["a2@foreign.test"]
+
+
+@pytest.mark.parametrize("refusal", [{"connect": "554 5.3.2 no service here"}, {"EHLO": "550 5.7.1 go away"},
+                                     {"EHLO": "502 5.5.1 what", "HELO": "550 5.7.1 go away"}],
+                         ids=["554 greeting", "5xx to EHLO", "5xx to HELO"])
+def test_a_refused_session_start_gets_a_quit_and_the_message_is_deferred(make_node, scripted_hop, refusal):
+    """RFC 5321 3.1 and 4.1.4: after a 554 greeting (or a 5xx to EHLO, then to HELO) the client
+    sends QUIT and waits for its reply before it closes (it closed at once); the message is
+    deferred, not bounced."""
+    hop = scripted_hop(lambda hop, session, line: refusal.get(line.split(" ")[0]))
+    node = make_node(smart_host=hop.address, overrides={
+        "delivery": {"transient_failure_retry_interval": 600, "outbound_connection_failure_retry_interval": 600}}).start()
+    queued_id(swaks(node.port, "--to", "carol@foreign.test", "--from", "bob@example.test"))
+    wait_events(node, "DEFER")
+    wait_for(lambda: hop.sessions and hop.sessions[0][-1:] == ["QUIT"], timeout=5, what="the QUIT")
+    assert recipient_states(node) == {"carol@foreign.test": "Retry"} and len(hop.sessions) == 1

@@ -24,7 +24,7 @@ from transportd.errors import (
 from transportd.smtp.dsnparams import DsnRequest
 from transportd.smtp.mx import SmtpTarget
 from transportd.smtp.transaction import Replies, Transaction
-from transportd.smtp.wire import SmtpWire
+from transportd.smtp.wire import QUIT_WAIT, SmtpWire
 
 log = logging.getLogger("transportd")
 
@@ -114,7 +114,7 @@ class NextHopSession:
 
     async def quit(self) -> None:
         try:
-            await asyncio.wait_for(self.wire.quit(), 5)
+            await asyncio.wait_for(self.wire.quit(), QUIT_WAIT)
         except Exception:  # noqa: BLE001 - the session is over either way
             self.wire.close()
 

@@ -35,6 +35,7 @@ from transportd.errors import (
 log = logging.getLogger("transportd")
 
 MAX_REPLY_LINES = 200
+QUIT_WAIT = 5.0  # seconds a QUIT's reply is awaited at most: the session is over either way
 
 
 @dataclass(frozen=True)
@@ -81,11 +82,12 @@ class SmtpWire:
     # ------------------------------------------------------------------ the session
 
     async def connect(self, timeout: float | None = None) -> Reply:
-        """Open the connection and read the greeting (220)."""
+        """Open the connection and read the greeting (220; a 554 gets its QUIT before the close)."""
         self._reader, self._writer = await asyncio.wait_for(
             asyncio.open_connection(self.address or self.hostname, self.port, limit=1 << 20), timeout or self.timeout)
         greeting = await self.read_reply()
         if greeting.code != 220:
+            await self._quit_refused(greeting)
             self.close()
             error = GreetingRefused if 400 <= greeting.code < 500 else PeerTransientError
             raise error(f"greeting {greeting.code} {greeting.message}")
@@ -133,14 +135,27 @@ class SmtpWire:
         if reply.code in (500, 502) and self.helo_fallback:
             reply = await self.execute_command(b"HELO", self.local_hostname.encode("ascii"))
             if reply.code != 250:
+                await self._quit_refused(reply)
                 raise PeerPermanentError(f"HELO answered {reply.code} {reply.message}")
             return reply
         if reply.code != 250:
+            await self._quit_refused(reply)
             raise PeerPermanentError(f"EHLO answered {reply.code} {reply.message}")
         for line in reply.message.split("\n")[1:]:
             keyword, _, rest = line.strip().partition(" ")
             self.extensions[keyword.lower()] = rest
         return reply
+
+    async def _quit_refused(self, reply: Reply) -> None:
+        """A session refused with a 5xx (a 554 greeting, EHLO or HELO refused) ends with QUIT and
+        its reply, awaited at most QUIT_WAIT (RFC 5321 3.1, 4.1.4: the server may wait for it
+        before it closes); a 4xx (421) is the server closing: nothing is sent then."""
+        if reply.code < 500:
+            return
+        try:
+            await asyncio.wait_for(self.quit(), min(self.timeout, QUIT_WAIT))
+        except Exception:  # noqa: BLE001 - the session is over either way
+            self.close()
 
     def supports_extension(self, name: str) -> bool:
         return name.lower() in self.extensions
