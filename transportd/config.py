@@ -478,7 +478,9 @@ KEYS: tuple[Key, ...] = (
         "batch for the next batch to the same next hop (Postfix's smtp_connection_cache_time_limit); "
         "0 = QUIT after every batch", "", DUR, limits=(0.0, 5 * MIN)),
     Key("delivery", "send_connect_timeout", 30.0, parse_duration,
-        "send connector: time allowed to open a connection and read the greeting", "", DUR,
+        "send connector: time allowed to open the TCP connection to a next hop (or a peer's transport "
+        "connector); the greeting is then awaited as every reply is, up to "
+        "send_connection_inactivity_timeout", "", DUR,
         limits=(1 * SEC, 10 * MIN)),
     Key("delivery", "stop_grace_time", 20.0, parse_duration,
         "on a clean stop (SIGTERM), how long a delivery in the middle of a transaction (its commands or "

@@ -82,7 +82,8 @@ class SmtpWire:
     # ------------------------------------------------------------------ the session
 
     async def connect(self, timeout: float | None = None) -> Reply:
-        """Open the connection and read the greeting (220; a 554 gets its QUIT before the close)."""
+        """Open the connection (within ``timeout``: the TCP connect only) and read the greeting as
+        every reply, within the session's ``timeout`` (220; a 554 gets its QUIT before the close)."""
         self._reader, self._writer = await asyncio.wait_for(
             asyncio.open_connection(self.address or self.hostname, self.port, limit=1 << 20), timeout or self.timeout)
         greeting = await self.read_reply()
