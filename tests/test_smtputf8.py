@@ -149,6 +149,8 @@ def test_next_hop_without_smtputf8_fails_the_recipient_with_5_6_7_and_a_utf8_dsn
     assert "message/global-delivery-status" in types, types
     status = dsn_file.read_bytes().decode("utf-8")
     assert "Status: 5.6.7" in status and FOREIGN in status
+    # RFC 3464 2.3.5: Remote-MTA names the server that gave the Diagnostic-Code; none did here
+    assert "Remote-MTA" not in status, status
     assert not received(), "the next hop got an attempt it cannot take"
 
 

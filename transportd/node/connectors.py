@@ -92,7 +92,7 @@ class MailboxConnector:
         it.row = row
         now = time.time()
         if row is None or body is None:
-            return [Outcome(r, mq.FAILED, MISSING_BODY) for r in it.recipient_ids]
+            return [Outcome(r, mq.FAILED, MISSING_BODY, local=True) for r in it.recipient_ids]
         await faults.acheck("deliver", row)
         with self.handling.step(it.message_id, "deliver"):  # the content step a message could crash
             faults.check("deliver", row)
@@ -376,7 +376,7 @@ class SmtpConnector:
         row, body = self.store.read_here(lambda c, m=it.message_id: (mq.message_row(c, m), mq.body(c, m)))
         it.row = row
         if row is None or body is None:
-            return [Outcome(r, mq.FAILED, MISSING_BODY) for r in it.recipient_ids]
+            return [Outcome(r, mq.FAILED, MISSING_BODY, local=True) for r in it.recipient_ids]
         await faults.acheck("deliver", row)
         # SMTPUTF8 and 8BITMIME as the message needs them and the next hop offers them; a next hop
         # that cannot take it gets no attempt (5.6.7 / 5.6.9 / 5.6.3 and a DSN).
@@ -387,7 +387,7 @@ class SmtpConnector:
                              next_hop_smtputf8=client.supports_extension("smtputf8"),
                              next_hop_8bitmime=client.supports_extension("8bitmime"))
         if plan.error:
-            return [Outcome(r, mq.FAILED, plan.error) for r in it.recipient_ids]
+            return [Outcome(r, mq.FAILED, plan.error, local=True) for r in it.recipient_ids]
         options = list(plan.options)
         if client.supports_extension("size"):
             options.append(f"SIZE={len(plan.data)}")

@@ -163,7 +163,7 @@ class OutcomeRecorder:
         params = dict(zip(it.recipient_ids, it.dsn_params))
         reports = [RecipientReport(address=addr[o.recipient_id], action=_action(it, o),
                                    status="4.4.7" if expiry else status_of(o.reply), diagnostic=o.reply,
-                                   remote_mta="" if expiry or it.delivery_type == MAILBOX else remote,
+                                   remote_mta="" if expiry or o.local or it.delivery_type == MAILBOX else remote,
                                    last_attempt=None if expiry else utc(now),
                                    original_recipient=dsnparams.orcpt_of(params.get(o.recipient_id, "")))
                    for o in told]

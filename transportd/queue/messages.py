@@ -79,6 +79,9 @@ class Outcome:
     status: str  # DELIVERED | RETRY | FAILED, or READY: handed back unattempted
     reply: str = ""
     duplicate: bool = False
+    # the reply is this node's own (no attempt: a next hop that cannot take the message, its body
+    # gone), not one a remote server sent: a DSN names no Remote-MTA for it (RFC 3464 2.3.5)
+    local: bool = False
 
 
 @dataclass
