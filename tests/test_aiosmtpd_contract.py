@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 # Members of aiosmtpd.smtp.SMTP used by LimitedSMTP / TransportSMTP, and what for.
 METHODS = {
     "_handle_client": "connection refused over a limit: reply and close before the session starts",
-    "_timeout_cb": "ConnectionInactivityTimeout: say 421 before aiosmtpd closes",
+    "_timeout_cb": "ConnectionInactivityTimeout: replaced, 421 then close (only while the client is awaited)",
     "_reset_timeout": "DATA lines count as activity; a deadline pushed back, not a timer re-armed",
     "_call_handler_hook": "DATA read in chunks, then the handler's DATA hook",
     "_set_post_data_state": "after DATA",
@@ -39,6 +39,8 @@ INSTANCE_ATTRIBUTES = {
     "_decode_data": "the chunked reader only works on undecoded data",
     "_handler_coroutine": "cancelled by aiosmtpd when the client goes away (we shield commits)",
     "_auth_required": "BDAT refuses a chunk before AUTH where AUTH is required, as DATA does",
+    "_paused": "asyncio's flow control (StreamReaderProtocol): a reply the client does not read is its wait, "
+               "so the time-outs apply (_ClientWait)",
 }
 
 

@@ -19,7 +19,7 @@ import sys
 import time
 
 import pytest
-from conftest import free_port, queued_id, swaks, wait_for, write_toml
+from conftest import free_port, queued_id, silent_peer, swaks, wait_for, write_toml
 
 NODE_NAME = "node1.transportd.test"
 ENHANCED = re.compile(r"^\d{3} [245]\.\d{1,3}\.\d{1,3} ")
@@ -658,6 +658,58 @@ def test_absolute_connection_timeout(make_node):
     assert c.closed_by_peer(2)
     assert noops >= 4  # the inactivity timer (1.5 s) never fired: the NOOPs kept it alive
     assert 1.7 <= elapsed <= 3.0, elapsed
+
+
+def delayed_ack_node(make_node, next_hop_port: int, **frontend):
+    """A shadow redundancy 2010 node whose smart host never answers: every message's 250 is held
+    for max_acknowledgement_delay (3 s) after the message was made durable."""
+    return make_node(smart_host=f"127.0.0.1:{next_hop_port}", overrides={
+        "shadow_redundancy": {"shadow_redundancy_enabled": True, "version": "2010"},
+        "frontend": {"max_acknowledgement_delay": 3, **frontend},
+        "delivery": {"send_connect_timeout": 30}}).start()
+
+
+def test_the_inactivity_timeout_waits_for_a_held_acknowledgement(make_node):
+    """RFC 5321 4.5.3.2.7: the server's timeout is for waiting on its client. While the 250 of a
+    durable message is held (2010's delayed acknowledgement) the client waits on the server: a
+    421 then would make it send the message again (a duplicate). The idle time counts from the
+    reply; past it the session is closed as usual."""
+    with silent_peer() as hop:
+        node = delayed_ack_node(make_node, hop, connection_inactivity_timeout=2)
+        c = Raw(node.port, timeout=10)
+        ehlo(c)
+        t0 = time.monotonic()
+        r = send_one(c, "a@remote.test", ["carol@elsewhere.test"], b"Subject: held-ack\r\n\r\nhi\r\n")
+        assert re.fullmatch(r"250 2\.0\.0 Ok: queued as \d+", r), r
+        assert time.monotonic() - t0 >= 2.5  # held: the acknowledgement delay, not the idle limit
+        time.sleep(1.3)  # idle, but less than the limit since the reply
+        assert_reply(c.cmd("NOOP"), 250, "2.0.0")
+        t1 = time.monotonic()
+        assert c.reply() == [f"421 4.4.2 {NODE_NAME} Connection timed out"]
+        assert 1.6 <= time.monotonic() - t1 <= 3.5  # the limit, counted from the NOOP's reply
+        assert c.closed_by_peer(2)
+        assert [m["subject"] for m in messages(node)] == ["held-ack"]
+
+
+def test_the_absolute_timeout_waits_for_a_held_acknowledgement(make_node):
+    """The session's absolute limit passes while a message's 250 is held: the 250 goes out, then
+    the 421, and the session ends (never a 421 for a message the node already holds)."""
+    with silent_peer() as hop:
+        node = delayed_ack_node(make_node, hop, connection_timeout=2, connection_inactivity_timeout=2)
+        c = Raw(node.port, timeout=10)
+        t0 = time.monotonic()
+        ehlo(c)
+        while time.monotonic() - t0 < 1.0:  # busy, not idle: the inactivity limit stays away
+            assert_reply(c.cmd("NOOP"), 250, "2.0.0")
+            time.sleep(0.2)
+        r = send_one(c, "a@remote.test", ["carol@elsewhere.test"], b"Subject: held-ack\r\n\r\nhi\r\n")
+        assert re.fullmatch(r"250 2\.0\.0 Ok: queued as \d+", r), r
+        assert time.monotonic() - t0 >= 3.5  # the 250 came after the session's limit had passed
+        t1 = time.monotonic()
+        assert c.reply() == [f"421 4.4.2 {NODE_NAME} Connection timed out"]
+        assert time.monotonic() - t1 < 1.0  # right after the 250, not at the idle limit (2 s)
+        assert c.closed_by_peer(2)
+        assert [m["subject"] for m in messages(node)] == ["held-ack"]
 
 
 # --------------------------------------------------------------------------- 9. STARTTLS and AUTH

@@ -302,6 +302,7 @@ class _Replies:
     _held: list[bytes]
     _plain_250: bool
     _writer: asyncio.StreamWriter
+    _replied: Callable[[], None]
     enable_SMTPUTF8: bool
     _param_error = ""  # what was wrong with MAIL's or RCPT's parameters (_DsnParameters)
 
@@ -330,6 +331,7 @@ class _Replies:
             self._held.clear()
         self._writer.write(data)
         await self._writer.drain()
+        self._replied()  # the client's turn (_ClientWait)
 
 
 class _AuthParameter:
@@ -467,7 +469,8 @@ class _InactivityDeadline:
     cancels and re-creates its timer at every command, and LimitedSMTP counts every chunk a client
     sends as activity too (a dozen timers per message). Here activity only moves the deadline; the
     one timer, when it fires early, sets itself for the deadline; a shorter duration (aiosmtpd's
-    PROXY time-out) re-arms it at once. Past the deadline aiosmtpd's ``_timeout_cb`` runs as before."""
+    PROXY time-out) re-arms it at once. Past the deadline ``_timeout_cb`` runs, unless a command is
+    being carried out: then the client is not idle, and the reply moves the deadline (_ClientWait)."""
 
     loop: asyncio.AbstractEventLoop
     _timeout_duration: float
@@ -486,10 +489,74 @@ class _InactivityDeadline:
 
     def _inactivity_check(self) -> None:
         left = self._inactive_at - self.loop.time()
+        if left <= 0 and self._serving_command():  # type: ignore[attr-defined]
+            left = self._timeout_duration  # the client is not idle; the reply moves the deadline
         if left > 0:
             self._timeout_handle = self.loop.call_later(left, self._inactivity_check)
         else:
             self._timeout_cb()  # type: ignore[attr-defined]
+
+
+class _ClientWait:
+    """RFC 5321 4.5.3.2: a server's time-outs measure how long it waits for its client. While a
+    command is carried out (a message made durable, its 250 held for a delayed acknowledgement or
+    a shadow copy) the client waits for us: a 421 then would end a session whose message the node
+    already holds, and the client would send it again (a duplicate). So neither time-out ends a
+    session before the command's reply is out: the idle time counts from the reply, and the
+    absolute limit (ConnectionTimeout), when it passed meanwhile, applies right after it."""
+
+    loop: asyncio.AbstractEventLoop
+    transport: Any
+    session: Session | None
+    hostname: str
+    _connection_timeout: float
+    _paused: bool  # asyncio's flow control: the client does not read what we write
+    _absolute_handle: asyncio.TimerHandle | None = None
+    _absolute_due = False  # the absolute limit passed while a command was carried out
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.transport is None:  # not again after STARTTLS
+            self._absolute_handle = self.loop.call_later(self._connection_timeout, self._absolute_timeout)
+        super().connection_made(transport)  # type: ignore[misc]
+
+    def connection_lost(self, error: Exception | None) -> None:
+        if self._absolute_handle is not None:
+            self._absolute_handle.cancel()
+            self._absolute_handle = None
+        super().connection_lost(error)  # type: ignore[misc]
+
+    def _serving_command(self) -> bool:
+        """A command is being carried out: the client waits for its reply. (A reply the client
+        does not read, writes paused, is the client's wait, not ours.)"""
+        return self.transport is not None and not self.waiting_for_client() and not self._paused  # type: ignore[attr-defined]
+
+    def _replied(self) -> None:
+        if self.transport is None:
+            return
+        self._reset_timeout()  # type: ignore[attr-defined]
+        if self._absolute_due:
+            self._time_out("connection timeout (absolute, after the reply to the command it came in)")
+
+    def _timeout_cb(self) -> None:
+        self._time_out("inactivity timeout")
+
+    def _absolute_timeout(self) -> None:
+        self._absolute_handle = None
+        if self.transport is None:
+            return
+        if self._serving_command():
+            self._absolute_due = True  # applied once the reply is out (_replied)
+            return
+        self._time_out("connection timeout (absolute)")
+
+    def _time_out(self, what: str) -> None:
+        """421 4.4.2 and close (aiosmtpd's time-out closes without a word)."""
+        self._absolute_due = False
+        if self.transport is None:
+            return
+        log.info("%r %s", self.session.peer if self.session else None, what)
+        self._say_and_close(replies.S421_TIMEOUT.format(host=self.hostname))  # type: ignore[attr-defined]
+        self.transport.close()
 
 
 class EndOfInput(ConnectionResetError):
@@ -576,7 +643,7 @@ IMPLICIT_TLS = object()
 
 
 class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _ShutdownNotice, HalfClose, _ImplicitTLS, _DsnParameters,
-                  _AuthParameter, _InactivityDeadline, SMTP):
+                  _AuthParameter, _ClientWait, _InactivityDeadline, SMTP):
     """aiosmtpd's SMTP with connection limits, an absolute timeout and our reply wording."""
 
     def __init__(self, handler: Any, *, counter: ConnectionCounter, connection_timeout: float,
@@ -594,7 +661,6 @@ class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _ShutdownNotice, HalfClose, _
         self._connection_timeout = connection_timeout
         self._refusal: str | None = None
         self._counted_ip: str | None = None
-        self._absolute_handle: asyncio.TimerHandle | None = None
         self._plain_250 = False  # HELO/EHLO replies carry no enhanced status code (RFC 2034)
         self._held: list[bytes] = []  # lines of a multiline reply not written yet (push)
         self.chunking = chunking  # CHUNKING offered (EHLO) and BDAT served
@@ -608,16 +674,12 @@ class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _ShutdownNotice, HalfClose, _
             self._refusal = self._counter.acquire(ip)
             if self._refusal is None:
                 self._counted_ip = ip
-            self._absolute_handle = self.loop.call_later(self._connection_timeout, self._absolute_timeout)
         super().connection_made(transport)
 
     def connection_lost(self, error: Exception | None) -> None:
         if self._counted_ip is not None:
             self._counter.release(self._counted_ip)
             self._counted_ip = None
-        if self._absolute_handle is not None:
-            self._absolute_handle.cancel()
-            self._absolute_handle = None
         super().connection_lost(error)
 
     async def _handle_client(self) -> None:
@@ -646,19 +708,6 @@ class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _ShutdownNotice, HalfClose, _
                 self._held.clear()
             except Exception:  # noqa: BLE001 - the connection is going away anyway
                 pass
-
-    def _timeout_cb(self) -> None:
-        log.info("%r inactivity timeout", self.session.peer if self.session else None)
-        self._say_and_close(replies.S421_TIMEOUT.format(host=self.hostname))
-        super()._timeout_cb()
-
-    def _absolute_timeout(self) -> None:
-        self._absolute_handle = None
-        if self.transport is None:
-            return
-        log.info("%r connection timeout (absolute)", self.session.peer if self.session else None)
-        self._say_and_close(replies.S421_TIMEOUT.format(host=self.hostname))
-        self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         # Any bytes from the client are activity, DATA lines included (aiosmtpd counts commands only).
