@@ -2,13 +2,15 @@
 
 The reference below reads one CRLF-terminated line at a time, as aiosmtpd does: a lone dot ends
 the data, a leading dot is removed, a line (CRLF included) longer than the limit or more octets
-than the size limit make an error. Hypothesis draws messages with dot lines, bare CRs and LFs,
+than the size limit make an error; the length is that of the lines the message is sent on as,
+where a bare CR or LF ends a line too (smtp/transaction.py's dot_stuff makes each a CRLF). Hypothesis draws messages with dot lines, bare CRs and LFs,
 long lines and pipelined commands after the end, fed to the stream in random pieces.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -27,7 +29,7 @@ def reference(stream: bytes, size_limit: int | None, line_limit: int) -> tuple[b
         size += len(stored)  # RFC 1870 section 4: the size excludes the doubled quoting dots
         if error is None and size_limit and size > size_limit:
             error = DATA_TOO_MUCH
-        if error is None and len(line) > line_limit:  # the line as sent
+        if error is None and max(map(len, re.split(rb"\r\n|\r|\n", line[:-2]))) + 2 > line_limit:  # as sent
             error = DATA_TOO_LONG
         lines.append(stored)
     return (b"" if error else b"".join(lines)), error, stream[pos:]
@@ -104,3 +106,15 @@ def test_long_message_in_one_piece_and_limits():
     long_line = b"y" * 5000 + b"\r\n"
     assert asyncio.run(feed_and_read(b"ok\r\n" + long_line + b".\r\n", [7, 900], None, 1002))[:2] == \
         (b"", DATA_TOO_LONG)
+
+
+def test_bare_line_ends_end_a_line_for_the_length_check():
+    """A message of short lines ended by bare LFs (or CRs) is no long line, however long it is
+    between two CRLFs, also after a stuffing dot; a line over the limit with no line end is."""
+    short = b"".join(b"%02d " % i + b"x" * 50 + b"\n" for i in range(40))  # 54 octets a line
+    for stream in (short + b"\r\n.\r\n", b".." + short + b"\r\n.\r\n", short.replace(b"\n", b"\r") + b"\r\n.\r\n"):
+        content, error = asyncio.run(feed_and_read(stream, [5, 700], None, 102))[:2]
+        assert error is None and content == (stream[1:] if stream.startswith(b"..") else stream)[:-3]
+    assert asyncio.run(feed_and_read(b"y" * 101 + b"\n" + short + b"\r\n.\r\n", [], None, 102))[1] == DATA_TOO_LONG
+    assert asyncio.run(feed_and_read(b"." + b"y" * 100 + b"\n\r\n.\r\n", [], None, 102))[1] == DATA_TOO_LONG
+    assert asyncio.run(feed_and_read(b"." + b"y" * 99 + b"\n\r\n.\r\n", [], None, 102))[1] is None

@@ -415,6 +415,29 @@ def test_over_long_lines(make_node):
     assert [m["subject"] for m in messages(node)] == ["max-line"]
 
 
+def test_bare_lf_lines_are_measured_one_by_one(make_node):
+    """A bare LF ends a line for the length check too: the message is sent on with each one made a
+    CRLF (smtp/transaction.py), so a bare-LF message of short lines over 1000 octets in all is no
+    long line (it got 500 5.5.2), over DATA, over BDAT, and in a line that starts with a stuffed
+    dot. A line over the limit with no line end in it is still refused."""
+    node = make_node().start()
+    lines = b"".join(b"line %02d " % i + b"x" * 50 + b"\n" for i in range(30))  # 58 octets each
+    body = b"Subject: lf-only\n\n" + lines
+    c = Raw(node.port)
+    ehlo(c)
+    r = send_one(c, "a@remote.test", ["alice@example.test"], body + b"\r\n")
+    assert re.fullmatch(r"250 2\.0\.0 Ok: queued as \d+", r), r
+    r = send_one(c, "a@remote.test", ["alice@example.test"], b"Subject: dot-lf\r\n\r\n.." + lines + b"\r\n")
+    assert re.fullmatch(r"250 2\.0\.0 Ok: queued as \d+", r), r
+    got = bdat_message(c, [b"Subject: bdat-lf\n\n" + lines])
+    assert re.fullmatch(r"250 2\.0\.0 Ok: queued as \d+", got[-1]), got
+    long_line = b"Subject: long-lf\n\n" + b"z" * 1001 + b"\n" + lines
+    assert_reply(send_one(c, "a@remote.test", ["alice@example.test"], long_line + b"\r\n"), 500, "5.5.2")
+    assert_reply(bdat_message(c, [long_line])[-1], 500, "5.5.2")
+    assert_reply(c.cmd("QUIT"), 221, "2.0.0")
+    assert sorted(m["subject"] for m in messages(node)) == ["bdat-lf", "dot-lf", "lf-only"]
+
+
 # --------------------------------------------------------------------------- 5. recipients
 
 def test_too_many_recipients(make_node):

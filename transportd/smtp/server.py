@@ -39,7 +39,8 @@ async def read_data(reader: asyncio.StreamReader, size_limit: int | None,
     10 KiB message), in chunks as large as the stream's limit: the separator searched is a line
     feed followed by a dot, so only lines that start with a dot take a step of their own. Never
     reads past the terminating line, so pipelined commands stay in ``reader``.
-    ``error``: None, DATA_TOO_LONG (a line, CRLF included, over ``line_limit``) or DATA_TOO_MUCH
+    ``error``: None, DATA_TOO_LONG (a line, its line end included, over ``line_limit``; a bare CR or
+    LF ends a line too, see ``_lines_fit``) or DATA_TOO_MUCH
     (more than ``size_limit`` octets); after an error the content is dropped but the message is
     still read to its end. ``size_limit`` counts the message's octets, CRLFs included, stuffing
     dots not (RFC 1870 section 4, as SIZE declares it).
@@ -63,12 +64,12 @@ async def read_data(reader: asyncio.StreamReader, size_limit: int | None,
     while True:
         if dot:
             dot = False
-            rest, too_long = await _rest_of_line(reader)
+            rest = await _rest_of_line(reader)
             if rest == b"\r\n":
                 break  # the lone dot: end of data
             # the stuffing dot: dropped from the content, and not counted (RFC 1870 section 4:
-            # a message's size excludes "any doubled quoting dots")
-            if too_long or 1 + len(rest) > line_limit:
+            # a message's size excludes "any doubled quoting dots"); the line as sent counts it
+            if 1 + _first_line_length(rest) + 2 > line_limit:
                 error = error or DATA_TOO_LONG
             add(rest)
             line_start = True
@@ -99,15 +100,32 @@ async def read_data(reader: asyncio.StreamReader, size_limit: int | None,
     if error is not None:
         return b"", error
     data = b"".join(parts)
-    # Lines read in chunks were not measured one by one: measure them now (unstuffed ones were).
+    # Lines read in chunks were not measured one by one: measure them now (a line's stuffing dot
+    # was counted above).
     if data and not _lines_fit(data, line_limit):
         return b"", DATA_TOO_LONG
     return data, None
 
 
+_LINE_END = re.compile(rb"\r\n|[\r\n]")
+"""Where a line of a message ends as it is sent on: a CRLF, or a bare CR or LF, which
+smtp/transaction.py's dot_stuff makes a CRLF."""
+
+
 def _lines_fit(data: bytes, line_limit: int) -> bool:
-    """Every line of ``data``, its CRLF included, is at most ``line_limit`` octets."""
-    return max(map(len, data.split(b"\r\n"))) + 2 <= line_limit
+    """Every line of ``data``, its CRLF included, is at most ``line_limit`` octets, lines measured
+    as the message is sent on: a bare CR or LF ends a line too (a message of short bare-LF lines
+    is no long line, whatever its size). Most messages fit even counted from CRLF to CRLF, which
+    is the quicker look."""
+    if max(map(len, data.split(b"\r\n"))) + 2 <= line_limit:
+        return True
+    return max(map(len, _LINE_END.split(data))) + 2 <= line_limit
+
+
+def _first_line_length(data: bytes) -> int:
+    """Octets of ``data``'s first line, its line end (_LINE_END) not included."""
+    end = _LINE_END.search(data)
+    return len(data) if end is None else end.start()
 
 
 def _bdat_arg(arg: str | None) -> tuple[int, bool] | None:
@@ -139,16 +157,15 @@ class _Chunks:
         return b"".join(self.parts)
 
 
-async def _rest_of_line(reader: asyncio.StreamReader) -> tuple[bytes, bool]:
-    """The rest of the current line, CRLF included; True when it is over the stream's limit."""
+async def _rest_of_line(reader: asyncio.StreamReader) -> bytes:
+    """The rest of the current line, up to its CRLF and with it (bare LFs on the way included:
+    only CRLF ends a line for the dots of RFC 5321 4.5.2), over the stream's limit or not."""
     parts: list[bytes] = []
-    too_long = False
     while True:
         try:
             parts.append(await reader.readuntil(b"\r\n"))
-            return b"".join(parts), too_long
+            return b"".join(parts)
         except asyncio.LimitOverrunError as exc:
-            too_long = True
             parts.append(await reader.readexactly(exc.consumed))
 
 
