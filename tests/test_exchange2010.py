@@ -78,6 +78,39 @@ def test_2010_transport_connector_offers_xshadow_and_takes_no_shadow_request(clu
         s.close()
 
 
+def test_a_local_part_that_begins_xshadow_is_a_plain_sender_on_the_transport_connector(cluster, sink):
+    """``xshadow=bob`` is a legal local part (RFC 5321 4.1.2's atext holds '='): only an ``XSHADOW=``
+    among MAIL's parameters is the shadow redundancy one. Such a sender was refused 550 5.7.1 to a
+    client that is no peer, 503 to a peer before XSHADOW and 451 (an internal error) after it."""
+    c = cluster(overrides=V2010, nodes=2, sites=1).start("node1")
+    node1, node2 = c["node1"], c["node2"]
+    guid = "11111111-2222-4333-8444-555555555555"
+    s = smtp(node1.transport_host, node1.transport_port)
+    try:
+        assert reply(s, "MAIL FROM:<xshadow=bob@b.test>")[0] == 250
+        assert reply(s, "RSET")[0] == 250
+        assert reply(s, f"MAIL FROM:<bob@b.test> XSHADOW={guid}")[0] == 550  # the parameter: peers only
+    finally:
+        s.close()
+    s = smtp(node1.transport_host, node1.transport_port, helo=node2.name)
+    try:
+        assert auth_plain(s, node2.name, c.secret)[0] == 235
+        assert reply(s, "MAIL FROM:<xshadow=bob@b.test>")[0] == 250
+        assert reply(s, "RSET")[0] == 250
+        assert reply(s, "XSHADOW " + base64.b64encode(node2.name.encode()).decode())[0] == 250
+        assert reply(s, 'MAIL FROM:<"xshadow=x XSHADOW=y"@b.test>')[0] == 250  # a quoted local part too
+        assert reply(s, "RSET")[0] == 250
+        assert reply(s, "MAIL FROM:<xshadow=bob@b.test>")[0] == 250
+        assert reply(s, f"RCPT TO:<{LOCAL}>")[0] == 250
+        code, text = s.data(b"Subject: xshadow local part\r\n\r\nhi\r\n")
+        assert code == 250, text
+    finally:
+        s.close()
+    row = one(node1.tracking(event_id="RECEIVE"))
+    assert row["sender-address"] == "xshadow=bob@b.test", row
+    assert "AssertionError" not in node1.log()
+
+
 def test_delayed_ack_waits_for_the_next_hop_then_answers(make_node, sink):
     sink.start()
     node, mport = node2010(make_node, sink.address, max_acknowledgement_delay=20)

@@ -609,6 +609,31 @@ def test_mail_with_xshadow_after_xshadow() -> None:
     assert one(s, f"MAIL FROM:<a@x> XSHADOW={G2}") == MailWithShadow(G2, "FROM:<a@x>")
 
 
+@pytest.mark.parametrize("arg", ["FROM:<xshadow=bob@b.test>", "FROM:<XSHADOW=b@x> SIZE=10",
+                                 'FROM:<"a XSHADOW=b"@x>', 'FROM:<"a> XSHADOW=b"@x> BODY=8BITMIME'])
+@pytest.mark.parametrize("state", ["anyone", "peer", "after XSHADOW"])
+def test_a_local_part_that_reads_xshadow_is_a_plain_mail(arg: str, state: str) -> None:
+    """Only an ESMTP parameter after the path is XSHADOW=: ``xshadow=bob`` is a legal local part."""
+    s = ServerConnection(SHADOW, S_DBID)
+    if state != "anyone":
+        s.authenticated(PRIMARY)
+    if state == "after XSHADOW":
+        one(s, XSHADOW)
+    assert s.receive_command("MAIL", arg) == [OtherCommand(f"MAIL {arg}".encode())]
+    s.transaction_started()
+    assert s.shadow_guid is None
+
+
+def test_xshadow_is_split_off_the_parameters_only() -> None:
+    s = server()
+    one(s, XSHADOW)
+    assert one(s, f'MAIL FROM:<"a> XSHADOW=b"@x> XSHADOW={G1} SIZE=9') == MailWithShadow(G1, 'FROM:<"a> XSHADOW=b"@x> SIZE=9')
+    s.transaction_ended()
+    assert one(s, f"MAIL FROM:<xshadow={G2}@x> XSHADOW={G1}") == MailWithShadow(G1, f"FROM:<xshadow={G2}@x>")
+    s.transaction_ended()
+    assert one(s, f"MAIL FROM:<xshadow=bob@x>XSHADOW={G1}") == MailWithShadow(G1, "FROM:<xshadow=bob@x>")
+
+
 @pytest.mark.parametrize("arg", ["FROM:<a@x> XSHADOW=nope", f"FROM:<a@x> XSHADOW={G1} XSHADOW={G2}",
                                  "FROM:<a@x> XSHADOW="])
 def test_mail_with_a_bad_xshadow_parameter(arg: str) -> None:

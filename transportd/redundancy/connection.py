@@ -39,6 +39,7 @@ from transportd.redundancy.protocol import (
     format_discard_reply,
     format_xshadowadopt,
     format_xshadowrequest,
+    has_xshadow_param,
     parse_adopt_reply,
     parse_discard_entries,
     parse_guid,
@@ -542,8 +543,8 @@ class ServerConnection:
     def _command(self, verb: str, arg: str | None, line: bytes) -> Event:
         self._pending = self._mail_guid = None
         verb = verb.upper()
-        if verb == "MAIL" and arg and "XSHADOW=" in arg.upper():
-            return self._mail(arg)
+        if verb == "MAIL" and arg and has_xshadow_param(arg):  # never a local part ``xshadow=...``
+            return self._mail(arg, line)
         handler = {"XSHADOWREQUEST": self._xshadowrequest, "XSHADOW": self._xshadow,
                    "XQDISCARD": self._xqdiscard, "XQUERYDISCARD": self._xqdiscard,
                    "XRESUBMIT": self._xresubmit, "XSHADOWADOPT": self._xshadowadopt}.get(verb)
@@ -631,7 +632,7 @@ class ServerConnection:
             return Refusal(_wire(S501_INVALID_ARGUMENTS), "a node cannot adopt its own shadows")
         return AdoptRequested(self.peer_fqdn, old_primary, rank, tuple(guids))
 
-    def _mail(self, arg: str) -> Event:
+    def _mail(self, arg: str, line: bytes) -> Event:
         if refusal := self._refusal(check_transaction=False):
             return refusal  # a MAIL inside a transaction is the normal MAIL handling's to refuse
         if not (self.shadow_request or self.xshadow_peer):
@@ -640,7 +641,8 @@ class ServerConnection:
             rest, guid, rank = split_shadow_params(arg)
         except ProtocolError as exc:
             return Refusal(_wire(S501_INVALID_ARGUMENTS), str(exc))
-        assert guid is not None
+        if guid is None:
+            return OtherCommand(line)  # no XSHADOW= parameter after all: a plain MAIL
         self._mail_guid, self._mail_rank = guid, rank
         return MailWithShadow(guid, rest, rank)
 

@@ -183,18 +183,38 @@ def parse_rank(text: str) -> int:
     return int(t)
 
 
+_MAIL_PATH = re.compile(r'[ \t]*(?:FROM:)?[ \t]*(?:<(?:"(?:[^"\\]|\\.)*"|[^>"])*>|\S*)', re.IGNORECASE)
+"""The reverse-path at the start of a MAIL argument: ``<...>`` to its closing bracket (a quoted
+local part, which may hold blanks, '>' or '=', read whole), or without brackets up to a blank."""
+
+
+def _mail_parameters(arg: str) -> tuple[str, list[str]]:
+    """(path, parameter tokens) of a MAIL FROM argument: the tokens are what follows the path,
+    split at each space (the first is empty when a space follows the path)."""
+    match = _MAIL_PATH.match(arg)
+    end = match.end() if match else 0
+    return arg[:end], arg[end:].split(" ")
+
+
+def has_xshadow_param(arg: str) -> bool:
+    """MAIL's argument carries ``XSHADOW=`` among its ESMTP parameters. The path does not count: a
+    local part may begin ``xshadow=`` (RFC 5321 4.1.2's atext holds '='), a plain sender."""
+    return any(token[:8].upper() == "XSHADOW=" for token in _mail_parameters(arg)[1])
+
+
 def split_shadow_params(arg: str) -> tuple[str, str | None, int]:
-    """Remove ``XSHADOW=<guid>`` and ``XSHADOWRANK=<k>`` from a MAIL FROM argument; returns
-    (rest, guid or None, rank: 1 when not given)."""
+    """Remove ``XSHADOW=<guid>`` and ``XSHADOWRANK=<k>`` from the parameters of a MAIL FROM
+    argument (never from its path); returns (rest, guid or None, rank: 1 when not given)."""
     guid, rank = None, None
+    path, tokens = _mail_parameters(arg)
     kept = []
-    for i, token in enumerate(arg.split(" ")):
+    for token in tokens:
         name, _, value = token.partition("=")
-        if i > 0 and name.upper() == "XSHADOW":
+        if name.upper() == "XSHADOW":
             if guid is not None:
                 raise ProtocolError("XSHADOW= given twice")
             guid = parse_guid(value)
-        elif i > 0 and name.upper() == "XSHADOWRANK":
+        elif name.upper() == "XSHADOWRANK":
             if rank is not None:
                 raise ProtocolError("XSHADOWRANK= given twice")
             rank = parse_rank(value)
@@ -202,7 +222,7 @@ def split_shadow_params(arg: str) -> tuple[str, str | None, int]:
             kept.append(token)
     if rank is not None and guid is None:
         raise ProtocolError("XSHADOWRANK= without XSHADOW=")
-    return " ".join(kept), guid, rank or 1
+    return path + " ".join(kept), guid, rank or 1
 
 
 def split_xshadow_param(arg: str) -> tuple[str, str | None]:

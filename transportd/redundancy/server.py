@@ -30,7 +30,11 @@ from transportd.redundancy.connection import (
     ShadowRequestReceived,
     XShadowReceived,
 )
-from transportd.redundancy.protocol import RCPT_DISCARDS_KEYWORD, redundancy_reply
+from transportd.redundancy.protocol import (
+    RCPT_DISCARDS_KEYWORD,
+    has_xshadow_param,
+    redundancy_reply,
+)
 from transportd.smtp import replies
 from transportd.smtp.addresses import valid_address
 from transportd.smtp.frontend import FrontendHandler, add_recipient, log_failure, undeclared_utf8
@@ -168,11 +172,14 @@ class TransportSMTP(LimitedSMTP):
             await self._write(self.conn.adopt_reply(adopted))
 
     async def smtp_MAIL(self, arg: str | None) -> None:
-        if arg and "XSHADOW=" in arg.upper():
+        """MAIL; with an ``XSHADOW=`` parameter (not a local part ``xshadow=...``, a plain sender)
+        judged by the connection first, and taken off before aiosmtpd reads the rest."""
+        if arg and has_xshadow_param(arg):
             event = await self._judge("MAIL", arg)
-            if not isinstance(event, MailWithShadow):
-                return
-            arg = event.rest_of_arg
+            if isinstance(event, Refusal):
+                return  # answered
+            if isinstance(event, MailWithShadow):
+                arg = event.rest_of_arg
         await super().smtp_MAIL(arg)
         if self.envelope.mail_from is not None:
             self.conn.transaction_started()
