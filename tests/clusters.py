@@ -249,8 +249,9 @@ def one(rows: list[dict], what: str = "") -> dict:
 
 # ------------------------------------------------------------------------------ transport connector sessions
 
-def smtp(host: str, port: int, helo: str = "client.example") -> smtplib.SMTP:
-    s = smtplib.SMTP(host, port, local_hostname=helo, timeout=10)
+def smtp(host: str, port: int, helo: str = "client.example", source: str | None = None) -> smtplib.SMTP:
+    s = smtplib.SMTP(host, port, local_hostname=helo, timeout=10,
+                     source_address=(source, 0) if source else None)
     s.ehlo(helo)
     return s
 

@@ -171,6 +171,41 @@ def test_command_rate_limit_off_by_default(make_node):
     assert got.count(b"250 2.0.0 OK") == 200 and b"221 2.0.0" in got
 
 
+def test_transport_connector_holds_a_client_that_is_no_peer_to_the_frontend_limits(make_node):
+    """frontend.max_header_size and frontend.max_command_rate guard the transport connector too,
+    against every session that has not authenticated as a boundary peer (anyone may connect
+    there); a peer is trusted (its node applied them when the message came in)."""
+    node = peer_node(make_node, frontend={"max_header_size": "2KB", "max_command_rate": 5})
+    time.sleep(1.0)  # kept: no daemon scan is awaited here (the buckets depend on the clock alone)
+    big = b"Subject: big header\r\n" + b"".join(b"X-Pad-%d: %s\r\n" % (i, b"p" * 70) for i in range(40)) + \
+        b"\r\nbody\r\n"
+    peer = smtp("127.0.0.1", node.transport_port, helo=PEER)
+    try:
+        assert auth_plain(peer, PEER, SECRET)[0] == 235
+        for _ in range(30):  # a peer is not rate limited (5/s, burst 10)
+            assert reply(peer, "NOOP")[0] == 250
+        assert reply(peer, "MAIL FROM:<a@remote.test>")[0] == 250
+        assert reply(peer, "RCPT TO:<alice@example.test>")[0] == 250
+        code, text = peer.data(big)
+        assert code == 250, text
+    finally:
+        peer.close()
+    stranger = smtp("127.0.0.1", node.transport_port, helo="client.example", source="127.0.0.2")
+    try:
+        assert reply(stranger, "MAIL FROM:<a@remote.test>")[0] == 250
+        assert reply(stranger, "RCPT TO:<alice@example.test>")[0] == 250
+        assert stranger.data(big) == (552, b"5.3.4 Header size exceeds fixed maximum size")
+    finally:
+        stranger.close()
+    time.sleep(2.5)  # part of the scenario: 127.0.0.2's bucket refills (a clock)
+    flood = raw(node.transport_port, source="127.0.0.2")
+    flood.sendall(b"EHLO flood.test\r\n" + b"NOOP\r\n" * 40)
+    got = read_all(flood, 5)
+    flood.close()
+    assert b"421 4.7.0 Too many commands from your address, slow down" in got, got[-300:]
+    assert node.alive
+
+
 # ------------------------------------------------------------------------------ slow loris
 
 @pytest.mark.parametrize("where", ["command", "data"])

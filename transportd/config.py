@@ -407,7 +407,8 @@ KEYS: tuple[Key, ...] = (
     Key("frontend", "max_message_size", 36 * MB, parse_size,
         "largest message accepted (bytes); larger gets 552 5.3.4", "MaxMessageSize", SIZE, limits=(1 * KB, 2 * GB)),
     Key("frontend", "max_header_size", 256 * KB, parse_size,
-        "largest header section accepted (bytes, up to the empty line that ends it); larger gets 552 5.3.4",
+        "largest header section accepted (bytes, up to the empty line that ends it); larger gets 552 5.3.4 (on the "
+        "transport connector too, from any client but an authenticated peer)",
         "MaxHeaderSize", SIZE, limits=(1 * KB, 2 * GB)),
     Key("frontend", "max_recipients_per_message", 200, _int,
         "recipients accepted per message; more get 452 4.5.3", "MaxRecipientsPerMessage", limits=(1, 512000)),
@@ -600,8 +601,9 @@ KEYS: tuple[Key, ...] = (
         "so one per domain with MX routing); the rest are summed up under queue=\"other\"", limits=(1, 10000)),
     # frontend command-rate limit (docs/security.md)
     Key("frontend", "max_command_rate", 0, _int,
-        "SMTP commands per second accepted from one IP address over all its frontend sessions (bursts up "
-        "to twice that); beyond it 421 4.7.0 and the session is closed; 0 = no limit", limits=(0, 100000)),
+        "SMTP commands per second accepted from one IP address over all its sessions of a receive connector "
+        "(on the transport connector: sessions not authenticated as a peer) (bursts up to twice that); beyond "
+        "it 421 4.7.0 and the session is closed; 0 = no limit", limits=(0, 100000)),
 )
 
 SECTIONS = tuple(dict.fromkeys(k.section for k in KEYS))

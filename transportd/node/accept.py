@@ -94,6 +94,17 @@ def tracking_row(internal_id: int, msg: NewMessage) -> dict:
             "client_ip": msg.client_ip, "client_hostname": msg.client_hostname}
 
 
+def check_header_size(envelope: Envelope, session: Session, limit: int) -> None:
+    """MaxHeaderSize, before any header is parsed: a header section of megabytes is refused for
+    its size (552 5.3.4), as Exchange does, not parsed (seconds of the event loop) and relayed.
+    Every client is held to it, on either connector, but an authenticated boundary peer: its node
+    applied the limit when the message came in (and a peer's copy must not be refused here)."""
+    if peer_name(session) is None and header_size(envelope.original_content or b"") > limit:
+        log.warning("message from %s refused: header section over frontend.max_header_size (%d octets)",
+                    str((session.peer or ("", 0))[0]), limit)
+        raise MessageRejected(S552_HEADER_TOO_BIG)
+
+
 class AcceptPath:
     def __init__(self, cfg: Any, store: QueueStore, events: NodeEvents, shadow: ShadowManager | None):
         self.cfg = cfg
@@ -131,13 +142,7 @@ class AcceptPath:
         now = time.time()
         if not envelope.rcpt_tos:
             raise MessageRejected(S554_NO_VALID_RECIPIENTS)
-        limit = self.cfg.frontend.max_header_size
-        if connector == "frontend" and header_size(envelope.original_content or b"") > limit:
-            # Before any header is parsed: a header section of megabytes is refused for its size,
-            # as Exchange's MaxHeaderSize does, not parsed (seconds of the event loop) and relayed.
-            log.warning("message from %s refused: header section over frontend.max_header_size (%d octets)",
-                        str((session.peer or ("", 0))[0]), limit)
-            raise MessageRejected(S552_HEADER_TOO_BIG)
+        check_header_size(envelope, session, self.cfg.frontend.max_header_size)
         msg = self._message(envelope, session, connector, now)
         session.accepted_message_id = msg.message_id  # for a reply that names it (Exchange's acceptance reply)
         # Every line logged while accepting it (the shadow copy's too) carries its id and client.

@@ -79,6 +79,11 @@ class TransportSMTP(LimitedSMTP):
         super().connection_made(transport)
         self.session.redundancy = self.conn  # the handler reads the session's protocol state here
 
+    def trusted_client(self) -> bool:
+        """A boundary peer, once authenticated, is not held to the frontend's command rate: anyone
+        else on this connector is (a peer's commands before its AUTH count, it is not known yet)."""
+        return peer_name(self.session) is not None
+
     @syntax("QUIT")
     async def smtp_QUIT(self, arg: str | None) -> None:
         if self.conn.discards_out:

@@ -710,13 +710,17 @@ class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _ShutdownNotice, HalfClose, _
     def _rate_limited(self, method: Callable[[str | None], Awaitable[None]]) -> Callable[[str | None], Awaitable[None]]:
         async def limited(arg: str | None) -> None:
             ip = str(self.session.peer[0]) if self.session and self.session.peer else ""
-            if not self._rate_limiter.allow(ip, self.loop.time()):
+            if not self.trusted_client() and not self._rate_limiter.allow(ip, self.loop.time()):
                 log.warning("%s over frontend.max_command_rate: session closed", ip)
                 await self.push(replies.S421_COMMAND_RATE)
                 self.transport.close()
                 return
             await method(arg)
         return functools.update_wrapper(limited, method)  # HELP reads the verb's syntax from it
+
+    def trusted_client(self) -> bool:
+        """The client is exempt from the per-source limits (TransportSMTP: an authenticated peer)."""
+        return False
 
     def _say_and_close(self, reply: str) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -935,9 +939,9 @@ def smtp_factory(cfg: Any, handler: Any, counter: ConnectionCounter,
         auth_kwargs = dict(auth_require_tls=True)
     cls = smtp_class or LimitedSMTP
     starttls_required = fe.require_tls if require_tls is None else require_tls
-    # The command-rate limit guards the frontend; peers on the transport connector are not limited.
+    # The command-rate limit guards both connectors; an authenticated peer is not limited (trusted_client).
     rate_kwargs: dict[str, Any] = {}
-    if smtp_class is None and fe.max_command_rate:
+    if fe.max_command_rate:
         rate_kwargs["rate_limiter"] = CommandRateLimiter(fe.max_command_rate)
 
     def factory() -> LimitedSMTP:
