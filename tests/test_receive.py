@@ -489,6 +489,7 @@ def test_garbage_gets_clean_errors_and_daemon_stays_up(make_node):
         (b"RCPT TO:<alice@example.test", "553 5.1.3"),
         (b"RCPT TO:<x\xff@example.test>", "501 5.1.3"),
         (b"RCPT TO:<a@[999.1.1.1]>", "501 5.1.3"),            # an address literal with no address
+        (b"RCPT TO:<a@[IPv6:fe80::1%eth0]>", "501 5.1.3"),    # a zone index (RFC 5321 4.1.3 has none)
         (b"RCPT TO:<bad address@example.test>", "501 5.1.3"),  # blanks in a local part not quoted
         (b"RCPT TO:<@relay.test:a b@example.test>", "501 5.1.3"),  # ...after a source route too
         (b"RCPT TO:<\"a\tb\"@example.test>", "501 5.1.3"),  # a tab is not qtextSMTP (RFC 5321 4.1.2)

@@ -211,6 +211,7 @@ def test_valid_addresses(address) -> None:
     '"a\r\nb"@example.test', '"' + "a" * 63 + '"@example.test',
     # Address literals that hold no address: no next hop can be found for them (RFC 5321 4.1.3).
     "a@[999.1.1.1]", "a@[2001:db8::1]", "a@[IPv6:2001:db8::g]", "a@[tag:content]", "a@[]", "a@[1.2.3]",
+    "a@[IPv6:fe80::1%eth0]", "a@[IPv6:fe80::1%1]", "a@[IPv6:fe80::1%]",  # no zone index in a literal
     "alice@-example.test", "alice@example-.test", "a,b@example.test", "a\r\nb@example.test",
     _address_of_octets(255), "a" * 65 + "@example.test", "ü" * 100 + "@" + "b" * 60 + ".test",
 ])

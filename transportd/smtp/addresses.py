@@ -77,13 +77,15 @@ def literal_address(domain: str) -> str | None:
     """The IP address of an address literal (RFC 5321 4.1.3): ``[192.0.2.1]`` gives ``192.0.2.1``,
     ``[IPv6:2001:db8::1]`` gives ``2001:db8::1``; None for a domain name, and for a literal that
     holds no valid address (``[999.1.1.1]``, a bare ``[2001:db8::1]``, a general literal
-    ``[tag:...]``: no next hop can be found for it)."""
+    ``[tag:...]``: no next hop can be found for it), or a zone index (``[IPv6:fe80::1%eth0]``:
+    RFC 5321 4.1.3's IPv6-addr has none, and it names an interface of the sender, not ours;
+    Python's ipaddress takes it)."""
     if not (domain.startswith("[") and domain.endswith("]")):
         return None
     inner = domain[1:-1]
     try:
         if inner[:5].lower() == "ipv6:":
-            return str(ipaddress.IPv6Address(inner[5:]))
+            return None if "%" in inner else str(ipaddress.IPv6Address(inner[5:]))
         return str(ipaddress.IPv4Address(inner))
     except ValueError:
         return None
