@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 
 S220_GREETING = "220 {host} ESMTP transportd ready"
+S220_READY_FOR_TLS = "220 2.0.0 Ready to start TLS"  # RFC 2034 exempts the greeting only, not STARTTLS's 220
+S214_HELP = "214 2.0.0 {text}"  # HELP's reply (RFC 5321 4.2): the commands served, or one's syntax
 S221_BYE = "221 2.0.0 Bye"
 S250_OK = "250 2.0.0 OK"
 S250_SENDER_OK = "250 2.1.0 Sender OK"
@@ -22,6 +24,7 @@ S421_TOO_MANY_FROM_SOURCE = "421 4.7.0 Too many connections from your address, t
 S421_TIMEOUT = "421 4.4.2 {host} Connection timed out"
 S421_COMMAND_RATE = "421 4.7.0 Too many commands from your address, slow down"
 S421_SHUTTING_DOWN = "421 4.3.2 Service shutting down"
+S421_TOO_MANY_ERRORS = "421 4.7.0 Closing connection: too many errors"  # unrecognized commands
 S451_INTERNAL = "451 4.3.0 Internal error, message not accepted; try again later"
 S451_NOT_REDUNDANT = "451 4.4.0 Message failed to be made redundant"
 S554_HOP_COUNT = "554 5.4.14 Hop count exceeded - possible mail loop"
@@ -41,6 +44,7 @@ S503_HELO_FIRST = "503 5.5.1 Send HELO or EHLO first"
 S503_AUTH_NOT_ENABLED = "503 5.5.1 Error: authentication not enabled"
 S503_AUTH_IN_TRANSACTION = "503 5.5.1 Error: MAIL transaction in progress"
 S503_TLS_ACTIVE = "503 5.5.1 Error: TLS already active"
+S504_HELP_TOPIC = "504 5.5.1 HELP topic not known; supported commands: {commands}"
 S501_BDAT_SYNTAX = "501 5.5.4 Syntax: BDAT chunk-size [LAST]"
 S501_BAD_PARAMETER = "501 5.5.4 Syntax error in parameters: {error}"
 S530_AUTH_REQUIRED = "530 5.7.0 Authentication required"
@@ -50,6 +54,7 @@ S550_NO_POSTMASTER = ("550 5.1.1 No postmaster mailbox here: this node accepts m
                       "(routing.accepted_domains)")
 S550_NOT_AUTHORIZED = "550 5.7.1 Not authorized"
 S553_UNDECLARED_UTF8 = "553 5.6.7 Must declare SMTPUTF8 to send unicode address"
+S553_VRFY_MALFORMED = "553 5.1.3 Malformed address: could not VRFY {address}"
 S552_MESSAGE_TOO_BIG = "552 5.3.4 Message size exceeds fixed maximum message size"
 S552_HEADER_TOO_BIG = "552 5.3.4 Header size exceeds fixed maximum size"  # Exchange's words (MaxHeaderSize)
 S554_NO_VALID_RECIPIENTS = "554 5.5.1 No valid recipients"
@@ -66,7 +71,15 @@ _AIOSMTPD = {
     "221 Bye": S221_BYE,
     "250 OK": S250_OK,
     "553 5.1.3 Error: malformed address": "553 5.1.3 Malformed address",
+    "220 Ready to start TLS": S220_READY_FOR_TLS,
 }
+# aiosmtpd's replies whose code RFC 5321 words otherwise: HELP's is 214 (4.2, 4.3.2; 504 for a
+# topic that is no command here), a malformed VRFY argument is a malformed address (502 says VRFY
+# is not implemented), a reply that closes the session is 421 (3.8).
+_HELP = re.compile(r"^250 ((?:Syntax|Supported commands): .*)$")
+_HELP_TOPIC = re.compile(r"^501 Supported commands: (.*)$")
+_VRFY = re.compile(r"^502 Could not VRFY (.*)$")
+_CLOSING = {"502 5.5.1 Too many unrecognized commands, goodbye.": S421_TOO_MANY_ERRORS}
 _UNRECOGNIZED = re.compile(r'^500 Error: command "(.*)" not recognized$')
 _HAS_ENHANCED = re.compile(r"^\d{3}[ -][245]\.\d{1,3}\.\d{1,3}(\s|$)")
 _DEFAULT_DETAIL = {"2": "2.0.0", "4": "4.0.0", "5": "5.5.0"}
@@ -81,7 +94,18 @@ def translate(reply: str) -> str:
     if m:
         # The client's bytes are echoed: no CR, NUL or other control character may reach the wire.
         return S500_UNRECOGNIZED.format(command=re.sub(r"[^\x20-\x7e]", "?", m.group(1)[:40]))
-    return enhance(reply)
+    return _rfc_code(reply) or enhance(reply)
+
+
+def _rfc_code(reply: str) -> str | None:
+    """Ours for an aiosmtpd reply whose code RFC 5321 words otherwise, or None."""
+    if m := _HELP.match(reply):
+        return S214_HELP.format(text=m.group(1))
+    if m := _HELP_TOPIC.match(reply):
+        return S504_HELP_TOPIC.format(commands=m.group(1))
+    if m := _VRFY.match(reply):
+        return S553_VRFY_MALFORMED.format(address=m.group(1))  # wire_safe cleans the client's octets
+    return _CLOSING.get(reply)
 
 
 _UNSAFE = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")
