@@ -914,6 +914,19 @@ def test_require_tls(make_node, tls_files):
     assert [m["subject"] for m in messages(node)] == ["over-tls"]
 
 
+def test_a_client_that_never_starts_its_tls_handshake_is_timed_out(make_node, tls_files):
+    """After STARTTLS's 220 the client's handshake is awaited: the client's turn, so the inactivity
+    limit applies (a command being carried out holds it off; a handshake is not one)."""
+    node = tls_node(make_node, tls_files, connection_inactivity_timeout=1)
+    c = Raw(node.port)
+    ehlo(c)
+    t0 = time.monotonic()
+    assert c.cmd("STARTTLS") == "220 2.0.0 Ready to start TLS"
+    assert c.closed_by_peer(5)
+    assert time.monotonic() - t0 < 4
+    assert node.alive
+
+
 def test_tls_sessions_are_counted_once(make_node, tls_files):
     """STARTTLS re-enters connection_made: the slot must be taken and released exactly once."""
     node = tls_node(make_node, tls_files, max_inbound_connection=1)

@@ -419,6 +419,7 @@ class _Unoffered:
     _auth_methods: dict
     _authenticator: Any
     tls_context: Any
+    _handshake_awaited: bool  # _ClientWait's
     push: Callable[[str], Awaitable[None]]  # aiosmtpd's, as our _Replies words it
 
     def _withdraw_unusable_auth(self) -> None:
@@ -454,7 +455,11 @@ class _Unoffered:
             # a handshake inside the first, which fails and drops the session).
             await self.push(replies.S503_TLS_ACTIVE)
             return
-        await super().smtp_STARTTLS(arg)  # type: ignore[misc]
+        self._handshake_awaited = True  # after the 220: the client's turn (_ClientWait)
+        try:
+            await super().smtp_STARTTLS(arg)  # type: ignore[misc]
+        finally:
+            self._handshake_awaited = False
 
 
 _OPEN_SESSIONS: weakref.WeakSet = weakref.WeakSet()  # every connected session of this process
@@ -530,6 +535,7 @@ class _ClientWait:
     _paused: bool  # asyncio's flow control: the client does not read what we write
     _absolute_handle: asyncio.TimerHandle | None = None
     _absolute_due = False  # the absolute limit passed while a command was carried out
+    _handshake_awaited = False  # STARTTLS: the client's TLS handshake is awaited (set by _Unoffered)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self.transport is None:  # not again after STARTTLS
@@ -544,8 +550,9 @@ class _ClientWait:
 
     def _serving_command(self) -> bool:
         """A command is being carried out: the client waits for its reply. (A reply the client
-        does not read, writes paused, is the client's wait, not ours.)"""
-        return self.transport is not None and not self.waiting_for_client() and not self._paused  # type: ignore[attr-defined]
+        does not read, writes paused, and a TLS handshake after STARTTLS are the client's wait.)"""
+        return (self.transport is not None and not self.waiting_for_client()  # type: ignore[attr-defined]
+                and not self._paused and not self._handshake_awaited)
 
     def _replied(self) -> None:
         if self.transport is None:
