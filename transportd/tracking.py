@@ -151,8 +151,6 @@ def _one_line(values: list[str]) -> list[str]:
     "each message event on a single line in the log", and a tool reading MSGTRK reads a line as a
     row. A next hop's multi-line reply (``550-5.1.1 ...`` then ``550 5.1.1 ...``) comes to a
     recipient-status or source-context with its lines joined by line feeds."""
-    if not _BREAK.search("".join(values)):
-        return values
     return [_BREAKS_AND_BLANKS.sub(" ", v).strip(" \t") if _BREAK.search(v) else v for v in values]
 
 
@@ -503,7 +501,11 @@ class TrackingLog(_LogFiles):
                 "schema-version": self.software_version,
             }
             # (a lone surrogate, from octets that were no UTF-8, becomes "?": the row is written all the same)
-            data = _csv_line(_one_line([str(values[name]) for name in self.fields])).encode("utf-8", "replace")
+            fields = [str(values[name]) for name in self.fields]
+            line = _csv_line(fields)
+            if "\n" in line[:-2] or "\r" in line[:-2]:  # rare: a value held a line break
+                line = _csv_line(_one_line(fields))
+            data = line.encode("utf-8", "replace")
             try:
                 self._write_pending(now)  # the rows kept before this one go first
             except BaseException:
