@@ -484,6 +484,8 @@ def test_garbage_gets_clean_errors_and_daemon_stays_up(make_node):
         (b"DATA", "503 5.5.1"),                         # DATA before MAIL
         (b"MAIL FROM:<a@remote.test> BODY=BINARYMIME", "501 5.5.4"),
         (b"MAIL FROM:<a@remote.test> SIZE=lots", "501 5.5.4"),
+        (b"MAIL FROM:<a@remote.test> SIZE=10 SIZE=99999", "501 5.5.4"),  # which would hold?
+        (b"MAIL FROM:<a@remote.test> BODY=7BIT body=8BITMIME", "501 5.5.4"),
         (b"MAIL FROM:<a@remote.test", "553 5.1.3"),  # a path never closed (was taken as <a@remote.test>)
         (b"MAIL FROM:<a@remote.test>", "250 2.1.0"),
         (b"MAIL FROM:<b@remote.test>", "503 5.5.1"),    # nested MAIL
@@ -497,6 +499,7 @@ def test_garbage_gets_clean_errors_and_daemon_stays_up(make_node):
         (b"RCPT TO:<@relay.test:a b@example.test>", "501 5.1.3"),  # ...after a source route too
         (b"RCPT TO:<\"a\tb\"@example.test>", "501 5.1.3"),  # a tab is not qtextSMTP (RFC 5321 4.1.2)
         (b"RCPT TO:<alice@example.test> FOO=BAR", "555 5."),
+        (b"RCPT TO:<alice@example.test> NOTIFY=NEVER NOTIFY=SUCCESS", "501 5.5.4"),
         (b"RCPT alice@example.test", "501 5.5.4"),
         (b"XYZZY\rinjected", "500 5.5.1"),
         (b"VRFY <a\xff\xfe", "553 5.1.3"),  # a path never closed (a malformed address, as for MAIL; 502

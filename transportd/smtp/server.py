@@ -383,7 +383,8 @@ class _DsnParameters:
     """RFC 3461's parameters (DSN is offered in every EHLO reply): MAIL's RET= and ENVID=, RCPT's
     NOTIFY= and ORCPT=, checked (501 when malformed) and kept in ``dsn_params`` with their case as
     sent (aiosmtpd upper-cases parameters; ENVID and ORCPT are the sender's text) for the
-    handler's MAIL or RCPT hook; any other parameter is left to aiosmtpd."""
+    handler's MAIL or RCPT hook; any other parameter is left to aiosmtpd. A keyword given twice
+    (``SIZE=10 SIZE=99999``) is a syntax error (501 5.5.4), not the last one's value."""
 
     dsn = True
     dsn_params = ""
@@ -397,6 +398,10 @@ class _DsnParameters:
         self.dsn_params = self._param_error = ""
         if result is None or not (self.session and self.session.extended_smtp):
             return result
+        if len(result) < len(params):  # a keyword given twice: which value holds is anyone's guess
+            keys = [p.partition("=")[0].upper() for p in params]
+            self._param_error = f"{next(k for k in keys if keys.count(k) > 1)} given twice"
+            return None
         keys = dsnparams.RCPT_KEYS if self.envelope and self.envelope.mail_from else dsnparams.MAIL_KEYS
         if not any(k in result for k in keys):
             return result
