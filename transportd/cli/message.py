@@ -467,5 +467,5 @@ def log_removal(trk: Any, row: dict, removed: list[dict], created: tuple[int, An
         dsn_id, dsn = created
         trk.write("DSN", "DSN", internal_message_id=dsn_id, message_id=dsn.message_id,
                   network_message_id=dsn.network_message_id, recipients=[row["sender"]],
-                  reference=row["message_id"], related_recipient_address=row["sender"],
+                  reference=row["message_id"],
                   source_context=f"original internal id {row['id']}; network id {row['network_message_id']}")

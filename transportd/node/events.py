@@ -178,7 +178,6 @@ class NodeEvents:
                                   "size": len(dsn.data)},
                    recipients=[a for v in dsn.recipients.values() for a in v],
                    reference=original.get("message_id") or "",
-                   related_recipient_address=original.get("sender") or "",
                    source_context=f"original internal id {original.get('id')}; "
                                   f"network id {original.get('network_message_id')}")
 
