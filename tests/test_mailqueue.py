@@ -591,6 +591,11 @@ def test_acknowledgement_state_says_when_a_held_250_may_go(store) -> None:
     assert state() == "QueueSuspended"
     set_queue(SMART.identity, suspended=0, retry_count=1, next_retry_at=T0 + 60)
     assert state() == "QueueRetry"
+    # Failures before, their retry time passed: the queue is Ready (queue list says so), not Retry
+    set_queue(SMART.identity, retry_count=3, next_retry_at=T0)
+    assert store.read(lambda c: [q["state"] for q in mq.list_queues(c, T0 + 1)
+                                 if q["identity"] == SMART.identity]) == ["Ready"]
+    assert state() is None
     set_queue(SMART.identity, retry_count=0, next_retry_at=None)
     set_rcpt("x@remote.test", status=mq.RETRY)
     assert state() == "QueueRetry"  # it entered Retry since it was added

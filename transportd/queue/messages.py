@@ -201,7 +201,9 @@ def acknowledgement_state(conn: Connection, message_id: int, now: float,
 
     ``Delivered``: no recipient is pending any more (delivered to every next hop, failed, or handed
     to a peer that made it redundant hop by hop). The bypasses of the 2010 seed: ``QueueRetry``
-    (a target queue is in Retry, or entered it since the message was added), ``QueueSuspended``,
+    (a target queue is in Retry, as ``queue list`` shows it: its next retry time not yet come; or
+    the message's recipients entered it since the message was added: an earlier failure whose
+    retry time has passed is not Retry, the next attempt will tell), ``QueueSuspended``,
     ``QueueLength`` (a target queue holds more than ACK_QUEUE_LIMIT messages). A suspended message
     changes nothing.
 
@@ -220,7 +222,7 @@ def acknowledgement_state(conn: Connection, message_id: int, now: float,
         return "Delivered"
     if any(r.suspended for r in pending):
         return "QueueSuspended"
-    if any(r.status == RETRY or r.retry_count or (r.next_retry_at or 0.0) > now for r in pending):
+    if any(r.status == RETRY or (r.next_retry_at or 0.0) > now for r in pending):  # Retry as Get-Queue says it
         return "QueueRetry"
     targets = {r.queue_id for r in pending}
     held = dict(conn.execute(select(recipients.c.queue_id, func.count(func.distinct(recipients.c.message_id))).where(
