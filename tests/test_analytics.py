@@ -382,9 +382,9 @@ def test_report_opens_offline_in_headless_chromium_with_every_chart_drawn(genera
 # ------------------------------------------------------------------------------ CLI
 
 
-def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "transportd", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, check=False)
+                          timeout=timeout, cwd=REPO, check=False, env={**os.environ, **(env or {})})
 
 
 def test_cli_generate_writes_logs_and_truth_and_bad_input_exits_2(tmp_path):
@@ -425,10 +425,15 @@ def test_real_cluster_primary_killed_analyze_reports_promotion_no_loss_full_cove
 
     out = tmp_path / "analysis"
     folders = [str(n.cfg.tracking_dir) for n in (n1, n2, n3)]
+    # An operator whose machine is not on UTC: the logs' times are UTC, and so is every time said
     res = run_cli("analyze", *folders, "--out", str(out), "--json", "--no-progress", "--master", "local[2]",
-                  "--conf", "spark.sql.shuffle.partitions=4")
+                  "--conf", "spark.sql.shuffle.partitions=4", env={"TZ": "Asia/Tokyo"})
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout)
+    stamps = sorted(line.split(",", 1)[0] for f in folders for p in Path(f).glob("MSGTRK*.LOG")
+                    for line in p.read_text(encoding="utf-8-sig").splitlines() if line and not line.startswith("#"))
+    assert (summary["log_start"], summary["log_end"]) == (stamps[0], stamps[-1])
+    assert summary["failover_episodes"][0]["start"] >= stamps[0]
     assert summary["lost"] == 0 and summary["states"]["lost"] == 0
     assert summary["states"]["delivered"] == 2, summary["states"]
     assert summary["received"] == 2 and summary["redundancy_coverage"] == 1.0

@@ -832,8 +832,12 @@ def _distributions(messages: Any) -> dict[str, tuple[dict[str, float | None], li
 
 
 def _ts(value: Any) -> str | None:
+    """A timestamp collected from Spark as UTC text. PySpark gives a naive datetime in this
+    process's local time zone (whatever the session's): ``astimezone`` takes it as such."""
+    from datetime import UTC
     if value is None:
         return None
+    value = value.astimezone(UTC)
     return value.strftime("%Y-%m-%dT%H:%M:%S.") + f"{value.microsecond // 1000:03d}Z"
 
 
