@@ -875,6 +875,11 @@ _row = st.fixed_dictionaries({
                 "event": "DSN", "why": "ShadowHeartbeatFailure", "node": "n3.example.test"},
                {"at": 0, "rcpts": [], "peer": "n1.example.test", "client": False, "key": 1,
                 "event": "DROP", "why": "ShadowHeartbeatFailure", "node": "n3.example.test"}])
+# Delivered on a server whose clock is behind the receiver's: the DELIVER is stamped before the RECEIVE.
+@example(rows=[{"at": 0, "rcpts": ["a@x.test"], "peer": "n1.example.test", "client": False, "key": 2,
+                "event": "DELIVER", "why": "ShadowHeartbeatFailure", "node": "n2.example.test"},
+               {"at": 1, "rcpts": ["a@x.test"], "peer": "n1.example.test", "client": False, "key": 2,
+                "event": "RECEIVE", "why": "ShadowHeartbeatFailure", "node": "n1.example.test"}])
 def test_summary_figures_are_bounded_by_construction_on_any_rows(spark, tmp_path_factory, rows):
     """Rows of any events in any order: every ratio is in [0, 1], every message is in exactly one
     state, and the states add up to the messages."""
@@ -908,6 +913,10 @@ def test_summary_figures_are_bounded_by_construction_on_any_rows(spark, tmp_path
     assert all(v is None or 0.0 <= v <= 1.0 for v in ratios), ratios
     assert summary["redundant"] <= summary["received"] <= summary["messages"]
     assert summary["unprotected_messages"] <= summary["received"]
+    # times are never negative, wherever the servers' clocks stand
+    assert all(v is None or v >= 0 for r in messages.select("latency_seconds", "unprotected_seconds").collect()
+               for v in r), "negative time"
+    assert all(v is None or v >= 0 for v in summary["latency_seconds"].values())
     # lost: a message that entered the logs (received, held as a shadow, or a DSN generated), not done,
     # with no live copy; "received" counts RECEIVEs only (docs/analytics.md), so it does not bound it
     entered = {r["key"] for r in rows if r["event"] in ("RECEIVE", "HARECEIVE", "DSN")}

@@ -727,6 +727,7 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
         r["fail"], F.greatest(F.least(F.coalesce(n, stop), stop) - r["time"].cast("double"), F.lit(0.0))
     ).otherwise(F.lit(0.0)))
     unprotected = F.aggregate(gaps, F.lit(0.0), lambda acc, g: acc + g)
+    latency = F.col("terminal_time").cast("double") - F.col("first_receive.time").cast("double")
 
     rec = F.col("first_receive").isNotNull()
     return m.select(
@@ -749,8 +750,8 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
         "shadow_hold_seconds", "undiscarded_shadow_nodes",
         F.coalesce(unprotected, F.lit(0.0)).alias("unprotected_seconds"),
         "state", "terminal_time",
-        (F.col("terminal_time").cast("double") - F.col("first_receive.time").cast("double"))
-        .alias("latency_seconds"),
+        # two servers' clocks a little apart can put the end before the receipt: no negative time
+        F.when(latency < 0, F.lit(0.0)).otherwise(latency).alias("latency_seconds"),
         "event_count", "last_event_time",
     )
 
