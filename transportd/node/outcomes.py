@@ -21,6 +21,7 @@ from datetime import UTC, datetime, timezone
 from typing import Any, Iterable, Sequence
 
 from transportd import faults
+from transportd.errors import StoreError
 from transportd.node.events import NodeEvents
 from transportd.queue import messages as mq
 from transportd.queue import shadows as sq
@@ -253,11 +254,13 @@ class OutcomeRecorder:
 
     async def commit_safely(self, d: Delivered, item: WorkItem) -> None:
         """Commit an internal failure; if even that fails, its recipients are left to the next tick."""
+        ids = {"internal_message_id": item.message_id, "network_message_id": ""}
         try:
             await self.commit(d)
+        except StoreError as exc:  # the database (a full disk): one line, no traceback
+            log.error("could not record the internal failure of message %s: %s", item.message_id, exc, extra=ids)
         except Exception:  # noqa: BLE001
-            log.exception("could not record the internal failure of message %s", item.message_id,
-                          extra={"internal_message_id": item.message_id, "network_message_id": ""})
+            log.exception("could not record the internal failure of message %s", item.message_id, extra=ids)
 
     def _track(self, row: dict, it: WorkItem, outs: list[Outcome], remote: str, remote_address: str = "",
                expiry: bool = False) -> None:

@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 from typing import Any, Callable
 
+from transportd.errors import StoreError
 from transportd.node.connectors import DeliveryDrain
 from transportd.node.maintenance import Maintenance
 from transportd.node.outcomes import OutcomeRecorder, internal_failure
@@ -54,6 +55,7 @@ class Scheduler:
     async def run(self) -> None:
         interval = self.cfg.delivery.queue_poll_interval
         changed = self.store.queue_changed
+        failing = 0  # passes the queue database failed in a row (a full disk): said once, not a traceback each
         while not self._stopping:
             try:
                 await asyncio.wait_for(changed.wait(), timeout=interval)
@@ -65,8 +67,17 @@ class Scheduler:
             try:
                 await self.maintenance.due(time.time(), self.in_flight)
                 await self.tick()
+            except StoreError as exc:  # the database, not the code: one line, and one when it works again
+                failing += 1
+                if failing == 1:
+                    log.error("delivery scheduler: the queue database failed (%s); trying again every %.1fs",
+                              exc, interval)
             except Exception:  # noqa: BLE001 - the loop must survive; the queue is the truth
                 log.exception("delivery scheduler tick failed; retrying in %.1fs", interval)
+            else:
+                if failing:
+                    log.warning("delivery scheduler: the queue database works again (%d passes failed)", failing)
+                    failing = 0
             self._on_pass()
 
     async def stop(self) -> None:
@@ -175,7 +186,10 @@ class Scheduler:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - per-message failures are the connector's; this is the rest
-            log.exception("delivery to queue %s failed unexpectedly", batch[0].queue_identity)
+            if isinstance(exc, StoreError):  # the database (a full disk), not the code: one line
+                log.error("delivery to queue %s: the outcome could not be recorded: %s", batch[0].queue_identity, exc)
+            else:
+                log.exception("delivery to queue %s failed unexpectedly", batch[0].queue_identity)
             # Back to Retry (counted per message) so they are not stuck until a restart.
             if pending:
                 await self.recorder.commit_safely(internal_failure(list(pending.values()), "deliver", exc), batch[0])

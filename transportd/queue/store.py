@@ -622,6 +622,12 @@ class QueueStore:
         return self.read(fn)
 
 
+def db_error_text(exc: BaseException) -> str:
+    """An error of the database as one line: the driver's own error where SQLAlchemy wraps it (its
+    text adds the statement and a "Background on this error" link on lines of their own)."""
+    return " ".join(str(getattr(exc, "orig", None) or exc).split())
+
+
 class GroupCommitWriter:
     """One writer thread: many jobs per transaction, one fsync, each job in its own savepoint.
 
@@ -648,6 +654,7 @@ class GroupCommitWriter:
         self._stopped = False
         self.batches = 0
         self.jobs_done = 0
+        self.failing = 0  # commits failed in a row (a full disk): said once, then every 100th
         # The writer thread keeps its connection between batches (a pool checkout, its reset and
         # the event plumbing per batch were ~6 % of a node's CPU under load); dropped on any error.
         self._conn: Connection | None = None
@@ -731,7 +738,10 @@ class GroupCommitWriter:
                         raw.execute("RELEASE SAVEPOINT job")
                         results.append((fut, True, value))
         except BaseException as exc:  # commit failed: nothing of this batch is durable
-            log.error("queue database commit failed: %s", exc)
+            self.failing += 1
+            if self.failing % 100 == 1:  # not a line per commit while the disk stays full
+                log.error("queue database commit failed%s: %s",
+                          f" ({self.failing} in a row)" if self.failing > 1 else "", db_error_text(exc))
             if self._conn is not None:
                 try:
                     self._conn.invalidate()  # a fresh connection for the next batch
@@ -739,11 +749,14 @@ class GroupCommitWriter:
                 except Exception:  # noqa: BLE001 - it is being thrown away
                     pass
                 self._conn = None
-            err = StoreError(f"commit failed: {exc}")
+            err = StoreError(f"commit failed: {db_error_text(exc)}")
             for fn, fut in batch:
                 if not fut.done():
                     fut.set_exception(err)
             return
+        if self.failing:
+            log.warning("queue database commits succeed again, after %d failed", self.failing)
+            self.failing = 0
         self.batches += 1
         for fut, ok, value in results:
             self.jobs_done += 1
