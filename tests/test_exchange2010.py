@@ -310,3 +310,35 @@ def test_bypass_table_row_in_both_behaviours(cluster, sink, bypass, promotion):
     node1.proc.wait(10)
     wait_for(lambda: [m for m in sink.messages() if f"Subject: {bypass}".encode() in m], timeout=20,
              what="node2 delivers the promoted message")
+
+
+def test_a_promoted_message_whose_target_dies_goes_to_its_own_next_hop(cluster, sink):
+    """Shadow redundancy promotion (2010 SP1) relayed node1's message to node2 (node1's smart host
+    queue in Retry: the sink is down); node2 dies before delivering it. After
+    *ShadowHeartbeatRetryCount* failed polls node1 resubmits its hop-by-hop copy, routed again as a
+    new message's: to the smart host, not to the dead node2 (the seed: "Resubmitted messages are
+    delivered to another ... server")."""
+    c = cluster(overrides={"shadow_redundancy": {"version": "2010", "promotion_enabled": True,
+                                                 "shadow_heartbeat_timeout_interval": 1,
+                                                 "shadow_heartbeat_retry_count": 3,
+                                                 "shadow_resubmit_time_span": 3600},
+                           "frontend": {"max_acknowledgement_delay": 60}}, nodes=2, sites=1).start()
+    node1, node2 = c["node1"], c["node2"]
+    qid = queued_id(node1.swaks(FOREIGN, "--header", "Subject: promoted, then lost"))
+    mid = mid_of(node1, qid)
+    row = one(node1.tracking(event_id="HAREDIRECT", internal_message_id=str(qid)))
+    assert row["source-context"] == f"ShadowRedundancyPromotion;QueueRetry;{node2.name}"
+    wait_for(lambda: node2.tracking(event_id="RECEIVE", message_id=mid), timeout=10, what="node2 primary")
+
+    node2.proc.kill()
+    node2.proc.wait(10)
+    resubmit = one(wait_for(lambda: node1.tracking(event_id="RESUBMIT", message_id=mid), timeout=30,
+                            what="node1 resubmits its copy"))
+    assert resubmit["source-context"] == f"{node2.name} (ShadowHeartbeatFailure)", resubmit
+    sink.start()
+    wait_for(lambda: [m for m in sink.messages() if b"Subject: promoted, then lost" in m], timeout=20,
+             what="node1 sends its resubmitted copy to the smart host")
+    sent = one(wait_for(lambda: node1.tracking(event_id="SENDEXTERNAL", message_id=mid), timeout=10,
+                        what="node1's SENDEXTERNAL row"))
+    assert sent["recipient-address"] == FOREIGN, sent
+    assert len([m for m in sink.messages() if b"Subject: promoted, then lost" in m]) == 1

@@ -462,3 +462,63 @@ def test_resubmit_to_a_next_hop_outside_the_boundary_is_refused(tmp_path):
     assert res.returncode == 2 and "MDB99 is no mailbox database or peer queue" in res.stderr, res.stderr
     assert "MDB01" in res.stderr and "Traceback" not in res.stderr
     assert not (Path(spec.data_dir) / "queue.db").exists()
+
+
+def test_a_redirected_message_is_routed_again_when_its_target_dies(tmp_path, procs, sink):
+    """node1 drains carol's message (the smart host is down) to node2 with ``redirect``; node2 dies
+    before delivering it. node1's promotion of its hop-by-hop copy (ShadowHeartbeatFailure) routes
+    the recipient again, as a new message's (Exchange 2010: the shadow server "resubmits the
+    messages in the shadow queue", "delivered to another" server; 2016/2019: it "transmits the
+    messages to the next hop"): carol goes to the smart host, not back into node2's queue. Dave,
+    whose mailbox database (MDB02) lives on node2, was handed to node2 as his next hop: his
+    promoted copy waits for node2 again (no route is invented)."""
+    from clusters import LocalCluster, send, sink_copies
+
+    c = LocalCluster(procs, sink, tmp_path, {
+        "shadow_redundancy": {"shadow_heartbeat_frequency": 0.5, "shadow_resubmit_time_span": 3},
+        "routing": {"mailbox_database_rules": ["dave@example.test=MDB02"]}})
+    c.start()
+    n1, n2 = c["node1"], c["node2"]
+    peer_queue = f"peer:{n2.name}"
+
+    def sent_to_node2(qid: int) -> str:
+        row = wait_for(lambda: [r for r in n1.events("SEND") if r["internal-message-id"] == str(qid)],
+                       timeout=15, what=f"node1's SEND of {qid} to node2")[0]
+        assert row["server-hostname"] == n2.name, row
+        n2.wait_event("RECEIVE", row["network-message-id"])
+        return row["network-message-id"]
+
+    # dave: node2's mailbox queue made by a first message, then suspended, so the one node1 hands
+    # it hop by hop stays there, node1 keeping its fork until node2's discard.
+    send(n2, "dave@example.test")
+    wait_for(lambda: n2.maildir("dave@example.test"), timeout=15, what="the first message in dave's mailbox")
+    n2.cli("queue", "suspend", "mailbox:MDB02")
+    dave = sent_to_node2(send(n1, "dave@example.test", "zed@example.test", "--header", "Subject: for dave"))
+
+    carol_qid = send(n1, "carol@elsewhere.test", "zed@example.test", "--header", "Subject: for carol")
+    wait_for(lambda: [r for r in n1.events("DEFER") if r["internal-message-id"] == str(carol_qid)],
+             timeout=15, what="node1's DEFER of carol's message (the sink is down)")
+    _redirect_one(n1.spec.config, n2.name)
+    carol = sent_to_node2(carol_qid)
+    assert not n1.events("SENDEXTERNAL", carol)
+
+    n2.kill9()
+    for netid in (carol, dave):
+        resubmit = n1.wait_event("RESUBMIT", netid, timeout=25)
+        assert [(r["source"], r["source-context"]) for r in resubmit] == [
+            ("REDUNDANCY", f"{n2.name} (ShadowHeartbeatFailure)")], resubmit
+        discarded = n1.events("HADISCARD", netid)
+        assert [d["source-context"].split(";")[0] for d in discarded] == ["Resubmitted"], discarded
+    sink.start()
+
+    # carol: to the smart host, by node1, once.
+    wait_for(lambda: sink_copies(sink, carol), timeout=20, what="carol's message at the sink, sent by node1")
+    sent = n1.wait_event("SENDEXTERNAL", carol, timeout=10)
+    assert [r["recipient-address"] for r in sent] == ["carol@elsewhere.test"], sent
+    wait_for(lambda: not [m for m in n1.cli_json("message", "list") if m["network_message_id"] == carol],
+             timeout=10, what="carol's message leaving node1's queue")
+    # dave: his mailbox database is on node2, so his copy waits for node2, as routing says.
+    [held] = [m for m in n1.cli_json("message", "list") if m["network_message_id"] == dave]
+    assert held["queues"] == [peer_queue], held
+    assert not n1.events("SENDEXTERNAL", dave) and not n1.maildir("dave@example.test")
+    assert len(sink_copies(sink, carol)) == 1 and not sink_copies(sink, dave)

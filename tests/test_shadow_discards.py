@@ -121,3 +121,65 @@ def test_a_hop_by_hop_fork_never_discarded_expires_as_an_unacknowledged_shadow(t
         assert "p1.t" in store.read(lambda c: sq.primaries_to_poll(c))  # the young fork still polls it
     finally:
         store.close()
+
+
+def test_a_lost_peers_forks_are_routed_again_not_put_back_in_its_queue(tmp_path):
+    """The forks of a peer that is lost are resubmitted as Exchange resubmits its shadow messages:
+    each recipient the peer took is routed as a new message's is. Drained to the peer (``redirect``),
+    an outside recipient goes to the smart host and one of this node's mailboxes to its mailbox
+    queue; one whose mailbox database lives on that peer waits for it again. A fork of another
+    peer, and one that peer took from its current queue database, stay as they are."""
+    from sqlalchemy import select, update
+
+    from transportd.queue.store import queues, recipients, shadow_forks
+
+    cfg = load_dict({"node": {"name": "n1.t", "data_dir": str(tmp_path)},
+                     "routing": {"accepted_domains": ["example.test"], "mailbox_database": "MDB01",
+                                 "mailbox_database_rules": ["dave@example.test=MDB02"],
+                                 "smart_host": "127.0.0.1:2500"},
+                     "mailbox_databases": {"MDB01": "n1.t", "MDB02": "p1.t"},
+                     "cluster": {"secret": "s3cret"}, "transport": {"listen": "127.0.0.1:2526"},
+                     "peers": [{"name": "p1.t", "site": "s", "transport": "127.0.0.2:2526"},
+                               {"name": "p2.t", "site": "s", "transport": "127.0.0.3:2526"}]})
+    store = QueueStore.open(tmp_path / "queue.db")
+    now = 1_800_000_000.0
+
+    def forked(conn, rcpts, peer, dbid, drain):
+        mid = mq.enqueue(conn, mq.NewMessage(str(uuid.uuid4()), "a@x.test", b"Subject: s\r\n\r\nb\r\n",
+                                             bifurcate(rcpts, cfg), now, now + 3600))
+        if drain:
+            mq.redirect_to_peer(conn, peer, now, message_id=mid)
+        rows = conn.execute(select(recipients.c.id, recipients.c.queue_id).where(recipients.c.message_id == mid)).all()
+        conn.execute(update(recipients).where(recipients.c.message_id == mid).values(status=mq.ACTIVE))
+        mq.record_outcomes(conn, [mq.Outcome(r.id, mq.DELIVERED) for r in rows], now,
+                           retry_interval=1, retry_count=1, long_interval=1)
+        sq.record_forks(conn, [(mid, peer, str(uuid.uuid4()), rows[0].queue_id, dbid)], now)
+        return mid
+
+    def where(conn, mid):
+        return sorted(conn.execute(select(recipients.c.address, queues.c.identity, recipients.c.status)
+                                   .join(queues, queues.c.id == recipients.c.queue_id)
+                                   .where(recipients.c.message_id == mid)).all())
+
+    try:
+        drained = store.transaction(lambda c: forked(
+            c, ["carol@elsewhere.test", "alice@example.test", "dave@example.test"], "p1.t", "old", drain=True))
+        for_dave = store.transaction(lambda c: forked(c, ["dave@example.test"], "p1.t", "old", drain=False))
+        current = store.transaction(lambda c: forked(c, ["erin@elsewhere.test"], "p1.t", "new", drain=True))
+        other = store.transaction(lambda c: forked(c, ["frank@elsewhere.test"], "p2.t", "x", drain=True))
+
+        # a state change: p1.t is back with queue database "new"; forks taken from "old" are resubmitted
+        rows = store.transaction(lambda c: sq.requeue_forks(c, "p1.t", "new", cfg, now))
+        assert sorted(r["id"] for r in rows) == [drained, for_dave]
+        assert all(r["shadow_guid"] for r in rows)
+        assert store.read(lambda c: where(c, drained)) == [
+            ("alice@example.test", "mailbox:MDB01", mq.READY),
+            ("carol@elsewhere.test", "smarthost:127.0.0.1:2500", mq.READY),
+            ("dave@example.test", "peer:p1.t", mq.READY)]
+        assert store.read(lambda c: where(c, for_dave)) == [("dave@example.test", "peer:p1.t", mq.READY)]
+        assert store.read(lambda c: where(c, current)) == [("erin@elsewhere.test", "peer:p1.t", mq.DELIVERED)]
+        assert store.read(lambda c: where(c, other)) == [("frank@elsewhere.test", "peer:p2.t", mq.DELIVERED)]
+        forks = store.read(lambda c: sorted(c.execute(select(shadow_forks.c.message_id)).scalars()))
+        assert forks == sorted([current, other])
+    finally:
+        store.close()

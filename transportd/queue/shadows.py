@@ -21,6 +21,7 @@ from sqlalchemy.engine import Connection
 from transportd import faults
 from transportd.queue import messages as mq
 from transportd.queue.direct import Insert
+from transportd.queue.routing import NextHop, route_config
 from transportd.queue.store import (
     discard_events,
     message_shadows,
@@ -339,16 +340,31 @@ def adopt_shadows(conn: Connection, old_primary: str, new_primary: str, new_dbid
     return rows
 
 
-def requeue_forks(conn: Connection, primary: str, keep_dbid: str | None) -> list[dict]:
-    """Forks handed to ``primary``: delivered again (the receiving store drops duplicates). Each
-    returned row carries the fork's shadow-message GUID as ``shadow_guid``."""
+def requeue_forks(conn: Connection, primary: str, keep_dbid: str | None, cfg: Any, now: float) -> list[dict]:
+    """Forks handed to ``primary``, resubmitted (the peer is lost): each recipient it took is routed
+    again as a newly accepted message's is (``queue/routing.py``; Exchange resubmits the shadow
+    messages through categorization, "delivered to another" server / "transmitted to the next
+    hop"). A recipient whose next hop is that peer (its mailbox database lives there) waits for it
+    again, the receiving store dropping a duplicate; one that was only drained there (``redirect``,
+    or shadow redundancy promotion) goes to its own next hop. Each returned row carries the fork's
+    shadow-message GUID as ``shadow_guid``."""
     found = conn.execute(select(
         shadow_forks.c.message_id, shadow_forks.c.queue_id, shadow_forks.c.shadow_guid).where(
         shadow_forks.c.primary_node == primary, *_older(shadow_forks.c.primary_dbid, keep_dbid))).all()
+    queue_ids: dict[NextHop, int] = {}
+    by_queue: dict[int, list[int]] = {}
     for message_id, queue_id, _ in found:
-        conn.execute(update(recipients).where(
-            recipients.c.message_id == message_id, recipients.c.queue_id == queue_id,
-            recipients.c.status == mq.DELIVERED).values(status=mq.READY, next_retry_at=0.0, completed_at=None))
+        for rid, address in conn.execute(select(recipients.c.id, recipients.c.address).where(
+                recipients.c.message_id == message_id, recipients.c.queue_id == queue_id,
+                recipients.c.status == mq.DELIVERED)).all():
+            hop = route_config(address, cfg)
+            if hop not in queue_ids:
+                queue_ids[hop] = mq.queue_id_for(conn, hop, now)
+            by_queue.setdefault(queue_ids[hop], []).append(rid)
+    for queue_id, ids in by_queue.items():
+        for i in range(0, len(ids), 500):  # SQLite's limit of bound parameters
+            conn.execute(update(recipients).where(recipients.c.id.in_(ids[i:i + 500])).values(
+                queue_id=queue_id, status=mq.READY, next_retry_at=0.0, completed_at=None))
     conn.execute(delete(shadow_forks).where(shadow_forks.c.primary_node == primary,
                                             *_older(shadow_forks.c.primary_dbid, keep_dbid)))
     return [{**(mq.message_row(conn, m) or {"id": m}), "shadow_guid": guid} for m, _, guid in found]

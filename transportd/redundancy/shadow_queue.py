@@ -139,9 +139,12 @@ class ShadowQueues:
         primary came back with it, are current and stay shadows; only older ones are promoted.
         The promoted copies are delivered at once (the promotion is the failover) while, in the
         background, each gets a new shadow on another peer (``reshadowing`` until it has one).
+        Our hop-by-hop forks of messages ``primary`` took are resubmitted first, their recipients
+        routed again (``sq.requeue_forks``): mail drained to ``primary`` leaves by its own next hop.
         """
         total, promoted_all = 0, []
-        batch = await self.store.write(lambda c: sq.requeue_forks(c, primary, keep_dbid), queue_changed=True)
+        batch = await self.store.write(lambda c: sq.requeue_forks(c, primary, keep_dbid, self.cfg, time.time()),
+                                       queue_changed=True)
         while True:
             # One page at a time (bounded memory, a short commit each), the loop free in between.
             # Tracked before delivery can take them: the scheduler runs only between awaits.
