@@ -153,6 +153,20 @@ def test_workers_stop_with_their_node_and_die_with_it(make_node, sink):
     wait_for(lambda: not [p for p in pids if alive(p)], timeout=10, what="workers gone with their owner")
 
 
+def test_a_second_node_on_the_same_address_is_refused_with_workers_too(make_node, sink):
+    """SO_REUSEPORT, which the workers share the node's listener by, would let another node's listener
+    join it and take a share of its mail into another queue; a second node with workers is refused
+    as one without them is."""
+    sink.start()
+    first = workers_node(make_node, sink, 2)
+    listen = first.sections["frontend"]["listen"]
+    second = make_node("second", smart_host=sink.address, overrides={"frontend": {"workers": 2, "listen": listen}})
+    second.start(wait=False)
+    assert second.proc.wait(timeout=30) == 1
+    assert f"cannot start: frontend.listen {listen}: cannot listen: Address already in use" in second.log()
+    assert first.alive and len(receive_workers(first.proc.pid)) == 1
+
+
 # ------------------------------------------------------------------------------ settings, no processes
 
 def _cfg(**frontend) -> cfgmod.Config:

@@ -43,6 +43,7 @@ from transportd.redundancy.server import TransportHandler, TransportSMTP, make_p
 from transportd.smtp.frontend import FrontendHandler
 from transportd.smtp.server import (
     ConnectionCounter,
+    check_unused,
     implicit_tls_bindings,
     say_shutting_down,
     serve_binding,
@@ -145,6 +146,8 @@ class Node:
 
     async def _serve(self, key: str, listen: str, factory: Any, reuse_port: bool = False, **tls: Any) -> None:
         try:
+            if reuse_port:  # the workers join this listener; nobody else's may be joined
+                check_unused(listen)
             self.servers.append(await serve_binding(listen, factory, reuse_port=reuse_port or None, **tls))
         except OSError as exc:
             raise listen_error(key, listen, exc) from None

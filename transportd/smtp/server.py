@@ -16,6 +16,7 @@ import functools
 import inspect
 import logging
 import re
+import socket
 import weakref
 from typing import Any, Awaitable, Callable
 
@@ -979,6 +980,20 @@ async def serve_binding(listen: str, factory: Callable[[], Any], *, reuse_port: 
     host, _, port = listen.rpartition(":")
     return await asyncio.get_running_loop().create_server(factory, host=host.strip("[]"), port=int(port),
                                                           reuse_address=True, reuse_port=reuse_port, **tls)
+
+
+def check_unused(listen: str) -> None:
+    """Raise OSError (EADDRINUSE) when a socket already listens on ``listen``. A listener bound with
+    SO_REUSEPORT (a node with receive workers) would join another process's listener on the same
+    address and take a share of its connections; a plain bind, as here, is refused instead."""
+    host, _, port = listen.rpartition(":")
+    for family, kind, proto, _, address in socket.getaddrinfo(host.strip("[]") or None, int(port),
+                                                              type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the listener will be
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            probe.bind(address)
 
 
 def implicit_tls_bindings(cfg: Any, handler: Any, counter: ConnectionCounter,
