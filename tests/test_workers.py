@@ -253,6 +253,32 @@ def test_sessions_right_after_start_are_not_refused_while_workers_start(make_nod
             s.close()
 
 
+def test_a_client_at_its_limit_that_quits_and_connects_again_at_once_is_served(make_node, sink) -> None:
+    """A session's place is given back with its 221, not when its process next sees the socket
+    closed: the client's next session, at once on another worker, is not counted against it."""
+    sink.start()
+    node = make_node(smart_host=sink.address, overrides={
+        "frontend": {"workers": 3, "max_inbound_connection_per_source": 2}}).start()
+    wait_for(lambda: node.log_path.read_text().count("serving the frontend on") == 2, timeout=30,
+             what="both workers listening")
+    held = smtplib.SMTP("127.0.0.1", node.port, timeout=30)  # one session held: one place left
+    refused = 0
+    try:
+        for _ in range(150):
+            s = smtplib.SMTP(timeout=30)
+            try:
+                if s.connect("127.0.0.1", node.port)[0] != 220:
+                    refused += 1
+                s.quit()
+            except smtplib.SMTPServerDisconnected:
+                refused += 1
+            finally:
+                s.close()
+    finally:
+        held.close()
+    assert refused == 0, f"{refused} of 150 sessions refused under the limit"
+
+
 def _frontend_open(node) -> float:
     host, _, port = node.metrics_listen.rpartition(":")
     return value(scrape(host, int(port)), "transportd_connections_open", connector="frontend")

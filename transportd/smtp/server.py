@@ -707,10 +707,19 @@ class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _ShutdownNotice, HalfClose, _
         super().connection_made(transport)
 
     def connection_lost(self, error: Exception | None) -> None:
+        self._release_slot()
+        super().connection_lost(error)
+
+    def _release_slot(self) -> None:
         if self._counted_ip is not None:
             self._counter.release(self._counted_ip)
             self._counted_ip = None
-        super().connection_lost(error)
+
+    @syntax("QUIT")
+    async def smtp_QUIT(self, arg: str) -> None:
+        if not arg:  # the session ends with this 221: a client that connects again at once (to another
+            self._release_slot()  # receive worker) must not find its old session still counted
+        await super().smtp_QUIT(arg)
 
     async def _handle_client(self) -> None:
         if self._refusal is not None:
