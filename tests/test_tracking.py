@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import shutil
 import threading
 import uuid
 from datetime import UTC, datetime, timedelta, timezone
@@ -629,6 +630,21 @@ def test_rows_wait_while_the_disk_is_full_within_a_bound_and_are_written_in_orde
     log.close()
     got = [r["custom-data"] for r in parse_log_file(one_file(tmp_path))]
     assert got == ["before", *[f"w{n}" for n in range(kept)], "after"]
+
+
+def test_a_file_or_folder_removed_while_in_use_costs_no_row(tmp_path):
+    """An operator removes the folder (or the file) the node writes to: the next row starts a new
+    file, the folder made again, instead of going to a file no reader will ever see."""
+    d = tmp_path / "msgtrk"
+    log = make_log(d)
+    log.write("RECEIVE", "SMTP", internal_message_id=1)
+    shutil.rmtree(d)
+    log.write("RECEIVE", "SMTP", internal_message_id=2)
+    assert [r["internal-message-id"] for p in iter_log_files(d) for r in parse_log_file(p)] == ["2"]
+    log.current_path.unlink()
+    log.write("RECEIVE", "SMTP", internal_message_id=3)
+    log.close()
+    assert [r["internal-message-id"] for p in iter_log_files(d) for r in parse_log_file(p)] == ["3"]
 
 
 def test_close_writes_the_rows_that_wait(tmp_path):

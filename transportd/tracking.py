@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import errno
+import logging
 import os
 import re
 import threading
@@ -38,6 +39,8 @@ __all__ = [
     "search",
     "utc_now",
 ]
+
+log = logging.getLogger(__name__)
 
 FIELDS_2016: tuple[str, ...] = (
     "date-time",
@@ -288,10 +291,12 @@ class _LogFiles:
         return self.directory / f"MSGTRK{day:%Y%m%d}-{number}.LOG"
 
     def _open_for_day(self, now: datetime) -> None:
-        """Open today's file: append to the highest-numbered one if under the limit."""
+        """Open today's file: append to the highest-numbered one if under the limit. A folder
+        removed meanwhile (an operator's cleanup) is made again."""
         day = now.date()
         stamp = f"{day:%Y%m%d}"
         highest = 0
+        self.directory.mkdir(parents=True, exist_ok=True)
         for entry in self.directory.iterdir():
             match = _OWN_NAME.match(entry.name)
             if match and match.group(1) == stamp:
@@ -560,6 +565,11 @@ class TrackingLog(_LogFiles):
     def _write_pending(self, now: datetime) -> None:
         """Write the kept rows in order, each whole or not at all as far as we count it."""
         try:
+            if self._file is not None and self._path is not None and not os.path.exists(self._path):
+                # removed while open (or its folder deleted or moved away): rows written to it are
+                # lost to any reader, so a new file is started (the folder made again if need be)
+                log.warning("tracking log file %s was removed while in use: starting a new one", self._path)
+                self._close_file()
             while self._pending:
                 data = self._pending[0]
                 if self._file is None or now.date() != self._day:
