@@ -159,11 +159,21 @@ class WorkerSupervisor:
             if kind == "wake":
                 self.queue_changed.set()
             elif kind == "track":
-                self.events.tracking.write(*frame[1], **frame[2])
+                self._track(index, frame[1], frame[2])
             elif kind == "metric":
                 replay(self.events.metrics, frame[1])
         except Exception as exc:  # noqa: BLE001 - a report that cannot be applied is logged, mail goes on
             log.error("receive worker %d: cannot apply %r: %s", index, frame[:1], exc)
+
+    def _track(self, index: int, args: Any, fields: dict) -> None:
+        """A worker's tracking row; one the file refuses (a full disk) is kept by the log and written
+        before the next one, as the node's own are, and said so."""
+        tracking = self.events.tracking
+        try:
+            tracking.write(*args, **fields)
+        except OSError as exc:
+            log.error("cannot write tracking log (a row of receive worker %d): %s; %d row(s) kept to write "
+                      "when it can (%d given up)", index, exc, tracking.pending_rows, tracking.dropped_rows)
 
     async def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM every worker (each finishes the sessions it can within its grace), SIGKILL the rest."""
