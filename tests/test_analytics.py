@@ -748,8 +748,10 @@ def test_a_message_id_sent_twice_across_2010_and_2013_is_joined_by_the_hop(spark
         same = {"internal_message_id": iid, "message_id": "<dup@contoso.test>", "network_message_id": netid,
                 "recipient_address": "x@fabrikam.test", "sender_address": "a@contoso.test", "source": "SMTP"}
         ex1 += [r13(date_time=f"2013-05-01T{at}:00.000Z", client_hostname="client1", event_id="RECEIVE", **same),
-                r13(date_time=f"2013-05-01T{at}:01.000Z", client_hostname="EX1.contoso.test",
-                    server_hostname="HUB1.contoso.test", event_id="SEND", recipient_status=reply, **same)]
+                # a SEND names the next hop's address in server-ip (the hub's, 10.0.0.2)
+                r13(date_time=f"2013-05-01T{at}:01.000Z", client_ip="10.0.0.1", client_hostname="EX1.contoso.test",
+                    server_ip="10.0.0.2", server_hostname="HUB1.contoso.test", event_id="SEND", recipient_status=reply,
+                    **same)]
     # the other way: the hub's two sends of <rev@...> arrive here as two messages
     for iid, at, netid in (("20", "09:10", n3), ("21", "09:15", n4)):
         same = {"internal_message_id": iid, "message_id": "<rev@contoso.test>", "network_message_id": netid,
@@ -774,8 +776,8 @@ def test_a_message_id_sent_twice_across_2010_and_2013_is_joined_by_the_hop(spark
         rows += [r10(date_time=f"2013-05-01T{at}:00.000Z", client_hostname="mx.fabrikam.test", source="SMTP",
                      event_id="RECEIVE", internal_message_id=iid, message_id="<rev@contoso.test>",
                      recipient_address="y@contoso.test", sender_address="b@fabrikam.test"),
-                 r10(date_time=f"2013-05-01T{at}:01.000Z", client_hostname="HUB1", server_hostname="EX1.contoso.test",
-                     source="SMTP", event_id="SEND", internal_message_id=iid, message_id="<rev@contoso.test>",
+                 r10(date_time=f"2013-05-01T{at}:01.000Z", client_ip="10.0.0.2", client_hostname="HUB1",
+                     server_ip="10.0.0.1", server_hostname="EX1.contoso.test", source="SMTP", event_id="SEND", internal_message_id=iid, message_id="<rev@contoso.test>",
                      recipient_address="y@contoso.test", sender_address="b@fabrikam.test",
                      recipient_status=f"250 2.6.0 <rev@contoso.test> [InternalId={theirs}, "
                                       "Hostname=EX1.contoso.test] Queued mail for delivery")]
@@ -1080,3 +1082,157 @@ def test_exchange_logs_named_copied_and_sent_as_real_servers_write_them(spark, t
     assert e1["unprotected_at_receipt"] is True
     assert summary["lost"] == 0 and summary["states"]["left the logs"] == 0, summary["states"]
     assert "logs" not in summary["events_by_node"] and summary["events_by_node"]["ex6"] == {"NOTIFYMAPI": 1}
+
+
+@pytest.fixture(scope="module")
+def named_hosts(spark, tmp_path_factory):
+    """One run over servers that log under their short names and send by FQDN, as Exchange 2016
+    and 2010 write them (addresses in client-ip and server-ip):
+
+    - 2016: MAIL (10.0.0.1) sends ``b1`` to a partner's MX ``mail.fabrikam.test`` (198.51.100.25),
+      ``e1`` to ``EX2.contoso.test`` at EX2's address (EX2 logs as ``EX2``, 10.0.0.2: its RECEIVE
+      and a DEFER follow), and ``e2`` to its own FQDN at its own address (mailbox delivery; its
+      DELIVER follows);
+    - 2010: hub MX (10.1.0.1) sends ``<c1@...>`` to a partner's MX ``mx.fabrikam.test``
+      (198.51.100.26) and ``<c2@...>`` to ``HUB2.contoso.test`` at HUB2's address (HUB2 logs as
+      ``HUB2``, 10.1.0.2: its RECEIVE and a DEFER follow).
+
+    Returns the messages by key."""
+    f16, f10 = FIELDS_2016, FIELDS_2010
+    logs = tmp_path_factory.mktemp("named_hosts") / "logs"
+    b1, e1, e2 = ("b1b1b1b1-0000-4000-8000-00000000000" + c for c in "123")
+
+    def r16(**kw):
+        return exchange_row(f16, transport_traffic_type="Email", schema_version="15.01.2507.006", **kw)
+
+    def received(t: str, key: str, netid: str, to: str, **kw: str) -> dict[str, str]:
+        return r16(date_time=f"2024-05-01T10:{t}.000Z", client_ip="10.0.0.50", client_hostname="client50.contoso.test",
+                   server_ip="10.0.0.1", server_hostname="MAIL", source="SMTP", event_id="RECEIVE",
+                   internal_message_id=kw.pop("iid"), message_id=f"<{key}@contoso.test>", network_message_id=netid,
+                   recipient_address=to, sender_address="carl@contoso.test", return_path="carl@contoso.test",
+                   directionality="Originating")
+
+    def sent(t: str, key: str, netid: str, to: str, ip: str, host: str, connector: str, iid: str) -> dict[str, str]:
+        return r16(date_time=f"2024-05-01T10:{t}.000Z", client_ip="10.0.0.1", client_hostname="MAIL", server_ip=ip,
+                   server_hostname=host, source_context="08DC000000000001;250 2.0.0 OK", connector_id=connector,
+                   source="SMTP", event_id="SEND", internal_message_id=iid, message_id=f"<{key}@contoso.test>",
+                   network_message_id=netid, recipient_address=to, recipient_status="250 2.0.0 OK",
+                   sender_address="carl@contoso.test", directionality="Originating")
+
+    write_log(logs / "MAIL" / "MSGTRK2024050110-1.LOG", f16, [
+        # the audit's rows: the partner's MX shares MAIL's first label
+        received("00:00", "b1", b1, "zoe@fabrikam.test", iid="11"),
+        sent("00:01", "b1", b1, "zoe@fabrikam.test", "198.51.100.25", "mail.fabrikam.test", "Internet", "11"),
+        received("01:00", "e1", e1, "ivy@contoso.test", iid="12"),
+        sent("01:01", "e1", e1, "ivy@contoso.test", "10.0.0.2", "EX2.contoso.test",
+             "Intra-Organization SMTP Send Connector", "12"),
+        received("02:00", "e2", e2, "carl@contoso.test", iid="13"),
+        sent("02:01", "e2", e2, "carl@contoso.test", "10.0.0.1", "MAIL.contoso.test",
+             "Intra-Organization SMTP Send Connector", "13"),
+        r16(date_time="2024-05-01T10:02:02.000Z", client_hostname="MAIL", server_hostname="MAIL", source="STOREDRIVER",
+            event_id="DELIVER", internal_message_id="13", message_id="<e2@contoso.test>", network_message_id=e2,
+            recipient_address="carl@contoso.test", recipient_status="250 2.1.5 RecipientSuccessfullyDelivered",
+            sender_address="carl@contoso.test", directionality="Originating"),
+    ], header=True, bom=True, newline="\r\n")
+    write_log(logs / "EX2" / "MSGTRK2024050110-1.LOG", f16, [
+        r16(date_time="2024-05-01T10:01:00.900Z", client_ip="10.0.0.1", client_hostname="MAIL.contoso.test",
+            server_ip="10.0.0.2", server_hostname="EX2", source="SMTP", event_id="RECEIVE", internal_message_id="21",
+            message_id="<e1@contoso.test>", network_message_id=e1, recipient_address="ivy@contoso.test",
+            sender_address="carl@contoso.test", directionality="Originating"),
+        r16(date_time="2024-05-01T10:01:30.000Z", client_hostname="EX2", server_hostname="EX2.contoso.test",
+            source="SMTP", event_id="DEFER", internal_message_id="21", message_id="<e1@contoso.test>",
+            network_message_id=e1, recipient_address="ivy@contoso.test",
+            recipient_status="432 4.2.0 STOREDRV.Deliver; mailbox database thread limit exceeded",
+            sender_address="carl@contoso.test", directionality="Originating"),
+    ], header=True, bom=True, newline="\r\n")
+
+    def r10(t: str, key: str, **kw: str) -> dict[str, str]:
+        return exchange_row(f10, date_time=f"2010-05-01T10:{t}Z", message_id=f"<{key}@contoso.test>",
+                            sender_address="carl@contoso.test", **kw)
+    write_log(logs / "MX" / "MSGTRK20100501-1.LOG", f10, [
+        r10("00:00.000", "c1", client_ip="10.1.0.50", client_hostname="client50", server_ip="10.1.0.1",
+            server_hostname="MX", source="SMTP", event_id="RECEIVE", internal_message_id="31",
+            recipient_address="zoe@fabrikam.test"),
+        r10("00:01.000", "c1", client_ip="10.1.0.1", client_hostname="MX", server_ip="198.51.100.26",
+            server_hostname="mx.fabrikam.test", source_context="08CC000000000001", connector_id="Internet",
+            source="SMTP", event_id="SEND", internal_message_id="31", recipient_address="zoe@fabrikam.test",
+            recipient_status="250 2.0.0 OK"),
+        r10("01:00.000", "c2", client_ip="10.1.0.50", client_hostname="client50", server_ip="10.1.0.1",
+            server_hostname="MX", source="SMTP", event_id="RECEIVE", internal_message_id="32",
+            recipient_address="ivy@contoso.test"),
+        r10("01:01.000", "c2", client_ip="10.1.0.1", client_hostname="MX", server_ip="10.1.0.2",
+            server_hostname="HUB2.contoso.test", source="SMTP", event_id="SEND", internal_message_id="32",
+            recipient_address="ivy@contoso.test", recipient_status="250 2.0.0 OK"),
+    ], header=False, bom=False, newline="\r\n")
+    write_log(logs / "HUB2" / "MSGTRK20100501-1.LOG", f10, [
+        r10("01:00.900", "c2", client_ip="10.1.0.1", client_hostname="MX.contoso.test", server_ip="10.1.0.2",
+            server_hostname="HUB2", source="SMTP", event_id="RECEIVE", internal_message_id="41",
+            recipient_address="ivy@contoso.test"),
+        r10("01:30.000", "c2", client_hostname="HUB2", server_hostname="MBX2", source="STOREDRIVER", event_id="DEFER",
+            internal_message_id="41", recipient_address="ivy@contoso.test",
+            recipient_status="432 4.2.0 STOREDRV.Deliver; mailbox database thread limit exceeded"),
+    ], header=False, bom=False, newline="\r\n")
+
+    out = logs.parent / "out"
+    job.analyze(spark, [str(logs)], str(out), recursive=True, progress=False, report=False)
+    return {r["key"]: r.asDict(recursive=True) for r in spark.read.parquet(str(out / "messages")).collect()}
+
+
+def _hops(message: dict) -> list[tuple[str, str, str | None]]:
+    return [(d["event"], d["node"], d["next_hop"]) for d in message["deliveries"] or []]
+
+
+def test_a_partners_mx_named_like_a_short_named_server_is_not_that_server(named_hosts):
+    """A server named MAIL (Exchange names itself by its short name) sends to a partner's MX
+    ``mail.fabrikam.test``, whose address in server-ip is none MAIL was seen at: the message left
+    the logs. It read as sent from ``mail`` to itself, and so lost (2016: the sender's copy went
+    to Safety Net) or in flight on the 2010 hub that kept it."""
+    b1 = named_hosts["b1b1b1b1-0000-4000-8000-000000000001"]
+    assert b1["state"] == "left the logs", b1
+    assert _hops(b1) == [("SEND", "mail", "mail.fabrikam.test")], b1
+    c1 = named_hosts["<c1@contoso.test>"]
+    assert c1["state"] == "left the logs", c1
+    assert _hops(c1) == [("SEND", "mx", "mx.fabrikam.test")], c1
+
+
+def test_a_next_hop_by_fqdn_at_the_short_named_servers_own_address_is_that_server(named_hosts):
+    """A SEND to ``EX2.contoso.test`` at the address EX2 (logging as ``EX2``) was seen at is to
+    that node, and so is a server's SEND to its own FQDN at its own address (mailbox delivery);
+    the same from a 2010 hub to its peer hub."""
+    e1 = named_hosts["b1b1b1b1-0000-4000-8000-000000000002"]
+    assert (e1["state"], e1["live_copy_nodes"]) == ("in flight unprotected", ["ex2"]), e1
+    assert _hops(e1) == [("SEND", "mail", "ex2")], e1
+    e2 = named_hosts["b1b1b1b1-0000-4000-8000-000000000003"]
+    assert e2["state"] == "delivered", e2
+    assert _hops(e2) == [("SEND", "mail", "mail"), ("DELIVER", "mail", None)], e2
+    c2 = named_hosts["<c2@contoso.test>"]
+    assert (c2["state"], c2["live_copy_nodes"]) == ("in flight protected", ["hub2", "mx"]), c2
+    assert _hops(c2) == [("SEND", "mx", "hub2")], c2
+
+
+def test_a_next_hop_is_the_node_of_its_first_label_unless_its_address_or_domain_says_otherwise(spark):
+    """The evidence rules on their own (``_renamed``, and the label the 2010 hop join compares,
+    ``_peer_label``): an address given and none the node was seen at, or (no address to go by) a
+    domain none of the boundary's own names has, makes a next hop not the node of its label."""
+    aliases = job.host_aliases({"mail", "smtp", "ex9.contoso.test"}, {"mail", "smtp", "ex9.contoso.test"},
+                               {"mail": {"10.0.0.1"}, "ex9.contoso.test": {"10.0.0.9"}})
+    assert aliases["fqdn"] == {"mail": "mail", "smtp": "smtp"}
+    assert aliases["addresses"] == {"mail": ["10.0.0.1"], "ex9": ["10.0.0.9"]}
+    assert aliases["domains"] == ["contoso.test"]
+    cases = [  # (peer, its address, the node it is, the label the hop join compares)
+        ("mail.fabrikam.test", "198.51.100.25", "mail.fabrikam.test", "mail.fabrikam.test"),  # address
+        ("mail.contoso.test", "10.0.0.1", "mail", "mail"),       # the node's own address
+        ("mail.fabrikam.test", "10.0.0.1", "mail", "mail"),      # its address, whatever the domain
+        ("mail.contoso.test", None, "mail", "mail"),             # no address: the boundary's domain
+        ("mail.fabrikam.test", None, "mail.fabrikam.test", "mail.fabrikam.test"),  # another domain
+        ("smtp.contoso.test", "192.0.2.7", "smtp", "smtp"),      # smtp was seen at no address
+        ("smtp.fabrikam.test", "192.0.2.7", "smtp.fabrikam.test", "smtp.fabrikam.test"),
+        ("ex9.contoso.test", "192.0.2.9", "ex9.contoso.test", "ex9"),  # a node by its own name
+        ("ex9.fabrikam.test", "192.0.2.9", "ex9.fabrikam.test", "ex9.fabrikam.test"),
+        ("10.0.0.1", "10.0.0.1", "10.0.0.1", "10.0.0.1"),
+        ("mail", None, "mail", "mail"),
+    ]
+    df = spark.createDataFrame([(p, a) for p, a, _, _ in cases], "peer string, peer_ip string")
+    got = df.select(job._renamed("peer", {}, aliases, "peer_ip").alias("node"),
+                    job._peer_label(df, aliases, {"mail", "smtp", "ex9.contoso.test"}).alias("label")).collect()
+    assert [(r["node"], r["label"]) for r in got] == [(n, lb) for _, _, n, lb in cases]

@@ -249,7 +249,7 @@ def narrow_events(rows: Any):
         (F.col("network_message_id") != "").alias("has_netid"),
         "message_id",
         reader.internal_id(e, F.col("network_message_id")).alias("internal_id"),
-        "hop_id", "writer",
+        "hop_id", "writer", "node_ip", "peer_ip",
     )
 
 
@@ -292,13 +292,18 @@ def node_names(names: set[str]) -> dict[str, str]:
     return out
 
 
-def host_aliases(nodes: set[str], names: set[str]) -> dict[str, dict[str, str]]:
+def host_aliases(nodes: set[str], names: set[str],
+                 addresses: dict[str, set[str]] | None = None) -> dict[str, Any]:
     """How a host named elsewhere than in a node's own rows (a SEND's next hop, a HARECEIVE's
     primary) is one of the ``nodes`` of the logs: ``short`` maps a short name to the node whose
     first label it is (the node short or fully qualified), ``fqdn`` maps the first label of a fully
     qualified name to the node that logs under that short name (Exchange names itself by its short
     name and its peers by their FQDN). Only where nothing contradicts it: a label two nodes share,
-    or (for ``fqdn``) a label two fully qualified names seen begin with, maps to nothing."""
+    or (for ``fqdn``) a label two fully qualified names seen begin with, maps to nothing; and, per
+    row (``_foreign``), a next hop the rows place elsewhere is not the node: ``addresses``, by
+    first label, the addresses its nodes were seen at (``addresses``: node -> the addresses its own
+    rows show it at), and ``domains``, the domains of the boundary's own fully qualified names
+    (``names``: the nodes, the shadows of HAREDIRECTs and primaries of HARECEIVEs and RESUBMITs)."""
     def label(n: str) -> str:
         return n.split(".", 1)[0]
 
@@ -309,7 +314,13 @@ def host_aliases(nodes: set[str], names: set[str]) -> dict[str, dict[str, str]]:
     fqdns = _fqdns_by_label(names)
     short = {label(n): n for n in nodes if count[label(n)] == 1}
     fqdn = {n: n for n in nodes if "." not in n and count[n] == 1 and len(fqdns.get(n, ())) <= 1}
-    return {"short": short, "fqdn": fqdn}
+    seen: dict[str, set[str]] = {}
+    for n, at in (addresses or {}).items():
+        if n in nodes and at:
+            seen.setdefault(label(n), set()).update(at)
+    domains = {n.split(".", 1)[1] for n in {*names, *nodes} if n and "." in n and not _is_address(n)}
+    return {"short": short, "fqdn": fqdn, "addresses": {k: sorted(v) for k, v in sorted(seen.items())},
+            "domains": sorted(domains)}
 
 
 def collect_facts(parsed: Any) -> dict[str, Any]:
@@ -331,7 +342,7 @@ def collect_facts(parsed: Any) -> dict[str, Any]:
         ok(e).alias("event"), ok(F.col("source")).alias("source"), ok(F.when(head, F.col("peer"))).alias("peer"),
         ok(F.when(e == "RESUBMIT", F.col("reason"))).alias("reason"),
         ok(F.col("client_hostname")).alias("primary"), ok(F.col("key").isNull()).alias("no_key"),
-        ok(F.col("has_netid")).alias("has_netid"))
+        ok(F.col("has_netid")).alias("has_netid"), ok(F.col("node_ip")).alias("address"))
         .agg(F.min(ok(F.col("time"))).alias("start"), F.max(ok(F.col("time"))).alias("end"),
              F.count(F.lit(1)).alias("n"))
         .collect())
@@ -354,9 +365,12 @@ def collect_facts(parsed: Any) -> dict[str, Any]:
                              "malformed": sum(malformed.values()), "malformed_by_file": malformed}
     last_row: dict[str, Any] = {}
     promoted: dict[tuple[str, str], Any] = {}
+    addresses: dict[str, set[str]] = {}
     for r in rows:
         node = canon(r["node"])
         facts["nodes"].add(node)
+        if r["address"]:
+            addresses.setdefault(node, set()).add(r["address"])
         facts["rows"] += int(r["n"])
         if facts["start"] is None or r["start"] < facts["start"]:
             facts["start"] = r["start"]
@@ -382,7 +396,7 @@ def collect_facts(parsed: Any) -> dict[str, Any]:
         if why == "ShadowStateChange" or last is None or last <= when:
             cutoffs[node] = max(cutoffs.get(node, when), when)
     facts["cutoffs"] = cutoffs
-    facts["by_label"] = host_aliases(facts["nodes"], names)
+    facts["by_label"] = host_aliases(facts["nodes"], names, addresses)
     facts["events_by_node"] = {n: dict(sorted(v.items())) for n, v in sorted(facts["events_by_node"].items())}
     return facts
 
@@ -398,9 +412,31 @@ def _map_lit(mapping: dict[str, Any], value_type: str = "string"):
     return F.create_map(*items)
 
 
-def _renamed(col: str, rename: dict[str, str], by_label: dict[str, dict[str, str]] | None = None):
+def _foreign(c: Any, by_label: dict[str, Any], address: Any = None):
+    """Whether the rows place the host ``c`` (fully qualified, at ``address`` if given) elsewhere
+    than the node of the logs its first label names (``host_aliases``): its address is given and
+    is none of those that node was seen at (when it was seen at any); else, where the boundary's
+    own names show its domains, its domain is none of them. False where nothing says so."""
+    from pyspark.sql import functions as F
+
+    domains = by_label.get("domains") or []
+    other_domain = (~c.substr(F.instr(c, ".") + 1, F.length(c)).isin(*domains)) if domains else F.lit(False)
+    addresses = by_label.get("addresses") or {}
+    if address is None or not addresses:
+        return other_domain
+    items = []
+    for k, v in sorted(addresses.items()):
+        items += [F.lit(k), F.array(*[F.lit(a) for a in v])]
+    seen = F.try_element_at(F.create_map(*items), F.substring_index(c, ".", 1))
+    return F.when(address.isNotNull() & seen.isNotNull(), ~F.array_contains(seen, address)).otherwise(other_domain)
+
+
+def _renamed(col: str, rename: dict[str, str], by_label: dict[str, Any] | None = None,
+             address: str | None = None):
     """``col`` (a host name) as the node name the logs know it by: the FQDN of a short name
-    (``rename``), and with ``by_label`` (``host_aliases``) a host named by its other form."""
+    (``rename``), and with ``by_label`` (``host_aliases``) a host named by its other form; with
+    ``address`` (the column of the host's address: a SEND's next hop), a fully qualified name the
+    rows place elsewhere (``_foreign``) is not the node of its first label."""
     from pyspark.sql import functions as F
 
     c = F.col(col)
@@ -408,15 +444,36 @@ def _renamed(col: str, rename: dict[str, str], by_label: dict[str, dict[str, str
     if by_label and by_label.get("short"):
         out = F.coalesce(out, F.when(~c.contains("."), F.try_element_at(_map_lit(by_label["short"]), c)))
     if by_label and by_label.get("fqdn"):
-        out = F.coalesce(out, F.when(c.contains(".") & ~c.rlike(f"^({_ADDRESS})$"),
-                                     F.try_element_at(_map_lit(by_label["fqdn"]), F.substring_index(c, ".", 1))))
+        node = F.when(c.contains(".") & ~c.rlike(f"^({_ADDRESS})$"),
+                      F.try_element_at(_map_lit(by_label["fqdn"]), F.substring_index(c, ".", 1)))
+        if address is not None:
+            # the evidence is looked at only where the label names a node (few rows)
+            node = F.when(node.isNotNull() & ~_foreign(c, by_label, F.col(address)), node)
+        out = F.coalesce(out, node)
     return F.coalesce(out, c)
+
+
+def _peer_label(ev: Any, by_label: dict[str, Any] | None, nodes: set[str] | None):
+    """The peer's first label, as the 2010 joins compare hosts (``host_label``); a fully qualified
+    peer that is no node by its name and that the rows place elsewhere than the node of its first
+    label (``_foreign``, by its address on a SEND) stays whole, so it matches no node."""
+    from pyspark.sql import functions as F
+
+    label = host_label("peer")
+    if not by_label or not (by_label.get("addresses") or by_label.get("domains")):
+        return label
+    c = F.col("peer")
+    named = (F.try_element_at(_map_lit(dict.fromkeys(nodes, True), "boolean"), c).isNotNull()
+             if nodes else F.lit(False))
+    address = F.col("peer_ip") if "peer_ip" in ev.columns else None
+    dotted = c.contains(".") & ~c.rlike(f"^({_ADDRESS})$")
+    return F.when(dotted & ~named & _foreign(c, by_label, address), c).otherwise(label)
 
 
 # ---------------------------------------------------------------------------- per message
 
 
-def join_message_ids(ev: Any):
+def join_message_ids(ev: Any, by_label: dict[str, Any] | None = None, nodes: set[str] | None = None):
     """Rows keyed by message-id (Exchange 2010's, which have no network-message-id) take the
     network-message-id of their message, so a message crossing 2010 and 2013+ nodes is one
     message. First by the hop: a SEND row's reply names the internal-message-id the next hop gave
@@ -427,7 +484,9 @@ def join_message_ids(ev: Any):
     network-message-id only. A message-id given two or more (a message forked under new ids, or
     a client sending one Message-ID twice, to two nodes) and no hop: its rows stay keyed by the
     message-id. Only the rows without a network-message-id and the pairs of their message-ids
-    take part in the joins; the other rows pass through."""
+    take part in the joins; the other rows pass through. Hosts are compared by first label; a
+    next hop the rows place elsewhere than the node of its label (``_peer_label``, with
+    ``by_label`` and ``nodes`` from the facts) is no node's."""
     from pyspark.sql import functions as F
 
     bare = ev.filter(~F.col("has_netid"))
@@ -438,8 +497,9 @@ def join_message_ids(ev: Any):
              .groupBy("mid").agg(F.min("netid").alias("netid"), F.max("netid").alias("other")))
     pairs = pairs.filter(F.col("netid") == F.col("other")).select("mid", "netid")
     # a 2013+ node's SEND to a 2010 node: (that node, the id it gave, message-id) -> network id
+    peer = _peer_label(ev, by_label, nodes)
     sent_to_bare = with_netid.filter(F.col("hop_id").isNotNull() & F.col("peer").isNotNull()).select(
-        host_label("peer").alias("hnode"), F.col("hop_id").alias("hid"), F.col("message_id").alias("hmid"),
+        peer.alias("hnode"), F.col("hop_id").alias("hid"), F.col("message_id").alias("hmid"),
         F.col("key").alias("hnetid"))
     # a 2010 node's SEND to a 2013+ node: the RECEIVE it names carries the network id
     received = with_netid.filter((F.col("event") == "RECEIVE") & F.col("internal_id").isNotNull()).select(
@@ -448,7 +508,7 @@ def join_message_ids(ev: Any):
     bare_sends = bare.filter(F.col("hop_id").isNotNull() & F.col("peer").isNotNull()
                              & F.col("internal_id").isNotNull())
     sent_by_bare = bare_sends.join(
-        received, (host_label("peer") == F.col("rnode")) & (F.col("hop_id") == F.col("rid"))
+        received, (peer == F.col("rnode")) & (F.col("hop_id") == F.col("rid"))
         & (F.col("key") == F.col("rmid"))).select(
         host_label("node").alias("hnode"), F.col("internal_id").alias("hid"), F.col("key").alias("hmid"), "hnetid")
     hops = (sent_to_bare.unionByName(sent_by_bare).groupBy("hnode", "hid", "hmid")
@@ -638,10 +698,11 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
 
     ev = ev.filter(F.col("key").isNotNull())
     if facts.get("by_netid") and facts.get("by_message_id"):
-        ev = join_message_ids(ev)
+        ev = join_message_ids(ev, by_label, facts.get("nodes"))
     ev = (ev
           .select("key", "time", _renamed("node", rename).alias("node"), "event", "source",
-                  _renamed("peer", rename, by_label).alias("peer"), "reason", "recipients", "replaced", "context",
+                  _renamed("peer", rename, by_label, "peer_ip" if "peer_ip" in ev.columns else None).alias("peer"),
+                  "reason", "recipients", "replaced", "context",
                   _renamed("client_hostname", rename, by_label).alias("client_hostname"), "sender", "writer",
                   "has_netid", "message_id"))
     # Two shuffles by key, one per aggregate (each reads only its columns); the join of the two

@@ -48,8 +48,11 @@ SENTINEL = "\u0001end-of-row"
 
 NEEDED = ("date-time", "client-hostname", "server-hostname", "source-context", "source", "event-id",
           "internal-message-id", "message-id", "network-message-id", "recipient-address",
-          "recipient-status", "related-recipient-address", "reference", "sender-address")
+          "recipient-status", "related-recipient-address", "reference", "sender-address", "client-ip", "server-ip")
 """The fields the job reads; any other field is parsed by the CSV reader and dropped."""
+
+UNSPECIFIED_ADDRESSES = ("", "0.0.0.0", "::")
+"""Addresses that say nothing of a host (a listener on every interface): taken as none."""
 
 SNIFF_LINES = 64
 """Lines read from the start of each file on the driver to find its format."""
@@ -313,6 +316,28 @@ def _local_node(event: Any, source: Any, client: Any, server: Any, legacy: Any):
     return F.when(local != "", local).otherwise(_folder_node())
 
 
+def _address(col: str):
+    """An IP address field, trimmed and lower-cased; null when empty or unspecified."""
+    from pyspark.sql import functions as F
+
+    a = F.lower(F.trim(col))
+    return F.when(~a.isin(*UNSPECIFIED_ADDRESSES), a)
+
+
+def _addresses(event: Any, source: Any, sent_by_client: Any, server: Any):
+    """(node_ip, peer_ip) of a row: the address it shows the local node at (server-ip of a RECEIVE
+    or HARECEIVE the node wrote as the receiving server, client-ip of a SEND or SENDEXTERNAL it
+    wrote as the sender: docs/TRACKING_LOG.md, "Which server a row was written on"), and the next
+    hop's on such a SEND (its server-ip); null elsewhere. The job tells by them whether a next hop
+    named ``label.domain`` is the node that logs as ``label`` (``job.host_aliases``)."""
+    from pyspark.sql import functions as F
+
+    received = ((event == "HARECEIVE") | ((event == "RECEIVE") & (source != "AGENT"))) & (server != "")
+    node_ip = F.when(sent_by_client, _address("client_ip")).when(received, _address("server_ip"))
+    peer_ip = F.when(sent_by_client & (server != ""), _address("server_ip"))
+    return node_ip, peer_ip
+
+
 HOP_ID = r"(?i)(?:queued as |\[InternalId=)(\d+)(?!\w)"
 """The receiving node's internal-message-id in a SEND row's reply: ours (``250 2.0.0 Ok: queued as
 52``) or Exchange's (``250 2.6.0 <id> [InternalId=52, Hostname=EX02] Queued mail for delivery``);
@@ -417,6 +442,7 @@ def normalize(rows: Any):
     source = F.upper(F.trim("source"))
     sent_by_client = event.isin(*SEND_EVENTS) & (client != "")
     recipients, replaced = _recipient_change(event, F.lit(True))
+    node_ip, peer_ip = _addresses(event, source, sent_by_client, server)
     ev = rows.select(
         "file", F.col("reason").alias("csv_reason"), "line",
         F.trim("date_time").try_cast("timestamp").alias("time"),
@@ -438,6 +464,8 @@ def normalize(rows: Any):
         _peer(event, ctx, sent_by_client, server).alias("peer"),
         _redundancy_reason(event, source, ctx).alias("reason"),
         _send_writer(event).alias("writer"),
+        node_ip.alias("node_ip"),
+        peer_ip.alias("peer_ip"),
     )
     reason = (F.when(F.col("csv_reason").isNotNull(), F.col("csv_reason"))
               .when(F.col("time").isNull(), F.lit("bad date-time"))
@@ -495,7 +523,8 @@ def narrow(rows: Any):
     is computed only on the events that use it (null elsewhere): recipients on entry, take,
     delivery and done rows, the peer on HAREDIRECT/RESUBMIT/SEND rows, the context on
     HADISCARD/RESUBMIT rows, the client on HARECEIVE rows, the sender on RECEIVE rows, the
-    source and reason on RESUBMIT rows; ``file``, ``malformed_reason`` and ``line`` only on
+    source and reason on RESUBMIT rows, the node's address on RECEIVE/HARECEIVE/SEND rows and
+    the next hop's on SEND rows (``_addresses``); ``file``, ``malformed_reason`` and ``line`` only on
     malformed rows; ``has_netid`` instead of the network-message-id (the key is the
     network-message-id when there is one)."""
     from pyspark.sql import functions as F
@@ -510,7 +539,7 @@ def narrow(rows: Any):
     # text on the rows whose recipients are read.
     first = rows.select(
         "file", F.col("reason").alias("csv_reason"), "line", "source_context", "source",
-        "sender_address", "legacy", "ours", "internal_message_id", "recipient_status",
+        "sender_address", "legacy", "ours", "internal_message_id", "recipient_status", "client_ip", "server_ip",
         F.lower(F.trim("network_message_id")).alias("netid"),
         F.trim("date_time").try_cast("timestamp").alias("time"),
         event.alias("event"),
@@ -534,6 +563,7 @@ def narrow(rows: Any):
     source = F.upper(F.trim("source"))
     recipients, replaced = _recipient_change(e, e.isin(*RECIPIENT_EVENTS), F.col("written_text"),
                                              F.col("related_text"))
+    node_ip, peer_ip = _addresses(e, source, sent_by_client, server)
     return second.select(
         valid.alias("valid"),
         F.when(~valid, F.col("file")).alias("file"),
@@ -554,4 +584,6 @@ def narrow(rows: Any):
         internal_id(e, F.col("netid")).alias("internal_id"),
         _hop_id(e).alias("hop_id"),
         _send_writer(e).alias("writer"),
+        node_ip.alias("node_ip"),
+        peer_ip.alias("peer_ip"),
     )
