@@ -261,8 +261,10 @@ class Cluster:
         with self.db[node].write_engine.begin() as conn:
             return fn(conn)
 
-    def accept(self, primary: str, shadows: list[str], netid: str, now: float) -> str:
-        """``primary`` takes a message; ``shadows`` hold copies, ranked in that order."""
+    def accept(self, primary: str, shadows: list[str], netid: str, now: float,
+               databases: dict[str, str] | None = None) -> str:
+        """``primary`` takes a message; ``shadows`` hold copies, ranked in that order (each in the
+        queue database ``databases`` names for it, when it named one)."""
         guid = str(uuid.uuid4())
         msg = NewMessage(network_message_id=netid, sender="a@x", data=b"Subject: t\r\n\r\nbody\r\n",
                          recipients={NextHop("sink.example", "DnsConnectorDelivery", "sink.example"): ["b@sink.example"]},
@@ -271,7 +273,7 @@ class Cluster:
         def commit(c):  # as the accept path commits it: the message and its ranked shadows at once
             mid = mq.enqueue(c, msg)
             for rank, node in enumerate(shadows, 1):
-                sq.record_shadow(c, mid, node, guid, now, rank)
+                sq.record_shadow(c, mid, node, guid, now, rank, (databases or {}).get(node))
         self.tx(primary, commit)
         for rank, node in enumerate(shadows, 1):
             copy = NewMessage(network_message_id=netid, sender="a@x", data=msg.data,
@@ -430,6 +432,27 @@ def test_a_shadow_made_on_a_peers_new_database_is_not_forgotten_with_the_old_one
     events = cluster.tx("n1", lambda c: c.execute(select(discard_events.c.shadow_node, discard_events.c.shadow_guid))
                         .all())
     assert sorted(events) == sorted([("n2", old), ("n2", both)]), events
+
+
+def test_a_shadow_in_another_database_of_its_holder_is_lost_whenever_it_was_made(cluster) -> None:
+    """A holder names, in its reply to a copy, the queue database that took it (docs/PROTOCOL.md
+    section 2). Once it names another one, a copy recorded in an older one is lost, even when no
+    change was ever seen (the first ID we hear of it: no ``before``); a copy in the database it
+    names now is current however old; one recorded without a database (a peer that does not say)
+    is judged as before, by time, and only on a change seen."""
+    old_db, new_db = str(uuid.uuid4()), str(uuid.uuid4())
+    gone = cluster.accept("n1", ["n2"], "gone", now=100.0, databases={"n2": old_db})
+    current = cluster.accept("n1", ["n2"], "current", now=100.0, databases={"n2": new_db})
+    unnamed = cluster.accept("n1", ["n2"], "unnamed", now=100.0)
+    rows = cluster.tx("n1", lambda c: sq.claim_lost_shadows(c, "n2", None, 210.0, dbid=new_db))
+    assert [r["network_message_id"] for r in rows] == ["gone"]
+    rows = cluster.tx("n1", lambda c: sq.claim_lost_shadows(c, "n2", 200.0, 220.0, dbid=new_db))
+    assert [r["network_message_id"] for r in rows] == ["unnamed"]
+    kept = cluster.tx("n1", lambda c: c.execute(select(
+        message_shadows.c.shadow_guid, message_shadows.c.shadow_dbid)).all())
+    assert kept == [(current, new_db)]
+    events = cluster.tx("n1", lambda c: c.execute(select(discard_events.c.shadow_guid)).scalars().all())
+    assert sorted(events) == sorted([gone, unnamed])
 
 
 def test_two_copies_on_one_peer_count_as_one_peers_protection(cluster) -> None:

@@ -10,7 +10,7 @@ import pytest
 from transportd.redundancy.protocol import (Peer, ProtocolError, after_heartbeat, heartbeat_period, decode_dbid, decode_fqdn, encode_dbid,
                                  encode_fqdn, format_discard_reply, parse_discard_entries, parse_discard_reply,
                                  parse_guid, parse_xqdiscard, parse_xshadow, parse_xshadowrequest,
-                                 redundancy_reply, shadow_attempts, split_xshadow_param,
+                                 redundancy_reply, redundancy_reply_dbid, shadow_attempts, split_xshadow_param,
                                  unreachable_since)
 
 DBID = "0f8fad5b-d9cb-469f-a165-70867728950e"
@@ -87,6 +87,22 @@ def test_mail_xshadow_parameter_is_split_off():
 def test_redundancy_reply_text():
     assert redundancy_reply("<m@x>", 7, "n3.t") == \
         "250 2.6.0 <m@x> [InternalId=7, Hostname=n3.t] Queued mail for redundancy"
+
+
+def test_redundancy_reply_names_the_queue_database_that_holds_the_copy():
+    dbid = "6f1c2b1e-3d4a-4c5b-9e8f-0a1b2c3d4e5f"
+    text = redundancy_reply("<m@x>", 7, "n3.t", queue_database_id=dbid)
+    assert text == f"250 2.6.0 <m@x> [InternalId=7, Hostname=n3.t, QueueDatabaseId={encode_dbid(dbid)}] " \
+                   "Queued mail for redundancy"
+    assert redundancy_reply_dbid(text[4:]) == dbid
+    # a peer that does not say it (Exchange, an older transportd), or says it malformed: None
+    assert redundancy_reply_dbid("2.6.0 <m@x> [InternalId=7, Hostname=n3.t] Queued mail for redundancy") is None
+    assert redundancy_reply_dbid("2.6.0 <m@x> [InternalId=7, QueueDatabaseId=bm90LWFuLWlk] Queued") is None
+    assert redundancy_reply_dbid(f"2.6.0 <m@x> QueueDatabaseId={encode_dbid(dbid)} Queued") is None  # not in the bracket
+    # the message-id is the sender's text: the last bracket, the shadow's own, is read
+    other = "0e9d8c7b-6a59-4837-a261-5f4e3d2c1b0a"
+    forged = redundancy_reply(f"<x[QueueDatabaseId={encode_dbid(other)}]@y>", 7, "n3.t", queue_database_id=dbid)
+    assert redundancy_reply_dbid(forged[4:]) == dbid
 
 
 PEERS = [Peer("n2", "a", "h:2"), Peer("n3", "b", "h:3"), Peer("n4", "b", "h:4")]

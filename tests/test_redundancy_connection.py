@@ -279,6 +279,16 @@ def test_shadow_copy_is_one_pipelined_group_with_bdat() -> None:
     assert c.state is ClientState.IDLE
 
 
+def test_shadow_copy_reply_naming_the_queue_database_that_holds_it() -> None:
+    """docs/PROTOCOL.md section 2 (*transportd*): the shadow's 2.6.0 may name its queue database;
+    the copy counts either way, and the ID comes with it."""
+    c = shadowing_client()
+    copy_of(c)()
+    c.receive_reply(250, ["2.1.0 Ok"]), c.receive_reply(250, ["2.1.5 Ok"])
+    text = f"2.6.0 <m@x> [InternalId=7, Hostname={SHADOW}, QueueDatabaseId={b64_dbid(S_DBID)}] Queued mail for redundancy"
+    assert c.receive_reply(250, [text]) == [ShadowAccepted(text, S_DBID)]
+
+
 def test_shadow_copy_with_data_where_the_peer_offers_no_chunking() -> None:
     c = shadowing_client()
     assert copy_of(c, chunking=False)().endswith(b"RCPT TO:<a@x.test>\r\nDATA\r\n")

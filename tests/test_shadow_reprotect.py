@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 from clusters import (
     FAST,
     FOREIGN,
@@ -88,6 +89,56 @@ def test_primary_remakes_shadows_lost_with_a_wiped_shadow_node(make_cluster, sin
     wait_for(lambda: sink_copies(sink, netid), timeout=30, what="the message at the sink after both wipes")
     assert n3.events("RESUBMIT", netid), "node3 promoted the re-made shadow"
     assert n1.proc.poll() is None
+
+
+@pytest.mark.parametrize("contact", ["holder-shadow-request", "primary-next-copy"])
+def test_shadow_lost_before_the_primary_knew_the_holders_database_is_made_again(make_cluster, sink, contact):
+    """Regression (an audit with real nodes): node1's message is shadowed on node3 while node1 has
+    never recorded node3's queue database ID; node3 is wiped and comes back. node1 took the first
+    ID it then heard for node3 on trust, kept counting the lost copy, and lost the acknowledged
+    message with its own death. Now node3 names, in its reply to the copy, the queue database that
+    holds it (docs/PROTOCOL.md section 2), and a later contact naming another one makes node1 copy
+    the message again: node3's XSHADOWREQUEST for its own mail, or node3's reply to node1's next copy."""
+    c = make_cluster(heartbeat=1, resubmit=8)
+    c.start()
+    n1, n3 = c["node1"], c["node3"]
+
+    # The sink is down: the message stays queued on node1, shadowed on node3 (its one remote peer).
+    mid = send(n1, "carol@foreign.test")
+    netid = accepted_with_shadow(n1, n3, mid)
+    n1.wait_event("DEFER", netid)
+    first = n1.events("HAREDIRECT", netid)[0]["source-context"]
+    assert "QueueDatabaseId=" in first, first  # node3 said which of its databases holds the copy
+    assert n3.name not in n1.shadow_list(), "node1 never recorded node3's queue database ID"
+
+    n3.kill9()
+    shutil.rmtree(n3.spec.data_dir)
+    n3.start()
+    if contact == "holder-shadow-request":
+        # node3 shadows its own mail (on node1 or node2): its XSHADOWREQUEST names its new database.
+        for _ in range(10):
+            send(n3, LOCAL)
+            if n3.name in n1.shadow_list():
+                break
+        wait_for(lambda: n3.name in n1.shadow_list(), timeout=10, what="node1 to hear node3's new database ID")
+        also: list[str] = []
+    else:
+        # node1's next message is copied to node3, whose reply names its new database.
+        later = accepted_with_shadow(n1, n3, send(n1, "dave@foreign.test"))
+        assert n3.name not in n1.shadow_list(), "heard only in the copy's reply"
+        also = [later]
+
+    redirects = n1.wait_event("HAREDIRECT", netid, n=2, timeout=15)
+    holder = next(n for n in (c["node3"], c["node2"]) if redirects[-1]["source-context"].startswith(f"{n.name}=250 2.6.0 "))
+    wait_for(lambda: "made 1 of 1 lost shadow(s)" in n1.log(), timeout=5, what="the reprotect summary logged")
+    holder.wait_event("HARECEIVE", netid)
+
+    # node1 dies: the new shadow is promoted and delivered.
+    n1.kill9()
+    sink.start()
+    for m in [netid, *also]:
+        wait_for(lambda m=m: sink_copies(sink, m), timeout=40, what=f"{m} at the sink after node1's death")
+    assert holder.events("RESUBMIT", netid), "the re-made shadow was promoted"
 
 
 @contextlib.contextmanager

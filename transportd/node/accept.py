@@ -214,11 +214,12 @@ class AcceptPath:
         # among the shadows it lost (Heartbeat._state_change, claim_lost_shadows).
         made_at = time.time()
         orphans = self._orphans.take()  # this commit records their discards
+        databases = result.databases if result is not None else {}  # which of its databases holds each copy
 
         def commit(conn):
             mid = mq.enqueue(conn, msg)
             for node, rank in holders:
-                sq.record_shadow(conn, mid, node, guid, made_at, rank)
+                sq.record_shadow(conn, mid, node, guid, made_at, rank, databases.get(node))
             sq.discard_uncertain(conn, uncertain, guid, now)
             for peers, orphan_guid, at in orphans:
                 sq.discard_uncertain(conn, peers, orphan_guid, at)

@@ -40,10 +40,12 @@ _INSERT_FORK = insert(shadow_forks)
 # --------------------------------------------------------------------------- primary side
 
 def record_shadow(conn: Connection, message_id: int, shadow_node: str, guid: str, now: float,
-                  rank: int = 1) -> None:
-    """``shadow_node`` holds a shadow copy of our message ``message_id`` under ``guid`` (its ``rank``)."""
+                  rank: int = 1, shadow_dbid: str | None = None) -> None:
+    """``shadow_node`` holds a shadow copy of our message ``message_id`` under ``guid`` (its ``rank``),
+    in its queue database ``shadow_dbid`` when it said which."""
     _INSERT_MESSAGE_SHADOW.run(conn, {"message_id": message_id, "shadow_node": shadow_node,
-                                      "shadow_guid": guid, "created_at": now, "shadow_rank": rank})
+                                      "shadow_guid": guid, "created_at": now, "shadow_rank": rank,
+                                      "shadow_dbid": shadow_dbid})
 
 
 def _ranked(shadow_nodes: Iterable[str | tuple[str, int]]) -> list[tuple[str, int]]:
@@ -137,14 +139,27 @@ def settle_discard_events(conn: Connection, token: str, acknowledged: bool) -> N
         conn.execute(update(discard_events).where(cond).values(sent_token=None))
 
 
-def claim_lost_shadows(conn: Connection, peer: str, before: float, now: float) -> list[dict]:
-    """Our queued messages shadowed on ``peer`` before ``before`` (when its new queue database was
-    first seen; the copies recorded since are current): forget those shadows and mark the messages
-    ``reshadowing``; returns their rows. Each forgotten copy also gets a discard event: one made
-    on the new database all the same (a session can copy there before the change is seen) would
-    otherwise stay held with no discard ever sent, and be promoted, a second owner, if we fail;
-    for a copy that went with the old database the discard is a no-op there."""
-    lost = (message_shadows.c.shadow_node == peer) & (message_shadows.c.created_at < before)
+def claim_lost_shadows(conn: Connection, peer: str, before: float | None, now: float,
+                       dbid: str | None = None) -> list[dict]:
+    """Our queued messages whose shadow on ``peer`` is lost: forget those shadows and mark the
+    messages ``reshadowing``; returns their rows. With ``dbid`` (the queue database ``peer`` has
+    now), a copy recorded in another one of its databases (the peer named it when it took the copy)
+    is lost, whenever it was made, and one recorded in ``dbid`` is current. A copy recorded without
+    one (a peer that does not say) is lost when made before ``before`` (when the peer's new queue
+    database was first seen; the copies recorded since are current); without ``before``, such a
+    copy is kept. Each forgotten copy also gets a discard event: one made on the new database all
+    the same (a session can copy there before the change is seen) would otherwise stay held with
+    no discard ever sent, and be promoted, a second owner, if we fail; for a copy that went with
+    the old database the discard is a no-op there."""
+    held_in = message_shadows.c.shadow_dbid
+    older = [] if before is None else [message_shadows.c.created_at < before]
+    if dbid is None:
+        which = older
+    else:
+        which = [(held_in.is_not(None) & (held_in != dbid))] + ([held_in.is_(None) & older[0]] if older else [])
+    if not which:
+        return []
+    lost = (message_shadows.c.shadow_node == peer) & or_(*which)
     rows = [dict(r) for r in conn.execute(
         select(messages).join(message_shadows, message_shadows.c.message_id == messages.c.id)
         .where(lost, messages.c.role == "primary", messages.c.state == mq.QUEUED)).mappings()]
@@ -190,13 +205,15 @@ def reshadow_inputs(conn: Connection, message_id: int) -> tuple[bytes | None, di
 
 
 def settle_reshadow(conn: Connection, message_id: int, shadow_nodes: Iterable[str | tuple[str, int]], guid: str,
-                    uncertain: Iterable[str], had_recipients: bool, now: float, wanted: int = 1) -> str | None:
-    """Record a re-shadow's result (the new copies, under ``guid``); returns the message state. A
-    copy made for a message that was delivered (or removed) meanwhile gets its discard event at once."""
+                    uncertain: Iterable[str], had_recipients: bool, now: float, wanted: int = 1,
+                    databases: dict[str, str] | None = None) -> str | None:
+    """Record a re-shadow's result (the new copies, under ``guid``, each with the queue database
+    its peer named in ``databases``); returns the message state. A copy made for a message that was
+    delivered (or removed) meanwhile gets its discard event at once."""
     discard_uncertain(conn, uncertain, guid, now)
     state = conn.execute(select(messages.c.state).where(messages.c.id == message_id)).scalar()
     for node, rank in _ranked(shadow_nodes):
-        record_shadow(conn, message_id, node, guid, now, rank)
+        record_shadow(conn, message_id, node, guid, now, rank, (databases or {}).get(node))
         if state != mq.QUEUED:
             discard_uncertain(conn, [node], guid, now)
     # by peer: two copies on one peer (a new shadow and an adopted one) are one peer's protection

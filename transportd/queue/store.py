@@ -27,6 +27,8 @@ Schema (version in ``PRAGMA user_version``):
   ``ix_messages_dsn_of`` partial (DSNs only): index work every message paid for, no query used.
 - schema 8 adds ``shadow_contexts.down_since``: since when a primary's heartbeats fail, kept
   across promotion spans (``unreachable_since`` restarts with each span).
+- schema 10 adds ``message_shadows.shadow_dbid``: the queue database of the peer that holds the
+  copy, as the peer named it in its reply (NULL: a peer that does not say, or an older row).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ log = logging.getLogger("transportd.queue.store")
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 metadata = MetaData()
 
@@ -196,6 +198,9 @@ message_shadows = Table(
     Column("shadow_guid", String, nullable=False),
     Column("shadow_rank", Integer, nullable=False, default=1),  # schema 4 (N-way, PROTOCOL.md section 9)
     Column("created_at", Float, nullable=False),
+    # The holder's queue database ID when it took the copy, if it said (schema 10): a later
+    # contact from it with another ID means the copy is gone.
+    Column("shadow_dbid", String),
 )
 Index("ix_message_shadows_msg", message_shadows.c.message_id)
 
@@ -316,9 +321,13 @@ def _migration_9(conn: Connection) -> None:
     _add_columns(conn, "messages", {"author": "VARCHAR NOT NULL DEFAULT ''"})
 
 
+def _migration_10(conn: Connection) -> None:
+    _add_columns(conn, "message_shadows", {"shadow_dbid": "VARCHAR"})
+
+
 MIGRATIONS: list[Callable[[Connection], None]] = [_migration_1, _migration_2, _migration_3, _migration_4,
                                                   _migration_5, _migration_6, _migration_7, _migration_8,
-                                                  _migration_9]
+                                                  _migration_9, _migration_10]
 
 
 

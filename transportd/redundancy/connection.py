@@ -48,6 +48,7 @@ from transportd.redundancy.protocol import (
     parse_xshadow,
     parse_xshadowadopt,
     parse_xshadowrequest,
+    redundancy_reply_dbid,
     split_shadow_params,
 )
 from transportd.smtp import replies
@@ -102,6 +103,8 @@ class ResubmitAnswered(Event):
 @dataclass(frozen=True)
 class ShadowAccepted(Event):
     reply_text: str
+    # The queue database that holds the copy, when the peer names it (``QueueDatabaseId=``).
+    queue_database_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -464,7 +467,7 @@ class ClientConnection:
         if not copy.shadow:
             return [TransactionReplies(replies.mail, replies.recipients, replies.data)]
         if replies.refusal is None and code == 250 and "2.6.0" in text:
-            return [ShadowAccepted(text)]
+            return [ShadowAccepted(text, redundancy_reply_dbid(text))]
         refused = replies.refusal or (code, text)
         return [ShadowRefused(refused[0], refused[1], held=code == 250)]
 

@@ -12,7 +12,7 @@ peers.py's; no SQL, no tracking here.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from transportd.errors import PEER_FAILURES
@@ -33,6 +33,9 @@ class ShadowResult:
     # Every copy made: (peer, rank, its reply), in rank order (N-way: shadow_copies of them).
     holders: tuple[tuple[str, int, str], ...] = ()
     failures: str = ""  # why copies are missing when fewer than asked were made
+    # The queue database ID each holder named in its reply (a peer that does not say is absent):
+    # recorded with the shadow, so the copy is known lost when that peer has another database.
+    databases: dict[str, str] = field(default_factory=dict)
 
     @property
     def peers(self) -> list[str]:
@@ -65,6 +68,7 @@ class ShadowCopier:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.sr.shadow_copy_timeout
         timed_out: set[str] = set()
+        databases: dict[str, str] = {}
 
         async def slot(rank: int) -> None:
             for i, peer in enumerate(candidates):
@@ -78,10 +82,12 @@ class ShadowCopier:
                 # Each distinct peer still to try gets a fair share of what is left, so one silent
                 # peer cannot leave a healthy one untried.
                 left = 1 + len({p.name for p in candidates[i:] if p.name not in timed_out and p.name not in claimed})
-                accepted, reply = await self._copy_to(peer, msg, guid, recipients, params, remaining / left,
-                                                      timed_out, uncertain, rank, dsn)
+                accepted, reply, dbid = await self._copy_to(peer, msg, guid, recipients, params,
+                                                            remaining / left, timed_out, uncertain, rank, dsn)
                 if accepted:
                     held.append((peer.name, rank, reply))
+                    if dbid:
+                        databases[peer.name] = dbid
                     return
                 claimed.discard(peer.name)
                 reasons.append(f"{peer.name}: {reply}")
@@ -93,12 +99,13 @@ class ShadowCopier:
         if not held:
             return ShadowResult(None, why, tuple(uncertain))
         return ShadowResult(held[0][0], held[0][2], tuple(u for u in uncertain if u not in names), tuple(held),
-                            why if len(held) < copies else "")
+                            why if len(held) < copies else "", databases)
 
     async def _copy_to(self, peer: Peer, msg: NewMessage, guid: str, recipients: list[str], params: list[str],
                        limit: float, timed_out: set[str], uncertain: list[str], rank: int = 1,
-                       dsn: DsnRequest | None = None) -> tuple[bool, str]:
-        """One attempt on one peer: (whether it holds the copy, its reply or why not)."""
+                       dsn: DsnRequest | None = None) -> tuple[bool, str, str | None]:
+        """One attempt on one peer: (whether it holds the copy, its reply or why not, the queue
+        database ID it names as holding the copy)."""
         s: PeerSession | None = None
         ok = False
         try:
@@ -109,13 +116,13 @@ class ShadowCopier:
                 ok = True  # the session is fine, whatever the peer answered
                 if result.held and peer.name not in uncertain:
                     uncertain.append(peer.name)  # refused, yet stored: it gets a discard event
-                return result.accepted, result.reply
+                return result.accepted, result.reply, result.queue_database_id
         except PEER_FAILURES as exc:
             if isinstance(exc, asyncio.TimeoutError):
                 timed_out.add(peer.name)
             if s is not None and s.data_sent and peer.name not in uncertain:
                 uncertain.append(peer.name)  # it may hold a copy we do not count
-            return False, str(exc) or exc.__class__.__name__
+            return False, str(exc) or exc.__class__.__name__, None
         finally:
             if s is not None:
                 self.pool.release(s, ok)

@@ -6,8 +6,12 @@ time), applying the discard ids it hands out (on a heartbeat session or any
 hop-by-hop session), remembering its queue database ID, and promoting its
 shadows when it has been unreachable for *ShadowResubmitTimeSpan*
 (ShadowHeartbeatFailure) or answers with a new queue database ID
-(ShadowStateChange). The rules themselves are pure functions in protocol.py;
-the sessions are peers.py's; the copies are shadow_queue.py's. No SQL here.
+(ShadowStateChange). And, for every peer that names its queue database ID (any
+of the above, or its reply to a shadow copy of ours), whether it still has the
+database that took our copies: the shadows of our messages it held in another
+one are made again (the manager's ``reprotect``). The rules themselves are pure
+functions in protocol.py; the sessions are peers.py's; the copies are
+shadow_queue.py's. No SQL here.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ log = logging.getLogger("transportd.redundancy.heartbeat")
 
 class Heartbeat:
     def __init__(self, cfg: Any, store: QueueStore, events: EventSink, pool: PeerPool, shadows: ShadowQueues,
-                 spawn: Callable[[Any, str], Any], reprotect: Callable[[str, float], Awaitable[int]]):
+                 spawn: Callable[[Any, str], Any], reprotect: Callable[[str, str, float | None], Awaitable[int]]):
         self.cfg = cfg
         self.sr = cfg.shadow_redundancy
         self.store = store
@@ -47,6 +51,8 @@ class Heartbeat:
         self._seen_lock = asyncio.Lock()
         # Primaries whose ShadowStateChange promotion is running (primary -> its new queue database ID).
         self._state_changes: dict[str, str] = {}
+        # The queue database ID each peer last named, once our shadows there were checked against it.
+        self._holder_ids: dict[str, str] = {}
 
     @property
     def exchange_limit(self) -> float:
@@ -80,6 +86,30 @@ class Heartbeat:
                 # sessions' shadow requests must not wait for a promotion of thousands.
                 self._state_changes[primary] = dbid
                 self._spawn(self._state_change(primary, dbid, time.time()), f"promoting the shadows of {primary}")
+                return  # our copies it held are looked at once the promotion is done
+            # Not trusted for our copies: ones it took in another queue database of its are gone
+            # even when this is the first ID we record for it.
+            self.holder_seen(primary, dbid)
+
+    def holder_seen(self, peer: str, dbid: str, changed_at: float | None = None) -> None:
+        """``peer`` named its queue database ``dbid`` (its XSHADOWREQUEST, its answer to XSHADOW,
+        its reply to a shadow copy of ours). Shadows of our messages that it took in another of its
+        queue databases are gone: they are made again in the background (``reprotect``); with
+        ``changed_at`` (a change of its ID seen then), so are those recorded before then without
+        a database (a peer that does not name it). Looked at once per ID a peer names, not on
+        every contact; a look that fails is done again at its next contact."""
+        if changed_at is None and self._holder_ids.get(peer) == dbid:
+            return
+        self._holder_ids[peer] = dbid
+        self._spawn(self._reprotect_lost(peer, dbid, changed_at), f"re-making the shadows {peer} lost")
+
+    async def _reprotect_lost(self, peer: str, dbid: str, changed_at: float | None) -> None:
+        try:
+            await self._reprotect(peer, dbid, changed_at)
+        except BaseException:
+            if self._holder_ids.get(peer) == dbid:
+                del self._holder_ids[peer]
+            raise
 
     async def _state_change(self, primary: str, dbid: str, seen_at: float) -> None:
         try:
@@ -93,7 +123,7 @@ class Heartbeat:
                 del self._state_changes[primary]
         # The shadow copies it held of *our* messages went with its old database: make them again.
         # Only those: a copy made on the new database (this very session's, say) is current.
-        await self._reprotect(primary, seen_at)
+        self.holder_seen(primary, dbid, seen_at)
 
     async def _old_ranks(self, primary: str, dbid: str | None, changed_at: float, now: float) -> None:
         """Shadows made from ``primary``'s old queue database, of a rank above 1 (N-way): promoted
@@ -213,4 +243,6 @@ class Heartbeat:
                 # A new span starts. While shadows of a higher rank wait (N-way), the span runs on
                 # so that they are promoted when their delay has passed too.
                 await self._context(primary, consecutive_failures=0, unreachable_since=time.time())
+        if answered:  # the copies of our messages it holds, as for any peer naming its database
+            self.holder_seen(primary, answered, now if state_change else None)
         return ok

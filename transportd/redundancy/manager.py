@@ -139,8 +139,11 @@ class ShadowManager:
         faults.check("shadow", msg)
         excluded = set(exclude)
         candidates = [p for p in self.attempts() if p.name not in excluded and self.pool.takes_shadows(p)]
-        return await self.copier.make(msg, guid, recipients, candidates,
-                                      self.sr.shadow_copies if copies is None else copies, first_rank)
+        result = await self.copier.make(msg, guid, recipients, candidates,
+                                        self.sr.shadow_copies if copies is None else copies, first_rank)
+        for peer, dbid in result.databases.items():
+            self.heartbeat.holder_seen(peer, dbid)  # a peer back with a new database: our older copies there are gone
+        return result
 
     async def take_discard_events(self, shadow_node: str, n: int, token: str,
                                   recipients: bool = False) -> list[tuple[str, str | None]]:
@@ -155,12 +158,12 @@ class ShadowManager:
 
     # ================================================================== redundancy regained
 
-    async def reprotect(self, peer: str, seen_at: float) -> int:
-        """``peer`` came back with a new queue database, first seen at ``seen_at``: our queued
-        messages shadowed there before have lost their shadow. One transaction forgets the lost
-        copies and marks the messages ``reshadowing`` (visible to ``message list`` and the
-        metrics); new copies are made concurrently."""
-        rows = await self.store.write(lambda c: sq.claim_lost_shadows(c, peer, seen_at, time.time()))
+    async def reprotect(self, peer: str, dbid: str, seen_at: float | None = None) -> int:
+        """``peer`` has the queue database ``dbid`` (new since ``seen_at``, when a change was seen):
+        our queued messages shadowed there in another of its databases have lost their shadow
+        (``claim_lost_shadows``). One transaction forgets the lost copies and marks the messages
+        ``reshadowing`` (visible to ``message list`` and the metrics); new copies are made concurrently."""
+        rows = await self.store.write(lambda c: sq.claim_lost_shadows(c, peer, seen_at, time.time(), dbid=dbid))
         made = await self._reshadow_all(rows, exclude=None)
         if rows:
             log.warning("%s has a new queue database: made %d of %d lost shadow(s) of our messages again",
@@ -257,7 +260,8 @@ class ShadowManager:
             # first seen by this very copy's session must not count it among the lost (reprotect).
             made_at = time.time()
             state = await self.store.write(lambda c: sq.settle_reshadow(
-                c, mid, [(p, r) for p, r, _ in result.holders], guid, result.uncertain, bool(addrs), made_at, wanted))
+                c, mid, [(p, r) for p, r, _ in result.holders], guid, result.uncertain, bool(addrs), made_at, wanted,
+                result.databases))
             if not addrs:
                 return False
             for peer, _rank, reply in result.holders:

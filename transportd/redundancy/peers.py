@@ -52,6 +52,7 @@ class ShadowCopyReply:
     accepted: bool
     reply: str  # the peer's reply to the copy (or the first refusal of its MAIL or a RCPT)
     held: bool = False  # refused, yet the peer stored the data: it gets a discard event
+    queue_database_id: str | None = None  # the peer's queue database that holds the copy, if it says
 
 
 class PeerSession:
@@ -94,7 +95,7 @@ class PeerSession:
         self.data_sent = True  # from the write on, the peer may hold the copy
         event = await self._group(wire, group)
         if isinstance(event, ShadowAccepted):
-            return ShadowCopyReply(True, f"250 {event.reply_text}")
+            return ShadowCopyReply(True, f"250 {event.reply_text}", queue_database_id=event.queue_database_id)
         assert isinstance(event, ShadowRefused)
         return ShadowCopyReply(False, f"{event.code} {event.text}", held=event.held)
 

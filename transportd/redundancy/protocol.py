@@ -277,11 +277,33 @@ def parse_adopt_reply(code: int, lines: Sequence[str], asked: Sequence[str]) -> 
     return out
 
 
-def redundancy_reply(message_id: str, internal_id: int, fqdn: str, what: str = "redundancy") -> str:
+REPLY_DBID_KEY = "QueueDatabaseId"
+_REPLY_DBID = re.compile(r"\[[^\]]*?\b" + REPLY_DBID_KEY + r"=([A-Za-z0-9+/=]+)\s*[,\]]")
+
+
+def redundancy_reply(message_id: str, internal_id: int, fqdn: str, what: str = "redundancy",
+                     queue_database_id: str | None = None) -> str:
     """Exchange's acceptance reply: ``... Queued mail for redundancy`` (a shadow copy) or, with
-    ``what="delivery"``, the reply an Exchange transport server gives a message it took as primary."""
+    ``what="delivery"``, the reply an Exchange transport server gives a message it took as primary.
+    With ``queue_database_id`` (*transportd*, a shadow copy) the bracket also names the queue
+    database that holds the copy: ``QueueDatabaseId=<base64>`` (``redundancy_reply_dbid``)."""
     mid = message_id if message_id else "<>"
-    return f"250 2.6.0 {mid} [InternalId={internal_id}, Hostname={fqdn}] Queued mail for {what}"
+    held_in = f", {REPLY_DBID_KEY}={encode_dbid(queue_database_id)}" if queue_database_id else ""
+    return f"250 2.6.0 {mid} [InternalId={internal_id}, Hostname={fqdn}{held_in}] Queued mail for {what}"
+
+
+def redundancy_reply_dbid(text: str) -> str | None:
+    """The queue database ID a shadow copy's ``250 2.6.0`` names (``QueueDatabaseId=`` in its
+    bracket), or None: a peer that does not say it (Exchange, an older transportd), or says it
+    malformed, is treated as one that does not (the copy counts all the same)."""
+    # The last bracket: the message-id before it is the sender's text, and may hold anything.
+    found = _REPLY_DBID.findall(text)
+    if not found:
+        return None
+    try:
+        return decode_dbid(found[-1])
+    except ProtocolError:
+        return None
 
 
 # ------------------------------------------------------------------------- placement

@@ -245,7 +245,10 @@ class TransportHandler(FrontendHandler):
                             extra={"internal_message_id": None,
                                    "network_message_id": network_id_from(envelope.original_content or b"")})
                 return replies.S451_INTERNAL
-            return redundancy_reply(message_id, internal_id, self.manager.node_name)
+            # Naming the queue database that holds the copy: the primary re-makes it when we come
+            # back with another one (docs/PROTOCOL.md section 2).
+            return redundancy_reply(message_id, internal_id, self.manager.node_name,
+                                    queue_database_id=self.manager.queue_database_id)
         return await super().handle_DATA(server, session, envelope)
 
     def accepted_reply(self, internal_id: int, session: Session) -> str:
