@@ -810,6 +810,7 @@ def test_starttls_then_auth_allows_relay(make_node, sink, tls_files):
             assert s.docmd("MAIL", f"FROM:<alice@remote.test> SIZE=20 AUTH={value}")[0] == 250, value
             assert s.rset()[0] == 250
         assert s.docmd("MAIL", "FROM:<alice@remote.test> AUTH=a+zz@remote.test")[0] == 501
+        assert s.docmd("MAIL", "FROM:<alice@remote.test> AUTH=<> AUTH=<>")[0] == 501  # given twice
         assert s.docmd("MAIL", "FROM:<alice@remote.test> AUTH=<>")[0] == 250
         assert s.docmd("RCPT", "TO:<bob@foreign.test> AUTH=<>")[0] == 555
         assert s.rset()[0] == 250

@@ -399,8 +399,8 @@ class _DsnParameters:
         self.dsn_params = self._param_error = ""
         if result is None or not (self.session and self.session.extended_smtp):
             return result
-        if len(result) < len(params):  # a keyword given twice: which value holds is anyone's guess
-            keys = [p.partition("=")[0].upper() for p in params]
+        keys = [p.partition("=")[0].upper() for p in params]
+        if len(set(keys)) < len(keys):  # a keyword given twice: which value holds is anyone's guess
             self._param_error = f"{next(k for k in keys if keys.count(k) > 1)} given twice"
             return None
         keys = dsnparams.RCPT_KEYS if self.envelope and self.envelope.mail_from else dsnparams.MAIL_KEYS
