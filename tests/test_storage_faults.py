@@ -11,6 +11,7 @@ from filling a disk at all: their retention limits.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import smtplib
@@ -78,6 +79,44 @@ def test_disk_full_answers_4xx_keeps_acknowledged_and_recovers(make_node, small_
     log = node.log()
     assert "queue database unavailable, answering 451" in log and "disk is full" in log
     assert "queue database commits succeed again" in log
+
+
+def test_a_stopped_nodes_queue_is_listed_on_a_full_disk_and_nothing_is_written(make_node, small_disk):
+    """With the node stopped and its disk full, opening the database as usual fails (SQLite
+    cannot make its -shm); the listings read the file as it stands, with a warning, and an
+    action that would change the queue is refused and changes nothing."""
+    node = make_node(smart_host=f"127.0.0.1:{free_port()}",
+                     overrides={"node": {"data_dir": str(small_disk / "data")}})
+    node.data_dir = small_disk / "data"
+    node.start()
+    acked = set()
+    for n in range(3):
+        code, msg = send(node.port, n)
+        assert code == 250, msg
+        acked.add(int(re.search(r"queued as (\d+)", msg).group(1)))
+    assert node.stop() == 0
+    fill(small_disk)
+    db = node.data_dir / "queue.db"
+    before = db.read_bytes()
+
+    listed = node.cli("message", "list", "--json")
+    assert {json.loads(line)["id"] for line in listed.stdout.splitlines()} == acked
+    assert "read as it stands on disk" in listed.stderr and "Traceback" not in listed.stderr
+    queues = node.cli("queue", "list")
+    assert "3" in queues.stdout, queues.stdout
+    shown = node.cli("message", "show", str(min(acked)))
+    assert "disk 0" in shown.stdout, shown.stdout
+    node.cli("shadow", "list")
+    node.cli("safetynet", "list")
+    refused = node.cli("message", "suspend", str(min(acked)), check=False)
+    assert refused.returncode != 0 and "cannot be used" in refused.stderr, refused
+    assert "Traceback" not in refused.stderr
+    assert db.read_bytes() == before
+
+    os.unlink(small_disk / "filler")
+    node.start()
+    rows = {m["id"]: m for m in node.cli_json("message", "list")}
+    assert set(rows) == acked and all(r["status"] != "Suspended" for r in rows.values()), rows
 
 
 def test_a_full_tracking_log_volume_costs_no_tracking_row(make_node, sink, small_disk):

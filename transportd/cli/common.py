@@ -22,7 +22,7 @@ import click
 from transportd import config as config_mod
 from transportd.config import Config, ConfigError
 from transportd.queue.admin import recorded_config_path, recorded_node_name
-from transportd.queue.store import QueueStore, StoreError
+from transportd.queue.store import QueueStore, StoreError, snapshot_refusal
 
 
 class CliError(click.ClickException):
@@ -142,13 +142,33 @@ def json_option(help: str = "JSON lines") -> Callable:
     return decorate
 
 
-def open_store(cfg: Config) -> QueueStore:
+def open_store(cfg: Config, *, read_only: bool = False) -> QueueStore:
+    """The node's queue database. ``read_only`` (listings): where it cannot be opened as usual
+    because nothing beside it can be written (disk full, read-only mount or folder), a stopped
+    node's database is read as it stands on disk, with a warning."""
     if not cfg.db_path.exists():
         raise CliError(f"no queue database at {cfg.db_path} (wrong --data-dir, or the node never ran)")
     try:
         return QueueStore.open(cfg.db_path, create=False, repair=False)
     except StoreError as exc:
-        raise CliError(f"queue database {cfg.db_path}: {exc}") from None
+        text = str(exc)
+        problem = f"queue database {text}" if text.startswith(str(cfg.db_path)) else \
+            f"queue database {cfg.db_path}: {text}"
+        if not read_only or "cannot be used" not in text:
+            raise CliError(problem) from None
+    from transportd.node import datalock
+    if datalock.holder(cfg.data_dir) is not None:
+        raise CliError(f"{problem}; its node is running") from None
+    refusal = snapshot_refusal(cfg.db_path)
+    if refusal:
+        raise CliError(f"{problem}; {refusal}") from None
+    try:
+        store = QueueStore.open_snapshot(cfg.db_path)
+    except StoreError as exc:
+        raise CliError(f"{problem}; reading it as it stands failed too: {exc}") from None
+    click.echo(f"transportd: warning: {problem}; the node is stopped: read as it stands on disk "
+               "(nothing written)", err=True)
+    return store
 
 
 def json_default(o: Any) -> Any:

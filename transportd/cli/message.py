@@ -95,7 +95,7 @@ def read_stdin_ids() -> list[str]:
 
 def list_rows(cfg: Config, queue: str | None, include_done: bool, selection: Selection,
               limit: int | None) -> list[dict]:
-    store = open_store(cfg)
+    store = open_store(cfg, read_only=True)
     try:
         rows = store.read(functools.partial(admin.messages_in_queue, queue=queue, include_done=include_done,
                                             selection=selection, now=time.time(), limit=limit))
@@ -154,7 +154,7 @@ def say(text: str, as_json: bool) -> None:
 
 
 def get_message(cfg: Config, message_id: int) -> dict:
-    store = open_store(cfg)
+    store = open_store(cfg, read_only=True)
     try:
         m = store.read(functools.partial(admin.message_with_body, message_id=message_id))
     finally:

@@ -37,7 +37,7 @@ def queue_group() -> None:
 
 
 def queue_rows(cfg: Config) -> list[dict]:
-    store = open_store(cfg)
+    store = open_store(cfg, read_only=True)
     try:
         rows = store.read(functools.partial(mq.list_queues, now=time.time()))
         for r in rows:

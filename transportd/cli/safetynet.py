@@ -46,7 +46,7 @@ def safetynet_group() -> None:
 def safetynet_list(cfg: Config, source: str, as_json: bool) -> None:
     """Messages held in this node's Primary and Shadow Safety Net, with their hold time."""
     roles = ("primary", "shadow") if source == "both" else (source,)
-    store = open_store(cfg)
+    store = open_store(cfg, read_only=True)
     try:
         rows = store.read(functools.partial(admin.safety_net_messages, roles=roles))
     finally:

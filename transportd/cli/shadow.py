@@ -32,7 +32,7 @@ def shadow_group() -> None:
 
 
 def shadow_rows(cfg: Config) -> list[dict]:
-    store = open_store(cfg)
+    store = open_store(cfg, read_only=True)
     try:
         rows = store.read(admin.shadow_summary)
     finally:
@@ -64,7 +64,7 @@ def shadow_list(cfg: Config, as_json: bool) -> None:
 @json_option("JSON lines")
 def shadow_show(cfg: Config, primary: str, include_done: bool, as_json: bool) -> None:
     """The shadow copies held for one primary (a peer, or a node this one holds copies for)."""
-    store = open_store(cfg)
+    store = open_store(cfg, read_only=True)
     try:
         known = {r["primary"] for r in store.read(admin.shadow_summary)} | {p.name for p in cfg.peers}
         if primary not in known and primary.lower() in {k.lower() for k in known}:

@@ -37,7 +37,7 @@ from transportd.queue import messages as mq
 from transportd.queue.delivered import DeliveredLog
 from transportd.queue.mailbox import MailboxStore
 from transportd.queue.routing import MAILBOX, PEER
-from transportd.queue.store import DATABASE_ERRORS, QueueStore
+from transportd.queue.store import DATABASE_ERRORS, QueueStore, db_error_text
 from transportd.redundancy.manager import ShadowManager
 from transportd.redundancy.server import TransportHandler, TransportSMTP, make_peer_authenticator
 from transportd.smtp.frontend import FrontendHandler
@@ -291,7 +291,7 @@ async def _serve(cfg: Config, log_format: str) -> int:
         return 1
     except DATABASE_ERRORS as exc:  # e.g. a queue database file made read-only
         log.error("cannot start: queue database %s cannot be used: %s", cfg.db_path,
-                  getattr(exc, "orig", None) or exc)
+                  db_error_text(exc))
         if node.store is not None:
             node.store.close()
         node.release_data_dir()

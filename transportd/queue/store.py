@@ -532,6 +532,34 @@ class QueueStore:
             raise
         return cls(p, write_engine, read_engine, dbid)
 
+    @classmethod
+    def open_snapshot(cls, path: str | Path) -> "QueueStore":
+        """Open a stopped node's queue database for reading only, without creating or writing
+        anything beside it (SQLite's ``immutable``: no -wal/-shm, no locks), for the CLI's
+        listings when the normal open cannot write (disk full, read-only file system or
+        folder). Only sound when no process uses the file and its write-ahead log is empty:
+        the caller checks both (``snapshot_refusal``). Any write through it fails."""
+        p = Path(path)
+        uri = p.resolve().as_uri() + "?immutable=1"
+        engine = create_engine("sqlite://", creator=lambda: sqlite3.connect(uri, uri=True, check_same_thread=False))
+        try:
+            with engine.connect() as conn:
+                version = conn.exec_driver_sql("PRAGMA user_version").scalar() or 0
+                if version != SCHEMA_VERSION:
+                    raise StoreError(f"{p} has schema version {version}, this transportd reads "
+                                     f"{SCHEMA_VERSION}; start the node once to migrate it")
+                dbid = conn.execute(select(meta.c.value).where(meta.c.key == "queue_database_id")).scalar()
+        except (DatabaseError, sqlite3.DatabaseError) as exc:
+            engine.dispose()
+            raise StoreError(f"{p} cannot be read ({db_error_text(exc)})") from None
+        except StoreError:
+            engine.dispose()
+            raise
+        if dbid is None:
+            engine.dispose()
+            raise StoreError(f"{p} has no queue database ID")
+        return cls(p, engine, engine, dbid)
+
     def close(self, read_wait: float = 5.0) -> None:
         """Stop the writer, then close the reader connections once no read is under way on any
         thread (``read_wait`` seconds at most: a read left running after that gets an error)."""
@@ -629,6 +657,22 @@ class QueueStore:
         reader does not wait for writers; anything that scans or may read much goes through
         ``aread``."""
         return self.read(fn)
+
+
+def snapshot_refusal(path: Path) -> str | None:
+    """Why ``open_snapshot`` would not give a true picture of ``path``, or None: a write-ahead
+    log with frames in it (changes that are not yet in the database file)."""
+    wal = path.with_name(path.name + "-wal")
+    try:
+        size = wal.stat().st_size
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"its write-ahead log {wal} cannot be read ({exc.strerror})"
+    if size > 32:  # a WAL header alone is 32 bytes: no frames
+        return (f"its write-ahead log {wal} may hold changes not yet in the database file; "
+                "free space (or make it writable) so SQLite can read them")
+    return None
 
 
 def db_error_text(exc: BaseException) -> str:
