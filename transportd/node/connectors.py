@@ -355,9 +355,12 @@ class SmtpConnector:
                         return
                     continue
                 progressed = progressed or any(o.status != mq.RETRY for o in outs)
-                # A session in which the next hop deferred everything puts the queue in Retry,
-                # with the reply as its last error, as a failed connection does.
-                queue_error = outs[-1].reply if outs and not progressed and i == len(batch) - 1 else None
+                # A session in which the next hop deferred everything at the session's level (a 421,
+                # a 4xx to MAIL) puts the queue in Retry, with the reply as its last error, as a
+                # failed connection does. A recipient's 4xx (greylisting, a full mailbox) defers
+                # that recipient only: the queue's other mail goes on.
+                queue_error = outs[-1].reply if outs and not progressed and i == len(batch) - 1 and (
+                    _ended_by_421(outs) or _mail_deferred(client, outs)) else None
                 forks = [(it.message_id, it.next_hop, guid, it.queue_id, peer_session.peer_queue_database_id)] \
                     if guid and peer_session and any(o.status == mq.DELIVERED for o in outs) else []
                 yield Delivered([it], {it.message_id: outs}, queue_error=queue_error, **remote, forks=forks)
