@@ -210,6 +210,9 @@ def test_record_outcomes(store) -> None:
     assert (r["bad@remote.test"]["status"], r["bad@remote.test"]["completed_at"],
             r["bad@remote.test"]["last_error"]) == ("Failed", T0 + 5, "550 5.1.1 no such user")
     assert not tx(store, lambda c: mq.finish_if_done(c, mid, T0 + 5, 3600))  # one still pending
+    # The list shows the error the message waits on (the 451), not the bounced recipient's 550.
+    [listed] = store.read(lambda c: mq.list_messages(c))
+    assert (listed["status"], listed["last_error"]) == ("Retry", "451 4.3.0 later")
 
 
 def test_retry_schedule_over_attempts(store) -> None:

@@ -736,7 +736,10 @@ def list_messages(conn: Connection, queue_id: int | str | None = None, include_d
             rc_q = [r for r in rc if r["queue_id"] == queue_id]
         else:
             rc_q = rc
-        errors = [r["last_error"] for r in rc_q if r["last_error"]]
+        # The error a message waits on is a pending recipient's; a finished one's (a 550 that
+        # was bounced) only when none waits.
+        waiting = [r["last_error"] for r in rc_q if r["last_error"] and r["status"] not in TERMINAL]
+        errors = waiting or [r["last_error"] for r in rc_q if r["last_error"]]
         retries = [r["next_retry_at"] for r in rc_q if r["status"] == RETRY and r["next_retry_at"]]
         out.append({
             "id": m["id"], "network_message_id": m["network_message_id"], "message_id": m["message_id"],
