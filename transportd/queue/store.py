@@ -533,7 +533,7 @@ class QueueStore:
         return cls(p, write_engine, read_engine, dbid)
 
     @classmethod
-    def open_snapshot(cls, path: str | Path) -> "QueueStore":
+    def open_snapshot(cls, path: str | Path) -> QueueStore:
         """Open a stopped node's queue database for reading only, without creating or writing
         anything beside it (SQLite's ``immutable``: no -wal/-shm, no locks), for the CLI's
         listings when the normal open cannot write (disk full, read-only file system or
