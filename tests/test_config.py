@@ -263,6 +263,35 @@ def test_peers_are_parsed_and_checked() -> None:
         load_dict({**raw, "peers": [{"name": "n2.t", "transport": "127.0.0.1:1"}]})
     with pytest.raises(ConfigError, match=r"is this node itself"):
         load_dict({**raw, "peers": [{"name": "node1.t", "site": "a", "transport": "127.0.0.1:1"}]})
+    with pytest.raises(ConfigError, match=r"peers\[0\].name: 'bad name' is not a host name"):
+        load_dict({**raw, "peers": [{"name": "bad name", "site": "a", "transport": "127.0.0.1:1"}]})
+    with pytest.raises(ConfigError, match=r"peers.node2.t.transport: 127.0.0.11:2526 is this node's own "
+                                          r"transport.listen"):
+        load_dict({**raw, "peers": [{"name": "node2.t", "site": "a", "transport": "127.0.0.11:2526"}]})
+    with pytest.raises(ConfigError, match=r"peers.node3.t.transport: 127.0.0.12:2526 is also peer node2.t's"):
+        load_dict({**raw, "peers": raw["peers"] + [{"name": "node3.t", "site": "a", "transport": "127.0.0.12:2526"}]})
+
+
+@pytest.mark.parametrize("listen, smart_host, loops", [
+    ("127.0.0.186:2710", "127.0.0.186:2710", True),
+    ("127.0.0.1:2710", "localhost:2710", True),
+    ("0.0.0.0:2710", "127.0.0.5:2710", True),      # every address: loopback reaches it
+    ("0.0.0.0:2710", "10.0.0.5:2710", False),      # perhaps another machine: not certain
+    ("127.0.0.186:2710", "127.0.0.186:2711", False),
+    ("127.0.0.2:2710", "127.0.0.1:2710", False),
+])
+def test_a_smart_host_that_is_this_nodes_own_listener_is_refused(listen, smart_host, loops) -> None:
+    """Mail sent to its own frontend would come back and loop until the hop count failed it (a
+    message became 122 queued copies and a looping DSN); Postfix says "loops back to myself"."""
+    raw = {"frontend": {"listen": listen}, "routing": {"smart_host": smart_host}}
+    if not loops:
+        assert load_dict(raw).routing.smart_host == smart_host
+        return
+    with pytest.raises(ConfigError, match=rf"routing.smart_host: {smart_host} is this node's own frontend.listen"):
+        load_dict(raw)
+    connector = {"name": "out", "address_spaces": ["*"], "smart_hosts": smart_host}
+    with pytest.raises(ConfigError, match=r"send_connectors.out.smart_hosts: .* would loop back to this node"):
+        load_dict({"frontend": {"listen": listen}, "send_connectors": [connector]})
 
 
 def test_the_cluster_secret_can_come_from_a_file(tmp_path: Path) -> None:

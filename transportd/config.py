@@ -832,7 +832,10 @@ def _peers(value: Any, source: str, me: str) -> list[PeerConfig]:
             host, port = parse_hostport(item["transport"])
         except ValueError as exc:
             raise ConfigError(f"{where}.transport: {exc}") from None
-        name = item["name"].strip().lower()
+        try:
+            name = _host_name(item["name"]).lower()
+        except ValueError as exc:
+            raise ConfigError(f"{where}.name: {exc}") from None
         if name == me.lower():
             raise ConfigError(f"{where}.name: {name} is this node itself")
         if any(p.name == name for p in out):
@@ -900,6 +903,65 @@ def _mailbox_databases(value: Any, source: str) -> dict[str, str]:
             raise ConfigError(f"{source}: mailbox_databases.{db}: expected the FQDN of the node holding it")
         out[db] = node.strip().lower()
     return out
+
+
+def _is_own_listener(cfg: Config, address: str) -> str | None:
+    """The key of this node's listener that ``address`` (host:port) reaches, or None. Only what
+    is certain: the same address as written, or a loopback address (``localhost`` too) on the
+    port of a listener bound to loopback or to every address."""
+    import ipaddress
+
+    host, port = parse_hostport(address)
+    host = host.strip("[]").lower()
+
+    def loopback(h: str) -> bool:
+        if h == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(h).is_loopback
+        except ValueError:
+            return False
+
+    def wildcard(h: str) -> bool:
+        try:
+            return ipaddress.ip_address(h).is_unspecified
+        except ValueError:
+            return False
+
+    listeners = [("frontend.listen", a) for a in cfg.frontend.listen] + \
+        [("frontend.implicit_tls_listen", a) for a in cfg.frontend.implicit_tls_listen] + \
+        ([("transport.listen", cfg.transport.listen)] if cfg.transport.listen else [])
+    for key, listen in listeners:
+        own_host, own_port = parse_hostport(listen)
+        own_host = own_host.strip("[]").lower()
+        if own_port != port:
+            continue
+        same = own_host == host
+        to_every_address = wildcard(own_host) and loopback(host)
+        localhost = host == "localhost" and loopback(own_host)
+        if same or to_every_address or localhost:
+            return key
+    return None
+
+
+def _no_next_hop_is_this_node(cfg: Config, source: str) -> None:
+    """A smart host or a peer that is this node's own listener: every message would come back
+    to it and loop until its hop count fails it (Postfix: "mail for ... loops back to myself")."""
+    hops = [("routing.smart_host", h) for h in cfg.routing.smart_host.split(",") if h]
+    hops += [(f"send_connectors.{c.name}.smart_hosts", h) for c in cfg.send_connectors
+             for h in c.smart_hosts.split(",") if h]
+    hops += [(f"peers.{p.name}.transport", p.transport) for p in cfg.peers]
+    for key, hop in hops:
+        own = _is_own_listener(cfg, hop)
+        if own:
+            raise ConfigError(f"{source}: {key}: {hop} is this node's own {own}: mail sent there would "
+                              "loop back to this node")
+    seen: dict[str, str] = {}
+    for p in cfg.peers:
+        if p.transport.lower() in seen:
+            raise ConfigError(f"{source}: peers.{p.name}.transport: {p.transport} is also peer "
+                              f"{seen[p.transport.lower()]}'s transport: one node, one name")
+        seen[p.transport.lower()] = p.name
 
 
 def _listeners_apart(cfg: Config, source: str) -> None:
@@ -1009,6 +1071,7 @@ def _cross_checks(cfg: Config, source: str) -> None:
         raise ConfigError(f"{source}: frontend.implicit_tls_listen: {', '.join(sorted(both))} is also in "
                           "frontend.listen (one binding speaks TLS from the start or offers STARTTLS, not both)")
     _listeners_apart(cfg, source)
+    _no_next_hop_is_this_node(cfg, source)
     if fe.auth_users and not fe.tls_certificate:
         raise ConfigError(f"{source}: frontend.auth_users: AUTH is offered only after STARTTLS; "
                           "set tls_certificate and tls_key")
