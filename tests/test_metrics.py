@@ -68,12 +68,22 @@ def test_deferred_message_shows_in_queue_gauge_until_the_next_hop_returns(make_n
                                      delivery_type="smtp") >= 1, "a deferral counted")
     assert value(s, "transportd_queue_messages", queue=queue, state="Retry") + \
         value(s, "transportd_queue_messages", queue=queue, state="Active") == 1
+    # A message the operator holds counts as Suspended, not as waiting to go.
+    held = queued_id(swaks(node.port, "--to", "dave@elsewhere.test", "--from", "zed@example.test"))
+    node.cli("message", "suspend", str(held))
+    s = scrape_until("127.0.0.1", node.metrics_port,
+                     lambda s: value(s, "transportd_queue_messages", queue=queue, state="Suspended") == 1,
+                     "the held message counted as Suspended")
+    assert value(s, "transportd_queue_messages", queue=queue, state="Retry") + \
+        value(s, "transportd_queue_messages", queue=queue, state="Active") + \
+        value(s, "transportd_queue_messages", queue=queue, state="Ready") == 1
+    node.cli("message", "resume", str(held))
     sink.start()
     s = scrape_until("127.0.0.1", node.metrics_port,
-                     lambda s: value(s, "transportd_messages_delivered_total", delivery_type="smtp") == 1,
-                     "the delivery counted")
+                     lambda s: value(s, "transportd_messages_delivered_total", delivery_type="smtp") == 2,
+                     "the deliveries counted")
     assert sum(v for k, v in s.items() if k[0] == "transportd_queue_messages") == 0
-    assert value(s, "transportd_delivery_latency_seconds_count") == 1
+    assert value(s, "transportd_delivery_latency_seconds_count") == 2
 
 
 def test_metrics_are_off_by_default_and_a_bare_port_binds_loopback(make_node, tmp_path):

@@ -241,7 +241,7 @@ class QueueDatabaseCollector:
         ``max_queue_series`` fullest queues keep their name; the others are summed up as ``other``
         (messages added, the oldest age the largest, suspended the number of suspended queues)."""
         queue_len = GaugeMetricFamily("transportd_queue_messages",
-                                      "messages in a delivery queue by recipient state (Ready, Retry, Active)",
+                                      "messages in a delivery queue by recipient state (Ready, Retry, Active; Suspended: held by an operator)",
                                       labels=["queue", "state"])
         age = GaugeMetricFamily("transportd_queue_oldest_message_age_seconds",
                                 "age of the oldest message waiting in a delivery queue (since it was received)",

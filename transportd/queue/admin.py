@@ -18,7 +18,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from sqlalchemy import func, insert, select
+from sqlalchemy import case, func, insert, literal, select
 from sqlalchemy.engine import Connection
 
 from transportd.queue import messages as mq
@@ -268,13 +268,16 @@ def queue_gauges(conn: Connection) -> dict[str, Any]:
     state, messages), ``poison`` (messages held in the Poison queue), ``oldest`` (identity, the
     earliest received_at of a message waiting in it), ``poison_oldest``, ``suspended`` (identities)
     and ``contexts`` (primary, last successful heartbeat, consecutive failures)."""
+    # A message an operator suspended counts as Suspended (as Get-Message shows it), not as the
+    # Ready or Retry it would otherwise be: held mail is not mail waiting to go.
+    state = case((messages.c.suspended == 1, literal(mq.SUSPENDED)), else_=recipients.c.status)
     q = conn.execute(
-        select(queues.c.identity, recipients.c.status, func.count(func.distinct(recipients.c.message_id)))
+        select(queues.c.identity, state, func.count(func.distinct(recipients.c.message_id)))
         .join(recipients, recipients.c.queue_id == queues.c.id)
         .join(messages, messages.c.id == recipients.c.message_id)
         .where(recipients.c.status.not_in(mq.TERMINAL), messages.c.role == "primary",
                messages.c.state == mq.QUEUED, messages.c.poisoned == 0)
-        .group_by(queues.c.identity, recipients.c.status)).all()
+        .group_by(queues.c.identity, state)).all()
     shadows = conn.execute(
         select(messages.c.primary_node, func.count())
         .where(messages.c.role == "shadow", messages.c.state == mq.QUEUED)

@@ -24,6 +24,7 @@ from transportd.queue.store import (delivered_to, discard_events, message_bodies
 READY, RETRY, ACTIVE, DELIVERED, FAILED, REMOVED = "Ready", "Retry", "Active", "Delivered", "Failed", "Removed"
 PENDING = (READY, RETRY)
 TERMINAL = (DELIVERED, FAILED, REMOVED)
+SUSPENDED = "Suspended"  # a view's state (queue or message an operator holds), not a recipient's
 # Queued primary messages in these redundancy states have no live copy on a peer: "reshadowing"
 # (promoted, or their shadow node lost its database; a new shadow is being made) and "unprotected"
 # (accepted, or left, without one; the heartbeat loop retries).
@@ -633,7 +634,7 @@ def remove_message(conn: Connection, message_id: int, now: float) -> list[dict]:
 
 def queue_state(q: dict[str, Any], active: int, now: float) -> str:
     if q["suspended"]:
-        return "Suspended"
+        return SUSPENDED
     if active:
         return "Active"
     if q["next_retry_at"] and q["next_retry_at"] > now:
@@ -684,7 +685,7 @@ def message_status(rcpt_statuses: Sequence[str], suspended: bool, state: str, po
     if poisoned:
         return POISON
     if suspended:
-        return "Suspended"
+        return SUSPENDED
     pending = [s for s in rcpt_statuses if s not in TERMINAL]
     if not pending:
         return "Delivered" if DELIVERED in rcpt_statuses else (FAILED if FAILED in rcpt_statuses else "Removed")
