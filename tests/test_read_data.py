@@ -3,7 +3,7 @@
 The reference below reads one CRLF-terminated line at a time, as aiosmtpd does: a lone dot ends
 the data, a leading dot is removed, a line (CRLF included) longer than the limit or more octets
 than the size limit make an error; the length is that of the lines the message is sent on as,
-where a bare CR or LF ends a line too (smtp/transaction.py's dot_stuff makes each a CRLF). Hypothesis draws messages with dot lines, bare CRs and LFs,
+less a stuffing dot (RFC 5321 4.5.3.1.6 does not count it), where a bare CR or LF ends a line too (smtp/transaction.py's dot_stuff makes each a CRLF). Hypothesis draws messages with dot lines, bare CRs and LFs,
 long lines and pipelined commands after the end, fed to the stream in random pieces.
 """
 
@@ -29,7 +29,8 @@ def reference(stream: bytes, size_limit: int | None, line_limit: int) -> tuple[b
         size += len(stored)  # RFC 1870 section 4: the size excludes the doubled quoting dots
         if error is None and size_limit and size > size_limit:
             error = DATA_TOO_MUCH
-        if error is None and max(map(len, re.split(rb"\r\n|\r|\n", line[:-2]))) + 2 > line_limit:  # as sent
+        # As sent on, less the stuffing dot (RFC 5321 4.5.3.1.6: not counted in a line's length)
+        if error is None and max(map(len, re.split(rb"\r\n|\r|\n", stored[:-2]))) + 2 > line_limit:
             error = DATA_TOO_LONG
         lines.append(stored)
     return (b"" if error else b"".join(lines)), error, stream[pos:]
@@ -116,5 +117,22 @@ def test_bare_line_ends_end_a_line_for_the_length_check():
         content, error = asyncio.run(feed_and_read(stream, [5, 700], None, 102))[:2]
         assert error is None and content == (stream[1:] if stream.startswith(b"..") else stream)[:-3]
     assert asyncio.run(feed_and_read(b"y" * 101 + b"\n" + short + b"\r\n.\r\n", [], None, 102))[1] == DATA_TOO_LONG
-    assert asyncio.run(feed_and_read(b"." + b"y" * 100 + b"\n\r\n.\r\n", [], None, 102))[1] == DATA_TOO_LONG
-    assert asyncio.run(feed_and_read(b"." + b"y" * 99 + b"\n\r\n.\r\n", [], None, 102))[1] is None
+    assert asyncio.run(feed_and_read(b"." + b"y" * 101 + b"\n\r\n.\r\n", [], None, 102))[1] == DATA_TOO_LONG
+    assert asyncio.run(feed_and_read(b"." + b"y" * 100 + b"\n\r\n.\r\n", [], None, 102))[1] is None
+
+
+def test_the_stuffing_dot_is_not_counted_in_a_lines_length():
+    """RFC 5321 4.5.3.1.6: a text line is at most 1000 octets with its CRLF, "not counting the
+    leading dot duplicated for transparency". A line of the limit that begins with a dot comes
+    as ``..`` and the rest, one octet over the limit on the wire, and fits as the line without
+    the dot does; one octet more does not, and a line of the limit never counts a dot it lacks."""
+    text = b"." + b"y" * 997  # 998 octets of text: 1000 with the CRLF
+    assert asyncio.run(feed_and_read(b"." + text + b"\r\n.\r\n", [], None, 1000)) == (text + b"\r\n", None, b"")
+    assert asyncio.run(feed_and_read(b"." + text + b"\r\n.\r\n", [1, 2, 500], None, 1000))[:2] == \
+        (text + b"\r\n", None)
+    assert asyncio.run(feed_and_read(b"a\r\n." + text + b"\r\nb\r\n.\r\n", [4], None, 1000))[:2] == \
+        (b"a\r\n" + text + b"\r\nb\r\n", None)
+    assert asyncio.run(feed_and_read(b"." + text + b"y\r\n.\r\n", [], None, 1000))[:2] == (b"", DATA_TOO_LONG)
+    plain = b"y" * 998
+    assert asyncio.run(feed_and_read(plain + b"\r\n.\r\n", [], None, 1000)) == (plain + b"\r\n", None, b"")
+    assert asyncio.run(feed_and_read(plain + b"y\r\n.\r\n", [], None, 1000))[:2] == (b"", DATA_TOO_LONG)

@@ -40,8 +40,8 @@ async def read_data(reader: asyncio.StreamReader, size_limit: int | None,
     10 KiB message), in chunks as large as the stream's limit: the separator searched is a line
     feed followed by a dot, so only lines that start with a dot take a step of their own. Never
     reads past the terminating line, so pipelined commands stay in ``reader``.
-    ``error``: None, DATA_TOO_LONG (a line, its line end included, over ``line_limit``; a bare CR or
-    LF ends a line too, see ``_lines_fit``) or DATA_TOO_MUCH
+    ``error``: None, DATA_TOO_LONG (a line, its line end included and its stuffing dot not, over
+    ``line_limit``; a bare CR or LF ends a line too, see ``_lines_fit``) or DATA_TOO_MUCH
     (more than ``size_limit`` octets); after an error the content is dropped but the message is
     still read to its end. ``size_limit`` counts the message's octets, CRLFs included, stuffing
     dots not (RFC 1870 section 4, as SIZE declares it).
@@ -68,9 +68,11 @@ async def read_data(reader: asyncio.StreamReader, size_limit: int | None,
             rest = await _rest_of_line(reader)
             if rest == b"\r\n":
                 break  # the lone dot: end of data
-            # the stuffing dot: dropped from the content, and not counted (RFC 1870 section 4:
-            # a message's size excludes "any doubled quoting dots"); the line as sent counts it
-            if 1 + _first_line_length(rest) + 2 > line_limit:
+            # the stuffing dot: dropped from the content, and counted neither in the size (RFC
+            # 1870 section 4: a message's size excludes "any doubled quoting dots") nor in the
+            # line's length (RFC 5321 4.5.3.1.6: the limit is on the text, "not counting the
+            # leading dot duplicated for transparency"; BDAT's lines have no such dot either)
+            if _first_line_length(rest) + 2 > line_limit:
                 error = error or DATA_TOO_LONG
             add(rest)
             line_start = True
@@ -101,8 +103,8 @@ async def read_data(reader: asyncio.StreamReader, size_limit: int | None,
     if error is not None:
         return b"", error
     data = b"".join(parts)
-    # Lines read in chunks were not measured one by one: measure them now (a line's stuffing dot
-    # was counted above).
+    # Lines read in chunks were not measured one by one: measure them now (a line after a
+    # stuffing dot was measured above, without that dot).
     if data and not _lines_fit(data, line_limit):
         return b"", DATA_TOO_LONG
     return data, None
