@@ -396,26 +396,58 @@ def test_a_message_with_more_received_fields_than_max_hop_count_is_refused_as_a_
 # --------------------------------------------------------------------------- 4. line length
 
 def test_over_long_lines(make_node):
-    node = make_node().start()  # max_line_length = 1000 (octets without CRLF)
+    """RFC 5321 4.5.3.1.6: a text line is at most 1000 octets with its CRLF (998 of text), the
+    default of frontend.max_line_length (998, octets of text). A line a standards-following next
+    hop would refuse is refused here (500 5.5.2, nothing queued), not taken with a 250 and sent
+    back as an NDR; a command line is held to it too."""
+    node = make_node().start()  # max_line_length = 998 (octets without CRLF)
     c = Raw(node.port)
     ehlo(c)
-    assert_reply(c.cmd("NOOP " + "x" * 995), 250, "2.0.0")           # 1000 octets: fine
-    assert_reply(c.cmd("NOOP " + "x" * 996), 500, "5.5.2")           # 1001 octets
+    assert_reply(c.cmd("NOOP " + "x" * 993), 250, "2.0.0")           # 998 octets: fine
+    assert_reply(c.cmd("NOOP " + "x" * 994), 500, "5.5.2")           # 999 octets
     assert_reply(c.cmd("NOOP " + "x" * 5000), 500, "5.5.2")
     assert_reply(c.cmd(b"X" * 70000), 500, "5.5.2")
     assert_reply(c.cmd("NOOP"), 250, "2.0.0")  # the stream is back in step
 
-    ok_line = b"z" * 1000 + b"\r\n"
-    r = send_one(c, "a@remote.test", ["alice@example.test"],
-                 b"Subject: long-line\r\n\r\nstart\r\n" + b"z" * 1001 + b"\r\nend\r\n")
-    assert_reply(r, 500, "5.5.2")
+    ok_line = b"z" * 998 + b"\r\n"
+    for over in (999, 1000):  # 1000 octets of text: what a 1000-octet limit without the CRLF let in
+        r = send_one(c, "a@remote.test", ["alice@example.test"],
+                     b"Subject: long-line\r\n\r\nstart\r\n" + b"z" * over + b"\r\nend\r\n")
+        assert_reply(r, 500, "5.5.2")
+        assert_reply(bdat_message(c, [b"Subject: long-bdat\r\n\r\n" + b"z" * over + b"\r\n"])[-1], 500, "5.5.2")
     r = send_one(c, "a@remote.test", ["alice@example.test"],
                  b"Subject: huge-line\r\n\r\n" + b"z" * 200000 + b"\r\n")
     assert_reply(r, 500, "5.5.2")
     r = send_one(c, "a@remote.test", ["alice@example.test"], b"Subject: max-line\r\n\r\n" + ok_line)
     assert re.fullmatch(r"250 2\.0\.0 Ok: queued as \d+", r), r
+    got = bdat_message(c, [b"Subject: max-bdat\r\n\r\n" + ok_line])
+    assert re.fullmatch(r"250 2\.0\.0 Ok: queued as \d+", got[-1]), got
     assert_reply(c.cmd("QUIT"), 221, "2.0.0")
-    assert [m["subject"] for m in messages(node)] == ["max-line"]
+    assert sorted(m["subject"] for m in messages(node)) == ["max-bdat", "max-line"]
+
+
+def test_the_dot_doubled_for_transparency_is_not_counted_in_a_lines_length(make_node):
+    """RFC 5321 4.5.3.1.6: the line limit does not count "the leading dot duplicated for
+    transparency". A line of the limit that begins with a dot is sent as ``..`` and the rest, one
+    octet over on the wire: taken like the same line without its dot (it got 500 5.5.2); over
+    BDAT, which has no stuffing, the same line is the same length. One octet more is refused."""
+    node = make_node().start()
+    c = Raw(node.port)
+    ehlo(c)
+    text = b"." + b"d" * 997  # 998 octets of text
+    # send_one sends the octets as given: the line goes out stuffed, as "..ddd...", 999 octets.
+    r = send_one(c, "a@remote.test", ["alice@example.test"], b"Subject: dot-line\r\n\r\n." + text + b"\r\n")
+    assert re.fullmatch(r"250 2\.0\.0 Ok: queued as \d+", r), r
+    got = bdat_message(c, [b"Subject: dot-bdat\r\n\r\n" + text + b"\r\n"])
+    assert re.fullmatch(r"250 2\.0\.0 Ok: queued as \d+", got[-1]), got
+    r = send_one(c, "a@remote.test", ["alice@example.test"], b"Subject: dot-over\r\n\r\n." + text + b"d\r\n")
+    assert_reply(r, 500, "5.5.2")
+    assert_reply(bdat_message(c, [b"Subject: dot-over-bdat\r\n\r\n" + text + b"d\r\n"])[-1], 500, "5.5.2")
+    assert_reply(c.cmd("QUIT"), 221, "2.0.0")
+    assert sorted(m["subject"] for m in messages(node)) == ["dot-bdat", "dot-line"]
+    delivered = wait_for(lambda: len(f := node.maildir_files("alice@example.test")) == 2 and f,
+                         what="both messages in alice's mailbox")
+    assert all(b"\r\n" + text + b"\r\n" in p.read_bytes() for p in delivered)  # one dot: unstuffed
 
 
 def test_bare_lf_lines_are_measured_one_by_one(make_node):

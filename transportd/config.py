@@ -412,8 +412,13 @@ KEYS: tuple[Key, ...] = (
         "MaxHeaderSize", SIZE, limits=(1 * KB, 2 * GB)),
     Key("frontend", "max_recipients_per_message", 200, _int,
         "recipients accepted per message; more get 452 4.5.3", "MaxRecipientsPerMessage", limits=(1, 512000)),
-    Key("frontend", "max_line_length", 1000, _int,
-        "longest line (octets without CRLF) in commands and message data (RFC 5321: 1000)", limits=(80, 64 * KB)),
+    # RFC 5321 4.5.3.1.6: a text line is at most 1000 octets with its CRLF, 998 of text; a longer one
+    # taken here would be refused by a next hop that follows it (after our 250: an NDR). The key
+    # counts the text, as it always did: a config that sets it keeps its meaning.
+    Key("frontend", "max_line_length", 998, _int,
+        "longest line in commands and message data, in octets of text: its CRLF and a message line's "
+        "leading dot doubled for transparency not counted (RFC 5321 4.5.3.1.6: 998, 1000 with the CRLF); "
+        "longer gets 500 5.5.2", limits=(80, 64 * KB)),
     Key("frontend", "max_inbound_connection", 5000, _int,
         "concurrent connections to this connector", "MaxInboundConnection", limits=(1, INT32_MAX)),
     Key("frontend", "max_inbound_connection_per_source", 20, _int,
