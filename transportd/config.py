@@ -405,7 +405,8 @@ KEYS: tuple[Key, ...] = (
         "address:port of the frontend receive connector, or a list of them; 0.0.0.0 is every IPv4 address, [::] "
         "every IPv6 one (IPv6 only): ['0.0.0.0:25', '[::]:25'] for both", "Bindings"),
     Key("frontend", "max_message_size", 36 * MB, parse_size,
-        "largest message accepted (bytes); larger gets 552 5.3.4", "MaxMessageSize", SIZE, limits=(1 * KB, 2 * GB)),
+        "largest message accepted (bytes); larger gets 552 5.3.4 (an authenticated peer's message may be 64 KiB "
+        "larger: the headers the boundary's nodes add)", "MaxMessageSize", SIZE, limits=(1 * KB, 2 * GB)),
     Key("frontend", "max_header_size", 256 * KB, parse_size,
         "largest header section accepted (bytes, up to the empty line that ends it); larger gets 552 5.3.4 (on the "
         "transport connector too, from any client but an authenticated peer)",

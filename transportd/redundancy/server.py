@@ -50,6 +50,14 @@ def peer_name(session: Session) -> str | None:
     return None
 
 
+PEER_SIZE_ALLOWANCE = 64 * 1024
+"""Octets an authenticated peer's message may have over frontend.max_message_size: the headers
+the boundary's nodes add (a Received field each, Message-ID and Date where missing; a few hundred
+octets a node). Exchange measures a hop inside the organization against the message's original
+size (X-MS-Exchange-Organization-OriginalSize) for the same reason: a message the frontend took
+at the limit must not be refused as a shadow copy or a hop-by-hop relay."""
+
+
 def make_peer_authenticator(peers: set[str], secret: str) -> Callable[..., AuthResult]:
     def authenticator(server: SMTP, session: Session, envelope: Envelope, mechanism: str,
                       auth_data: Any) -> AuthResult:
@@ -83,6 +91,21 @@ class TransportSMTP(LimitedSMTP):
         """A boundary peer, once authenticated, is not held to the frontend's command rate: anyone
         else on this connector is (a peer's commands before its AUTH count, it is not known yet)."""
         return peer_name(self.session) is not None
+
+    @property
+    def data_size_limit(self) -> int | None:
+        """The size limit of this session (aiosmtpd's, read by MAIL's SIZE=, DATA, BDAT and EHLO):
+        frontend.max_message_size, plus PEER_SIZE_ALLOWANCE once the client authenticated as a
+        boundary peer (an EHLO after AUTH advertises that figure); anyone else is held to the
+        frontend's limit exactly."""
+        limit = self._size_limit
+        if limit and peer_name(getattr(self, "session", None)) is not None:
+            return limit + PEER_SIZE_ALLOWANCE
+        return limit
+
+    @data_size_limit.setter
+    def data_size_limit(self, limit: int | None) -> None:
+        self._size_limit = limit
 
     @syntax("QUIT")
     async def smtp_QUIT(self, arg: str | None) -> None:
