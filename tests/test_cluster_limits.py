@@ -105,3 +105,47 @@ def test_a_message_at_the_size_limit_is_shadowed_and_relayed_inside_the_boundary
     s.ehlo("node2.again")
     assert s.esmtp_features["size"] == str(MAX_SIZE + 64 * 1024)
     s.quit()
+
+
+def received_fields(n: int) -> bytes:
+    return b"".join(b"Received: from hop%d.remote.test by relay%d.remote.test; Sat, 28 Nov 2026 12:00:00 +0000\r\n"
+                    % (i, i) for i in range(n))
+
+
+def test_a_message_with_max_hop_count_received_fields_is_relayed_inside_the_boundary(cluster):
+    """frontend.max_hop_count (60): a message that comes with 60 Received fields is taken by
+    node2's frontend; with node2's own field it has 61 when node2 relays it to node1 hop by hop
+    and shadows it there. node1 takes both from its authenticated peer (one more field per node
+    of the boundary) and delivers: no 554 5.4.14, no NDR. 61 at the frontend is still a loop."""
+    c = cluster(nodes=2, sites=2).start()
+    node1, node2 = c["node1"], c["node2"]
+    code, text = send(node2, received_fields(60) + b"Subject: sixty hops\r\n\r\nhi\r\n")
+    assert code == 250, (code, text)
+    netid = netid_of_reply(node2, text)
+    one(node2.tracking(event_id="HAREDIRECT", network_message_id=netid), "HAREDIRECT on node2")
+    body = delivered_on_node1(node1, netid)
+    assert body.count(b"Received:") == 62  # the client's 60, node2's, node1's
+    assert_no_ndr(node1, node2, netid)
+    code, text = send(node2, received_fields(61) + b"Subject: sixty-one hops\r\n\r\nhi\r\n")
+    assert (code, text) == (554, "5.4.14 Hop count exceeded - possible mail loop"), (code, text)
+
+
+def test_a_routing_loop_between_peers_is_still_stopped(cluster):
+    """Each node takes the other for MDB01's: alice's message goes back and forth hop by hop,
+    one Received field more each time. The peers' allowance (one field per node of the
+    boundary) is finite: past max_hop_count (3 here) + 2 a node refuses it, 554 5.4.14, and the
+    loop ends (the sender, inside the boundary, gets an NDR)."""
+    c = cluster(nodes=2, sites=2, overrides={"frontend": {"max_hop_count": 3}})
+    c["node1"].set("mailbox_databases", "MDB01", fqdn("node2"))
+    c.start()
+    node1, node2 = c["node1"], c["node2"]
+    code, text = send(node2, b"Subject: looping\r\n\r\nround and round\r\n")
+    assert code == 250, (code, text)
+    netid = netid_of_reply(node2, text)
+
+    def refused() -> list[dict]:
+        return [r for n in (node1, node2) for r in n.tracking(event_id="FAIL", network_message_id=netid)]
+    fail = one(wait_for(refused, timeout=30, what="the loop to be refused"), "FAIL")
+    assert "5.4.14" in fail["recipient-status"], fail
+    looped = [n for n in (node1, node2) if "looped (6 Received headers)" in n.log()]
+    assert looped, "the refusal names the hop count past max_hop_count + 2 nodes"

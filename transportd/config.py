@@ -425,7 +425,8 @@ KEYS: tuple[Key, ...] = (
     Key("frontend", "max_inbound_connection_per_source", 20, _int,
         "concurrent connections from one IP address", "MaxInboundConnectionPerSource", limits=(1, 10000)),
     Key("frontend", "max_hop_count", 60, _int,
-        "Received headers a message may come with; one more is refused as a loop (554 5.4.14)", "MaxHopCount",
+        "Received headers a message may come with; one more is refused as a loop (554 5.4.14) (from an "
+        "authenticated peer one more per node of the boundary: each adds its own)", "MaxHopCount",
         limits=(1, 500)),
     Key("frontend", "connection_timeout", 600.0, parse_duration,
         "absolute limit on a session's length; at least connection_inactivity_timeout", "ConnectionTimeout",

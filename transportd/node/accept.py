@@ -105,6 +105,28 @@ def check_header_size(envelope: Envelope, session: Session, limit: int) -> None:
         raise MessageRejected(S552_HEADER_TOO_BIG)
 
 
+def hop_limit(session: Session, cfg: Any) -> int:
+    """The Received fields a message may come with (Exchange's MaxHopCount): ours, added on
+    receipt, is not one of them. An authenticated boundary peer may bring one more per node of
+    the boundary: a message the frontend took with max_hop_count fields gains one at each node it
+    passes inside the boundary (the frontend node's, then a hop-by-hop primary's, or a promoted
+    shadow's on its way to the mailbox node), and the boundary must not refuse (an NDR) what it
+    acknowledged. A path that passes no node twice stays within that allowance, so a routing loop
+    between peers is still stopped, after at most one more round. (Counting our own field at the
+    frontend instead would allow one hop inside the boundary, not the two of a promoted copy.)"""
+    limit = cfg.frontend.max_hop_count
+    return limit + len(cfg.peers) + 1 if peer_name(session) is not None else limit
+
+
+def check_hop_count(msg: NewMessage, session: Session, cfg: Any) -> None:
+    """RFC 5321 6.3's loop detection: more Received fields than ``hop_limit`` is 554 5.4.14."""
+    hops = hop_count(msg.data) - 1
+    if hops > hop_limit(session, cfg):
+        log.warning("message from %s looped (%d Received headers): refused", msg.client_ip, hops,
+                    extra=message_ids({"network_message_id": msg.network_message_id}))
+        raise MessageRejected(S554_HOP_COUNT)
+
+
 class AcceptPath:
     def __init__(self, cfg: Any, store: QueueStore, events: NodeEvents, shadow: ShadowManager | None):
         self.cfg = cfg
@@ -151,14 +173,7 @@ class AcceptPath:
             return await self._accept(msg, session, connector, now)
 
     async def _accept(self, msg: NewMessage, session: Session, connector: str, now: float) -> int:
-        netid = msg.network_message_id
-        # The Received fields the message came with (Exchange's MaxHopCount counts those of the
-        # submitted message): ours, added on receipt, is not one of them.
-        hops = hop_count(msg.data) - 1
-        if hops > self.cfg.frontend.max_hop_count:
-            log.warning("message from %s looped (%d Received headers): refused", msg.client_ip, hops,
-                        extra=message_ids({"network_message_id": netid}))
-            raise MessageRejected(S554_HOP_COUNT)
+        check_hop_count(msg, session, self.cfg)
         recipients = list(dict.fromkeys(a for addrs in msg.recipients.values() for a in addrs))
         peer_conn = getattr(session, "redundancy", None)  # the transport connector's protocol state
         if peer_conn is not None and peer_conn.shadow_guid and peer_conn.xshadow_peer:
