@@ -24,6 +24,7 @@ The harness (``LocalCluster``, ``FailoverNode``, ``send`` ...) is in clusters.py
 from __future__ import annotations
 
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -308,3 +309,88 @@ def test_a_promoted_copy_delivers_only_the_recipients_the_primary_had_not(make_c
     assert [r["recipient-address"] for r in n3.tracking(event_id="SENDEXTERNAL", network_message_id=netid)] \
         == ["carol@foreign.test"]
     assert not n3.tracking(event_id="SEND", network_message_id=netid)  # nothing for alice towards node1
+
+
+class PerRecipientNextHop:
+    """A next hop (aiosmtpd in a thread of this process) that answers each RCPT by its local part:
+    ``perm`` 550 5.1.1, ``temp`` 450 4.2.1 while ``greylisting`` (250 after), any other 250. It
+    notes every RCPT it was sent and the recipients of each transaction it took."""
+
+    def __init__(self) -> None:
+        import socket
+
+        from aiosmtpd.controller import Controller
+
+        self.rcpts: list[str] = []
+        self.transactions: list[list[str]] = []
+        self.greylisting = True
+        hop = self
+
+        class Handler:
+            async def handle_RCPT(self, server, session, envelope, address, rcpt_options):
+                hop.rcpts.append(address)
+                if address.startswith("perm"):
+                    return "550 5.1.1 No such user"
+                if address.startswith("temp") and hop.greylisting:
+                    return "450 4.2.1 Mailbox busy, try again later"
+                envelope.rcpt_tos.append(address)
+                return "250 2.1.5 Ok"
+
+            async def handle_DATA(self, server, session, envelope):
+                hop.transactions.append(list(envelope.rcpt_tos))
+                return "250 2.0.0 queued"
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.controller = Controller(Handler(), hostname="127.0.0.1", port=self.port)
+        self.controller.start()
+
+
+def test_a_promoted_copy_neither_tries_again_nor_reports_again_a_recipient_the_primary_failed(cluster):
+    """node2 (primary) fails perm-p1 (550, its DSN goes to carol's mailbox on node1, hop by hop),
+    delivers ok-p3 and defers temp-p2 (450). node1, the shadow, hears of both finished recipients
+    at its heartbeat (``Delivered=``, and ``Failed=`` once the DSN is out: ``XQDISCARD n RCPT
+    FAILED``). node2 is killed: node1's promotion delivers temp-p2 only. perm-p1 was sent RCPT
+    again and a second DSN made before: the shadow learned only of delivered recipients."""
+    from clusters import netid_of
+    from conftest import queued_id, read_db
+
+    hop = PerRecipientNextHop()
+    try:
+        c = cluster(overrides={"routing": {"smart_host": f"127.0.0.1:{hop.port}"}}, nodes=2, sites=1).start()
+        n1, n2 = c["node1"], c["node2"]
+        perm, temp, ok = "perm-p1@foreign.test", "temp-p2@foreign.test", "ok-p3@foreign.test"
+        netid = netid_of(n2, queued_id(n2.swaks(f"{perm},{temp},{ok}")))
+        wait_for(lambda: "HAREDIRECT" in n2.events(netid), timeout=10, what="node2's shadow on node1")
+        wait_for(lambda: n1.maildir("carol@example.test"), timeout=20, what="node2's DSN for perm-p1 in carol's mailbox")
+
+        def shadow_recipients() -> dict[str, str]:
+            return dict(read_db(n1.cfg.db_path, "SELECT r.address, r.status FROM recipients r JOIN messages m "
+                                                "ON m.id = r.message_id WHERE m.network_message_id = ? "
+                                                "AND m.role = 'shadow'", (netid,)))
+        wait_for(lambda: shadow_recipients().get(perm) == "Failed" and shadow_recipients().get(ok) == "Delivered",
+                 timeout=20, what="node1 to hear that node2 failed perm-p1 and delivered ok-p3")
+        assert shadow_recipients()[temp] not in ("Failed", "Delivered")
+        assert n1.shadow_list()[n2.name]["shadows"] == 1  # still a shadow: temp-p2 waits
+        assert hop.rcpts.count(perm) == 1 and [ok] in hop.transactions
+
+        assert n2.proc is not None
+        n2.proc.send_signal(signal.SIGKILL)
+        n2.proc.wait(timeout=10)
+        hop.greylisting = False
+        wait_for(lambda: "RESUBMIT" in n1.events(netid), timeout=30, what="node1's promotion of the shadow")
+        wait_for(lambda: [temp] in hop.transactions, timeout=20, what="temp-p2 delivered by the promoted copy")
+        wait_for(lambda: "SENDEXTERNAL" in n1.events(netid), timeout=10, what="node1's SENDEXTERNAL")
+
+        assert hop.rcpts.count(perm) == 1, hop.rcpts  # not tried again
+        assert sum(ok in t for t in hop.transactions) == 1, hop.transactions  # not sent twice
+        assert "FAIL" not in n1.events(netid)
+        # One DSN in all: node2's. node1 made none (its DSN row is committed with the outcome,
+        # before the SENDEXTERNAL row).
+        assert read_db(n1.cfg.db_path, "SELECT count(*) FROM messages WHERE dsn_of IS NOT NULL")[0][0] == 0
+        assert len(n1.maildir("carol@example.test")) == 1
+        assert [r["recipient-address"] for r in n1.tracking(event_id="SENDEXTERNAL", network_message_id=netid)] \
+            == [temp]
+    finally:
+        hop.controller.stop()

@@ -143,7 +143,14 @@ def _delivered_reasons(it: WorkItem, outs: Iterable[Outcome]) -> list[str]:
     return [r for r in dict.fromkeys(reasons) if len(r) <= MAX_PER_RECIPIENT_REASON]
 
 
-MAX_PER_RECIPIENT_REASON = 1000  # octets: a reply line stays far below the peers' 4096
+def _failed_addresses(it: WorkItem, outs: Iterable[Outcome]) -> list[str]:
+    """The addresses of the recipients of ``it`` failed in ``outs``."""
+    address = dict(zip(it.recipient_ids, it.addresses))
+    return list(dict.fromkeys(address[o.recipient_id] for o in outs
+                              if o.status == mq.FAILED and o.recipient_id in address))
+
+
+MAX_PER_RECIPIENT_REASON = mq.MAX_RECIPIENT_REASON
 
 
 def utc(ts: float | None) -> datetime | None:
@@ -223,12 +230,17 @@ class OutcomeRecorder:
                     created[mid] = (mq.enqueue(conn, dsns[mid][1]), dsns[mid][1])
                 forks = [f for f in d.forks if f[0] == mid]
                 sq.record_forks(conn, forks, now)
-                if not mq.finish_if_done(conn, mid, now, hold) and not forks:
-                    # Delivered while others wait: the shadows learn it per recipient, so that a
-                    # promotion of theirs does not deliver these a second time.
-                    delivered = _delivered_reasons(it, d.outcomes.get(mid, ()))
+                if not mq.finish_if_done(conn, mid, now, hold):
+                    # Delivered or failed while others wait: the shadows learn it per recipient,
+                    # so that a promotion of theirs does not deliver these a second time, nor fail
+                    # them again with a second DSN (a failed one once its DSN is out: until then
+                    # they protect the DSN). Those a peer took hop by hop: its fork covers them.
+                    delivered = [] if forks else _delivered_reasons(it, d.outcomes.get(mid, ()))
                     if delivered:
                         sq.record_delivered_recipients(conn, mid, delivered, now)
+                    failed = _failed_addresses(it, d.outcomes.get(mid, ()))
+                    if failed:
+                        mq.tell_shadows_failed(conn, mid, now, failed)
             return created, poisoned
 
         created, poisoned = await self.store.write(job, queue_changed=bool(dsns))  # a DSN is new work

@@ -19,6 +19,7 @@ from transportd.queue.direct import Insert, Update, driver, placeholders
 from transportd.queue.routing import NextHop
 from transportd.queue.store import (delivered_to, discard_events, message_bodies, message_shadows, messages,
                                     meta, queues, recipients, shadow_forks)
+from transportd.smtp.dsnparams import xtext_encode
 
 # recipient statuses
 READY, RETRY, ACTIVE, DELIVERED, FAILED, REMOVED = "Ready", "Retry", "Active", "Delivered", "Failed", "Removed"
@@ -34,6 +35,12 @@ NOT_REDUNDANT = ("reshadowing", "unprotected")
 PARTIAL = "partial"
 # message states
 QUEUED, SAFETY_NET, MSG_REMOVED = "Queued", "SafetyNet", "Removed"
+# The reasons of per-recipient discard events (docs/PROTOCOL.md section 4; redundancy/protocol.py's
+# DELIVERED and FAILED, their wire text): ``Delivered=``/``Failed=<xtext of the address>``, handed
+# out only to a shadow that asked for that kind. A longer one than MAX_RECIPIENT_REASON octets (an
+# address too long for a reply line) is not made: the message's own discard covers that recipient.
+RECIPIENT_DELIVERED, RECIPIENT_FAILED = "Delivered=", "Failed="
+MAX_RECIPIENT_REASON = 1000  # octets: a reply line stays far below the peers' 4096
 # The Poison queue (Exchange's): not a next hop but the messages held with ``poisoned`` = 1.
 POISON = "Poison"
 # The reply prefix of every internal failure recorded on a recipient (never a 5xx: the sender's
@@ -129,6 +136,8 @@ _DONE_CHECK = (
 """What ``finish_if_done`` asks of a message, in one statement: its state and the message it is a
 DSN of, its recipients not yet terminal, the forks a peer holds as primary, its DSNs not yet out."""
 _SHADOWS_OF = "SELECT shadow_node, shadow_guid FROM message_shadows WHERE message_id = ?"
+_FAILED_RECIPIENTS = select(recipients.c.address).where(recipients.c.message_id == bindparam("b_id"),
+                                                        recipients.c.status == FAILED)
 _INSERT_DISCARD = Insert(discard_events)
 _DELETE_BODY = "DELETE FROM message_bodies WHERE message_id = ?"
 # By their ids (the primary key): on ``status IN (...)`` SQLite may choose ix_recipients_due and read
@@ -537,17 +546,50 @@ def finish_if_done(conn: Connection, message_id: int, now: float, safety_net_hol
         UPDATE_MESSAGE.run(conn, {"state": MSG_REMOVED, "completed_at": now}, message_id)
         raw.execute(_DELETE_BODY, (message_id,))
     if dsn_of is not None:
-        # A DSN is out: the original's shadows may go, once it and its other DSNs are done too.
-        parent = conn.execute(_MESSAGE_STATE, {"b_id": dsn_of}).first()
-        if parent is not None and parent.state != QUEUED \
-                and not conn.execute(_DSN_PENDING, {"b_id": dsn_of}).scalar():
-            _discard_shadows_of(conn, dsn_of, now)
+        _dsn_out(conn, dsn_of, now)
     return True
 
 
 def _discard_shadows_of(conn: Connection, message_id: int, now: float) -> None:
     for node, guid in driver(conn).execute(_SHADOWS_OF, (message_id,)).fetchall():
         _INSERT_DISCARD.run(conn, {"shadow_node": node, "shadow_guid": guid, "created_at": now})
+
+
+def _dsn_out(conn: Connection, message_id: int, now: float) -> None:
+    """A DSN about ``message_id`` left the queue (processed, or removed). Once none is left, the
+    message's shadows go if it is done; if it still waits, they learn the recipients it failed."""
+    parent = conn.execute(_MESSAGE_STATE, {"b_id": message_id}).first()
+    if parent is None or conn.execute(_DSN_PENDING, {"b_id": message_id}).scalar():
+        return
+    if parent.state != QUEUED:
+        _discard_shadows_of(conn, message_id, now)
+    else:
+        tell_shadows_failed(conn, message_id, now)
+
+
+def tell_shadows_failed(conn: Connection, message_id: int, now: float,
+                        addresses: Iterable[str] | None = None) -> int:
+    """Per-recipient discard events (``Failed=``) for the shadows of ``message_id``: ``addresses``
+    (without them, every recipient of it that failed) are finished here, so a promotion of theirs
+    neither tries them again nor sends a second DSN. None while a DSN about the message is still
+    queued: its shadows protect that DSN (a promotion fails the recipient again and makes it
+    again), and the DSN's end tells them instead (``_dsn_out``). A recipient may be told twice
+    (each time a message's last DSN leaves); a shadow takes that as a no-op. Returns how many."""
+    if conn.execute(_DSN_PENDING, {"b_id": message_id}).scalar():
+        return 0
+    if addresses is None:
+        addresses = conn.execute(_FAILED_RECIPIENTS, {"b_id": message_id}).scalars().all()
+    reasons = [r for r in dict.fromkeys(RECIPIENT_FAILED + xtext_encode(a) for a in addresses)
+               if len(r) <= MAX_RECIPIENT_REASON]
+    if not reasons:
+        return 0
+    n = 0
+    for node, guid in driver(conn).execute(_SHADOWS_OF, (message_id,)).fetchall():
+        for reason in reasons:
+            _INSERT_DISCARD.run(conn, {"shadow_node": node, "shadow_guid": guid, "created_at": now,
+                                       "reason": reason})
+            n += 1
+    return n
 
 
 def purge_expired(conn: Connection, now: float, duplicate_window: float) -> tuple[int, int]:
@@ -621,12 +663,11 @@ def remove_message(conn: Connection, message_id: int, now: float) -> list[dict]:
         _INSERT_DISCARD.run(conn, {"shadow_node": node, "shadow_guid": guid, "created_at": now,
                                    "reason": "DeletedByAdmin"})
     conn.execute(delete(shadow_forks).where(shadow_forks.c.message_id == message_id))
-    # A DSN removed: the message it reported on no longer waits for it to keep its shadows.
+    # A DSN removed: the message it reported on no longer waits for it to keep its shadows (nor
+    # to tell them of the recipients it failed).
     dsn_of = conn.execute(_MESSAGE_STATE, {"b_id": message_id}).one().dsn_of
     if dsn_of is not None:
-        parent = conn.execute(_MESSAGE_STATE, {"b_id": dsn_of}).first()
-        if parent is not None and parent.state != QUEUED and not conn.execute(_DSN_PENDING, {"b_id": dsn_of}).scalar():
-            _discard_shadows_of(conn, dsn_of, now)
+        _dsn_out(conn, dsn_of, now)
     return [dict(r) for r in pending]
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from sqlalchemy import bindparam, delete, func, insert, or_, select, update
+from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 
 from transportd import faults
@@ -73,14 +73,16 @@ def redundancy_of(holders: int, wanted: int) -> str:
     return "shadowed" if holders >= wanted else (mq.PARTIAL if holders else "unprotected")
 
 
-# The reason of a per-recipient discard event (redundancy/protocol.py's DELIVERED, its wire text):
-# ``Delivered=<xtext of the address>``, handed out only to a shadow that asked for them.
-PER_RECIPIENT = "Delivered="
+# The reason of a per-recipient discard event for a delivered recipient (queue/messages.py's, with
+# ``Failed=`` for a failed one): ``Delivered=<xtext of the address>``, handed out only to a shadow
+# that asked for them.
+PER_RECIPIENT = mq.RECIPIENT_DELIVERED
 
 
 def record_delivered_recipients(conn: Connection, message_id: int, reasons: Iterable[str], now: float) -> int:
     """Per-recipient discard events: for each shadow of ``message_id``, one per reason (a recipient
-    delivered while others wait). Returns how many were written."""
+    delivered while others wait; a failed one is told by ``mq.tell_shadows_failed``, which waits for
+    its DSN). Returns how many were written."""
     shadows = conn.execute(select(message_shadows.c.shadow_node, message_shadows.c.shadow_guid)
                            .where(message_shadows.c.message_id == message_id)).all()
     n = 0
@@ -93,10 +95,13 @@ def record_delivered_recipients(conn: Connection, message_id: int, reasons: Iter
 
 
 def apply_delivered_recipients(conn: Connection, primary: str, entries: Iterable[tuple[str, str]],
-                               now: float) -> list[str]:
+                               now: float, status: str = mq.DELIVERED) -> list[str]:
     """Per-recipient discards of ``primary`` (GUID, address): those recipients of our queued shadow
-    copy are done (the primary delivered them), so a promotion delivers only the others. Returns
-    the GUIDs of copies left with no recipient to deliver (the caller discards them)."""
+    copy are done (the primary delivered them; with ``status`` FAILED, failed them, its DSN out), so
+    a promotion delivers only the others and fails none a second time. Returns the GUIDs of copies
+    left with no recipient to deliver (the caller discards them)."""
+    done = {"status": status, "completed_at": now,
+            "last_error": f"failed on the primary {primary}" if status == mq.FAILED else None}
     guids = []
     for guid, address in entries:
         row = conn.execute(select(messages.c.id).where(
@@ -106,7 +111,7 @@ def apply_delivered_recipients(conn: Connection, primary: str, entries: Iterable
             continue
         conn.execute(update(recipients).where(
             recipients.c.message_id == row.id, recipients.c.address == address,
-            recipients.c.status.not_in(mq.TERMINAL)).values(status=mq.DELIVERED, completed_at=now, last_error=None))
+            recipients.c.status.not_in(mq.TERMINAL)).values(**done))
         pending = conn.execute(select(func.count()).select_from(recipients).where(
             recipients.c.message_id == row.id, recipients.c.status.not_in(mq.TERMINAL))).scalar()
         if not pending:
@@ -115,11 +120,14 @@ def apply_delivered_recipients(conn: Connection, primary: str, entries: Iterable
 
 
 def take_discard_events(conn: Connection, shadow_node: str, n: int, token: str,
-                        recipients: bool = False) -> list[tuple[str, str | None]]:
+                        recipients: bool = False, failed: bool = False) -> list[tuple[str, str | None]]:
     """Up to ``n`` (guid, reason) discard events for ``shadow_node``, marked as handed out on
-    ``token``; per-recipient ones (``Delivered=``) only with ``recipients`` (the shadow asked)."""
-    only = [] if recipients else [or_(discard_events.c.reason.is_(None),
-                                      discard_events.c.reason.not_like(f"{PER_RECIPIENT}%"))]
+    ``token``; per-recipient ones (``Delivered=``) only with ``recipients`` (the shadow asked), and
+    ``Failed=`` ones only with ``failed`` too."""
+    unasked = [] if recipients else [PER_RECIPIENT]
+    unasked += [] if recipients and failed else [mq.RECIPIENT_FAILED]
+    only = [or_(discard_events.c.reason.is_(None),
+                and_(*[discard_events.c.reason.not_like(f"{k}%") for k in unasked]))] if unasked else []
     rows = conn.execute(select(discard_events.c.id, discard_events.c.shadow_guid, discard_events.c.reason)
                         .where(discard_events.c.shadow_node == shadow_node, discard_events.c.sent_token.is_(None),
                                *only)

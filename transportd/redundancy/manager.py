@@ -145,13 +145,15 @@ class ShadowManager:
             self.heartbeat.holder_seen(peer, dbid)  # a peer back with a new database: our older copies there are gone
         return result
 
-    async def take_discard_events(self, shadow_node: str, n: int, token: str,
-                                  recipients: bool = False) -> list[tuple[str, str | None]]:
+    async def take_discard_events(self, shadow_node: str, n: int, token: str, recipients: bool = False,
+                                  failed: bool = False) -> list[tuple[str, str | None]]:
         """Up to ``n`` discard ids for a shadow, marked as handed out on session ``token``: deleted
         when that session ends with QUIT (the shadow applied them first), handed out again if it
         breaks. A discard is never lost to a dropped connection. ``recipients``: the shadow takes
-        per-recipient entries (``XQDISCARD n RCPT``); another is never handed one."""
-        return await self.store.write(lambda c: sq.take_discard_events(c, shadow_node, n, token, recipients))
+        per-recipient entries (``XQDISCARD n RCPT``), ``failed``: ``Failed=`` ones too (``RCPT
+        FAILED``); another is never handed one."""
+        return await self.store.write(lambda c: sq.take_discard_events(c, shadow_node, n, token, recipients,
+                                                                       failed))
 
     async def settle_discard_events(self, token: str, acknowledged: bool) -> None:
         await self.store.write(lambda c: sq.settle_discard_events(c, token, acknowledged))

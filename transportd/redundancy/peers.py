@@ -34,7 +34,12 @@ from transportd.redundancy.connection import (
     ShadowRequestAccepted,
     TransactionReplies,
 )
-from transportd.redundancy.protocol import RCPT_DISCARDS_KEYWORD, Peer, heartbeat_period
+from transportd.redundancy.protocol import (
+    FAILED_DISCARDS_KEYWORD,
+    RCPT_DISCARDS_KEYWORD,
+    Peer,
+    heartbeat_period,
+)
 from transportd.smtp.dsnparams import DsnRequest
 from transportd.smtp.wire import SmtpWire
 
@@ -148,8 +153,9 @@ class PeerSession:
         acknowledges ids we did not apply): ``close()`` does that."""
         entries: list[tuple[str, str | None]] = []
         recipients = self.client.supports_extension(RCPT_DISCARDS_KEYWORD.lower())  # per-recipient entries too
+        failed = recipients and self.client.supports_extension(FAILED_DISCARDS_KEYWORD.lower())  # Failed= too
         while True:
-            events = await self._exchange(self.conn.send_discard(DISCARD_BATCH, recipients))
+            events = await self._exchange(self.conn.send_discard(DISCARD_BATCH, recipients, failed))
             batch = next((e for e in events if isinstance(e, DiscardBatch)), None)
             if batch is None:
                 raise ProtocolError(_refusal("XQDISCARD", events))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from transportd.errors import ProtocolError  # noqa: F401 - raised by every parser here
-from transportd.smtp.dsnparams import XTEXT, xtext_decode
+from transportd.smtp.dsnparams import XTEXT, xtext_decode, xtext_encode
 
 # ------------------------------------------------------------------------- encodings
 
@@ -97,16 +97,18 @@ def parse_xqdiscard(arg: str | None, maximum: int = 1000) -> int:
     return parse_xqdiscard_request(arg, maximum)[0]
 
 
-def parse_xqdiscard_request(arg: str | None, maximum: int = 1000) -> tuple[int, bool]:
-    """``XQDISCARD <count> [RCPT]``: the batch size (capped at ``maximum``) and whether the shadow
-    takes per-recipient entries (``RCPT``, asked only of a primary that offers ``XQDISCARDRCPT``)."""
+def parse_xqdiscard_request(arg: str | None, maximum: int = 1000) -> tuple[int, bool, bool]:
+    """``XQDISCARD <count> [RCPT [FAILED]]``: the batch size (capped at ``maximum``), whether the
+    shadow takes per-recipient entries (``RCPT``, asked only of a primary that offers
+    ``XQDISCARDRCPT``) and whether ``Failed=`` ones too (``FAILED``, asked only of a primary that
+    offers ``XQDISCARDFAILED``)."""
     words = (arg or "").split()
-    recipients = len(words) == 2 and words[1].upper() == RCPT_ARG
-    if not words or len(words) > 2 or (len(words) == 2 and not recipients):
-        raise ProtocolError("XQDISCARD needs a batch size > 0 (and RCPT, or nothing, after it)")
+    extra = [w.upper() for w in words[1:]]
+    if not words or extra not in ([], [RCPT_ARG], [RCPT_ARG, FAILED_ARG]):
+        raise ProtocolError("XQDISCARD needs a batch size > 0 (and RCPT, RCPT FAILED, or nothing, after it)")
     if not words[0].isdigit() or int(words[0]) <= 0:
         raise ProtocolError("XQDISCARD needs a batch size > 0")
-    return min(int(words[0]), maximum), recipients
+    return min(int(words[0]), maximum), bool(extra), FAILED_ARG in extra
 
 
 # Reasons a discard id may carry after it (``250-<guid> DeletedByAdmin``): the message was not
@@ -121,16 +123,23 @@ DISCARD_REASONS = ("DeletedByAdmin",)
 RCPT_DISCARDS_KEYWORD = "XQDISCARDRCPT"
 RCPT_ARG = "RCPT"
 DELIVERED = "Delivered="
-
-
-def xtext_encode(text: str) -> str:
-    """RFC 3461 4's xtext of ``text``'s UTF-8: '+XX' for '+', '=' and every octet outside '!'..'~'."""
-    return "".join(chr(b) if 0x21 <= b <= 0x7E and b not in (0x2B, 0x3D) else f"+{b:02X}"
-                   for b in text.encode("utf-8", "surrogateescape"))
+# ... and the recipients it failed: a primary that offers them says ``XQDISCARDFAILED`` too; a
+# shadow that takes them asks ``XQDISCARD <n> RCPT FAILED``, and entries ``<guid> Failed=<xtext>``
+# then tell it that the primary failed that recipient (its DSN, if one was due, is out): a promotion
+# neither tries it again nor makes a second DSN. Kept apart from ``Delivered=`` so that no shadow
+# counts a failed recipient as delivered, and never handed to a shadow that did not ask (an older
+# one reads an unknown reason as a contract violation).
+FAILED_DISCARDS_KEYWORD = "XQDISCARDFAILED"
+FAILED_ARG = "FAILED"
+FAILED = "Failed="
 
 
 def delivered_reason(address: str) -> str:
     return DELIVERED + xtext_encode(address)
+
+
+def failed_reason(address: str) -> str:
+    return FAILED + xtext_encode(address)
 
 
 def delivered_address(reason: str | None) -> str | None:
@@ -138,6 +147,14 @@ def delivered_address(reason: str | None) -> str | None:
     if not reason or not reason.startswith(DELIVERED):
         return None
     return xtext_decode(reason[len(DELIVERED):])
+
+
+def recipient_done(reason: str | None) -> tuple[str, str] | None:
+    """(``Delivered=`` or ``Failed=``, the address) of a per-recipient reason; None for another."""
+    for kind in (DELIVERED, FAILED):
+        if reason and reason.startswith(kind):
+            return kind, xtext_decode(reason[len(kind):])
+    return None
 
 
 def format_discard_reply(entries: Sequence[str | tuple[str, str | None]]) -> list[str]:
@@ -148,19 +165,22 @@ def format_discard_reply(entries: Sequence[str | tuple[str, str | None]]) -> lis
     return [f"250-{t}" for t in texts[:-1]] + [f"250 {texts[-1]}"]
 
 
-def parse_discard_entries(code: int, lines: Sequence[str], recipients: bool = False) -> list[tuple[str, str | None]]:
+def parse_discard_entries(code: int, lines: Sequence[str], recipients: bool = False,
+                          failed: bool = False) -> list[tuple[str, str | None]]:
     """(GUID, reason or None) from an XQDISCARD reply; ProtocolError on any malformed line (keep
-    every shadow then). ``recipients``: the shadow asked for per-recipient entries (``Delivered=``)."""
+    every shadow then). ``recipients``: the shadow asked for per-recipient entries (``Delivered=``);
+    ``failed``: for ``Failed=`` ones too."""
     if code == 251:
         return []
     if code != 250:
         raise ProtocolError(f"XQDISCARD answered {code}")
+    kinds = (DELIVERED,) * recipients + (FAILED,) * (recipients and failed)
     out: list[tuple[str, str | None]] = []
     for line in lines:
         if not line.strip():
             continue
         guid, _, reason = line.strip().partition(" ")
-        per_recipient = recipients and reason.startswith(DELIVERED) and bool(XTEXT.fullmatch(reason[len(DELIVERED):]))
+        per_recipient = any(reason.startswith(k) and XTEXT.fullmatch(reason[len(k):]) for k in kinds)
         if reason and reason not in DISCARD_REASONS and not per_recipient:
             raise ProtocolError(f"unknown discard reason {reason[:40]!r}")
         out.append((parse_guid(guid), reason or None))

@@ -31,6 +31,7 @@ from transportd.redundancy.connection import (
     XShadowReceived,
 )
 from transportd.redundancy.protocol import (
+    FAILED_DISCARDS_KEYWORD,
     RCPT_DISCARDS_KEYWORD,
     has_xshadow_param,
     redundancy_reply,
@@ -176,7 +177,7 @@ class TransportSMTP(LimitedSMTP):
         event = await self._judge(verb, arg)
         if isinstance(event, DiscardRequested):
             entries = await self.manager.take_discard_events(event.peer_fqdn, event.max_count, self._discard_token,
-                                                             recipients=event.recipients)
+                                                             recipients=event.recipients, failed=event.failed)
             await self._write(self.conn.discard_reply(entries))
 
     @syntax("XRESUBMIT destination start-epoch end-epoch")
@@ -235,7 +236,8 @@ class TransportHandler(FrontendHandler):
         # 2013 takes shadow requests; 2010 advertises XSHADOW (hop-by-hop shadows, discard polling).
         if self.manager.sr.version == "2010":
             return out[:-1] + ["250-XSHADOW", out[-1]]
-        return out[:-1] + ["250-XSHADOWREQUEST", f"250-{RCPT_DISCARDS_KEYWORD}", out[-1]]
+        return out[:-1] + ["250-XSHADOWREQUEST", f"250-{RCPT_DISCARDS_KEYWORD}", f"250-{FAILED_DISCARDS_KEYWORD}",
+                           out[-1]]
 
     async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope, address: str,
                           rcpt_options: list[str]) -> str:

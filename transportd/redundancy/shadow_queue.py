@@ -26,7 +26,7 @@ from transportd.queue.messages import NewMessage
 from transportd.queue.routing import bifurcate
 from transportd.queue.store import QueueStore
 from transportd.redundancy.events import EventSink
-from transportd.redundancy.protocol import delivered_address
+from transportd.redundancy.protocol import DELIVERED, recipient_done
 from transportd.smtp.frontend import new_network_message_id, received_as
 from transportd.smtp.headers import header_fields, network_id_from
 
@@ -85,20 +85,26 @@ class ShadowQueues:
 
     async def _discard(self, primary: str, entries: list[tuple[str, str | None]], now: float) -> int:
         hold = self.cfg.safety_net.safety_net_hold_time
-        # Per-recipient entries (a recipient the primary delivered while others wait) narrow what a
-        # promotion delivers; a copy they leave with nothing to deliver is discarded as processed.
-        delivered, whole = [], []
+        # Per-recipient entries (a recipient the primary delivered, or failed, while others wait)
+        # narrow what a promotion delivers; a copy they leave with nothing to deliver is discarded
+        # as processed.
+        done: dict[str, list[tuple[str, str]]] = {mq.DELIVERED: [], mq.FAILED: []}
+        whole = []
         for guid, reason in entries:
-            address = delivered_address(reason)
-            if address is None:
+            told = recipient_done(reason)
+            if told is None:
                 whole.append((guid, reason))
             else:
-                delivered.append((guid, address))
+                done[mq.DELIVERED if told[0] == DELIVERED else mq.FAILED].append((guid, told[1]))
         entries = whole
-        if delivered:
-            emptied = await self.store.write(lambda c: sq.apply_delivered_recipients(c, primary, delivered, now))
-            log.debug("%d recipient(s) of shadows of %s delivered by it", len(delivered), primary)
-            entries += [(g, None) for g in emptied if g not in {e[0] for e in entries}]
+        if done[mq.DELIVERED] or done[mq.FAILED]:
+            def apply(c):
+                return [g for status, pairs in done.items() if pairs
+                        for g in sq.apply_delivered_recipients(c, primary, pairs, now, status)]
+            emptied = await self.store.write(apply)
+            log.debug("%d recipient(s) of shadows of %s delivered by it, %d failed by it",
+                      len(done[mq.DELIVERED]), primary, len(done[mq.FAILED]))
+            entries += [(g, None) for g in dict.fromkeys(emptied) if g not in {e[0] for e in entries}]
         if not entries:
             return 0
         reasons = {g: r for g, r in entries}

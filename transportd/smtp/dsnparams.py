@@ -106,6 +106,12 @@ def wants(params: str, kind: str) -> bool:
     return kind in notify.split(",")
 
 
+def xtext_encode(text: str) -> str:
+    """RFC 3461 4's xtext of ``text``'s UTF-8: '+XX' for '+', '=' and every octet outside '!'..'~'."""
+    return "".join(chr(b) if 0x21 <= b <= 0x7E and b not in (0x2B, 0x3D) else f"+{b:02X}"
+                   for b in text.encode("utf-8", "surrogateescape"))
+
+
 def xtext_decode(text: str, utf8: bool = False) -> str:
     """RFC 3461 4's xtext decoded: '+XX' is the octet XX (octets read as UTF-8, an undecodable one
     as U+FFFD); with ``utf8`` (RFC 6533's utf-8-addr-xtext, ORCPT's ``utf-8`` type) a ``\\x{HEX}``
