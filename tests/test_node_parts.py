@@ -389,6 +389,52 @@ async def test_a_hop_by_hop_session_that_reaches_a_primary_ends_its_down_time(tm
         store.close()
 
 
+def test_a_failed_recipient_is_told_to_the_shadows_once_its_dsn_is_out(tmp_path):
+    """A recipient the primary failed is told per recipient (``Failed=``) only once no DSN of its
+    message is queued (until then the shadows protect the DSN: a promotion makes it again); the
+    DSN's end tells them. Handed only to a shadow that asked for ``Failed=`` entries too; on the
+    shadow the recipient becomes Failed (not Delivered) and a copy left with nothing is returned."""
+    from transportd.queue import shadows as sq
+    from transportd.redundancy import protocol
+
+    assert mq.RECIPIENT_FAILED == protocol.FAILED and mq.RECIPIENT_DELIVERED == protocol.DELIVERED
+    hop = NextHop("smarthost:127.0.0.1:25", SMART_HOST, "127.0.0.1:25")
+    primary = QueueStore.open(tmp_path / "primary.db")
+    try:
+        mid = primary.transaction(lambda c: mq.enqueue(c, _message(hop, ["a@x.test", "b@x.test"], 1)))
+        primary.transaction(lambda c: sq.record_shadow(c, mid, "shadow.t", "g-1", time.time()))
+        dsn = _message(hop, ["bob@remote.test"], 2)
+        dsn.dsn_of, dsn.sender, dsn.origin = mid, "", "dsn"
+        dsn_id = primary.transaction(lambda c: mq.enqueue(c, dsn))
+        assert primary.transaction(lambda c: mq.tell_shadows_failed(c, mid, time.time(), ["a@x.test"])) == 0
+        primary.transaction(lambda c: c.exec_driver_sql(
+            "UPDATE recipients SET status = 'Failed' WHERE message_id = ? AND address = 'a@x.test'", (mid,)))
+        primary.transaction(lambda c: c.exec_driver_sql(
+            "UPDATE recipients SET status = 'Delivered' WHERE message_id = ?", (dsn_id,)))
+        assert primary.transaction(lambda c: mq.finish_if_done(c, dsn_id, time.time(), 0))  # the DSN is out
+        reason = protocol.failed_reason("a@x.test")
+        assert primary.transaction(lambda c: sq.take_discard_events(c, "shadow.t", 10, "t1", True)) == []
+        assert primary.transaction(lambda c: sq.take_discard_events(c, "shadow.t", 10, "t2", True, True)) == [
+            ("g-1", reason)]
+    finally:
+        primary.close()
+
+    shadow = QueueStore.open(tmp_path / "shadow.db")
+    try:
+        msg = _message(hop, ["a@x.test", "b@x.test"], 3)
+        msg.role, msg.redundancy, msg.shadow_guid, msg.primary_node = "shadow", "shadow", "g-1", "primary.t"
+        copy = shadow.transaction(lambda c: mq.enqueue(c, msg))
+        assert shadow.transaction(lambda c: sq.apply_delivered_recipients(
+            c, "primary.t", [("g-1", "a@x.test")], time.time(), mq.FAILED)) == []
+        statuses = dict(shadow.read(lambda c: c.exec_driver_sql(
+            "SELECT address, status FROM recipients WHERE message_id = ?", (copy,)).fetchall()))
+        assert statuses == {"a@x.test": mq.FAILED, "b@x.test": mq.READY}
+        assert shadow.transaction(lambda c: sq.apply_delivered_recipients(
+            c, "primary.t", [("g-1", "b@x.test")], time.time())) == ["g-1"]
+    finally:
+        shadow.close()
+
+
 def test_per_recipient_discards_are_handed_only_to_a_shadow_that_asks(tmp_path):
     """The primary's per-recipient events go to a shadow that asked (``XQDISCARD n RCPT``), never
     to one that did not (an older node, a 2010 peer: its discards go on as before); on the shadow

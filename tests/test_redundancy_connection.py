@@ -197,6 +197,30 @@ def test_per_recipient_discards_only_where_asked() -> None:
     assert one(s, "XQDISCARD 10 FOO") == Refusal(R501)
 
 
+def test_failed_recipient_discards_only_where_asked() -> None:
+    """``XQDISCARD n RCPT FAILED`` (asked only of a primary that offers XQDISCARDFAILED too):
+    ``Failed=`` entries read; a shadow that asked ``RCPT`` alone (an older node) takes such an
+    entry as a contract violation, so a primary never hands it one."""
+    from transportd.redundancy.protocol import failed_reason, recipient_done
+    reason = failed_reason("perm x+y@example.test")
+    c = identified_client()
+    assert c.send_discard(2, recipients=True, failed=True) == b"XQDISCARD 2 RCPT FAILED\r\n"
+    assert c.receive_data(f"250-{G1} {reason}\r\n250 {G2}\r\n".encode()) == [
+        DiscardBatch(((G1, reason), (G2, None)), complete=False)]
+    assert recipient_done(reason) == ("Failed=", "perm x+y@example.test")
+    c = identified_client()
+    c.send_discard(2, recipients=True)
+    with pytest.raises(ProtocolError):
+        c.receive_data(f"250 {G1} {reason}\r\n".encode())
+    with pytest.raises(ProtocolError):
+        identified_client().send_discard(2, failed=True)  # Failed= only with the per-recipient entries
+    s = server()
+    assert isinstance(one(s, XSHADOW), XShadowReceived)
+    assert one(s, "XQDISCARD 10 rcpt failed") == DiscardRequested(PRIMARY, 10, recipients=True, failed=True)
+    assert one(s, "XQDISCARD 10 RCPT") == DiscardRequested(PRIMARY, 10, recipients=True, failed=False)
+    assert one(s, "XQDISCARD 10 FAILED") == Refusal(R501)
+
+
 @pytest.mark.parametrize("reply", [
     f"250-{G1}\r\n250 not-a-guid\r\n".encode(),
     f"250 {G1} Eaten\r\n".encode(),  # an unknown reason
