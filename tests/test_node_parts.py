@@ -275,7 +275,8 @@ def _accept_parts(tmp_path, **shadow_redundancy):
     cfg = load_dict({"node": {"name": "unit.transportd.test", "data_dir": str(tmp_path)},
                      "frontend": {"listen": "127.0.0.1:2525"}, "transport": {"listen": "127.0.0.1:2526"},
                      "cluster": {"secret": "s3cret-for-the-test"},
-                     "peers": [{"name": p, "site": "site-b", "transport": "127.0.0.1:9"} for p in ("peer2.t", "peer3.t")],
+                     "peers": [{"name": p, "site": "site-b", "transport": f"127.0.0.1:{port}"}
+                               for p, port in (("peer2.t", 9), ("peer3.t", 10))],
                      "routing": {"accepted_domains": ["example.test"], "smart_host": "127.0.0.1:9"},
                      "shadow_redundancy": {"shadow_redundancy_enabled": True, **shadow_redundancy}})
     envelope = Envelope()

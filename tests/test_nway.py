@@ -515,7 +515,7 @@ async def test_a_peer_still_to_adopt_gets_no_new_shadow_of_the_message(tmp_path)
                      "frontend": {"listen": "127.0.0.1:2525"}, "transport": {"listen": "127.0.0.1:2526"},
                      "shadow_redundancy": {"shadow_copies": 2},
                      "peers": [{"name": "n1", "site": "site-a", "transport": "127.0.0.1:9"},
-                               {"name": "n2", "site": "site-a", "transport": "127.0.0.1:9"}]})
+                               {"name": "n2", "site": "site-a", "transport": "127.0.0.1:10"}]})
     store = QueueStore.open(tmp_path / "n3.db")
     store.start_writer()
     try:
