@@ -1204,8 +1204,9 @@ def test_a_clean_stop_lets_a_transaction_whose_data_went_out_finish(make_node, s
 
 def test_a_stop_whose_grace_runs_out_leaves_the_message_for_retry(make_node, scripted_hop):
     """delivery.stop_grace_time bounds the wait: past it the transaction is cut (closed, no QUIT
-    into it, the late 250 never read) and its message left Active, sent again after the restart
-    (the next hop may then hold it twice, as after a crash)."""
+    into it, the late 250 never read) and its recipient made Ready by the stop (it showed Active on
+    the stopped node, and the next start called it a crash's), sent again after the restart (the
+    next hop may then hold it twice, as after a crash)."""
     hop = scripted_hop(late_reply_to_the_first_dot)
     node = make_node(smart_host=hop.address, overrides={"delivery": {"stop_grace_time": 1}}).start()
     queued_id(swaks(node.port, "--to", "carol@foreign.test", "--from", "bob@example.test"))
@@ -1213,12 +1214,14 @@ def test_a_stop_whose_grace_runs_out_leaves_the_message_for_retry(make_node, scr
     stopped = time.monotonic()
     assert node.stop() == 0
     assert time.monotonic() - stopped < 3.5
-    assert recipient_states(node) == {"carol@foreign.test": "Active"}  # Ready again at the next start
+    assert recipient_states(node) == {"carol@foreign.test": "Ready"}
+    assert "1 recipient(s) whose delivery the stop cut are Ready again" in node.log()
     assert "QUIT" not in hop.sessions[0]
     node.start()
     wait_for(lambda: recipient_states(node) == {"carol@foreign.test": "Delivered"}, timeout=15,
              what="the delivery after the restart")
     assert len(hop.messages) == 2
+    assert "crash recovery" not in node.log()
 
 
 def test_recipients_a_next_hop_took_before_its_session_broke_are_not_sent_again(make_node, scripted_hop):

@@ -737,9 +737,25 @@ def test_a_data_dir_that_is_a_file_stops_the_start_naming_the_key(make_node) -> 
     assert f"cannot start: node.data_dir: {node.data_dir} is not a folder" in node.log(), node.log()
 
 
-def test_a_listen_address_that_does_not_resolve_stops_the_start_naming_the_key(make_node) -> None:
-    """It said "[Errno -2] ..." or "Unknown error -2" (a resolver error taken for an OS error)."""
+def test_a_listen_address_that_is_no_address_stops_the_start_naming_the_key(make_node) -> None:
+    """It said "[Errno -2] ..." or "Unknown error -2" (a resolver error taken for an OS error); then
+    it was refused only once the start had made the data dir and a new queue database. Now the
+    configuration is refused (exit 2) before anything is made."""
     node = make_node(overrides={"transport": {"listen": "999.1.1.1:2526"}})
     node.start(wait=False)
+    assert node.proc is not None and node.proc.wait(timeout=30) == 2
+    assert "transport.listen: 999.1.1.1 is not an IPv4 address" in node.log(), node.log()
+    assert not (node.data_dir / "queue.db").exists()
+
+
+def test_a_tracking_log_path_that_is_a_file_stops_the_start_naming_the_key(make_node) -> None:
+    """It said only "[Errno 17] File exists", after the queue database had been made."""
+    node = make_node()
+    target = node.data_dir.parent / "afile"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("not a folder")
+    node = make_node(overrides={"tracking": {"message_tracking_log_path": str(target)}})
+    node.start(wait=False)
     assert node.proc is not None and node.proc.wait(timeout=30) == 1
-    assert "cannot start: transport.listen 999.1.1.1:2526: cannot listen: no such address" in node.log(), node.log()
+    assert f"cannot start: tracking.message_tracking_log_path: {target} is not a folder" in node.log(), node.log()
+    assert not (node.data_dir / "queue.db").exists()

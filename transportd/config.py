@@ -120,6 +120,11 @@ def parse_hostport(value: Any, default_port: int | None = None) -> tuple[str, in
     if not m:
         raise ValueError(f"expected 'host:port', got {value!r}")
     host = m.group(1) or m.group(3)
+    if re.fullmatch(r"[0-9.]+", host):  # no host name is all digits (RFC 3696 2): an IPv4 address
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ValueError(f"{host} is not an IPv4 address") from None
     port_text = m.group(2) or m.group(4)
     if port_text is None:
         if default_port is None:

@@ -88,8 +88,15 @@ class Node:
         cfg = self.cfg
         if cfg.data_dir.exists() and not cfg.data_dir.is_dir():
             raise OSError(f"node.data_dir: {cfg.data_dir} is not a folder")
-        cfg.data_dir.mkdir(parents=True, exist_ok=True)
-        self._data_lock = datalock.take(cfg.data_dir)  # one node per data dir (DataDirInUse: an OSError)
+        if cfg.tracking.message_tracking_log_enabled and cfg.tracking_dir.exists() and not cfg.tracking_dir.is_dir():
+            raise OSError(f"tracking.message_tracking_log_path: {cfg.tracking_dir} is not a folder")
+        try:
+            cfg.data_dir.mkdir(parents=True, exist_ok=True)
+            self._data_lock = datalock.take(cfg.data_dir)  # one node per data dir (DataDirInUse: an OSError)
+        except datalock.DataDirInUse:
+            raise
+        except OSError as exc:  # a read-only mount, no permission: the key, the folder and the reason
+            raise OSError(f"node.data_dir {cfg.data_dir}: {exc.strerror or exc}") from None
         self.events.handling, crashed_in = HandlingMark.open(cfg.data_dir)
         self.store = store = QueueStore.open(cfg.db_path, create=True, repair=True, node_name=cfg.node.name)
         store.start_writer()
@@ -112,10 +119,15 @@ class Node:
         await self._move_legacy_delivered_to(store)
         if cfg.tracking.message_tracking_log_enabled:
             host, _, _ = cfg.frontend.listen[0].rpartition(":")
-            self.events.tracking = TrackingLog(
-                cfg.tracking_dir, cfg.node.name, server_ip=address_of(host.strip("[]")),
-                max_file_size=cfg.tracking.message_tracking_log_max_file_size, software_version=__version__,
-                fields=tracking_fields(cfg), subject_logging=cfg.tracking.message_tracking_log_subject_logging_enabled)
+            try:
+                self.events.tracking = TrackingLog(
+                    cfg.tracking_dir, cfg.node.name, server_ip=address_of(host.strip("[]")),
+                    max_file_size=cfg.tracking.message_tracking_log_max_file_size, software_version=__version__,
+                    fields=tracking_fields(cfg),
+                    subject_logging=cfg.tracking.message_tracking_log_subject_logging_enabled)
+            except OSError as exc:  # the path is a file, or cannot be made
+                raise OSError(f"tracking.message_tracking_log_path {cfg.tracking_dir}: "
+                              f"{exc.strerror or exc}") from None
         steps = dict(crashed_in)
         for row in poisoned:
             self.metrics.internal_failures.labels("crash").inc()
@@ -235,7 +247,9 @@ class Node:
         self.metrics.close()
         if self.store is not None:
             try:  # no crash: the next start counts nothing against the messages (node/handling.py)
-                await self.store.write(mq.mark_clean_stop)
+                cut = await self.store.write(mq.mark_clean_stop)
+                if cut:
+                    log.info("%d recipient(s) whose delivery the stop cut are Ready again", cut)
             except Exception as exc:  # noqa: BLE001 - the handling mark is empty: the next start counts none
                 log.error("cannot mark the clean stop: %s", exc)
             self.store.close()

@@ -292,8 +292,13 @@ def remember_config_path(conn: Connection, path: str) -> None:
     conn.execute(meta.insert().values(key="config_path", value=path))
 
 
-def mark_clean_stop(conn: Connection) -> None:
+def mark_clean_stop(conn: Connection) -> int:
+    """The stop was clean (the next start counts no crash). Recipients whose delivery the stop
+    cut (its grace ran out) are Ready again now, not at the next start: the stopped node's queue
+    shows them waiting, not in a delivery. Returns how many."""
     conn.execute(meta.insert().values(key=CLEAN_STOP, value="1"))
+    return conn.execute(update(recipients).where(recipients.c.status == ACTIVE)
+                        .values(status=READY, next_retry_at=0.0)).rowcount
 
 
 def recover_at_start(conn: Connection, poison_threshold: int | None,
