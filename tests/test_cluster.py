@@ -58,7 +58,7 @@ from clusters import (
     write_node_config,
 )
 from conftest import free_port, queued_id, swaks, wait_for, wait_port
-from helpers import run_cli
+from helpers import assert_one_error_line, run_cli
 
 # ------------------------------------------------------------------------------ 1. shadow before the 250
 
@@ -660,3 +660,68 @@ def test_cluster_up_stops_with_exit_1_when_no_node_could_start(procs, tmp_path):
     assert "Traceback" not in output, output[-5000:]
     assert output.count(f":{fport}: cannot listen: Address already in use") == 3, output[-5000:]
     assert "cannot start: frontend.listen 127.0.0." in output, output[-5000:]
+
+
+def test_cluster_up_on_a_running_clusters_folder_is_refused_and_status_follows_the_data_dir_lock(procs, tmp_path):
+    """A second ``cluster up`` on the folder of a running cluster (whole or in part) stops with
+    one line naming the running nodes and their pids, before writing anything: it rewrote the
+    configs the running nodes were started with (a --set of the first run undone) and
+    cluster.json with the pids of new nodes that exited at once, so ``cluster status`` showed
+    every serving node dead. ``cluster status`` shows a node restarted by hand (``serve``) alive,
+    with its pid: a node runs where its data dir's lock is held, whoever started it."""
+    base = random.randint(20, 200)
+    data = tmp_path / "cl"
+    fport, tport, sport = free_port(), free_port(), free_port()
+    args = ["--data-dir", str(data), "--ip-base", str(base), "--frontend-port", str(fport),
+            "--transport-port", str(tport), "--sink", f"127.0.0.{base + 3}:{sport}"]
+    with open(tmp_path / "cluster.out", "wb") as out:
+        proc = procs.add(subprocess.Popen(
+            [sys.executable, "-m", "transportd", "cluster", "up", *args,
+             "--set", "shadow_redundancy.shadow_resubmit_time_span=30s"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+
+    def output() -> str:
+        return (tmp_path / "cluster.out").read_text(errors="replace")
+
+    try:
+        doc = wait_for(lambda: (data / "cluster.json").exists() and json.loads((data / "cluster.json").read_text()),
+                       timeout=15, what="cluster.json")
+        for n in doc["nodes"]:
+            host, _, port = n["frontend"].rpartition(":")
+            wait_port(host, int(port), proc=proc)
+    except BaseException:
+        sys.stderr.write(output()[-20000:])
+        raise
+    pids = {n["short"]: n["pid"] for n in doc["nodes"]}
+    written = {p.name: p.read_text() for p in data.iterdir() if p.is_file()}
+    assert 'shadow_resubmit_time_span = "30s"' in written["node1.toml"]
+
+    def refused(*needles: str) -> str:
+        for again in (["cluster", "up", *args], ["cluster", "config", "--out", str(data), *args[2:]]):
+            line = assert_one_error_line(run_cli(*again), 1, f"a cluster runs in {data}", *needles)
+            assert {p.name: p.read_text() for p in data.iterdir() if p.is_file()} == written, again
+        return line
+
+    refused(*(f"{short} (pid {pid})" for short, pid in pids.items()))
+    assert all(r["alive"] for r in json_lines(run_cli("cluster", "status", "-d", str(data), "--json").stdout))
+
+    # Partly running: node1 killed; still refused (it started node1 alone and went on degraded).
+    os.kill(pids["node1"], signal.SIGKILL)
+    wait_for(lambda: "[cluster] node1 exited with code -9" in output(), timeout=10, what="the cluster to notice")
+    line = refused(f"node2 (pid {pids['node2']})", f"node3 (pid {pids['node3']})")
+    assert "node1" not in line, line
+
+    # node1 started again by hand on its config: alive, with the pid of the process that serves.
+    by_hand = procs.add(subprocess.Popen([sys.executable, "-m", "transportd", "serve", "--config",
+                                          str(data / "node1.toml")],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    wait_port(doc["nodes"][0]["frontend"].rpartition(":")[0], fport, proc=by_hand)
+    rows = json_lines(run_cli("cluster", "status", "-d", str(data), "--json").stdout)
+    assert [(r["alive"], r["pid"]) for r in rows] == [(True, by_hand.pid), (True, pids["node2"]),
+                                                     (True, pids["node3"])], rows
+    refused(f"node1 (pid {by_hand.pid})")
+    by_hand.send_signal(signal.SIGTERM)
+    assert by_hand.wait(timeout=30) == 0
+    rows = json_lines(run_cli("cluster", "status", "-d", str(data), "--json").stdout)
+    assert [(r["alive"], r["pid"]) for r in rows] == [(False, None), (True, pids["node2"]),
+                                                     (True, pids["node3"])], rows

@@ -57,7 +57,15 @@ def _cluster_options(fn: Callable) -> Callable:
 
 def _generate(directory: Path, nodes: int, sites: int, ip_base: int, frontend_port: int, transport_port: int,
               sink_address: str, overrides: tuple[str, ...], versions: str | None, secret: str | None = None):
-    from transportd.devtools.cluster import generate, parse_overrides
+    from transportd.devtools.cluster import generate, parse_overrides, running_nodes
+    # Before anything is written: the running nodes read these configs at start, and a second
+    # set of node processes would only find their data dirs taken (and cluster.json would name
+    # them, not the nodes that serve).
+    running = running_nodes(directory.resolve(), nodes)
+    if running:
+        raise CliError(f"a cluster runs in {directory}: "
+                       + ", ".join(f"{short} (pid {pid or 'unknown'})" for short, pid in running)
+                       + "; stop it first (Ctrl-C or SIGTERM to its 'cluster up') or use another folder")
     if sites > nodes:
         raise click.BadParameter(f"{sites} sites need at least {sites} nodes", param_hint="--sites")
     per_node = [v.strip() for v in versions.split(",")] if versions else None
@@ -143,7 +151,8 @@ def cluster_status(data_dir: str | None, as_json: bool) -> None:
     """Each node alive or not, with its queue and shadow counts."""
     import socket as socket_mod
 
-    from transportd.devtools.cluster import load_cluster_json, pid_alive
+    from transportd.devtools.cluster import load_cluster_json
+    from transportd.node import datalock
     try:
         doc = load_cluster_json(_cluster_dir(data_dir))
     except FileNotFoundError as exc:
@@ -159,6 +168,9 @@ def cluster_status(data_dir: str | None, as_json: bool) -> None:
             pass
         queued = shadows = None
         cfg = load_config(n["config"], None)
+        # The node that holds its data dir's lock, whoever started it (cluster up, or serve by
+        # hand after a crash): cluster.json's pid is only the one cluster up started.
+        pid = datalock.holder(cfg.data_dir)
         if cfg.db_path.exists():
             try:
                 queued = sum(q["message_count"] for q in queue_rows(cfg))
@@ -166,7 +178,7 @@ def cluster_status(data_dir: str | None, as_json: bool) -> None:
             except CliError:
                 pass
         rows.append({"name": n["name"], "site": n["site"], "frontend": n["frontend"], "transport": n["transport"],
-                     "pid": n.get("pid"), "alive": pid_alive(n.get("pid")) and listening,
+                     "pid": pid or None, "alive": pid is not None and listening,
                      "queued": queued, "shadows": shadows})
     if as_json:
         emit_json(rows)

@@ -246,13 +246,22 @@ def load_cluster_json(directory: Path) -> dict:
         raise FileNotFoundError(f"no cluster.json in {directory} (start one with 'transportd cluster up')") from None
 
 
-def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
+def running_nodes(directory: Path, nodes: int) -> list[tuple[str, int]]:
+    """The nodes of the cluster in ``directory`` that run now, as (short name, pid; 0 when its pid
+    cannot be read): a node runs there when it holds its data dir's lock (``datalock.holder``), so a
+    node restarted by hand counts, and a pid in cluster.json that the system gave to another
+    process does not. Looks at node1..node``nodes`` and at every node cluster.json names."""
+    from transportd.node import datalock
+    data_dirs = {f"node{i + 1}": directory / f"node{i + 1}" for i in range(nodes)}
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        for n in json.loads((directory / "cluster.json").read_text()).get("nodes", []):
+            data_dirs.setdefault(n["short"], Path(n["data_dir"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass  # no cluster.json (or not one of ours): the generated data dirs are all there is
+    running = []
+    for short, data_dir in data_dirs.items():
+        pid = datalock.holder(data_dir)
+        if pid is not None:
+            running.append((short, pid))
+    return running
+
