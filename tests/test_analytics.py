@@ -402,6 +402,24 @@ def test_cli_generate_writes_logs_and_truth_and_bad_input_exits_2(tmp_path):
     assert res.returncode == 2 and "deaths" in res.stderr
 
 
+def test_cli_a_local_out_that_cannot_be_a_folder_is_one_line_and_exit_2_before_spark_starts(tmp_path):
+    """A local --out that is a file, under a file, or cannot be made: Spark said so only when it
+    wrote, after the work, with 113 to 458 lines of Python and Java traceback (exit 1). Now one line
+    naming it, exit 2, before Spark starts (nothing else on stderr: not one line of Spark's)."""
+    from helpers import assert_one_error_line
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "MSGTRK2026112910-1.LOG").write_text("#Software: Microsoft Exchange Server\n")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for out, needle in ((a_file, f"--out {a_file}: {a_file} is not a folder"),
+                        (a_file / "sub", f"--out {a_file / 'sub'}: {a_file} is not a folder"),
+                        ("/proc/nope", "--out /proc/nope: cannot make or write the folder: No such file or directory"),
+                        ("file:///proc/nope", "--out file:///proc/nope: cannot make or write the folder")):
+        assert_one_error_line(run_cli("analyze", "run", str(logs), "--out", str(out)), 2, needle)
+    assert a_file.read_text() == "x"
+
+
 # ------------------------------------------------------------------------------ 5
 
 

@@ -192,6 +192,28 @@ def check_local_paths(paths: Sequence[str]) -> None:
             raise AnalyzeError(f"no such file or folder: {path}")
 
 
+def check_local_out(out: str) -> None:
+    """Fail fast, before any Spark job, on a local ``--out`` that cannot be a folder Spark writes
+    in (a file there, a file on its way, a folder that cannot be made or written): Spark says so
+    only when it writes, after the work, with a Java traceback. The folder is made here (Spark
+    would make it); hdfs://, s3a://... are left to Spark."""
+    import tempfile
+    from pathlib import Path
+
+    if "://" in out and not out.startswith("file://"):
+        return
+    local = Path(out.removeprefix("file://")).absolute()
+    there = next(p for p in (local, *local.parents) if os.path.lexists(p))  # "/" at least
+    if not there.is_dir():
+        raise AnalyzeError(f"--out {out}: {there} is not a folder")
+    try:
+        local.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=local):  # writable, by this user, on this file system
+            pass
+    except OSError as exc:
+        raise AnalyzeError(f"--out {out}: cannot make or write the folder: {exc.strerror or exc}") from None
+
+
 def read_events(spark: Any, paths: Sequence[str], name_filter: str = DEFAULT_NAME_FILTER,
                 recursive: bool = False):
     """Every row of the files the paths name, typed (``reader.normalize``); lazy."""
@@ -1312,6 +1334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_local_paths(args.paths)
+        check_local_out(args.out)
     except AnalyzeError as exc:
         print(f"transportd analyze: error: {exc}", file=sys.stderr)
         return 2

@@ -69,6 +69,7 @@ def analyze_run(paths: tuple[str, ...], out: str, master: str | None, recursive:
         raise click.BadParameter("must be positive", param_hint="--grace/--episode-gap")
     try:
         job.check_local_paths(paths)
+        job.check_local_out(out)
     except job.AnalyzeError as exc:
         raise ConfigCliError(str(exc)) from None
     spark = job.spark_session(master, conf=conf)
