@@ -24,6 +24,8 @@ CASES = {
     "chaos-ip-base": (["chaos", "--ip-base", "255"], "--ip-base"),
     "chaos-2010-shadow-copies": (["chaos", "--versions", "2010,2013,2013", "--shadow-copies", "2"],
                                  "Exchange 2010 nodes keep one shadow"),
+    "filter-empty-subject": (["message", "list", "--data-dir", "/nonexistent", "--filter", "subject="],
+                             "--filter 'subject=': empty subject pattern"),
     "tracking-bad-date": (["tracking", "search", "--data-dir", "/nonexistent", "--start", "yesterday-ish"],
                           "--start"),
 }

@@ -321,3 +321,13 @@ def test_bad_filter_terms_name_the_term(text, needle):
     with pytest.raises(FilterError) as err:
         parse_term(text)
     assert needle in str(err.value) and repr(text) in str(err.value)
+
+
+@pytest.mark.parametrize("text", ["sender=", "from=", "subject=", "recipient=", "to=", "queue="])
+def test_an_empty_pattern_hints_at_the_null_sender_only_for_the_sender(text):
+    """The hint was given for every field: ``subject=`` said "sender=<> is the null sender"."""
+    with pytest.raises(FilterError) as err:
+        parse_term(text)
+    field = {"from": "sender", "to": "recipient"}.get(text[:-1], text[:-1])
+    assert f"empty {field} pattern" in str(err.value)
+    assert ("sender=<> is the null sender" in str(err.value)) == (field == "sender"), str(err.value)

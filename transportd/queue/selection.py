@@ -111,7 +111,8 @@ def parse_term(text: str) -> Term:
                               f"(states: Ready, Retry, Active, Suspended, Poison, SafetyNet, Removed)")
         return Term(name, op, state, text.strip())
     if raw == "":
-        raise FilterError(f"--filter {text!r}: empty {name} pattern (sender=<> is the null sender)")
+        hint = " (sender=<> is the null sender)" if name == "sender" else ""
+        raise FilterError(f"--filter {text!r}: empty {name} pattern{hint}")
     return Term(name, op, raw, text.strip())
 
 
