@@ -568,27 +568,38 @@ def test_compose_services_run_as_their_command_lines_and_deliver_mail(topology):
 
 
 def test_health_fails_for_a_listener_that_does_not_greet(tmp_path):
-    """The healthcheck command must be able to fail: nothing listening, or not an SMTP greeting."""
+    """The healthcheck command must be able to fail: nothing listening, not an SMTP greeting, a
+    421 (said as text: it was a Python bytes repr, b'421 4.3.2 ...\\r\\n'), or a close."""
     from conftest import free_port
     closed = free_port()
-    silent = socket.create_server(("127.0.0.1", 0))
-    silent_port = silent.getsockname()[1]
+    answers = {b"HTTP/1.0 400 Bad Request\r\n\r\n": "answered HTTP/1.0 400 Bad Request",
+               b"421 4.3.2 Too many connections, try again later\r\n":
+                   "answered 421 4.3.2 Too many connections, try again later",
+               b"": "closed the connection without a greeting"}
+    servers, ports = {}, {}
+    for answer in answers:
+        server = socket.create_server(("127.0.0.1", 0))
+        servers[answer], ports[answer] = server, server.getsockname()[1]
 
-    def talk() -> None:
-        conn, _ = silent.accept()
-        conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
-        conn.close()
-    threading.Thread(target=talk, daemon=True).start()
+        def talk(server: socket.socket = server, answer: bytes = answer) -> None:
+            conn, _ = server.accept()
+            conn.sendall(answer)
+            conn.close()
+        threading.Thread(target=talk, daemon=True).start()
     try:
         res = subprocess.run([sys.executable, "-m", "transportd", "health", "--timeout", "3",
-                              "--server", f"127.0.0.1:{closed}", "--server", f"127.0.0.1:{silent_port}"],
+                              "--server", f"127.0.0.1:{closed}",
+                              *(a for p in ports.values() for a in ("--server", f"127.0.0.1:{p}"))],
                              capture_output=True, text=True, timeout=60, check=False,
                              env={**os.environ, "PYTHONPATH": str(REPO)})
     finally:
-        silent.close()
+        for server in servers.values():
+            server.close()
     assert res.returncode == 1
     assert f"127.0.0.1:{closed}: Connection refused" in res.stderr
-    assert f"127.0.0.1:{silent_port}: answered b'HTTP/1.0" in res.stderr
+    for answer, said in answers.items():
+        assert f"127.0.0.1:{ports[answer]}: {said}\n" in res.stderr, res.stderr
+    assert "b'" not in res.stderr and "\\r" not in res.stderr, res.stderr
     # A --server that is no address is bad input (exit 2), not an unhealthy listener; nothing is tried.
     res = subprocess.run([sys.executable, "-m", "transportd", "health", "--server", "nonsense"],
                          capture_output=True, text=True, timeout=60, check=False, env={**os.environ, "PYTHONPATH": str(REPO)})

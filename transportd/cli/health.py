@@ -37,7 +37,14 @@ def smtp_greets(address: str, timeout: float, implicit_tls: bool = False) -> str
         return str(exc)
     except OSError as exc:
         return exc.strerror or str(exc) or exc.__class__.__name__
-    return None if greeting.startswith(b"220") else f"answered {greeting[:60]!r}"
+    if greeting.startswith(b"220"):
+        return None
+    if not greeting:
+        return "closed the connection without a greeting"
+    # The first line as text (a 421 says why: too many connections, shutting down); bytes that
+    # would disturb a terminal or a log line become '?'.
+    line = greeting.decode("utf-8", "replace").splitlines()[0][:200]
+    return "answered " + "".join(c if c.isprintable() else "?" for c in line)
 
 
 @click.command("health")
