@@ -18,6 +18,11 @@ CASES = {
     "bad-log-format": (["serve", "--config", "x.toml", "--log-format", "xml"], "'xml' is not one of"),
     "cluster-nodes-range": (["cluster", "config", "--out", "/nonexistent/x", "--nodes", "0"], "--nodes"),
     "cluster-bad-set": (["cluster", "config", "--out", "/nonexistent/x", "--set", "novalue"], "--set"),
+    # a --set that made the generated TOML invalid: "Cannot overwrite a value (at line 36, column 8)"
+    "cluster-set-peers": (["cluster", "up", "--data-dir", "/nonexistent/x", "--set", "peers.name=x"],
+                          "--set 'peers.name=x': the [[peers]] are generated"),
+    "cluster-set-dotted-key": (["cluster", "up", "--data-dir", "/nonexistent/x", "--set", "node.name.x=1"],
+                               "--set 'node.name.x=1'"),
     "sink-bad-listen": (["sink", "--listen", "nonsense"], "--listen"),
     "chaos-negative": (["chaos", "--messages", "-5"], "--messages"),
     "chaos-bad-seed": (["chaos", "--seed", "abc"], "--seed"),

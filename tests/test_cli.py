@@ -778,6 +778,13 @@ def test_cluster_config_with_a_bad_set_writes_nothing(tmp_path):
     assert {p.name: p.read_text() for p in existing.iterdir()} == before
 
 
+def test_cluster_config_with_a_toml_date_in_a_set_names_the_key(tmp_path):
+    """A --set value TOML reads as a date (no config key takes one) was a TypeError traceback
+    ("cannot write datetime.date(...) as TOML"); it is a string now, which the key's check judges."""
+    res = invoke("cluster", "config", "--out", str(tmp_path / "c"), "--set", "frontend.max_message_size=1979-05-27")
+    assert res.returncode == 2 and "frontend.max_message_size" in res.stderr and "1979-05-27" in res.stderr, res
+
+
 def test_one_node_per_data_dir_and_the_cli_says_when_none_runs(make_node, sink, tmp_path):
     """A second ``serve`` on a data dir a node runs on stops at once naming the first one's pid
     (two daemons would deliver every message twice); after a kill -9 the next start takes it.

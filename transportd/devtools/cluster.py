@@ -73,17 +73,27 @@ def render_toml(sections: dict[str, dict[str, Any]], peers: list[dict[str, str]]
 
 
 def parse_overrides(items: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """``section.key=value`` (value as TOML: 5, "5s", true) -> nested dict; ValueError when malformed."""
+    """``section.key=value`` (value as TOML: 5, "5s", true) -> nested dict; ValueError naming the
+    item when malformed or when it cannot go in a generated config (it would make the TOML
+    invalid, and the parser's error names a line of a file the user never wrote)."""
+    import re
     import tomllib
     out: dict[str, dict[str, Any]] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        section, dot, name = key.strip().partition(".")
-        if not sep or not dot or not section or not name:
+        section, _, name = key.strip().partition(".")
+        if not sep or not all(re.fullmatch(r"[A-Za-z0-9_-]+", part) for part in (section, name)):
             raise ValueError(f"--set {item!r}: expected section.key=value")
+        if section == "peers":
+            raise ValueError(f"--set {item!r}: the [[peers]] are generated (one per other node); "
+                             "--set takes a key of a section, e.g. shadow_redundancy.shadow_heartbeat_frequency=2")
         try:
             parsed = tomllib.loads(f"v = {value.strip()}")["v"]
         except tomllib.TOMLDecodeError:
+            parsed = value.strip()
+        try:
+            toml_value(parsed)
+        except TypeError:  # a TOML date or time: no config key takes one
             parsed = value.strip()
         out.setdefault(section, {})[name] = parsed
     return out
