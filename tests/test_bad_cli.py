@@ -24,6 +24,9 @@ CASES = {
     "cluster-set-dotted-key": (["cluster", "up", "--data-dir", "/nonexistent/x", "--set", "node.name.x=1"],
                                "--set 'node.name.x=1'"),
     "sink-bad-listen": (["sink", "--listen", "nonsense"], "--listen"),
+    # it said "sink cannot listen on ...: No such file or directory", exit 1: not the address's fault
+    "sink-dir-cannot-be-made": (["sink", "--listen", "127.0.0.1:2790", "--dir", "/proc/nope"],
+                                "--dir /proc/nope: cannot make the Maildir: No such file or directory"),
     "chaos-negative": (["chaos", "--messages", "-5"], "--messages"),
     "chaos-bad-seed": (["chaos", "--seed", "abc"], "--seed"),
     "chaos-ip-base": (["chaos", "--ip-base", "255"], "--ip-base"),

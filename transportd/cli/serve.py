@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from transportd import config as config_mod
-from transportd.cli.common import CliError, load_config, node_location
+from transportd.cli.common import CliError, ConfigCliError, load_config, node_location
 from transportd.queue.admin import recorded_config_path
 
 
@@ -69,7 +69,14 @@ def sink(listen: str, directory: str, smtputf8: bool, eightbitmime: bool) -> Non
         host, port = config_mod.parse_hostport(listen)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--listen") from None
+    maildir = Path(directory).resolve()
+    try:  # before listening: an OSError of run_sink is then the address's, and says so
+        for sub in ("tmp", "new", "cur"):
+            (maildir / sub).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename and Path(exc.filename) != maildir else ""
+        raise ConfigCliError(f"--dir {directory}: cannot make the Maildir: {exc.strerror or exc}{where}") from None
     try:
-        asyncio.run(run_sink(host, port, Path(directory).resolve(), smtputf8=smtputf8, eightbitmime=eightbitmime))
+        asyncio.run(run_sink(host, port, maildir, smtputf8=smtputf8, eightbitmime=eightbitmime))
     except OSError as exc:
         raise CliError(f"sink cannot listen on {listen}: {exc.strerror or exc}") from None
