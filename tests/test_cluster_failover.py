@@ -401,3 +401,44 @@ def test_a_promoted_copy_neither_tries_again_nor_reports_again_a_recipient_the_p
         assert told[perm] == "Failed" and told[ok] == "Delivered" and told[temp] not in ("Failed", "Delivered"), told
     finally:
         hop.controller.stop()
+
+
+def test_a_recipient_delivered_while_the_messages_dsn_waits_is_not_sent_again_by_a_promotion(cluster):
+    """node2 (primary) delivers ok-q1 and fails perm-q2 in one transaction: the message is done, but
+    its DSN (to temp-sender@foreign.test, whom the next hop greylists) is not out, so node1 keeps
+    its shadow to protect the DSN. It also hears that ok-q1 was delivered (``Delivered=``): it
+    heard nothing, and node2's death before the DSN left sent ok-q1 a second copy from node1's
+    promoted copy, for as long as the DSN waited (up to the expiration time). perm-q2 is failed
+    again by the promotion and its DSN made again: the sender gets exactly one."""
+    from clusters import netid_of
+    from conftest import queued_id, read_db, swaks
+
+    hop = PerRecipientNextHop()
+    try:
+        c = cluster(overrides={"routing": {"smart_host": f"127.0.0.1:{hop.port}"}}, nodes=2, sites=1).start()
+        n1, n2 = c["node1"], c["node2"]
+        sender, ok, perm = "temp-sender@foreign.test", "ok-q1@foreign.test", "perm-q2@foreign.test"
+        netid = netid_of(n2, queued_id(swaks(n2.frontend_port, "--from", sender, "--to", f"{ok},{perm}",
+                                             server=n2.host)))
+        wait_for(lambda: [ok] in hop.transactions, timeout=20, what="node2 to deliver ok-q1")
+        wait_for(lambda: hop.rcpts.count(sender) >= 1, timeout=20, what="node2's DSN deferred by the next hop")
+
+        def shadow_recipients() -> dict[str, str]:
+            return dict(read_db(n1.cfg.db_path, "SELECT r.address, r.status FROM recipients r JOIN messages m "
+                                                "ON m.id = r.message_id WHERE m.network_message_id = ?", (netid,)))
+        wait_for(lambda: shadow_recipients().get(ok) == "Delivered", timeout=20,
+                 what="node1 to hear that node2 delivered ok-q1")
+        assert shadow_recipients()[perm] != "Failed"  # the DSN is not out: node1 protects it
+        assert n1.shadow_list()[n2.name]["shadows"] == 1
+
+        assert n2.proc is not None
+        n2.proc.send_signal(signal.SIGKILL)
+        n2.proc.wait(timeout=10)
+        hop.greylisting = False
+        wait_for(lambda: "RESUBMIT" in n1.events(netid), timeout=30, what="node1's promotion of the shadow")
+        wait_for(lambda: [sender] in hop.transactions, timeout=30, what="the DSN, made again by node1, delivered")
+        time.sleep(1.5)  # waiting for absence: a second copy of ok-q1 would have gone by now
+        assert sum(ok in t for t in hop.transactions) == 1, hop.transactions
+        assert hop.transactions.count([sender]) == 1, hop.transactions
+    finally:
+        hop.controller.stop()

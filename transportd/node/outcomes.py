@@ -230,15 +230,19 @@ class OutcomeRecorder:
                     created[mid] = (mq.enqueue(conn, dsns[mid][1]), dsns[mid][1])
                 forks = [f for f in d.forks if f[0] == mid]
                 sq.record_forks(conn, forks, now)
-                if not mq.finish_if_done(conn, mid, now, hold):
-                    # Delivered or failed while others wait: the shadows learn it per recipient,
-                    # so that a promotion of theirs does not deliver these a second time, nor fail
-                    # them again with a second DSN (a failed one once its DSN is out: until then
-                    # they protect the DSN). Those a peer took hop by hop: its fork covers them.
+                finished = mq.finish_if_done(conn, mid, now, hold)
+                if finished != mq.FINISHED:
+                    # Delivered or failed while others wait, or done while a DSN about it is not
+                    # out yet (its shadows stay to protect the DSN, up to the expiration time):
+                    # the shadows learn it per recipient, so that a promotion of theirs does not
+                    # deliver these a second time, nor fail them again with a second DSN (a
+                    # failed one once its DSN is out: until then they protect the DSN; when it
+                    # is out of a finished message, its shadows go). Those a peer took hop by
+                    # hop: its fork covers them.
                     delivered = [] if forks else _delivered_reasons(it, d.outcomes.get(mid, ()))
                     if delivered:
                         sq.record_delivered_recipients(conn, mid, delivered, now)
-                    failed = _failed_addresses(it, d.outcomes.get(mid, ()))
+                    failed = [] if finished else _failed_addresses(it, d.outcomes.get(mid, ()))
                     if failed:
                         mq.tell_shadows_failed(conn, mid, now, failed)
             return created, poisoned

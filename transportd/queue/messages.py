@@ -526,19 +526,25 @@ def queue_attempt_result(conn: Connection, queue_id: int, now: float, *, error: 
     return nxt
 
 
-def finish_if_done(conn: Connection, message_id: int, now: float, safety_net_hold: float) -> bool:
-    """A message with every recipient terminal moves to the Primary Safety Net (or is dropped)."""
+# What ``finish_if_done`` did: nothing (0, false), finished the message and told its shadows to
+# discard it, or finished it while a DSN about it is not out yet (its shadows stay to protect it).
+FINISHED, FINISHED_SHADOWS_KEPT = 1, 2
+
+
+def finish_if_done(conn: Connection, message_id: int, now: float, safety_net_hold: float) -> int:
+    """A message with every recipient terminal moves to the Primary Safety Net (or is dropped);
+    0 when it is not done, else FINISHED or FINISHED_SHADOWS_KEPT."""
     raw = driver(conn)
     row = raw.execute(_DONE_CHECK, (message_id,)).fetchone()
     if row is None:
         raise LookupError(f"message {message_id} is not in the queue database")
     state, dsn_of, pending, forks, dsns_out = row
     if pending:
-        return False
+        return 0
     if forks:
-        return False  # a peer holds a fork as primary: we keep our copy until its discard
+        return 0  # a peer holds a fork as primary: we keep our copy until its discard
     if state != QUEUED:
-        return False
+        return 0
     # The message is processed: one discard event per shadow context (docs/PROTOCOL.md section 4),
     # unless a DSN about it is not out yet: its shadows stay until then (a DSN is protected by
     # them: if this node is lost first, the promoted copy fails again and makes the DSN again).
@@ -552,7 +558,7 @@ def finish_if_done(conn: Connection, message_id: int, now: float, safety_net_hol
         raw.execute(_DELETE_BODY, (message_id,))
     if dsn_of is not None:
         _dsn_out(conn, dsn_of, now)
-    return True
+    return FINISHED_SHADOWS_KEPT if dsns_out else FINISHED
 
 
 def _discard_shadows_of(conn: Connection, message_id: int, now: float) -> None:
