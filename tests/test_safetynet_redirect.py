@@ -522,3 +522,99 @@ def test_a_redirected_message_is_routed_again_when_its_target_dies(tmp_path, pro
     assert held["queues"] == [peer_queue], held
     assert not n1.events("SENDEXTERNAL", dave) and not n1.maildir("dave@example.test")
     assert len(sink_copies(sink, carol)) == 1 and not sink_copies(sink, dave)
+
+
+class PerRecipientNextHop:
+    """The smart host of both nodes (aiosmtpd in a thread of this process). While ``holding``, it
+    defers every recipient (450 4.7.1): the message waits on node1 to be drained. Then it answers
+    by local part: ``ok`` 250, ``bad`` 550, ``grey`` 450 until ``grey_ok``; every other address (a
+    DSN's recipient) 250. It notes each RCPT answered while not holding, and each transaction."""
+
+    def __init__(self) -> None:
+        import socket
+
+        from aiosmtpd.controller import Controller
+
+        self.holding, self.grey_ok = True, False
+        self.rcpts: list[tuple[str, str]] = []  # (address, reply code) while not holding
+        self.transactions: list[tuple[str, list[str], bytes]] = []
+        hop = self
+
+        class Handler:
+            async def handle_RCPT(self, server, session, envelope, address, rcpt_options):
+                local = address.partition("@")[0]
+                if hop.holding:
+                    return "450 4.7.1 Not yet"
+                code = {"bad": "550", "grey": "250" if hop.grey_ok else "450"}.get(local, "250")
+                hop.rcpts.append((address, code))
+                if code == "550":
+                    return "550 5.1.1 No such user"
+                if code == "450":
+                    return "450 4.2.1 Mailbox busy, try again later"
+                envelope.rcpt_tos.append(address)
+                return "250 2.1.5 Ok"
+
+            async def handle_DATA(self, server, session, envelope):
+                hop.transactions.append((envelope.mail_from, list(envelope.rcpt_tos), envelope.content))
+                return "250 2.0.0 queued"
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.address = f"127.0.0.1:{probe.getsockname()[1]}"
+        self.controller = Controller(Handler(), hostname="127.0.0.1", port=int(self.address.rpartition(":")[2]))
+        self.controller.start()
+
+    def copies(self, address: str, null_sender: bool = False) -> list[tuple[str, list[str], bytes]]:
+        return [t for t in self.transactions if address in t[1] and (t[0] == "<>") == null_sender]
+
+
+def test_a_lost_peers_fork_delivers_only_the_recipients_it_had_not_processed(tmp_path, procs):
+    """node1 drains a message for three outside recipients to node2 (hop by hop: node2 primary,
+    node1 keeps the fork as its shadow). node2's next hop takes ``ok``, refuses ``bad`` (an NDR
+    goes out) and defers ``grey``; node2 tells node1 per recipient (Delivered=, Failed=) at its
+    next heartbeats, then dies (kill -9). node1's promotion of the fork routes again only ``grey``:
+    ``ok`` gets no second copy, ``bad`` no second RCPT nor second NDR (docs/PROTOCOL.md section 4)."""
+    import signal
+
+    from conftest import read_db
+
+    hop = PerRecipientNextHop()
+    try:
+        node1, node2 = _start_two_nodes(tmp_path, procs, hop, resubmit_span=3)
+        host, _, port = node1.frontend.rpartition(":")
+        to = ["ok@elsewhere.test", "bad@elsewhere.test", "grey@elsewhere.test"]
+        queued_id(swaks(int(port), "--to", ",".join(to), "--from", "sender@remote.test", server=host))
+        wait_for(lambda: _events(node1.config, event_id="DEFER"), what="a DEFER on node1")
+        _redirect_one(node1.config, node2.name)
+        hop.holding = False
+        netid = wait_for(lambda: _events(node1.config, event_id="SEND"), what="SEND to node2")[0]["network-message-id"]
+
+        ok, bad, grey = to
+        wait_for(lambda: hop.copies(ok) and hop.copies("sender@remote.test", null_sender=True) and (grey, "450") in hop.rcpts, timeout=20,
+            what="node2 to deliver ok, send the NDR for bad and be deferred for grey")
+        # node1 has asked node2 for its discards since (two heartbeats after the NDR: node2 told
+        # Failed= once the NDR was out), and none for node1 is left on node2.
+        seen = time.time() + 0.5
+        db1, db2 = Path(node1.data_dir) / "queue.db", Path(node2.data_dir) / "queue.db"
+        wait_for(lambda: (read_db(db1, "SELECT last_heartbeat_at FROM shadow_contexts WHERE peer = ?",
+                                  (node2.name,)) or [(0,)])[0][0] > seen, timeout=15, what="a heartbeat of node1")
+        wait_for(lambda: read_db(db2, "SELECT count(*) FROM discard_events WHERE shadow_node = ?",
+                                 (node1.name,))[0][0] == 0, timeout=15, what="node1 to take node2's discards")
+
+        proc2 = next(p for p in procs.procs if node2.config in p.args)
+        proc2.send_signal(signal.SIGKILL)
+        proc2.wait()
+        hop.grey_ok = True
+        resub = wait_for(lambda: [e for e in _events(node1.config, event_id="RESUBMIT")
+                                  if e["network-message-id"] == netid], timeout=25,
+                         what="node1 to resubmit its fork after node2's loss")
+        assert [(e["source"], e["source-context"]) for e in resub] == [
+            ("REDUNDANCY", f"{node2.name} (ShadowHeartbeatFailure)")]
+        wait_for(lambda: hop.copies(grey), timeout=20, what="grey delivered by node1")
+        time.sleep(3)  # room for a second copy of ok, a second RCPT of bad, a second NDR
+        assert len(hop.copies(ok)) == 1, hop.transactions
+        assert [r for r in hop.rcpts if r[0] == bad] == [(bad, "550")], hop.rcpts
+        assert len(hop.copies("sender@remote.test", null_sender=True)) == 1, hop.transactions
+        assert len(hop.copies(grey)) == 1, hop.transactions
+    finally:
+        hop.controller.stop()

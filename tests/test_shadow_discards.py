@@ -183,3 +183,58 @@ def test_a_lost_peers_forks_are_routed_again_not_put_back_in_its_queue(tmp_path)
         assert forks == sorted([current, other])
     finally:
         store.close()
+
+
+def test_a_forks_recipients_the_peer_processed_are_not_routed_again(tmp_path):
+    """The holder of a hop-by-hop fork is its peer's shadow: the peer's ``Delivered=`` and
+    ``Failed=`` entries for the fork's GUID mark those recipients (delivered there; failed, its DSN
+    out), so when the peer is lost only the recipient still waiting on it is routed again. Every
+    recipient of a fork the peer processed: the message ends, nothing routed."""
+    from sqlalchemy import select, update
+
+    from transportd.queue.store import messages, queues, recipients
+
+    cfg = load_dict({"node": {"name": "n1.t", "data_dir": str(tmp_path)},
+                     "routing": {"accepted_domains": ["example.test"], "smart_host": "127.0.0.1:2500"},
+                     "cluster": {"secret": "s3cret"}, "transport": {"listen": "127.0.0.1:2526"},
+                     "peers": [{"name": "p1.t", "site": "s", "transport": "127.0.0.2:2526"}]})
+    store = QueueStore.open(tmp_path / "queue.db")
+    store.start_writer()
+    now = time.time()
+
+    def forked(conn, rcpts):
+        mid = mq.enqueue(conn, mq.NewMessage(str(uuid.uuid4()), "a@x.test", b"Subject: s\r\n\r\nb\r\n",
+                                             bifurcate(rcpts, cfg), now, now + 3600))
+        mq.redirect_to_peer(conn, "p1.t", now, message_id=mid)
+        rows = conn.execute(select(recipients.c.id, recipients.c.queue_id).where(recipients.c.message_id == mid)).all()
+        conn.execute(update(recipients).where(recipients.c.message_id == mid).values(status=mq.ACTIVE))
+        mq.record_outcomes(conn, [mq.Outcome(r.id, mq.DELIVERED) for r in rows], now,
+                           retry_interval=1, retry_count=1, long_interval=1)
+        guid = str(uuid.uuid4())
+        sq.record_forks(conn, [(mid, "p1.t", guid, rows[0].queue_id, "db1")], now)
+        return mid, guid
+
+    def where(conn, mid):
+        return sorted(conn.execute(select(recipients.c.address, queues.c.identity, recipients.c.status)
+                                   .join(queues, queues.c.id == recipients.c.queue_id)
+                                   .where(recipients.c.message_id == mid)).all())
+
+    try:
+        three, g3 = store.transaction(lambda c: forked(c, ["ok@far.test", "bad@far.test", "grey@far.test"]))
+        both, g2 = store.transaction(lambda c: forked(c, ["ok2@far.test", "bad2@far.test"]))
+        shadow_queues = ShadowQueues(cfg, store, Sink(), reshadow=lambda rows, why: None)
+        asyncio.run(shadow_queues.discard("p1.t", [
+            (g3, "Delivered=ok@far.test"), (g3, "Failed=bad@far.test"),
+            (g2, "Delivered=ok2@far.test"), (g2, "Failed=bad2@far.test")], now))
+        rows = store.transaction(lambda c: sq.requeue_forks(c, "p1.t", None, cfg, now))
+        assert sorted(r["id"] for r in rows) == sorted([three, both])
+        assert store.read(lambda c: where(c, three)) == [
+            ("bad@far.test", "peer:p1.t", mq.FAILED),
+            ("grey@far.test", "smarthost:127.0.0.1:2500", mq.READY),
+            ("ok@far.test", "peer:p1.t", mq.DELIVERED)]
+        assert store.read(lambda c: where(c, both)) == [
+            ("bad2@far.test", "peer:p1.t", mq.FAILED), ("ok2@far.test", "peer:p1.t", mq.DELIVERED)]
+        states = store.read(lambda c: dict(c.execute(select(messages.c.id, messages.c.state)).all()))
+        assert states == {three: mq.QUEUED, both: mq.SAFETY_NET}
+    finally:
+        store.close()

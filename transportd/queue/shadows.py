@@ -119,6 +119,31 @@ def apply_delivered_recipients(conn: Connection, primary: str, entries: Iterable
     return list(dict.fromkeys(guids))
 
 
+def delivered_by(primary: str) -> str:
+    """The ``last_error`` of a recipient we handed ``primary`` hop by hop that it told us it
+    delivered (``Delivered=`` for our fork): a lost peer's fork routes it no second time."""
+    return f"delivered by the primary {primary}"
+
+
+def apply_fork_recipients(conn: Connection, primary: str, entries: Iterable[tuple[str, str]],
+                          now: float, status: str = mq.DELIVERED) -> int:
+    """Per-recipient discards of ``primary`` for our hop-by-hop forks (GUID, address): the
+    recipients it took with that fork that it delivered (``status`` DELIVERED, marked with
+    ``delivered_by``) or failed, its DSN out (FAILED), so that ``requeue_forks`` routes again only
+    the others should it be lost (Exchange's shadow queue per next hop of the primary). The fork
+    itself stays until the primary's discard of the message. Returns how many recipients changed."""
+    done = {"status": status, "completed_at": now,
+            "last_error": f"failed on the primary {primary}" if status == mq.FAILED else delivered_by(primary)}
+    n = 0
+    for guid, address in entries:
+        for message_id, queue_id in conn.execute(select(shadow_forks.c.message_id, shadow_forks.c.queue_id).where(
+                shadow_forks.c.primary_node == primary, shadow_forks.c.shadow_guid == guid)).all():
+            n += conn.execute(update(recipients).where(
+                recipients.c.message_id == message_id, recipients.c.queue_id == queue_id,
+                recipients.c.address == address, recipients.c.status == mq.DELIVERED).values(**done)).rowcount
+    return n
+
+
 def take_discard_events(conn: Connection, shadow_node: str, n: int, token: str,
                         recipients: bool = False, failed: bool = False) -> list[tuple[str, str | None]]:
     """Up to ``n`` (guid, reason) discard events for ``shadow_node``, marked as handed out on
@@ -371,17 +396,20 @@ def requeue_forks(conn: Connection, primary: str, keep_dbid: str | None, cfg: An
     messages through categorization, "delivered to another" server / "transmitted to the next
     hop"). A recipient whose next hop is that peer (its mailbox database lives there) waits for it
     again, the receiving store dropping a duplicate; one that was only drained there (``redirect``,
-    or shadow redundancy promotion) goes to its own next hop. Each returned row carries the fork's
+    or shadow redundancy promotion) goes to its own next hop. A recipient the peer told us it
+    delivered or failed (``apply_fork_recipients``) is not routed again. Each returned row carries the fork's
     shadow-message GUID as ``shadow_guid``."""
     found = conn.execute(select(
         shadow_forks.c.message_id, shadow_forks.c.queue_id, shadow_forks.c.shadow_guid).where(
         shadow_forks.c.primary_node == primary, *_older(shadow_forks.c.primary_dbid, keep_dbid))).all()
+    # Those it told us it delivered (Delivered=) are done; those it failed are FAILED here already.
+    done_there = or_(recipients.c.last_error.is_(None), recipients.c.last_error != delivered_by(primary))
     queue_ids: dict[NextHop, int] = {}
     by_queue: dict[int, list[int]] = {}
     for message_id, queue_id, _ in found:
         for rid, address in conn.execute(select(recipients.c.id, recipients.c.address).where(
                 recipients.c.message_id == message_id, recipients.c.queue_id == queue_id,
-                recipients.c.status == mq.DELIVERED)).all():
+                recipients.c.status == mq.DELIVERED, done_there)).all():
             hop = route_config(address, cfg)
             if hop not in queue_ids:
                 queue_ids[hop] = mq.queue_id_for(conn, hop, now)
@@ -392,6 +420,11 @@ def requeue_forks(conn: Connection, primary: str, keep_dbid: str | None, cfg: An
                 queue_id=queue_id, status=mq.READY, next_retry_at=0.0, completed_at=None))
     conn.execute(delete(shadow_forks).where(shadow_forks.c.primary_node == primary,
                                             *_older(shadow_forks.c.primary_dbid, keep_dbid)))
+    for message_id in {m for m, _, _ in found}:
+        try:  # a message whose every fork recipient the peer processed has nothing left to route
+            mq.finish_if_done(conn, message_id, now, cfg.safety_net.safety_net_hold_time)
+        except LookupError:
+            continue
     return [{**(mq.message_row(conn, m) or {"id": m}), "shadow_guid": guid} for m, _, guid in found]
 
 

@@ -99,6 +99,9 @@ class ShadowQueues:
         entries = whole
         if done[mq.DELIVERED] or done[mq.FAILED]:
             def apply(c):
+                # Our hop-by-hop forks of its messages learn them too (docs/PROTOCOL.md section 3).
+                for status, pairs in done.items():
+                    sq.apply_fork_recipients(c, primary, pairs, now, status)
                 return [g for status, pairs in done.items() if pairs
                         for g in sq.apply_delivered_recipients(c, primary, pairs, now, status)]
             emptied = await self.store.write(apply)
