@@ -3,7 +3,8 @@
 - ``scrape`` / ``value`` / ``scrape_until``: a node's Prometheus /metrics, parsed;
 - ``fill``: fill a (small, test-mounted) disk to the last byte;
 - ``run_cli`` / ``assert_one_error_line``: the real ``python -m transportd`` and its one-line errors;
-- ``backlog``: messages queued straight into a (stopped) node's queue database.
+- ``backlog``: messages queued straight into a (stopped) node's queue database;
+- ``PerRecipientNextHop``: a next hop answering each recipient by its local part (250/550/450).
 """
 
 from __future__ import annotations
@@ -110,3 +111,40 @@ def backlog(db_path, hops: list, per_queue: int) -> None:
     finally:
         store.close()
 
+
+# ------------------------------------------------------------------------------ next hops
+
+class PerRecipientNextHop:
+    """A next hop (aiosmtpd in a thread of this process) that answers each RCPT by its local part:
+    ``perm`` 550 5.1.1, ``temp`` 450 4.2.1 while ``greylisting`` (250 after), any other 250. It
+    notes every RCPT it was sent and the recipients of each transaction it took."""
+
+    def __init__(self) -> None:
+        import socket
+
+        from aiosmtpd.controller import Controller
+
+        self.rcpts: list[str] = []
+        self.transactions: list[list[str]] = []
+        self.greylisting = True
+        hop = self
+
+        class Handler:
+            async def handle_RCPT(self, server, session, envelope, address, rcpt_options):
+                hop.rcpts.append(address)
+                if address.startswith("perm"):
+                    return "550 5.1.1 No such user"
+                if address.startswith("temp") and hop.greylisting:
+                    return "450 4.2.1 Mailbox busy, try again later"
+                envelope.rcpt_tos.append(address)
+                return "250 2.1.5 Ok"
+
+            async def handle_DATA(self, server, session, envelope):
+                hop.transactions.append(list(envelope.rcpt_tos))
+                return "250 2.0.0 queued"
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.controller = Controller(Handler(), hostname="127.0.0.1", port=self.port)
+        self.controller.start()

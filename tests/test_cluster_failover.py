@@ -30,6 +30,7 @@ from pathlib import Path
 
 from clusters import FailoverNode, LocalCluster, accepted_with_shadow, send, sink_copies
 from conftest import wait_for
+from helpers import PerRecipientNextHop
 
 # LocalCluster, accepted_with_shadow and send are also imported from this module by
 # test_metrics.py (not ours to edit): kept importable here until it imports them from clusters.
@@ -309,42 +310,6 @@ def test_a_promoted_copy_delivers_only_the_recipients_the_primary_had_not(make_c
     assert [r["recipient-address"] for r in n3.tracking(event_id="SENDEXTERNAL", network_message_id=netid)] \
         == ["carol@foreign.test"]
     assert not n3.tracking(event_id="SEND", network_message_id=netid)  # nothing for alice towards node1
-
-
-class PerRecipientNextHop:
-    """A next hop (aiosmtpd in a thread of this process) that answers each RCPT by its local part:
-    ``perm`` 550 5.1.1, ``temp`` 450 4.2.1 while ``greylisting`` (250 after), any other 250. It
-    notes every RCPT it was sent and the recipients of each transaction it took."""
-
-    def __init__(self) -> None:
-        import socket
-
-        from aiosmtpd.controller import Controller
-
-        self.rcpts: list[str] = []
-        self.transactions: list[list[str]] = []
-        self.greylisting = True
-        hop = self
-
-        class Handler:
-            async def handle_RCPT(self, server, session, envelope, address, rcpt_options):
-                hop.rcpts.append(address)
-                if address.startswith("perm"):
-                    return "550 5.1.1 No such user"
-                if address.startswith("temp") and hop.greylisting:
-                    return "450 4.2.1 Mailbox busy, try again later"
-                envelope.rcpt_tos.append(address)
-                return "250 2.1.5 Ok"
-
-            async def handle_DATA(self, server, session, envelope):
-                hop.transactions.append(list(envelope.rcpt_tos))
-                return "250 2.0.0 queued"
-
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.controller = Controller(Handler(), hostname="127.0.0.1", port=self.port)
-        self.controller.start()
 
 
 def test_a_promoted_copy_neither_tries_again_nor_reports_again_a_recipient_the_primary_failed(cluster):

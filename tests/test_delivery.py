@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from clusters import one
 from conftest import Sink, free_port, queued_id, swaks, wait_for, write_toml
+from helpers import PerRecipientNextHop
 from test_receive import tls_files  # noqa: F401 - fixture
 
 GUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$", re.IGNORECASE)
@@ -902,42 +903,11 @@ def test_recipients_over_the_next_hops_limit_go_at_once_in_the_next_transaction(
         hop.controller.stop()
 
 
-class GreylistingNextHop:
-    """A next hop (aiosmtpd in a thread of this process) that defers every recipient whose local
-    part starts with ``temp`` (450 4.2.1, as a greylisting or over-quota server does) and takes
-    the others; it notes the recipients of each transaction it took."""
-
-    def __init__(self) -> None:
-        import socket
-
-        from aiosmtpd.controller import Controller
-
-        self.transactions: list[list[str]] = []
-        hop = self
-
-        class Handler:
-            async def handle_RCPT(self, server, session, envelope, address, rcpt_options):
-                if address.startswith("temp"):
-                    return "450 4.2.1 Mailbox busy, try again later"
-                envelope.rcpt_tos.append(address)
-                return "250 2.1.5 Ok"
-
-            async def handle_DATA(self, server, session, envelope):
-                hop.transactions.append(list(envelope.rcpt_tos))
-                return "250 2.0.0 queued"
-
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.controller = Controller(Handler(), hostname="127.0.0.1", port=self.port)
-        self.controller.start()
-
-
 def test_a_recipients_4xx_defers_that_recipient_not_the_next_hops_queue(make_node):
     """A 450 to one recipient's RCPT is about that recipient: the queue to the next hop does not
     go into Retry (Exchange's queue retry is for connection failures), so a message sent after it
     to another recipient goes at once, not after the retry interval."""
-    hop = GreylistingNextHop()
+    hop = PerRecipientNextHop()  # 450 to temp-*, 250 to the others
     try:
         node = make_node(smart_host=f"127.0.0.1:{hop.port}",
                          overrides={"delivery": {"transient_failure_retry_interval": 600}}).start()

@@ -524,7 +524,7 @@ def test_a_redirected_message_is_routed_again_when_its_target_dies(tmp_path, pro
     assert len(sink_copies(sink, carol)) == 1 and not sink_copies(sink, dave)
 
 
-class PerRecipientNextHop:
+class RedirectNextHop:
     """The smart host of both nodes (aiosmtpd in a thread of this process). While ``holding``, it
     defers every recipient (450 4.7.1): the message waits on node1 to be drained. Then it answers
     by local part: ``ok`` 250, ``bad`` 550, ``grey`` 450 until ``grey_ok``; every other address (a
@@ -578,7 +578,7 @@ def test_a_lost_peers_fork_delivers_only_the_recipients_it_had_not_processed(tmp
 
     from conftest import read_db
 
-    hop = PerRecipientNextHop()
+    hop = RedirectNextHop()
     try:
         node1, node2 = _start_two_nodes(tmp_path, procs, hop, resubmit_span=3)
         host, _, port = node1.frontend.rpartition(":")
