@@ -257,6 +257,41 @@ def test_crafted_journeys_final_states_anomalies_and_summary(spark, tmp_path):
     assert json.loads((out / "summary.json").read_text())["lost"] == 1
 
 
+def test_a_fork_discarded_while_other_recipients_wait_leaves_the_copy_held(spark, tmp_path):
+    """node1 hands one recipient hop by hop to the mailbox node node2 (SEND, keeping a fork) and
+    defers the other; node2's discard of that hop releases the fork on node1 (HADISCARD naming
+    node2), not node1's whole copy: the other recipient is still queued there, with its shadow on
+    node3. Rows as the daemon writes them (a SEND names this node as client, the next hop as server)."""
+    from datetime import UTC, datetime, timedelta
+    t0 = datetime(2026, 11, 29, 13, 0, tzinfo=UTC)
+    logs = {n: TrackingLog(tmp_path / "logs" / n / "msgtrk", f"{n}.test", clock=lambda: t0)
+            for n in ("node1", "node2", "node3")}
+
+    def w(node: str, at: float, event: str, rcpts, **kw) -> None:
+        source = "STOREDRIVER" if event == "DELIVER" else "SMTP"
+        logs[node].write(event, source, network_message_id="0000f0a4-0000-4000-8000-000000000000",
+                         message_id="<fork@x>", recipients=list(rcpts), date_time=t0 + timedelta(seconds=at), **kw)
+
+    both = ("a@example.test", "b@foreign.test")
+    w("node3", -0.002, "HARECEIVE", both, source_context="guid1", client_hostname="node1.test")
+    w("node1", 0, "RECEIVE", both)
+    w("node1", 0.001, "HAREDIRECT", both, source_context="node3.test=250 2.6.0 ok, queued")
+    w("node1", 1, "SEND", ("a@example.test",), client_hostname="node1.test", server_hostname="node2.test",
+      connector_id="peer:node2.test", source_context="250 2.0.0 Ok: queued as 4")
+    w("node2", 1.01, "RECEIVE", ("a@example.test",), client_hostname="node1.test")
+    w("node2", 1.02, "DELIVER", ("a@example.test",))
+    w("node1", 2, "DEFER", ("b@foreign.test",), recipient_status=["451 4.4.1 no answer"])
+    w("node1", 3, "HADISCARD", (), source_context="ExplicitlyDiscarded;guid2", client_hostname="node2.test")
+    w("node1", 600, "DEFER", ("b@foreign.test",), recipient_status=["451 4.4.1 no answer"])
+    for log in logs.values():
+        log.close()
+    summary = job.analyze(spark, [str(tmp_path / "logs" / "node*" / "msgtrk")], str(tmp_path / "out"),
+                          grace_seconds=300, progress=False)
+    [m] = [r.asDict(recursive=True) for r in spark.read.parquet(str(tmp_path / "out" / "messages")).collect()]
+    assert (m["state"], m["live_copy_nodes"]) == ("in flight protected", ["node1.test", "node3.test"]), m
+    assert summary["lost"] == 0 and summary["unprotected_messages"] == 0
+
+
 # ------------------------------------------------------------------------------ 3, 4
 
 

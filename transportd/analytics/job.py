@@ -588,6 +588,11 @@ def _per_node(ev: Any, facts: dict[str, Any]):
     send_releases = (e == "SEND") & ((writer == "exchange") | (
         (writer == "exchange2010") & F.coalesce(~F.array_contains(logged, F.col("peer")), F.lit(True)))
         | ((writer == "transportd") & plain_relay))
+    # A transportd SEND that releases nothing keeps a fork of the recipients it names, released by
+    # the next hop's discard (HADISCARD on the sender): on a node that has such a fork its
+    # HADISCARD ends those recipients, not the whole copy (others may still be queued there).
+    fork_send = (e == "SEND") & F.coalesce((writer == "transportd") & ~plain_relay, F.lit(False))
+    discard = (e == "HADISCARD") & kept
     # The recipients a node took: those of its largest take (a promoted or resubmitted copy takes
     # the same ones again); where rows are keyed by Message-ID (Exchange 2010's), the distinct
     # recipients of all its takes, for one Message-ID may be two transactions (two copies) there.
@@ -598,10 +603,15 @@ def _per_node(ev: Any, facts: dict[str, Any]):
     kn = ev.groupBy("key", "node").agg(
         F.max(F.when(take, t)).alias("last_take"),
         F.max(F.when((e.isin(*RELEASE_EVENTS) & kept) | send_releases, t)).alias("last_release"),
-        F.max(F.when(e.isin(*COPY_RELEASE_EVENTS) & kept, t)).alias("last_copy_release"),
+        F.max(F.when(e.isin(*COPY_RELEASE_EVENTS) & kept & (e != "HADISCARD"), t)).alias("last_badmail"),
+        F.max(F.when(discard, t)).alias("last_discard"),
+        F.max(F.when(fork_send, t)).alias("last_fork_send"),
+        F.sum(F.when(fork_send, F.size("recipients"))).alias("forked_count"),
+        F.sum(fork_send.cast("int")).alias("forks"),
+        F.sum(discard.cast("int")).alias("discards"),
         taken.alias("taken_count"),
         F.sum(F.when((e.isin(*RELEASE_EVENTS) & ~e.isin(*COPY_RELEASE_EVENTS)) | send_releases,
-                     F.size("recipients"))).alias("released_count"),
+                     F.size("recipients"))).alias("own_released_count"),
         F.min(when_event(["HARECEIVE"], t)).alias("shadow_received"),
         F.min(F.when((e == "HADISCARD") & kept, t)).alias("shadow_discarded"),
         F.min(F.when(redundancy, t)).alias("promoted_here"),
@@ -614,6 +624,11 @@ def _per_node(ev: Any, facts: dict[str, Any]):
         F.count(F.lit(1)).alias("event_count"),
         F.max(t).alias("last_event_time"),
     ).withColumn("cutoff", cutoff)
+    forked = F.col("last_fork_send").isNotNull()
+    kn = (kn.withColumn("last_copy_release", F.greatest("last_badmail", F.when(~forked, F.col("last_discard"))))
+          .withColumn("released_count", F.coalesce("own_released_count", F.lit(0)) + F.when(
+              forked & (F.col("last_discard") >= F.col("last_fork_send")) & (F.col("discards") >= F.col("forks")),
+              F.col("forked_count")).otherwise(0)))
     dead = F.coalesce(F.col("cutoff").isNotNull() & (F.col("last_take") < F.col("cutoff")), F.lit(False))
     # A node holds its copy from its last take until a release of the whole copy (a shadow
     # discarded, Exchange's BADMAIL), or until its deliveries and failures (rows about the

@@ -76,7 +76,8 @@ COPY_RELEASE_EVENTS = ("HADISCARD", "BADMAIL")
 """Releases of the whole copy whatever its recipients. The other release events are about the
 recipients they name: a node that delivered or failed some of the recipients it took still holds
 the message for the others (queued, or handed on by SEND and kept until the next hop's
-discard)."""
+discard). On a node whose transportd SEND kept a fork, its HADISCARD is the next hop's discard of
+that fork: it ends the SENDs' recipients only (``job._per_node``)."""
 
 RESUBMITTED_DISCARD = "Resubmitted"
 """The source-context (first item) of a HADISCARD that is no release: the shadow copy was
