@@ -9,7 +9,13 @@ from datetime import UTC, datetime
 
 import pytest
 
-from transportd.smtp.dsn import RecipientReport, build_dsn, dsn_needs_utf8, status_from_reply
+from transportd.smtp.dsn import (
+    RecipientReport,
+    build_dsn,
+    downgrade_dsn,
+    dsn_needs_utf8,
+    status_from_reply,
+)
 
 ARRIVAL = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 NOW = datetime(2024, 5, 1, 12, 30, 0, tzinfo=UTC)
@@ -664,3 +670,96 @@ def test_utf8_addresses_escape_plus_equals_and_backslash() -> None:
             _, status = _raw_part(raw, 1)
             assert b"Final-Recipient: utf-8; j\\x{F6}rg\\x{2B}news\\x{3D}x@b\\x{FC}cher.example\r\n" in status
             assert b"Original-Recipient: utf-8; j\\x{F6}rg\\x{2B}news\\x{3D}x@b\\x{FC}cher.example\r\n" in status
+
+
+# --------------------------------------------------------------------------- downgrade_dsn (RFC 6533 -> RFC 3464)
+
+
+def _both(monkeypatch: pytest.MonkeyPatch, **overrides) -> tuple[bytes, bytes]:
+    """The RFC 6533 DSN and the classic one built from the same facts (same Message-ID, boundary)."""
+    built = []
+    for utf8 in (True, False):
+        counter = iter(range(10**6))
+        monkeypatch.setattr("secrets.token_hex", lambda n=16, c=counter: f"{next(c):0{2 * n}x}")
+        built.append(_build(**{"recipients": UTF8_RECIPIENTS, "original_message": UTF8_ORIGINAL, **overrides,
+                               "utf8": utf8}))
+    return built[0], built[1]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # the original's UTF-8 headers: text/rfc822-headers, quoted-printable
+        {"original_envelope_id": "ENV  7", "include_body": True},  # RET=FULL of an 8-bit original: headers only
+        {"original_message": ORIGINAL, "include_body": True},  # RET=FULL, 7-bit clean: message/rfc822
+        {"recipients": [RecipientReport(address="jörg+news=x@bücher.example", status="5.1.1",
+                                        original_recipient="utf-8;jörg+news=x@bücher.example")]},
+    ],
+)
+def test_downgrade_dsn_is_the_classic_dsn_of_the_same_facts(monkeypatch: pytest.MonkeyPatch, overrides) -> None:
+    """For a DSN to an ASCII sender whose way back lacks SMTPUTF8: the 7-bit DSN build_dsn writes
+    without utf8, byte for byte (utf-8 xtext addresses, RFC 2047 Subject, headers only when the
+    original is not 7-bit clean, the notification saying so)."""
+    utf8, classic = _both(monkeypatch, **overrides)
+    assert b"message/global" in utf8 and not utf8.isascii()
+    downgraded = downgrade_dsn(utf8)
+    assert downgraded == classic
+    _assert_wire_safe(downgraded)
+    msg = _parse(downgraded)
+    assert not msg.defects and msg.get_content_type() == "multipart/report"
+    assert [p.get_content_type() for p in msg.get_payload()][:2] == ["text/plain", "message/delivery-status"]
+
+
+def test_downgrade_dsn_keeps_the_message_id_and_says_what_the_utf8_dsn_says() -> None:
+    utf8 = _build_utf8(original_sender="alice@example.org", include_body=True)
+    downgraded = downgrade_dsn(utf8)
+    assert downgraded is not None
+    _assert_wire_safe(downgraded)
+    before, after = _parse(utf8), _parse(downgraded)
+    assert after["Message-ID"] == before["Message-ID"] and after["Date"] == before["Date"]
+    assert after["Subject"] == "Undeliverable: Grüße aus Köln" and b"=?utf-8?" in downgraded
+    text, status, headers = after.get_payload()
+    assert f"<{UTF8_RCPT}>" in text.get_content() and "Empfänger unbekannt" in text.get_content()
+    assert "not 7-bit clean" in text.get_content() and "and your original message are attached" not in text.get_content()
+    _, rcpt, bob = status.get_payload()
+    assert rcpt["Final-Recipient"].startswith("utf-8; \\x{3B4}\\x{3BF}")
+    assert rcpt["Original-Recipient"] == rcpt["Final-Recipient"]
+    assert rcpt["Diagnostic-Code"].endswith(": Empf\\x{E4}nger unbekannt")
+    assert (rcpt["Action"], rcpt["Status"], rcpt["Remote-MTA"]) == ("failed", "5.1.1", "dns; mx.example.net")
+    assert bob["Final-Recipient"] == "rfc822; bob@example.net"
+    assert headers.get_content_type() == "text/rfc822-headers"
+    assert headers.get_payload(decode=True) == UTF8_HEADERS  # even the invalid octets, kept
+
+
+@pytest.mark.parametrize("original", MALFORMED_ORIGINALS)
+@pytest.mark.parametrize("include_body", [False, True])
+def test_downgrade_dsn_of_a_malformed_original_is_7bit(original: bytes, include_body: bool) -> None:
+    downgraded = downgrade_dsn(_build_utf8(original_sender="alice@example.org", original_message=original,
+                                           include_body=include_body))
+    assert downgraded is not None
+    _assert_wire_safe(downgraded)
+    parts = _parse(downgraded).get_payload()
+    assert [p.get_content_type() for p in parts][:2] == ["text/plain", "message/delivery-status"]
+    assert parts[2].get_content_type() in ("text/rfc822-headers", "message/rfc822")
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        ORIGINAL,  # not a DSN
+        b"Subject: x\r\nContent-Type: multipart/report; report-type=delivery-status\r\n\r\nno boundary\r\n",
+        "Subject: Grüße\r\n\r\nnot a DSN\r\n".encode(),
+    ],
+)
+def test_downgrade_dsn_leaves_what_is_not_an_rfc6533_dsn(data: bytes) -> None:
+    assert downgrade_dsn(data) is None
+
+
+def test_downgrade_dsn_leaves_a_dsn_that_needs_smtputf8_anyway() -> None:
+    """A UTF-8 To: (the DSN goes to a non-ASCII sender): no 7-bit form; the classic DSN is not an
+    RFC 6533 one to downgrade, and a cut-off DSN has no close delimiter."""
+    assert downgrade_dsn(_build_utf8()) is None
+    assert downgrade_dsn(_build(original_sender="alice@example.org")) is None
+    utf8 = _build_utf8(original_sender="alice@example.org")
+    assert downgrade_dsn(utf8[: utf8.rindex(b"\r\n--")]) is None

@@ -35,6 +35,10 @@ must travel with SMTPUTF8 (and BODY=8BITMIME); it never needs a 7-bit fallback
 except for content that is not valid 8bit data either (NUL octets, lines over
 998 octets): the returned headers are then quoted-printable (RFC 6533 allows
 it) and a RET=FULL original falls back to its headers.
+
+:func:`downgrade_dsn` turns such a DSN back into the classic 7-bit one, for a next
+hop without SMTPUTF8 on the way back to an ASCII sender (the caller is
+``envelope.plan_send``).
 """
 
 import binascii
@@ -50,7 +54,7 @@ from datetime import UTC, datetime
 
 from transportd.smtp.headers import decoded_subject, rfc5322_date
 
-__all__ = ["RecipientReport", "build_dsn", "dsn_needs_utf8", "status_from_reply"]
+__all__ = ["RecipientReport", "build_dsn", "downgrade_dsn", "dsn_needs_utf8", "status_from_reply"]
 
 #: RFC 3464 action values. ``failed`` and ``delayed`` are the ones transportd emits;
 #: the success-type values are accepted for NOTIFY=SUCCESS reports.
@@ -311,6 +315,213 @@ def build_dsn(
         out.append(part_body)
     out.append(f"\r\n--{boundary}--\r\n".encode("ascii"))
     return b"".join(out)
+
+
+def downgrade_dsn(data: bytes) -> bytes | None:
+    """The classic 7-bit DSN (RFC 3464) that says what the RFC 6533 DSN ``data`` says, or None.
+
+    For a DSN to an ASCII address whose next hop does not offer SMTPUTF8: it may not be sent
+    there as it is (RFC 6531 3.4), and a DSN that fails is reported to no one, so it goes as the
+    DSN :func:`build_dsn` writes with ``utf8=False`` (RFC 6533 3: the 7-bit ``utf-8`` address
+    form): ``message/global-delivery-status`` becomes ``message/delivery-status`` (non-ASCII
+    addresses as ``utf-8; <utf-8-addr-xtext>``, other non-ASCII text as ``\\x{HEX}``),
+    ``message/global-headers`` becomes ``text/rfc822-headers`` (quoted-printable where it holds
+    8-bit octets, its bytes thus kept), ``message/global`` becomes ``message/rfc822`` where it is
+    7-bit clean and else only its header block, the notification text saying so; a UTF-8 text
+    part is quoted-printable, and a UTF-8 Subject RFC 2047-encoded. The Message-ID, the Date,
+    the boundary and every ASCII line stay as they are. Built from the same facts, the result
+    is the one :func:`build_dsn` would have built with ``utf8=False``, byte for byte.
+
+    None when ``data`` is not a ``multipart/report; report-type=delivery-status`` with a
+    ``message/global-delivery-status`` part, or holds UTF-8 that cannot be made 7-bit (a
+    non-ASCII address in a header other than Subject, a part of another type that is not
+    7-bit clean): the caller then treats it as any message the next hop cannot take. Pure;
+    never raises.
+    """
+    try:
+        return _downgrade_dsn(_EOL_RE.sub(b"\n", bytes(data)))
+    except (ValueError, UnicodeError, binascii.Error):
+        return None
+
+
+def _downgrade_dsn(full_lf: bytes) -> bytes | None:
+    head, sep, body = full_lf.partition(b"\n\n")
+    if not sep:
+        return None
+    fields = _raw_fields(head + b"\n")
+    content_type = next((f for f in fields if _field_name(f) == b"content-type"), b"").replace(b"\n", b"")
+    boundary = _BOUNDARY_RE.search(content_type)
+    if not (content_type.lower().startswith(b"content-type: multipart/report")
+            and _REPORT_TYPE_RE.search(content_type.lower()) and boundary):
+        return None
+    marker = b"\n--" + (boundary.group(1) or boundary.group(2))
+    split = _split_multipart(body, marker)
+    if split is None:
+        return None
+    preamble, raw_parts, epilogue = split
+    parts = []  # (content type, fields, decoded body)
+    for raw in raw_parts:
+        part_head, _, part_body = (b"", b"", raw[1:]) if raw.startswith(b"\n") else raw.partition(b"\n\n")
+        part_fields = _raw_fields(part_head + b"\n" if part_head else b"")
+        ctype = _field_value(part_fields, b"content-type").split(";")[0].strip().lower()
+        parts.append((ctype, part_fields, part_body))
+    if "message/global-delivery-status" not in [ctype for ctype, _, _ in parts]:
+        return None
+    # A returned message that is not 7-bit clean stays behind (only its headers come back), as
+    # build_dsn does for RET=FULL without utf8; the notification text, the first part, says so.
+    headers_only = any(ctype == "message/global" and _needs_encoding(_decoded(f, b)) for ctype, f, b in parts)
+    out = []
+    for index, (ctype, part_fields, part_body) in enumerate(parts):
+        new = _downgraded_part(ctype, part_fields, part_body, note=headers_only and index == 0)
+        if new is None:
+            return None
+        out.append(marker + b"\n" + b"".join(new[0]) + b"\n" + new[1])
+    top = []
+    for field in fields:
+        name = _field_name(field)
+        if name == b"content-transfer-encoding":
+            continue  # every part is 7bit now, and so is the multipart (the default: no field)
+        if not field.isascii():
+            if name != b"subject":
+                return None  # e.g. a UTF-8 address in To: (needs SMTPUTF8 whatever the body)
+            text = field.split(b":", 1)[1].replace(b"\n", b"").decode("utf-8").strip()
+            field = _subject_header(text).replace(b"\r\n", b"\n")
+        top.append(field)
+    dsn = b"".join(top) + b"\n" + preamble + b"".join(out) + marker + b"--" + epilogue
+    if _needs_encoding(dsn):
+        return None
+    return dsn.replace(b"\n", b"\r\n")
+
+
+_BOUNDARY_RE = re.compile(rb'boundary\s*=\s*(?:"([^"\n]+)"|([^\s;"]+))', re.IGNORECASE)
+_REPORT_TYPE_RE = re.compile(rb'report-type\s*=\s*"?delivery-status"?(?:[\s;]|$)')
+_HEX_ESCAPE_RE = re.compile(r"\\x\{([0-9A-Fa-f]{1,6})\}")
+
+
+def _raw_fields(head_lf: bytes) -> list[bytes]:
+    """A header block (LF line ends) as its fields, each with its continuation lines and LFs."""
+    fields: list[bytes] = []
+    for line in head_lf.splitlines(keepends=True):
+        if line[:1] in (b" ", b"\t") and fields:
+            fields[-1] += line
+        else:
+            fields.append(line)
+    return fields
+
+
+def _field_name(field: bytes) -> bytes:
+    return field.split(b":", 1)[0].strip().lower()
+
+
+def _field_value(fields: list[bytes], name: bytes) -> str:
+    field = next((f for f in fields if _field_name(f) == name), b":")
+    return field.split(b":", 1)[1].replace(b"\n", b"").decode("ascii", "replace").strip()
+
+
+def _split_multipart(body: bytes, marker: bytes) -> tuple[bytes, list[bytes], bytes] | None:
+    """(preamble, parts, epilogue) of a multipart body (LF line ends) whose delimiter lines start
+    with ``marker`` (LF, ``--``, the boundary); None without a close delimiter."""
+    pieces = (b"\n" + body).split(marker)
+    parts = []
+    for piece in pieces[1:]:
+        if piece.startswith(b"--"):
+            return pieces[0][1:], parts, piece[2:]
+        rest, newline, content = piece.partition(b"\n")
+        if rest.strip(b" \t") or not newline:
+            return None  # the boundary as the start of a longer line: not a DSN build_dsn wrote
+        parts.append(content)
+    return None
+
+
+def _decoded(fields: list[bytes], body: bytes) -> bytes:
+    cte = _field_value(fields, b"content-transfer-encoding").lower()
+    if cte == "quoted-printable":
+        return _EOL_RE.sub(b"\n", binascii.a2b_qp(body))
+    if cte == "base64":
+        return _EOL_RE.sub(b"\n", binascii.a2b_base64(body))
+    return body
+
+
+def _with_fields(fields: list[bytes], content_type: str, cte: str,
+                 description: str | None = None) -> list[bytes]:
+    """``fields`` with new Content-Type and Content-Transfer-Encoding values (and Content-Description,
+    if given), in their places."""
+    new = {b"content-type": content_type, b"content-transfer-encoding": cte, b"content-description": description}
+    out = []
+    for field in fields:
+        value = new.get(_field_name(field))
+        if value is None:
+            out.append(field)
+        else:
+            out.append(f"{field.split(b':', 1)[0].decode('ascii')}: {value}\n".encode("ascii"))
+    return out
+
+
+def _downgraded_part(ctype: str, fields: list[bytes], body: bytes, note: bool) -> tuple[list[bytes], bytes] | None:
+    """(fields, body) of one part made 7-bit; ``note``: the notification text gets the note that
+    the original's body is not returned."""
+    if ctype == "text/plain":
+        text = _decoded(fields, body)
+        if note:
+            text = _note_body_not_returned(text)
+        text_ct, cte, encoded = _encode_text_part(text)
+        return _with_fields(fields, text_ct, cte), encoded.replace(b"\r\n", b"\n")
+    if ctype == "message/global-delivery-status":
+        status = _status_7bit(_decoded(fields, body).decode("utf-8", "replace"))
+        return _with_fields(fields, "message/delivery-status", "7bit"), status
+    if ctype == "message/global-headers":
+        return _headers_part(fields, _decoded(fields, body), None)
+    if ctype == "message/global":
+        original = _decoded(fields, body)
+        if not _needs_encoding(original):
+            return _with_fields(fields, "message/rfc822", "7bit"), original
+        return _headers_part(fields, _header_block(original), "Undelivered message headers")
+    if _needs_encoding(b"".join(fields) + body):
+        return None  # a part of a type this does not know, and not 7-bit clean
+    return fields, body
+
+
+def _headers_part(fields: list[bytes], headers_lf: bytes, description: str | None) -> tuple[list[bytes], bytes]:
+    """``text/rfc822-headers`` as build_dsn writes it without ``utf8``."""
+    if _needs_encoding(headers_lf):
+        charset = "; charset=utf-8" if _is_utf8(headers_lf) else ""
+        return (_with_fields(fields, f"text/rfc822-headers{charset}", "quoted-printable", description),
+                _qp_crlf(headers_lf).replace(b"\r\n", b"\n"))
+    return _with_fields(fields, "text/rfc822-headers", "7bit", description), headers_lf
+
+
+def _status_7bit(status: str) -> bytes:
+    """The fields of a message/global-delivery-status as message/delivery-status writes them:
+    a ``utf-8`` address in its xtext form, other non-ASCII text as ``\\x{HEX}``; ASCII fields
+    as they are."""
+    out = []
+    for field in _raw_fields(status.encode("utf-8", "surrogatepass")):
+        if field.isascii():
+            out.append(field.decode("ascii"))
+            continue
+        text = field.decode("utf-8", "replace").replace("\n", "")
+        name, _, value = text.partition(":")
+        addr_type, sep, address = value.partition(";")
+        if sep and addr_type.strip().lower() == "utf-8" and name.strip().lower().endswith("-recipient"):
+            value = f"utf-8; {_utf8_xtext(_HEX_ESCAPE_RE.sub(_unescape, address.strip()))}"
+        else:
+            value = _field_text(value.strip())
+        out.append(_fold_field(name.strip(), value).replace("\r\n", "\n"))
+    return "".join(out).encode("ascii")
+
+
+def _unescape(match: re.Match) -> str:
+    code = int(match.group(1), 16)
+    return chr(code) if code <= 0x10FFFF else match.group(0)
+
+
+def _note_body_not_returned(text_lf: bytes) -> bytes:
+    """The notification text, saying that only the headers of the original came back."""
+    text = text_lf.decode("utf-8", "replace")
+    full = _ATTACHED_FULL + "\n"
+    if full in text:
+        return text.replace(full, f"{_ATTACHED_HEADERS}\n{_BODY_NOT_7BIT}\n", 1).encode("utf-8")
+    return (text.rstrip("\n") + f"\n{_BODY_NOT_7BIT}\n").encode("utf-8")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -696,21 +907,22 @@ def _human_text(
     out.append(f"Original message received: {rfc5322_date(arrival_date)}")
     out.append(f"Original subject: {subject or '(no subject)'}")
     out.append("")
-    if return_full:
-        out.append("The delivery report and your original message are attached.")
-    else:
-        out.append("The delivery report and the headers of your original message are attached.")
+    out.append(_ATTACHED_FULL if return_full else _ATTACHED_HEADERS)
     if body_dropped and utf8:
         out.append(
             "The message body is not returned because it holds NUL octets or lines over"
             " 998 octets and cannot be attached unaltered."
         )
     elif body_dropped:
-        out.append(
-            "The message body is not returned because it is not 7-bit clean and"
-            " cannot be attached unaltered."
-        )
+        out.append(_BODY_NOT_7BIT)
     return "\n".join(out) + "\n"
+
+
+_ATTACHED_FULL = "The delivery report and your original message are attached."
+_ATTACHED_HEADERS = "The delivery report and the headers of your original message are attached."
+_BODY_NOT_7BIT = (
+    "The message body is not returned because it is not 7-bit clean and cannot be attached unaltered."
+)
 
 
 def _pick_boundary(bodies: Sequence[bytes]) -> str:
