@@ -4,7 +4,8 @@
 - ``fill``: fill a (small, test-mounted) disk to the last byte;
 - ``run_cli`` / ``assert_one_error_line``: the real ``python -m transportd`` and its one-line errors;
 - ``backlog``: messages queued straight into a (stopped) node's queue database;
-- ``PerRecipientNextHop``: a next hop answering each recipient by its local part (250/550/450).
+- ``PerRecipientNextHop``: a next hop answering each recipient by its local part (250/550/450),
+  with or without SMTPUTF8.
 """
 
 from __future__ import annotations
@@ -117,15 +118,17 @@ def backlog(db_path, hops: list, per_queue: int) -> None:
 class PerRecipientNextHop:
     """A next hop (aiosmtpd in a thread of this process) that answers each RCPT by its local part:
     ``perm`` 550 5.1.1, ``temp`` 450 4.2.1 while ``greylisting`` (250 after), any other 250. It
-    notes every RCPT it was sent and the recipients of each transaction it took."""
+    notes every RCPT it was sent, the recipients of each transaction it took and each message
+    (MAIL parameters, bytes). It offers SMTPUTF8 (RFC 6531) only with ``smtputf8``."""
 
-    def __init__(self) -> None:
+    def __init__(self, smtputf8: bool = False) -> None:
         import socket
 
         from aiosmtpd.controller import Controller
 
         self.rcpts: list[str] = []
         self.transactions: list[list[str]] = []
+        self.messages: list[tuple[list[str], bytes]] = []
         self.greylisting = True
         hop = self
 
@@ -141,10 +144,11 @@ class PerRecipientNextHop:
 
             async def handle_DATA(self, server, session, envelope):
                 hop.transactions.append(list(envelope.rcpt_tos))
+                hop.messages.append((list(envelope.mail_options), envelope.original_content))
                 return "250 2.0.0 queued"
 
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        self.controller = Controller(Handler(), hostname="127.0.0.1", port=self.port)
+        self.controller = Controller(Handler(), hostname="127.0.0.1", port=self.port, enable_SMTPUTF8=smtputf8)
         self.controller.start()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import email
 import email.policy
+from datetime import UTC, datetime
 
+from transportd.smtp.dsn import RecipientReport, build_dsn
 from transportd.smtp.envelope import (NO_CONVERSION, NO_SMTPUTF8_ADDRESS, NO_SMTPUTF8_HEADERS, message_parameters,
                                  needs_smtputf8, plan_send)
 
@@ -67,3 +69,26 @@ def test_message_parameters_for_peers():
     assert message_parameters("a@b", ["c@d"], ASCII, smtputf8=False, body_type="") == []
     assert message_parameters("ü@b", ["c@d"], EIGHT_BIT_BODY, smtputf8=True, body_type="") == \
         ["SMTPUTF8", "BODY=8BITMIME"]
+
+
+def test_an_rfc6533_dsn_to_an_ascii_sender_goes_7bit_to_a_next_hop_without_smtputf8():
+    """RFC 6533 3: a DSN (null sender) is sent as the classic 7-bit DSN rather than lost; any other
+    message with UTF-8 headers still gets no attempt, and so does a DSN to a non-ASCII address."""
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    def dsn(sender):
+        return build_dsn(reporting_mta="node.test", original_sender=sender, original_message=UTF8_HEADERS,
+                         recipients=[RecipientReport(address="δοκιμή@elsewhere.test", status="5.1.1")],
+                         arrival_date=now, now=now, utf8=True)
+    utf8 = dsn("a@example.test")
+    for eight in (True, False):
+        p = plan(sender="", rcpts=("a@example.test",), data=utf8, smtputf8=True, body_type="8BITMIME", utf8=False,
+                 eight=eight)
+        assert p.error is None and p.downgraded and p.options == [] and p.data.isascii(), p
+        assert b"message/delivery-status" in p.data and b"Final-Recipient: utf-8;" in p.data and b"\\x{3B4}" in p.data
+    # With SMTPUTF8 on the next hop: as it is.
+    p = plan(sender="", rcpts=("a@example.test",), data=utf8, smtputf8=True, body_type="8BITMIME")
+    assert p.data == utf8 and not p.downgraded and p.options == ["SMTPUTF8", "BODY=8BITMIME"]
+    assert plan(sender="x@example.test", rcpts=("a@example.test",), data=utf8, smtputf8=True,
+                utf8=False).error == NO_SMTPUTF8_HEADERS
+    assert plan(sender="", rcpts=("jürgen@example.test",), data=dsn("jürgen@example.test"), smtputf8=True,
+                utf8=False).error == NO_SMTPUTF8_ADDRESS

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 from clusters import HEARTBEAT, netid_of, one
-from conftest import TransportdSink, wait_for
+from conftest import TransportdSink, wait_for, write_toml
+from helpers import PerRecipientNextHop
 
 from transportd.queue.mailbox import MailboxStore
 
@@ -152,6 +153,100 @@ def test_next_hop_without_smtputf8_fails_the_recipient_with_5_6_7_and_a_utf8_dsn
     # RFC 3464 2.3.5: Remote-MTA names the server that gave the Diagnostic-Code; none did here
     assert "Remote-MTA" not in status, status
     assert not received(), "the next hop got an attempt it cannot take"
+
+
+# The DSN's way back lacks SMTPUTF8: a DSN for a message received with SMTPUTF8 is an RFC 6533 one,
+# which may not go to a next hop without SMTPUTF8 (RFC 6531 3.4), and a DSN that fails is told to no one.
+
+REFUSED = "perm-δοκιμή@refusing.test"  # a non-ASCII local part, refused (550 5.1.1) by a next hop with SMTPUTF8
+
+
+def dsn_route_node(make_node, back_address: str):
+    """A node whose mail for refusing.test goes to a next hop with SMTPUTF8 that refuses perm-*
+    (send connector), and everything else, the DSN's way back, to ``back_address``."""
+    refusing = PerRecipientNextHop(smtputf8=True)
+    node = make_node(smart_host=back_address)
+    node.sections["send_connectors"] = [{"name": "refusing", "address_spaces": ["refusing.test"],
+                                         "smart_hosts": f"127.0.0.1:{refusing.port}"}]
+    write_toml(node.config_path, node.sections)
+    return node.start(), refusing
+
+
+@pytest.mark.parametrize("back", ["aiosmtpd without SMTPUTF8", "postfix smtp-sink -8"])
+def test_a_utf8_dsn_to_an_ascii_sender_goes_as_a_7bit_dsn_where_the_way_back_lacks_smtputf8(make_node, sink, back):
+    """RFC 6533 3 (as Postfix and Exchange do): the sender is ASCII, so the DSN goes to a next hop
+    without SMTPUTF8 (nor, for smtp-sink -8, 8BITMIME) as the classic 7-bit DSN: multipart/report
+    with message/delivery-status naming the recipient in the utf-8 xtext form, the original's UTF-8
+    headers quoted-printable in text/rfc822-headers, a Subject in RFC 2047 encoded-words. Before,
+    it failed with 5.6.9 and was lost without a word."""
+    hop = PerRecipientNextHop(smtputf8=False) if back.startswith("aiosmtpd") else None
+    if hop is None:
+        sink.start(("-8",))
+    node, refusing = dsn_route_node(make_node, f"127.0.0.1:{hop.port}" if hop else sink.address)
+    try:
+        sender = "bob@sender.test"
+        qid = send("127.0.0.1", node.port, sender, [REFUSED], utf8_message(sender=sender, to=REFUSED))
+        fail = one(wait_for(lambda: node.tracking(event_id="FAIL"), timeout=15, what="the refusal"))
+        assert fail["internal-message-id"] == str(qid) and " 5.1.1 " in fail["recipient-status"], fail
+        dsn_row = one(wait_for(lambda: node.tracking(event_id="DSN"), timeout=10, what="the DSN"))
+        sent = one(wait_for(lambda: node.tracking(event_id="SENDEXTERNAL"), timeout=15, what="the DSN sent back"))
+        assert sent["network-message-id"] == dsn_row["network-message-id"], (sent, dsn_row)
+        assert sent["recipient-address"] == sender and sent["recipient-status"].startswith("250"), sent
+        assert sent["connector-id"] == f"smarthost:{node.sections['routing']['smart_host']}", sent
+        if hop:
+            [(options, raw)] = hop.messages
+            assert "SMTPUTF8" not in options and raw.isascii(), options
+        else:
+            raw = one(sink.messages())
+            assert raw.isascii() and b"SMTPUTF8" not in raw.split(b"\nReceived:", 1)[0]  # smtp-sink's X-Mail-Args
+        assert all(len(line) <= 998 for line in raw.splitlines())
+        dsn = email.message_from_bytes(raw, policy=email.policy.default)
+        assert not dsn.defects
+        assert dsn.get_content_type() == "multipart/report" and dsn.get_param("report-type") == "delivery-status"
+        assert dsn["To"].addresses[0].addr_spec == sender and dsn["Subject"] == "Undeliverable: Grüße aus Köln"
+        text, status, headers = dsn.get_payload()
+        assert [text.get_content_type(), status.get_content_type(), headers.get_content_type()] == [
+            "text/plain", "message/delivery-status", "text/rfc822-headers"]
+        assert f"<{REFUSED}>" in text.get_content() and "550 5.1.1 No such user" in text.get_content()
+        _, block = status.get_payload()
+        xtext = "".join(c if c.isascii() else f"\\x{{{ord(c):X}}}" for c in REFUSED)
+        assert block["Final-Recipient"] == f"utf-8; {xtext}", block["Final-Recipient"]
+        assert (block["Action"], block["Status"]) == ("failed", "5.1.1")
+        assert block["Diagnostic-Code"] == "smtp; 550 5.1.1 No such user"
+        assert headers["Content-Transfer-Encoding"] == "quoted-printable"
+        assert "Subject: Grüße aus Köln" in headers.get_payload(decode=True).decode("utf-8")
+        assert "Undelivered" in headers["Content-Description"]
+        assert "sent as a classic 7-bit DSN (RFC 3464)" in node.log()
+        assert not node.tracking(event_id="FAIL", network_message_id=dsn_row["network-message-id"])
+    finally:
+        refusing.controller.stop()
+        if hop:
+            hop.controller.stop()
+
+
+def test_a_dsn_to_a_utf8_sender_without_smtputf8_on_the_way_back_fails_once_and_is_logged(make_node):
+    """The DSN to a non-ASCII sender cannot go through a next hop without SMTPUTF8 at all (RFC 6531
+    3.4): it fails at once with 5.6.7 (a FAIL row, no retries, no DSN about the DSN), and a warning
+    says that it is dropped."""
+    hop = PerRecipientNextHop(smtputf8=False)
+    node, refusing = dsn_route_node(make_node, f"127.0.0.1:{hop.port}")
+    try:
+        sender = "jürgen@sender.test"
+        send("127.0.0.1", node.port, sender, [REFUSED], utf8_message(sender=sender, to=REFUSED))
+        dsn_row = one(wait_for(lambda: node.tracking(event_id="DSN"), timeout=15, what="the DSN"))
+        netid = dsn_row["network-message-id"]
+        fail = one(wait_for(lambda: node.tracking(event_id="FAIL", network_message_id=netid), timeout=10,
+                            what="the DSN failed"))
+        assert fail["recipient-address"] == sender and " 5.6.7 " in fail["recipient-status"], fail
+        node.wait_passes(3)
+        assert len(node.tracking(event_id="FAIL")) == 2  # the original's and the DSN's, once each
+        assert not node.tracking(event_id="DEFER") and len(node.tracking(event_id="DSN")) == 1
+        assert not hop.messages and not hop.rcpts
+        assert f"to {sender} could not be delivered and is dropped: 550 5.6.7" in node.log()
+        assert not [m for m in node.cli_json("message", "list") if m["network_message_id"] == netid]
+    finally:
+        refusing.controller.stop()
+        hop.controller.stop()
 
 
 def test_8bit_body_to_a_next_hop_without_8bitmime_arrives_7bit_and_decodes_the_same(make_node, sink):

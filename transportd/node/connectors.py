@@ -391,6 +391,9 @@ class SmtpConnector:
                              next_hop_8bitmime=client.supports_extension("8bitmime"))
         if plan.error:
             return [Outcome(r, mq.FAILED, plan.error, local=True) for r in it.recipient_ids]
+        if plan.downgraded:
+            log.info("DSN %s to %s sent as a classic 7-bit DSN (RFC 3464): %s does not offer SMTPUTF8",
+                     it.message_id, ", ".join(it.addresses), it.next_hop)
         options = list(plan.options)
         if client.supports_extension("size"):
             options.append(f"SIZE={len(plan.data)}")

@@ -261,6 +261,13 @@ class OutcomeRecorder:
                           it.queue_identity, exc.__class__.__name__, exc, exc_info=exc, extra=ids)
                 self.events.metrics.internal_failures.labels(step).inc()
             self._track(row, it, d.outcomes.get(it.message_id, []), d.remote, d.remote_address, expiry=d.expiry)
+            failed = _failed_addresses(it, d.outcomes.get(it.message_id, ()))
+            if failed and row.get("sender") == "":
+                # No DSN says so (none for the null sender, RFC 5321 4.5.5): the log does.
+                reply = next(o.reply for o in d.outcomes[it.message_id] if o.status == mq.FAILED)
+                log.warning("DSN %s to %s could not be delivered and is dropped: %s", it.message_id,
+                            ", ".join(failed), reply, extra={"internal_message_id": it.message_id,
+                                                             "network_message_id": row.get("network_message_id", "")})
             if it.message_id in created:
                 dsn_id, dsn = created[it.message_id]
                 self.events.log_dsn(row, dsn_id, dsn)

@@ -7,14 +7,18 @@ when the next hop has no 8BITMIME, as Postfix does), or the reply that fails the
 recipients with no attempt at all: a message that needs SMTPUTF8 is never offered
 to a next hop without it (RFC 6531 section 3.4), and 8-bit data is never sent
 unannounced. The addresses and headers themselves are never changed: they are
-sent byte for byte as received (UTF-8).
+sent byte for byte as received (UTF-8). The one exception is a DSN (the null
+sender) in the RFC 6533 form to an ASCII address: for a next hop without SMTPUTF8
+it becomes the classic 7-bit DSN (``dsn.downgrade_dsn``), since a DSN that fails
+is reported to no one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
+from transportd.smtp.dsn import downgrade_dsn
 from transportd.smtp.mime7bit import needs_smtputf8_headers, to_7bit
 
 # RFC 6531 section 3.6 / RFC 3463 enhanced codes used when no attempt is made.
@@ -54,6 +58,7 @@ class SendPlan:
     data: bytes             # the message as it is to be sent
     error: str | None = None  # set: fail the recipients with this reply, make no attempt
     converted: bool = False  # the body was converted to 7 bit (quoted-printable)
+    downgraded: bool = False  # an RFC 6533 DSN sent as the classic 7-bit DSN (RFC 3464)
 
 
 def plan_send(sender: str, recipients: Iterable[str], data: bytes, *, smtputf8: bool, body_type: str,
@@ -64,6 +69,13 @@ def plan_send(sender: str, recipients: Iterable[str], data: bytes, *, smtputf8: 
     if needs_smtputf8(sender, recipients, data, smtputf8):
         if not next_hop_smtputf8:
             ascii_envelope = sender.isascii() and all(r.isascii() for r in recipients)
+            # A DSN to an ASCII sender: said in 7 bit (RFC 6533 3, as Postfix and Exchange do), not
+            # lost, which a failed DSN would be: no one is told of it.
+            classic = downgrade_dsn(data) if ascii_envelope and not sender else None
+            if classic is not None:
+                plan = plan_send(sender, recipients, classic, smtputf8=False, body_type="", next_hop_smtputf8=False,
+                                 next_hop_8bitmime=next_hop_8bitmime)
+                return replace(plan, downgraded=plan.error is None)
             return SendPlan([], data, NO_SMTPUTF8_HEADERS if ascii_envelope else NO_SMTPUTF8_ADDRESS)
         options.append("SMTPUTF8")
     eight_bit = not data.isascii()
