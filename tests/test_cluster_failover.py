@@ -407,3 +407,57 @@ def test_a_recipient_delivered_while_the_messages_dsn_waits_is_not_sent_again_by
         assert hop.transactions.count([sender]) == 1, hop.transactions
     finally:
         hop.controller.stop()
+
+
+def test_a_promoted_copy_sends_the_success_notice_the_primary_owed_without_delivering_again(cluster):
+    """node2 (primary) delivers ok-s1 (NOTIFY=SUCCESS) to a next hop that offers no DSN, so it owes
+    the sender a "relayed" notice; that notice waits (the next hop greylists temp-sender). node1,
+    the shadow, hears at its heartbeat that ok-s1 was delivered with the notice still owed
+    (``NotifyRelayed=``, ``XQDISCARD n RCPT FAILED NOTIFY``). node2 is killed: node1's promotion
+    sends the notice (once) and not ok-s1 a second copy. node1 heard ``Delivered=`` before, which
+    emptied its copy: the promotion had nothing to send, and the notice the sender asked for was
+    lost with node2."""
+    import smtplib
+
+    from clusters import netid_of
+    from conftest import read_db
+
+    hop = PerRecipientNextHop()
+    try:
+        c = cluster(overrides={"routing": {"smart_host": f"127.0.0.1:{hop.port}"}}, nodes=2, sites=1).start()
+        n1, n2 = c["node1"], c["node2"]
+        sender, ok = "temp-sender@foreign.test", "ok-s1@foreign.test"
+        with smtplib.SMTP(n2.host, n2.frontend_port, timeout=20) as s:
+            s.ehlo("client.example")
+            assert s.mail(sender)[0] == 250
+            assert s.rcpt(ok, ["NOTIFY=SUCCESS"])[0] == 250
+            code, text = s.data(b"Subject: notify-success\r\n\r\nhello\r\n")
+        assert code == 250, text
+        netid = netid_of(n2, int(text.decode().rsplit(" ", 1)[-1]))
+        wait_for(lambda: [ok] in hop.transactions, timeout=20, what="node2 to deliver ok-s1")
+        wait_for(lambda: hop.rcpts.count(sender) >= 1, timeout=20, what="node2's success notice deferred")
+        assert read_db(n2.cfg.db_path, "SELECT count(*) FROM messages WHERE dsn_of IS NOT NULL "
+                                       "AND state = 'Queued'")[0][0] == 1
+
+        def shadow_recipients() -> dict[str, str]:
+            return dict(read_db(n1.cfg.db_path, "SELECT r.address, r.status FROM recipients r JOIN messages m "
+                                                "ON m.id = r.message_id WHERE m.network_message_id = ?", (netid,)))
+        wait_for(lambda: shadow_recipients().get(ok) == "Delivered", timeout=20,
+                 what="node1 to hear that node2 delivered ok-s1")
+
+        assert n2.proc is not None
+        n2.proc.send_signal(signal.SIGKILL)
+        n2.proc.wait(timeout=10)
+        hop.greylisting = False
+        wait_for(lambda: [sender] in hop.transactions, timeout=30, what="the notice, sent by node1, delivered")
+        time.sleep(1.5)  # waiting for absence: a second copy of ok-s1, or a second notice, would have gone by now
+        assert sum(ok in t for t in hop.transactions) == 1, hop.transactions
+        assert hop.transactions.count([sender]) == 1, hop.transactions
+        assert "RESUBMIT" in n1.events(netid) and "SENDEXTERNAL" not in n1.events(netid)
+        [(data,)] = read_db(n1.cfg.db_path, "SELECT b.data FROM message_bodies b JOIN messages m "
+                                            "ON m.id = b.message_id WHERE m.dsn_of IS NOT NULL")
+        text = data.decode(errors="replace")
+        assert "Action: relayed" in text and f"rfc822; {ok}" in text.lower() and "Status: 2.0.0" in text, text
+        assert n1.tracking(event_id="DSN")  # tracked as node1's DSN
+    finally:
+        hop.controller.stop()

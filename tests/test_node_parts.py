@@ -436,6 +436,83 @@ def test_a_failed_recipient_is_told_to_the_shadows_once_its_dsn_is_out(tmp_path)
         shadow.close()
 
 
+def test_a_delivered_recipient_whose_success_notice_waits_is_told_so_until_the_notice_is_out(tmp_path):
+    """A recipient delivered with its success notice (NOTIFY=SUCCESS) queued is told per recipient
+    as such (``NotifyRelayed=``) to a shadow that asked (``XQDISCARD n RCPT FAILED NOTIFY``), as
+    ``Delivered=`` to one that asked for per-recipient entries alone (as before); once the notice
+    is out, ``Delivered=`` follows. On the shadow such a recipient is delivered but keeps the copy
+    (nothing else pending: not returned for discarding); a promotion then queues the notice
+    ("relayed", 2.0.0) and finishes the copy, delivering nothing again; a ``Delivered=`` instead
+    ends the wait and empties the copy."""
+    from transportd.queue import notices
+    from transportd.queue import shadows as sq
+    from transportd.redundancy import protocol
+
+    assert mq.RECIPIENT_NOTIFY == (protocol.NOTIFY_DELIVERED, protocol.NOTIFY_RELAYED)
+    cfg = _cfg(tmp_path)
+    hop = NextHop("smarthost:127.0.0.1:25", SMART_HOST, "127.0.0.1:25")
+    primary = QueueStore.open(tmp_path / "primary.db")
+    try:
+        msg = _message(hop, ["a@x.test", "b@x.test"], 1)
+        msg.dsn_rcpt = {"a@x.test": "NOTIFY=SUCCESS"}
+        mid = primary.transaction(lambda c: mq.enqueue(c, msg))
+        primary.transaction(lambda c: sq.record_shadow(c, mid, "shadow.t", "g-1", time.time()))
+        dsn = _message(hop, ["bob@remote.test"], 2)
+        dsn.dsn_of, dsn.sender, dsn.origin = mid, "", "dsn"
+        dsn_id = primary.transaction(lambda c: mq.enqueue(c, dsn))
+        primary.transaction(lambda c: c.exec_driver_sql(
+            "UPDATE recipients SET status = 'Delivered' WHERE message_id = ? AND address = 'a@x.test'", (mid,)))
+        notice = protocol.notice_reason("a@x.test", "relayed")
+        assert notice == "NotifyRelayed=a@x.test"
+        primary.transaction(lambda c: sq.record_delivered_recipients(c, mid, [notice], time.time()))
+        assert primary.transaction(lambda c: sq.take_discard_events(c, "shadow.t", 10, "t1")) == []
+        assert primary.transaction(lambda c: sq.take_discard_events(c, "shadow.t", 10, "t2", True, True)) == [
+            ("g-1", protocol.delivered_reason("a@x.test"))]  # an older shadow: as before
+        primary.transaction(lambda c: sq.settle_discard_events(c, "t2", False))
+        assert primary.transaction(lambda c: sq.take_discard_events(c, "shadow.t", 10, "t3", True, True, True)) == [
+            ("g-1", notice)]
+        primary.transaction(lambda c: sq.settle_discard_events(c, "t3", True))
+        primary.transaction(lambda c: c.exec_driver_sql(
+            "UPDATE recipients SET status = 'Delivered' WHERE message_id = ?", (dsn_id,)))
+        assert primary.transaction(lambda c: mq.finish_if_done(c, dsn_id, time.time(), 0))  # the notice is out
+        assert primary.transaction(lambda c: sq.take_discard_events(c, "shadow.t", 10, "t4", True, True, True)) == [
+            ("g-1", protocol.delivered_reason("a@x.test"))]
+    finally:
+        primary.close()
+
+    shadow = QueueStore.open(tmp_path / "shadow.db")
+    try:
+        copies = []
+        for n in (3, 4):
+            copy = _message(hop, ["a@x.test", "b@x.test"], n)
+            copy.role, copy.redundancy, copy.shadow_guid, copy.primary_node = "shadow", "shadow", f"g-{n}", "primary.t"
+            copy.dsn_rcpt = {"a@x.test": "NOTIFY=SUCCESS"}
+            copies.append(shadow.transaction(lambda c, copy=copy: mq.enqueue(c, copy)))
+            for status, notice, address in ((mq.DELIVERED, "relayed", "a@x.test"), (mq.FAILED, None, "b@x.test")):
+                assert shadow.transaction(lambda c, n=n, s=status, t=notice, a=address: sq.apply_delivered_recipients(
+                    c, "primary.t", [(f"g-{n}", a)], time.time(), s, t)) == []  # the notice keeps the copy
+        # g-4: the notice is out there (Delivered=): nothing is left to do with the copy.
+        assert shadow.transaction(lambda c: sq.apply_delivered_recipients(
+            c, "primary.t", [("g-4", "a@x.test")], time.time())) == ["g-4"]
+        # g-3: the primary is lost: the promotion sends the notice and delivers nothing.
+        promoted = shadow.transaction(lambda c: [r["id"] for r in sq.promote_page(c, "primary.t", None, 10)])
+        assert copies[0] in promoted
+        [(original, notice_id, made)] = shadow.transaction(
+            lambda c: notices.send_owed_notices(c, cfg, [copies[0]], time.time()))
+        assert original["id"] == copies[0] and made.sender == "" and made.dsn_of == copies[0]
+        assert [a for v in made.recipients.values() for a in v] == ["bob@remote.test"]
+        text = made.data.decode()
+        assert "Action: relayed" in text and "Status: 2.0.0" in text and "rfc822; a@x.test" in text.lower(), text
+        row = shadow.read(lambda c: mq.message_row(c, copies[0]))
+        assert row["state"] != mq.QUEUED and shadow.read(lambda c: mq.message_row(c, notice_id))["dsn_of"] == copies[0]
+        assert shadow.read(lambda c: c.exec_driver_sql(
+            "SELECT count(*) FROM recipients WHERE message_id = ? AND status IN ('Ready', 'Retry')",
+            (copies[0],)).scalar()) == 0
+        assert shadow.transaction(lambda c: notices.send_owed_notices(c, cfg, [copies[0]], time.time())) == []
+    finally:
+        shadow.close()
+
+
 def test_per_recipient_discards_are_handed_only_to_a_shadow_that_asks(tmp_path):
     """The primary's per-recipient events go to a shadow that asked (``XQDISCARD n RCPT``), never
     to one that did not (an older node, a 2010 peer: its discards go on as before); on the shadow

@@ -221,6 +221,33 @@ def test_failed_recipient_discards_only_where_asked() -> None:
     assert one(s, "XQDISCARD 10 FAILED") == Refusal(R501)
 
 
+def test_success_notice_discards_only_where_asked() -> None:
+    """``XQDISCARD n RCPT FAILED NOTIFY`` (asked only of a primary that offers XQDISCARDNOTIFY too):
+    ``NotifyDelivered=``/``NotifyRelayed=`` entries read; a shadow that asked ``RCPT FAILED``
+    alone (an older node) takes such an entry as a contract violation, so a primary never hands
+    it one (it gets ``Delivered=``)."""
+    from transportd.redundancy.protocol import notice_reason, recipient_done
+    relayed, delivered = notice_reason("ok x+y@example.test", "relayed"), notice_reason("a@example.test", "delivered")
+    c = identified_client()
+    assert c.send_discard(2, recipients=True, failed=True, notify=True) == b"XQDISCARD 2 RCPT FAILED NOTIFY\r\n"
+    assert c.receive_data(f"250-{G1} {relayed}\r\n250 {G2} {delivered}\r\n".encode()) == [
+        DiscardBatch(((G1, relayed), (G2, delivered)), complete=False)]
+    assert recipient_done(relayed) == ("NotifyRelayed=", "ok x+y@example.test")
+    assert recipient_done(delivered) == ("NotifyDelivered=", "a@example.test")
+    c = identified_client()
+    c.send_discard(2, recipients=True, failed=True)
+    with pytest.raises(ProtocolError):
+        c.receive_data(f"250 {G1} {relayed}\r\n".encode())
+    with pytest.raises(ProtocolError):
+        identified_client().send_discard(2, recipients=True, notify=True)  # only with Failed= too
+    s = server()
+    assert isinstance(one(s, XSHADOW), XShadowReceived)
+    assert one(s, "XQDISCARD 10 rcpt failed notify") == DiscardRequested(PRIMARY, 10, recipients=True, failed=True,
+                                                                       notify=True)
+    assert one(s, "XQDISCARD 10 RCPT FAILED") == DiscardRequested(PRIMARY, 10, recipients=True, failed=True)
+    assert one(s, "XQDISCARD 10 RCPT NOTIFY") == Refusal(R501)
+
+
 @pytest.mark.parametrize("reply", [
     f"250-{G1}\r\n250 not-a-guid\r\n".encode(),
     f"250 {G1} Eaten\r\n".encode(),  # an unknown reason

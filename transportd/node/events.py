@@ -17,6 +17,7 @@ from transportd.node.handling import NO_MARK
 from transportd.node.logs import message_context
 from transportd.queue import messages as mq
 from transportd.queue.messages import NewMessage
+from transportd.queue.notices import dsn_tracking
 from transportd.queue.store import QueueStore
 from transportd.tracking import return_path, sender_address
 
@@ -173,11 +174,6 @@ class NodeEvents:
             log.info("tracking log retention: removed %s (%d bytes), %s", path.name, size, why)
 
     def log_dsn(self, original: dict, dsn_id: int, dsn: NewMessage) -> None:
-        self.track("DSN", "DSN", {"id": dsn_id, "network_message_id": dsn.network_message_id,
-                                  "message_id": dsn.message_id, "sender": "", "author": dsn.author, "subject": dsn.subject,
-                                  "size": len(dsn.data)},
-                   recipients=[a for v in dsn.recipients.values() for a in v],
-                   reference=original.get("message_id") or "",
-                   source_context=f"original internal id {original.get('id')}; "
-                                  f"network id {original.get('network_message_id')}")
+        row, fields = dsn_tracking(original, dsn_id, dsn)
+        self.track("DSN", "DSN", row, **fields)
 

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Iterable, Sequence
 
 from transportd import faults
@@ -26,13 +25,13 @@ from transportd.node.events import NodeEvents
 from transportd.queue import messages as mq
 from transportd.queue import shadows as sq
 from transportd.queue.messages import NewMessage, Outcome, WorkItem
-from transportd.queue.routing import MAILBOX, PEER, bifurcate
+from transportd.queue.notices import dsn_message, utc
+from transportd.queue.routing import MAILBOX, PEER
 from transportd.queue.store import QueueStore
-from transportd.redundancy.protocol import delivered_reason
+from transportd.redundancy.protocol import delivered_reason, notice_reason
 from transportd.smtp import dsnparams
 from transportd.smtp.client import describe
-from transportd.smtp.dsn import RecipientReport, build_dsn, dsn_needs_utf8, status_from_reply
-from transportd.smtp.headers import header_fields, rfc5322_date
+from transportd.smtp.dsn import RecipientReport, status_from_reply
 from transportd.tracking import format_datetime
 
 log = logging.getLogger("transportd.node.outcomes")
@@ -81,36 +80,6 @@ def status_of(reply: str) -> str:
     return status_from_reply(code, reply[4:])
 
 
-def dsn_message(cfg: Any, original: dict, original_body: bytes, reports: Sequence[RecipientReport],
-                now: float) -> NewMessage | None:
-    """The DSN (a new message from <>) for ``reports`` (failed, delayed, or delivered and relayed
-    where NOTIFY=SUCCESS asked), or None when none may be sent."""
-    sender = original.get("sender") or ""
-    if not sender or original.get("origin") == "dsn" or original.get("suppress_dsn") or not reports:
-        return None
-    # RFC 6533: a UTF-8 DSN when the original came with SMTPUTF8 (its sender's side speaks it) and
-    # holds UTF-8; it then travels with SMTPUTF8 itself. Otherwise the classic 7-bit DSN.
-    utf8 = dsn_needs_utf8(sender, list(reports), original_body, bool(original.get("smtputf8")))
-    # RFC 3461 4.3/4.4: the ENVID comes back; the whole message only for RET=FULL and a failure
-    # (a notice of delivery or delay carries the headers only).
-    asked = original.get("dsn_params") or ""
-    data = build_dsn(
-        reporting_mta=cfg.node.name, original_sender=sender, original_message=original_body,
-        recipients=list(reports), arrival_date=utc(original.get("received_at") or now), now=utc(now), utf8=utf8,
-        original_envelope_id=dsnparams.envid_of(asked),
-        include_body=dsnparams.returns_full(asked) and any(r.action == "failed" for r in reports),
-    )
-    message_id, _, subject, author = header_fields(data)  # its own Subject ("Undeliverable: <original's>"), decoded
-    return NewMessage(
-        network_message_id=str(uuid.uuid4()), sender="", data=data,
-        recipients=bifurcate([sender], cfg), received_at=now,
-        expires_at=now + cfg.delivery.message_expiration_timeout,
-        message_id=message_id, submit_time=rfc5322_date(now), subject=subject, author=author,
-        origin="dsn", smtputf8=utf8, body_type="8BITMIME" if utf8 else "",
-        dsn_of=original.get("id"),
-    )
-
-
 def _to_tell(it: WorkItem, outs: list[Outcome]) -> list[Outcome]:
     """The outcomes the sender is told of (RFC 3461 4.1): a failure unless NOTIFY leaves FAILURE out;
     a success where NOTIFY has SUCCESS and we are the last to see it: stored in a mailbox here
@@ -134,11 +103,16 @@ def _action(it: WorkItem, o: Outcome) -> str:
     return "delivered" if it.delivery_type == MAILBOX else "relayed"
 
 
-def _delivered_reasons(it: WorkItem, outs: Iterable[Outcome]) -> list[str]:
+def _delivered_reasons(it: WorkItem, outs: Iterable[Outcome], noticed: Iterable[Outcome] = ()) -> list[str]:
     """The per-recipient discard reasons of the recipients of ``it`` delivered in ``outs``
-    (an address too long for a reply line is left to the message's own discard)."""
+    (an address too long for a reply line is left to the message's own discard): ``Delivered=``,
+    or for those in ``noticed`` (a success notice queued for them now: RFC 3461 NOTIFY=SUCCESS)
+    ``NotifyDelivered=``/``NotifyRelayed=``, so that a promotion sends that notice rather than
+    losing it (``Delivered=`` follows once it is out, ``mq.tell_shadows_notified``)."""
     address = dict(zip(it.recipient_ids, it.addresses))
-    reasons = (delivered_reason(address[o.recipient_id]) for o in outs
+    notice = {o.recipient_id: _action(it, o) for o in noticed if o.status == mq.DELIVERED}
+    reasons = (notice_reason(address[o.recipient_id], notice[o.recipient_id]) if o.recipient_id in notice
+               else delivered_reason(address[o.recipient_id]) for o in outs
                if o.status == mq.DELIVERED and o.recipient_id in address)
     return [r for r in dict.fromkeys(reasons) if len(r) <= MAX_PER_RECIPIENT_REASON]
 
@@ -151,11 +125,6 @@ def _failed_addresses(it: WorkItem, outs: Iterable[Outcome]) -> list[str]:
 
 
 MAX_PER_RECIPIENT_REASON = mq.MAX_RECIPIENT_REASON
-
-
-def utc(ts: float | None) -> datetime | None:
-    """A queue database time (seconds since the epoch) as an aware UTC datetime; None as None."""
-    return None if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc)
 
 
 class OutcomeRecorder:
@@ -237,9 +206,12 @@ class OutcomeRecorder:
                     # the shadows learn it per recipient, so that a promotion of theirs does not
                     # deliver these a second time, nor fail them again with a second DSN (a
                     # failed one once its DSN is out: until then they protect the DSN; when it
-                    # is out of a finished message, its shadows go). Those a peer took hop by
-                    # hop: its fork covers them.
-                    delivered = [] if forks else _delivered_reasons(it, d.outcomes.get(mid, ()))
+                    # is out of a finished message, its shadows go). A delivered one whose success
+                    # notice was queued now is told with it (a promotion sends the notice). Those
+                    # a peer took hop by hop: its fork covers them.
+                    outs = d.outcomes.get(mid, [])
+                    noticed = _to_tell(it, outs) if mid in dsns else []
+                    delivered = [] if forks else _delivered_reasons(it, outs, noticed)
                     if delivered:
                         sq.record_delivered_recipients(conn, mid, delivered, now)
                     failed = [] if finished else _failed_addresses(it, d.outcomes.get(mid, ()))

@@ -19,6 +19,7 @@ from transportd.queue.direct import Insert, Update, driver, placeholders
 from transportd.queue.routing import NextHop
 from transportd.queue.store import (delivered_to, discard_events, message_bodies, message_shadows, messages,
                                     meta, queues, recipients, shadow_forks)
+from transportd.smtp import dsnparams
 from transportd.smtp.dsnparams import xtext_encode
 
 # recipient statuses
@@ -40,6 +41,10 @@ QUEUED, SAFETY_NET, MSG_REMOVED = "Queued", "SafetyNet", "Removed"
 # out only to a shadow that asked for that kind. A longer one than MAX_RECIPIENT_REASON octets (an
 # address too long for a reply line) is not made: the message's own discard covers that recipient.
 RECIPIENT_DELIVERED, RECIPIENT_FAILED = "Delivered=", "Failed="
+# ... and of a recipient delivered whose success notice (RFC 3461 NOTIFY=SUCCESS) is still queued:
+# handed out as such only to a shadow that asked (a promotion of its copy sends the notice instead
+# of delivering again), as ``Delivered=`` to one that asked for per-recipient entries alone.
+RECIPIENT_NOTIFY = ("NotifyDelivered=", "NotifyRelayed=")
 MAX_RECIPIENT_REASON = 1000  # octets: a reply line stays far below the peers' 4096
 # The Poison queue (Exchange's): not a next hop but the messages held with ``poisoned`` = 1.
 POISON = "Poison"
@@ -138,6 +143,10 @@ DSN of, its recipients not yet terminal, the forks a peer holds as primary, its 
 _SHADOWS_OF = "SELECT shadow_node, shadow_guid FROM message_shadows WHERE message_id = ?"
 _FAILED_RECIPIENTS = select(recipients.c.address).where(recipients.c.message_id == bindparam("b_id"),
                                                         recipients.c.status == FAILED)
+# Delivered recipients of a message, except those behind a fork a peer holds (its own to tell).
+_DELIVERED_RECIPIENTS = select(recipients.c.address, recipients.c.dsn_params).where(
+    recipients.c.message_id == bindparam("b_id"), recipients.c.status == DELIVERED,
+    recipients.c.queue_id.not_in(select(shadow_forks.c.queue_id).where(shadow_forks.c.message_id == bindparam("b_id"))))
 _INSERT_DISCARD = Insert(discard_events)
 _DELETE_BODY = "DELETE FROM message_bodies WHERE message_id = ?"
 # By their ids (the primary key): on ``status IN (...)`` SQLite may choose ix_recipients_due and read
@@ -568,7 +577,8 @@ def _discard_shadows_of(conn: Connection, message_id: int, now: float) -> None:
 
 def _dsn_out(conn: Connection, message_id: int, now: float) -> None:
     """A DSN about ``message_id`` left the queue (processed, or removed). Once none is left, the
-    message's shadows go if it is done; if it still waits, they learn the recipients it failed."""
+    message's shadows go if it is done; if it still waits, they learn the recipients it failed, and
+    that those delivered with a notice of success owed are done (``tell_shadows_notified``)."""
     parent = conn.execute(_MESSAGE_STATE, {"b_id": message_id}).first()
     if parent is None or conn.execute(_DSN_PENDING, {"b_id": message_id}).scalar():
         return
@@ -576,6 +586,35 @@ def _dsn_out(conn: Connection, message_id: int, now: float) -> None:
         _discard_shadows_of(conn, message_id, now)
     else:
         tell_shadows_failed(conn, message_id, now)
+        tell_shadows_notified(conn, message_id, now)
+
+
+def tell_shadows_notified(conn: Connection, message_id: int, now: float) -> int:
+    """Per-recipient discard events (``Delivered=``) for the shadows of ``message_id``, once no DSN
+    about it is queued, for its delivered recipients that asked for a notice of success (RFC 3461
+    NOTIFY=SUCCESS): they were told ``NotifyDelivered=``/``NotifyRelayed=`` (a promotion sends the
+    notice), and the notice is out now. One told before (or whose notice a next hop sent) comes
+    again: a no-op for the shadow. Returns how many."""
+    if conn.execute(_DSN_PENDING, {"b_id": message_id}).scalar():
+        return 0
+    addresses = [a for a, params in conn.execute(_DELIVERED_RECIPIENTS, {"b_id": message_id}).all()
+                 if dsnparams.wants(params or "", dsnparams.SUCCESS)]
+    return _tell_shadows(conn, message_id, now, RECIPIENT_DELIVERED, addresses)
+
+
+def _tell_shadows(conn: Connection, message_id: int, now: float, kind: str, addresses: Iterable[str]) -> int:
+    """One per-recipient discard event (``kind`` and the address) per shadow of ``message_id`` and
+    address (one too long for a reply line is left to the message's own discard)."""
+    reasons = [r for r in dict.fromkeys(kind + xtext_encode(a) for a in addresses) if len(r) <= MAX_RECIPIENT_REASON]
+    if not reasons:
+        return 0
+    n = 0
+    for node, guid in driver(conn).execute(_SHADOWS_OF, (message_id,)).fetchall():
+        for reason in reasons:
+            _INSERT_DISCARD.run(conn, {"shadow_node": node, "shadow_guid": guid, "created_at": now,
+                                       "reason": reason})
+            n += 1
+    return n
 
 
 def tell_shadows_failed(conn: Connection, message_id: int, now: float,
@@ -590,17 +629,7 @@ def tell_shadows_failed(conn: Connection, message_id: int, now: float,
         return 0
     if addresses is None:
         addresses = conn.execute(_FAILED_RECIPIENTS, {"b_id": message_id}).scalars().all()
-    reasons = [r for r in dict.fromkeys(RECIPIENT_FAILED + xtext_encode(a) for a in addresses)
-               if len(r) <= MAX_RECIPIENT_REASON]
-    if not reasons:
-        return 0
-    n = 0
-    for node, guid in driver(conn).execute(_SHADOWS_OF, (message_id,)).fetchall():
-        for reason in reasons:
-            _INSERT_DISCARD.run(conn, {"shadow_node": node, "shadow_guid": guid, "created_at": now,
-                                       "reason": reason})
-            n += 1
-    return n
+    return _tell_shadows(conn, message_id, now, RECIPIENT_FAILED, addresses)
 
 
 def purge_expired(conn: Connection, now: float, duplicate_window: float) -> tuple[int, int]:

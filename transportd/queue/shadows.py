@@ -20,6 +20,7 @@ from sqlalchemy.engine import Connection
 
 from transportd import faults
 from transportd.queue import messages as mq
+from transportd.queue import notices
 from transportd.queue.direct import Insert
 from transportd.queue.routing import NextHop, route_config
 from transportd.queue.store import (
@@ -74,8 +75,9 @@ def redundancy_of(holders: int, wanted: int) -> str:
 
 
 # The reason of a per-recipient discard event for a delivered recipient (queue/messages.py's, with
-# ``Failed=`` for a failed one): ``Delivered=<xtext of the address>``, handed out only to a shadow
-# that asked for them.
+# ``Failed=`` for a failed one, ``NotifyDelivered=``/``NotifyRelayed=`` for one whose notice of
+# success is still queued): ``Delivered=<xtext of the address>``, handed out only to a shadow that
+# asked for them.
 PER_RECIPIENT = mq.RECIPIENT_DELIVERED
 
 
@@ -94,14 +96,27 @@ def record_delivered_recipients(conn: Connection, message_id: int, reasons: Iter
     return n
 
 
+def _recipient_done(primary: str, status: str, notice: str | None, last_error: str | None) -> dict:
+    """What a per-recipient discard of ``primary`` writes on the recipient: ``status``, and a
+    ``last_error`` saying why (a failure there; a success notice it owes, ``notice`` its action)."""
+    if notice is not None:
+        last_error = notices.notice_owed(notice, primary)
+    elif status == mq.FAILED:
+        last_error = f"failed on the primary {primary}"
+    return {"status": status, "last_error": last_error}
+
+
 def apply_delivered_recipients(conn: Connection, primary: str, entries: Iterable[tuple[str, str]],
-                               now: float, status: str = mq.DELIVERED) -> list[str]:
+                               now: float, status: str = mq.DELIVERED, notice: str | None = None) -> list[str]:
     """Per-recipient discards of ``primary`` (GUID, address): those recipients of our queued shadow
     copy are done (the primary delivered them; with ``status`` FAILED, failed them, its DSN out), so
-    a promotion delivers only the others and fails none a second time. Returns the GUIDs of copies
-    left with no recipient to deliver (the caller discards them)."""
-    done = {"status": status, "completed_at": now,
-            "last_error": f"failed on the primary {primary}" if status == mq.FAILED else None}
+    a promotion delivers only the others and fails none a second time. With ``notice`` (the RFC
+    3464 action, ``NotifyDelivered=``/``NotifyRelayed=``), delivered there with the success notice
+    still owed: marked so (``notices.NOTICE_OWED``), and the copy stays for a promotion to send that
+    notice; a later ``Delivered=`` for such a recipient (the notice is out) ends that. Returns the
+    GUIDs of copies left with nothing to deliver nor notice to send (the caller discards them)."""
+    done = {**_recipient_done(primary, status, notice, None), "completed_at": now}
+    owed = notices.notice_owed_on(recipients.c.last_error)
     guids = []
     for guid, address in entries:
         row = conn.execute(select(messages.c.id).where(
@@ -112,8 +127,13 @@ def apply_delivered_recipients(conn: Connection, primary: str, entries: Iterable
         conn.execute(update(recipients).where(
             recipients.c.message_id == row.id, recipients.c.address == address,
             recipients.c.status.not_in(mq.TERMINAL)).values(**done))
+        if status == mq.DELIVERED and notice is None:  # the notice owed for it is out there
+            conn.execute(update(recipients).where(
+                recipients.c.message_id == row.id, recipients.c.address == address,
+                recipients.c.status == mq.DELIVERED, owed).values(last_error=None))
         pending = conn.execute(select(func.count()).select_from(recipients).where(
-            recipients.c.message_id == row.id, recipients.c.status.not_in(mq.TERMINAL))).scalar()
+            recipients.c.message_id == row.id,
+            or_(recipients.c.status.not_in(mq.TERMINAL), and_(recipients.c.status == mq.DELIVERED, owed)))).scalar()
         if not pending:
             guids.append(guid)
     return list(dict.fromkeys(guids))
@@ -126,14 +146,15 @@ def delivered_by(primary: str) -> str:
 
 
 def apply_fork_recipients(conn: Connection, primary: str, entries: Iterable[tuple[str, str]],
-                          now: float, status: str = mq.DELIVERED) -> int:
+                          now: float, status: str = mq.DELIVERED, notice: str | None = None) -> int:
     """Per-recipient discards of ``primary`` for our hop-by-hop forks (GUID, address): the
     recipients it took with that fork that it delivered (``status`` DELIVERED, marked with
-    ``delivered_by``) or failed, its DSN out (FAILED), so that ``requeue_forks`` routes again only
-    the others should it be lost (Exchange's shadow queue per next hop of the primary). The fork
-    itself stays until the primary's discard of the message. Returns how many recipients changed."""
-    done = {"status": status, "completed_at": now,
-            "last_error": f"failed on the primary {primary}" if status == mq.FAILED else delivered_by(primary)}
+    ``delivered_by``; with ``notice``, its success notice still owed there: marked so, and sent by
+    ``requeue_forks`` should the peer be lost) or failed, its DSN out (FAILED), so that
+    ``requeue_forks`` routes again only the others should it be lost (Exchange's shadow queue per
+    next hop of the primary). The fork itself stays until the primary's discard of the message.
+    Returns how many recipients changed."""
+    done = {**_recipient_done(primary, status, notice, delivered_by(primary)), "completed_at": now}
     n = 0
     for guid, address in entries:
         for message_id, queue_id in conn.execute(select(shadow_forks.c.message_id, shadow_forks.c.queue_id).where(
@@ -144,12 +165,15 @@ def apply_fork_recipients(conn: Connection, primary: str, entries: Iterable[tupl
     return n
 
 
-def take_discard_events(conn: Connection, shadow_node: str, n: int, token: str,
-                        recipients: bool = False, failed: bool = False) -> list[tuple[str, str | None]]:
+def take_discard_events(conn: Connection, shadow_node: str, n: int, token: str, recipients: bool = False,
+                        failed: bool = False, notify: bool = False) -> list[tuple[str, str | None]]:
     """Up to ``n`` (guid, reason) discard events for ``shadow_node``, marked as handed out on
     ``token``; per-recipient ones (``Delivered=``) only with ``recipients`` (the shadow asked), and
-    ``Failed=`` ones only with ``failed`` too."""
-    unasked = [] if recipients else [PER_RECIPIENT]
+    ``Failed=`` ones only with ``failed`` too. ``NotifyDelivered=``/``NotifyRelayed=`` ones go as
+    such only with ``notify`` too, as ``Delivered=`` to a shadow that asked for per-recipient
+    entries without it (what it was handed before: a promotion of its copy does not deliver the
+    recipient again, nor send its notice)."""
+    unasked = [] if recipients else [PER_RECIPIENT, *mq.RECIPIENT_NOTIFY]
     unasked += [] if recipients and failed else [mq.RECIPIENT_FAILED]
     only = [or_(discard_events.c.reason.is_(None),
                 and_(*[discard_events.c.reason.not_like(f"{k}%") for k in unasked]))] if unasked else []
@@ -160,7 +184,16 @@ def take_discard_events(conn: Connection, shadow_node: str, n: int, token: str,
     if rows:
         conn.execute(update(discard_events).where(discard_events.c.id.in_([r.id for r in rows]))
                      .values(sent_token=token))
-    return [(r.shadow_guid, r.reason) for r in rows]
+    return [(r.shadow_guid, r.reason if notify else _as_delivered(r.reason)) for r in rows]
+
+
+def _as_delivered(reason: str | None) -> str | None:
+    """A ``NotifyDelivered=``/``NotifyRelayed=`` reason as ``Delivered=`` (for a shadow that did not
+    ask for them); any other as it is."""
+    for kind in mq.RECIPIENT_NOTIFY:
+        if reason and reason.startswith(kind):
+            return mq.RECIPIENT_DELIVERED + reason[len(kind):]
+    return reason
 
 
 def settle_discard_events(conn: Connection, token: str, acknowledged: bool) -> None:
@@ -390,20 +423,24 @@ def adopt_shadows(conn: Connection, old_primary: str, new_primary: str, new_dbid
     return rows
 
 
-def requeue_forks(conn: Connection, primary: str, keep_dbid: str | None, cfg: Any, now: float) -> list[dict]:
+def requeue_forks(conn: Connection, primary: str, keep_dbid: str | None, cfg: Any, now: float,
+                  owed: list | None = None) -> list[dict]:
     """Forks handed to ``primary``, resubmitted (the peer is lost): each recipient it took is routed
     again as a newly accepted message's is (``queue/routing.py``; Exchange resubmits the shadow
     messages through categorization, "delivered to another" server / "transmitted to the next
     hop"). A recipient whose next hop is that peer (its mailbox database lives there) waits for it
     again, the receiving store dropping a duplicate; one that was only drained there (``redirect``,
     or shadow redundancy promotion) goes to its own next hop. A recipient the peer told us it
-    delivered or failed (``apply_fork_recipients``) is not routed again. Each returned row carries the fork's
-    shadow-message GUID as ``shadow_guid``."""
+    delivered or failed (``apply_fork_recipients``) is not routed again; one whose success notice it
+    owed gets that notice from us instead (appended to ``owed``: (original row, DSN id, DSN), for
+    the tracking rows). Each returned row carries the fork's shadow-message GUID as ``shadow_guid``."""
     found = conn.execute(select(
         shadow_forks.c.message_id, shadow_forks.c.queue_id, shadow_forks.c.shadow_guid).where(
         shadow_forks.c.primary_node == primary, *_older(shadow_forks.c.primary_dbid, keep_dbid))).all()
-    # Those it told us it delivered (Delivered=) are done; those it failed are FAILED here already.
-    done_there = or_(recipients.c.last_error.is_(None), recipients.c.last_error != delivered_by(primary))
+    # Those it told us it delivered (Delivered=) are done, those whose success notice it owed too
+    # (sent here instead, ``notices.send_owed_notices``); those it failed are FAILED here already.
+    done_there = or_(recipients.c.last_error.is_(None), and_(recipients.c.last_error != delivered_by(primary),
+                                                             ~notices.notice_owed_on(recipients.c.last_error)))
     queue_ids: dict[NextHop, int] = {}
     by_queue: dict[int, list[int]] = {}
     for message_id, queue_id, _ in found:
@@ -420,6 +457,8 @@ def requeue_forks(conn: Connection, primary: str, keep_dbid: str | None, cfg: An
                 queue_id=queue_id, status=mq.READY, next_retry_at=0.0, completed_at=None))
     conn.execute(delete(shadow_forks).where(shadow_forks.c.primary_node == primary,
                                             *_older(shadow_forks.c.primary_dbid, keep_dbid)))
+    if owed is not None:  # the success notices the peer owed for what it delivered (finishing those messages)
+        owed.extend(notices.send_owed_notices(conn, cfg, [m for m, _, _ in found], now))
     for message_id in {m for m, _, _ in found}:
         try:  # a message whose every fork recipient the peer processed has nothing left to route
             mq.finish_if_done(conn, message_id, now, cfg.safety_net.safety_net_hold_time)

@@ -30,6 +30,7 @@ from transportd.errors import ProtocolError
 from transportd.redundancy.protocol import (
     FAILED_ARG,
     MAX_SHADOW_RANK,
+    NOTIFY_ARG,
     RCPT_ARG,
     ShadowRequest,
     decode_dbid,
@@ -154,6 +155,7 @@ class DiscardRequested(Event):
     max_count: int
     recipients: bool = False  # ``XQDISCARD n RCPT``: per-recipient entries wanted too
     failed: bool = False  # ``XQDISCARD n RCPT FAILED``: ``Failed=`` ones as well
+    notify: bool = False  # ``XQDISCARD n RCPT FAILED NOTIFY``: ``NotifyDelivered=``/``NotifyRelayed=`` too
 
 
 @dataclass(frozen=True)
@@ -266,6 +268,7 @@ class ClientConnection:
         self._asked = 0
         self._asked_recipients = False
         self._asked_failed = False
+        self._asked_notify = False
         self._lines = _Lines()
         self._partial: list[str] = []
         self._partial_code = 0
@@ -306,10 +309,13 @@ class ClientConnection:
             raise LocalProtocolError("XSHADOW was already answered on this session")
         return self._send(ClientState.AWAITING_XSHADOW, f"XSHADOW {encode_fqdn(self.local_fqdn)}")
 
-    def send_discard(self, max_count: int = 50, recipients: bool = False, failed: bool = False) -> bytes:
+    def send_discard(self, max_count: int = 50, recipients: bool = False, failed: bool = False,
+                     notify: bool = False) -> bytes:
         """XQDISCARD; ``recipients``: ask for per-recipient entries too (only of a primary whose
         EHLO reply offers XQDISCARDRCPT: another answers the argument with 501); ``failed``: for
-        ``Failed=`` ones as well (only of a primary that also offers XQDISCARDFAILED)."""
+        ``Failed=`` ones as well (only of a primary that also offers XQDISCARDFAILED); ``notify``:
+        for ``NotifyDelivered=``/``NotifyRelayed=`` ones as well (only of a primary that also
+        offers XQDISCARDNOTIFY)."""
         self._ready("XQDISCARD")
         if self.peer_queue_database_id is None:
             raise LocalProtocolError("XQDISCARD before XSHADOW identified the primary")
@@ -317,8 +323,11 @@ class ClientConnection:
             raise LocalProtocolError(f"XQDISCARD asks 1 to {MAX_DISCARD_BATCH} ids, not {max_count!r}")
         if failed and not recipients:
             raise LocalProtocolError("XQDISCARD asks for Failed= entries only with the per-recipient ones (RCPT)")
+        if notify and not failed:
+            raise LocalProtocolError("XQDISCARD asks for Notify entries only with the Failed= ones (RCPT FAILED)")
         self._asked, self._asked_recipients, self._asked_failed = max_count, recipients, failed
-        words = [RCPT_ARG] * recipients + [FAILED_ARG] * failed
+        self._asked_notify = notify
+        words = [RCPT_ARG] * recipients + [FAILED_ARG] * failed + [NOTIFY_ARG] * notify
         return self._send(ClientState.AWAITING_DISCARD, " ".join(["XQDISCARD", str(max_count), *words]))
 
     def send_resubmit(self, destination: str, start: float, end: float) -> bytes:
@@ -444,7 +453,8 @@ class ClientConnection:
             return self._copy_reply(code, text)
         event: Event
         if awaiting is ClientState.AWAITING_DISCARD and code in (250, 251):
-            entries = tuple(parse_discard_entries(code, lines, self._asked_recipients, self._asked_failed))
+            entries = tuple(parse_discard_entries(code, lines, self._asked_recipients, self._asked_failed,
+                                                  self._asked_notify))
             event = DiscardBatch(entries, len(entries) < self._asked)
         elif awaiting is ClientState.AWAITING_ADOPT and code in (250, 251):
             event = Adopted(tuple(parse_adopt_reply(code, lines, self._adopt_asked)))
@@ -610,11 +620,11 @@ class ServerConnection:
         if self.xshadow_peer is None:
             return Refusal(_wire(S503_BAD_SEQUENCE), "XQDISCARD before XSHADOW")
         try:
-            n, recipients, failed = parse_xqdiscard_request(arg, MAX_DISCARD_BATCH)
+            n, recipients, failed, notify = parse_xqdiscard_request(arg, MAX_DISCARD_BATCH)
         except ProtocolError as exc:
             return Refusal(_wire(S501_INVALID_ARGUMENTS), str(exc))
         self.discards_out = True
-        return DiscardRequested(self.xshadow_peer, n, recipients, failed)
+        return DiscardRequested(self.xshadow_peer, n, recipients, failed, notify)
 
     def _xresubmit(self, arg: str | None) -> Event:
         if refusal := self._refusal():

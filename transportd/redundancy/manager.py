@@ -146,14 +146,16 @@ class ShadowManager:
         return result
 
     async def take_discard_events(self, shadow_node: str, n: int, token: str, recipients: bool = False,
-                                  failed: bool = False) -> list[tuple[str, str | None]]:
+                                  failed: bool = False, notify: bool = False) -> list[tuple[str, str | None]]:
         """Up to ``n`` discard ids for a shadow, marked as handed out on session ``token``: deleted
         when that session ends with QUIT (the shadow applied them first), handed out again if it
         breaks. A discard is never lost to a dropped connection. ``recipients``: the shadow takes
         per-recipient entries (``XQDISCARD n RCPT``), ``failed``: ``Failed=`` ones too (``RCPT
-        FAILED``); another is never handed one."""
+        FAILED``); another is never handed one. ``notify``: ``NotifyDelivered=``/``NotifyRelayed=``
+        ones too (``RCPT FAILED NOTIFY``); another that takes per-recipient entries gets
+        ``Delivered=`` for them."""
         return await self.store.write(lambda c: sq.take_discard_events(c, shadow_node, n, token, recipients,
-                                                                       failed))
+                                                                       failed, notify))
 
     async def settle_discard_events(self, token: str, acknowledged: bool) -> None:
         await self.store.write(lambda c: sq.settle_discard_events(c, token, acknowledged))

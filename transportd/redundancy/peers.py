@@ -36,6 +36,7 @@ from transportd.redundancy.connection import (
 )
 from transportd.redundancy.protocol import (
     FAILED_DISCARDS_KEYWORD,
+    NOTIFY_DISCARDS_KEYWORD,
     RCPT_DISCARDS_KEYWORD,
     Peer,
     heartbeat_period,
@@ -154,8 +155,10 @@ class PeerSession:
         entries: list[tuple[str, str | None]] = []
         recipients = self.client.supports_extension(RCPT_DISCARDS_KEYWORD.lower())  # per-recipient entries too
         failed = recipients and self.client.supports_extension(FAILED_DISCARDS_KEYWORD.lower())  # Failed= too
+        # ... and the recipients delivered whose success notice is still queued there
+        notify = failed and self.client.supports_extension(NOTIFY_DISCARDS_KEYWORD.lower())
         while True:
-            events = await self._exchange(self.conn.send_discard(DISCARD_BATCH, recipients, failed))
+            events = await self._exchange(self.conn.send_discard(DISCARD_BATCH, recipients, failed, notify))
             batch = next((e for e in events if isinstance(e, DiscardBatch)), None)
             if batch is None:
                 raise ProtocolError(_refusal("XQDISCARD", events))

@@ -97,18 +97,20 @@ def parse_xqdiscard(arg: str | None, maximum: int = 1000) -> int:
     return parse_xqdiscard_request(arg, maximum)[0]
 
 
-def parse_xqdiscard_request(arg: str | None, maximum: int = 1000) -> tuple[int, bool, bool]:
-    """``XQDISCARD <count> [RCPT [FAILED]]``: the batch size (capped at ``maximum``), whether the
-    shadow takes per-recipient entries (``RCPT``, asked only of a primary that offers
-    ``XQDISCARDRCPT``) and whether ``Failed=`` ones too (``FAILED``, asked only of a primary that
-    offers ``XQDISCARDFAILED``)."""
+def parse_xqdiscard_request(arg: str | None, maximum: int = 1000) -> tuple[int, bool, bool, bool]:
+    """``XQDISCARD <count> [RCPT [FAILED [NOTIFY]]]``: the batch size (capped at ``maximum``),
+    whether the shadow takes per-recipient entries (``RCPT``, asked only of a primary that offers
+    ``XQDISCARDRCPT``), whether ``Failed=`` ones too (``FAILED``, asked only of a primary that
+    offers ``XQDISCARDFAILED``) and whether ``NotifyDelivered=``/``NotifyRelayed=`` ones too
+    (``NOTIFY``, asked only of a primary that offers ``XQDISCARDNOTIFY``)."""
     words = (arg or "").split()
     extra = [w.upper() for w in words[1:]]
-    if not words or extra not in ([], [RCPT_ARG], [RCPT_ARG, FAILED_ARG]):
-        raise ProtocolError("XQDISCARD needs a batch size > 0 (and RCPT, RCPT FAILED, or nothing, after it)")
+    if not words or extra not in ([], [RCPT_ARG], [RCPT_ARG, FAILED_ARG], [RCPT_ARG, FAILED_ARG, NOTIFY_ARG]):
+        raise ProtocolError("XQDISCARD needs a batch size > 0 (and RCPT, RCPT FAILED, RCPT FAILED NOTIFY, "
+                            "or nothing, after it)")
     if not words[0].isdigit() or int(words[0]) <= 0:
         raise ProtocolError("XQDISCARD needs a batch size > 0")
-    return min(int(words[0]), maximum), bool(extra), FAILED_ARG in extra
+    return min(int(words[0]), maximum), bool(extra), FAILED_ARG in extra, NOTIFY_ARG in extra
 
 
 # Reasons a discard id may carry after it (``250-<guid> DeletedByAdmin``): the message was not
@@ -132,6 +134,20 @@ DELIVERED = "Delivered="
 FAILED_DISCARDS_KEYWORD = "XQDISCARDFAILED"
 FAILED_ARG = "FAILED"
 FAILED = "Failed="
+# ... and the recipients it delivered whose success notice (NOTIFY=SUCCESS, RFC 3461) is still in
+# its queue: a primary that offers them says ``XQDISCARDNOTIFY`` too; a shadow that takes them asks
+# ``XQDISCARD <n> RCPT FAILED NOTIFY``, and entries ``<guid> NotifyDelivered=<xtext>`` (stored in a
+# mailbox) or ``NotifyRelayed=<xtext>`` (sent on to a next hop that does not offer DSN) then tell
+# it that the primary delivered that recipient and owes the sender that notice: a promotion does
+# not deliver it again but sends the notice (RFC 3464 action ``delivered`` or ``relayed``). Once
+# the notice is out of the primary's queue, a ``Delivered=`` entry (or the message's discard)
+# follows. A shadow that did not ask is handed ``Delivered=`` instead, at once, as before.
+NOTIFY_DISCARDS_KEYWORD = "XQDISCARDNOTIFY"
+NOTIFY_ARG = "NOTIFY"
+NOTIFY_DELIVERED = "NotifyDelivered="
+NOTIFY_RELAYED = "NotifyRelayed="
+# The RFC 3464 action of the notice each of them owes.
+NOTICE_ACTIONS = {NOTIFY_DELIVERED: "delivered", NOTIFY_RELAYED: "relayed"}
 
 
 def delivered_reason(address: str) -> str:
@@ -149,9 +165,17 @@ def delivered_address(reason: str | None) -> str | None:
     return xtext_decode(reason[len(DELIVERED):])
 
 
+def notice_reason(address: str, action: str) -> str:
+    """The reason for a recipient delivered whose success notice (``action``: ``delivered`` or
+    ``relayed``) is still queued: ``NotifyDelivered=`` or ``NotifyRelayed=<xtext>``."""
+    kind = NOTIFY_DELIVERED if action == "delivered" else NOTIFY_RELAYED
+    return kind + xtext_encode(address)
+
+
 def recipient_done(reason: str | None) -> tuple[str, str] | None:
-    """(``Delivered=`` or ``Failed=``, the address) of a per-recipient reason; None for another."""
-    for kind in (DELIVERED, FAILED):
+    """(``Delivered=``, ``Failed=``, ``NotifyDelivered=`` or ``NotifyRelayed=``, the address) of a
+    per-recipient reason; None for another."""
+    for kind in (DELIVERED, FAILED, NOTIFY_DELIVERED, NOTIFY_RELAYED):
         if reason and reason.startswith(kind):
             return kind, xtext_decode(reason[len(kind):])
     return None
@@ -166,15 +190,17 @@ def format_discard_reply(entries: Sequence[str | tuple[str, str | None]]) -> lis
 
 
 def parse_discard_entries(code: int, lines: Sequence[str], recipients: bool = False,
-                          failed: bool = False) -> list[tuple[str, str | None]]:
+                          failed: bool = False, notify: bool = False) -> list[tuple[str, str | None]]:
     """(GUID, reason or None) from an XQDISCARD reply; ProtocolError on any malformed line (keep
     every shadow then). ``recipients``: the shadow asked for per-recipient entries (``Delivered=``);
-    ``failed``: for ``Failed=`` ones too."""
+    ``failed``: for ``Failed=`` ones too; ``notify``: for ``NotifyDelivered=``/``NotifyRelayed=``
+    ones as well."""
     if code == 251:
         return []
     if code != 250:
         raise ProtocolError(f"XQDISCARD answered {code}")
-    kinds = (DELIVERED,) * recipients + (FAILED,) * (recipients and failed)
+    kinds = (DELIVERED,) * recipients + (FAILED,) * (recipients and failed) \
+        + (NOTIFY_DELIVERED, NOTIFY_RELAYED) * (recipients and failed and notify)
     out: list[tuple[str, str | None]] = []
     for line in lines:
         if not line.strip():

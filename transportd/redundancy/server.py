@@ -32,6 +32,7 @@ from transportd.redundancy.connection import (
 )
 from transportd.redundancy.protocol import (
     FAILED_DISCARDS_KEYWORD,
+    NOTIFY_DISCARDS_KEYWORD,
     RCPT_DISCARDS_KEYWORD,
     has_xshadow_param,
     redundancy_reply,
@@ -177,7 +178,8 @@ class TransportSMTP(LimitedSMTP):
         event = await self._judge(verb, arg)
         if isinstance(event, DiscardRequested):
             entries = await self.manager.take_discard_events(event.peer_fqdn, event.max_count, self._discard_token,
-                                                             recipients=event.recipients, failed=event.failed)
+                                                             recipients=event.recipients, failed=event.failed,
+                                                             notify=event.notify)
             await self._write(self.conn.discard_reply(entries))
 
     @syntax("XRESUBMIT destination start-epoch end-epoch")
@@ -237,7 +239,7 @@ class TransportHandler(FrontendHandler):
         if self.manager.sr.version == "2010":
             return out[:-1] + ["250-XSHADOW", out[-1]]
         return out[:-1] + ["250-XSHADOWREQUEST", f"250-{RCPT_DISCARDS_KEYWORD}", f"250-{FAILED_DISCARDS_KEYWORD}",
-                           out[-1]]
+                           f"250-{NOTIFY_DISCARDS_KEYWORD}", out[-1]]
 
     async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope, address: str,
                           rcpt_options: list[str]) -> str:

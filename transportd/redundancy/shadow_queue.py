@@ -20,13 +20,13 @@ from typing import Any, Callable
 
 from transportd import faults
 from transportd.queue import messages as mq
-from transportd.queue import safetynet
+from transportd.queue import notices, safetynet
 from transportd.queue import shadows as sq
 from transportd.queue.messages import NewMessage
 from transportd.queue.routing import bifurcate
 from transportd.queue.store import QueueStore
 from transportd.redundancy.events import EventSink
-from transportd.redundancy.protocol import DELIVERED, recipient_done
+from transportd.redundancy.protocol import FAILED, NOTICE_ACTIONS, recipient_done
 from transportd.smtp.frontend import new_network_message_id, received_as
 from transportd.smtp.headers import header_fields, network_id_from
 
@@ -85,28 +85,34 @@ class ShadowQueues:
 
     async def _discard(self, primary: str, entries: list[tuple[str, str | None]], now: float) -> int:
         hold = self.cfg.safety_net.safety_net_hold_time
-        # Per-recipient entries (a recipient the primary delivered, or failed, while others wait)
-        # narrow what a promotion delivers; a copy they leave with nothing to deliver is discarded
-        # as processed.
-        done: dict[str, list[tuple[str, str]]] = {mq.DELIVERED: [], mq.FAILED: []}
+        # Per-recipient entries (a recipient the primary delivered, or failed, while others wait;
+        # or delivered with its success notice still owed there) narrow what a promotion delivers;
+        # a copy they leave with nothing to deliver nor notice to send is discarded as processed.
+        # Applied in their order, a run of one kind at a time (a notice owed, then its end).
+        runs: list[tuple[str, str | None, list[tuple[str, str]]]] = []
         whole = []
         for guid, reason in entries:
             told = recipient_done(reason)
             if told is None:
                 whole.append((guid, reason))
-            else:
-                done[mq.DELIVERED if told[0] == DELIVERED else mq.FAILED].append((guid, told[1]))
+                continue
+            kind = (mq.FAILED, None) if told[0] == FAILED else (mq.DELIVERED, NOTICE_ACTIONS.get(told[0]))
+            if not runs or runs[-1][:2] != kind:
+                runs.append((*kind, []))
+            runs[-1][2].append((guid, told[1]))
         entries = whole
-        if done[mq.DELIVERED] or done[mq.FAILED]:
+        if runs:
             def apply(c):
-                # Our hop-by-hop forks of its messages learn them too (docs/PROTOCOL.md section 3).
-                for status, pairs in done.items():
-                    sq.apply_fork_recipients(c, primary, pairs, now, status)
-                return [g for status, pairs in done.items() if pairs
-                        for g in sq.apply_delivered_recipients(c, primary, pairs, now, status)]
+                emptied = []
+                for status, notice, pairs in runs:
+                    # Our hop-by-hop forks of its messages learn them too (docs/PROTOCOL.md section 3).
+                    sq.apply_fork_recipients(c, primary, pairs, now, status, notice)
+                    emptied += sq.apply_delivered_recipients(c, primary, pairs, now, status, notice)
+                return emptied
             emptied = await self.store.write(apply)
             log.debug("%d recipient(s) of shadows of %s delivered by it, %d failed by it",
-                      len(done[mq.DELIVERED]), primary, len(done[mq.FAILED]))
+                      sum(len(p) for st, _, p in runs if st == mq.DELIVERED), primary,
+                      sum(len(p) for st, _, p in runs if st == mq.FAILED))
             entries += [(g, None) for g in dict.fromkeys(emptied) if g not in {e[0] for e in entries}]
         if not entries:
             return 0
@@ -152,13 +158,15 @@ class ShadowQueues:
         routed again (``sq.requeue_forks``): mail drained to ``primary`` leaves by its own next hop.
         """
         total, promoted_all = 0, []
-        batch = await self.store.write(lambda c: sq.requeue_forks(c, primary, keep_dbid, self.cfg, time.time()),
-                                       queue_changed=True)
+        # The success notices a lost primary owed for recipients it delivered (NotifyDelivered=,
+        # NotifyRelayed=) are sent from here, each in the commit that promotes its copy.
+        owed: list[tuple[dict, int, NewMessage]] = []
+        batch = await self.store.write(lambda c: sq.requeue_forks(c, primary, keep_dbid, self.cfg, time.time(),
+                                                                  owed), queue_changed=True)
         while True:
             # One page at a time (bounded memory, a short commit each), the loop free in between.
             # Tracked before delivery can take them: the scheduler runs only between awaits.
-            promoted = await self.store.write(lambda c: sq.promote_page(c, primary, keep_dbid, PROMOTE_PAGE,
-                                                                        max_rank))
+            promoted = await self.store.write(lambda c: self._promote_page(c, primary, keep_dbid, max_rank, owed))
             rows, batch = batch + promoted, []
             failed: list[tuple[dict, Exception]] = []
             for r in rows:
@@ -175,6 +183,10 @@ class ShadowQueues:
                     failed.append((r, exc))
             for r, exc in failed:
                 await self.events.message_failed(r, "promote", exc)
+            for original, dsn_id, dsn in owed:
+                row, fields = notices.dsn_tracking(original, dsn_id, dsn)
+                self.events.track("DSN", "DSN", row, **fields)
+            owed.clear()
             total += len(rows)
             promoted_all.extend({k: r[k] for k in RESHADOW_FIELDS} for r in promoted)  # a slim copy each
             if rows:
@@ -188,6 +200,14 @@ class ShadowQueues:
         if promoted_all:
             self._reshadow(promoted_all, primary)  # delivery does not wait for the new shadows
         return total
+
+    def _promote_page(self, conn: Any, primary: str, keep_dbid: str | None, max_rank: int | None,
+                      owed: list[tuple[dict, int, NewMessage]]) -> list[dict]:
+        """One page of promoted copies (``sq.promote_page``), with the success notices ``primary``
+        owed for recipients of theirs it delivered queued here (appended to ``owed``)."""
+        rows = sq.promote_page(conn, primary, keep_dbid, PROMOTE_PAGE, max_rank)
+        owed.extend(notices.send_owed_notices(conn, self.cfg, [r["id"] for r in rows], time.time()))
+        return rows
 
     async def resubmit_for(self, primary: str, destination: str, start: float, end: float) -> int:
         """A peer's resubmit request (``primary`` asks, or asked and has been unreachable too long):
