@@ -189,7 +189,8 @@ def test_a_forks_recipients_the_peer_processed_are_not_routed_again(tmp_path):
     """The holder of a hop-by-hop fork is its peer's shadow: the peer's ``Delivered=`` and
     ``Failed=`` entries for the fork's GUID mark those recipients (delivered there; failed, its DSN
     out), so when the peer is lost only the recipient still waiting on it is routed again. Every
-    recipient of a fork the peer processed: the message ends, nothing routed."""
+    recipient of a fork the peer processed: the fork is released then (the message ends), and
+    nothing is left to route."""
     from sqlalchemy import select, update
 
     from transportd.queue.store import messages, queues, recipients
@@ -227,7 +228,7 @@ def test_a_forks_recipients_the_peer_processed_are_not_routed_again(tmp_path):
             (g3, "Delivered=ok@far.test"), (g3, "Failed=bad@far.test"),
             (g2, "Delivered=ok2@far.test"), (g2, "Failed=bad2@far.test")], now))
         rows = store.transaction(lambda c: sq.requeue_forks(c, "p1.t", None, cfg, now))
-        assert sorted(r["id"] for r in rows) == sorted([three, both])
+        assert [r["id"] for r in rows] == [three]
         assert store.read(lambda c: where(c, three)) == [
             ("bad@far.test", "peer:p1.t", mq.FAILED),
             ("grey@far.test", "smarthost:127.0.0.1:2500", mq.READY),
@@ -236,5 +237,69 @@ def test_a_forks_recipients_the_peer_processed_are_not_routed_again(tmp_path):
             ("bad2@far.test", "peer:p1.t", mq.FAILED), ("ok2@far.test", "peer:p1.t", mq.DELIVERED)]
         states = store.read(lambda c: dict(c.execute(select(messages.c.id, messages.c.state)).all()))
         assert states == {three: mq.QUEUED, both: mq.SAFETY_NET}
+    finally:
+        store.close()
+
+
+def test_a_fork_is_released_once_its_peers_per_recipient_discards_cover_every_recipient(tmp_path):
+    """The peer's ``Delivered=``/``Failed=`` entries for a fork's GUID that cover every recipient it
+    took release the fork at once, as the peer's discard of the whole message does: our message
+    ends (its shadows get their discard event) and HADISCARD ``ExplicitlyDiscarded;<guid>`` is
+    tracked. One covered recipient of two keeps it; so does one whose notice of success the peer
+    still owes (``NotifyRelayed=``), until ``Delivered=`` follows. The fork stayed until the peer's
+    discard of the whole message."""
+    from sqlalchemy import select, update
+
+    from transportd.queue.store import discard_events, messages, recipients, shadow_forks
+
+    cfg = load_dict({"node": {"name": "n1.t", "data_dir": str(tmp_path)},
+                     "routing": {"accepted_domains": ["example.test"], "smart_host": "127.0.0.1:2500"},
+                     "cluster": {"secret": "s3cret"}, "transport": {"listen": "127.0.0.1:2526"},
+                     "peers": [{"name": "p1.t", "site": "s", "transport": "127.0.0.2:2526"}]})
+    store = QueueStore.open(tmp_path / "queue.db")
+    store.start_writer()
+    now = time.time()
+
+    def forked(conn, rcpts):
+        mid = mq.enqueue(conn, mq.NewMessage(str(uuid.uuid4()), "a@x.test", b"Subject: s\r\n\r\nb\r\n",
+                                             bifurcate(rcpts, cfg), now, now + 3600))
+        sq.record_shadow(conn, mid, "s2.t", f"ours-{mid}", now)
+        mq.redirect_to_peer(conn, "p1.t", now, message_id=mid)
+        rows = conn.execute(select(recipients.c.id, recipients.c.queue_id).where(recipients.c.message_id == mid)).all()
+        conn.execute(update(recipients).where(recipients.c.message_id == mid).values(status=mq.ACTIVE))
+        mq.record_outcomes(conn, [mq.Outcome(r.id, mq.DELIVERED) for r in rows], now,
+                           retry_interval=1, retry_count=1, long_interval=1)
+        guid = str(uuid.uuid4())
+        sq.record_forks(conn, [(mid, "p1.t", guid, rows[0].queue_id, "db1")], now)
+        return mid, guid
+
+    def state(conn, mid):
+        forks = conn.execute(select(shadow_forks.c.shadow_guid).where(shadow_forks.c.message_id == mid)).all()
+        discards = conn.execute(select(discard_events.c.shadow_guid).where(
+            discard_events.c.shadow_guid == f"ours-{mid}", discard_events.c.reason.is_(None))).all()
+        return (len(forks), conn.execute(select(messages.c.state).where(messages.c.id == mid)).scalar(),
+                len(discards))
+
+    try:
+        two, g2 = store.transaction(lambda c: forked(c, ["ok@far.test", "bad@far.test"]))
+        owed, g1 = store.transaction(lambda c: forked(c, ["ok1@far.test"]))
+        sink = Sink()
+        shadow_queues = ShadowQueues(cfg, store, sink, reshadow=lambda rows, why: None)
+        asyncio.run(shadow_queues.discard("p1.t", [(g2, "Delivered=ok@far.test"), (g1, "NotifyRelayed=ok1@far.test")],
+                                          now))
+        assert store.read(lambda c: state(c, two)) == (1, mq.QUEUED, 0)
+        assert store.read(lambda c: state(c, owed)) == (1, mq.QUEUED, 0)
+        assert not [t for t in sink.tracked if t[0] == "HADISCARD"]
+        assert asyncio.run(shadow_queues.discard("p1.t", [(g2, "Failed=bad@far.test")], now)) == 1
+        assert store.read(lambda c: state(c, two)) == (0, mq.SAFETY_NET, 1)
+        assert ("HADISCARD", f"ExplicitlyDiscarded;{g2}") in sink.tracked
+        assert store.read(lambda c: state(c, owed)) == (1, mq.QUEUED, 0)
+        asyncio.run(shadow_queues.discard("p1.t", [(g1, "Delivered=ok1@far.test")], now))  # the notice is out
+        assert store.read(lambda c: state(c, owed)) == (0, mq.SAFETY_NET, 1)
+        assert [t for t in sink.tracked if t[0] == "HADISCARD"] == [
+            ("HADISCARD", f"ExplicitlyDiscarded;{g2}"), ("HADISCARD", f"ExplicitlyDiscarded;{g1}")]
+        # The peer's later discard of the whole message finds nothing more to release.
+        assert asyncio.run(shadow_queues.discard("p1.t", [(g2, None), (g1, None)], now)) == 0
+        assert len([t for t in sink.tracked if t[0] == "HADISCARD"]) == 2
     finally:
         store.close()

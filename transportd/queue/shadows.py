@@ -102,7 +102,7 @@ def _recipient_done(primary: str, status: str, notice: str | None, last_error: s
     if notice is not None:
         last_error = notices.notice_owed(notice, primary)
     elif status == mq.FAILED:
-        last_error = f"failed on the primary {primary}"
+        last_error = failed_on(primary)
     return {"status": status, "last_error": last_error}
 
 
@@ -139,6 +139,11 @@ def apply_delivered_recipients(conn: Connection, primary: str, entries: Iterable
     return list(dict.fromkeys(guids))
 
 
+def failed_on(primary: str) -> str:
+    """The ``last_error`` of a recipient ``primary`` told us it failed (``Failed=``), its DSN out."""
+    return f"failed on the primary {primary}"
+
+
 def delivered_by(primary: str) -> str:
     """The ``last_error`` of a recipient we handed ``primary`` hop by hop that it told us it
     delivered (``Delivered=`` for our fork): a lost peer's fork routes it no second time."""
@@ -152,8 +157,9 @@ def apply_fork_recipients(conn: Connection, primary: str, entries: Iterable[tupl
     ``delivered_by``; with ``notice``, its success notice still owed there: marked so, and sent by
     ``requeue_forks`` should the peer be lost) or failed, its DSN out (FAILED), so that
     ``requeue_forks`` routes again only the others should it be lost (Exchange's shadow queue per
-    next hop of the primary). The fork itself stays until the primary's discard of the message.
-    Returns how many recipients changed."""
+    next hop of the primary). The fork itself goes once they cover every recipient it took
+    (``release_covered_forks``), or with the primary's discard of the message. Returns how many
+    recipients changed."""
     done = {**_recipient_done(primary, status, notice, delivered_by(primary)), "completed_at": now}
     n = 0
     for guid, address in entries:
@@ -163,6 +169,31 @@ def apply_fork_recipients(conn: Connection, primary: str, entries: Iterable[tupl
                 recipients.c.message_id == message_id, recipients.c.queue_id == queue_id,
                 recipients.c.address == address, recipients.c.status == mq.DELIVERED).values(**done)).rowcount
     return n
+
+
+def release_covered_forks(conn: Connection, primary: str, guids: Iterable[str], now: float,
+                          hold: float) -> list[tuple[dict, str]]:
+    """Forks handed to ``primary`` (among ``guids``) whose every recipient its per-recipient
+    discards now cover (``apply_fork_recipients``: delivered there, or failed with the DSN out;
+    one whose notice of success it still owes is not covered): released as its discard of the
+    message releases them (``release_forks``), without waiting for that discard. A recipient of
+    the message handed to that peer's queue and not covered (in this fork or another one to it)
+    keeps the fork. Returns (our message's row, GUID) of each released."""
+    covered = []
+    for guid in dict.fromkeys(guids):
+        for message_id, queue_id in conn.execute(select(shadow_forks.c.message_id, shadow_forks.c.queue_id).where(
+                shadow_forks.c.primary_node == primary, shadow_forks.c.shadow_guid == guid)).all():
+            told = conn.execute(select(
+                func.count(), func.sum(or_(recipients.c.last_error.is_(None),
+                                           recipients.c.last_error != delivered_by(primary)))).where(
+                recipients.c.message_id == message_id, recipients.c.queue_id == queue_id,
+                recipients.c.status == mq.DELIVERED)).one()
+            failed_there = conn.execute(select(func.count()).select_from(recipients).where(
+                recipients.c.message_id == message_id, recipients.c.queue_id == queue_id,
+                recipients.c.status == mq.FAILED, recipients.c.last_error == failed_on(primary))).scalar()
+            if not told[1] and (told[0] or failed_there):
+                covered.append(guid)
+    return release_forks(conn, primary, list(dict.fromkeys(covered)), now, hold) if covered else []
 
 
 def take_discard_events(conn: Connection, shadow_node: str, n: int, token: str, recipients: bool = False,
@@ -365,7 +396,8 @@ def apply_discards(conn: Connection, primary: str, reasons: dict[str, str | None
 
 def release_forks(conn: Connection, primary: str, guids: list[str], now: float,
                   hold: float) -> list[tuple[dict, str]]:
-    """Forks handed to ``primary`` that it discarded: our message may now leave the queue."""
+    """Forks handed to ``primary`` that it discarded (or whose every recipient its per-recipient
+    discards cover, ``release_covered_forks``): our message may now leave the queue."""
     found = conn.execute(select(shadow_forks.c.message_id, shadow_forks.c.shadow_guid).where(
         shadow_forks.c.primary_node == primary, shadow_forks.c.shadow_guid.in_(guids))).all()
     if not found:

@@ -101,6 +101,7 @@ class ShadowQueues:
                 runs.append((*kind, []))
             runs[-1][2].append((guid, told[1]))
         entries = whole
+        released: list[tuple[dict, str]] = []
         if runs:
             def apply(c):
                 emptied = []
@@ -108,14 +109,19 @@ class ShadowQueues:
                     # Our hop-by-hop forks of its messages learn them too (docs/PROTOCOL.md section 3).
                     sq.apply_fork_recipients(c, primary, pairs, now, status, notice)
                     emptied += sq.apply_delivered_recipients(c, primary, pairs, now, status, notice)
-                return emptied
-            emptied = await self.store.write(apply)
+                # A fork whose every recipient they now cover is released, as by the discard.
+                forks = sq.release_covered_forks(c, primary, [g for _, _, p in runs for g, _ in p], now, hold)
+                return emptied, forks
+            emptied, released = await self.store.write(apply)
             log.debug("%d recipient(s) of shadows of %s delivered by it, %d failed by it",
                       sum(len(p) for st, _, p in runs if st == mq.DELIVERED), primary,
                       sum(len(p) for st, _, p in runs if st == mq.FAILED))
             entries += [(g, None) for g in dict.fromkeys(emptied) if g not in {e[0] for e in entries}]
+        for row, guid in released:
+            self.events.track("HADISCARD", "SMTP", row, source_context=f"ExplicitlyDiscarded;{guid}",
+                              client_hostname=primary)
         if not entries:
-            return 0
+            return len(released)
         reasons = {g: r for g, r in entries}
         rows, failed = await self.store.write(lambda c: sq.apply_discards(c, primary, reasons, now, hold))
         for r in rows:
@@ -124,12 +130,12 @@ class ShadowQueues:
                               client_hostname=primary)
         for r, exc in failed:
             await self.events.message_failed(r, "discard", exc)
-        released = await self.store.write(lambda c: sq.release_forks(c, primary, list(reasons), now, hold))
-        for row, guid in released:
+        forks = await self.store.write(lambda c: sq.release_forks(c, primary, list(reasons), now, hold))
+        for row, guid in forks:
             self.events.track("HADISCARD", "SMTP", row,
                               source_context=f"{reasons.get(guid) or 'ExplicitlyDiscarded'};{guid}",
                               client_hostname=primary)
-        return len(rows) + len(released)
+        return len(rows) + len(forks) + len(released)
 
     async def adopt(self, old_primary: str, new_primary: str, new_dbid: str | None, rank: int,
                     guids: list[str]) -> list[tuple[str, int]]:
