@@ -101,7 +101,9 @@ def test_utf8_local_part_mailbox_on_the_node_and_hop_by_hop(cluster, usink):
     assert files[0].read_bytes().endswith(data)
     folder = files[0].parent.parent.name
     assert folder.isascii() and "/" not in folder, folder
-    deliver = one(node1.tracking(event_id="DELIVER", network_message_id=netid))
+    # the file is written before the DELIVER row: wait for the row, not only the file
+    deliver = one(wait_for(lambda: node1.tracking(event_id="DELIVER", network_message_id=netid), timeout=10,
+                           what="the DELIVER row"))
     assert deliver["recipient-address"] == LOCAL
 
     # The same message again (same Message-ID and Date): a duplicate, dropped.
