@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import idna
+
 from .errors import ConfigError
 
 # --------------------------------------------------------------------------- parsers
@@ -208,12 +210,64 @@ def _str_list(value: Any) -> list[str]:
     return list(value)
 
 
+def domain_key(domain: str) -> str:
+    """A domain in the one form in which the node compares and routes it: lower case, no final dot,
+    each U-label as its A-label (IDNA 2008 with UTS 46 mapping: ``BÜCHER.test``, ``bücher.test`` and
+    ``xn--bcher-kva.test`` are one domain, RFC 5890 2.3.2.1; ``faß.de`` is ``xn--fa-hia.de``, not
+    IDNA 2003's ``fass.de``). ASCII labels are only lower-cased. ValueError: a label that is no
+    valid U-label (a symbol, a disallowed hyphen, one too long): never taken as some other domain."""
+    text = domain.strip().rstrip(".")
+    if text.isascii():
+        return text.lower()
+    try:
+        mapped = idna.uts46_remap(text, std3_rules=False, transitional=False).rstrip(".")
+        return ".".join(label if label.isascii() else idna.alabel(label).decode("ascii")
+                        for label in mapped.split(".")).lower()
+    except (idna.IDNAError, UnicodeError, ValueError) as exc:
+        raise ValueError(f"{domain!r} is not a valid internationalized domain name (IDNA 2008): {exc}") from None
+
+
+_DOMAIN_NAME = re.compile(r"(\*\.)?[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*")
+
+
+def _domain_name(text: str) -> str:
+    """One configured domain (``*.domain`` too), U-label or A-label, in its ``domain_key`` form;
+    an ``xn--`` label must be a valid A-label (it could otherwise match no U-label spelling)."""
+    wildcard, name = ("*.", text.strip()[2:]) if text.strip().startswith("*.") else ("", text)
+    key = wildcard + domain_key(name)
+    if not _DOMAIN_NAME.fullmatch(key):
+        raise ValueError(f"not a domain name: {text.strip()!r}")
+    for label in key.split("."):
+        if label.startswith("xn--"):
+            try:
+                idna.ulabel(label)
+            except (idna.IDNAError, UnicodeError, ValueError) as exc:
+                raise ValueError(f"{text.strip()!r}: {label!r} is not a valid A-label (IDNA 2008): {exc}") from None
+    return key
+
+
 def _domains(value: Any) -> list[str]:
-    domains = [d.strip().lower().rstrip(".") for d in _str_list(value)]
-    for d in domains:
-        if not re.fullmatch(r"(\*\.)?[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*", d):
-            raise ValueError(f"not a domain name: {d!r}")
-    return domains
+    """Domain names, each as ``domain_key`` gives it (a U-label written as its A-label)."""
+    return [_domain_name(d) for d in _str_list(value)]
+
+
+def _database_rules(value: Any) -> list[str]:
+    """'pattern=DATABASE' entries, a U-label in a pattern's domain written as its A-label (the form
+    routing matches recipients in, so both spellings of a recipient's domain find the rule)."""
+    out = []
+    for rule in _str_list(value):
+        pattern, eq, db = rule.partition("=")
+        local, at, domain = pattern.strip().rpartition("@")
+        if eq and at and not domain.isascii():
+            labels = domain.split(".")
+            wild = next((lb for lb in labels if not lb.isascii() and re.search(r"[*?\[\]]", lb)), None)
+            if wild is not None:
+                raise ValueError(f"{rule!r}: {wild!r} mixes a wildcard with a U-label: write that label as "
+                                 "its A-label (xn--...)")
+            domain = ".".join(lb if re.search(r"[*?\[\]]", lb) else domain_key(lb) for lb in labels)
+            rule = f"{local}@{domain}={db}"
+        out.append(rule)
+    return out
 
 
 def _networks(value: Any) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
@@ -458,16 +512,19 @@ KEYS: tuple[Key, ...] = (
         "authenticated clients may relay; empty: AUTH is not offered (503 5.5.1)"),
     # routing
     Key("routing", "accepted_domains", [], _domains,
-        "domains whose recipients are delivered to the local mailbox store ('*.example.test' allowed)",
+        "domains whose recipients are delivered to the local mailbox store ('*.example.test' allowed); an "
+        "internationalized one in either spelling ('bücher.test' is kept as its A-label 'xn--bcher-kva.test', "
+        "IDNA 2008): recipients in both spellings are in it",
         "AcceptedDomain"),
     Key("routing", "trusted_networks", [], _networks,
         "client networks allowed to relay to any domain without AUTH (CIDR list); empty = no relay"),
     Key("routing", "smart_host", "", _smart_hosts,
         "next hop for every non-accepted domain ('host:port'), or several (a list): each session starts at one "
         "of them at random and goes on to the next where one does not answer; empty = MX lookup", "SmartHosts"),
-    Key("routing", "mailbox_database_rules", [], _str_list,
+    Key("routing", "mailbox_database_rules", [], _database_rules,
         "'pattern=DATABASE' entries mapping recipients to mailbox databases ('alice@example.test=MDB02', "
-        "'*@sales.example.test=MDB03'); the first match wins, else routing.mailbox_database"),
+        "'*@sales.example.test=MDB03'); the first match wins, else routing.mailbox_database; a U-label in a "
+        "pattern's domain is matched as its A-label"),
     Key("routing", "mailbox_database", "local", _str,
         "name of this node's mailbox database (the queue for local delivery is 'mailbox:<name>')"),
     # delivery (send connector and queues)

@@ -48,6 +48,7 @@ from transportd.queue.store import QueueStore
 from transportd.redundancy.manager import ShadowManager
 from transportd.redundancy.peers import PeerSession, open_session
 from transportd.smtp import client as smtpclient
+from transportd.smtp.addresses import address_key
 from transportd.smtp.client import NextHopSession, SessionCache, describe
 from transportd.smtp.dsnparams import DsnRequest
 from transportd.smtp.envelope import plan_send
@@ -100,9 +101,9 @@ class MailboxConnector:
             body = b"Return-Path: <" + (row["sender"] or "").encode("utf-8", "surrogateescape") + b">\r\n" + body
         outs: list[Outcome] = []
         for rid, address in zip(it.recipient_ids, it.addresses):
-            lock = self._locks.get(address.lower())
+            lock = self._locks.get(address_key(address))  # one mailbox however the address is spelt
             if lock is None:
-                lock = self._locks[address.lower()] = asyncio.Lock()
+                lock = self._locks[address_key(address)] = asyncio.Lock()
             async with lock:
                 try:
                     dup = await asyncio.to_thread(self.delivered.seen, address, row["message_id"],

@@ -1,7 +1,8 @@
 """Duplicate detection records (DeliveredTo), kept with the mailbox store, not the queue database.
 
 It owns one small SQLite file next to the Maildirs (``<data_dir>/mailboxes/.delivered_to.sqlite``,
-WAL, synchronous=FULL): one row per (recipient, Message-ID, client submit time = Date header)
+WAL, synchronous=FULL): one row per (recipient, Message-ID, client submit time = Date header;
+the recipient in ``address_key``'s form, one for both spellings of an internationalized domain)
 delivered to a local mailbox, with the time of delivery (docs/PROTOCOL.md section 6). Living
 beside the mail it describes, it survives what the queue database does not (a node whose queue
 database was deleted or moved aside as corrupt still knows what its mailboxes hold), so a copy
@@ -20,6 +21,8 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
+
+from transportd.smtp.addresses import address_key
 
 log = logging.getLogger("transportd.queue.delivered")
 
@@ -101,7 +104,7 @@ class DeliveredLog:
             return False
         row = self._run(lambda c: c.execute(
             "SELECT 1 FROM delivered_to WHERE recipient = ? AND message_id = ? AND submit_time = ? "
-            "AND delivered_at > ?", (recipient.lower(), message_id, submit_time, now - window)).fetchone(), empty=())
+            "AND delivered_at > ?", (address_key(recipient), message_id, submit_time, now - window)).fetchone(), empty=())
         return bool(row)
 
     def remember(self, recipient: str, message_id: str, submit_time: str, now: float) -> None:
@@ -110,12 +113,12 @@ class DeliveredLog:
             return
         self._run(lambda c: c.execute(
             "INSERT OR REPLACE INTO delivered_to VALUES (?, ?, ?, ?)",
-            (recipient.lower(), message_id, submit_time, now)))
+            (address_key(recipient), message_id, submit_time, now)))
 
     def merge(self, rows: Iterable[tuple[str, str, str, float]]) -> int:
         """Take (recipient, message_id, submit_time, delivered_at) rows kept elsewhere (the queue
         database of an older version); the later time wins. Returns how many were given."""
-        rows = [(r.lower(), m, s, float(t)) for r, m, s, t in rows if m]
+        rows = [(address_key(r), m, s, float(t)) for r, m, s, t in rows if m]
 
         def apply(c: sqlite3.Connection) -> None:
             c.execute("BEGIN IMMEDIATE")

@@ -17,14 +17,17 @@ import time
 from pathlib import Path
 
 from transportd.queue.store import fsync_dir as _fsync_dir
+from transportd.smtp.addresses import address_key
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+@=-]")
 
 
 def mailbox_name(address: str) -> str:
-    """A folder name for an address: lower-cased, with anything unsafe %-encoded ('/' and '..' too)."""
+    """A folder name for an address: ``address_key``'s form (lower-cased, the domain as its A-label:
+    one folder for both spellings of an internationalized domain), with anything unsafe %-encoded
+    ('/' and '..' too)."""
     name = _UNSAFE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group(0).encode("utf-8", "surrogateescape")),
-                       address.lower())
+                       address_key(address))
     if name.startswith("."):
         name = "%2E" + name[1:]
     return name.replace("..", ".%2E")

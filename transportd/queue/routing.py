@@ -9,6 +9,11 @@ a longer one before a shorter, ``*`` last; the first listed among equals), else 
 by commas) or, with none, to the domain's MX hosts (``dns:<domain>``, resolved at
 delivery time). A message whose recipients have different next hops is split
 per next hop (bifurcation): one recipient row per (recipient, queue).
+
+Domains are compared in ``canonical_domain``'s form (smtp/addresses.py): a recipient in
+``bücher.test`` and one in ``xn--bcher-kva.test`` have one next hop, whichever spelling the
+configuration uses; a ``dns:`` next hop names the A-label, the form DNS is asked in. The
+address itself is never rewritten: each recipient is sent on as the sender spelt it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from transportd.smtp.addresses import domain_of, is_accepted
+from transportd.smtp.addresses import address_key, canonical_domain, domain_of, is_accepted
 
 MAILBOX = "SmtpDeliveryToMailbox"
 SMART_HOST = "SmartHostConnectorDelivery"
@@ -37,8 +42,9 @@ class NextHop:
 
 
 def mailbox_database_for(address: str, rules: Sequence[str], default: str) -> str:
-    """The mailbox database of a recipient: first matching 'pattern=DATABASE' rule, else default."""
-    addr = address.lower()
+    """The mailbox database of a recipient: first matching 'pattern=DATABASE' rule, else default
+    (matched in ``address_key``'s form: a rule's U-label is its A-label, config.py)."""
+    addr = address_key(address)
     for rule in rules:
         pattern, _, db = rule.partition("=")
         if fnmatch.fnmatchcase(addr, pattern.strip().lower()):
@@ -59,11 +65,11 @@ def _address_space_match(domain: str, space: str) -> tuple[int, int] | None:
 def send_connector_for(domain: str, connectors: Sequence[Any]) -> Any | None:
     """The send connector (``name``, ``address_spaces``, ``smart_hosts``) for a domain: the one
     whose address space matches it most closely, the first listed among equals; None: no match."""
-    d = domain.lower().rstrip(".")
+    d = canonical_domain(domain) or domain.lower().rstrip(".")
     best: tuple[tuple[int, int], Any] | None = None
     for connector in connectors:
         for space in connector.address_spaces:
-            match = _address_space_match(d, space)
+            match = _address_space_match(d, canonical_domain(space) or space)  # config's are so already
             if match is not None and (best is None or match > best[0]):
                 best = (match, connector)
     return best[1] if best else None
@@ -97,11 +103,12 @@ def route_config(address: str, cfg) -> NextHop:
 
 
 def bifurcate(recipients: Sequence[str], cfg) -> dict[NextHop, list[str]]:
-    """Group recipients by next hop, keeping their order; duplicates (case-insensitive) once."""
+    """Group recipients by next hop, keeping their order; duplicates once, the first spelling kept
+    (``address_key``: any case, the domain as U-label or A-label)."""
     out: dict[NextHop, list[str]] = {}
     seen: set[str] = set()
     for rcpt in recipients:
-        key = rcpt.lower()
+        key = address_key(rcpt)
         if key in seen:
             continue
         seen.add(key)

@@ -2,23 +2,58 @@
 
 Pure functions over strings and configured networks; no I/O, no clock, no
 configuration object. Routing (queue/routing.py) and the receive connectors
-(smtp/frontend.py, redundancy/server.py) both decide with these.
+(smtp/frontend.py, redundancy/server.py) both decide with these. A domain is compared in
+one form however it is spelt (any case, U-label or A-label: ``canonical_domain``), and
+never rewritten in the address itself.
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from typing import Iterable, Sequence
 
+from transportd.config import domain_key
+
+
+@functools.lru_cache(maxsize=4096)
+def canonical_domain(domain: str) -> str | None:
+    """The form in which two spellings of one domain compare equal (``config.domain_key``): lower
+    case, no final dot, a U-label as its A-label (RFC 5890 2.3.2.1: ``bücher.test`` is
+    ``xn--bcher-kva.test``). None: a non-ASCII domain that holds no valid U-label, which is
+    RFC 6531 3.3's syntax error and no domain of ours. An ASCII name is only lower-cased: an
+    ``xn--`` label that is no valid A-label can match nothing configured (config refuses one)."""
+    try:
+        return domain_key(domain)
+    except ValueError:
+        return None
+
 
 def domain_of(address: str) -> str:
-    return address.rpartition("@")[2].lower().rstrip(".")
+    """The domain of an address as routing compares it: ``canonical_domain``'s form; an invalid
+    internationalized one lower-cased as given (it matches no accepted domain or address space)."""
+    domain = address.rpartition("@")[2]
+    return canonical_domain(domain) or domain.lower().rstrip(".")
+
+
+def address_key(address: str) -> str:
+    """The form in which two spellings of one address are one recipient (duplicates, the mailbox
+    folder, duplicate detection): local part lower-cased as everywhere in the node, the domain as
+    ``domain_of`` gives it. Only a key: the address itself is sent on as the sender gave it."""
+    local, at, domain = address.rpartition("@")
+    if not at or domain.startswith("["):
+        return address.lower()
+    return f"{local.lower()}@{domain_of(address)}"
 
 
 def is_accepted(domain: str, accepted_domains: Iterable[str]) -> bool:
-    d = domain.lower().rstrip(".")
+    """Whether a domain is one of ours, in either spelling (U-label or A-label, any case)."""
+    d = canonical_domain(domain)
+    if d is None:
+        return False
     for accepted in accepted_domains:
+        accepted = canonical_domain(accepted) or accepted.lower()  # config's are so already
         if accepted.startswith("*."):
             base = accepted[2:]
             if d == base or d.endswith("." + base):
@@ -104,8 +139,8 @@ def valid_address(address: str) -> bool:
     if domain.startswith("["):
         if literal_address(domain) is None:
             return False
-    elif not _DOMAIN.match(domain):
-        return False
+    elif not _DOMAIN.match(domain) or canonical_domain(domain) is None:
+        return False  # a non-ASCII domain must be U-labels (RFC 6531 3.3): no symbol, no emoji
     if local.startswith('"'):
         return bool(_QUOTED_LOCAL_PART.match(local))
     if local.startswith(".") or local.endswith(".") or ".." in local:

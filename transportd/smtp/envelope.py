@@ -10,7 +10,11 @@ unannounced. The addresses and headers themselves are never changed: they are
 sent byte for byte as received (UTF-8). The one exception is a DSN (the null
 sender) in the RFC 6533 form to an ASCII address: for a next hop without SMTPUTF8
 it becomes the classic 7-bit DSN (``dsn.downgrade_dsn``), since a DSN that fails
-is reported to no one.
+is reported to no one. Addresses are kept as written for a U-label domain too:
+RFC 6531 would let an ASCII local part go to a next hop without SMTPUTF8 with its
+domain as the A-label, but the message's own headers then still name the U-label
+(5.6.9 for them anyway), and the recipient would reach the next hop spelt otherwise
+than the sender wrote it; so it is failed 5.6.7 as any other non-ASCII address.
 """
 
 from __future__ import annotations
