@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import shutil
 import signal
+import sqlite3
 import time
 from pathlib import Path
 
-from clusters import FailoverNode, LocalCluster, accepted_with_shadow, send, sink_copies
-from conftest import wait_for
+from clusters import FOREIGN, FailoverNode, LocalCluster, accepted_with_shadow, netid_of, send, sink_copies
+from conftest import queued_id, wait_for
 from helpers import PerRecipientNextHop
 
 # LocalCluster, accepted_with_shadow and send are also imported from this module by
@@ -461,3 +462,47 @@ def test_a_promoted_copy_sends_the_success_notice_the_primary_owed_without_deliv
         assert n1.tracking(event_id="DSN")  # tracked as node1's DSN
     finally:
         hop.controller.stop()
+
+
+def test_messages_a_live_primary_lost_without_a_new_database_are_promoted_by_its_shadow(cluster, sink):
+    """node1 acknowledged six messages (the sink is down: they wait in its queue, node2 holding
+    their shadows), was killed, and came back with a queue database that lost three of them
+    without a new queue database ID (SQLite drops the frames of a damaged write-ahead log after
+    a crash): node2 sees the same ID, so no ShadowStateChange, and no discard for those three
+    ever comes. node2 asks node1 (XQSTATUS) about the copies it has held past the resubmit span,
+    and promotes the three node1 does not know: every acknowledged message is delivered, the
+    other three by node1 alone."""
+    # A span node1's restart fits in: only XQSTATUS can promote (not ShadowHeartbeatFailure).
+    c = cluster(nodes=2, sites=1, overrides={"shadow_redundancy": {"shadow_resubmit_time_span": 10}})
+    node1, node2 = c["node1"], c["node2"]
+    c.start()
+    ids = [queued_id(node1.swaks(FOREIGN)) for _ in range(6)]
+    netids = {i: netid_of(node1, i) for i in ids}
+    wait_for(lambda: node2.shadow_row(node1.name)["shadows"] == 6, timeout=15, what="node2 holding six shadows")
+    dbid = node1.queue_database_id()
+
+    node1.proc.kill()  # kill -9
+    node1.proc.wait(timeout=10)
+    lost = ids[:3]
+    marks = ",".join("?" * len(lost))
+    con = sqlite3.connect(node1.cfg.db_path)
+    with con:  # the transactions that committed them are gone; the database (and its ID) is not
+        for table, column in (("message_shadows", "message_id"), ("recipients", "message_id"),
+                              ("message_bodies", "message_id"), ("messages", "id")):
+            con.execute(f"DELETE FROM {table} WHERE {column} IN ({marks})", lost)
+    con.close()
+    node1.spawn()
+    node1.wait_listening()
+    assert node1.queue_database_id() == dbid
+    sink.start()
+
+    span = node2.cfg.shadow_redundancy.shadow_resubmit_time_span
+    wait_for(lambda: all(sink_copies(sink, n) for n in netids.values()), timeout=span + 20,
+             what="every acknowledged message at the sink")
+    resubmitted = {r["network-message-id"]: r for r in node2.tracking(event_id="RESUBMIT")}
+    assert set(resubmitted) == {netids[i] for i in lost}, resubmitted
+    assert {r["source"] for r in resubmitted.values()} == {"REDUNDANCY"}
+    assert {r["source-context"] for r in resubmitted.values()} == {f"{node1.name} (ShadowUnknownToPrimary)"}
+    assert f"primary {node1.name} does not know 1 message(s) we hold shadows of" in node2.log()
+    wait_for(lambda: node2.shadow_row(node1.name)["shadows"] == 0, timeout=15, what="node1's discards of the others")
+    assert all(len(sink_copies(sink, netids[i])) == 1 for i in ids[3:])

@@ -32,6 +32,8 @@ from transportd.redundancy.connection import (
     ShadowRefused,
     ShadowRequestAccepted,
     ShadowRequestReceived,
+    StatusAnswered,
+    StatusRequested,
     XShadowReceived,
 )
 from transportd.redundancy.protocol import ShadowRequest
@@ -831,3 +833,46 @@ def test_client_and_server_agree() -> None:
     assert ev == ResubmitRequested(PRIMARY, "db", 5.0, 6.0)
     assert watcher.receive_data(shadow.resubmit_reply(2)) == [
         ResubmitAnswered(250, "2.0.0 2 message(s) resubmitted from the Safety Net")]
+
+
+# ------------------------------------------------------------------------------ XQSTATUS (transportd)
+
+def test_xqstatus_asks_which_messages_the_primary_still_knows() -> None:
+    """The shadow's side: one GUID a line back, in any order, each Held, Done or Unknown."""
+    c = identified_client()
+    assert c.send_status([G1, G2.upper(), G3]) == f"XQSTATUS {G1} {G2} {G3}\r\n".encode()
+    [event] = c.receive_data(f"250-{G2} Held\r\n250-{G1} Unknown\r\n250 {G3} Done\r\n".encode())
+    assert event == StatusAnswered({G1: "Unknown", G2: "Held", G3: "Done"})
+    assert c.state is ClientState.IDLE and not c.discards_unapplied
+
+
+@pytest.mark.parametrize("answer", [f"250 {G1} Held\r\n", f"250-{G1} Held\r\n250 {G2} Maybe\r\n",
+                                    f"250-{G1} Held\r\n250-{G2} Held\r\n250 {G3} Held\r\n"])
+def test_an_xqstatus_reply_that_does_not_answer_exactly_what_was_asked_is_a_violation(answer: str) -> None:
+    c = identified_client()
+    c.send_status([G1, G2])
+    with pytest.raises(ProtocolError):
+        c.receive_data(answer.encode())
+    assert c.state is ClientState.ERROR and not c.discards_unapplied  # a QUIT still acknowledges the discards
+
+
+def test_xqstatus_only_after_xshadow_and_with_one_to_fifty_guids() -> None:
+    with pytest.raises(LocalProtocolError):
+        ClientConnection(SHADOW).send_status([G1])
+    for guids in ([], [str(uuid.uuid4()) for _ in range(51)], ["not-a-guid"]):
+        with pytest.raises(LocalProtocolError):
+            identified_client().send_status(guids)
+
+
+def test_xqstatus_is_answered_for_the_shadow_that_identified_itself() -> None:
+    s = server()
+    assert one(s, f"XQSTATUS {G1}") == Refusal(R503)  # before XSHADOW
+    assert one(s, XSHADOW) == XShadowReceived(PRIMARY, XSHADOW_REPLY)
+    assert one(s, "XQSTATUS") == Refusal(R501)
+    assert one(s, "XQSTATUS nope") == Refusal(R501)
+    assert one(s, "XQSTATUS " + " ".join(str(uuid.uuid4()) for _ in range(51))) == Refusal(R501)
+    assert one(s, f"XQSTATUS {G1} {G2.upper()} {G1}") == StatusRequested(PRIMARY, (G1, G2))
+    assert s.status_reply({G2: "Unknown", G1: "Held"}) == f"250-{G1} Held\r\n250 {G2} Unknown\r\n".encode()
+    with pytest.raises(LocalProtocolError):
+        s.status_reply({G1: "Held"})
+    assert ServerConnection(SHADOW, S_DBID).receive_data(f"XQSTATUS {G1}\r\n".encode()) == [Refusal(R550)]

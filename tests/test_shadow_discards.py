@@ -301,5 +301,36 @@ def test_a_fork_is_released_once_its_peers_per_recipient_discards_cover_every_re
         # The peer's later discard of the whole message finds nothing more to release.
         assert asyncio.run(shadow_queues.discard("p1.t", [(g2, None), (g1, None)], now)) == 0
         assert len([t for t in sink.tracked if t[0] == "HADISCARD"]) == 2
+
+
+def test_an_unacknowledged_shadow_that_expires_is_a_warning_with_its_ids(tmp_path, caplog):
+    """A shadow expiring (SafetyNetHoldTime + MessageExpirationTimeout without a discard) means
+    its primary never released it: said at WARNING, with how many and which, not only as an
+    HADISCARD Expired row."""
+    import logging
+
+    cfg = load_dict({"node": {"name": "n2.t", "data_dir": str(tmp_path)}})
+    store = QueueStore.open(tmp_path / "queue.db")
+    store.start_writer()
+    now = time.time()
+    old = now - cfg.safety_net.safety_net_hold_time - cfg.delivery.message_expiration_timeout - 60
+
+    def seed(conn):
+        return [mq.enqueue(conn, mq.NewMessage(
+            network_message_id=str(uuid.uuid4()), sender="a@x.test", data=b"Subject: s\r\n\r\nb\r\n",
+            recipients=bifurcate([f"r{i}@far.test"], cfg), received_at=at, expires_at=at + 3600,
+            origin="shadow", role="shadow", redundancy="shadow", shadow_guid=str(uuid.uuid4()), primary_node="p1.t",
+            primary_dbid="db1")) for i, at in enumerate((old, old, now))]
+    ids = store.transaction(seed)
+    sink = Sink()
+    queues = ShadowQueues(cfg, store, sink, reshadow=lambda rows, why: None)
+    try:
+        with caplog.at_level(logging.INFO, logger="transportd.redundancy.shadow_queue"):
+            asyncio.run(queues.housekeeping(now, set()))
+        assert sink.tracked == [("HADISCARD", "Expired")] * 2
+        [warning] = [r for r in caplog.records if "expired unacknowledged" in r.getMessage()]
+        assert warning.levelno == logging.WARNING
+        assert warning.getMessage().startswith("2 shadow copies expired unacknowledged (no discard from p1.t ")
+        assert f"ids: {ids[0]}, {ids[1]}" in warning.getMessage()
     finally:
         store.close()

@@ -331,6 +331,24 @@ def record_adopted(conn: Connection, peer: str, adopted: Iterable[tuple[int, str
             discard_uncertain(conn, [peer], guid, now)
 
 
+def shadow_status(conn: Connection, shadow_node: str, guids: list[str], peers: list[str]) -> tuple[set[str], set[str]]:
+    """XQSTATUS from ``shadow_node``: of these shadow-message GUIDs, (those with a whole-message
+    discard event pending for it, those of a message we know in any state). A message is known
+    while its row lives (to the end of its Safety Net hold): by a shadow recorded for it
+    (``message_shadows``, read whole: no index by GUID, and a heartbeat asks a bounded batch), or
+    as a copy of that GUID we promoted (found by ix_messages_shadow, its primary being a peer)."""
+    per_recipient = and_(discard_events.c.reason.not_like(f"{PER_RECIPIENT}%"),
+                         discard_events.c.reason.not_like(f"{mq.RECIPIENT_FAILED}%"))
+    done = set(conn.execute(select(discard_events.c.shadow_guid).where(
+        discard_events.c.shadow_node == shadow_node, discard_events.c.shadow_guid.in_(guids),
+        or_(discard_events.c.reason.is_(None), per_recipient))).scalars())
+    known = set(conn.execute(select(message_shadows.c.shadow_guid).where(
+        message_shadows.c.shadow_guid.in_(guids))).scalars())
+    known.update(conn.execute(select(messages.c.shadow_guid).where(
+        messages.c.primary_node.in_(peers), messages.c.shadow_guid.in_(guids))).scalars())
+    return done, known
+
+
 def messages_present(conn: Connection, ids: list[int]) -> set[int]:
     """Which of our messages ``ids`` the queue database still has, in any state (asked 500 at a
     time: a promotion may name tens of thousands, past SQLite's limit of bound parameters)."""
@@ -365,6 +383,25 @@ def primaries_to_poll(conn: Connection) -> list[str]:
     asked = conn.execute(select(resubmit_requests.c.for_primary).where(
         resubmit_requests.c.done_at.is_(None)).distinct()).scalars().all()
     return sorted({p for p in [*held, *forks, *asked] if p})
+
+
+def copies_to_verify(conn: Connection, primary: str, *, before: float, since: float, rank_delay: float,
+                     after: tuple[int, float], limit: int) -> list[tuple[str, int, float]]:
+    """Copies of ``primary`` to ask it about (XQSTATUS): our queued shadows of it taken before
+    ``before`` (a rank k copy k - 1 ``rank_delay`` earlier: a lower rank promotes and adopts it
+    first) and our hop-by-hop forks handed to it before ``before``, both since ``since``; up to
+    ``limit`` of each, after the cursor ``after`` (the last shadow's id, the last fork's time).
+    Returns (GUID, shadow id or 0, fork time or 0.0)."""
+    rank = func.coalesce(messages.c.shadow_rank, 1) - 1
+    shadows = conn.execute(select(messages.c.shadow_guid, messages.c.id).where(
+        messages.c.role == "shadow", messages.c.primary_node == primary, messages.c.state.concat("") == mq.QUEUED,
+        messages.c.received_at + rank * rank_delay < before, messages.c.received_at >= since,
+        messages.c.id > after[0]).order_by(messages.c.id).limit(limit)).all()
+    forks = conn.execute(select(shadow_forks.c.shadow_guid, shadow_forks.c.created_at).where(
+        shadow_forks.c.primary_node == primary, shadow_forks.c.created_at < before,
+        shadow_forks.c.created_at >= since, shadow_forks.c.created_at > after[1])
+        .order_by(shadow_forks.c.created_at).limit(limit)).all()
+    return [(g, i, 0.0) for g, i in shadows if g] + [(g, 0, at) for g, at in forks]
 
 
 def apply_discards(conn: Connection, primary: str, reasons: dict[str, str | None], now: float,
@@ -416,11 +453,13 @@ def _older(column: Any, keep_dbid: str | None) -> list:
 
 
 def promote_page(conn: Connection, primary: str, keep_dbid: str | None, limit: int,
-                 max_rank: int | None = None) -> list[dict]:
+                 max_rank: int | None = None, guids: list[str] | None = None) -> list[dict]:
     """Up to ``limit`` shadows of ``primary`` made primary copies of ours (``reshadowing``).
     With ``keep_dbid``, shadows made from that queue database stay shadows; with ``max_rank``,
-    shadows of a higher rank wait (N-way: a lower rank promotes and adopts them first)."""
+    shadows of a higher rank wait (N-way: a lower rank promotes and adopts them first); with
+    ``guids``, only those copies."""
     ranked = [] if max_rank is None else [messages.c.shadow_rank <= max_rank]
+    ranked += [] if guids is None else [messages.c.shadow_guid.in_(guids)]
     rows = conn.execute(select(messages).where(
         messages.c.role == "shadow", messages.c.primary_node == primary,
         messages.c.state == mq.QUEUED, messages.c.poisoned == 0, *ranked,
@@ -456,7 +495,7 @@ def adopt_shadows(conn: Connection, old_primary: str, new_primary: str, new_dbid
 
 
 def requeue_forks(conn: Connection, primary: str, keep_dbid: str | None, cfg: Any, now: float,
-                  owed: list | None = None) -> list[dict]:
+                  owed: list | None = None, guids: list[str] | None = None) -> list[dict]:
     """Forks handed to ``primary``, resubmitted (the peer is lost): each recipient it took is routed
     again as a newly accepted message's is (``queue/routing.py``; Exchange resubmits the shadow
     messages through categorization, "delivered to another" server / "transmitted to the next
@@ -465,10 +504,12 @@ def requeue_forks(conn: Connection, primary: str, keep_dbid: str | None, cfg: An
     or shadow redundancy promotion) goes to its own next hop. A recipient the peer told us it
     delivered or failed (``apply_fork_recipients``) is not routed again; one whose success notice it
     owed gets that notice from us instead (appended to ``owed``: (original row, DSN id, DSN), for
-    the tracking rows). Each returned row carries the fork's shadow-message GUID as ``shadow_guid``."""
+    the tracking rows). Each returned row carries the fork's shadow-message GUID as ``shadow_guid``.
+    With ``guids``, only those forks (ones it does not know)."""
+    which = [shadow_forks.c.primary_node == primary, *_older(shadow_forks.c.primary_dbid, keep_dbid)]
+    which += [] if guids is None else [shadow_forks.c.shadow_guid.in_(guids)]
     found = conn.execute(select(
-        shadow_forks.c.message_id, shadow_forks.c.queue_id, shadow_forks.c.shadow_guid).where(
-        shadow_forks.c.primary_node == primary, *_older(shadow_forks.c.primary_dbid, keep_dbid))).all()
+        shadow_forks.c.message_id, shadow_forks.c.queue_id, shadow_forks.c.shadow_guid).where(*which)).all()
     # Those it told us it delivered (Delivered=) are done, those whose success notice it owed too
     # (sent here instead, ``notices.send_owed_notices``); those it failed are FAILED here already.
     done_there = or_(recipients.c.last_error.is_(None), and_(recipients.c.last_error != delivered_by(primary),
@@ -487,8 +528,7 @@ def requeue_forks(conn: Connection, primary: str, keep_dbid: str | None, cfg: An
         for i in range(0, len(ids), 500):  # SQLite's limit of bound parameters
             conn.execute(update(recipients).where(recipients.c.id.in_(ids[i:i + 500])).values(
                 queue_id=queue_id, status=mq.READY, next_retry_at=0.0, completed_at=None))
-    conn.execute(delete(shadow_forks).where(shadow_forks.c.primary_node == primary,
-                                            *_older(shadow_forks.c.primary_dbid, keep_dbid)))
+    conn.execute(delete(shadow_forks).where(*which))
     if owed is not None:  # the success notices the peer owed for what it delivered (finishing those messages)
         owed.extend(notices.send_owed_notices(conn, cfg, [m for m, _, _ in found], now))
     for message_id in {m for m, _, _ in found}:

@@ -1,7 +1,7 @@
 """Sans-I/O connection state machines for the shadow redundancy verbs (docs/PROTOCOL.md sections 2-5).
 
 It owns, for one session between boundary peers, when XSHADOWREQUEST, XSHADOW, XQDISCARD,
-XRESUBMIT, XSHADOWADOPT and MAIL ``XSHADOW=<guid>`` may be sent or answered, the exact replies, and the
+XQSTATUS, XRESUBMIT, XSHADOWADOPT and MAIL ``XSHADOW=<guid>`` may be sent or answered, the exact replies, and the
 matching of each reply to the command awaiting it: ``ClientConnection`` for the node that sends
 them, ``ServerConnection`` for the transport connector that answers them. It never touches a
 socket, asyncio, a clock or the queue database, and decides nothing about storage or promotion:
@@ -13,7 +13,7 @@ kept and read after the next command is sent (``receive_data(b"")``). A malforme
 ``ProtocolError`` and leaves the connection in ``ClientState.ERROR``, where every call raises.
 
 Server: ``receive_data`` stops after an event that needs the application's answer
-(``ShadowRequestReceived``, ``DiscardRequested``, ``ResubmitRequested``, ``AdoptRequested``,
+(``ShadowRequestReceived``, ``DiscardRequested``, ``StatusRequested``, ``ResubmitRequested``, ``AdoptRequested``,
 ``MailWithShadow``, ``OtherCommand``), so pipelined commands are judged in the state the answer leaves; the
 application answers, then calls ``receive_data(b"")`` (or with more bytes) to go on. A DATA body
 is never fed here: after an ``OtherCommand`` for DATA the adapter reads the body itself.
@@ -39,6 +39,8 @@ from transportd.redundancy.protocol import (
     encode_fqdn,
     format_adopt_reply,
     format_discard_reply,
+    format_status_reply,
+    format_xqstatus,
     format_xshadowadopt,
     format_xshadowrequest,
     has_xshadow_param,
@@ -46,7 +48,9 @@ from transportd.redundancy.protocol import (
     parse_discard_entries,
     parse_guid,
     parse_resubmit_arg,
+    parse_status_reply,
     parse_xqdiscard_request,
+    parse_xqstatus,
     parse_xshadow,
     parse_xshadowadopt,
     parse_xshadowrequest,
@@ -94,6 +98,11 @@ class DiscardBatch(Event):
 @dataclass(frozen=True)
 class Adopted(Event):
     entries: tuple[tuple[str, int], ...]  # (guid, rank) of each copy the peer now holds as our shadow
+
+
+@dataclass(frozen=True)
+class StatusAnswered(Event):
+    statuses: dict[str, str]  # GUID -> Held, Done or Unknown (XQSTATUS)
 
 
 @dataclass(frozen=True)
@@ -156,6 +165,12 @@ class DiscardRequested(Event):
     recipients: bool = False  # ``XQDISCARD n RCPT``: per-recipient entries wanted too
     failed: bool = False  # ``XQDISCARD n RCPT FAILED``: ``Failed=`` ones as well
     notify: bool = False  # ``XQDISCARD n RCPT FAILED NOTIFY``: ``NotifyDelivered=``/``NotifyRelayed=`` too
+
+
+@dataclass(frozen=True)
+class StatusRequested(Event):
+    peer_fqdn: str  # the shadow asking (after XSHADOW)
+    guids: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -251,6 +266,7 @@ class ClientState(enum.Enum):
     AWAITING_DISCARD = "XQDISCARD"
     AWAITING_RESUBMIT = "XRESUBMIT"
     AWAITING_ADOPT = "XSHADOWADOPT"
+    AWAITING_STATUS = "XQSTATUS"
     AWAITING_COPY = "transaction"  # the replies of a pipelined MAIL, RCPTs and BDAT or DATA
     ERROR = "error"
 
@@ -273,7 +289,7 @@ class ClientConnection:
         self._partial: list[str] = []
         self._partial_code = 0
         self._copy: _Copy | None = None
-        self._adopt_asked: tuple[str, ...] = ()
+        self._adopt_asked: tuple[str, ...] = ()  # the GUIDs of the XSHADOWADOPT or XQSTATUS awaited
 
     @property
     def discards_unapplied(self) -> bool:
@@ -329,6 +345,19 @@ class ClientConnection:
         self._asked_notify = notify
         words = [RCPT_ARG] * recipients + [FAILED_ARG] * failed + [NOTIFY_ARG] * notify
         return self._send(ClientState.AWAITING_DISCARD, " ".join(["XQDISCARD", str(max_count), *words]))
+
+    def send_status(self, guids: Sequence[str]) -> bytes:
+        """XQSTATUS: which of these messages the primary still knows (only of a primary whose
+        EHLO reply offers XQSTATUS; ``StatusAnswered``)."""
+        self._ready("XQSTATUS")
+        if self.peer_queue_database_id is None:
+            raise LocalProtocolError("XQSTATUS before XSHADOW identified the primary")
+        try:
+            line = format_xqstatus(guids)
+        except (ValueError, ProtocolError) as exc:
+            raise LocalProtocolError(str(exc)) from None
+        self._adopt_asked = tuple(g.lower() for g in guids)
+        return self._send(ClientState.AWAITING_STATUS, line)
 
     def send_resubmit(self, destination: str, start: float, end: float) -> bytes:
         self._ready("XRESUBMIT")
@@ -458,6 +487,8 @@ class ClientConnection:
             event = DiscardBatch(entries, len(entries) < self._asked)
         elif awaiting is ClientState.AWAITING_ADOPT and code in (250, 251):
             event = Adopted(tuple(parse_adopt_reply(code, lines, self._adopt_asked)))
+        elif awaiting is ClientState.AWAITING_STATUS and code == 250:
+            event = StatusAnswered(parse_status_reply(code, lines, self._adopt_asked))
         elif code != 250:
             self._discards_failed |= awaiting is ClientState.AWAITING_DISCARD
             event = CommandRefused(awaiting.value, code, text)
@@ -567,7 +598,8 @@ class ServerConnection:
             return self._mail(arg, line)
         handler = {"XSHADOWREQUEST": self._xshadowrequest, "XSHADOW": self._xshadow,
                    "XQDISCARD": self._xqdiscard, "XQUERYDISCARD": self._xqdiscard,
-                   "XRESUBMIT": self._xresubmit, "XSHADOWADOPT": self._xshadowadopt}.get(verb)
+                   "XRESUBMIT": self._xresubmit, "XSHADOWADOPT": self._xshadowadopt,
+                   "XQSTATUS": self._xqstatus}.get(verb)
         if handler is None:
             return OtherCommand(line)
         event = handler(arg)
@@ -625,6 +657,17 @@ class ServerConnection:
             return Refusal(_wire(S501_INVALID_ARGUMENTS), str(exc))
         self.discards_out = True
         return DiscardRequested(self.xshadow_peer, n, recipients, failed, notify)
+
+    def _xqstatus(self, arg: str | None) -> Event:
+        if refusal := self._refusal(check_transaction=False):
+            return refusal
+        if self.xshadow_peer is None:
+            return Refusal(_wire(S503_BAD_SEQUENCE), "XQSTATUS before XSHADOW")
+        try:
+            guids = parse_xqstatus(arg)
+        except ProtocolError as exc:
+            return Refusal(_wire(S501_INVALID_ARGUMENTS), str(exc))
+        return StatusRequested(self.xshadow_peer, tuple(guids))
 
     def _xresubmit(self, arg: str | None) -> Event:
         if refusal := self._refusal():
@@ -696,6 +739,12 @@ class ServerConnection:
             raise LocalProtocolError("an adopted GUID that was not asked")
         self._take(AdoptRequested, "XSHADOWADOPT")
         return b"".join(_wire(line) for line in format_adopt_reply(list(adopted)))
+
+    def status_reply(self, statuses: dict[str, str]) -> bytes:
+        """The XQSTATUS reply: a line per GUID asked, in the order asked."""
+        event = self._take(StatusRequested, "XQSTATUS")
+        assert isinstance(event, StatusRequested)
+        return b"".join(_wire(line) for line in format_status_reply([(g, statuses[g]) for g in event.guids]))
 
     def resubmit_reply(self, count: int) -> bytes:
         self._take(ResubmitRequested, "XRESUBMIT")

@@ -27,6 +27,8 @@ from transportd.queue.store import QueueStore
 from transportd.redundancy.events import EventSink
 from transportd.redundancy.peers import PeerPool, PeerSession
 from transportd.redundancy.protocol import (
+    STATUS_KEYWORD,
+    UNKNOWN,
     after_heartbeat,
     heartbeat_period,
     state_change_rank,
@@ -35,6 +37,9 @@ from transportd.redundancy.protocol import (
 from transportd.redundancy.shadow_queue import ShadowQueues
 
 log = logging.getLogger("transportd.redundancy.heartbeat")
+
+STATUS_PER_HEARTBEAT = 200  # old copies (and as many forks) a heartbeat asks a primary about (XQSTATUS)
+LOST_BY_PRIMARY = "ShadowUnknownToPrimary"  # the promotion's reason: the live primary does not know the message
 
 
 class Heartbeat:
@@ -53,6 +58,8 @@ class Heartbeat:
         self._state_changes: dict[str, str] = {}
         # The queue database ID each peer last named, once our shadows there were checked against it.
         self._holder_ids: dict[str, str] = {}
+        # Per primary, the last old copy asked about (shadow id, fork time): each one's turn comes.
+        self._verified: dict[str, tuple[int, float]] = {}
 
     @property
     def exchange_limit(self) -> float:
@@ -190,7 +197,13 @@ class Heartbeat:
             if discarded:
                 await self.shadows.discard(primary, discarded, now)
             async with asyncio.timeout(self.exchange_limit):
+                lost = await self._unknown_to(s, primary, now)
                 await s.quit()  # acknowledges the discards we just applied
+            if lost:
+                log.warning("primary %s does not know %d message(s) we hold shadows of (its queue database lost "
+                            "them, or never committed them): promoting those copies: %s", primary, len(lost),
+                            ", ".join(lost[:20]) + (" ..." if len(lost) > 20 else ""))
+                await self.shadows.promote(primary, LOST_BY_PRIMARY, guids=lost)
             return True, answered, ""
         except ProtocolError as exc:
             log.error("heartbeat to %s: %s; keeping every shadow of it", primary, exc)
@@ -200,6 +213,31 @@ class Heartbeat:
         finally:
             if s is not None:
                 s.close()  # heartbeat sessions are not reused for shadow copies
+
+    async def _unknown_to(self, s: PeerSession, primary: str, now: float) -> list[str]:
+        """XQSTATUS for the copies of ``primary`` held longer than *ShadowResubmitTimeSpan* (a
+        message still being committed there is not asked about) and younger than the Safety Net's
+        hold (the primary knows a message's GUID at least that long): the GUIDs it does not know,
+        whose copies are the only ones left. Never asked of a primary that does not offer it."""
+        if not s.supports_extension(STATUS_KEYWORD.lower()):
+            return []
+        after = self._verified.get(primary, (0, 0.0))
+        copies = await self.store.aread(lambda c: sq.copies_to_verify(
+            c, primary, before=now - self.sr.shadow_resubmit_time_span,
+            since=now - self.cfg.safety_net.safety_net_hold_time, rank_delay=self.sr.shadow_rank_delay,
+            after=after, limit=STATUS_PER_HEARTBEAT))
+        shadows = [i for _, i, _ in copies if i]
+        forks = [at for _, i, at in copies if not i]
+        self._verified[primary] = (shadows[-1] if len(shadows) == STATUS_PER_HEARTBEAT else 0,
+                                   forks[-1] if len(forks) == STATUS_PER_HEARTBEAT else 0.0)
+        if not copies:
+            return []
+        try:
+            statuses = await s.status([g for g, _, _ in copies])
+        except ProtocolError as exc:  # the discard exchange worked: the heartbeat counts
+            log.error("XQSTATUS to %s: %s; its copies are kept as they are", primary, exc)
+            return []
+        return [g for g, status in statuses.items() if status == UNKNOWN]
 
     async def heartbeat(self, primary: str) -> bool:
         """One XSHADOW + XQDISCARD exchange with ``primary`` and what it decides; True on success."""

@@ -31,7 +31,10 @@ from transportd.redundancy.events import EventSink
 from transportd.redundancy.heartbeat import Heartbeat
 from transportd.redundancy.peers import PeerPool
 from transportd.redundancy.protocol import (
+    DONE,
+    HELD,
     MAX_SHADOW_RANK,
+    UNKNOWN,
     Peer,
     heartbeat_period,
     shadow_attempts,
@@ -156,6 +159,14 @@ class ShadowManager:
         ``Delivered=`` for them."""
         return await self.store.write(lambda c: sq.take_discard_events(c, shadow_node, n, token, recipients,
                                                                        failed, notify))
+
+    async def shadow_status(self, shadow_node: str, guids: list[str]) -> dict[str, str]:
+        """XQSTATUS: per GUID, Done (a discard of the message waits for that shadow), Held (a
+        message of ours, in any state) or Unknown (never committed here, or lost with a damaged
+        queue database: the shadow promotes its copy)."""
+        peers = [p.name for p in self.cfg.peers]
+        done, known = await self.store.aread(lambda c: sq.shadow_status(c, shadow_node, guids, peers))
+        return {g: DONE if g in done else HELD if g in known else UNKNOWN for g in guids}
 
     async def settle_discard_events(self, token: str, acknowledged: bool) -> None:
         await self.store.write(lambda c: sq.settle_discard_events(c, token, acknowledged))

@@ -32,10 +32,12 @@ from transportd.redundancy.connection import (
     ShadowAccepted,
     ShadowRefused,
     ShadowRequestAccepted,
+    StatusAnswered,
     TransactionReplies,
 )
 from transportd.redundancy.protocol import (
     FAILED_DISCARDS_KEYWORD,
+    MAX_STATUS_BATCH,
     NOTIFY_DISCARDS_KEYWORD,
     RCPT_DISCARDS_KEYWORD,
     Peer,
@@ -165,6 +167,19 @@ class PeerSession:
             entries.extend(batch.entries)
             if batch.complete:
                 return entries
+
+    async def status(self, guids: list[str]) -> dict[str, str]:
+        """XQSTATUS, up to MAX_STATUS_BATCH GUIDs a command (after ``identify``): GUID -> Held,
+        Done or Unknown. A refusal or a malformed reply raises ProtocolError."""
+        out: dict[str, str] = {}
+        guids = list(dict.fromkeys(guids))
+        for i in range(0, len(guids), MAX_STATUS_BATCH):
+            events = await self._exchange(self.conn.send_status(guids[i:i + MAX_STATUS_BATCH]))
+            answered = next((e for e in events if isinstance(e, StatusAnswered)), None)
+            if answered is None:
+                raise ProtocolError(_refusal("XQSTATUS", events))
+            out.update(answered.statuses)
+        return out
 
     async def adopt(self, old_primary: str, rank: int, guids: list[str]) -> list[tuple[str, int]]:
         """XSHADOWADOPT: we promoted these shadows of ``old_primary`` (ours had ``rank``); returns

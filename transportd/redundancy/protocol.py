@@ -323,6 +323,51 @@ def parse_adopt_reply(code: int, lines: Sequence[str], asked: Sequence[str]) -> 
     return out
 
 
+# *transportd*: a shadow asks a live primary whether it still holds the messages of copies held
+# long (docs/PROTOCOL.md section 4, XQSTATUS): a primary whose queue database lost committed
+# transactions without a new ID (a damaged write-ahead log) would otherwise never discard them.
+STATUS_KEYWORD = "XQSTATUS"
+MAX_STATUS_BATCH = 50  # GUIDs per XQSTATUS line (a line stays under 2,000 octets)
+HELD, DONE, UNKNOWN = "Held", "Done", "Unknown"
+
+
+def format_xqstatus(guids: Sequence[str]) -> str:
+    """``XQSTATUS <guid> ...``: which of these messages the primary still knows."""
+    if not guids or len(guids) > MAX_STATUS_BATCH:
+        raise ValueError(f"XQSTATUS names 1 to {MAX_STATUS_BATCH} GUIDs")
+    return " ".join(["XQSTATUS", *(parse_guid(g) for g in guids)])
+
+
+def parse_xqstatus(arg: str | None) -> list[str]:
+    parts = (arg or "").split()
+    if not parts:
+        raise ProtocolError("XQSTATUS needs <guid> ...")
+    if len(parts) > MAX_STATUS_BATCH:
+        raise ProtocolError(f"XQSTATUS names at most {MAX_STATUS_BATCH} GUIDs")
+    return list(dict.fromkeys(parse_guid(g) for g in parts))
+
+
+def format_status_reply(entries: Sequence[tuple[str, str]]) -> list[str]:
+    """``250-<guid> Held|Done|Unknown`` ..., one line per GUID asked, in the order asked."""
+    texts = [f"{g} {status}" for g, status in entries]
+    return [f"250-{t}" for t in texts[:-1]] + [f"250 {texts[-1]}"]
+
+
+def parse_status_reply(code: int, lines: Sequence[str], asked: Sequence[str]) -> dict[str, str]:
+    """GUID -> Held, Done or Unknown from an XQSTATUS reply: every GUID asked, no other."""
+    if code != 250:
+        raise ProtocolError(f"XQSTATUS answered {code}")
+    out = {}
+    for line in lines:
+        guid, _, status = line.strip().partition(" ")
+        if status not in (HELD, DONE, UNKNOWN):
+            raise ProtocolError(f"XQSTATUS answered {line.strip()[:80]!r}")
+        out[parse_guid(guid)] = status
+    if set(out) != set(asked):
+        raise ProtocolError("XQSTATUS did not answer exactly the GUIDs asked")
+    return out
+
+
 REPLY_DBID_KEY = "QueueDatabaseId"
 _REPLY_DBID = re.compile(r"\[[^\]]*?\b" + REPLY_DBID_KEY + r"=([A-Za-z0-9+/=]+)\s*[,\]]")
 

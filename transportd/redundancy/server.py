@@ -2,7 +2,7 @@
 
 It owns peer authentication (AUTH PLAIN with the node's FQDN as user and the
 cluster secret as password; over STARTTLS when the connector has a
-certificate), and the server side of XSHADOWREQUEST, XSHADOW, XQDISCARD and
+certificate), and the server side of XSHADOWREQUEST, XSHADOW, XQDISCARD, XQSTATUS and
 MAIL ``XSHADOW=`` (docs/PROTOCOL.md sections 2-4). Every X-verb from a session that
 has not proven membership gets ``550 5.7.1 Not authorized``. It decides nothing
 about promotion or storage itself: it calls the node's shadow manager.
@@ -28,12 +28,14 @@ from transportd.redundancy.connection import (
     ResubmitRequested,
     ServerConnection,
     ShadowRequestReceived,
+    StatusRequested,
     XShadowReceived,
 )
 from transportd.redundancy.protocol import (
     FAILED_DISCARDS_KEYWORD,
     NOTIFY_DISCARDS_KEYWORD,
     RCPT_DISCARDS_KEYWORD,
+    STATUS_KEYWORD,
     has_xshadow_param,
     redundancy_reply,
 )
@@ -182,6 +184,14 @@ class TransportSMTP(LimitedSMTP):
                                                              notify=event.notify)
             await self._write(self.conn.discard_reply(entries))
 
+    @syntax("XQSTATUS guid ...")
+    async def smtp_XQSTATUS(self, arg: str | None) -> None:
+        """*transportd*: the shadow asks which of the messages it holds copies of we still know."""
+        event = await self._judge("XQSTATUS", arg)
+        if isinstance(event, StatusRequested):
+            statuses = await self.manager.shadow_status(event.peer_fqdn, list(event.guids))
+            await self._write(self.conn.status_reply(statuses))
+
     @syntax("XRESUBMIT destination start-epoch end-epoch")
     async def smtp_XRESUBMIT(self, arg: str | None) -> None:
         """Safety Net: the asking primary could not cover a window; resubmit our shadow copies of it."""
@@ -239,7 +249,7 @@ class TransportHandler(FrontendHandler):
         if self.manager.sr.version == "2010":
             return out[:-1] + ["250-XSHADOW", out[-1]]
         return out[:-1] + ["250-XSHADOWREQUEST", f"250-{RCPT_DISCARDS_KEYWORD}", f"250-{FAILED_DISCARDS_KEYWORD}",
-                           f"250-{NOTIFY_DISCARDS_KEYWORD}", out[-1]]
+                           f"250-{NOTIFY_DISCARDS_KEYWORD}", f"250-{STATUS_KEYWORD}", out[-1]]
 
     async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope, address: str,
                           rcpt_options: list[str]) -> str:

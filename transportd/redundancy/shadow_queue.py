@@ -153,7 +153,7 @@ class ShadowQueues:
         return [(r["shadow_guid"], r["shadow_rank"]) for r in rows]
 
     async def promote(self, primary: str, reason: str, keep_dbid: str | None = None,
-                      max_rank: int | None = None) -> int:
+                      max_rank: int | None = None, guids: list[str] | None = None) -> int:
         """Make the shadows of ``primary`` primary messages of ours and deliver them.
 
         ``keep_dbid`` (a state change): shadows made from that queue database, i.e. after the
@@ -162,17 +162,19 @@ class ShadowQueues:
         background, each gets a new shadow on another peer (``reshadowing`` until it has one).
         Our hop-by-hop forks of messages ``primary`` took are resubmitted first, their recipients
         routed again (``sq.requeue_forks``): mail drained to ``primary`` leaves by its own next hop.
+        ``guids``: only those shadows and forks (the live primary does not know them: XQSTATUS).
         """
         total, promoted_all = 0, []
         # The success notices a lost primary owed for recipients it delivered (NotifyDelivered=,
         # NotifyRelayed=) are sent from here, each in the commit that promotes its copy.
         owed: list[tuple[dict, int, NewMessage]] = []
         batch = await self.store.write(lambda c: sq.requeue_forks(c, primary, keep_dbid, self.cfg, time.time(),
-                                                                  owed), queue_changed=True)
+                                                                  owed, guids), queue_changed=True)
         while True:
             # One page at a time (bounded memory, a short commit each), the loop free in between.
             # Tracked before delivery can take them: the scheduler runs only between awaits.
-            promoted = await self.store.write(lambda c: self._promote_page(c, primary, keep_dbid, max_rank, owed))
+            promoted = await self.store.write(lambda c: self._promote_page(c, primary, keep_dbid, max_rank, owed,
+                                                                           guids))
             rows, batch = batch + promoted, []
             failed: list[tuple[dict, Exception]] = []
             for r in rows:
@@ -208,10 +210,10 @@ class ShadowQueues:
         return total
 
     def _promote_page(self, conn: Any, primary: str, keep_dbid: str | None, max_rank: int | None,
-                      owed: list[tuple[dict, int, NewMessage]]) -> list[dict]:
+                      owed: list[tuple[dict, int, NewMessage]], guids: list[str] | None) -> list[dict]:
         """One page of promoted copies (``sq.promote_page``), with the success notices ``primary``
         owed for recipients of theirs it delivered queued here (appended to ``owed``)."""
-        rows = sq.promote_page(conn, primary, keep_dbid, PROMOTE_PAGE, max_rank)
+        rows = sq.promote_page(conn, primary, keep_dbid, PROMOTE_PAGE, max_rank, guids)
         owed.extend(notices.send_owed_notices(conn, self.cfg, [r["id"] for r in rows], time.time()))
         return rows
 
@@ -262,3 +264,11 @@ class ShadowQueues:
             hold=cfg.safety_net.safety_net_hold_time, live_tokens=live_tokens))
         for r in expired:
             self.events.track("HADISCARD", "SMTP", r, source_context="Expired")
+        if expired:
+            # The primary never released them (nor did it say it lost them: XQSTATUS): loud, not
+            # an INFO row in the tracking log alone.
+            ids = [str(r.get("id")) for r in expired]
+            primaries = sorted({r.get("primary_node") or "hop by hop" for r in expired})
+            log.warning("%d shadow cop%s expired unacknowledged (no discard from %s within safety_net_hold_time "
+                        "+ message_expiration_timeout); ids: %s%s", len(ids), "y" if len(ids) == 1 else "ies",
+                        ", ".join(primaries), ", ".join(ids[:100]), " ..." if len(ids) > 100 else "")
