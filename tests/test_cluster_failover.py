@@ -29,7 +29,15 @@ import sqlite3
 import time
 from pathlib import Path
 
-from clusters import FOREIGN, FailoverNode, LocalCluster, accepted_with_shadow, netid_of, send, sink_copies
+from clusters import (
+    FOREIGN,
+    FailoverNode,
+    LocalCluster,
+    accepted_with_shadow,
+    netid_of,
+    send,
+    sink_copies,
+)
 from conftest import queued_id, wait_for
 from helpers import PerRecipientNextHop
 
