@@ -9,7 +9,9 @@ for operators turns it on. It never changes data: it only raises or hangs.
 
 Plan: ``{"match": "TEXT", "steps": ["deliver", ...], "action": "raise" | "hang" | "spin"}``.
 A message matches when TEXT occurs in its subject, sender or network-message-id.
-Steps are the loops of ``STEPS``; "hang" blocks the handling coroutine for ever (the
+Steps are the loops of ``STEPS`` ("recorded": just after the commit that records a delivery's
+outcomes, so that a "spin" there and a kill -9 stop the node between that commit and what
+follows it); "hang" blocks the handling coroutine for ever (the
 message waits, as on a next hop that never answers; the node goes on); "spin" blocks the
 whole process inside the step's synchronous part (as a message that sends a parser into a
 loop would), so a test can kill the process while a message hangs it.
@@ -24,7 +26,7 @@ import time
 from typing import Any
 
 ENV = "TRANSPORTD_TEST_FAULTS"
-STEPS = ("deliver", "shadow", "reshadow", "promote", "discard", "resubmit", "expire", "dsn", "settle")
+STEPS = ("deliver", "shadow", "reshadow", "promote", "discard", "resubmit", "expire", "dsn", "settle", "recorded")
 
 
 class InjectedFault(RuntimeError):

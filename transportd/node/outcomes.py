@@ -225,6 +225,8 @@ class OutcomeRecorder:
         if unread:
             rows.update(await self.store.aread(lambda c: {m: mq.message_row(c, m) for m in unread}))
         for it in d.items:
+            faults.check("recorded", rows.get(it.message_id))  # test-only: a kill -9 right after the commit
+        for it in d.items:
             row = rows.get(it.message_id) or {"id": it.message_id}
             if it.message_id in d.internal:
                 step, exc = d.internal[it.message_id]
