@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import email
 import email.policy
+import json
 import re
 import smtplib
 import threading
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from clusters import one
-from conftest import Sink, free_port, queued_id, swaks, wait_for, write_toml
+from conftest import Sink, free_port, queued_id, read_db, swaks, wait_for, write_toml
 from helpers import PerRecipientNextHop
 from test_receive import tls_files  # noqa: F401 - fixture
 
@@ -464,6 +465,39 @@ def test_kill9_after_ack_with_smart_host_down_delivers_exactly_once(make_node, s
     assert f"crash {tag}".encode() in msgs[0]
     assert len(events(node, "SENDEXTERNAL", internal_message_id=str(qid))) == 1
     assert len(events(node, "RECEIVE", internal_message_id=str(qid))) == 1
+
+
+@pytest.mark.parametrize("where", ["external", "mailbox"])
+def test_kill9_right_after_the_delivery_commit_keeps_the_delivery_tracked(make_node, sink, where):
+    """A delivery is a fact once the next hop answered 250 (or the mailbox holds the message).
+    Its SENDEXTERNAL or DELIVER row (and its log line) was written only after the queue commit
+    that records it, so a kill -9 between the two left a message at the sink and in the Safety
+    Net with a RECEIVE row only: tracking showed it never delivered. The test-only fault hook
+    blocks the node right after that commit; kill -9 there, start again: the row and the line
+    are there, once, and the message went out once."""
+    sink.start()
+    node = make_node(smart_host=sink.address)
+    node.env["TRANSPORTD_TEST_FAULTS"] = json.dumps({"match": "KILLED", "steps": ["recorded"], "action": "spin"})
+    node.start()
+    rcpt, event = ("carol@foreign.test", "SENDEXTERNAL") if where == "external" else ("alice@example.test", "DELIVER")
+    qid = queued_id(swaks(node.port, "--to", rcpt, "--from", "bob@example.test",
+                          "--header", f"Subject: KILLED {uuid.uuid4().hex[:12]}"))
+
+    def recorded() -> bool:
+        return read_db(node.data_dir / "queue.db", "SELECT state FROM messages WHERE id = ?", (qid,)) == [("SafetyNet",)]
+    wait_for(recorded, timeout=20, what="the delivery committed (the message in the Safety Net)")
+    node.kill9()  # the node spins right after that commit: nothing after it ran
+    del node.env["TRANSPORTD_TEST_FAULTS"]
+    node.start()
+
+    delivered = sink.messages() if where == "external" else node.maildir_files(rcpt)
+    assert len(delivered) == 1
+    rows = wait_events(node, event, internal_message_id=str(qid), timeout=5)
+    assert [r["recipient-address"].lower() for r in rows] == [rcpt]
+    assert f"{event} message {qid} " in node.log()
+    time.sleep(1)  # waiting for absence: a second delivery after the restart would show up by now
+    assert len(sink.messages() if where == "external" else node.maildir_files(rcpt)) == 1
+    assert len(events(node, event, internal_message_id=str(qid))) == 1
 
 
 # --------------------------------------------------------------------------- 3. 5xx -> DSN

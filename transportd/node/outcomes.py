@@ -1,13 +1,16 @@
-"""Delivery outcomes made durable: recipient states, queue retry state, DSNs, forks, then tracking.
+"""Delivery outcomes tracked, then made durable: recipient states, queue retry state, DSNs, forks.
 
 It owns turning what a connector reports (a ``Delivered`` batch: outcomes per
 recipient, the queue's error, hop-by-hop forks, internal failures) into one
 commit through the store's group-commit writer, building the DSNs of failed
 recipients before that commit (one message at a time: a DSN that cannot be
 built keeps that message in Retry as an internal failure), counting internal
-failures towards the Poison queue, and only after the commit the tracking
-events. It never sends a DSN to the null sender, nor for a DSN, nor for a copy
-marked suppress_dsn (resubmitted from the Safety Net). It never talks SMTP.
+failures towards the Poison queue, and the tracking events: those of the
+outcomes before the commit (they happened at the next hop or in the mailbox
+whether it is recorded or not: a kill -9 right after the commit must not lose
+them), those of what the commit made (a DSN, a move to Poison) after it. It
+never sends a DSN to the null sender, nor for a DSN, nor for a copy marked
+suppress_dsn (resubmitted from the Safety Net). It never talks SMTP.
 """
 
 from __future__ import annotations
@@ -172,7 +175,8 @@ class OutcomeRecorder:
         return dsns
 
     async def commit(self, d: Delivered, now: float | None = None) -> None:
-        """Write the outcomes (and DSNs, forks, poison counts) durably, then log the tracking events.
+        """Log the outcomes' tracking events, then write the outcomes (and DSNs, forks, poison
+        counts) durably, then log what that commit made (DSNs, moves to the Poison queue).
         A message delivered to some recipient has its earlier internal failures forgotten."""
         now = time.time() if now is None else now
         dl = self.cfg.delivery
@@ -219,13 +223,14 @@ class OutcomeRecorder:
                         mq.tell_shadows_failed(conn, mid, now, failed)
             return created, poisoned
 
-        created, poisoned = await self.store.write(job, queue_changed=bool(dsns))  # a DSN is new work
         rows = {it.message_id: it.row for it in d.items if it.row is not None}
         unread = [it.message_id for it in d.items if it.row is None]
         if unread:
             rows.update(await self.store.aread(lambda c: {m: mq.message_row(c, m) for m in unread}))
-        for it in d.items:
-            faults.check("recorded", rows.get(it.message_id))  # test-only: a kill -9 right after the commit
+        # The outcomes happened before they are recorded (the next hop answered, the mailbox
+        # holds the message): their tracking rows and log lines go first, so that a crash
+        # between the two cannot leave a delivered message that tracking shows as never
+        # delivered. A crash before the commit sends it again, and the second row tells so.
         for it in d.items:
             row = rows.get(it.message_id) or {"id": it.message_id}
             if it.message_id in d.internal:
@@ -242,6 +247,13 @@ class OutcomeRecorder:
                 log.warning("DSN %s to %s could not be delivered and is dropped: %s", it.message_id,
                             ", ".join(failed), reply, extra={"internal_message_id": it.message_id,
                                                              "network_message_id": row.get("network_message_id", "")})
+
+        created, poisoned = await self.store.write(job, queue_changed=bool(dsns))  # a DSN is new work
+        for it in d.items:
+            faults.check("recorded", rows.get(it.message_id))  # test-only: a kill -9 right after the commit
+        # What the commit made: the DSNs (their internal ids) and the moves to the Poison queue.
+        for it in d.items:
+            row = rows.get(it.message_id) or {"id": it.message_id}
             if it.message_id in created:
                 dsn_id, dsn = created[it.message_id]
                 self.events.log_dsn(row, dsn_id, dsn)
