@@ -750,8 +750,9 @@ def test_soft_reject_defers_then_queue_retry_delivers(make_node, sink):
     # queue itself does not (test_a_recipients_4xx_defers_that_recipient_not_the_next_hops_queue).
     q = next(q for q in node.cli_json("queue", "list") if q["identity"] == identity)
     assert q["message_count"] == 1 and q["state"] != "Retry", q
-    msgs = node.cli_json("message", "list")
-    assert [(m["status"], m["last_error"][:1]) for m in msgs if m["id"] == qid] == [("Retry", "4")]
+    # (the DEFER row is written just before the commit that records the deferral)
+    wait_for(lambda: [(m["status"], m["last_error"][:1]) for m in node.cli_json("message", "list")
+                      if m["id"] == qid] == [("Retry", "4")], timeout=10, what="the message in Retry")
     assert not sink.messages()
     time.sleep(1.5)  # waiting for absence: no retry before the 600 s interval
     assert len(events(node, "DEFER", internal_message_id=str(qid))) == 1, "retried before its time"
