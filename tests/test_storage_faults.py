@@ -226,3 +226,48 @@ def test_a_copy_whose_message_could_not_be_committed_is_discarded_once_there_is_
     wait_for(lambda: held_for_node1() == 0, timeout=15, what="the orphaned copies discarded by their peers")
     assert "is queued with the next message the queue database takes" in node1.log()
     assert "orphaned shadow cop" in node1.log()
+
+
+def test_orphaned_copies_of_a_worker_that_never_commits_again_are_discarded_on_their_own(cluster, sink, small_disk):
+    """Two receive processes; node1's disk is full between each shadow copy and its commit, so every
+    sender gets 451 4.3.0 while node2 holds the copies. Space returns and no message comes again:
+    no commit of either process would carry the discards it holds. They are retried on their own,
+    node2 drops the copies within a few heartbeats, and a node1 lost afterwards has nothing of
+    them promoted and delivered (the senders were told to try again: a promoted copy would be a
+    second delivery of each)."""
+    sink.start()
+    c = cluster(nodes=2, sites=1, overrides={"frontend": {"workers": 2}})
+    node1, node2 = c["node1"], c["node2"]
+    node1.set("node", "data_dir", str(small_disk / "data"))
+    c.start()
+    queued_id(node1.swaks(FOREIGN))
+    wait_for(lambda: len(sink.messages()) == 1, timeout=15, what="the first message at the sink")
+    wait_for(lambda: node2.shadow_row(node1.name)["shadows"] == 0, timeout=15, what="its shadow discarded")
+
+    fill(small_disk)
+    big = b"Subject: refused %d\r\n\r\n" + (b"y" * 76 + b"\r\n") * 3000  # ~230 KB: past the WAL's free room
+    replies = []
+    for n in range(12):  # a session each: the kernel spreads them over both processes
+        try:
+            with smtplib.SMTP(node1.host, node1.frontend_port, timeout=20) as s:
+                s.ehlo("disk.test")
+                s.mail("a@remote.test")
+                s.rcpt(FOREIGN)
+                replies.append(s.data(big % n))
+        except smtplib.SMTPResponseException as exc:
+            replies.append((exc.smtp_code, exc.smtp_error))
+    assert all(code == 451 for code, _ in replies), replies
+    held = node2.shadow_row(node1.name)["shadows"]
+    assert held == len(replies), (held, replies)
+    assert "is queued with the next message the queue database takes" in node1.log()
+
+    os.unlink(small_disk / "filler")  # room again, and no message comes: nothing commits for them
+    wait_for(lambda: node2.shadow_row(node1.name)["shadows"] == 0, timeout=10,
+             what="node2's copies of the refused messages discarded without another message")
+    assert "orphaned shadow cop" in node1.log()
+
+    node1.proc.kill()  # kill -9: node2 promotes whatever it still holds of node1 after the span
+    node1.proc.wait(timeout=10)
+    time.sleep(node2.cfg.shadow_redundancy.shadow_resubmit_time_span + 3)
+    assert not any(b"Subject: refused" in m for m in sink.messages()), "a refused message was delivered"
+    assert not node2.tracking(event_id="RESUBMIT"), node2.tracking(event_id="RESUBMIT")

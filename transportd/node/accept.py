@@ -35,6 +35,7 @@ from transportd.queue.routing import bifurcate
 from transportd.queue.store import QueueStore
 from transportd.redundancy.copies import ShadowResult
 from transportd.redundancy.manager import ShadowManager
+from transportd.redundancy.protocol import heartbeat_period
 from transportd.redundancy.server import peer_name
 from transportd.smtp.frontend import new_network_message_id, prepare_message, received_as
 from transportd.smtp.headers import header_size, hop_count, network_id_from
@@ -57,13 +58,19 @@ class OrphanCopies:
     """Shadow copies no local message refers to (the message refused, or its commit failed): a
     peer may hold one nobody would discard, so each gets a discard event. Those the queue database
     did not take either (a full disk) are held in memory, at most ``limit``, and recorded with the
-    next commit that succeeds: the peer drops a copy the sender sends again after our 4xx instead
-    of promoting it later (past ``limit`` the copies expire on their own)."""
+    next commit that succeeds or, without one, by a retry of their own every ``retry_interval``
+    (a process whose every commit failed may take no message again for a long time, and the peer
+    would promote what it holds should this node be lost meanwhile): the peer drops a copy the
+    sender sends again after our 4xx instead of promoting it later (past ``limit`` the copies
+    expire on their own). A crash loses what is held: the peer learns it from its heartbeat's
+    XQSTATUS and promotes the copy, a duplicate (docs/reliability.md)."""
 
-    def __init__(self, store: QueueStore, limit: int = 10_000):
+    def __init__(self, store: QueueStore, limit: int = 10_000, retry_interval: float = 5.0):
         self.store = store
         self.limit = limit
+        self.retry_interval = retry_interval
         self._held: list[tuple[tuple[str, ...], str, float]] = []
+        self._retrying: asyncio.Task | None = None
 
     async def discard(self, result: ShadowResult, guid: str, netid: str, now: float) -> None:
         peers = tuple(dict.fromkeys((*result.peers, *result.uncertain)))
@@ -75,6 +82,7 @@ class OrphanCopies:
             held = len(self._held) < self.limit
             if held:
                 self._held.append((peers, guid, now))
+                self._retry_soon()
             log.error("could not queue a discard for shadow %s on %s; %s", guid, ", ".join(peers),
                       "it is queued with the next message the queue database takes" if held
                       else "it expires on its own", extra=message_ids({"network_message_id": netid}))
@@ -85,6 +93,37 @@ class OrphanCopies:
 
     def give_back(self, held: list[tuple[tuple[str, ...], str, float]]) -> None:
         self._held[:0] = held
+        if self._held:
+            self._retry_soon()
+
+    @staticmethod
+    def recorded(held: list) -> None:
+        if held:
+            log.info("discards of %d orphaned shadow cop%s recorded now: their peers drop them at the next "
+                     "heartbeat", len(held), "y" if len(held) == 1 else "ies")
+
+    def _retry_soon(self) -> None:
+        if self._retrying is None or self._retrying.done():
+            self._retrying = asyncio.ensure_future(self._retry())
+
+    async def _retry(self) -> None:
+        """Record the held discards on their own, every ``retry_interval`` until they are in."""
+        while self._held:
+            await asyncio.sleep(self.retry_interval)
+            held = self.take()
+
+            def record(c, held=held):
+                for peers, guid, at in held:
+                    sq.discard_uncertain(c, peers, guid, at)
+            try:
+                await self.store.write(record)
+            except StoreError:
+                self._held[:0] = held  # still no room: the next retry (or commit) takes them
+                continue
+            except BaseException:
+                self._held[:0] = held
+                raise
+            self.recorded(held)
 
 
 def tracking_row(internal_id: int, msg: NewMessage) -> dict:
@@ -135,7 +174,8 @@ class AcceptPath:
         self.shadow = shadow
         self._promotions = 0  # shadow redundancy promotions made (2010): the same-site peers in turn
         self._promoting_queues: set[int] = set()  # past 100 messages, promoted until they clear (2010 SP1)
-        self._orphans = OrphanCopies(store)
+        # Held discards are retried on their own within a heartbeat (the peers poll no sooner).
+        self._orphans = OrphanCopies(store, retry_interval=min(5.0, max(0.2, heartbeat_period(cfg.shadow_redundancy))))
 
     def _message(self, envelope: Envelope, session: Session, connector: str, now: float) -> NewMessage:
         cfg = self.cfg
@@ -242,9 +282,7 @@ class AcceptPath:
         try:
             faults.check("settle", msg)  # test-only: this commit settles the accept (the step's name)
             internal_id = await self.store.write(commit, queue_changed=True)
-            if orphans:
-                log.info("discards of %d orphaned shadow cop%s recorded now: their peers drop them at the next "
-                         "heartbeat", len(orphans), "y" if len(orphans) == 1 else "ies")
+            self._orphans.recorded(orphans)
         except Exception as exc:
             self._orphans.give_back(orphans)  # for the next commit
             if result is not None:
