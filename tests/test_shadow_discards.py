@@ -301,6 +301,8 @@ def test_a_fork_is_released_once_its_peers_per_recipient_discards_cover_every_re
         # The peer's later discard of the whole message finds nothing more to release.
         assert asyncio.run(shadow_queues.discard("p1.t", [(g2, None), (g1, None)], now)) == 0
         assert len([t for t in sink.tracked if t[0] == "HADISCARD"]) == 2
+    finally:
+        store.close()
 
 
 def test_an_unacknowledged_shadow_that_expires_is_a_warning_with_its_ids(tmp_path, caplog):
