@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import email
+import email.parser
 import email.policy
 import quopri
 import re
@@ -19,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from transportd.smtp import mime7bit
 from transportd.smtp.mime7bit import is_7bit, needs_smtputf8_headers, to_7bit
 
 PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -532,3 +534,137 @@ def test_property_garbage_never_raises(raw: bytes) -> None:
         # No header at all: the whole input is one text body.
         _assert_wire_safe(out)
         _assert_same_content(raw, out)
+
+
+# --------------------------------------------------------------------------- hostile headers
+# The email package's header parser takes time that grows with the square of a field's length
+# (encoded-words, RFC 2231 sections, many parameters): the converter gives it only what it must
+# (tests/test_poison.py: such a message does not hold up the others on a node).
+
+
+def _reference_head_info(head: bytes, default_type: str) -> tuple[str, str | None, str]:
+    """What the email package (policy.default) reads in a whole header block: the yardstick."""
+    try:
+        msg = email.parser.BytesHeaderParser(policy=email.policy.default).parsebytes(head)
+        msg.set_default_type(default_type)
+        ctype = msg.get_content_type()
+        cte = str(msg.get("content-transfer-encoding", "")).lower()
+        boundary = msg.get_boundary() if ctype.startswith("multipart/") else None
+    except Exception:  # noqa: BLE001
+        return default_type, None, ""
+    return ctype, boundary, cte
+
+
+def _folded(field: bytes) -> bytes:
+    """A long field folded at its blanks into lines of at most 900 octets (CRLF after each)."""
+    lines, line = [], b""
+    for word in field.split(b" "):
+        if line and len(line) + 1 + len(word) > 900:
+            lines.append(line)
+            line = b" " + word
+        else:
+            line = line + b" " + word if line else word
+    return b"\r\n".join([*lines, line]) + b"\r\n"
+
+
+@pytest.fixture
+def parsed_octets(monkeypatch) -> list[int]:
+    """The length of each text the email package's header parser is given."""
+    seen: list[int] = []
+    real = email.parser.BytesHeaderParser.parsebytes
+
+    def parsebytes(self, text, headersonly=True):
+        seen.append(len(text))
+        return real(self, text, headersonly)
+
+    monkeypatch.setattr(email.parser.BytesHeaderParser, "parsebytes", parsebytes)
+    return seen
+
+
+def test_a_huge_content_type_of_a_plain_type_is_never_parsed(parsed_octets: list[int]) -> None:
+    """The audit's message: one part's Content-Type with 20,000 encoded-words in its name
+    (280 KB, folded), an 8-bit body. Its type is read from the field's start; the email
+    package's parser sees only the small multipart header (it took 40 s of the whole node
+    before, growing with the square of the field)."""
+    field = _folded(b'Content-Type: text/plain; name="' + b"=?utf-8?q?a?= " * 20_000 + b'"')
+    raw = (b"Subject: big\r\nMIME-Version: 1.0\r\nContent-Type: multipart/mixed; boundary=\"b\"\r\n\r\n"
+           b"--b\r\n" + field + b"\r\n\xe9\xe9 body\r\n--b--\r\n")
+    assert len(raw) > 280_000
+    out = to_7bit(raw)
+    _assert_wire_safe(out)
+    assert out.startswith(raw[: raw.index(b"\xe9")].removesuffix(b"\r\n")), "the headers are kept"
+    assert out.endswith(b"Content-Transfer-Encoding: quoted-printable\r\n\r\n=E9=E9 body\r\n--b--\r\n")
+    assert sum(parsed_octets) < 100, parsed_octets
+
+
+@pytest.mark.parametrize("shape", ["parameters", "encoded-words", "rfc2231"])
+def test_the_header_parser_reads_a_bounded_part_of_a_message(shape: str, parsed_octets: list[int]) -> None:
+    """A message of many multiparts (over 250 KB), each with a hostile Content-Type of 4 KB (many
+    parameters, encoded-words, RFC 2231 sections of its boundary) and one 8-bit leaf: the email
+    package's parser is given at most _PARSE_BUDGET octets of it (a second or two, where every
+    part's field took 20 s); the multiparts past that are encoded as one text each, 7-bit
+    all the same."""
+    def hostile(i: int) -> bytes:
+        if shape == "parameters":
+            return b"multipart/mixed; boundary=c%d; " % i + b"a=b; " * 800
+        if shape == "encoded-words":
+            return b'multipart/mixed; boundary=c%d; name="' % i + b"=?utf-8?q?a?= " * 280 + b'"'
+        return b"multipart/mixed; boundary*0*=c; boundary*1*=%d; " % i + b" ".join(
+            b"boundary*%d*=;" % k for k in range(2, 250))
+    parts = [b"--b\r\n" + _folded(b"Content-Type: " + hostile(i))
+             + b"\r\n--c%d\r\nContent-Type: text/plain\r\n\r\n\xe9\r\n--c%d--\r\n" % (i, i) for i in range(70)]
+    raw = b"MIME-Version: 1.0\r\nContent-Type: multipart/mixed; boundary=b\r\n\r\n" + b"".join(parts) + b"--b--\r\n"
+    assert len(raw) > 250_000
+    out = to_7bit(raw)
+    _assert_wire_safe(out)
+    assert sum(parsed_octets) <= mime7bit._PARSE_BUDGET, sum(parsed_octets)
+    if shape != "rfc2231":  # (the email package reads that boundary as "1")
+        # a part the parser read: its 8-bit leaf alone is encoded
+        assert out.count(b"--c1\r\nContent-Type: text/plain\r\nContent-Transfer-Encoding: quoted-printable") == 1
+
+
+_TYPES = ["text/plain", "TEXT/Plain", "multipart/mixed", "Multipart/Alternative", "message/rfc822",
+          "multipart/digest", "image/png", "text / plain", "text/ plain", " text/plain", "text/plain (c)",
+          "(c) multipart/mixed", "=?utf-8?q?multipart/mixed?=", "multipart", "a/b/c", "", "x-{a}/b.c",
+          "multipart/mixed\xe9", "\xe9/plain", "text/plain\t", "multipart/mixed "]
+_PARAMETERS = [' boundary="b1"', "boundary=b2", ' Boundary = "b 3" ', 'boundary*0="ab"', 'boundary*1="cd"',
+               "boundary*=utf-8''%41b", "boundary*0*=us-ascii''x%41", 'name="=?utf-8?q?x=3B_boundary=3Dz?="',
+               'name="a\\"b"', "a=b", "", "boundary", 'boundary=""', " (comment) ", "charset=utf-8", 'name="a;b"',
+               'boundary="x\\\\"', "boundary=\xe9", 'boundary="  s p  "', "=?utf-8?q?boundary?==q", 'x="unclosed',
+               "boundary=a b", "name=\"=?utf-8?b?IjsgYm91bmRhcnk9eQ==?=\""]
+_ENCODINGS = ["base64", "Base64", "base64 ", "quoted-printable (x)", "=?utf-8?q?base64?=", "8bit", "", "x-uue",
+              "BASE64\t", "7 bit", '"base64"', "base64\xe9"]
+
+
+@st.composite
+def _field_value_of(draw, values: list[str], joiner: str, extra: list[str] | None = None) -> bytes:
+    items = [draw(st.sampled_from(values))]
+    if extra is not None:
+        items += draw(st.lists(st.sampled_from(extra), max_size=5))
+    text = joiner.join(items) + draw(st.sampled_from(["", ";", " ", "; "]))
+    if draw(st.booleans()):  # folded at a blank, or just before a parameter
+        at = draw(st.integers(0, len(text)))
+        text = text[:at] + draw(st.sampled_from(["\r\n ", "\r\n\t", "\n "])) + text[at:]
+    return text.encode("latin-1")
+
+
+@st.composite
+def _header_block(draw) -> bytes:
+    fields = []
+    for _ in range(draw(st.integers(0, 2))):
+        name = draw(st.sampled_from([b"Content-Type", b"content-type", b"CONTENT-TYPE"]))
+        fields.append(name + b":" + draw(st.sampled_from([b" ", b"", b"\t"]))
+                      + draw(_field_value_of(_TYPES, ";", _PARAMETERS)))
+    for _ in range(draw(st.integers(0, 2))):
+        fields.append(b"Content-Transfer-Encoding: " + draw(_field_value_of(_ENCODINGS, "")))
+    fields += draw(st.lists(st.sampled_from([b"Subject: x", b"From mbox", b": no name", b"X-A: b; c=d"]),
+                            max_size=2))
+    return b"".join(f + b"\r\n" for f in draw(st.permutations(fields)))
+
+
+@PROPERTY
+@given(_header_block(), st.sampled_from(["text/plain", "message/rfc822"]))
+def test_property_fields_are_read_as_the_email_package_reads_them(head: bytes, default_type: str) -> None:
+    head, _, _ = mime7bit._split_head(head + b"\r\n")
+    assert mime7bit._head_info(head, default_type, mime7bit._ParseBudget()) == \
+        _reference_head_info(head, default_type)

@@ -14,8 +14,8 @@ import sys
 import time
 
 import pytest
-from clusters import netid_of
-from conftest import read_db, wait_for
+from clusters import netid_of, one
+from conftest import Sink, read_db, wait_for, write_toml
 
 from transportd import faults
 from transportd.node import handling
@@ -265,10 +265,12 @@ def test_dsn_and_expiry_failures_are_isolated_per_message(make_node, sink):
 
 
 def test_kill_9_twice_while_a_message_hangs_the_node_puts_it_in_poison(make_node, sink):
-    """A message whose content step hangs the whole node (here: the fault's synchronous spin, as
-    a parser sent into a loop; then kill -9, as an operator or a watchdog would) twice is in the
-    Poison queue at the next start, and the node runs and delivers the others. The messages that
-    were only waiting on the next hop at those kills are not counted."""
+    """A message whose content step never ends (here: the fault's synchronous spin in the
+    conversion for the next hop, as a parser sent into a loop; then kill -9, as an operator or a
+    watchdog would) twice is in the Poison queue at the next start, and the node runs and
+    delivers the others. The conversion runs in a worker thread: while it spins, the node goes
+    on with other messages. The messages that were only waiting on the next hop at those kills
+    are not counted."""
     sink.start()
     node = make_node(smart_host=sink.address)
     node.env["TRANSPORTD_TEST_FAULTS"] = plan("deliver", action="spin")
@@ -278,9 +280,12 @@ def test_kill_9_twice_while_a_message_hangs_the_node_puts_it_in_poison(make_node
     bad = smtp_send(node.port, "POISON", "carol@elsewhere.test")
     mark = node.data_dir / handling.FILE_NAME
 
-    for _ in range(2):
+    for attempt in range(2):
         wait_for(lambda: handling.parse(mark.read_bytes()) == [(bad, "deliver")], timeout=10,
-                 what="the node to hang in the message's content step")
+                 what="the message to hang in its content step")
+        smtp_send(node.port, f"meanwhile {attempt}", "alice@example.test")  # the event loop goes on
+        wait_for(lambda n=attempt + 1: len(node.maildir_files("alice@example.test")) == n, timeout=10,
+                 what="a local delivery while the message hangs in its conversion")
         node.kill9()
         assert poison_ids(node) == []
         node.start()
@@ -291,6 +296,55 @@ def test_kill_9_twice_while_a_message_hangs_the_node_puts_it_in_poison(make_node
     assert [e["event-id"] for e in node.tracking(internal_message_id=str(bad))][-1] == "POISONMESSAGE"
     assert "crashed while handling it (step deliver)" in node.log()
     assert handling.parse(mark.read_bytes()) == []
+
+
+def _folded(field: bytes) -> bytes:
+    """A long field folded at its blanks into lines of at most 900 octets (CRLF after each)."""
+    lines, line = [], b""
+    for word in field.split(b" "):
+        if line and len(line) + 1 + len(word) > 900:
+            lines.append(line)
+            line = b" " + word
+        else:
+            line = line + b" " + word if line else word
+    return b"\r\n".join([*lines, line]) + b"\r\n"
+
+
+def test_a_message_slow_to_convert_to_7bit_holds_up_no_other_delivery(make_node, sink, procs):
+    """The audit's message: BODY=8BITMIME, 280 KB, a part whose folded Content-Type names it with
+    20,000 encoded-words, an 8-bit body, to a next hop without 8BITMIME (smtp-sink -8). Its
+    conversion to 7 bit took the whole node 40 s (Python's email package on that field, its time
+    the square of the length, on the event loop). Ten ordinary messages sent a second later to
+    another next hop are delivered within a few seconds; the big one arrives converted."""
+    sink.start(("-8",))
+    fast = Sink(procs).start()
+    try:
+        node = make_node(smart_host=sink.address)
+        node.sections["send_connectors"] = [{"name": "fast", "address_spaces": ["fast.test"],
+                                             "smart_hosts": [fast.address]}]
+        write_toml(node.config_path, node.sections)
+        node.start()
+        field = _folded(b'Content-Type: text/plain; name="' + b"=?utf-8?q?a?= " * 20_000 + b'"')
+        data = (b"From: <bob@example.test>\r\nSubject: slow to convert\r\nMessage-ID: <slowconv@client.test>\r\n"
+                b"MIME-Version: 1.0\r\nContent-Type: multipart/mixed; boundary=\"b\"\r\n\r\n--b\r\n"
+                + field + b"\r\n\xe9\xe9 body\r\n--b--\r\n")
+        assert len(data) > 280_000
+        with smtplib.SMTP("127.0.0.1", node.port, timeout=120) as s:
+            s.ehlo("client.test")
+            s.sendmail("bob@example.test", ["carol@elsewhere.test"], data, mail_options=["BODY=8BITMIME"])
+        time.sleep(1)  # its delivery under way (the audit's timing)
+        start = time.monotonic()
+        with smtplib.SMTP("127.0.0.1", node.port, timeout=120) as s:
+            for i in range(10):
+                s.sendmail("bob@example.test", [f"n{i}@fast.test"], f"Subject: ordinary {i}\r\n\r\nx\r\n")
+        wait_for(lambda: len(fast.messages()) == 10, timeout=120, interval=0.05, what="the ten ordinary messages")
+        took = time.monotonic() - start
+        assert took < 5, f"the ordinary messages were delivered only after {took:.1f} s"
+        stored = one(wait_for(sink.messages, timeout=30, what="the big message at its next hop"))
+        assert stored.isascii() and b"=E9=E9 body" in stored
+    finally:
+        fast.stop()
+        fast.cleanup()
 
 
 def test_kill_9_while_messages_wait_on_the_next_hop_counts_against_none(make_node, sink):

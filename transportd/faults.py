@@ -13,8 +13,10 @@ Steps are the loops of ``STEPS`` ("recorded": just after the commit that records
 outcomes, so that a "spin" there and a kill -9 stop the node between that commit and what
 follows it); "hang" blocks the handling coroutine for ever (the
 message waits, as on a next hop that never answers; the node goes on); "spin" blocks the
-whole process inside the step's synchronous part (as a message that sends a parser into a
-loop would), so a test can kill the process while a message hangs it.
+step's synchronous part for ever (as a message that sends a parser into a loop would): the
+whole process where that part runs on the event loop (a DSN's, a local delivery's), the worker
+thread where it runs in one (an SMTP delivery's conversion, node/connectors.py), so a test can
+kill the process while a message is in that step.
 """
 
 from __future__ import annotations

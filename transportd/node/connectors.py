@@ -51,12 +51,15 @@ from transportd.smtp import client as smtpclient
 from transportd.smtp.addresses import address_key
 from transportd.smtp.client import NextHopSession, SessionCache, describe
 from transportd.smtp.dsnparams import DsnRequest
-from transportd.smtp.envelope import plan_send
+from transportd.smtp.envelope import SendPlan, plan_send
 from transportd.smtp.mx import NextHopResolver, SmtpTarget
 
 log = logging.getLogger("transportd.node.connectors")
 
 MISSING_BODY = "550 5.3.0 message body missing from the queue database"
+# Messages an SMTP connector plans (converts) at once, each in a worker thread: more gains nothing
+# (the conversion holds the GIL), and the default executor keeps threads for the queue database.
+CONVERSIONS_AT_ONCE = 2
 
 
 class MailboxConnector:
@@ -175,6 +178,7 @@ class SmtpConnector:
         self.store = store
         self.handling = handling
         self.drain = drain or DeliveryDrain()
+        self._converting = asyncio.Semaphore(CONVERSIONS_AT_ONCE)  # messages in _planned's worker threads
         d = cfg.delivery
         self._open_sessions: dict[tuple[str, str], int] = {}  # per next hop: sessions carrying a batch
         self._opening: dict[tuple[str, str], int] = {}  # per next hop: sessions being opened
@@ -384,12 +388,10 @@ class SmtpConnector:
         await faults.acheck("deliver", row)
         # SMTPUTF8 and 8BITMIME as the message needs them and the next hop offers them; a next hop
         # that cannot take it gets no attempt (5.6.7 / 5.6.9 / 5.6.3 and a DSN).
-        with self.handling.step(it.message_id, "deliver"):  # the content step a message could crash
-            faults.check("deliver", row)
-            plan = plan_send(row["sender"], it.addresses, body, smtputf8=bool(row["smtputf8"]),
-                             body_type=row["body_type"] or "",
-                             next_hop_smtputf8=client.supports_extension("smtputf8"),
-                             next_hop_8bitmime=client.supports_extension("8bitmime"))
+        async with self._converting:
+            with self.handling.step(it.message_id, "deliver"):  # the content step a message could crash
+                plan = await asyncio.to_thread(_planned, row, it.addresses, body, client.supports_extension("smtputf8"),
+                                               client.supports_extension("8bitmime"))
         if plan.error:
             return [Outcome(r, mq.FAILED, plan.error, local=True) for r in it.recipient_ids]
         if plan.downgraded:
@@ -455,6 +457,17 @@ class PeerConnector(SmtpConnector):
                         data: bytes, xshadow: str | None, dsn: DsnRequest | None = None) -> Any:
         """MAIL (``XSHADOW=`` hop by hop), RCPT and BDAT LAST (or DATA) in one write."""
         return await client.relay(sender, options, recipients, data, xshadow, dsn)
+
+
+def _planned(row: dict, addresses: list[str], body: bytes, next_hop_smtputf8: bool,
+             next_hop_8bitmime: bool) -> SendPlan:
+    """``plan_send`` for one message, in a worker thread: a conversion to 7 bit (smtp/mime7bit.py)
+    takes time that grows with the message, and the event loop goes on with every other delivery
+    and session meanwhile (a message never holds up another). The message is in its handling step
+    (node/handling.py) all the while: one that crashes the node here is counted as before."""
+    faults.check("deliver", row)
+    return plan_send(row["sender"], addresses, body, smtputf8=bool(row["smtputf8"]), body_type=row["body_type"] or "",
+                     next_hop_smtputf8=next_hop_smtputf8, next_hop_8bitmime=next_hop_8bitmime)
 
 
 def smart_host_targets(next_hop: str, rng: random.Random | None = None) -> list[SmtpTarget]:

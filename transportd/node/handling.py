@@ -2,9 +2,11 @@
 
 It owns the crash context of Exchange's poison message detection. A message kills a node inside
 a synchronous step over its content (a conversion for the next hop, a DSN built from it: a parser
-caught in a loop, a C extension's fault, memory blown): the whole event loop is in that step, so
-no other message is being worked on at that moment. Around each such step the message's queue
-database id and the step's name are written into this file (one ``pwrite`` into the page cache:
+caught in a loop, a C extension's fault, memory blown). A DSN is built on the event loop, which is
+all in that step; a conversion runs in a worker thread while the loop goes on (node/connectors.py:
+at most two per connector), so the few messages in such a step at the moment of a crash each count
+one (a message that is there at one crash only is never held). Around each such step the
+message's queue database id and the step's name are written into this file (one ``pwrite`` into the page cache:
 it survives the death of the process, which is what a message can cause, not a power loss). At
 the next start after an unclean stop the ids found there count one internal failure each
 (``delivery.poison_threshold``); a kill -9, an OOM kill or a power loss while the node waits on

@@ -89,6 +89,15 @@ _ENCODABLE_MESSAGE = frozenset(
 )
 _DECODED_CTES = frozenset({"quoted-printable", "base64", "x-uuencode", "uuencode", "uue", "x-uue"})
 _HEAD_POLICY = email.policy.default
+# What of a message's Content-Type and Content-Transfer-Encoding fields the email package's header
+# parser reads (_ParseBudget), in octets: the longest field, and all of them together. A real
+# one that is not read without it (a multipart's, one with comments) is some 100 octets.
+_MAX_PARSED_FIELD = 4096
+_PARSE_BUDGET = 32768
+_TOKEN = r"[!#$%&'*+\-.^_`{|}~0-9A-Za-z]+"  # RFC 2045 token: no tspecials, no encoded-word
+_TOKEN_RE = re.compile(_TOKEN)
+_PLAIN_TYPE_RE = re.compile(rf"[ \t]*({_TOKEN}/{_TOKEN})[ \t]*(?:;|\Z)")
+_BREAK_RE = re.compile(r"[\r\n]")
 
 
 def is_7bit(data: bytes) -> bool:
@@ -115,7 +124,10 @@ def to_7bit(data: bytes) -> bytes:
     """
     data = bytes(data)
     try:
-        return _entity(data, "text/plain", at_eof=True, in_multipart=False, depth=0, top=True)
+        return _entity(
+            data, "text/plain", at_eof=True, in_multipart=False, depth=0, top=True,
+            budget=_ParseBudget(),
+        )
     except Exception:  # noqa: BLE001 - never raise: fall back to one text part
         try:
             return _flat(data)
@@ -127,7 +139,8 @@ def to_7bit(data: bytes) -> bytes:
 
 
 def _entity(
-    data: bytes, default_type: str, *, at_eof: bool, in_multipart: bool, depth: int, top: bool
+    data: bytes, default_type: str, *, at_eof: bool, in_multipart: bool, depth: int, top: bool,
+    budget: _ParseBudget,
 ) -> bytes:
     """Convert one entity (header block + body).
 
@@ -139,12 +152,12 @@ def _entity(
     head, sep, body = _split_head(data)
     if not _needs_work(body):
         return data
-    ctype, boundary, cte = _head_info(head, default_type)
+    ctype, boundary, cte = _head_info(head, default_type, budget)
     if depth < _MAX_DEPTH:
         if ctype.startswith("multipart/"):
             result = None
             if boundary is not None:
-                result = _multipart(body, boundary, ctype, at_eof=at_eof, depth=depth)
+                result = _multipart(body, boundary, ctype, at_eof=at_eof, depth=depth, budget=budget)
                 if isinstance(result, bytes):
                     return _container(head, sep, body, result, cte, top=top)
             # No boundary, or no start boundary: the parser keeps the body as one payload,
@@ -156,7 +169,7 @@ def _entity(
         if ctype.startswith("message/") and ctype not in _ENCODABLE_MESSAGE:
             inner = _entity(  # an encapsulated message is a message: top=True
                 body, "text/plain", at_eof=at_eof, in_multipart=in_multipart, depth=depth + 1,
-                top=True,
+                top=True, budget=budget,
             )
             return _container(head, sep, body, inner, cte, top=top)
     text = (
@@ -170,7 +183,7 @@ def _entity(
 
 
 def _multipart(
-    body: bytes, boundary: str, ctype: str, *, at_eof: bool, depth: int
+    body: bytes, boundary: str, ctype: str, *, at_eof: bool, depth: int, budget: _ParseBudget
 ) -> bytes | int | None:
     """The converted body of a multipart. When the parser would find no start boundary
     (the body is then one payload): None, or the offset of the close delimiter that ends
@@ -201,7 +214,7 @@ def _multipart(
             out.append(
                 _entity(
                     body[start:], default_type, at_eof=at_eof, in_multipart=True,
-                    depth=depth + 1, top=False,
+                    depth=depth + 1, top=False, budget=budget,
                 )
             )
             return b"".join(out)
@@ -210,7 +223,10 @@ def _multipart(
         n = _eol_len(chunk)
         part, eol = (chunk[:-n], chunk[-n:]) if n else (chunk, b"")
         out.append(
-            _entity(part, default_type, at_eof=False, in_multipart=True, depth=depth + 1, top=False)
+            _entity(
+                part, default_type, at_eof=False, in_multipart=True, depth=depth + 1, top=False,
+                budget=budget,
+            )
         )
         out.append(eol)
         if nxt.group(1):
@@ -362,18 +378,87 @@ def _set_cte(head: bytes, value: bytes) -> bytes:
     return b"".join(out)
 
 
-def _head_info(head: bytes, default_type: str) -> tuple[str, str | None, str]:
+class _ParseBudget:
+    """The octets of header fields one conversion may still give the email package's header
+    parser, whose time grows faster than the length it reads (a Content-Type of 8 KB with many
+    parameters takes half a second, one of 30 KB of encoded-words one second): a message of
+    many parts with such fields must not buy minutes of it."""
+
+    def __init__(self, octets: int = _PARSE_BUDGET):
+        self.left = octets
+
+    def take(self, field: bytes) -> bool:
+        """True (and the field's length spent) when ``field`` may be parsed."""
+        if len(field) > min(self.left, _MAX_PARSED_FIELD):
+            return False
+        self.left -= len(field)
+        return True
+
+
+def _head_info(head: bytes, default_type: str, budget: _ParseBudget) -> tuple[str, str | None, str]:
     """(content type, boundary or None, lower-case Content-Transfer-Encoding) as the email
-    package (policy.default) reads them."""
+    package (policy.default) reads them.
+
+    Only the two fields that say them are read (the first of each, as the email package does),
+    in linear time where they are plain: a ``type/subtype`` token pair as it is (the
+    parameters matter only to a multipart, for its boundary), a Content-Transfer-Encoding of
+    one token as it is. Anything else goes through the email package's header parser if
+    ``budget`` allows; a field it does not is not read: a multipart's parameters, or a
+    Content-Type that is no plain type, make the entity one text payload, the worst case the
+    module allows (what it holds is still there, encoded); a Content-Transfer-Encoding
+    counts as none (the content is taken as it is)."""
+    ctype_field = cte_field = None
+    for start, end, name in _fields(head):
+        if name == b"content-type" and ctype_field is None:
+            ctype_field = head[start:end]
+        elif name == b"content-transfer-encoding" and cte_field is None:
+            cte_field = head[start:end]
     try:
-        msg = email.parser.BytesHeaderParser(policy=_HEAD_POLICY).parsebytes(head)
-        msg.set_default_type(default_type)
-        ctype = msg.get_content_type()
-        cte = str(msg.get("content-transfer-encoding", "")).lower()
-        boundary = msg.get_boundary() if ctype.startswith("multipart/") else None
+        ctype, boundary = _content_type(ctype_field, default_type, budget)
+        cte = "" if cte_field is None else _transfer_encoding(cte_field, budget)
     except Exception:  # noqa: BLE001 - the email package has crashed on hostile input
         return default_type, None, ""
     return ctype, boundary, cte
+
+
+def _content_type(field: bytes | None, default_type: str, budget: _ParseBudget) -> tuple[str, str | None]:
+    if field is None:
+        return default_type, None
+    plain = _PLAIN_TYPE_RE.match(_field_value(field))
+    if plain is not None:
+        ctype = plain.group(1).lower()
+        if not ctype.startswith("multipart/") or not budget.take(field):
+            return ctype, None
+    elif not budget.take(field):
+        return "text/plain", None
+    # The value as policy.default makes it (encoded-words decoded, RFC 2231 sections joined),
+    # read as the email package's Message reads a Content-Type value.
+    msg = email.message.Message()
+    msg.set_default_type(default_type)
+    msg["Content-Type"] = str(_parsed_field(field, "content-type"))
+    ctype = msg.get_content_type()
+    return ctype, msg.get_boundary() if ctype.startswith("multipart/") else None
+
+
+def _transfer_encoding(field: bytes, budget: _ParseBudget) -> str:
+    value = _field_value(field)
+    if _TOKEN_RE.fullmatch(value):
+        return value.lower()
+    if not budget.take(field):
+        return ""
+    return str(_parsed_field(field, "content-transfer-encoding")).lower()
+
+
+def _field_value(field: bytes) -> str:
+    """A field's value as the email package gives it to its header parser: octets as surrogate
+    escapes, the blanks after the colon dropped, line breaks taken out (unfolded)."""
+    value = field.decode("ascii", "surrogateescape").split(":", 1)[1]
+    return _BREAK_RE.sub("", value.lstrip(" \t"))
+
+
+def _parsed_field(field: bytes, name: str) -> object:
+    """One field (its lines) parsed by the email package with policy.default."""
+    return email.parser.BytesHeaderParser(policy=_HEAD_POLICY).parsebytes(field).get(name, "")
 
 
 # --------------------------------------------------------------------------- encoding
