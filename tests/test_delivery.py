@@ -1080,8 +1080,8 @@ class ScriptedNextHop:
     """A next hop in asyncio (its own event loop, in a thread of this process) that speaks ESMTP
     with PIPELINING line by line and takes at most ``rcpt_limit`` recipients per transaction
     (452 4.5.3 for more). ``script(hop, session, line)`` may answer any line (``"connect"`` before
-    the greeting, ``"."`` for a complete end of data) otherwise: a reply, ``(delay, reply)``, or
-    CLOSE. It notes every session's lines (``sessions``), each message it took as (session,
+    the greeting, ``"."`` for a complete end of data) otherwise: a reply (text, or bytes sent as they
+    are), ``(delay, reply)``, or CLOSE. It notes every session's lines (``sessions``), each message it took as (session,
     recipients) (``messages``, before its reply goes out) and when each end of data came (``dots``)."""
 
     def __init__(self, script=None, rcpt_limit: int = 100) -> None:
@@ -1116,9 +1116,10 @@ class ScriptedNextHop:
             if isinstance(reply, tuple):
                 await asyncio.sleep(reply[0])
                 reply = reply[1]
-            writer.write(reply.encode() + b"\r\n")
+            data = reply if isinstance(reply, bytes) else reply.encode()  # bytes: sent as they are
+            writer.write(data + b"\r\n")
             await writer.drain()
-            return not reply.startswith("221")
+            return not data.startswith(b"221")
         try:
             going = await say("connect", "220 hop.test ESMTP")
             while going:
@@ -1281,3 +1282,28 @@ def test_a_refused_session_start_gets_a_quit_and_the_message_is_deferred(make_no
     wait_events(node, "DEFER")
     wait_for(lambda: hop.sessions and hop.sessions[0][-1:] == ["QUIT"], timeout=5, what="the QUIT")
     assert recipient_states(node) == {"carol@foreign.test": "Retry"} and len(hop.sessions) == 1
+
+
+def test_a_refusal_holding_control_characters_and_no_utf8_fails_with_a_clean_dsn(make_node, scripted_hop):
+    """A next hop refuses the recipient with ``550 5.1.1 no such<NUL>user <FF><FE> here``: a 5xx,
+    so FAIL at once and a DSN to the sender, the next hop's words cleaned where its reply enters
+    the node (NUL as "?", octets that are no UTF-8 as U+FFFD) for the DSN, the tracking log and the
+    queue database alike. Before, the NUL made the DSN impossible: 451 4.3.0 internal error in dsn,
+    a retry, then the Poison queue, the sender never told."""
+    refusal = b"550 5.1.1 no such\x00user \xff\xfe here"
+    hop = scripted_hop(lambda hop, session, line: refusal if line.startswith("RCPT") else None)
+    node = make_node(smart_host=hop.address).start()
+    qid = queued_id(swaks(node.port, "--to", "carol@foreign.test", "--from", "bob@example.test",
+                          "--header", "Subject: refused"))
+    cleaned = "550 5.1.1 no such?user \ufffd\ufffd here"
+    fail = wait_events(node, "FAIL", internal_message_id=str(qid))
+    assert fail[0]["recipient-status"] == cleaned
+    files = wait_for(lambda: node.maildir_files("bob@example.test"), what="the DSN in bob's Maildir")
+    assert b"\x00" not in files[0].read_bytes()
+    _, rcpts = dsn_parts(files[0])
+    assert rcpts[0]["Action"] == "failed" and rcpts[0]["Status"] == "5.1.1"
+    assert rcpts[0]["Diagnostic-Code"] == "smtp; 550 5.1.1 no such?user \\x{FFFD}\\x{FFFD} here"
+    assert read_db(node.data_dir / "queue.db", "SELECT status, last_error FROM recipients WHERE message_id = ?",
+                   (qid,)) == [("Failed", cleaned)]
+    assert not events(node, "DEFER") and not events(node, "POISONMESSAGE")
+    assert node.cli_json("message", "list", "--queue", "Poison") == []

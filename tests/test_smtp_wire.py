@@ -94,6 +94,23 @@ async def test_auth_refused_and_a_silent_peer() -> None:
         wire.close()
 
 
+async def test_a_replys_text_comes_in_clean() -> None:
+    """Controls in a reply's text (NUL, a CR inside a line, ESC, DEL, C1) become "?", octets that
+    are no UTF-8 U+FFFD, a tab and UTF-8 text stay: every consumer of a next hop's words (DSN,
+    tracking log, queue database, log) gets text."""
+    server, port = await scripted([
+        (None, b"220 ok\r\n"), (b"EHLO", b"250 peer\r\n"),
+        (b"RCPT", b"550-5.1.1 a\x00b\rc\x1b[31md\x7f\r\n550 5.1.1 \xc2\x9b\tj\xc3\xb6rg \xff\xfe\r\n"),
+    ])
+    async with server:
+        wire = SmtpWire("127.0.0.1", port, local_hostname="me.test", timeout=5)
+        await wire.connect()
+        await wire.ehlo()
+        reply = await wire.execute_command(b"RCPT", b"TO:<x@y>")
+        assert (reply.code, reply.message) == (550, "5.1.1 a?b?c?[31md?\n5.1.1 ?\tj\u00f6rg \ufffd\ufffd")
+        wire.close()
+
+
 async def test_the_timeout_is_per_reply_and_a_late_reply_ends_the_session() -> None:
     """Each reply has ``timeout`` of its own (three replies 0.3 s apart all count under a 0.5 s
     timeout, 0.9 s in all); one that does not come in time fails with TimeoutError and the session

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import re
 import ssl
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,12 @@ from transportd.errors import (
 log = logging.getLogger("transportd")
 
 MAX_REPLY_LINES = 200
+# What of a reply's text is no text (RFC 5321 4.2: HT, SP and printable characters; RFC 6531 adds
+# UTF-8): C0 controls but HT, DEL and the C1 controls. Each becomes "?" here, where every reply of
+# a next hop or a peer enters the node, so its words reach the DSN, the tracking log, the queue
+# database's last error and the log as clean text (a NUL made the DSN impossible: the message went
+# to Poison, its sender never told). Octets that are no UTF-8 are already U+FFFD ("replace").
+_NOT_TEXT = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 QUIT_WAIT = 5.0  # seconds a QUIT's reply is awaited at most: the session is over either way
 
 
@@ -225,7 +232,7 @@ class SmtpWire:
         lines: list[str] = []
         while True:
             line = await self._read_line()
-            text = line.rstrip(b"\r\n").decode("utf-8", "replace")
+            text = _NOT_TEXT.sub("?", line.rstrip(b"\r\n").decode("utf-8", "replace"))
             code = text[:3]
             if not (len(code) == 3 and code.isdigit()) or text[3:4] not in ("", " ", "-"):
                 raise ProtocolError(f"not an SMTP reply line from {self.hostname}: {text[:60]!r}")
