@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 import shutil
+import smtplib
 import threading
 import uuid
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from conftest import wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -215,6 +218,34 @@ def test_a_multi_line_reply_is_written_on_the_rows_one_line(tmp_path):
     assert rows[0]["source-context"] == flat
 
 
+def test_control_characters_are_written_as_spaces(tmp_path):
+    """A Subject holds what its sender put there: a NUL, an ESC sequence (which recoloured the
+    terminal a row was shown in), a tab. Written byte for byte before; now as spaces, as a line
+    break is, in every field: a row is text."""
+    log = make_log(tmp_path)
+    log.write("RECEIVE", "SMTP", message_subject="a\x00b \x1b[31mred\x1b[0m", source_context="x\ty",
+              recipient_status=["550 a\x07b"])
+    log.close()
+    raw = next(tmp_path.iterdir()).read_bytes()
+    assert not re.search(rb"[\x00-\x09\x0b\x0c\x0e-\x1f\x7f]", raw), raw
+    [row] = list(parse_log_file(next(tmp_path.iterdir())))
+    assert (row["message-subject"], row["source-context"], row["recipient-status"]) == \
+        ("a b  [31mred [0m", "x y", "550 a b")
+
+
+def test_a_node_tracks_a_subject_with_control_characters_as_text(make_node):
+    """The same through a node: a message whose Subject holds a NUL and an ESC sequence, received
+    and delivered; no row of the node's MSGTRK files holds a control character but CRLF."""
+    node = make_node().start()
+    data = b"From: <bob@remote.test>\r\nTo: <alice@example.test>\r\nSubject: a\x00b \x1b[31mred\x1b[0m\r\n\r\nhi\r\n"
+    with smtplib.SMTP("127.0.0.1", node.port, timeout=30) as s:
+        s.sendmail("bob@remote.test", ["alice@example.test"], data)
+    deliver = wait_for(lambda: node.tracking(event_id="DELIVER"), what="the DELIVER row")
+    assert deliver[0]["message-subject"] == "a b  [31mred [0m"
+    raw = b"".join(p.read_bytes() for p in (node.data_dir / "msgtrk").iterdir())
+    assert b"[31mred" in raw and not re.search(rb"[\x00-\x09\x0b\x0c\x0e-\x1f\x7f]", raw)
+
+
 def test_a_lone_surrogate_is_written_as_a_question_mark_not_lost(tmp_path):
     """Octets that were no UTF-8 (kept as surrogate escapes) must not cost the row: it was
     dropped with a UnicodeEncodeError, neither written nor kept."""
@@ -236,6 +267,7 @@ def test_a_lone_surrogate_is_written_as_a_question_mark_not_lost(tmp_path):
         ('"starts and ends with a quote"', None),
         ('mixed, "all",\r\nof them\n', 'mixed, "all", of them'),
         ("unicode: Grüße, 日本語", None),
+        ("nul\x00esc\x1b[31mred\x1b[0m\ttab\x7fdel\x9bc1", "nul esc [31mred [0m tab del c1"),
     ],
 )
 def test_quoting_round_trips(tmp_path, subject, read):

@@ -94,6 +94,10 @@ _MUST_QUOTE = re.compile(r'[,"\r\n]')
 _QUOTE_OR_BREAK = re.compile(r'["\r\n]')
 _BREAK = re.compile(r"[\r\n]")
 _BREAKS_AND_BLANKS = re.compile(r"[ \t]*[\r\n][\r\n \t]*")
+# Any control character (C0, DEL, C1): a line break, or one that is no text (a NUL, an ESC
+# sequence a Subject carried that would recolour the terminal a row is shown in).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_OTHER_CONTROL = re.compile(r"[\x00-\x09\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 # Our own file names, used by the writer to find today's files after a restart.
 _OWN_NAME = re.compile(r"^MSGTRK(\d{8})-(\d+)\.LOG$")
 # Any MSGTRK log, ours or Exchange's (MSGTRKyyyymmdd-n, MSGTRKyyyymmddhh-n, MSGTRKMD..., .log).
@@ -153,8 +157,11 @@ def _one_line(values: list[str]) -> list[str]:
     """The fields with every line break (and the blanks around it) made one space: Exchange stores
     "each message event on a single line in the log", and a tool reading MSGTRK reads a line as a
     row. A next hop's multi-line reply (``550-5.1.1 ...`` then ``550 5.1.1 ...``) comes to a
-    recipient-status or source-context with its lines joined by line feeds."""
-    return [_BREAKS_AND_BLANKS.sub(" ", v).strip(" \t") if _BREAK.search(v) else v for v in values]
+    recipient-status or source-context with its lines joined by line feeds. Every other control
+    character (a tab, a NUL, an ESC: a Subject holds what its sender put there) is one space too:
+    a row is text, shown as it is by whatever reads the file."""
+    return [_OTHER_CONTROL.sub(" ", _BREAKS_AND_BLANKS.sub(" ", v).strip(" \t") if _BREAK.search(v) else v)
+            for v in values]
 
 
 def _csv_line(values: Sequence[str]) -> str:
@@ -508,7 +515,7 @@ class TrackingLog(_LogFiles):
             # (a lone surrogate, from octets that were no UTF-8, becomes "?": the row is written all the same)
             fields = [str(values[name]) for name in self.fields]
             line = _csv_line(fields)
-            if "\n" in line[:-2] or "\r" in line[:-2]:  # rare: a value held a line break
+            if _CONTROL.search(line, 0, len(line) - 2):  # rare: a value held a line break or another control
                 line = _csv_line(_one_line(fields))
             data = line.encode("utf-8", "replace")
             try:
