@@ -5,12 +5,13 @@ a synchronous step over its content (a conversion for the next hop, a DSN built 
 caught in a loop, a C extension's fault, memory blown). A DSN is built on the event loop, which is
 all in that step; a conversion runs in a worker thread while the loop goes on (node/connectors.py:
 at most two per connector), so the few messages in such a step at the moment of a crash each count
-one (a message that is there at one crash only is never held). Around each such step the
-message's queue database id and the step's name are written into this file (one ``pwrite`` into the page cache:
-it survives the death of the process, which is what a message can cause, not a power loss). At
-the next start after an unclean stop the ids found there count one internal failure each
-(``delivery.poison_threshold``); a kill -9, an OOM kill or a power loss while the node waits on
-next hops, peers and clients counts against no message, however many were being delivered.
+one (a bystander is held only if it was there at ``poison_threshold`` crashes). Around each such
+step the message's queue database id and the step's name are written into this file (one
+``pwrite`` into the page cache: it survives the death of the process, which is what a message can
+cause, not a power loss). At the next start after an unclean stop the ids found there count one
+internal failure each (``delivery.poison_threshold``); a kill -9, an OOM kill or a power loss
+while the node waits on next hops, peers and clients counts against no message, however many were
+being delivered.
 """
 
 from __future__ import annotations

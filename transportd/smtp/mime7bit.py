@@ -40,7 +40,10 @@ re-encoding, order kept), every boundary line, and every part that is already
 the way Python's email package decodes it and encoded again. The structure is
 read the way Python's email package reads it (``policy.default``), so each
 part's decoded content (``get_payload(decode=True)``) is exactly the same
-before and after the conversion.
+before and after the conversion; in time linear in the message: the email
+package's header parser, whose time grows with the square of a field, is given
+at most 4 KB a field and 32 KB a message (``_head_info``), and a multipart whose
+fields it is not given is encoded as one text part (nothing of it is lost).
 
 Pure functions on bytes, no I/O. It never raises on malformed input (worst
 case the body is encoded as one text part), never touches an address, and
