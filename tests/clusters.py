@@ -408,13 +408,13 @@ class FailoverNode:
 
 
 class LocalCluster:
-    def __init__(self, procs: Any, sink: Any, base: Path, overrides: dict[str, dict[str, Any]]):
+    def __init__(self, procs: Any, sink: Any, base: Path, overrides: dict[str, dict[str, Any]], nodes: int = 3):
         self.sink = sink
         merged = {"delivery": dict(FAST_DELIVERY), "node": {"log_level": "debug"}, "frontend": {"workers": 1}}
         for section, values in overrides.items():
             merged.setdefault(section, {}).update(values)
         self.specs = cluster_mod.generate(
-            base / "cfg", nodes=3, sites=2, ip_base=random.randint(20, 200),
+            base / "cfg", nodes=nodes, sites=2, ip_base=random.randint(20, 200),
             frontend_port=free_port(), transport_port=free_port(),
             sink_address=sink.address, overrides=merged)
         self.nodes = {s.short: FailoverNode(s, procs, base) for s in self.specs}
