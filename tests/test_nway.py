@@ -468,6 +468,34 @@ def test_two_copies_on_one_peer_count_as_one_peers_protection(cluster) -> None:
     assert cluster.db["n1"].read(lambda c: c.execute(select(mq.messages.c.redundancy)).scalar()) == "shadowed"
 
 
+def test_a_copy_adopted_at_a_rank_another_peer_holds_is_surplus(cluster) -> None:
+    """A peer that answers an XSHADOWADOPT late (after the promoted message got a new shadow at
+    rank 1 elsewhere) closes up to rank 1 too: both would take ownership together. Its copy is not
+    recorded but discarded there, and it gets no new copy of the message while that discard waits
+    (it would discard the new copy too); a free rank is recorded as before."""
+    guid = cluster.accept("n1", ["n2"], "m1", 0.0)
+    mid = cluster.tx("n1", lambda c: c.execute(select(message_shadows.c.message_id)).scalar())
+    assert cluster.tx("n1", lambda c: sq.record_adopted(c, "n3", [(mid, guid, 1)], 1.0)) == [(mid, guid, 1)]
+    assert cluster.db["n1"].read(lambda c: sq.reshadow_inputs(c, mid))[2] == [("n2", 1)]
+    events = cluster.tx("n1", lambda c: c.execute(select(discard_events.c.shadow_node, discard_events.c.shadow_guid))
+                        .all())
+    assert events == [("n3", guid)]
+    assert cluster.db["n1"].read(lambda c: sq.message_guid(c, mid, None)) == (guid, {"n3"})
+    assert cluster.tx("n1", lambda c: sq.record_adopted(c, "n4", [(mid, guid, 2)], 2.0)) == []
+    assert sorted(cluster.db["n1"].read(lambda c: sq.reshadow_inputs(c, mid))[2]) == [("n2", 1), ("n4", 2)]
+
+
+def test_every_new_shadow_of_a_message_carries_its_guid(cluster) -> None:
+    """A new shadow of a message (missing, lost, or of a promoted copy) carries the GUID its other
+    copies carry, the promoted copy's first: whoever promotes it next names them all at once."""
+    guid = cluster.accept("n1", ["n2"], "m1", 0.0)
+    mid = cluster.tx("n1", lambda c: c.execute(select(message_shadows.c.message_id)).scalar())
+    assert cluster.db["n1"].read(lambda c: sq.message_guid(c, mid, None)) == (guid, set())
+    assert cluster.db["n1"].read(lambda c: sq.message_guid(c, mid, G1)) == (G1, set())
+    cluster.tx("n1", lambda c: c.execute(message_shadows.delete()))
+    assert cluster.db["n1"].read(lambda c: sq.message_guid(c, mid, None)) == (None, set())
+
+
 class _Session:
     def __init__(self, answer: list[tuple[str, int]]):
         self.answer = answer

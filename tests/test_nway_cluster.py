@@ -13,6 +13,9 @@ delivered once:
    adopted and never promotes;
 4. node2 is down when the message comes: accepted with one shadow (partial), the second made
    once node2 is back.
+
+Two faults on a 4-node cluster (node1's copies on node3 and node4, the remote site; node2 beside
+node1): the node that took over is lost too, and a shadow holder back after the takeover.
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ from conftest import wait_for
 SPAN, RANK_DELAY = 3.0, 4.0
 
 
-def nway_cluster(procs, sink, tmp_path) -> LocalCluster:
+def nway_cluster(procs, sink, tmp_path, nodes: int = 3) -> LocalCluster:
     c = LocalCluster(procs, sink, tmp_path, {"shadow_redundancy": {
         "shadow_heartbeat_frequency": 0.5, "shadow_resubmit_time_span": SPAN,
-        "shadow_copies": 2, "shadow_rank_delay": RANK_DELAY}})
+        "shadow_copies": 2, "shadow_rank_delay": RANK_DELAY}}, nodes=nodes)
     c.start()
     return c
 
@@ -193,3 +196,102 @@ def test_a_shadow_holder_that_missed_the_adoption_is_asked_again_and_never_promo
     assert not ranks(n2, n1) and not ranks(n2, n3), "node2 still holds a shadow of the message"
     time.sleep(1.5)  # waiting for absence: nothing else may arrive
     assert len(sink_copies(sink, netid)) == 1
+
+
+# ============================================================================ two faults, four nodes
+
+def accepted_on(primary, holders, internal_id: int) -> str:
+    """The network-message-id of ``internal_id``, after checking its two HAREDIRECT rows name
+    ``holders`` and each holder's HARECEIVE."""
+    def rows() -> list[dict]:
+        return [r for r in primary.events("HAREDIRECT") if r["internal-message-id"] == str(internal_id)]
+    found = wait_for(lambda: len(rows()) == 2 and rows(), timeout=20, what=f"two shadows of {internal_id}")
+    assert sorted(r["source-context"].split("=")[0] for r in found) == sorted(h.name for h in holders), found
+    netid = found[0]["network-message-id"]
+    for h in holders:
+        h.wait_event("HARECEIVE", netid)
+    return netid
+
+
+def settled(predicate, timeout: float):
+    """``predicate()`` once true, or its last value after ``timeout`` (the test goes on either way:
+    what follows shows what an unsettled state costs)."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return value
+
+
+def delivered_once_each(sink, netids: list[str]) -> None:
+    wait_for(lambda: all(sink_copies(sink, n) for n in netids), timeout=30, what="every message at the sink")
+    time.sleep(1.5)  # waiting for absence: nothing else may arrive
+    counts = {n: len(sink_copies(sink, n)) for n in netids}
+    assert counts == dict.fromkeys(netids, 1), counts  # none lost, none twice
+
+
+def test_the_node_that_took_over_is_lost_too_each_message_is_delivered_once(procs, sink, tmp_path):
+    """node1 dies: node3 and node4 each promote the messages they hold at rank 1 and adopt the
+    other's copies; each promoted message gets its missing shadow on node2 (rank 2). Then node4
+    dies: node3, rank 1 under node4, promotes node4's messages and node2 adopts its copies. They
+    once carried a new shadow GUID, which node3's XSHADOWADOPT (naming its own copy's) did not
+    match: node2 promoted them too one rank delay later, every one of them delivered twice."""
+    c = nway_cluster(procs, sink, tmp_path, nodes=4)
+    n1, n2, n3, n4 = c["node1"], c["node2"], c["node3"], c["node4"]
+    netids = [accepted_on(n1, [n3, n4], send(n1, f"carol{i}@foreign.test")) for i in range(4)]
+    of4 = [n for n, r in ranks(n4, n1).items() if r == 1]
+    assert of4 and len(of4) < len(netids), ranks(n4, n1)  # the ranks alternate between node3 and node4
+
+    n1.kill9()
+    for netid in netids:
+        (n4 if netid in of4 else n3).wait_event("RESUBMIT", netid, timeout=30)
+    # node4's messages: node3's copy adopted (rank 1), a new one on node2 (rank 2)
+    wait_for(lambda: ranks(n3, n4) == dict.fromkeys(of4, 1) and ranks(n2, n4) == dict.fromkeys(of4, 2),
+             timeout=30, what="node4's promoted messages shadowed on node3 (rank 1) and node2 (rank 2)")
+
+    n4.kill9()
+    killed = time.monotonic()
+    for netid in of4:
+        n3.wait_event("RESUBMIT", netid, timeout=30)
+
+    def adopted_by_node2() -> list[str]:
+        return [n for n in of4 if any(r["source-context"].endswith(f"AdoptedFrom={n4.name}")
+                                      for r in n2.events("HARECEIVE", n))]
+    settled(lambda: adopted_by_node2() == of4, timeout=10)
+    time.sleep(max(0.0, SPAN + 2 * RANK_DELAY + 1 - (time.monotonic() - killed)))  # past node2's rank 2
+    sink.start()
+    delivered_once_each(sink, netids)
+    assert not [n for n in of4 if n2.events("RESUBMIT", n)], "node2 promoted a message node3 had promoted"
+    assert adopted_by_node2() == of4, "node2 kept its copies of node4's messages as node4's"
+
+
+def test_a_shadow_holder_back_after_the_takeover_does_not_share_a_rank(procs, sink, tmp_path):
+    """node1 and node3 die together: node4 promotes every message, cannot ask node3 to adopt its
+    copies, and makes the missing shadows on node2 (rank 1). node3 comes back and adopts its copies
+    when asked again; they once took rank 1 too, beside node2's, so that when node4 died as well
+    node2 and node3 both promoted every message. A copy adopted at a rank another shadow holds is
+    discarded there, and the shadow made anew ranks after node2's."""
+    c = nway_cluster(procs, sink, tmp_path, nodes=4)
+    n1, n2, n3, n4 = c["node1"], c["node2"], c["node3"], c["node4"]
+    netids = [accepted_on(n1, [n3, n4], send(n1, f"dave{i}@foreign.test")) for i in range(3)]
+
+    n1.kill9()
+    n3.kill9()
+    for netid in netids:
+        n4.wait_event("RESUBMIT", netid, timeout=40)
+    wait_for(lambda: ranks(n2, n4) == dict.fromkeys(netids, 1), timeout=30,
+             what="the promoted messages shadowed on node2")
+    n3.start()
+    wait_for(lambda: all(any("AdoptedFrom" in r["source-context"] for r in n3.events("HARECEIVE", n))
+                         for n in netids), timeout=30, what="node3 adopting its copies as node4's shadows")
+
+    def distinct_ranks() -> bool:
+        on2, on3 = ranks(n2, n4), ranks(n3, n4)
+        return all(n in on2 and n in on3 and on2[n] != on3[n] for n in netids)
+    settled(distinct_ranks, timeout=20)
+    n4.kill9()
+    killed = time.monotonic()
+    n2.wait_event("RESUBMIT", netids[0], timeout=30)
+    time.sleep(max(0.0, SPAN + 2 * RANK_DELAY + 1 - (time.monotonic() - killed)))  # past any rank 2
+    sink.start()
+    delivered_once_each(sink, netids)
+    assert not [n for n in netids if n3.events("RESUBMIT", n)], "node3 promoted a message node2 had promoted"

@@ -301,6 +301,24 @@ def reshadow_inputs(conn: Connection, message_id: int) -> tuple[bytes | None, di
     return mq.body(conn, message_id), addrs, holders
 
 
+def message_guid(conn: Connection, message_id: int, promoted_guid: str | None) -> tuple[str | None, set[str]]:
+    """The shadow GUID a new shadow of ``message_id`` carries, and the peers it must not go to now.
+
+    Every copy of a message carries one GUID (docs/PROTOCOL.md section 9): the one its shadows
+    have (``promoted_guid``, the GUID of the copy we promoted, first: the other holders of the
+    lost primary's message keep that one, and whoever promotes after us names it in its
+    XSHADOWADOPT); None when no copy has one yet (a new GUID will do). A peer with a discard event
+    for that GUID still pending (a copy forgotten, uncertain, or surplus) would apply it to a new
+    copy too: it gets none until it has taken the event (its next poll)."""
+    guid = promoted_guid or conn.execute(select(message_shadows.c.shadow_guid).where(
+        message_shadows.c.message_id == message_id).order_by(message_shadows.c.created_at).limit(1)).scalar()
+    if guid is None:
+        return None, set()
+    busy = set(conn.execute(select(discard_events.c.shadow_node).where(
+        discard_events.c.shadow_guid == guid).distinct()).scalars())
+    return guid, busy
+
+
 def settle_reshadow(conn: Connection, message_id: int, shadow_nodes: Iterable[str | tuple[str, int]], guid: str,
                     uncertain: Iterable[str], had_recipients: bool, now: float, wanted: int = 1,
                     databases: dict[str, str] | None = None) -> str | None:
@@ -321,14 +339,28 @@ def settle_reshadow(conn: Connection, message_id: int, shadow_nodes: Iterable[st
     return state
 
 
-def record_adopted(conn: Connection, peer: str, adopted: Iterable[tuple[int, str, int]], now: float) -> None:
+def record_adopted(conn: Connection, peer: str, adopted: Iterable[tuple[int, str, int]],
+                   now: float) -> list[tuple[int, str, int]]:
     """``peer`` kept its copies of promoted messages (message id, guid, rank) as our shadows
-    (XSHADOWADOPT). A message finished meanwhile gets its discard event at once."""
+    (XSHADOWADOPT). A message finished meanwhile gets its discard event at once. A copy adopted at
+    a rank another peer's shadow of the message holds already (a peer that answered late, after
+    the message got a new shadow at that rank; or two lower ranks closed up to rank 1) is surplus:
+    both would take ownership together should we be lost. It is not recorded but gets a discard
+    event (the peer drops it at its next poll), and the message a new shadow ranked after the
+    others if it lacks one. Returns the surplus copies."""
+    surplus = []
     for message_id, guid, rank in adopted:
-        record_shadow(conn, message_id, peer, guid, now, rank)
+        taken = conn.execute(select(message_shadows.c.shadow_node).where(
+            message_shadows.c.message_id == message_id, message_shadows.c.shadow_rank == rank,
+            message_shadows.c.shadow_node != peer).limit(1)).first()
         state = conn.execute(select(messages.c.state).where(messages.c.id == message_id)).scalar()
-        if state != mq.QUEUED:
+        if taken is None:
+            record_shadow(conn, message_id, peer, guid, now, rank)
+        else:
+            surplus.append((message_id, guid, rank))
+        if taken is not None or state != mq.QUEUED:
             discard_uncertain(conn, [peer], guid, now)
+    return surplus
 
 
 def shadow_status(conn: Connection, shadow_node: str, guids: list[str], peers: list[str]) -> tuple[set[str], set[str]]:

@@ -124,7 +124,12 @@ class Adoptions:
                 self.pool.release(s, ok)
         if adopted:
             now = time.time()
-            await self.store.write(lambda c: sq.record_adopted(
+            surplus = await self.store.write(lambda c: sq.record_adopted(
                 c, peer.name, [(by_guid[g], g, rank) for g, rank in adopted], now))
             log.info("%s adopted %d shadow(s) of messages we promoted", peer.name, len(adopted))
+            if surplus:
+                # Two shadows of one rank would both take ownership should we be lost.
+                log.warning("%s adopted %d shadow(s) at a rank another peer's shadow of the message holds: "
+                            "discarded there (a new shadow ranked after the others follows if one is missing)",
+                            peer.name, len(surplus))
         return len(adopted) if ok else None

@@ -254,10 +254,14 @@ class ShadowManager:
             now = time.time()
             mid = row["id"]
             body, params, holders = await self.store.aread(lambda c: sq.reshadow_inputs(c, mid))
+            # The GUID its other copies carry (a promoted copy's own among them), so that whoever
+            # promotes it after us names every copy in one XSHADOWADOPT; a new one only for a
+            # message no copy of which has one.
+            shared, busy = await self.store.aread(lambda c: sq.message_guid(c, mid, row.get("shadow_guid")))
             addrs = list(params)
             wanted = self.sr.shadow_copies
             result = ShadowResult(None, "No suitable shadow servers")
-            guid = str(uuid.uuid4())
+            guid = shared or str(uuid.uuid4())
             # Two copies on one peer protect against nothing more than one: holders count by peer.
             missing = wanted - len({h for h, _ in holders})
             if self.enabled and body is not None and addrs and missing > 0:
@@ -268,7 +272,7 @@ class ShadowManager:
                 # New copies rank after the shadows it has (no two shadows of a message share a rank).
                 first = min(MAX_SHADOW_RANK - missing + 1, 1 + max((r for _, r in holders), default=0))
                 result = await self.make_shadow(msg, guid, addrs,
-                                                exclude=[e for e in (exclude, *(h for h, _ in holders),
+                                                exclude=[e for e in (exclude, *(h for h, _ in holders), *busy,
                                                                      *self.adoptions.pending_peers(mid)) if e],
                                                 copies=missing, first_rank=max(1, first))
             # Recorded with the time the copies exist (not the start): a peer's new queue database
