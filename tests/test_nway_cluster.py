@@ -94,6 +94,12 @@ def test_primary_dies_rank_1_promotes_and_rank_2_is_adopted(procs, sink, tmp_pat
     time.sleep(SPAN + RANK_DELAY)  # past the time rank 2 would have promoted
     assert not n2.events("RESUBMIT", netid)
     assert len(sink_copies(sink, netid)) == 1
+    # Neither holds a shadow of node1 now, nor polls it: `shadow list` shows no failures of the
+    # polls before the promotion (they once stayed, "[Errno 111] Connection refused", for good).
+    for n in (n2, n3):
+        row = n.shadow_list()[n1.name]
+        assert (row["shadows"], row["consecutive_failures"], row["last_error"]) == \
+            (0, 0, "not polled: no shadows held"), (n.name, row)
 
 
 def test_primary_back_with_an_empty_database_one_shadow_promotes(procs, sink, tmp_path):

@@ -46,7 +46,8 @@ def shadow_rows(cfg: Config) -> list[dict]:
 @node_options
 @json_option("JSON lines")
 def shadow_list(cfg: Config, as_json: bool) -> None:
-    """Per primary: shadows held, last successful heartbeat, consecutive failures, recorded DB ID."""
+    """Per primary: shadows held, last successful heartbeat, consecutive failures, recorded DB ID
+    (a primary no longer polled, holding none of its shadows: "not polled: no shadows held")."""
     rows = shadow_rows(cfg)
     if as_json:
         emit_json(rows)

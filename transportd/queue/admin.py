@@ -23,6 +23,7 @@ from sqlalchemy.engine import Connection
 
 from transportd.queue import messages as mq
 from transportd.queue import selection as sel
+from transportd.queue import shadows as sq
 from transportd.queue.selection import Selection
 from transportd.queue.store import messages, meta, queues, recipients, resubmit_requests, shadow_contexts
 
@@ -233,7 +234,11 @@ def file_resubmit_request(conn: Connection, primary: str, destination: str, star
 
 def shadow_summary(conn: Connection) -> list[dict]:
     """Per primary this node holds shadows for: shadows queued, Shadow Safety Net copies, and its
-    shadow context (last heartbeat, consecutive failures, queue database id, last error)."""
+    shadow context (last heartbeat, consecutive failures, queue database id, last error). A
+    primary no longer polled (no shadow, fork or resubmit request left for it) shows no failures
+    but ``sq.NOT_POLLED`` in their place: the failures of its last polls say nothing of it now (it
+    may be back), and no poll will clear them."""
+    polled = set(sq.primaries_to_poll(conn))
     held = dict(conn.execute(select(messages.c.primary_node, func.count()).where(
         messages.c.role == "shadow", messages.c.state == mq.QUEUED).group_by(messages.c.primary_node)).all())
     safety = dict(conn.execute(select(messages.c.primary_node, func.count()).where(
@@ -242,12 +247,13 @@ def shadow_summary(conn: Connection) -> list[dict]:
     out = []
     for primary in sorted(set(held) | set(safety) | set(ctx)):
         c = ctx.get(primary, {})
+        stale = primary not in polled and bool(c.get("consecutive_failures") or c.get("last_error"))
         out.append({"primary": primary, "shadows": held.get(primary, 0),
                     "shadow_safety_net": safety.get(primary, 0),
                     "last_heartbeat_at": c.get("last_heartbeat_at"),
-                    "consecutive_failures": c.get("consecutive_failures", 0),
+                    "consecutive_failures": 0 if stale else c.get("consecutive_failures", 0),
                     "queue_database_id": c.get("queue_database_id"),
-                    "last_error": c.get("last_error") or ""})
+                    "last_error": sq.NOT_POLLED if stale else c.get("last_error") or ""})
     return out
 
 

@@ -436,6 +436,21 @@ def copies_to_verify(conn: Connection, primary: str, *, before: float, since: fl
     return [(g, i, 0.0) for g, i in shadows if g] + [(g, 0, at) for g, at in forks]
 
 
+# The last error of a primary whose failing polls ended because no shadow of it is held any more.
+NOT_POLLED = "not polled: no shadows held"
+
+
+def settle_unpolled(conn: Connection, polled: Iterable[str]) -> int:
+    """Primaries no longer polled (``polled``: ``primaries_to_poll``) forget the failures of their
+    last polls (``NOT_POLLED`` in their place): nothing is promoted for them, and a shadow taken
+    from one later starts a new count rather than one from a streak long past. Returns how many
+    contexts changed."""
+    stale = or_(shadow_contexts.c.consecutive_failures > 0, shadow_contexts.c.last_error != NOT_POLLED,
+                shadow_contexts.c.unreachable_since.is_not(None), shadow_contexts.c.down_since.is_not(None))
+    return conn.execute(update(shadow_contexts).where(shadow_contexts.c.peer.not_in(list(polled)), stale).values(
+        consecutive_failures=0, last_error=NOT_POLLED, unreachable_since=None, down_since=None)).rowcount
+
+
 def apply_discards(conn: Connection, primary: str, reasons: dict[str, str | None], now: float,
                    hold: float) -> tuple[list[dict], list[tuple[dict, Exception]]]:
     """Shadows of ``primary`` named in ``reasons``: processed ones (no reason) to the Shadow Safety

@@ -168,6 +168,8 @@ class Heartbeat:
     async def round(self) -> None:
         """One heartbeat to every primary at once: a black-holed primary does not delay the others."""
         primaries = await self.store.aread(sq.primaries_to_poll)
+        # The others' failures are of polls long past (``shadow list``, the consecutive-failures gauge).
+        await self.store.write(lambda c: sq.settle_unpolled(c, primaries))
         results = await asyncio.gather(*(self.heartbeat(p) for p in primaries), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
