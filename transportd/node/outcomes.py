@@ -236,8 +236,10 @@ class OutcomeRecorder:
             if it.message_id in d.internal:
                 step, exc = d.internal[it.message_id]
                 ids = {"internal_message_id": it.message_id, "network_message_id": row.get("network_message_id", "")}
+                # the queue database refusing a commit (a full disk) is one line, no traceback
                 log.error("%s of message %s to %s failed with an internal error: %s: %s", step, it.message_id,
-                          it.queue_identity, exc.__class__.__name__, exc, exc_info=exc, extra=ids)
+                          it.queue_identity, exc.__class__.__name__, exc,
+                          exc_info=None if isinstance(exc, StoreError) else exc, extra=ids)
                 self.events.metrics.internal_failures.labels(step).inc()
             self._track(row, it, d.outcomes.get(it.message_id, []), d.remote, d.remote_address, expiry=d.expiry)
             failed = _failed_addresses(it, d.outcomes.get(it.message_id, ()))
