@@ -5,7 +5,8 @@
 - ``run_cli`` / ``assert_one_error_line``: the real ``python -m transportd`` and its one-line errors;
 - ``backlog``: messages queued straight into a (stopped) node's queue database;
 - ``PerRecipientNextHop``: a next hop answering each recipient by its local part (250/550/450),
-  with or without SMTPUTF8.
+  with or without SMTPUTF8;
+- ``folded``: a long header field folded into lines a message may carry.
 """
 
 from __future__ import annotations
@@ -152,3 +153,18 @@ class PerRecipientNextHop:
             self.port = probe.getsockname()[1]
         self.controller = Controller(Handler(), hostname="127.0.0.1", port=self.port, enable_SMTPUTF8=smtputf8)
         self.controller.start()
+
+
+# ------------------------------------------------------------------------------ messages
+
+
+def folded(field: bytes) -> bytes:
+    """A long field folded at its blanks into lines of at most 900 octets (CRLF after each)."""
+    lines, line = [], b""
+    for word in field.split(b" "):
+        if line and len(line) + 1 + len(word) > 900:
+            lines.append(line)
+            line = b" " + word
+        else:
+            line = line + b" " + word if line else word
+    return b"\r\n".join([*lines, line]) + b"\r\n"

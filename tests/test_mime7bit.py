@@ -17,6 +17,7 @@ import quopri
 import re
 
 import pytest
+from helpers import folded
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -555,18 +556,6 @@ def _reference_head_info(head: bytes, default_type: str) -> tuple[str, str | Non
     return ctype, boundary, cte
 
 
-def _folded(field: bytes) -> bytes:
-    """A long field folded at its blanks into lines of at most 900 octets (CRLF after each)."""
-    lines, line = [], b""
-    for word in field.split(b" "):
-        if line and len(line) + 1 + len(word) > 900:
-            lines.append(line)
-            line = b" " + word
-        else:
-            line = line + b" " + word if line else word
-    return b"\r\n".join([*lines, line]) + b"\r\n"
-
-
 @pytest.fixture
 def parsed_octets(monkeypatch) -> list[int]:
     """The length of each text the email package's header parser is given."""
@@ -586,7 +575,7 @@ def test_a_huge_content_type_of_a_plain_type_is_never_parsed(parsed_octets: list
     (280 KB, folded), an 8-bit body. Its type is read from the field's start; the email
     package's parser sees only the small multipart header (it took 40 s of the whole node
     before, growing with the square of the field)."""
-    field = _folded(b'Content-Type: text/plain; name="' + b"=?utf-8?q?a?= " * 20_000 + b'"')
+    field = folded(b'Content-Type: text/plain; name="' + b"=?utf-8?q?a?= " * 20_000 + b'"')
     raw = (b"Subject: big\r\nMIME-Version: 1.0\r\nContent-Type: multipart/mixed; boundary=\"b\"\r\n\r\n"
            b"--b\r\n" + field + b"\r\n\xe9\xe9 body\r\n--b--\r\n")
     assert len(raw) > 280_000
@@ -611,7 +600,7 @@ def test_the_header_parser_reads_a_bounded_part_of_a_message(shape: str, parsed_
             return b'multipart/mixed; boundary=c%d; name="' % i + b"=?utf-8?q?a?= " * 280 + b'"'
         return b"multipart/mixed; boundary*0*=c; boundary*1*=%d; " % i + b" ".join(
             b"boundary*%d*=;" % k for k in range(2, 250))
-    parts = [b"--b\r\n" + _folded(b"Content-Type: " + hostile(i))
+    parts = [b"--b\r\n" + folded(b"Content-Type: " + hostile(i))
              + b"\r\n--c%d\r\nContent-Type: text/plain\r\n\r\n\xe9\r\n--c%d--\r\n" % (i, i) for i in range(70)]
     raw = b"MIME-Version: 1.0\r\nContent-Type: multipart/mixed; boundary=b\r\n\r\n" + b"".join(parts) + b"--b--\r\n"
     assert len(raw) > 250_000

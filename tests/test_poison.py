@@ -16,6 +16,7 @@ import time
 import pytest
 from clusters import netid_of, one
 from conftest import Sink, read_db, wait_for, write_toml
+from helpers import folded
 
 from transportd import faults
 from transportd.node import handling
@@ -298,18 +299,6 @@ def test_kill_9_twice_while_a_message_hangs_the_node_puts_it_in_poison(make_node
     assert handling.parse(mark.read_bytes()) == []
 
 
-def _folded(field: bytes) -> bytes:
-    """A long field folded at its blanks into lines of at most 900 octets (CRLF after each)."""
-    lines, line = [], b""
-    for word in field.split(b" "):
-        if line and len(line) + 1 + len(word) > 900:
-            lines.append(line)
-            line = b" " + word
-        else:
-            line = line + b" " + word if line else word
-    return b"\r\n".join([*lines, line]) + b"\r\n"
-
-
 def test_a_message_slow_to_convert_to_7bit_holds_up_no_other_delivery(make_node, sink, procs):
     """The audit's message: BODY=8BITMIME, 280 KB, a part whose folded Content-Type names it with
     20,000 encoded-words, an 8-bit body, to a next hop without 8BITMIME (smtp-sink -8). Its
@@ -324,7 +313,7 @@ def test_a_message_slow_to_convert_to_7bit_holds_up_no_other_delivery(make_node,
                                              "smart_hosts": [fast.address]}]
         write_toml(node.config_path, node.sections)
         node.start()
-        field = _folded(b'Content-Type: text/plain; name="' + b"=?utf-8?q?a?= " * 20_000 + b'"')
+        field = folded(b'Content-Type: text/plain; name="' + b"=?utf-8?q?a?= " * 20_000 + b'"')
         data = (b"From: <bob@example.test>\r\nSubject: slow to convert\r\nMessage-ID: <slowconv@client.test>\r\n"
                 b"MIME-Version: 1.0\r\nContent-Type: multipart/mixed; boundary=\"b\"\r\n\r\n--b\r\n"
                 + field + b"\r\n\xe9\xe9 body\r\n--b--\r\n")

@@ -185,6 +185,17 @@ def test_a_lost_peers_forks_are_routed_again_not_put_back_in_its_queue(tmp_path)
         store.close()
 
 
+def fork_holder(tmp_path):
+    """The config, open queue database and clock of a node n1.t whose peer p1.t takes forks."""
+    cfg = load_dict({"node": {"name": "n1.t", "data_dir": str(tmp_path)},
+                     "routing": {"accepted_domains": ["example.test"], "smart_host": "127.0.0.1:2500"},
+                     "cluster": {"secret": "s3cret"}, "transport": {"listen": "127.0.0.1:2526"},
+                     "peers": [{"name": "p1.t", "site": "s", "transport": "127.0.0.2:2526"}]})
+    store = QueueStore.open(tmp_path / "queue.db")
+    store.start_writer()
+    return cfg, store, time.time()
+
+
 def test_a_forks_recipients_the_peer_processed_are_not_routed_again(tmp_path):
     """The holder of a hop-by-hop fork is its peer's shadow: the peer's ``Delivered=`` and
     ``Failed=`` entries for the fork's GUID mark those recipients (delivered there; failed, its DSN
@@ -195,13 +206,7 @@ def test_a_forks_recipients_the_peer_processed_are_not_routed_again(tmp_path):
 
     from transportd.queue.store import messages, queues, recipients
 
-    cfg = load_dict({"node": {"name": "n1.t", "data_dir": str(tmp_path)},
-                     "routing": {"accepted_domains": ["example.test"], "smart_host": "127.0.0.1:2500"},
-                     "cluster": {"secret": "s3cret"}, "transport": {"listen": "127.0.0.1:2526"},
-                     "peers": [{"name": "p1.t", "site": "s", "transport": "127.0.0.2:2526"}]})
-    store = QueueStore.open(tmp_path / "queue.db")
-    store.start_writer()
-    now = time.time()
+    cfg, store, now = fork_holder(tmp_path)
 
     def forked(conn, rcpts):
         mid = mq.enqueue(conn, mq.NewMessage(str(uuid.uuid4()), "a@x.test", b"Subject: s\r\n\r\nb\r\n",
@@ -252,13 +257,7 @@ def test_a_fork_is_released_once_its_peers_per_recipient_discards_cover_every_re
 
     from transportd.queue.store import discard_events, messages, recipients, shadow_forks
 
-    cfg = load_dict({"node": {"name": "n1.t", "data_dir": str(tmp_path)},
-                     "routing": {"accepted_domains": ["example.test"], "smart_host": "127.0.0.1:2500"},
-                     "cluster": {"secret": "s3cret"}, "transport": {"listen": "127.0.0.1:2526"},
-                     "peers": [{"name": "p1.t", "site": "s", "transport": "127.0.0.2:2526"}]})
-    store = QueueStore.open(tmp_path / "queue.db")
-    store.start_writer()
-    now = time.time()
+    cfg, store, now = fork_holder(tmp_path)
 
     def forked(conn, rcpts):
         mid = mq.enqueue(conn, mq.NewMessage(str(uuid.uuid4()), "a@x.test", b"Subject: s\r\n\r\nb\r\n",
