@@ -196,29 +196,41 @@ def fork_holder(tmp_path):
     return cfg, store, time.time()
 
 
+def fork_to_p1(conn, cfg, now: float, rcpts: list[str], shadow: str | None = None) -> tuple[int, str]:
+    """A message of ours (with a shadow on ``shadow``, GUID ``ours-<id>``) handed to p1.t hop by
+    hop: its recipients delivered there, a fork recorded. Returns (message id, the fork's GUID)."""
+    from sqlalchemy import select, update
+
+    from transportd.queue.store import recipients
+
+    mid = mq.enqueue(conn, mq.NewMessage(str(uuid.uuid4()), "a@x.test", b"Subject: s\r\n\r\nb\r\n",
+                                         bifurcate(rcpts, cfg), now, now + 3600))
+    if shadow:
+        sq.record_shadow(conn, mid, shadow, f"ours-{mid}", now)
+    mq.redirect_to_peer(conn, "p1.t", now, message_id=mid)
+    rows = conn.execute(select(recipients.c.id, recipients.c.queue_id).where(recipients.c.message_id == mid)).all()
+    conn.execute(update(recipients).where(recipients.c.message_id == mid).values(status=mq.ACTIVE))
+    mq.record_outcomes(conn, [mq.Outcome(r.id, mq.DELIVERED) for r in rows], now,
+                       retry_interval=1, retry_count=1, long_interval=1)
+    guid = str(uuid.uuid4())
+    sq.record_forks(conn, [(mid, "p1.t", guid, rows[0].queue_id, "db1")], now)
+    return mid, guid
+
+
 def test_a_forks_recipients_the_peer_processed_are_not_routed_again(tmp_path):
     """The holder of a hop-by-hop fork is its peer's shadow: the peer's ``Delivered=`` and
     ``Failed=`` entries for the fork's GUID mark those recipients (delivered there; failed, its DSN
     out), so when the peer is lost only the recipient still waiting on it is routed again. Every
     recipient of a fork the peer processed: the fork is released then (the message ends), and
     nothing is left to route."""
-    from sqlalchemy import select, update
+    from sqlalchemy import select
 
     from transportd.queue.store import messages, queues, recipients
 
     cfg, store, now = fork_holder(tmp_path)
 
     def forked(conn, rcpts):
-        mid = mq.enqueue(conn, mq.NewMessage(str(uuid.uuid4()), "a@x.test", b"Subject: s\r\n\r\nb\r\n",
-                                             bifurcate(rcpts, cfg), now, now + 3600))
-        mq.redirect_to_peer(conn, "p1.t", now, message_id=mid)
-        rows = conn.execute(select(recipients.c.id, recipients.c.queue_id).where(recipients.c.message_id == mid)).all()
-        conn.execute(update(recipients).where(recipients.c.message_id == mid).values(status=mq.ACTIVE))
-        mq.record_outcomes(conn, [mq.Outcome(r.id, mq.DELIVERED) for r in rows], now,
-                           retry_interval=1, retry_count=1, long_interval=1)
-        guid = str(uuid.uuid4())
-        sq.record_forks(conn, [(mid, "p1.t", guid, rows[0].queue_id, "db1")], now)
-        return mid, guid
+        return fork_to_p1(conn, cfg, now, rcpts)
 
     def where(conn, mid):
         return sorted(conn.execute(select(recipients.c.address, queues.c.identity, recipients.c.status)
@@ -253,24 +265,14 @@ def test_a_fork_is_released_once_its_peers_per_recipient_discards_cover_every_re
     tracked. One covered recipient of two keeps it; so does one whose notice of success the peer
     still owes (``NotifyRelayed=``), until ``Delivered=`` follows. The fork stayed until the peer's
     discard of the whole message."""
-    from sqlalchemy import select, update
+    from sqlalchemy import select
 
-    from transportd.queue.store import discard_events, messages, recipients, shadow_forks
+    from transportd.queue.store import discard_events, messages, shadow_forks
 
     cfg, store, now = fork_holder(tmp_path)
 
     def forked(conn, rcpts):
-        mid = mq.enqueue(conn, mq.NewMessage(str(uuid.uuid4()), "a@x.test", b"Subject: s\r\n\r\nb\r\n",
-                                             bifurcate(rcpts, cfg), now, now + 3600))
-        sq.record_shadow(conn, mid, "s2.t", f"ours-{mid}", now)
-        mq.redirect_to_peer(conn, "p1.t", now, message_id=mid)
-        rows = conn.execute(select(recipients.c.id, recipients.c.queue_id).where(recipients.c.message_id == mid)).all()
-        conn.execute(update(recipients).where(recipients.c.message_id == mid).values(status=mq.ACTIVE))
-        mq.record_outcomes(conn, [mq.Outcome(r.id, mq.DELIVERED) for r in rows], now,
-                           retry_interval=1, retry_count=1, long_interval=1)
-        guid = str(uuid.uuid4())
-        sq.record_forks(conn, [(mid, "p1.t", guid, rows[0].queue_id, "db1")], now)
-        return mid, guid
+        return fork_to_p1(conn, cfg, now, rcpts, shadow="s2.t")
 
     def state(conn, mid):
         forks = conn.execute(select(shadow_forks.c.shadow_guid).where(shadow_forks.c.message_id == mid)).all()
