@@ -292,6 +292,42 @@ def test_a_fork_discarded_while_other_recipients_wait_leaves_the_copy_held(spark
     assert summary["lost"] == 0 and summary["unprotected_messages"] == 0
 
 
+def test_a_copy_promoted_for_fewer_recipients_holds_nothing_once_it_delivers_them(spark, tmp_path):
+    """node1 delivers one of two recipients and tells its shadow node2 (a per-recipient discard:
+    no row), then dies; node2 promotes its copy, which now takes only the other recipient, and
+    delivers it. The message is delivered and no node holds a copy: node2's HARECEIVE named two
+    recipients, its deliveries one, yet the other was done before it took the message over."""
+    from datetime import UTC, datetime, timedelta
+    t0 = datetime(2026, 11, 29, 14, 0, tzinfo=UTC)
+    logs = {n: TrackingLog(tmp_path / "logs" / n / "msgtrk", f"{n}.test", clock=lambda: t0)
+            for n in ("node1", "node2")}
+
+    def w(node: str, at: float, event: str, rcpts, **kw) -> None:
+        source = kw.pop("source", "SMTP")
+        logs[node].write(event, source, network_message_id="0000f0a5-0000-4000-8000-000000000000",
+                         message_id="<fewer@x>", recipients=list(rcpts), date_time=t0 + timedelta(seconds=at), **kw)
+
+    both = ("a@foreign.test", "b@foreign.test")
+    w("node2", -0.002, "HARECEIVE", both, source_context="guid1", client_hostname="node1.test")
+    w("node1", 0, "RECEIVE", both)
+    w("node1", 0.001, "HAREDIRECT", both, source_context="node2.test=250 2.6.0 ok, queued")
+    w("node1", 1, "SENDEXTERNAL", ("a@foreign.test",), recipient_status=["250 2.0.0 Ok"])
+    w("node1", 2, "DEFER", ("b@foreign.test",), recipient_status=["451 4.4.1 no answer"])
+    w("node2", 100, "HADISCARD", (), source_context="Resubmitted;guid1", client_hostname="node1.test")
+    w("node2", 100, "RESUBMIT", (), source="REDUNDANCY", source_context="node1.test (ShadowHeartbeatFailure)",
+      reference="1")
+    w("node2", 101, "SENDEXTERNAL", ("b@foreign.test",), recipient_status=["250 2.0.0 Ok"])
+    w("node2", 700, "SEND", (), )  # the logs go on after it
+    for log in logs.values():
+        log.close()
+    summary = job.analyze(spark, [str(tmp_path / "logs" / "node*" / "msgtrk")], str(tmp_path / "out"),
+                          grace_seconds=300, progress=False)
+    [m] = [r.asDict(recursive=True) for r in spark.read.parquet(str(tmp_path / "out" / "messages")).collect()
+           if r["message_id"] == "<fewer@x>"]
+    assert (m["state"], m["live_copies"], m["live_copy_nodes"]) == ("delivered", 0, []), m
+    assert summary["lost"] == 0 and summary["anomalies"]["counts"].get("shadow never discarded", 0) == 0
+
+
 # ------------------------------------------------------------------------------ 3, 4
 
 

@@ -635,3 +635,45 @@ def test_acknowledgement_state_says_when_a_held_250_may_go(store) -> None:
     assert state(promoting=promoting) is None
     set_rcpt("x@remote.test", status=mq.DELIVERED)
     assert state() == "Delivered"
+
+
+def test_reroute_moves_waiting_recipients_to_the_queue_their_route_names_now(store) -> None:
+    """A routing change applies to queued mail: waiting recipients (Ready, Retry) of queued copies,
+    shadows included, go to the queue the new route names, due at once. Recipients in an attempt,
+    delivered, in a suspended queue (counted apart), or in a peer's queue stay where they are."""
+    new_smart = NextHop("smarthost:127.0.0.1:2600", SMART_HOST, "127.0.0.1:2600")
+    peer = NextHop("peer:node2.transportd.test", "SmtpRelayToMailboxDeliveryGroup", "node2.transportd.test")
+    held_hop = NextHop("dns:held.test", DNS, "held.test")
+
+    def route(address: str) -> NextHop:
+        if address == "bad@remote.test":
+            raise ValueError("cannot be routed")
+        return LOCAL if address.endswith("@example.test") else new_smart
+
+    waiting = enqueue(store, {SMART: ["x@remote.test", "y@remote.test", "bad@remote.test"],
+                              LOCAL: ["a@example.test"]}, nid="waiting")
+    shadow = enqueue(store, {SMART: ["s@remote.test"]}, nid="shadow", role="shadow")
+    drained = enqueue(store, {peer: ["p@remote.test"]}, nid="drained")
+    held = enqueue(store, {held_hop: ["h@remote.test"]}, nid="held")
+    ids = {r["address"]: r["id"] for r in rows(store, recipients)}
+    tx(store, lambda c: c.execute(update(recipients).where(recipients.c.id == ids["y@remote.test"])
+                                  .values(status="Retry", next_retry_at=T0 + 300, attempts=2)))
+    tx(store, lambda c: mq.mark_active(c, [ids["x@remote.test"]], T0))
+    held_qid = rows(store, recipients, recipients.c.id == ids["h@remote.test"])[0]["queue_id"]
+    tx(store, lambda c: mq.set_queue_suspended(c, held_qid, True))
+    before = {r["id"]: r for r in rows(store, recipients)}
+
+    moved, kept = tx(store, lambda c: mq.reroute_queued(c, route, T0 + 10))
+
+    assert moved == {(SMART.identity, new_smart.identity): 2}  # y (Retry) and the shadow's s
+    assert kept == {(held_hop.identity, new_smart.identity): 1}
+    new_qid = rows(store, queues, queues.c.identity == new_smart.identity)[0]["id"]
+    after = {r["id"]: r for r in rows(store, recipients)}
+    y, s = after[ids["y@remote.test"]], after[ids["s@remote.test"]]
+    assert (y["queue_id"], y["status"], y["next_retry_at"], y["attempts"]) == (new_qid, "Retry", 0.0, 2)
+    assert (s["queue_id"], s["status"]) == (new_qid, "Ready")
+    for unmoved in ("x@remote.test", "bad@remote.test", "a@example.test", "p@remote.test", "h@remote.test"):
+        assert after[ids[unmoved]] == before[ids[unmoved]], unmoved
+    assert {waiting, shadow, drained, held} == {r["message_id"] for r in after.values()}
+    # a second pass finds nothing more to move
+    assert tx(store, lambda c: mq.reroute_queued(c, route, T0 + 20)) == ({}, kept)

@@ -520,7 +520,8 @@ KEYS: tuple[Key, ...] = (
         "client networks allowed to relay to any domain without AUTH (CIDR list); empty = no relay"),
     Key("routing", "smart_host", "", _smart_hosts,
         "next hop for every non-accepted domain ('host:port'), or several (a list): each session starts at one "
-        "of them at random and goes on to the next where one does not answer; empty = MX lookup", "SmartHosts"),
+        "of them at random and goes on to the next where one does not answer; empty = MX lookup. A change applies "
+        "to the mail already queued at the next start (docs/operations.md)", "SmartHosts"),
     Key("routing", "mailbox_database_rules", [], _database_rules,
         "'pattern=DATABASE' entries mapping recipients to mailbox databases ('alice@example.test=MDB02', "
         "'*@sales.example.test=MDB03'); the first match wins, else routing.mailbox_database; a U-label in a "

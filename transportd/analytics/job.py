@@ -708,9 +708,14 @@ def _journey(m: Any):
          # the first of redundancy_events (sorted by time, then HAREDIRECT before HAREDIRECTFAIL)
          .withColumn("first_redundancy", F.array_min("redundancy_events"))
          .withColumn("shadow", F.array_min(pick(["HAREDIRECT"], {"time": "time", "node": "peer"}, sort=False))))
-    # A shadow not discarded is an anomaly only once its primary has let its copy go: a primary
-    # that still holds the message (a promoted copy not yet delivered) keeps its shadow legitimately.
-    # The primary of a shadow is named by its node's HARECEIVE (the least name if several).
+    return m
+
+
+def _undiscarded_shadows(m: Any):
+    """A shadow not discarded is an anomaly only once its primary has let its copy go: a primary
+    that still holds the message (a promoted copy not yet delivered) keeps its shadow legitimately.
+    The primary of a shadow is named by its node's HARECEIVE (the least name if several)."""
+    from pyspark.sql import functions as F
 
     def primary_of(n: Any):
         return F.array_min(F.transform(F.filter("hareceive", lambda h: h["node"] == n), lambda h: h["primary"]))
@@ -789,6 +794,13 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
                                                 == F.col("recipient_count"))
     received = (F.col("first_receive").isNotNull() | F.col("has_shadow_copy")
                 | F.coalesce(F.col("generated"), F.lit(False)))
+    # Once every recipient is done no copy is in flight, whatever a node's own rows say: a copy
+    # promoted after its primary was done with some recipients takes only the others (our RESUBMIT
+    # names none), so its node's deliveries never add up to the recipients its HARECEIVE named.
+    m = _undiscarded_shadows(
+        m.withColumn("live_copies", F.when(terminal, F.lit(0)).otherwise(F.col("live_copies")))
+         .withColumn("live_copy_nodes", F.when(terminal, F.array().cast("array<string>"))
+                     .otherwise(F.col("live_copy_nodes"))))
     live = F.coalesce(F.col("live_copies"), F.lit(0))
 
     # -- the journey left the logs given: a SEND to a named server whose logs were not read, or

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from transportd.node.workers import WorkerSupervisor, per_process
 from transportd.queue import messages as mq
 from transportd.queue.delivered import DeliveredLog
 from transportd.queue.mailbox import MailboxStore
-from transportd.queue.routing import MAILBOX, PEER
+from transportd.queue.routing import MAILBOX, PEER, route_config
 from transportd.queue.store import DATABASE_ERRORS, QueueStore, db_error_text
 from transportd.redundancy.manager import ShadowManager
 from transportd.redundancy.server import TransportHandler, TransportSMTP, make_peer_authenticator
@@ -65,6 +66,21 @@ def address_of(host: str) -> str:
         return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
     except OSError:
         return host
+
+
+async def reroute_at_start(cfg: Config, store: QueueStore) -> None:
+    """Queued mail goes by the routing of the configuration the node starts with
+    (``mq.reroute_queued``): a changed smart host, send connector or mailbox database owner
+    applies to the messages already waiting, not only to new ones."""
+    moved, held = await store.write(lambda c: mq.reroute_queued(
+        c, lambda address: route_config(address, cfg), time.time()))
+    for (old, new), n in sorted(moved.items()):
+        log.info("routing: %d queued recipient(s) of queue %s now go to queue %s (the configuration's "
+                 "routing changed)", n, old, new)
+    for (old, new), n in sorted(held.items()):
+        log.warning("routing: %d queued recipient(s) of the suspended queue %s route to queue %s now; they "
+                    "stay held there (the hold is the queue's); to send them by the new route, stop the node, "
+                    "run 'transportd queue resume %s' and start it again", n, old, new, old)
 
 
 class Node:
@@ -116,6 +132,7 @@ class Node:
         self.events.handling.clear()  # counted (a start that failed before this counts them next time)
         if recovered:
             log.info("crash recovery: %d recipient(s) left Active are Ready again", recovered)
+        await reroute_at_start(cfg, store)
         await self._move_legacy_delivered_to(store)
         if cfg.tracking.message_tracking_log_enabled:
             host, _, _ = cfg.frontend.listen[0].rpartition(":")

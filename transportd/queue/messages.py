@@ -164,6 +164,52 @@ def queue_id_for(conn: Connection, hop: NextHop, now: float) -> int:
         suspended=0, retry_count=0, created_at=now)).inserted_primary_key[0]
 
 
+_PENDING_ROUTES = (
+    "SELECT r.id, r.address, q.identity, q.suspended FROM recipients r"
+    " JOIN messages m ON m.id = r.message_id JOIN queues q ON q.id = r.queue_id"
+    f" WHERE r.status IN ({', '.join(repr(s) for s in PENDING)}) AND m.state = '{QUEUED}'"
+    " AND q.delivery_type != ?")
+
+
+def reroute_queued(conn: Connection, route: Callable[[str], NextHop], now: float
+                   ) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]:
+    """Waiting recipients (Ready, Retry) of queued messages, primary copies and shadows alike,
+    moved to the queue ``route`` gives them now, where that is another one: a routing change
+    (a new smart host, send connector or mailbox database owner) applies to mail already queued,
+    as Postfix resolves a deferred message's next hop again at each attempt and Exchange's
+    ``Retry-Queue -Resubmit`` routes a queue's messages again. A moved recipient is due at once
+    (its new next hop was never tried). Left where they are: recipients in a delivery attempt,
+    those in a queue an operator suspended (the hold is the queue's; returned apart, so the
+    caller says so), and those in a queue to a peer of the boundary (a redirect's drain, or a
+    mailbox database the peer owns: the peer routes them by its own configuration). A recipient
+    ``route`` cannot route (ValueError) stays. Returns ({(old queue, new queue): recipients
+    moved}, {(old queue, new queue): recipients held in a suspended queue})."""
+    from transportd.queue.routing import PEER
+    moved: dict[tuple[str, str], int] = {}
+    held: dict[tuple[str, str], int] = {}
+    hops: dict[str, NextHop | None] = {}
+    by_hop: dict[NextHop, list[int]] = {}
+    for rid, address, identity, suspended in driver(conn).execute(_PENDING_ROUTES, (PEER,)).fetchall():
+        if address not in hops:
+            try:
+                hops[address] = route(address)
+            except ValueError:
+                hops[address] = None
+        hop = hops[address]
+        if hop is None or hop.identity == identity:
+            continue
+        counts = held if suspended else moved
+        counts[(identity, hop.identity)] = counts.get((identity, hop.identity), 0) + 1
+        if not suspended:
+            by_hop.setdefault(hop, []).append(rid)
+    for hop, ids in by_hop.items():
+        qid = queue_id_for(conn, hop, now)
+        for i in range(0, len(ids), 500):  # SQLite's limit of bound parameters
+            conn.execute(update(recipients).where(recipients.c.id.in_(ids[i:i + 500]))
+                         .values(queue_id=qid, next_retry_at=0.0))
+    return moved, held
+
+
 def resolve_queue(conn: Connection, name: str) -> dict | None:
     """A queue by identity (in any case: host and domain names are) or numeric id."""
     cond = func.lower(queues.c.identity) == name.lower()
