@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -235,6 +236,47 @@ def test_message_export_writes_the_queued_octets_and_show_names_the_dsn_paramete
     shown = cli(node, "message", "show", str(mid)).stdout
     assert "DSN (RFC 3461):" in shown and "RET=HDRS ENVID=E77" in shown, shown
     assert table_line(shown, "carol@foreign.test", "NOTIFY=SUCCESS,FAILURE") is not None, shown
+
+
+# A control character that reaches a terminal raw (C0 but the line feed that ends a line, DEL, C1).
+RAW_CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")
+
+
+def test_control_characters_from_the_mail_never_reach_the_terminal_raw(make_node, sink):
+    """A Subject (and a header field) holding an ESC sequence that clears the screen and recolours
+    it, a BEL, a backspace, a C1 CSI (U+009B) and a bare CR: every table and detail the operator
+    reads shows them as escapes (``\\x1b[2J``), the text still readable; ``--json`` carries the
+    exact value, with no raw control character on the line either."""
+    import smtplib
+    node = make_node(smart_host=sink.address, overrides=LONG_RETRY).start()  # sink never started
+    subject = "alert \x1b[2J\x1b[1;31mred\x1b[0m \x07bell\x08 \x9bcsi"
+    with smtplib.SMTP("127.0.0.1", node.port, timeout=20) as s:
+        s.ehlo("client.test")
+        s.mail("bob@remote.test")
+        assert s.rcpt("carol@foreign.test")[0] == 250
+        code, resp = s.data(b"From: <bob@remote.test>\r\nSubject: " + subject.encode() +
+                            b"\r\nX-Note: \x1b]0;title\x07 hidden\rover\r\n\r\nbody\r\n")
+        assert code == 250, resp
+    mid = int(resp.decode().rsplit(" ", 1)[1])
+    wait_for(in_retry(node, smarthost(sink), 1), timeout=10, what="message deferred")
+
+    shown = r"alert \x1b[2J\x1b[1;31mred\x1b[0m \x07bell\x08 \x9bcsi"
+    for cmd in (["message", "list"], ["message", "show", str(mid)], ["queue", "list"], ["tracking", "search"]):
+        out = node.cli(*cmd).stdout
+        assert not RAW_CONTROL.search(out), (cmd, out)
+    listed = node.cli("message", "list").stdout
+    assert table_line(listed, str(mid), "bob@remote.test", shown[:40]) is not None, listed
+    detail = node.cli("message", "show", str(mid)).stdout
+    assert f"Subject:             {shown}\n" in detail, detail
+    assert f"  Subject: {shown}\n" in detail and r"  X-Note: \x1b]0;title\x07 hidden\rover" in detail, detail
+
+    for cmd in (["message", "list"], ["message", "show", str(mid)]):
+        res = node.cli(*cmd, "--json")
+        assert not RAW_CONTROL.search(res.stdout), (cmd, res.stdout)
+        m, = [json.loads(line) for line in res.stdout.splitlines()]
+        assert m["subject"] == subject, m
+    m = node.cli_json("message", "show", str(mid))[0]
+    assert f"Subject: {subject}\r\nX-Note: \x1b]0;title\x07 hidden\rover" in m["headers"], m["headers"]
 
 
 # ------------------------------------------------------------------------------ 3. suspend/resume

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -171,6 +172,39 @@ def open_store(cfg: Config, *, read_only: bool = False) -> QueueStore:
     return store
 
 
+# What a terminal must never be sent raw from the mail: a control character (C0, DEL, C1: an ESC
+# sequence in a Subject clears the screen or moves the cursor, a CR or backspace hides what came
+# before it, a BEL rings) and a lone surrogate (an octet of a sender's that was no UTF-8, kept as
+# such: no terminal encoding can write it).
+_NOT_TO_TERMINAL = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+# ... and what JSON leaves as it is within a string (it escapes C0 itself).
+_NOT_TO_TERMINAL_IN_JSON = re.compile(r"[\x7f-\x9f\ud800-\udfff]")
+
+
+def _escaped(m: re.Match) -> str:
+    ch = m.group()
+    if 0xDC80 <= ord(ch) <= 0xDCFF:  # surrogateescape: the octet that was no UTF-8
+        return f"\\x{ord(ch) - 0xDC00:02x}"
+    return ascii(ch)[1:-1]  # \x1b, \n, \t, \x9b, \ud800
+
+
+def printable(value: Any) -> str:
+    """A value as text for the operator's terminal: every control character shown as its Python
+    escape (an ESC as ``\\x1b``, a line feed as ``\\n``), so a Subject, an address, a reply or a
+    header a sender controls is still readable and cannot act on the terminal. ``--json`` keeps
+    the exact value (json_line)."""
+    text = "" if value is None else str(value)
+    return _NOT_TO_TERMINAL.sub(_escaped, text) if _NOT_TO_TERMINAL.search(text) else text
+
+
+def json_line(obj: Any) -> str:
+    """One JSON value on one line, its strings exact: JSON escapes the C0 controls; DEL, the C1
+    controls (a terminal may read U+009B as the CSI that starts an escape sequence) and lone
+    surrogates are written as ``\\u`` escapes too, which every JSON reader reads back as they were."""
+    text = json.dumps(obj, default=json_default, ensure_ascii=False)
+    return _NOT_TO_TERMINAL_IN_JSON.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
 def json_default(o: Any) -> Any:
     if isinstance(o, bytes):
         return o.decode("utf-8", "replace")
@@ -181,7 +215,7 @@ def json_default(o: Any) -> Any:
 
 def emit_json(rows: Iterable[dict]) -> None:
     for r in rows:
-        click.echo(json.dumps(r, default=json_default, ensure_ascii=False))
+        click.echo(json_line(r))
 
 
 def fmt_time(ts: float | None) -> str:
@@ -208,7 +242,7 @@ def parse_when(value: str | None, name: str) -> datetime | None:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], max_width: int = 60) -> str:
-    cells = [[("" if v is None else str(v))[:max_width] for v in r] for r in rows]
+    cells = [[printable(v)[:max_width] for v in r] for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
            "  ".join("-" * w for w in widths)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -20,8 +21,8 @@ from typing import Any
 
 import click
 
-from transportd.cli.common import (CliError, ConfigCliError, admin_event, emit_json, iso, json_default, json_option,
-                                   node_options, open_store, table, tracking_log_for)
+from transportd.cli.common import (CliError, ConfigCliError, admin_event, emit_json, iso, json_line, json_option,
+                                   node_options, open_store, printable, table, tracking_log_for)
 from transportd.config import Config
 from transportd.errors import FilterError
 from transportd.queue import admin
@@ -185,14 +186,14 @@ def message_show(cfg: Config, message_id: int, as_json: bool) -> None:
     if as_json:
         m["headers"] = headers
         m["tracking"] = events
-        click.echo(json.dumps(m, default=json_default, ensure_ascii=False))
+        click.echo(json_line(m))
         return
     click.echo(f"Message {m['id']}  status {m['status']}  ({m['role']}, {m['state']})")
     for label, key in (("Network message id", "network_message_id"), ("Message-ID", "message_id"),
                        ("From", "sender"), ("Subject", "subject"), ("Size", "size"),
                        ("Received", "received_at"), ("Expires", "expires_at"), ("Client", "client_ip"),
                        ("Origin", "origin"), ("Redundancy", "redundancy"), ("DSN (RFC 3461)", "dsn_params")):
-        click.echo(f"  {label + ':':20} {m[key] if m[key] not in (None, '') else '-'}")
+        click.echo(f"  {label + ':':20} {printable(m[key]) if m[key] not in (None, '') else '-'}")
     click.echo("\nRecipients:")
     dsn = any(r["dsn_params"] for r in m["recipients"])  # NOTIFY= / ORCPT= as the sender gave them
     click.echo(table(["address", "queue", "status", "attempts", "next retry", "last error"] + ["dsn"] * dsn,
@@ -201,7 +202,10 @@ def message_show(cfg: Config, message_id: int, as_json: bool) -> None:
                        *[r["dsn_params"]] * dsn)
                       for r in m["recipients"]], max_width=70))
     click.echo("\nHeaders:")
-    click.echo("\n".join("  " + line for line in headers.splitlines()))
+    # Lines end in CRLF (or LF): a bare CR or any other control character in a field is shown as an
+    # escape; a folded field's continuation starts with a tab: shown as the blanks it stands for.
+    click.echo("\n".join("  " + printable(line.expandtabs()) for line in re.split(r"\r?\n", headers)
+                         if headers))
     click.echo("\nTracking events:")
     click.echo(table(["date-time", "event", "source", "recipients", "status / context"],
                      [(e["date-time"], e["event-id"], e["source"], e["recipient-address"],

@@ -25,6 +25,7 @@ from transportd.cli.common import (
     node_options,
     open_store,
     parse_when,
+    printable,
     table,
     tracking_log_for,
 )
@@ -125,7 +126,7 @@ def safetynet_resubmit(cfg: Config, destination: str, start: str, end: str | Non
             click.echo(f"this queue database was created at {fmt_time(created)} UTC: asking the peers' "
                        f"Safety Nets for {fmt_time(s)} - {fmt_time(gap_end)} UTC")
             for peer, answer in ask_peers_to_resubmit(cfg, destination, s, gap_end):
-                click.echo(f"  {peer}: {answer}")
+                click.echo(f"  {peer}: {printable(answer)}")
 
 
 def _resubmit_for_unreachable_primary(cfg: Config, destination: str, start: str, end: str | None,
@@ -167,7 +168,7 @@ def report_resubmit_failures(failures: list) -> None:
     """Each Safety Net copy that could not be resubmitted (the others were), on stderr."""
     for row, exc in failures:
         click.echo(f"message {row['id']} (network id {row['network_message_id']}) could not be resubmitted: "
-                   f"{exc.__class__.__name__}: {exc}", err=True)
+                   f"{exc.__class__.__name__}: {printable(exc)}", err=True)
 
 
 def log_resubmits(trk: Any, done: list, destination: str) -> None:
