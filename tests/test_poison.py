@@ -182,6 +182,20 @@ def sink_subjects(sink) -> list[str]:
                   for m in [re.search(rb"^Subject: (.*?)\r?$", data, re.MULTILINE)] if m)
 
 
+def assert_shown_held_in_poison(node, mid: int, rcpt: str, was: str) -> None:
+    """``message show`` of a message held in the Poison queue shows its recipient there, Poison (as
+    ``message list`` shows the message), not in its next hop's queue with the status it had when
+    it was moved (nothing delivers it until it is resumed); --json keeps the recorded status."""
+    listed, = node.cli_json("message", "list", str(mid))
+    assert (listed["status"], listed["queues"]) == ("Poison", ["Poison"]), listed
+    out = node.cli("message", "show", str(mid)).stdout
+    line, = [ln for ln in out.splitlines() if ln.startswith(rcpt)]
+    assert line.split()[1:3] == ["Poison", "Poison"], out
+    assert "in the Poison queue after 2 internal failure(s)" in out and f"message resume {mid}" in out, out
+    shown, = node.cli_json("message", "show", str(mid))
+    assert shown["status"] == "Poison" and [r["status"] for r in shown["recipients"]] == [was], shown
+
+
 @pytest.mark.parametrize("where", ["external", "mailbox"])
 def test_one_message_failing_in_a_delivery_batch_leaves_the_others_and_ends_in_poison(make_node, sink, where):
     """Five messages in one batch (one session to the smart host, or one mailbox batch): the one
@@ -217,6 +231,7 @@ def test_one_message_failing_in_a_delivery_batch_leaves_the_others_and_ends_in_p
     assert status == "Retry" and error.startswith("451 4.3.0 internal error in deliver: InjectedFault"), error
     queues = {q["identity"]: q["message_count"] for q in node.cli_json("queue", "list")}
     assert queues["Poison"] == 1 and queues[queue] == 0
+    assert_shown_held_in_poison(node, bad, rcpt, was="Retry")
     # the row is written just after the commit that moved the message
     def events_to_poison():
         events = [e["event-id"] for e in node.tracking(internal_message_id=str(bad))]
@@ -292,6 +307,7 @@ def test_kill_9_twice_while_a_message_hangs_the_node_puts_it_in_poison(make_node
         node.start()
     wait_for(lambda: poison_ids(node) == [bad], timeout=10, what="the message in Poison after two crashes")
     assert node.alive
+    assert_shown_held_in_poison(node, bad, "carol@elsewhere.test", was="Ready")  # Active at the kill: Ready again
     smtp_send(node.port, "after", "carol@elsewhere.test")
     wait_for(lambda: sink_subjects(sink) == ["after", "before"], timeout=10, what="the node to deliver again")
     assert [e["event-id"] for e in node.tracking(internal_message_id=str(bad))][-1] == "POISONMESSAGE"

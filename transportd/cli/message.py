@@ -194,12 +194,15 @@ def message_show(cfg: Config, message_id: int, as_json: bool) -> None:
                        ("Received", "received_at"), ("Expires", "expires_at"), ("Client", "client_ip"),
                        ("Origin", "origin"), ("Redundancy", "redundancy"), ("DSN (RFC 3461)", "dsn_params")):
         click.echo(f"  {label + ':':20} {printable(m[key]) if m[key] not in (None, '') else '-'}")
+    if m["status"] == mq.POISON:
+        click.echo(f"  {'Held:':20} in the Poison queue after {m['poison_count']} internal failure(s): never "
+                   f"retried until 'transportd message resume {m['id']}' (or remove)")
     click.echo("\nRecipients:")
     dsn = any(r["dsn_params"] for r in m["recipients"])  # NOTIFY= / ORCPT= as the sender gave them
     click.echo(table(["address", "queue", "status", "attempts", "next retry", "last error"] + ["dsn"] * dsn,
-                     [(r["address"], r["queue"], r["status"], r["attempts"],
-                       r["next_retry_at"] if r["status"] == mq.RETRY else "", r["last_error"] or "",
-                       *[r["dsn_params"]] * dsn)
+                     [(r["address"], *recipient_queue_and_status(m, r), r["attempts"],
+                       r["next_retry_at"] if r["status"] == mq.RETRY and m["status"] != mq.POISON else "",
+                       r["last_error"] or "", *[r["dsn_params"]] * dsn)
                       for r in m["recipients"]], max_width=70))
     click.echo("\nHeaders:")
     # Lines end in CRLF (or LF): a bare CR or any other control character in a field is shown as an
@@ -210,6 +213,16 @@ def message_show(cfg: Config, message_id: int, as_json: bool) -> None:
     click.echo(table(["date-time", "event", "source", "recipients", "status / context"],
                      [(e["date-time"], e["event-id"], e["source"], e["recipient-address"],
                        e["recipient-status"] or e["source-context"]) for e in events], max_width=70))
+
+
+def recipient_queue_and_status(m: dict, r: dict) -> tuple[str, str]:
+    """A recipient's queue and status as ``message list`` shows its message: one still to be
+    delivered of a message held in the Poison queue is there, Poison (as Get-Message's
+    PoisonMessage), whatever its next hop's queue and the status it had when it was moved (the
+    Ready of a crash, the Retry of an internal error): nothing delivers it until it is resumed."""
+    if m["status"] == mq.POISON and r["status"] not in mq.TERMINAL:
+        return mq.POISON, mq.POISON
+    return r["queue"], r["status"]
 
 
 @message_group.command("export")
