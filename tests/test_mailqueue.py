@@ -254,6 +254,24 @@ def test_queue_connection_failures_follow_the_schedule(store) -> None:
     assert rows(store, queues, queues.c.id == qid)[0]["next_retry_at"] is None
 
 
+def test_queue_retry_counts_and_touches_only_the_mail_this_node_delivers(store) -> None:
+    """Retry-Queue makes due (and counts, as queue list does) the recipients of queued primary
+    copies; a shadow copy's, a Safety Net copy's, a suspended or a Poison message's rows stay."""
+    mine = enqueue(store, {SMART: ["x@remote.test"]}, nid="mine")
+    others = [enqueue(store, {SMART: ["s@remote.test"]}, nid="shadow", role="shadow"),
+              enqueue(store, {SMART: ["n@remote.test"]}, nid="netted"),
+              enqueue(store, {SMART: ["h@remote.test"]}, nid="held"),
+              enqueue(store, {SMART: ["p@remote.test"]}, nid="poison")]
+    tx(store, lambda c: c.execute(update(messages).where(messages.c.id == others[1]).values(state="SafetyNet")))
+    tx(store, lambda c: mq.set_message_suspended(c, others[2], True))
+    tx(store, lambda c: mq.count_internal_failure(c, others[3], 1))
+    tx(store, lambda c: c.execute(update(recipients).values(status="Retry", next_retry_at=T0 + 300)))
+    qid = store.read(lambda c: mq.resolve_queue(c, SMART.identity))["id"]
+    assert tx(store, lambda c: mq.retry_queue_now(c, qid)) == 1
+    due = {r["message_id"]: r["next_retry_at"] for r in rows(store, recipients)}
+    assert due == {mine: 0.0, **dict.fromkeys(others, T0 + 300)}
+
+
 def test_expired_recipients(store) -> None:
     old = enqueue(store, {LOCAL: ["a@example.test"], SMART: ["x@remote.test"]}, nid="old", expires=T0 + 100)
     enqueue(store, nid="young", expires=T0 + 10_000)

@@ -720,10 +720,16 @@ def set_queue_suspended(conn: Connection, queue_id: int, suspended: bool) -> boo
 
 
 def retry_queue_now(conn: Connection, queue_id: int) -> int:
-    """Retry-Queue: forget the queue's back-off and make its pending recipients due now."""
+    """Retry-Queue: forget the queue's back-off and make its pending recipients due now; returns
+    how many, counted as ``list_queues`` counts a queue's mail: recipients of this node's queued
+    primary copies that are neither suspended nor held in the Poison queue (the recipients of
+    shadow copies and of Safety Net copies keep their rows, untouched: nothing here delivers them)."""
     conn.execute(update(queues).where(queues.c.id == queue_id).values(next_retry_at=None))
+    deliverable = select(messages.c.id).where(messages.c.role == "primary", messages.c.state == QUEUED,
+                                             messages.c.suspended == 0, messages.c.poisoned == 0)
     return conn.execute(update(recipients).where(
-        recipients.c.queue_id == queue_id, recipients.c.status.in_(PENDING)).values(next_retry_at=0.0)).rowcount
+        recipients.c.queue_id == queue_id, recipients.c.status.in_(PENDING),
+        recipients.c.message_id.in_(deliverable)).values(next_retry_at=0.0)).rowcount
 
 
 def set_message_suspended(conn: Connection, message_id: int, suspended: bool) -> bool:
