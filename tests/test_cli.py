@@ -320,6 +320,11 @@ def test_suspend_and_resume_queue_and_message(make_node, sink):
     rows = cli_json(node, "message", "list")
     assert [(r["id"], r["status"]) for r in rows] == [(one, "Suspended")], rows
     assert cli_json(node, "message", "show", str(one))[0]["status"] == "Suspended"
+    # ... and its recipient is shown held too (it was shown Ready, as if about to go)
+    shown = cli(node, "message", "show", str(one)).stdout
+    line, = [ln for ln in shown.splitlines() if ln.startswith("erin@foreign.test")]
+    assert line.split()[1:3] == [ident, "Suspended"], shown
+    assert f"suspended by an operator: nothing is delivered until 'transportd message resume {one}'" in shown
     cli(node, "message", "resume", str(one))
     # (the sink's file names sort by the second only, and a file may still be being written: look
     # for the message in all of them)

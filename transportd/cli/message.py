@@ -197,11 +197,15 @@ def message_show(cfg: Config, message_id: int, as_json: bool) -> None:
     if m["status"] == mq.POISON:
         click.echo(f"  {'Held:':20} in the Poison queue after {m['poison_count']} internal failure(s): never "
                    f"retried until 'transportd message resume {m['id']}' (or remove)")
+    elif m["status"] == mq.SUSPENDED:
+        click.echo(f"  {'Held:':20} suspended by an operator: nothing is delivered until "
+                   f"'transportd message resume {m['id']}'")
     click.echo("\nRecipients:")
     dsn = any(r["dsn_params"] for r in m["recipients"])  # NOTIFY= / ORCPT= as the sender gave them
     click.echo(table(["address", "queue", "status", "attempts", "next retry", "last error"] + ["dsn"] * dsn,
                      [(r["address"], *recipient_queue_and_status(m, r), r["attempts"],
-                       r["next_retry_at"] if r["status"] == mq.RETRY and m["status"] != mq.POISON else "",
+                       r["next_retry_at"] if r["status"] == mq.RETRY and m["status"] not in (mq.POISON, mq.SUSPENDED)
+                       else "",
                        r["last_error"] or "", *[r["dsn_params"]] * dsn)
                       for r in m["recipients"]], max_width=70))
     click.echo("\nHeaders:")
@@ -219,9 +223,12 @@ def recipient_queue_and_status(m: dict, r: dict) -> tuple[str, str]:
     """A recipient's queue and status as ``message list`` shows its message: one still to be
     delivered of a message held in the Poison queue is there, Poison (as Get-Message's
     PoisonMessage), whatever its next hop's queue and the status it had when it was moved (the
-    Ready of a crash, the Retry of an internal error): nothing delivers it until it is resumed."""
+    Ready of a crash, the Retry of an internal error): nothing delivers it until it is resumed.
+    One waiting (Ready, Retry) of a message an operator suspended is Suspended, in its queue."""
     if m["status"] == mq.POISON and r["status"] not in mq.TERMINAL:
         return mq.POISON, mq.POISON
+    if m["status"] == mq.SUSPENDED and r["status"] in mq.PENDING:  # held by an operator, in its queue
+        return r["queue"], mq.SUSPENDED
     return r["queue"], r["status"]
 
 
