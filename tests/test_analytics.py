@@ -294,9 +294,9 @@ def test_a_fork_discarded_while_other_recipients_wait_leaves_the_copy_held(spark
 
 def test_a_copy_promoted_for_fewer_recipients_holds_nothing_once_it_delivers_them(spark, tmp_path):
     """node1 delivers one of two recipients and tells its shadow node2 (a per-recipient discard:
-    no row), then dies; node2 promotes its copy, which now takes only the other recipient, and
-    delivers it. The message is delivered and no node holds a copy: node2's HARECEIVE named two
-    recipients, its deliveries one, yet the other was done before it took the message over."""
+    no row), then dies; node2 promotes its copy, which now takes only the other recipient (its
+    RESUBMIT names it), and delivers it. The message is delivered and no node holds a copy:
+    node2's HARECEIVE named two recipients and its deliveries one, but its last take one."""
     from datetime import UTC, datetime, timedelta
     t0 = datetime(2026, 11, 29, 14, 0, tzinfo=UTC)
     logs = {n: TrackingLog(tmp_path / "logs" / n / "msgtrk", f"{n}.test", clock=lambda: t0)
@@ -314,8 +314,9 @@ def test_a_copy_promoted_for_fewer_recipients_holds_nothing_once_it_delivers_the
     w("node1", 1, "SENDEXTERNAL", ("a@foreign.test",), recipient_status=["250 2.0.0 Ok"])
     w("node1", 2, "DEFER", ("b@foreign.test",), recipient_status=["451 4.4.1 no answer"])
     w("node2", 100, "HADISCARD", (), source_context="Resubmitted;guid1", client_hostname="node1.test")
-    w("node2", 100, "RESUBMIT", (), source="REDUNDANCY", source_context="node1.test (ShadowHeartbeatFailure)",
-      reference="1")
+    # (the promoted copy's RESUBMIT names the recipients it takes, as the daemon writes it)
+    w("node2", 100, "RESUBMIT", ("b@foreign.test",), source="REDUNDANCY",
+      source_context="node1.test (ShadowHeartbeatFailure)", reference="1")
     w("node2", 101, "SENDEXTERNAL", ("b@foreign.test",), recipient_status=["250 2.0.0 Ok"])
     w("node2", 700, "SEND", (), )  # the logs go on after it
     for log in logs.values():

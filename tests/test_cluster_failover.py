@@ -319,6 +319,9 @@ def test_a_promoted_copy_delivers_only_the_recipients_the_primary_had_not(make_c
     assert [r["recipient-address"] for r in n3.tracking(event_id="SENDEXTERNAL", network_message_id=netid)] \
         == ["carol@foreign.test"]
     assert not n3.tracking(event_id="SEND", network_message_id=netid)  # nothing for alice towards node1
+    # The RESUBMIT names what the promoted copy takes (the analytics job reads it as the copy's take).
+    assert [r["recipient-address"] for r in n3.tracking(event_id="RESUBMIT", network_message_id=netid)] \
+        == ["carol@foreign.test"]
 
 
 def test_a_promoted_copy_neither_tries_again_nor_reports_again_a_recipient_the_primary_failed(cluster):

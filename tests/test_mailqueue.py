@@ -254,6 +254,24 @@ def test_queue_connection_failures_follow_the_schedule(store) -> None:
     assert rows(store, queues, queues.c.id == qid)[0]["next_retry_at"] is None
 
 
+def test_sessions_failing_together_spend_one_quick_retry(store) -> None:
+    """Parallel sessions to one next hop that fail in the same round are one connection failure:
+    each failure while the queue already waits for its retry keeps that retry and its count (it
+    records its error); the next round's failure counts again."""
+    enqueue(store, {SMART: ["x@remote.test"]})
+    qid = store.read(lambda c: mq.resolve_queue(c, SMART.identity))["id"]
+    first = tx(store, lambda c: mq.queue_attempt_result(c, qid, T0, error="refused", **RETRY_KW))
+    for i in range(1, 6):  # four more sessions of the same round fail within the second
+        assert tx(store, lambda c, i=i: mq.queue_attempt_result(c, qid, T0 + i / 10, error=f"refused {i}",
+                                                                 **RETRY_KW)) == first == T0 + 300
+    q = rows(store, queues, queues.c.id == qid)[0]
+    assert (q["retry_count"], q["next_retry_at"], q["last_error"]) == (1, T0 + 300, "refused 5")
+    got = [tx(store, lambda c, t=t: mq.queue_attempt_result(c, qid, t, error="refused", **RETRY_KW)) - t
+           for t in (T0 + 300, T0 + 600)]
+    assert got == [300.0, 300.0] and rows(store, queues, queues.c.id == qid)[0]["retry_count"] == 3
+    assert tx(store, lambda c: mq.queue_attempt_result(c, qid, T0 + 900, error="refused", **RETRY_KW)) == T0 + 1500
+
+
 def test_queue_retry_counts_and_touches_only_the_mail_this_node_delivers(store) -> None:
     """Retry-Queue makes due (and counts, as queue list does) the recipients of queued primary
     copies; a shadow copy's, a Safety Net copy's, a suspended or a Poison message's rows stay."""

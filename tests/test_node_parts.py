@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from sqlalchemy import func, select, update
 
 from transportd.config import load_dict
 from transportd.node.connectors import MailboxConnector, SmtpConnector
@@ -26,7 +27,7 @@ from transportd.queue.delivered import DeliveredLog
 from transportd.queue.mailbox import MailboxStore
 from transportd.queue.messages import NewMessage, Outcome
 from transportd.queue.routing import MAILBOX, SMART_HOST, NextHop
-from transportd.queue.store import QueueStore
+from transportd.queue.store import QueueStore, messages
 
 
 class RecordingTracking:
@@ -551,3 +552,24 @@ def test_per_recipient_discards_are_handed_only_to_a_shadow_that_asks(tmp_path):
             c, "primary.t", [("g-1", "b@x.test")], time.time())) == ["g-1"]
     finally:
         shadow.close()
+
+
+async def test_housekeeping_purges_every_safety_net_copy_past_its_hold_not_one_batch(parts) -> None:
+    """A round of housekeeping drops every Safety Net copy past SafetyNetHoldTime, batch after
+    batch: one batch a round (1,000) let copies outstay their hold and pile up under load."""
+    cfg, store, events, _ = parts
+    hop = NextHop(f"{SMART_HOST}:z", SMART_HOST, "127.0.0.1:9")
+    n = mq.PURGE_BATCH * 2 + 500
+    now = time.time()
+
+    def fill(conn):
+        ids = [mq.enqueue(conn, _message(hop, [f"r{i}@far.test"], i)) for i in range(n)]
+        conn.execute(update(messages).where(messages.c.id.in_(ids[:n - 1]))
+                     .values(state=mq.SAFETY_NET, safety_net_until=now - 1))
+        conn.execute(update(messages).where(messages.c.id == ids[-1])
+                     .values(state=mq.SAFETY_NET, safety_net_until=now + 3600))  # still held
+    await store.write(fill)
+    recorder = OutcomeRecorder(cfg, store, events)
+    await Maintenance(cfg, store, events, recorder).housekeeping(now)
+    left = store.read(lambda c: c.execute(select(func.count()).select_from(messages)).scalar())
+    assert left == 1

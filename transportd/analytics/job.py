@@ -593,13 +593,17 @@ def _per_node(ev: Any, facts: dict[str, Any]):
     # HADISCARD ends those recipients, not the whole copy (others may still be queued there).
     fork_send = (e == "SEND") & F.coalesce((writer == "transportd") & ~plain_relay, F.lit(False))
     discard = (e == "HADISCARD") & kept
-    # The recipients a node took: those of its largest take (a promoted or resubmitted copy takes
-    # the same ones again); where rows are keyed by Message-ID (Exchange 2010's), the distinct
-    # recipients of all its takes, for one Message-ID may be two transactions (two copies) there.
+    # The recipients a node took: those of its last take that names any (a copy promoted after its
+    # primary processed some recipients takes only the others, and its RESUBMIT names them), else
+    # of its largest take (our RESUBMIT named none before); where rows are keyed by Message-ID
+    # (Exchange 2010's), the distinct recipients of all its takes, for one Message-ID may be two
+    # transactions (two copies) there.
     if facts.get("by_message_id"):
         taken = F.size(F.array_distinct(F.flatten(F.collect_list(F.when(take, F.col("recipients"))))))
     else:
-        taken = F.max(F.when(take, F.size("recipients")))
+        named = take & (F.size("recipients") > 0)
+        taken = F.coalesce(F.max_by(F.when(named, F.size("recipients")), F.when(named, t)),
+                           F.max(F.when(take, F.size("recipients"))))
     kn = ev.groupBy("key", "node").agg(
         F.max(F.when(take, t)).alias("last_take"),
         F.max(F.when((e.isin(*RELEASE_EVENTS) & kept) | send_releases, t)).alias("last_release"),
@@ -708,14 +712,9 @@ def _journey(m: Any):
          # the first of redundancy_events (sorted by time, then HAREDIRECT before HAREDIRECTFAIL)
          .withColumn("first_redundancy", F.array_min("redundancy_events"))
          .withColumn("shadow", F.array_min(pick(["HAREDIRECT"], {"time": "time", "node": "peer"}, sort=False))))
-    return m
-
-
-def _undiscarded_shadows(m: Any):
-    """A shadow not discarded is an anomaly only once its primary has let its copy go: a primary
-    that still holds the message (a promoted copy not yet delivered) keeps its shadow legitimately.
-    The primary of a shadow is named by its node's HARECEIVE (the least name if several)."""
-    from pyspark.sql import functions as F
+    # A shadow not discarded is an anomaly only once its primary has let its copy go: a primary
+    # that still holds the message (a promoted copy not yet delivered) keeps its shadow legitimately.
+    # The primary of a shadow is named by its node's HARECEIVE (the least name if several).
 
     def primary_of(n: Any):
         return F.array_min(F.transform(F.filter("hareceive", lambda h: h["node"] == n), lambda h: h["primary"]))
@@ -794,13 +793,6 @@ def build_messages(ev: Any, log_end: Any, facts: dict[str, Any] | None = None, p
                                                 == F.col("recipient_count"))
     received = (F.col("first_receive").isNotNull() | F.col("has_shadow_copy")
                 | F.coalesce(F.col("generated"), F.lit(False)))
-    # Once every recipient is done no copy is in flight, whatever a node's own rows say: a copy
-    # promoted after its primary was done with some recipients takes only the others (our RESUBMIT
-    # names none), so its node's deliveries never add up to the recipients its HARECEIVE named.
-    m = _undiscarded_shadows(
-        m.withColumn("live_copies", F.when(terminal, F.lit(0)).otherwise(F.col("live_copies")))
-         .withColumn("live_copy_nodes", F.when(terminal, F.array().cast("array<string>"))
-                     .otherwise(F.col("live_copy_nodes"))))
     live = F.coalesce(F.col("live_copies"), F.lit(0))
 
     # -- the journey left the logs given: a SEND to a named server whose logs were not read, or

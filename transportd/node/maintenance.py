@@ -36,6 +36,9 @@ from transportd.smtp.dsn import RecipientReport
 
 log = logging.getLogger("transportd.node.maintenance")
 
+# Safety Net batches purged per housekeeping round at most (a round every 10 poll intervals, at
+# most 10 s): up to 50,000 copies a round, far above what a node delivers meanwhile.
+PURGE_ROUNDS = 50
 EXPIRED_REPLY = "550 4.4.7 QUEUE.Expired; message expired"
 
 
@@ -137,6 +140,13 @@ class Maintenance:
         await asyncio.to_thread(self.events.apply_tracking_retention, now)
         window = self.cfg.mailbox.duplicate_detection_window
         n_msgs, n_dup = await self.store.write(lambda c: mq.purge_expired(c, now, window))
+        # Batch after batch while full ones come back (bounded per round): one batch a round let
+        # copies outstay SafetyNetHoldTime and pile up wherever more than a batch a round (100-200
+        # messages a second at the default poll interval) left the queue.
+        batch, rounds = n_msgs, 1
+        while batch >= mq.PURGE_BATCH and rounds < PURGE_ROUNDS:
+            batch, _ = await self.store.write(lambda c: mq.purge_expired(c, now, window))
+            n_msgs, rounds = n_msgs + batch, rounds + 1
         if self.delivered is not None:
             try:
                 n_dup += await asyncio.to_thread(self.delivered.purge, now, window)

@@ -308,6 +308,19 @@ def acknowledgement_state(conn: Connection, message_id: int, now: float,
     return "QueueLength" if over else None
 
 
+def waiting_recipients(conn: Connection, message_ids: Sequence[int]) -> dict[int, list[str]]:
+    """The recipients still to deliver (Ready, Retry, Active) of each message, in their order."""
+    out: dict[int, list[str]] = {m: [] for m in message_ids}
+    ids = list(message_ids)
+    for i in range(0, len(ids), 500):  # SQLite's limit of bound parameters
+        for mid, address in conn.execute(
+                select(recipients.c.message_id, recipients.c.address)
+                .where(recipients.c.message_id.in_(ids[i:i + 500]), recipients.c.status.not_in(TERMINAL))
+                .order_by(recipients.c.id)).all():
+            out[mid].append(address)
+    return out
+
+
 def message_row(conn: Connection, message_id: int) -> dict | None:
     cur = driver(conn).execute(_MESSAGE_ROW, (message_id,))
     row = cur.fetchone()
@@ -569,12 +582,22 @@ def record_outcomes(conn: Connection, outcomes: Sequence[Outcome], now: float, *
 
 def queue_attempt_result(conn: Connection, queue_id: int, now: float, *, error: str | None,
                          retry_interval: float, retry_count: int, long_interval: float) -> float | None:
-    """Record a connection-level result on the queue; returns the next retry time on failure."""
+    """Record a connection-level result on the queue; returns the next retry time on failure.
+
+    A failure while the queue already waits for its next retry is one of the same round: the
+    sessions opened in parallel to that next hop (up to max_per_domain_outbound_connections) that
+    fail together are one connection failure, not one each, so a blip of a few seconds does not
+    spend every quick retry (TransientFailureRetryCount) at once and hold the queue for the long
+    interval. Only its last error is recorded then."""
     if error is None:
         _UPDATE_QUEUE.run(conn, {"retry_count": 0, "next_retry_at": None, "last_error": None,
                                  "last_attempt_at": now}, queue_id)
         return None
-    count = (conn.execute(select(queues.c.retry_count).where(queues.c.id == queue_id)).scalar() or 0) + 1
+    row = conn.execute(select(queues.c.retry_count, queues.c.next_retry_at).where(queues.c.id == queue_id)).first()
+    if row is not None and row.next_retry_at is not None and row.next_retry_at > now:
+        conn.execute(update(queues).where(queues.c.id == queue_id).values(last_error=error[:1000], last_attempt_at=now))
+        return row.next_retry_at
+    count = ((row.retry_count if row is not None else 0) or 0) + 1
     nxt = now + retry_delay(count, retry_interval, retry_count, long_interval)
     conn.execute(update(queues).where(queues.c.id == queue_id).values(
         retry_count=count, next_retry_at=nxt, last_error=error[:1000], last_attempt_at=now))
@@ -678,11 +701,15 @@ def tell_shadows_failed(conn: Connection, message_id: int, now: float,
     return _tell_shadows(conn, message_id, now, RECIPIENT_FAILED, addresses)
 
 
+PURGE_BATCH = 1000  # Safety Net copies dropped per transaction (the writer serves others between)
+
+
 def purge_expired(conn: Connection, now: float, duplicate_window: float) -> tuple[int, int]:
-    """Drop Safety Net copies past their hold time and DeliveredTo rows past the window."""
+    """Drop Safety Net copies past their hold time (at most PURGE_BATCH: a return of that many
+    says more may wait) and DeliveredTo rows past the window."""
     ids = conn.execute(select(messages.c.id).where(
         or_(and_(messages.c.state == SAFETY_NET, messages.c.safety_net_until <= now),
-            messages.c.state == MSG_REMOVED)).limit(1000)).scalars().all()
+            messages.c.state == MSG_REMOVED)).limit(PURGE_BATCH)).scalars().all()
     if ids:
         conn.execute(delete(message_shadows).where(message_shadows.c.message_id.in_(ids)))
         conn.execute(delete(recipients).where(recipients.c.message_id.in_(ids)))

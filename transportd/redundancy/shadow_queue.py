@@ -185,8 +185,10 @@ class ShadowQueues:
                     # internal id of the copy it was made from (docs/TRACKING_LOG.md).
                     self.events.track("HADISCARD", "SMTP", r, source_context=f"Resubmitted;{r['shadow_guid']}",
                                       client_hostname=primary)
-                    self.events.track("RESUBMIT", "REDUNDANCY", r, source_context=f"{primary} ({reason})",
-                                      reference=str(r["id"]))
+                    # It names the recipients the promoted copy takes (the primary may have told us
+                    # it processed the others): the analytics job reads them as this copy's take.
+                    self.events.track("RESUBMIT", "REDUNDANCY", r, recipients=r.get("waiting_recipients"),
+                                      source_context=f"{primary} ({reason})", reference=str(r["id"]))
                 except Exception as exc:  # noqa: BLE001 - promoted all the same; counted, the others go on
                     failed.append((r, exc))
             for r, exc in failed:
@@ -215,6 +217,10 @@ class ShadowQueues:
         owed for recipients of theirs it delivered queued here (appended to ``owed``)."""
         rows = sq.promote_page(conn, primary, keep_dbid, PROMOTE_PAGE, max_rank, guids)
         owed.extend(notices.send_owed_notices(conn, self.cfg, [r["id"] for r in rows], time.time()))
+        # The recipients each promoted copy takes: those the primary did not tell us it processed.
+        waiting = mq.waiting_recipients(conn, [r["id"] for r in rows])
+        for r in rows:
+            r["waiting_recipients"] = waiting[r["id"]]
         return rows
 
     async def resubmit_for(self, primary: str, destination: str, start: float, end: float) -> int:
