@@ -214,7 +214,11 @@ class Node:
                                     max(cfg.frontend.max_inbound_connection_per_source, 100))
         self.metrics.watch_connections("transport", counter)
         handler = TransportHandler(cfg, self.accept_path.accept, self.shadow)
-        authenticator = make_peer_authenticator({p.name for p in cfg.peers}, cfg.cluster.secret)
+        for name in sorted(self.shadow.former_peers):
+            log.warning("%s, no longer a configured peer, holds shadows of this node's messages: it may still "
+                        "authenticate for its heartbeats (XSHADOW, XQDISCARD, XQSTATUS), nothing else", name)
+        authenticator = make_peer_authenticator({p.name for p in cfg.peers} | self.shadow.former_peers,
+                                                cfg.cluster.secret)
         await self._serve("transport.listen", cfg.transport.listen, smtp_factory(
             cfg, handler, counter, tls_context, smtp_class=TransportSMTP, authenticator=authenticator,
             auth_require_tls=tls_context is not None, require_tls=tls_context is not None,

@@ -407,6 +407,13 @@ def upsert_context(conn: Connection, primary: str, **values: Any) -> None:
         conn.execute(insert(shadow_contexts).values({"peer": primary, "consecutive_failures": 0, **values}))
 
 
+def shadow_holders(conn: Connection) -> set[str]:
+    """Every peer that holds a shadow of a message of ours or has a discard event waiting."""
+    holders = conn.execute(select(message_shadows.c.shadow_node).distinct()).scalars().all()
+    waiting = conn.execute(select(discard_events.c.shadow_node).distinct()).scalars().all()
+    return {*holders, *waiting}
+
+
 def primaries_to_poll(conn: Connection) -> list[str]:
     """Every primary we hold a shadow or a fork for, or have a resubmit request filed for."""
     held = conn.execute(select(messages.c.primary_node).where(

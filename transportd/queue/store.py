@@ -29,6 +29,9 @@ Schema (version in ``PRAGMA user_version``):
   across promotion spans (``unreachable_since`` restarts with each span).
 - schema 10 adds ``message_shadows.shadow_dbid``: the queue database of the peer that holds the
   copy, as the peer named it in its reply (NULL: a peer that does not say, or an older row).
+- schema 11 adds ``shadow_contexts.transport``: the primary's transport connector (host:port) while
+  it was a configured peer, so that its shadows are still polled there once it is taken out of
+  ``[[peers]]`` (a primary still running must not see them promoted).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ log = logging.getLogger("transportd.queue.store")
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 metadata = MetaData()
 
@@ -189,6 +192,9 @@ shadow_contexts = Table(
     # Since when its heartbeats fail, however many promotion spans started since (schema 8): the
     # Primary Safety Net's unreachable time (shadow resubmit requests) counts from here.
     Column("down_since", Float),
+    # Its transport connector (host:port) as last configured in [[peers]] (schema 11): a primary
+    # taken out of the configuration is still polled there while we hold its shadows.
+    Column("transport", String),
 )
 
 message_shadows = Table(
@@ -325,9 +331,13 @@ def _migration_10(conn: Connection) -> None:
     _add_columns(conn, "message_shadows", {"shadow_dbid": "VARCHAR"})
 
 
+def _migration_11(conn: Connection) -> None:
+    _add_columns(conn, "shadow_contexts", {"transport": "VARCHAR"})
+
+
 MIGRATIONS: list[Callable[[Connection], None]] = [_migration_1, _migration_2, _migration_3, _migration_4,
                                                   _migration_5, _migration_6, _migration_7, _migration_8,
-                                                  _migration_9, _migration_10]
+                                                  _migration_9, _migration_10, _migration_11]
 
 
 

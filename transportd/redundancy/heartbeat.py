@@ -29,6 +29,7 @@ from transportd.redundancy.peers import PeerPool, PeerSession
 from transportd.redundancy.protocol import (
     STATUS_KEYWORD,
     UNKNOWN,
+    Peer,
     after_heartbeat,
     heartbeat_period,
     state_change_rank,
@@ -40,6 +41,25 @@ log = logging.getLogger("transportd.redundancy.heartbeat")
 
 STATUS_PER_HEARTBEAT = 200  # old copies (and as many forks) a heartbeat asks a primary about (XQSTATUS)
 LOST_BY_PRIMARY = "ShadowUnknownToPrimary"  # the promotion's reason: the live primary does not know the message
+
+
+def primary_to_poll(pool: PeerPool, primary: str, ctx: dict | None, warned: set[str]) -> Peer | None:
+    """Where to poll ``primary``: the configured peer, else (taken out of ``[[peers]]`` while we
+    hold its shadows) its transport connector as last configured, or None when never recorded.
+
+    A primary taken out of the configuration may still run and deliver what it holds: promoting
+    its shadows because it is no longer configured would deliver each message twice. It is
+    polled where it was, authenticated as to any peer; its answers decide as for any primary
+    (one that is really gone fails its heartbeats and its shadows are promoted)."""
+    peer = pool.by_name.get(primary)
+    if peer is not None or not ctx or not ctx.get("transport"):
+        return peer
+    if primary not in warned:
+        warned.add(primary)
+        log.warning("shadows are held for %s, which is no longer a configured peer: it is still polled at its "
+                    "last configured transport address %s until they are gone (promoted when it stays "
+                    "unreachable for shadow_resubmit_time_span)", primary, ctx["transport"])
+    return Peer(primary, "", ctx["transport"])
 
 
 class Heartbeat:
@@ -60,6 +80,7 @@ class Heartbeat:
         self._holder_ids: dict[str, str] = {}
         # Per primary, the last old copy asked about (shadow id, fork time): each one's turn comes.
         self._verified: dict[str, tuple[int, float]] = {}
+        self._unconfigured: set[str] = set()  # primaries polled though no longer configured (warned once)
 
     @property
     def exchange_limit(self) -> float:
@@ -67,6 +88,8 @@ class Heartbeat:
         return min(30.0, max(1.0, heartbeat_period(self.sr) / 2))
 
     async def _context(self, primary: str, **values: Any) -> None:
+        if (peer := self.pool.by_name.get(primary)) is not None:  # where to poll it once it is no longer configured
+            values.setdefault("transport", peer.transport)
         await self.store.write(lambda c: sq.upsert_context(c, primary, **values))
 
     # ------------------------------------------------------------------ queue database IDs
@@ -175,12 +198,13 @@ class Heartbeat:
             if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
                 log.error("a heartbeat failed unexpectedly: %r", r, exc_info=r)
 
-    async def _exchange(self, primary: str, recorded: str | None, now: float
+    async def _exchange(self, primary: str, ctx: dict | None, now: float
                         ) -> tuple[bool, str | None, str]:
         """XSHADOW (+ XQDISCARD unless the ID changed) with ``primary``: (ok, answered ID, error)."""
-        peer = self.pool.by_name.get(primary)
+        recorded = ctx["queue_database_id"] if ctx else None
+        peer = primary_to_poll(self.pool, primary, ctx, self._unconfigured)
         if peer is None:
-            return False, None, f"{primary} is not a configured peer"
+            return False, None, f"{primary} is not a configured peer and its transport address was never recorded"
         s: PeerSession | None = None
         answered: str | None = None
         ok = False
@@ -246,7 +270,7 @@ class Heartbeat:
         now = time.time()
         ctx = await self.store.aread(lambda c: sq.shadow_context(c, primary))
         recorded = ctx["queue_database_id"] if ctx else None
-        ok, answered, error = await self._exchange(primary, recorded, now)
+        ok, answered, error = await self._exchange(primary, ctx, now)
         failures = 0 if ok else (ctx["consecutive_failures"] if ctx else 0) + 1
         now = time.time()
         since = None if ok else unreachable_since(

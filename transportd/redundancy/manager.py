@@ -58,6 +58,9 @@ class ShadowManager:
         self.events = events
         self.peers = [Peer(p.name, p.site, p.transport) for p in cfg.peers]
         self.by_name = {p.name: p for p in self.peers}
+        # Peers taken out of [[peers]] that still hold shadows of our messages: they may still
+        # authenticate for their heartbeats (and nothing else), or they would promote mail we deliver.
+        self.former_peers = store.read(sq.shadow_holders) - set(self.by_name) - {self.node_name}
         self.pool = PeerPool(cfg, self.peers)
         self.copier = ShadowCopier(self.sr, self.pool, lambda: self.store.queue_database_id)
         self.adoptions = Adoptions(self.sr, store, self.pool, self.peers, lambda: self.store.queue_database_id)
@@ -88,7 +91,9 @@ class ShadowManager:
         return bool(self.sr.shadow_redundancy_enabled and self.peers)
 
     def start(self) -> None:
-        if self.peers:
+        # Without [[peers]] too while we hold shadows or forks for a primary taken out of them:
+        # its heartbeats decide whether they are promoted (never, if nothing polled it).
+        if self.peers or self.store.read(sq.primaries_to_poll):
             self._task = asyncio.ensure_future(self._loop())
 
     async def stop(self) -> None:

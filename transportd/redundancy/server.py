@@ -54,6 +54,11 @@ def peer_name(session: Session) -> str | None:
     return None
 
 
+# What a former peer (taken out of [[peers]] while it holds shadows of our messages) may still do:
+# its heartbeats, so that it learns what we delivered and never promotes a message we hold.
+HEARTBEAT_VERBS = frozenset({"XSHADOW", "XQDISCARD", "XQUERYDISCARD", "XQSTATUS"})
+
+
 PEER_SIZE_ALLOWANCE = 64 * 1024
 """Octets an authenticated peer's message may have over frontend.max_message_size: the headers
 the boundary's nodes add (a Received field each, Message-ID and Date where missing; a few hundred
@@ -63,6 +68,8 @@ at the limit must not be refused as a shadow copy or a hop-by-hop relay."""
 
 
 def make_peer_authenticator(peers: set[str], secret: str) -> Callable[..., AuthResult]:
+    """AUTH PLAIN for ``peers`` (the configured ones and the former ones that hold shadows of our
+    messages: ``ShadowManager.former_peers``, held to HEARTBEAT_VERBS) with the cluster secret."""
     def authenticator(server: SMTP, session: Session, envelope: Envelope, mechanism: str,
                       auth_data: Any) -> AuthResult:
         if isinstance(auth_data, LoginPassword) and secret:
@@ -147,7 +154,11 @@ class TransportSMTP(LimitedSMTP):
         if self.envelope.mail_from is None:
             self.conn.transaction_ended()
         self.conn.accepting = self.manager.accepting
-        [event] = self.conn.receive_command(verb, arg)
+        if name in self.manager.former_peers and verb not in HEARTBEAT_VERBS:
+            event: Event = Refusal(f"{replies.S550_NOT_AUTHORIZED}\r\n".encode("ascii"),
+                                   "no longer a configured peer: only its heartbeats are answered")
+        else:
+            [event] = self.conn.receive_command(verb, arg)
         if isinstance(event, Refusal):
             log.warning("%s: %s (from %s, %s); refused: %s", verb, event.why or "refused", self.session.peer,
                         name or "not a peer", event.reply.decode("ascii", "replace").strip())
@@ -215,6 +226,11 @@ class TransportSMTP(LimitedSMTP):
     async def smtp_MAIL(self, arg: str | None) -> None:
         """MAIL; with an ``XSHADOW=`` parameter (not a local part ``xshadow=...``, a plain sender)
         judged by the connection first, and taken off before aiosmtpd reads the rest."""
+        if peer_name(self.session) in self.manager.former_peers:
+            # Not one of ours any more: no new mail from it (a transient refusal, as its failed AUTH
+            # was before: its mail waits for whatever the operator does about it).
+            await self._write(f"{replies.S451_FORMER_PEER}\r\n".encode("ascii"))
+            return
         if arg and has_xshadow_param(arg):
             event = await self._judge("MAIL", arg)
             if isinstance(event, Refusal):

@@ -53,6 +53,7 @@ S550_RELAY_DENIED = "550 5.7.1 Relaying denied"
 S550_NO_POSTMASTER = ("550 5.1.1 No postmaster mailbox here: this node accepts mail for no domain "
                       "(routing.accepted_domains)")
 S550_NOT_AUTHORIZED = "550 5.7.1 Not authorized"
+S451_FORMER_PEER = "451 4.7.1 Not a configured peer of this node any more; try again later"
 S553_UNDECLARED_UTF8 = "553 5.6.7 Must declare SMTPUTF8 to send unicode address"
 S553_VRFY_MALFORMED = "553 5.1.3 Malformed address: could not VRFY {address}"
 S552_MESSAGE_TOO_BIG = "552 5.3.4 Message size exceeds fixed maximum message size"
