@@ -1,15 +1,20 @@
-"""Cluster membership changes with real node processes: a peer taken out of ``[[peers]]``.
+"""Cluster membership changes with real node processes: a peer taken out of ``[[peers]]``, a
+node renamed, a node started on a copy of another node's data dir.
 
 1. A peer taken out of a shadow holder's ``[[peers]]`` while it still runs keeps its shadows
    there unpromoted: the holder polls it at its last configured transport address (its
    heartbeats succeed); once it is really gone they are promoted as for any unreachable primary.
    The other way round, a peer taken out while it holds our shadows may still heartbeat here.
+2. A node whose node.name changed, or a node started on a copy of another's data dir, refuses to
+   start (exit 2, one line) while its queue database holds mail under the other name; a node
+   renamed once it holds nothing starts and records its new name.
 
 The ``cluster`` fixture's timers: heartbeat 0.5 s, shadow_resubmit_time_span 3 s.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -20,6 +25,7 @@ from clusters import (
     auth_plain,
     b64,
     b64_dbid,
+    fqdn,
     reply,
     smtp,
     write_node_config,
@@ -47,6 +53,16 @@ def rewrite(node: ClusterNode, *, name: str | None = None, drop: str | None = No
         peers = [{**p, "name": new} if p["name"] == old else p for p in peers]
         sections["mailbox_databases"] = {db: new if n == old else n for db, n in sections["mailbox_databases"].items()}
     write_node_config(Path(node.config), sections, peers)
+
+
+def refused_start(node: ClusterNode) -> str:
+    """Start ``node``, which must refuse: exit 2; the one error line it logs."""
+    node.spawn()
+    assert node.proc is not None
+    assert node.proc.wait(timeout=30) == 2, node.log()[-3000:]
+    errors = [line for line in node.log().splitlines() if "cannot start" in line]
+    assert len(errors) == 1, node.log()[-3000:]
+    return errors[0]
 
 
 # ------------------------------------------------------------------------------ 1
@@ -117,3 +133,58 @@ def test_peer_taken_out_of_peers_while_it_holds_our_shadows_may_still_heartbeat(
     time.sleep(1.0)
     assert len(sink.messages()) == 1
     assert not n2.tracking(event_id="RESUBMIT")
+
+
+# ------------------------------------------------------------------------------ 2
+
+def test_renamed_node_refuses_to_start_while_it_holds_mail_under_its_old_name(cluster, sink):
+    # node2 must not promote node1's shadow while node1 is stopped: a long resubmit span.
+    c: Cluster = cluster(nodes=2, overrides={"shadow_redundancy": {"shadow_resubmit_time_span": 120}}).start()
+    n1, n2 = c["node1"], c["node2"]
+    old, new = n1.name, fqdn("node1b")
+    mid = queued_id(n1.swaks(FOREIGN))  # queued on node1 (the sink is down), its shadow on node2
+    wait_for(lambda: shadows_of(n2, old), timeout=15, what=f"node2's shadow of node1's message {mid}")
+
+    assert n1.stop() == 0
+    rewrite(n1, name=new, rename=(old, new))  # its own mailbox database too
+    line = refused_start(n1)
+    assert f"node.name: {new}" in line and f"run as node {old}" in line and "1 queued message(s)" in line, line
+    assert "transportd redirect" in line and "empty node.data_dir" in line, line
+    assert read_db(n1.cfg.db_path, "SELECT value FROM meta WHERE key = 'node_name'") == [(old,)]
+
+    # Back under its old name it delivers and its shadow is discarded; once it holds nothing
+    # under that name, the rename is taken and recorded.
+    rewrite(n1, name=old, rename=(new, old))
+    sink.start()
+    n1.spawn()
+    n1.wait_listening()
+    wait_for(lambda: sink.messages(), timeout=20, what="node1's delivery")
+    wait_for(lambda: not shadows_of(n2, old), timeout=15, what="node2 to discard its shadow")
+    wait_for(lambda: not read_db(n1.cfg.db_path, "SELECT count(*) FROM discard_events")[0][0], timeout=15,
+             what="node2 to fetch node1's discard event")
+    assert n1.stop() == 0
+    rewrite(n1, name=new, rename=(old, new))
+    rewrite(n2, rename=(old, new))
+    n1.spawn()
+    n1.wait_listening()
+    assert f"node.name changed from {old} to {new}" in n1.log()
+    assert read_db(n1.cfg.db_path, "SELECT value FROM meta WHERE key = 'node_name'") == [(new,)]
+    assert len(sink.messages()) == 1
+
+
+def test_node_started_on_a_copy_of_another_nodes_data_dir_refuses_to_start(cluster, sink):
+    c: Cluster = cluster(nodes=2).start()
+    n1, n2 = c["node1"], c["node2"]
+    queued_id(n1.swaks(FOREIGN))  # queued on node1: the sink is down
+    wait_for(lambda: shadows_of(n2, n1.name), timeout=15, what="node2's shadow of node1's message")
+    assert n1.stop() == 0
+    assert n2.stop() == 0
+    data1, data2 = n1.cfg.data_dir, n2.cfg.data_dir
+    shutil.rmtree(data2)
+    shutil.copytree(data1, data2, symlinks=True)  # cp -a
+
+    line = refused_start(n2)
+    assert f"node.name: {n2.name}" in line and f"run as node {n1.name}" in line, line
+    assert "1 queued message(s)" in line and "1 shadow(s) of peers' messages" not in line, line
+    n1.spawn()  # the original still starts
+    n1.wait_listening()

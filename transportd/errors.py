@@ -6,6 +6,7 @@ message's ids, counted towards the Poison queue, answered ``451 4.3.0``.
 
     TransportdError                    anything transportd raises on purpose
     ├── ConfigError                    a bad config file or key (the message names the key)
+    │   └── NodeNameMismatch           node.name is not the name the queue database holds mail under
     ├── FilterError                    an operator's --filter term that cannot be understood
     ├── StoreError                     the queue database cannot be used (receive answers 451 4.3.0)
     │   └── CorruptDatabase            the file is not a usable queue database (moved aside at start)
@@ -35,6 +36,11 @@ class TransportdError(Exception):
 
 class ConfigError(TransportdError):
     """A configuration problem, with the key it concerns in the message."""
+
+
+class NodeNameMismatch(ConfigError):
+    """node.name is not the name the node's queue database was run under, and the database holds
+    mail peers know under that name (or that another node on a copy of it would deliver again)."""
 
 
 class FilterError(TransportdError, ValueError):

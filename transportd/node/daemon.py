@@ -22,7 +22,7 @@ from typing import Any
 
 from transportd import __version__
 from transportd.config import Config, frontend_bindings, tracking_fields, worker_count
-from transportd.errors import StoreError
+from transportd.errors import NodeNameMismatch, StoreError
 from transportd.node import datalock
 from transportd.node.accept import AcceptPath
 from transportd.node.connectors import DeliveryDrain, MailboxConnector, PeerConnector, SmtpConnector
@@ -34,6 +34,7 @@ from transportd.node.outcomes import OutcomeRecorder
 from transportd.node.scheduler import Scheduler
 from transportd.node.sessions import NodeSessions, SessionTable
 from transportd.node.workers import WorkerSupervisor, per_process
+from transportd.queue import admin
 from transportd.queue import messages as mq
 from transportd.queue.delivered import DeliveredLog
 from transportd.queue.mailbox import MailboxStore
@@ -115,6 +116,7 @@ class Node:
             raise OSError(f"node.data_dir {cfg.data_dir}: {exc.strerror or exc}") from None
         self.events.handling, crashed_in = HandlingMark.open(cfg.data_dir)
         self.store = store = QueueStore.open(cfg.db_path, create=True, repair=True, node_name=cfg.node.name)
+        check_node_name(cfg, store)
         store.start_writer()
         self.events.store = store
         self.metrics.watch_store(store)
@@ -290,6 +292,24 @@ class Node:
             self._data_lock = None
 
 
+def check_node_name(cfg: Config, store: QueueStore) -> None:
+    """The queue database was run under another node.name (a renamed node, or a node started on a
+    copy of another's data dir): refused while it holds mail peers know under that name or that
+    the other node may deliver too (each message would be delivered twice); else the new name is
+    recorded."""
+    name = cfg.node.name
+    recorded, held = store.transaction(lambda c: admin.adopt_node_name(c, name))
+    if held:
+        what = ", ".join(f"{n} {label}" for label, n in held.items())
+        raise NodeNameMismatch(
+            f"node.name: {name}: the queue database {cfg.db_path} was run as node {recorded} and holds {what} "
+            f"under that name; start it with node.name = {recorded!r}, or drain it first under its old name "
+            "(transportd redirect, until it holds nothing), or start it on an empty node.data_dir")
+    if recorded is not None and recorded.lower() != name.lower():
+        log.warning("node.name changed from %s to %s (its queue database holds nothing under the old name)",
+                    recorded, name)
+
+
 def listen_error(key: str, listen: str, exc: OSError) -> OSError:
     """A listener that could not be opened (an address in use, not on this host...), as the one
     line that stops the start: the key, the address and the reason."""
@@ -324,6 +344,11 @@ async def _serve(cfg: Config, log_format: str) -> int:
         log.error("cannot start: %s", exc)
         node.release_data_dir()
         return 1
+    except NodeNameMismatch as exc:  # as a bad config: exit 2, one line
+        log.error("cannot start: %s", exc)
+        node.store.close()
+        node.release_data_dir()
+        return 2
     except DATABASE_ERRORS as exc:  # e.g. a queue database file made read-only
         log.error("cannot start: queue database %s cannot be used: %s", cfg.db_path,
                   db_error_text(exc))

@@ -4,7 +4,8 @@ It owns every query the ``transportd`` command line and the Prometheus collector
 resolving a queue by name and acting on it, listing and acting on one message or on
 every message a selection (``selection.py``: ids, ``--filter`` terms) matches, a batch
 per transaction, the Safety Net and shadow views, filing a shadow resubmit request, the
-node's recorded name and config path, and the grouped counts behind the scrape-time
+node's recorded name (and whether a node of another name may take the database over) and
+config path, and the grouped counts behind the scrape-time
 gauges. Each
 function takes an open SQLAlchemy connection (inside ``QueueStore.read`` or
 ``QueueStore.transaction``) and builds on ``messages`` and ``safetynet`` where those
@@ -25,7 +26,16 @@ from transportd.queue import messages as mq
 from transportd.queue import selection as sel
 from transportd.queue import shadows as sq
 from transportd.queue.selection import Selection
-from transportd.queue.store import messages, meta, queues, recipients, resubmit_requests, shadow_contexts
+from transportd.queue.store import (
+    discard_events,
+    messages,
+    meta,
+    queues,
+    recipients,
+    resubmit_requests,
+    shadow_contexts,
+    shadow_forks,
+)
 
 # Builds the NDR of a removed message: (message row, its body, the removed recipients) -> a new
 # message, or None when none may be sent.
@@ -54,6 +64,38 @@ def recorded_node_name(conn: Connection) -> str | None:
     """The node name the queue database was created for, or None when it has none."""
     row = conn.execute(meta.select().where(meta.c.key == "node_name")).mappings().first()
     return row["value"] if row and row["value"] else None
+
+
+def held_under_node_name(conn: Connection) -> dict[str, int]:
+    """What this queue database holds that peers know under the node's name, or that another
+    node started on a copy of it would deliver a second time: queued messages (ours, and the
+    shadows we hold of peers' messages: their primaries name us as the holder, we name them),
+    forks of ours handed to peers hop by hop (they hold them as ours) and discard events our
+    shadows have not fetched yet. The non-zero counts by what they are."""
+    held = {
+        "queued message(s)": conn.execute(select(func.count()).select_from(messages).where(
+            messages.c.role == "primary", messages.c.state == mq.QUEUED)).scalar(),
+        "shadow(s) of peers' messages": conn.execute(select(func.count()).select_from(messages).where(
+            messages.c.role == "shadow", messages.c.state == mq.QUEUED)).scalar(),
+        "hop-by-hop fork(s) held by peers": conn.execute(select(func.count()).select_from(shadow_forks)).scalar(),
+        "discard event(s) peers have not fetched": conn.execute(
+            select(func.count()).select_from(discard_events)).scalar(),
+    }
+    return {what: n for what, n in held.items() if n}
+
+
+def adopt_node_name(conn: Connection, name: str) -> tuple[str | None, dict[str, int]]:
+    """At start: the name the queue database was made by (or last run as), and, when it is not
+    ``name``, what it holds under that name (``held_under_node_name``). Nothing held: ``name`` is
+    recorded (a node renamed, or a copy of a drained node's data dir, starts as ``name``)."""
+    recorded = recorded_node_name(conn)
+    if recorded is not None and recorded.lower() == name.lower():
+        return recorded, {}
+    held = held_under_node_name(conn) if recorded is not None else {}
+    if not held:
+        conn.execute(meta.delete().where(meta.c.key == "node_name"))
+        conn.execute(insert(meta).values(key="node_name", value=name))
+    return recorded, held
 
 
 # --------------------------------------------------------------------------- queues
