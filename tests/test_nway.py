@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import select
 from test_redundancy_connection import b64, b64_dbid, one, server, shadowing_client
 
-from transportd.errors import ProtocolError
+from transportd.errors import NoShadowRequests, ProtocolError
 from transportd.queue import messages as mq
 from transportd.queue import shadows as sq
 from transportd.queue.messages import NewMessage
@@ -497,30 +497,36 @@ def test_every_new_shadow_of_a_message_carries_its_guid(cluster) -> None:
 
 
 class _Session:
-    def __init__(self, answer: list[tuple[str, int]]):
+    def __init__(self, answer: list[tuple[str, int]] | None, asked: list[list[str]]):
         self.answer = answer
+        self.asked = asked
+        self.peer = type("P", (), {"name": "n2"})()
 
     async def shadow_request(self, dbid: str) -> None:
         pass
 
-    async def adopt(self, old_primary: str, rank: int, guids: list[str]) -> list[tuple[str, int]]:
-        return [a for a in self.answer if a[0] in guids]
+    async def adopt(self, old_primary: str, rank: int, guids: list[str]) -> list[tuple[str, int]] | None:
+        self.asked.append(list(guids))
+        return None if self.answer is None else [a for a in self.answer if a[0] in guids]
 
 
 class _Pool:
-    """A peer pool whose sessions fail (the peer down) or adopt what they are asked."""
+    """A peer pool whose sessions fail (the peer down, or one that takes no shadow requests) or
+    adopt what they are asked (``answer`` None: the verb refused for good)."""
 
     def __init__(self):
         self.up = False
-        self.answer: list[tuple[str, int]] = []
+        self.error: Exception = ConnectionRefusedError(111, "Connection refused")
+        self.answer: list[tuple[str, int]] | None = []
+        self.asked: list[list[str]] = []  # the GUIDs of each XSHADOWADOPT line
 
     def takes_shadows(self, peer) -> bool:
         return True
 
     async def session(self, peer):
         if not self.up:
-            raise ConnectionRefusedError(111, "Connection refused")
-        return _Session(self.answer)
+            raise self.error
+        return _Session(self.answer, self.asked)
 
     def release(self, s, ok: bool) -> None:
         pass
@@ -578,5 +584,87 @@ async def test_a_peer_still_to_adopt_gets_no_new_shadow_of_the_message(tmp_path)
                           .all())
         assert held == [("n2", "g-old")]
         assert store.read(lambda c: c.execute(select(mq.messages.c.redundancy)).scalar()) == mq.PARTIAL
+    finally:
+        store.close()
+
+
+def unit_manager(tmp_path, copies: int):
+    """A ShadowManager of node n3 (peers n1 and n2) on a real queue database, its adoption pool
+    a ``_Pool`` and its new shadows never made (the peers made for them recorded)."""
+    from test_node_parts import RecordingTracking
+
+    from transportd.config import load_dict
+    from transportd.node.events import NodeEvents
+    from transportd.node.metrics import NodeMetrics
+    from transportd.redundancy.copies import ShadowResult
+    from transportd.redundancy.manager import ShadowManager
+
+    cfg = load_dict({"node": {"name": "n3", "data_dir": str(tmp_path / "n3")}, "cluster": {"secret": "s3cret-unit"},
+                     "frontend": {"listen": "127.0.0.1:2525"}, "transport": {"listen": "127.0.0.1:2526"},
+                     "shadow_redundancy": {"shadow_copies": copies},
+                     "peers": [{"name": "n1", "site": "site-a", "transport": "127.0.0.1:9"},
+                               {"name": "n2", "site": "site-a", "transport": "127.0.0.1:10"}]})
+    store = QueueStore.open(tmp_path / "n3.db")
+    store.start_writer()
+    manager = ShadowManager(cfg, store, NodeEvents(cfg, NodeMetrics("n3"), store, RecordingTracking()))
+    manager.adoptions.pool = _Pool()
+    manager.made = []
+
+    async def no_peer_answers(msg, guid, recipients, exclude=(), copies=None, first_rank=1):
+        manager.made.append(copies)
+        return ShadowResult(None, "No suitable shadow servers")
+    manager.make_shadow = no_peer_answers
+    return manager, store
+
+
+async def promoted_rows(store, n: int) -> list[dict]:
+    """``n`` queued copies, as promoted from n1: their rows as the promotion hands them on."""
+    rows = []
+    for i in range(n):
+        msg = NewMessage(network_message_id=f"m{i}", sender="a@x", data=b"Subject: t\r\n\r\nbody\r\n",
+                         recipients={NextHop("sink.example", "DnsConnectorDelivery", "sink.example"): ["b@x"]},
+                         received_at=0.0, expires_at=3600.0, redundancy="reshadowing")
+        mid = await store.write(lambda c, m=msg: mq.enqueue(c, m))
+        row = store.read(lambda c, m=mid: dict(c.execute(select(mq.messages).where(mq.messages.c.id == m))
+                                               .mappings().one()))
+        rows.append({**row, "shadow_guid": str(uuid.UUID(int=i + 1)), "shadow_rank": 1})
+    return rows
+
+
+async def test_a_promotion_asks_for_adoption_whatever_this_nodes_shadow_copies(tmp_path) -> None:
+    """Copies keep the rank they were made with: under shadow_copies = 1 (restarted with it since
+    the copies were made under 2) a rank-1 promoter still asks the other peers to adopt, and the
+    copy n2 adopted is the shadow the message needs. It once asked only with shadow_copies > 1:
+    n2 promoted its rank-2 copy one rank delay later, a second delivery."""
+    manager, store = unit_manager(tmp_path, copies=1)
+    try:
+        pool = manager.adoptions.pool
+        pool.up = True
+        rows = await promoted_rows(store, 1)
+        pool.answer = [(rows[0]["shadow_guid"], 1)]
+        await manager._after_promotion(rows, "n1")
+        assert pool.asked == [[rows[0]["shadow_guid"]]]
+        assert manager.made == []  # n2's adopted copy is the one shadow wanted
+        assert store.read(lambda c: c.execute(select(mq.messages.c.redundancy)).scalar()) == "shadowed"
+    finally:
+        store.close()
+
+
+async def test_a_peer_that_refuses_xshadowadopt_is_asked_once(tmp_path) -> None:
+    """An older peer answers XSHADOWADOPT 500 (aiosmtpd ends the session after five): it adopts
+    nothing, is asked no further line, and counts as answered (not asked again each round, and
+    not kept from new shadows). A peer that takes no shadow requests (2010 mode, shadow redundancy
+    off) likewise."""
+    manager, store = unit_manager(tmp_path, copies=1)
+    try:
+        pool = manager.adoptions.pool
+        pool.up, pool.answer = True, None
+        rows = await promoted_rows(store, MAX_ADOPT_BATCH + 1)
+        assert await manager.adoptions.ask_all(rows, "n1") == 0
+        assert len(pool.asked) == 1
+        assert manager.adoptions.pending_peers(rows[0]["id"]) == set()
+        pool.up, pool.error = False, NoShadowRequests("n2 does not advertise XSHADOWREQUEST")
+        assert await manager.adoptions.ask_all(rows, "n1") == 0
+        assert manager.adoptions.pending_peers(rows[0]["id"]) == set()
     finally:
         store.close()

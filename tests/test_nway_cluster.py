@@ -14,6 +14,9 @@ delivered once:
 4. node2 is down when the message comes: accepted with one shadow (partial), the second made
    once node2 is back.
 
+shadow_copies changed with mail queued: lowered to 1, the rank-1 holder still adopts the rank-2
+copy and that copy still waits its rank delay.
+
 Two faults on a 4-node cluster (node1's copies on node3 and node4, the remote site; node2 beside
 node1): the node that took over is lost too, and a shadow holder back after the takeover.
 """
@@ -21,22 +24,36 @@ node1): the node that took over is lost too, and a shadow holder back after the 
 from __future__ import annotations
 
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
-
 from clusters import LocalCluster, send, sink_copies
 from conftest import wait_for
+
+from transportd.devtools import cluster as cluster_mod
 
 SPAN, RANK_DELAY = 3.0, 4.0
 
 
-def nway_cluster(procs, sink, tmp_path, nodes: int = 3) -> LocalCluster:
+def nway_cluster(procs, sink, tmp_path, nodes: int = 3, copies: int = 2, span: float = SPAN) -> LocalCluster:
     c = LocalCluster(procs, sink, tmp_path, {"shadow_redundancy": {
-        "shadow_heartbeat_frequency": 0.5, "shadow_resubmit_time_span": SPAN,
-        "shadow_copies": 2, "shadow_rank_delay": RANK_DELAY}}, nodes=nodes)
+        "shadow_heartbeat_frequency": 0.5, "shadow_resubmit_time_span": span,
+        "shadow_copies": copies, "shadow_rank_delay": RANK_DELAY}}, nodes=nodes)
     c.start()
     return c
+
+
+def restart_with_copies(copies: int, *nodes) -> None:
+    """A rolling restart of ``nodes`` with ``shadow_copies`` = ``copies`` (the queues kept). A
+    primary's restart outlasts SPAN: its shadows would promote meanwhile."""
+    for node in nodes:
+        raw = tomllib.loads(Path(node.spec.config).read_text())
+        peers = raw.pop("peers", [])
+        raw["shadow_redundancy"]["shadow_copies"] = copies
+        Path(node.spec.config).write_text(cluster_mod.render_toml(raw, peers))
+        assert node.stop() == 0
+        node.start()
 
 
 def accepted_with_two_shadows(c: LocalCluster, internal_id: int) -> str:
@@ -200,6 +217,53 @@ def test_a_shadow_holder_that_missed_the_adoption_is_asked_again_and_never_promo
         wait_for(lambda: sink_copies(sink, netid), timeout=20, what="the copy at the sink")
     n2.wait_event("HADISCARD", netid, timeout=20)
     assert not ranks(n2, n1) and not ranks(n2, n3), "node2 still holds a shadow of the message"
+    time.sleep(1.5)  # waiting for absence: nothing else may arrive
+    assert len(sink_copies(sink, netid)) == 1
+
+
+# ============================================================================ shadow_copies changed with mail queued
+
+def test_copies_made_under_two_are_adopted_after_a_restart_with_one(procs, sink, tmp_path):
+    """Copies keep the ranks they were made with: node3 (rank 1), restarted with shadow_copies = 1
+    (node2 too; node1's setting plays no part), still asks node2 to adopt its rank-2 copy when
+    node1 dies. It once asked only with shadow_copies > 1 of its own: node2 promoted one rank
+    delay later, and the message was delivered twice."""
+    c = nway_cluster(procs, sink, tmp_path)
+    n1, n2, n3 = c["node1"], c["node2"], c["node3"]
+    netid = accepted_with_two_shadows(c, send(n1, "carol@foreign.test"))
+    n1.wait_event("DEFER", netid)  # the sink is down: queued on node1
+    restart_with_copies(1, n2, n3)
+    assert ranks(n3, n1) == {netid: 1} and ranks(n2, n1) == {netid: 2}
+
+    n1.kill9()
+    n3.wait_event("RESUBMIT", netid, timeout=30)
+    adopted = n2.wait_event("HARECEIVE", netid, n=2, timeout=SPAN + RANK_DELAY)
+    assert adopted[-1]["source-context"].endswith(f"AdoptedFrom={n1.name}"), adopted
+    sink.start()
+    wait_for(lambda: sink_copies(sink, netid), timeout=20, what="the promoted copy at the sink")
+    n2.wait_event("HADISCARD", netid, timeout=20)
+    time.sleep(SPAN + RANK_DELAY)  # past the time rank 2 would have promoted
+    assert not n2.events("RESUBMIT", netid), "node2 promoted the copy node3 had promoted"
+    assert len(sink_copies(sink, netid)) == 1
+
+
+def test_a_rank_2_copy_still_waits_its_rank_delay_after_a_restart_with_one(procs, sink, tmp_path):
+    """The holder's side: node2, restarted with shadow_copies = 1, promotes its rank-2 copy of a
+    message made under 2 only after the span plus one rank delay (node1 and node3, the rank-1
+    holder, lost together), once."""
+    c = nway_cluster(procs, sink, tmp_path)
+    n1, n2, n3 = c["node1"], c["node2"], c["node3"]
+    netid = accepted_with_two_shadows(c, send(n1, "carol@foreign.test"))
+    n1.wait_event("DEFER", netid)
+    restart_with_copies(1, n2)
+    n1.kill9()
+    n3.kill9()
+    killed = time.monotonic()
+    sink.start()
+    n2.wait_event("RESUBMIT", netid, timeout=40)
+    after = time.monotonic() - killed
+    assert after >= SPAN + RANK_DELAY - 1.0, f"rank 2 promoted {after:.1f}s after the loss"
+    wait_for(lambda: sink_copies(sink, netid), timeout=20, what="the promoted copy at the sink")
     time.sleep(1.5)  # waiting for absence: nothing else may arrive
     assert len(sink_copies(sink, netid)) == 1
 

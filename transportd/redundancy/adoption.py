@@ -3,7 +3,10 @@ become shadows of the new primary.
 
 With ``shadow_copies`` > 1 a message of a lost primary has shadows on several peers. The one that
 promotes asks every other peer to keep its copy as a shadow of the promoted message
-(XSHADOWADOPT); a peer that keeps it never promotes it. A peer that cannot be asked (down, cut
+(XSHADOWADOPT); a peer that keeps it never promotes it. Asked after every promotion, whatever
+this node's own ``shadow_copies``: the copies were made under the primary's setting when the
+message came, which a restart since may have changed (a shadow cannot tell how many siblings
+its copy has). A peer that cannot be asked (down, cut
 off) still holds its copy as the lost primary's shadow and, that primary being gone, promotes it
 after its rank's delay: a second delivery. So a peer that could not be asked is asked again every
 heartbeat round until it answers, for the promoted messages this node still has (a message
@@ -19,7 +22,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from transportd.errors import PEER_FAILURES
+from transportd.errors import PEER_FAILURES, NoShadowRequests
 from transportd.queue import shadows as sq
 from transportd.queue.store import QueueStore
 from transportd.redundancy.peers import PeerPool, PeerSession
@@ -54,9 +57,10 @@ class Adoptions:
         # these messages is placed on it (it holds one already: ``pending_peers``).
         for peer in asked:
             self._unasked.setdefault(peer.name, {}).update(copies)
+        # At once: a black-holed peer costs one shadow_copy_timeout, not one per peer before it.
+        answers = await asyncio.gather(*(self._ask(peer, copies, quiet=False) for peer in asked))
         adopted = 0
-        for peer in asked:
-            done = await self._ask(peer, copies, quiet=False)
+        for peer, done in zip(asked, answers):
             if done is not None:
                 self._answered(peer.name, copies)
                 adopted += done
@@ -99,7 +103,9 @@ class Adoptions:
 
     async def _ask(self, peer: Peer, copies: dict[int, tuple[str, str, int]], quiet: bool) -> int | None:
         """XSHADOWADOPT to ``peer`` for ``copies`` (by lost primary and rank, in batches), the copies
-        it keeps recorded as our shadows; None when the peer could not be asked."""
+        it keeps recorded as our shadows; None when the peer could not be asked. A peer that takes
+        no shadow requests (2010 mode, shadow redundancy disabled) or refuses the verb for good
+        (an older node) has answered: it adopts nothing, and is not asked again."""
         by_guid = {guid: mid for mid, (_, guid, _) in copies.items()}
         groups: dict[tuple[str, int], list[str]] = {}
         for lost, guid, rank in copies.values():
@@ -111,10 +117,11 @@ class Adoptions:
             async with asyncio.timeout(self.sr.shadow_copy_timeout):
                 s = await self.pool.session(peer)
                 await s.shadow_request(self._queue_database_id())
-                for (lost, rank), guids in sorted(groups.items()):
-                    for i in range(0, len(guids), MAX_ADOPT_BATCH):
-                        adopted += await s.adopt(lost, rank, guids[i:i + MAX_ADOPT_BATCH])
+                await self._ask_batches(s, groups, adopted)
                 ok = True
+        except NoShadowRequests as exc:
+            log.debug("not asking %s to adopt: %s", peer.name, exc)
+            return 0
         except PEER_FAILURES as exc:
             (log.debug if quiet else log.warning)(
                 "XSHADOWADOPT to %s for %d promoted message(s) failed: %s (asked again each heartbeat round)",
@@ -133,3 +140,17 @@ class Adoptions:
                             "discarded there (a new shadow ranked after the others follows if one is missing)",
                             peer.name, len(surplus))
         return len(adopted) if ok else None
+
+    @staticmethod
+    async def _ask_batches(s: PeerSession, groups: dict[tuple[str, int], list[str]],
+                           adopted: list[tuple[str, int]]) -> None:
+        """The XSHADOWADOPT lines of one session, what the peer kept appended to ``adopted`` (kept
+        when a later line fails); a refusal of the verb for good ends them (the first line)."""
+        for (lost, rank), guids in sorted(groups.items()):
+            for i in range(0, len(guids), MAX_ADOPT_BATCH):
+                kept = await s.adopt(lost, rank, guids[i:i + MAX_ADOPT_BATCH])
+                if kept is None:
+                    log.info("%s does not adopt shadows (XSHADOWADOPT refused): its copies of the messages "
+                             "we promoted stay shadows of %s", s.peer.name, lost)
+                    return
+                adopted.extend(kept)

@@ -215,15 +215,15 @@ class ShadowManager:
     async def _after_promotion(self, rows: list[dict], lost: str) -> None:
         """Promoted copies of ``lost``'s messages: first every peer is asked to adopt the other
         shadows it holds of them (XSHADOWADOPT: they become our shadows and are never promoted
-        themselves), then each copy gets the shadows it still lacks."""
-        if self.sr.shadow_copies > 1:
-            try:
-                await self.adoptions.ask_all(rows, lost)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - the copies still need their shadows
-                log.exception("asking the peers to adopt the shadows of %d promoted message(s) of %s failed",
-                              len(rows), lost)
+        themselves), then each copy gets the shadows it still lacks. Asked whatever our own
+        ``shadow_copies``: ``lost`` made the copies under its setting, maybe another than ours now."""
+        try:
+            await self.adoptions.ask_all(rows, lost)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the copies still need their shadows
+            log.exception("asking the peers to adopt the shadows of %d promoted message(s) of %s failed",
+                          len(rows), lost)
         await self._reshadow_all(rows, exclude=lost)
 
     async def _reshadow_all(self, rows: list[dict], exclude: str | None, track_failure: bool = True) -> int:

@@ -181,15 +181,21 @@ class PeerSession:
             out.update(answered.statuses)
         return out
 
-    async def adopt(self, old_primary: str, rank: int, guids: list[str]) -> list[tuple[str, int]]:
+    async def adopt(self, old_primary: str, rank: int, guids: list[str]) -> list[tuple[str, int]] | None:
         """XSHADOWADOPT: we promoted these shadows of ``old_primary`` (ours had ``rank``); returns
-        (GUID, rank) of each copy the peer held and now keeps as our shadow. A peer that does not
-        know the verb adopts none."""
+        (GUID, rank) of each copy the peer held and now keeps as our shadow, or None when the peer
+        refused the verb for good (5xx: an older node that does not know it, shadow redundancy
+        disabled there): it adopts none, and asking it again (more batches, every heartbeat) would
+        only end the session (aiosmtpd drops a client after five unknown commands). A 4xx
+        refusal raises ProtocolError: asked again later."""
         events = await self._exchange(self.conn.send_adopt(old_primary, rank, guids))
         for e in events:
             if isinstance(e, Adopted):
                 return list(e.entries)
-        return []
+        refused = next((e for e in events if isinstance(e, CommandRefused)), None)
+        if refused is not None and 400 <= refused.code < 500:
+            raise ProtocolError(_refusal("XSHADOWADOPT", events))
+        return None
 
     async def resubmit(self, destination: str, start: float, end: float) -> str:
         events = await self._exchange(self.conn.send_resubmit(destination, start, end))
