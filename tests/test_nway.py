@@ -496,6 +496,30 @@ def test_every_new_shadow_of_a_message_carries_its_guid(cluster) -> None:
     assert cluster.db["n1"].read(lambda c: sq.message_guid(c, mid, None)) == (None, set())
 
 
+def test_raising_shadow_copies_makes_the_queued_mail_with_fewer_shadows_partial(cluster) -> None:
+    """At start under shadow_copies = N: queued messages of ours ``shadowed`` by fewer than N peers
+    become ``partial`` (the heartbeat rounds make the rest); a message with N, one delivered, one
+    already partial or unprotected, or one taken hop by hop (its one shadow is the peer that handed
+    it to us, its client) stay as they are. Nothing to do under N = 1."""
+    for netid, shadows in (("one", ["n2"]), ("two", ["n2", "n3"]), ("done", ["n2"]), ("hop", ["n4"])):
+        cluster.accept("n1", shadows, netid, 0.0)
+
+    def redundancy() -> dict[str, str]:
+        return dict(cluster.db["n1"].read(lambda c: c.execute(select(
+            mq.messages.c.network_message_id, mq.messages.c.redundancy)).all()))
+    cluster.tx("n1", lambda c: c.execute(mq.messages.update().where(mq.messages.c.network_message_id == "done")
+                                         .values(state=mq.SAFETY_NET)))
+    cluster.tx("n1", lambda c: c.execute(mq.messages.update().where(mq.messages.c.network_message_id == "hop")
+                                         .values(client_hostname="N4")))
+    assert cluster.tx("n1", lambda c: sq.want_shadow_copies(c, 1)) == 0
+    assert cluster.tx("n1", lambda c: sq.want_shadow_copies(c, 2)) == 1
+    assert redundancy() == {"one": mq.PARTIAL, "two": "shadowed", "done": "shadowed", "hop": "shadowed"}
+    assert cluster.tx("n1", lambda c: sq.want_shadow_copies(c, 3)) == 1
+    assert redundancy()["two"] == mq.PARTIAL
+    assert [r["network_message_id"] for r in cluster.tx("n1", lambda c: sq.claim_unprotected(c, 10))] == \
+        ["one", "two"]
+
+
 class _Session:
     def __init__(self, answer: list[tuple[str, int]] | None, asked: list[list[str]]):
         self.answer = answer

@@ -15,7 +15,8 @@ delivered once:
    once node2 is back.
 
 shadow_copies changed with mail queued: lowered to 1, the rank-1 holder still adopts the rank-2
-copy and that copy still waits its rank delay.
+copy and that copy still waits its rank delay; raised from 1 to 2, the queued mail gets its second
+shadow.
 
 Two faults on a 4-node cluster (node1's copies on node3 and node4, the remote site; node2 beside
 node1): the node that took over is lost too, and a shadow holder back after the takeover.
@@ -266,6 +267,26 @@ def test_a_rank_2_copy_still_waits_its_rank_delay_after_a_restart_with_one(procs
     wait_for(lambda: sink_copies(sink, netid), timeout=20, what="the promoted copy at the sink")
     time.sleep(1.5)  # waiting for absence: nothing else may arrive
     assert len(sink_copies(sink, netid)) == 1
+
+
+def test_raising_shadow_copies_tops_up_the_mail_already_queued(procs, sink, tmp_path):
+    """Mail accepted under shadow_copies = 1 (one shadow, on node3) gets its second shadow (rank
+    2, on node2) once node1 is restarted with 2; it once stayed with one for good."""
+    c = nway_cluster(procs, sink, tmp_path, copies=1, span=60)  # node1's restart promotes nothing
+    n1, n2, n3 = c["node1"], c["node2"], c["node3"]
+    mid = send(n1, "carol@foreign.test")
+    redirect = [r for r in n1.wait_event("HAREDIRECT") if r["internal-message-id"] == str(mid)]
+    assert [r["source-context"].split("=")[0] for r in redirect] == [n3.name], redirect
+    netid = redirect[0]["network-message-id"]
+    n1.wait_event("DEFER", netid)
+
+    def redundancy() -> str:
+        return n1.cli_json("message", "show", str(mid))[0]["redundancy"]
+    assert redundancy() == "shadowed"
+    restart_with_copies(2, n1)
+    n2.wait_event("HARECEIVE", netid, timeout=15)
+    wait_for(lambda: redundancy() == "shadowed", timeout=15, what="the second shadow recorded")
+    assert ranks(n2, n1) == {netid: 2} and ranks(n3, n1) == {netid: 1}
 
 
 # ============================================================================ two faults, four nodes

@@ -36,6 +36,7 @@ from transportd.node.sessions import NodeSessions, SessionTable
 from transportd.node.workers import WorkerSupervisor, per_process
 from transportd.queue import admin
 from transportd.queue import messages as mq
+from transportd.queue import shadows as sq
 from transportd.queue.delivered import DeliveredLog
 from transportd.queue.mailbox import MailboxStore
 from transportd.queue.routing import MAILBOX, PEER, route_config
@@ -152,6 +153,13 @@ class Node:
             self.metrics.internal_failures.labels("crash").inc()
             self.events.poisoned(row, f"the node crashed while handling it (step {steps.get(row['id'], '?')})")
         self.shadow = ShadowManager(cfg, store, self.events)
+        if self.shadow.enabled:
+            # shadow_copies raised since the queued mail came: it gets the new protection too.
+            wanted = cfg.shadow_redundancy.shadow_copies
+            partial = await store.write(lambda c: sq.want_shadow_copies(c, wanted))
+            if partial:
+                log.info("shadow_copies is %d: %d queued message(s) with fewer shadows get the missing ones "
+                         "in the heartbeat rounds to come", wanted, partial)
         self.accept_path = AcceptPath(cfg, store, self.events, self.shadow)
         recorder = OutcomeRecorder(cfg, store, self.events)
         drain, handling = DeliveryDrain(), self.events.handling

@@ -283,6 +283,25 @@ def claim_unprotected(conn: Connection, limit: int) -> list[dict]:
     return rows
 
 
+def want_shadow_copies(conn: Connection, wanted: int) -> int:
+    """Start-up under ``shadow_copies`` = ``wanted``: queued messages of ours that are
+    ``shadowed`` with fewer peers holding a shadow (accepted while the setting was lower) become
+    ``partial``, so that the heartbeat rounds make the missing copies (``claim_unprotected``);
+    returns how many. One statement, nothing at all when ``wanted`` is 1 (every shadowed message
+    has a shadow). A message taken hop by hop keeps its one shadow, the peer that handed it to us
+    (docs/PROTOCOL.md sections 3 and 9): that holder is the client the message came from."""
+    if wanted <= 1:
+        return 0
+    holders = (select(func.count(message_shadows.c.shadow_node.distinct()))
+               .where(message_shadows.c.message_id == messages.c.id).scalar_subquery())
+    hop_by_hop = (select(message_shadows.c.message_id)
+                  .where(message_shadows.c.message_id == messages.c.id,
+                         message_shadows.c.shadow_node == func.lower(messages.c.client_hostname)).exists())
+    return conn.execute(update(messages).where(
+        messages.c.role == "primary", messages.c.state == mq.QUEUED, messages.c.redundancy == "shadowed",
+        holders < wanted, ~hop_by_hop).values(redundancy=mq.PARTIAL)).rowcount
+
+
 def mark_unprotected(conn: Connection, message_id: int) -> None:
     """A re-shadow that failed: the message waits for the next round without a shadow."""
     conn.execute(update(messages).where(messages.c.id == message_id, messages.c.redundancy == "reshadowing")
