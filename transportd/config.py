@@ -616,7 +616,10 @@ KEYS: tuple[Key, ...] = (
         "answer 451 4.4.0 when no shadow can be made (needs [[peers]])", "RejectMessageOnShadowFailure"),
     Key("shadow_redundancy", "shadow_copies", 1, _int,
         "shadow copies made before the 250, each on its own peer (1: Exchange's two copies in all; "
-        "2 or more survives the primary and a shadow failing together)", "", limits=(1, 9)),
+        "2 or more survives the primary and a shadow failing together); raised, the mail already queued gets "
+        "the missing copies after the restart; lowered, the copies already made keep their ranks (rank 1 "
+        "still adopts the others)",
+        "", limits=(1, 9)),
     Key("shadow_redundancy", "min_shadow_copies", 1, _int,
         "fewer shadows than this is a shadow failure (reject_message_on_shadow_failure decides); from "
         "this up to shadow_copies the message is accepted, the missing copies logged and made later",
