@@ -627,6 +627,46 @@ def test_missing_database(tmp_path):
 
 # ------------------------------------------------------------------------------ 9. unknown names
 
+def test_empty_idle_queues_are_removed_a_suspended_one_stays_and_mail_makes_them_again(make_node, sink):
+    """Exchange's QueueMaxIdleTime: a delivery queue empty (its last message left the Safety Net)
+    and idle for delivery.queue_max_idle_time leaves ``queue list``; one an operator suspended
+    stays until resumed; new mail for the next hop makes the queue again and goes. ``queue
+    suspend`` of a queue that is gone says so, and why."""
+    sink.start()
+    node = make_node(smart_host=sink.address, overrides={
+        "delivery": {"queue_max_idle_time": 1}, "safety_net": {"safety_net_hold_time": 15}}).start()
+    ident, local = smarthost(sink), "mailbox:local"
+    send(node, "carol@foreign.test")
+    send(node, "alice@example.test")
+    wait_for(lambda: len(sink.messages()) == 1 and node.maildir_files("alice@example.test"), what="both delivered")
+    assert {q["identity"] for q in cli_json(node, "queue", "list")} == {ident, local}
+    cli(node, "queue", "suspend", local)
+
+    # Their messages leave the Safety Net after 15 s; the queues' last attempts are older than 1 s.
+    wait_for(lambda: queue_by_identity(node, ident) is None, timeout=60, interval=0.5,
+             what=f"{ident} removed once empty and idle")
+    wait_for(lambda: cli_json(node, "message", "list", "--all") == [], timeout=10, what="Safety Net purged")
+    node.wait_passes(15)  # housekeeping (every 2 s here: 10 passes) has run again: the held queue stays
+    assert [(q["identity"], q["state"], q["message_count"]) for q in cli_json(node, "queue", "list")] == \
+        [(local, "Suspended", 0)]
+    assert "empty delivery queue(s) idle for 1s removed" in node.log() and ident in node.log()
+
+    # An operator acting on the queue that is gone is told, in one line, why it is not there.
+    res = run_cli("queue", "suspend", ident, "--config", str(node.config_path))
+    assert_one_error_line(res, 1, f"no queue {ident!r}", "delivery.queue_max_idle_time (1s)")
+
+    # New mail for the same next hop makes its queue again (Ready, no back-off) and goes.
+    send(node, "dave@foreign.test")
+    wait_for(lambda: len(sink.messages()) == 2, what="mail to the removed queue's next hop delivered")
+    q = queue_by_identity(node, ident)
+    assert q is not None and q["state"] == "Ready" and q["retry_count"] == 0, q
+    # The held queue, resumed, is empty and idle: it goes too.
+    cli(node, "queue", "resume", local)
+    wait_for(lambda: queue_by_identity(node, local) is None, timeout=20, interval=0.5,
+             what=f"{local} removed once resumed")
+    assert node.alive
+
+
 def test_unknown_queue_and_message(make_node, sink):
     node = make_node(smart_host=sink.address, overrides=LONG_RETRY).start()
     ident = smarthost(sink)

@@ -359,6 +359,66 @@ def test_purge_expired(store) -> None:
     assert [m["network_message_id"] for m in rows(store, messages)] == ["keep"]
 
 
+def test_empty_queues_idle_for_queue_max_idle_time_are_removed_and_made_again(store) -> None:
+    """Exchange's QueueMaxIdleTime: a queue no recipient row (of any status) and no fork a peer
+    holds names, not suspended, idle since its last attempt (else since it was made), is removed;
+    mail for its next hop makes it again, under a new id."""
+    from transportd.queue import shadows as sq
+    from transportd.queue.routing import PEER
+
+    idle = 180.0
+    empty = NextHop("dns:empty.test", DNS, "empty.test")
+    held = NextHop("dns:held.test", DNS, "held.test")
+    peer = NextHop("peer:node2.test", PEER, "node2.test")
+    waiting = enqueue(store, {LOCAL: ["a@example.test"]}, nid="waiting")
+    in_safety_net = enqueue(store, {SMART: ["x@remote.test"]}, nid="safety-net")
+    _deliver_all(store, in_safety_net, T0)
+    tx(store, lambda c: mq.finish_if_done(c, in_safety_net, T0, 7200))
+    for nid, hop in (("gone", DNSHOP), ("held", held)):
+        mid = enqueue(store, {hop: ["r@remote.test"]}, nid=nid)
+        _deliver_all(store, mid, T0)
+        tx(store, lambda c, mid=mid: mq.finish_if_done(c, mid, T0, 0))  # no Safety Net: purged at once
+    assert tx(store, lambda c: mq.purge_expired(c, T0, 1800))[0] == 2
+    ids = {h.identity: tx(store, lambda c, h=h: mq.queue_id_for(c, h, T0)) for h in (empty, held, peer, DNSHOP)}
+    tx(store, lambda c: sq.record_forks(c, [(waiting, peer.identity, "guid-1", ids[peer.identity], None)], T0))
+    tx(store, lambda c: mq.set_queue_suspended(c, ids[held.identity], True))
+    tx(store, lambda c: mq.queue_attempt_result(c, ids[DNSHOP.identity], T0 + 100, error=None, **RETRY_KW))
+
+    def remove(now, limit=1000):
+        return tx(store, lambda c: mq.remove_idle_queues(c, now, idle, limit))
+
+    def listed(now):
+        return {q["identity"]: q["state"] for q in store.read(lambda c: mq.list_queues(c, now))}
+
+    assert remove(T0 + idle - 1) == []
+    assert remove(T0 + idle) == ["dns:empty.test"]  # made at T0, never tried
+    assert remove(T0 + 100 + idle - 1) == []  # its last attempt counts, not when it was made
+    assert remove(T0 + 100 + idle) == ["dns:remote.test"]
+    # Kept: a waiting recipient, a Safety Net copy's recipient, a fork a peer holds, an operator's hold.
+    assert listed(T0 + 1000) == {"mailbox:local": "Ready", SMART.identity: "Ready", "dns:held.test": "Suspended",
+                                 "peer:node2.test": "Ready"}
+    tx(store, lambda c: mq.set_queue_suspended(c, ids[held.identity], False))
+    assert remove(T0 + 1000) == ["dns:held.test"]  # resumed: empty and idle
+    assert tx(store, lambda c: mq.purge_expired(c, T0 + 7200, 1800))[0] == 1
+    assert remove(T0 + 7200) == [SMART.identity]  # once its last message left the Safety Net
+    assert set(listed(T0 + 7200)) == {"mailbox:local", "peer:node2.test"}
+
+    # Mail for a removed queue's next hop makes it again (a new id: ids are never reused), due now.
+    again = enqueue(store, {DNSHOP: ["r2@remote.test"]}, nid="again", received=T0 + 7300)
+    q = store.read(lambda c: mq.resolve_queue(c, DNSHOP.identity))
+    assert q["id"] > max(ids.values()) and q["created_at"] == T0 + 7300 and q["retry_count"] == 0
+    assert [(w.queue_identity, w.message_id) for w in store.read(lambda c: mq.due_work(c, T0 + 7300))] == \
+        [("mailbox:local", waiting), (DNSHOP.identity, again)]
+    assert remove(T0 + 7300 + 10 * idle) == []  # its recipient holds it
+
+    # Bounded work per call: many rounds drain many.
+    for i in range(5):
+        tx(store, lambda c, i=i: mq.queue_id_for(c, NextHop(f"dns:d{i}.test", DNS, f"d{i}.test"), T0))
+    assert remove(T0 + 7300, limit=2) == ["dns:d0.test", "dns:d1.test"]
+    assert remove(T0 + 7300, limit=2) == ["dns:d2.test", "dns:d3.test"]
+    assert remove(T0 + 7300, limit=2) == ["dns:d4.test"]
+
+
 # --------------------------------------------------------------------------- duplicate detection
 
 def test_delivered_log_honours_the_window(tmp_path) -> None:

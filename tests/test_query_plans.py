@@ -81,3 +81,13 @@ def test_discard_events_handed_out_are_settled_by_their_token() -> None:
 
     plans = _plans(lambda c: (sq.settle_discard_events(c, "tok", True), sq.settle_discard_events(c, "tok", False)))
     assert len(plans) == 2 and all("ix_discard_events_token" in p for p in plans), plans
+
+
+def test_idle_queue_removal_finds_recipients_by_queue_and_reads_the_forks_once() -> None:
+    """Housekeeping's removal of empty idle queues asks, per queue, whether a recipient names it:
+    through ix_recipients_queue_due, never a read of every recipient per queue; shadow_forks (no
+    index by queue) is read once per statement, not once per queue."""
+    [plan] = _plans(lambda c: mq.remove_idle_queues(c, 1000.0, 180.0))
+    assert "SEARCH r USING COVERING INDEX ix_recipients_queue_due (queue_id=?)" in plan, plan
+    assert "SCAN r" not in plan and "SCAN f" in plan, plan
+    assert plan.count("CORRELATED") == 1, plan  # the recipients' probe only: the forks' list is made once

@@ -571,6 +571,11 @@ KEYS: tuple[Key, ...] = (
     Key("delivery", "queue_poll_interval", 0.5, parse_duration,
         "how often the queue database is scanned for due work and operator changes", "", DUR,
         limits=(0.01 * SEC, 1 * MIN)),
+    Key("delivery", "queue_max_idle_time", 3 * MIN, parse_duration,
+        "a delivery queue empty this long since its last attempt (or since it was made) is removed, and made "
+        "again when mail for its next hop comes; a queue an operator suspended stays (a queue keeps the "
+        "recipients of its Safety Net copies: it goes once they leave the Safety Net too)", "QueueMaxIdleTime",
+        DUR, limits=(1 * SEC, 30 * DAY)),
     Key("delivery", "mx_port", 25, _int, "port used for next hops found by MX lookup", limits=(1, 65535)),
     Key("delivery", "external_dns_servers", [], _dns_servers,
         "DNS servers asked for the MX records and addresses of next hops without a smart host ('address' or "

@@ -93,7 +93,14 @@ def queue_action(cfg: Config, name: str, action: Callable[[Any], dict | None]) -
     finally:
         store.close()
     if q is None:
-        raise CliError(f"no queue {name!r} (see 'transportd queue list')")
+        # Nothing is made here for a name: a typo would make a queue nothing ever routes to
+        # (held forever if suspended). A queue exists while mail for its next hop is queued, or
+        # was lately: an empty one is removed after delivery.queue_max_idle_time (Exchange's
+        # QueueMaxIdleTime), a suspended one never.
+        raise CliError(f"no queue {name!r} (see 'transportd queue list'): a delivery queue exists while its "
+                       f"next hop has mail here, and an empty one is removed after "
+                       f"delivery.queue_max_idle_time ({cfg.delivery.queue_max_idle_time:g}s) unless suspended; "
+                       f"it is made again when mail for its next hop comes")
     return q
 
 

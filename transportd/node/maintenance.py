@@ -1,9 +1,10 @@
-"""Queue maintenance on a clock: expiry, delay DSNs, the Safety Net purge, orphaned transient states.
+"""Queue maintenance on a clock: expiry, delay DSNs, the Safety Net purge, idle queues, orphaned transient states.
 
 It owns the work nobody asks for: failing recipients older than
 *MessageExpirationTimeout* (FAIL from ROUTING, a DSN with 4.4.7), one delay DSN
 per message waiting longer than *DelayNotificationTimeout*, dropping what left
-the Safety Net and the duplicate-detection window, removing tracking-log files
+the Safety Net and the duplicate-detection window, removing delivery queues
+empty and idle for *QueueMaxIdleTime* (mail makes them again), removing tracking-log files
 past their retention (*MessageTrackingLogMaxAge*, *MessageTrackingLogMaxDirectorySize*),
 and making recipients left Active (or messages left pending) by a failed commit
 deliverable again. Each runs at its own pace; one message's failure never stops
@@ -155,3 +156,10 @@ class Maintenance:
         if n_msgs or n_dup:
             log.info("housekeeping: %d message(s) left the Safety Net, %d DeliveredTo entries expired",
                      n_msgs, n_dup)
+        # After the purge: the queues its messages were the last of go in the same round.
+        idle = self.cfg.delivery.queue_max_idle_time
+        removed = await self.store.write(lambda c: mq.remove_idle_queues(c, now, idle))
+        if removed:
+            log.info("housekeeping: %d empty delivery queue(s) idle for %gs removed (made again when mail for "
+                     "their next hop comes): %s", len(removed), idle, ", ".join(removed[:10])
+                     + (f" and {len(removed) - 10} more" if len(removed) > 10 else ""))

@@ -106,6 +106,8 @@ class Scheduler:
     async def tick(self) -> None:
         now = time.time()
         d = self.cfg.delivery
+        for qid in [q for q, (_, until) in self._caps.items() if now >= until]:
+            del self._caps[qid]  # past its time, even for a queue no longer due (or removed since)
         busy = dict(self._sessions_per_queue)
         free_total = max(0, d.max_outbound_connections - self._sessions_total)
 
@@ -198,5 +200,7 @@ class Scheduler:
             for it in batch:
                 self.in_flight.difference_update(it.recipient_ids)
             self._sessions_per_queue[qid] -= 1
+            if not self._sessions_per_queue[qid]:  # housekeeping removes idle queues: no entry per queue ever used
+                del self._sessions_per_queue[qid]
             self._sessions_total -= 1
             self.store.queue_changed.set()

@@ -720,6 +720,30 @@ def purge_expired(conn: Connection, now: float, duplicate_window: float) -> tupl
     return len(ids), n_dup
 
 
+# Exchange removes a delivery queue once it has been empty and idle for QueueMaxIdleTime and makes
+# it again when mail for its next hop comes: a node that sent to 10,000 domains kept 10,000 rows
+# here, each one scanned by every due-queue probe. Removed here: a queue no recipient row references
+# (any status: the recipients of Safety Net and shadow copies keep theirs), no fork a peer holds
+# (shadow_forks.queue_id) names, not held by an operator (a suspended queue stays listed), and
+# idle since its last attempt (else since it was made). One statement: a recipient inserted into
+# the queue by another transaction is either seen here or finds it gone and makes it again
+# (``queue_id_for``); ids are never reused (AUTOINCREMENT), so nothing can point at a new queue by
+# an old id. ``NOT IN`` reads shadow_forks once per statement (it has no index by queue).
+_REMOVE_IDLE_QUEUES = (
+    "DELETE FROM queues WHERE id IN (SELECT q.id FROM queues q WHERE q.suspended = 0"
+    " AND coalesce(q.last_attempt_at, q.created_at) <= ?"
+    " AND NOT EXISTS (SELECT 1 FROM recipients r WHERE r.queue_id = q.id)"
+    " AND q.id NOT IN (SELECT f.queue_id FROM shadow_forks f)"
+    " ORDER BY q.id LIMIT ?) RETURNING identity")
+
+
+def remove_idle_queues(conn: Connection, now: float, max_idle: float, limit: int = 1000) -> list[str]:
+    """Delivery queues empty (no recipient row, no fork a peer holds), not suspended and idle for
+    ``max_idle`` seconds (*QueueMaxIdleTime*): removed, at most ``limit`` per call; returns their
+    identities. Mail for the same next hop makes the queue again."""
+    return [r[0] for r in driver(conn).execute(_REMOVE_IDLE_QUEUES, (now - max_idle, limit)).fetchall()]
+
+
 # --------------------------------------------------------------------------- duplicate detection
 
 def legacy_delivered_to(conn: Connection, limit: int = 10_000) -> list[tuple[str, str, str, float]]:

@@ -10,6 +10,8 @@ Schema (version in ``PRAGMA user_version``):
 - ``meta``: queue_database_id (GUID, made once when the file is created), created_at, node_name.
 - ``queues``: one delivery queue per next hop (identity such as ``smarthost:127.0.0.1:2500``,
   ``mailbox:local``, ``dns:example.org``, later ``peer:<node>``); suspended flag, retry state.
+  Made when mail for its next hop is queued; removed by housekeeping once no recipient row or
+  fork refers to it and it has been idle for ``queue_max_idle_time``, unless suspended.
 - ``messages`` + ``message_bodies``: every message the node holds. ``role`` is ``primary`` or
   ``shadow``; ``state`` is ``Queued``, ``SafetyNet`` (processed, held for resubmission until
   ``safety_net_until``) or ``Removed``. Shadow copies live in the same table.
