@@ -529,6 +529,45 @@ def test_every_session_to_the_primary_asks_for_discards(cluster, sink):
     assert hadiscard["source-context"].startswith("ExplicitlyDiscarded;")
 
 
+TCP_STATES = {"01": "ESTABLISHED", "08": "CLOSE_WAIT", "09": "LAST_ACK"}
+
+
+def sockets_to(pid: int, port: int) -> list[str]:
+    """The TCP states of the sockets process ``pid`` holds open to remote ``port`` (its fds'
+    socket inodes, looked up in /proc/net/tcp)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    states = []
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if f[9] in inodes and int(f[2].rsplit(":", 1)[1], 16) == port:
+            states.append(TCP_STATES.get(f[3], f[3]))
+    return states
+
+
+def test_an_idle_pooled_session_the_peer_closed_is_closed_here_too(cluster):
+    """The pool keeps idle sessions for the next shadow copy; one the peer closed (here its
+    connection_inactivity_timeout of 3 s) is closed by the pool within about a second, not left
+    in CLOSE-WAIT until the next copy to that peer (an idle node held 14 such sockets)."""
+    c = cluster(nodes=2, sites=1, overrides={"frontend": {"connection_inactivity_timeout": 3}})
+    c.start()
+    node1, node2 = c["node1"], c["node2"]
+    qid = queued_id(node1.swaks(FOREIGN))  # its shadow copy goes to node2 over a pooled session
+    assert "ESTABLISHED" in sockets_to(node1.proc.pid, node2.transport_port)
+    assert one([m for m in node1.messages() if m["id"] == qid])["redundancy"] == "shadowed"
+    wait_for(lambda: sockets_to(node1.proc.pid, node2.transport_port) == [], timeout=10, interval=0.1,
+             what="node1 to close the session node2 closed (not left in CLOSE-WAIT)")
+    # The next copy opens a new session.
+    again = queued_id(node1.swaks(FOREIGN))
+    assert one([m for m in node1.messages() if m["id"] == again])["redundancy"] == "shadowed"
+
+
 # ------------------------------------------------------------------------------ 8. transportd cluster up
 
 def running(pid: int) -> bool:

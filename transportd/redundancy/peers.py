@@ -48,6 +48,10 @@ from transportd.smtp.wire import SmtpWire
 
 DISCARD_BATCH = 50
 IDLE_SESSIONS_PER_PEER = 16
+# How often the pool looks, while it keeps idle sessions, for those the peer closed (its
+# connection_inactivity_timeout, a restart): each is closed here too, not left in CLOSE-WAIT
+# until the next copy to that peer.
+IDLE_SWEEP_INTERVAL = 1.0
 
 
 def tls_options(cfg: Any) -> dict[str, Any]:
@@ -264,7 +268,8 @@ async def start_peer_session(client: SmtpWire, peer_name: str, *, local_fqdn: st
 
 
 class PeerPool:
-    """Idle authenticated sessions per peer, reused for shadow copies."""
+    """Idle authenticated sessions per peer, reused for shadow copies; one the peer closed
+    meanwhile is closed here too within IDLE_SWEEP_INTERVAL."""
 
     def __init__(self, cfg: Any, peers: list[Peer]):
         self.cfg = cfg
@@ -273,6 +278,7 @@ class PeerPool:
         self.tls = tls_options(cfg)
         self._idle: dict[str, list[PeerSession]] = {}
         self._no_shadows_until: dict[str, float] = {}  # peers that did not offer XSHADOWREQUEST lately
+        self._sweep: asyncio.TimerHandle | None = None  # while idle sessions are kept
         self.closing = False
 
     @property
@@ -307,11 +313,29 @@ class PeerPool:
             idle = self._idle.setdefault(s.peer.name, [])
             if len(idle) < IDLE_SESSIONS_PER_PEER:
                 idle.append(s)
+                if self._sweep is None:
+                    self._sweep = asyncio.get_running_loop().call_later(IDLE_SWEEP_INTERVAL, self._drop_closed)
                 return
         s.close()
 
+    def _drop_closed(self) -> None:
+        """Close the idle sessions the peer closed (or that have something unread: a 421 before
+        its close); look again in a while if any are left."""
+        self._sweep = None
+        for name, idle in list(self._idle.items()):
+            for s in [s for s in idle if not s.usable]:
+                idle.remove(s)
+                s.close()
+            if not idle:
+                del self._idle[name]
+        if self._idle and not self.closing:
+            self._sweep = asyncio.get_running_loop().call_later(IDLE_SWEEP_INTERVAL, self._drop_closed)
+
     def close(self) -> None:
         self.closing = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for sessions in self._idle.values():
             for s in sessions:
                 s.close()
