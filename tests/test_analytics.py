@@ -257,21 +257,39 @@ def test_crafted_journeys_final_states_anomalies_and_summary(spark, tmp_path):
     assert json.loads((out / "summary.json").read_text())["lost"] == 1
 
 
+def one_message_logs(tmp_path, nodes, network_message_id: str, message_id: str):
+    """Tracking logs of ``nodes`` (``NODE.test``, under tmp_path/logs/NODE/msgtrk) and a writer of one
+    message's rows: ``w(node, seconds after 13:00, event, recipients, **fields)``, DELIVER from
+    STOREDRIVER, any other from SMTP unless ``source=`` says otherwise."""
+    from datetime import UTC, datetime, timedelta
+    t0 = datetime(2026, 11, 29, 13, 0, tzinfo=UTC)
+    logs = {n: TrackingLog(tmp_path / "logs" / n / "msgtrk", f"{n}.test", clock=lambda: t0) for n in nodes}
+
+    def w(node: str, at: float, event: str, rcpts, **kw) -> None:
+        source = kw.pop("source", "STOREDRIVER" if event == "DELIVER" else "SMTP")
+        logs[node].write(event, source, network_message_id=network_message_id, message_id=message_id,
+                         recipients=list(rcpts), date_time=t0 + timedelta(seconds=at), **kw)
+    return logs, w
+
+
+def analyzed(spark, tmp_path, logs, message_id: str | None = None):
+    """The logs closed and analyzed (grace 300 s): the summary and the messages (those of
+    ``message_id`` when given), as dicts."""
+    for log in logs.values():
+        log.close()
+    summary = job.analyze(spark, [str(tmp_path / "logs" / "node*" / "msgtrk")], str(tmp_path / "out"),
+                          grace_seconds=300, progress=False)
+    rows = [r.asDict(recursive=True) for r in spark.read.parquet(str(tmp_path / "out" / "messages")).collect()]
+    return summary, [m for m in rows if message_id is None or m["message_id"] == message_id]
+
+
 def test_a_fork_discarded_while_other_recipients_wait_leaves_the_copy_held(spark, tmp_path):
     """node1 hands one recipient hop by hop to the mailbox node node2 (SEND, keeping a fork) and
     defers the other; node2's discard of that hop releases the fork on node1 (HADISCARD naming
     node2), not node1's whole copy: the other recipient is still queued there, with its shadow on
     node3. Rows as the daemon writes them (a SEND names this node as client, the next hop as server)."""
-    from datetime import UTC, datetime, timedelta
-    t0 = datetime(2026, 11, 29, 13, 0, tzinfo=UTC)
-    logs = {n: TrackingLog(tmp_path / "logs" / n / "msgtrk", f"{n}.test", clock=lambda: t0)
-            for n in ("node1", "node2", "node3")}
-
-    def w(node: str, at: float, event: str, rcpts, **kw) -> None:
-        source = "STOREDRIVER" if event == "DELIVER" else "SMTP"
-        logs[node].write(event, source, network_message_id="0000f0a4-0000-4000-8000-000000000000",
-                         message_id="<fork@x>", recipients=list(rcpts), date_time=t0 + timedelta(seconds=at), **kw)
-
+    logs, w = one_message_logs(tmp_path, ("node1", "node2", "node3"), "0000f0a4-0000-4000-8000-000000000000",
+                               "<fork@x>")
     both = ("a@example.test", "b@foreign.test")
     w("node3", -0.002, "HARECEIVE", both, source_context="guid1", client_hostname="node1.test")
     w("node1", 0, "RECEIVE", both)
@@ -283,11 +301,7 @@ def test_a_fork_discarded_while_other_recipients_wait_leaves_the_copy_held(spark
     w("node1", 2, "DEFER", ("b@foreign.test",), recipient_status=["451 4.4.1 no answer"])
     w("node1", 3, "HADISCARD", (), source_context="ExplicitlyDiscarded;guid2", client_hostname="node2.test")
     w("node1", 600, "DEFER", ("b@foreign.test",), recipient_status=["451 4.4.1 no answer"])
-    for log in logs.values():
-        log.close()
-    summary = job.analyze(spark, [str(tmp_path / "logs" / "node*" / "msgtrk")], str(tmp_path / "out"),
-                          grace_seconds=300, progress=False)
-    [m] = [r.asDict(recursive=True) for r in spark.read.parquet(str(tmp_path / "out" / "messages")).collect()]
+    summary, [m] = analyzed(spark, tmp_path, logs)
     assert (m["state"], m["live_copy_nodes"]) == ("in flight protected", ["node1.test", "node3.test"]), m
     assert summary["lost"] == 0 and summary["unprotected_messages"] == 0
 
@@ -297,16 +311,7 @@ def test_a_copy_promoted_for_fewer_recipients_holds_nothing_once_it_delivers_the
     no row), then dies; node2 promotes its copy, which now takes only the other recipient (its
     RESUBMIT names it), and delivers it. The message is delivered and no node holds a copy:
     node2's HARECEIVE named two recipients and its deliveries one, but its last take one."""
-    from datetime import UTC, datetime, timedelta
-    t0 = datetime(2026, 11, 29, 14, 0, tzinfo=UTC)
-    logs = {n: TrackingLog(tmp_path / "logs" / n / "msgtrk", f"{n}.test", clock=lambda: t0)
-            for n in ("node1", "node2")}
-
-    def w(node: str, at: float, event: str, rcpts, **kw) -> None:
-        source = kw.pop("source", "SMTP")
-        logs[node].write(event, source, network_message_id="0000f0a5-0000-4000-8000-000000000000",
-                         message_id="<fewer@x>", recipients=list(rcpts), date_time=t0 + timedelta(seconds=at), **kw)
-
+    logs, w = one_message_logs(tmp_path, ("node1", "node2"), "0000f0a5-0000-4000-8000-000000000000", "<fewer@x>")
     both = ("a@foreign.test", "b@foreign.test")
     w("node2", -0.002, "HARECEIVE", both, source_context="guid1", client_hostname="node1.test")
     w("node1", 0, "RECEIVE", both)
@@ -318,13 +323,8 @@ def test_a_copy_promoted_for_fewer_recipients_holds_nothing_once_it_delivers_the
     w("node2", 100, "RESUBMIT", ("b@foreign.test",), source="REDUNDANCY",
       source_context="node1.test (ShadowHeartbeatFailure)", reference="1")
     w("node2", 101, "SENDEXTERNAL", ("b@foreign.test",), recipient_status=["250 2.0.0 Ok"])
-    w("node2", 700, "SEND", (), )  # the logs go on after it
-    for log in logs.values():
-        log.close()
-    summary = job.analyze(spark, [str(tmp_path / "logs" / "node*" / "msgtrk")], str(tmp_path / "out"),
-                          grace_seconds=300, progress=False)
-    [m] = [r.asDict(recursive=True) for r in spark.read.parquet(str(tmp_path / "out" / "messages")).collect()
-           if r["message_id"] == "<fewer@x>"]
+    w("node2", 700, "SEND", ())  # the logs go on after it
+    summary, [m] = analyzed(spark, tmp_path, logs, "<fewer@x>")
     assert (m["state"], m["live_copies"], m["live_copy_nodes"]) == ("delivered", 0, []), m
     assert summary["lost"] == 0 and summary["anomalies"]["counts"].get("shadow never discarded", 0) == 0
 

@@ -55,6 +55,14 @@ def rewrite(node: ClusterNode, *, name: str | None = None, drop: str | None = No
     write_node_config(Path(node.config), sections, peers)
 
 
+def restarted_without(node: ClusterNode, peer: str) -> None:
+    """``node`` stopped, ``peer`` taken out of its configuration, started again."""
+    assert node.stop() == 0
+    rewrite(node, drop=peer)
+    node.spawn()
+    node.wait_listening()
+
+
 def refused_start(node: ClusterNode) -> str:
     """Start ``node``, which must refuse: exit 2; the one error line it logs."""
     node.spawn()
@@ -77,10 +85,7 @@ def test_peer_taken_out_of_peers_while_running_keeps_its_shadows_until_really_go
     holder.wait_heartbeats(n3.name, 1)
 
     # The operator takes node3 out of the holder's configuration; node3 keeps running.
-    assert holder.stop() == 0
-    rewrite(holder, drop=n3.name)
-    holder.spawn()
-    holder.wait_listening()
+    restarted_without(holder, n3.name)
     # Heartbeats to node3 still succeed, for longer than shadow_resubmit_time_span: no promotion
     # (node3 holds the message and will deliver it; a promoted copy would be a second delivery).
     holder.wait_heartbeats(n3.name, 8)
@@ -113,10 +118,7 @@ def test_peer_taken_out_of_peers_while_it_holds_our_shadows_may_still_heartbeat(
     queued_id(n1.swaks(FOREIGN))  # queued on node1 (the sink is down), its shadow on node2
     wait_for(lambda: shadows_of(n2, n1.name), timeout=15, what="node2's shadow of node1's message")
 
-    assert n1.stop() == 0
-    rewrite(n1, drop=n2.name)
-    n1.spawn()
-    n1.wait_listening()
+    restarted_without(n1, n2.name)
     n2.wait_heartbeats(n1.name, 3)
     assert not n2.tracking(event_id="RESUBMIT")
     assert f"{n2.name}, no longer a configured peer, holds shadows" in n1.log()

@@ -67,6 +67,21 @@ def accepted_with_two_shadows(c: LocalCluster, internal_id: int) -> str:
     return netid
 
 
+def rank_2_delivers_once_when_the_others_die(n1, n2, n3, sink, netid: str) -> None:
+    """The primary node1 and the rank-1 holder node3 are killed together, the sink comes up:
+    node2 promotes its rank-2 copy only after the span plus one rank delay, and it arrives once."""
+    n1.kill9()
+    n3.kill9()
+    killed = time.monotonic()
+    sink.start()
+    n2.wait_event("RESUBMIT", netid, timeout=40)
+    after = time.monotonic() - killed
+    assert after >= SPAN + RANK_DELAY - 1.0, f"rank 2 promoted {after:.1f}s after the loss"
+    wait_for(lambda: sink_copies(sink, netid), timeout=20, what="the promoted copy at the sink")
+    time.sleep(1.5)  # waiting for absence: nothing else may arrive
+    assert len(sink_copies(sink, netid)) == 1
+
+
 def ranks(node, primary) -> dict[str, int]:
     return {r["network_message_id"]: r["shadow_rank"] for r in node.cli_json("shadow", "show", primary.name)}
 
@@ -78,17 +93,8 @@ def test_primary_and_rank_1_shadow_die_together_rank_2_delivers_once(procs, sink
     n1.wait_event("DEFER", netid)  # the sink is down: queued on node1
     assert ranks(n3, n1) == {netid: 1} and ranks(n2, n1) == {netid: 2}
 
-    n1.kill9()
-    n3.kill9()
-    killed = time.monotonic()
-    sink.start()
-    n2.wait_event("RESUBMIT", netid, timeout=40)
-    after = time.monotonic() - killed
-    assert after >= SPAN + RANK_DELAY - 1.0, f"rank 2 promoted {after:.1f}s after the loss"
-    wait_for(lambda: sink_copies(sink, netid), timeout=20, what="the promoted copy at the sink")
+    rank_2_delivers_once_when_the_others_die(n1, n2, n3, sink, netid)
     assert [r["source-context"] for r in n2.events("RESUBMIT", netid)] == [f"{n1.name} (ShadowHeartbeatFailure)"]
-    time.sleep(1.5)  # waiting for absence: nothing else may arrive
-    assert len(sink_copies(sink, netid)) == 1
 
 
 def test_primary_dies_rank_1_promotes_and_rank_2_is_adopted(procs, sink, tmp_path):
@@ -257,16 +263,7 @@ def test_a_rank_2_copy_still_waits_its_rank_delay_after_a_restart_with_one(procs
     netid = accepted_with_two_shadows(c, send(n1, "carol@foreign.test"))
     n1.wait_event("DEFER", netid)
     restart_with_copies(1, n2)
-    n1.kill9()
-    n3.kill9()
-    killed = time.monotonic()
-    sink.start()
-    n2.wait_event("RESUBMIT", netid, timeout=40)
-    after = time.monotonic() - killed
-    assert after >= SPAN + RANK_DELAY - 1.0, f"rank 2 promoted {after:.1f}s after the loss"
-    wait_for(lambda: sink_copies(sink, netid), timeout=20, what="the promoted copy at the sink")
-    time.sleep(1.5)  # waiting for absence: nothing else may arrive
-    assert len(sink_copies(sink, netid)) == 1
+    rank_2_delivers_once_when_the_others_die(n1, n2, n3, sink, netid)
 
 
 def test_raising_shadow_copies_tops_up_the_mail_already_queued(procs, sink, tmp_path):
