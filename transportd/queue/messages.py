@@ -16,7 +16,7 @@ from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, updat
 from sqlalchemy.engine import Connection
 
 from transportd.queue.direct import Insert, Update, driver, placeholders
-from transportd.queue.routing import NextHop
+from transportd.queue.routing import PEER, NextHop
 from transportd.queue.store import (delivered_to, discard_events, message_bodies, message_shadows, messages,
                                     meta, queues, recipients, shadow_forks)
 from transportd.smtp import dsnparams
@@ -184,7 +184,6 @@ def reroute_queued(conn: Connection, route: Callable[[str], NextHop], now: float
     mailbox database the peer owns: the peer routes them by its own configuration). A recipient
     ``route`` cannot route (ValueError) stays. Returns ({(old queue, new queue): recipients
     moved}, {(old queue, new queue): recipients held in a suspended queue})."""
-    from transportd.queue.routing import PEER
     moved: dict[tuple[str, str], int] = {}
     held: dict[tuple[str, str], int] = {}
     hops: dict[str, NextHop | None] = {}
@@ -963,7 +962,6 @@ def redirect_to_peer(conn: Connection, target: str, now: float, message_id: int 
     with XSHADOW, so each message stays protected on the way). Recipients being sent right now
     (Active) finish where they are. Messages an operator suspended (or held in the Poison queue)
     stay here, held as they are: a redirect releases nothing. Returns the moved messages."""
-    from transportd.queue.routing import PEER
     qid = queue_id_for(conn, NextHop(f"peer:{target}", PEER, target), now)
     which = [] if message_id is None else [recipients.c.message_id == message_id]
     rows = conn.execute(
