@@ -5,18 +5,24 @@ root; skipped otherwise, saying so). While the disk is full the daemon answers 4
 cannot keep), stays up, keeps every message it acknowledged, and accepts mail again
 once space returns; a restart afterwards still finds every acknowledged message.
 A corrupt queue database found at start-up is covered in test_store.py
-(test_daemon_moves_garbage_database_aside_and_serves). The last test keeps the tracking logs
+(test_daemon_moves_garbage_database_aside_and_serves). Two tests keep the tracking logs
 from filling a disk at all: their retention limits.
+A disk whose fsync fails (strace's fault injection) is covered last: what a failed commit
+reported as failed does not come back after a crash.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import smtplib
+import subprocess
 import time
+from pathlib import Path
 
+import pytest
 from clusters import FOREIGN
 from conftest import free_port, queued_id, wait_for
 from helpers import fill
@@ -271,3 +277,43 @@ def test_orphaned_copies_of_a_worker_that_never_commits_again_are_discarded_on_t
     time.sleep(node2.cfg.shadow_redundancy.shadow_resubmit_time_span + 3)
     assert not any(b"Subject: refused" in m for m in sink.messages()), "a refused message was delivered"
     assert not node2.tracking(event_id="RESUBMIT"), node2.tracking(event_id="RESUBMIT")
+
+
+@contextlib.contextmanager
+def failing_fsyncs(pid: int, when: str = "1"):
+    """The fdatasync calls of process ``pid`` fail with EIO (strace's fault injection; ``when`` in
+    its syntax: "1" the first one after attaching, "1+" every one), as a disk that loses a write."""
+    scope = Path("/proc/sys/kernel/yama/ptrace_scope")
+    if os.geteuid() != 0 and scope.exists() and scope.read_text().strip() != "0":
+        pytest.skip("strace cannot attach to the node here (ptrace_scope)")
+    strace = subprocess.Popen(["strace", "-f", "-p", str(pid), "-e", "trace=fdatasync",
+                               "-e", f"inject=fdatasync:error=EIO:when={when}", "-o", os.devnull],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        line = strace.stderr.readline()
+        assert "attached" in line, line  # every thread is attached before strace goes on
+        time.sleep(0.3)
+        yield
+    finally:
+        strace.terminate()  # detaches; the node runs on
+        strace.wait(timeout=10)
+
+
+def test_a_message_refused_at_a_failed_fsync_does_not_come_back_after_a_crash(make_node):
+    """The fsync of the message's commit fails: its frames are in the write-ahead log, complete,
+    only not counted yet, so recovery after a crash would bring the message back and deliver the
+    one the sender was told 451 to send again (twice, once it does). The node settles the failed
+    commit before it answers: after a kill -9 the message is not there."""
+    node = make_node(smart_host=f"127.0.0.1:{free_port()}")
+    node.start()
+    time.sleep(1)  # the start's own commits are behind us
+    with failing_fsyncs(node.proc.pid):
+        code, msg = send(node.port, 1)
+    assert code == 451 and msg.startswith("4.3.0"), (code, msg)
+    node.kill9()
+    node.start()
+    assert node.cli_json("message", "list", "--all") == []
+    code, msg = send(node.port, 2)
+    assert code == 250, msg
+    assert "could not be settled" not in node.log()
+

@@ -7,7 +7,8 @@ only after fsync). Receive, delivery and the Shadow Redundancy Manager meet
 here and nowhere else. It never speaks SMTP and never writes tracking logs.
 
 Schema (version in ``PRAGMA user_version``):
-- ``meta``: queue_database_id (GUID, made once when the file is created), created_at, node_name.
+- ``meta``: queue_database_id (GUID, made once when the file is created), created_at, node_name;
+  ``commit_barrier``, rewritten after a failed commit (``settle_failed_commit``).
 - ``queues``: one delivery queue per next hop (identity such as ``smarthost:127.0.0.1:2500``,
   ``mailbox:local``, ``dns:example.org``, later ``peer:<node>``); suspended flag, retry state.
   Made when mail for its next hop is queued; removed by housekeeping once no recipient row or
@@ -630,9 +631,15 @@ class QueueStore:
             pass
 
     def transaction(self, fn: Callable[[Connection], T]) -> T:
-        """Run ``fn`` in one durable write transaction (BEGIN IMMEDIATE ... COMMIT + fsync)."""
-        with self.write_engine.begin() as conn:
-            return fn(conn)
+        """Run ``fn`` in one durable write transaction (BEGIN IMMEDIATE ... COMMIT + fsync). An
+        error of the database is raised only once it is true (``settle_failed_commit``)."""
+        try:
+            with self.write_engine.begin() as conn:
+                return fn(conn)
+        except OperationalError as exc:
+            if _io_error(exc):
+                settle_failed_commit(self.write_engine)
+            raise
 
     def start_writer(self, max_batch: int = 256) -> "GroupCommitWriter":
         self.writer = GroupCommitWriter(self.write_engine, max_batch=max_batch,
@@ -693,12 +700,45 @@ def db_error_text(exc: BaseException) -> str:
     return " ".join(str(getattr(exc, "orig", None) or exc).split())
 
 
+def _io_error(exc: BaseException) -> bool:
+    """SQLITE_IOERR (a failed fsync among them), as against a full disk (SQLITE_FULL: the frames
+    were never all written, nothing to settle), a lock or a job's own error."""
+    orig = getattr(exc, "orig", None) or exc
+    return (getattr(orig, "sqlite_errorcode", 0) or 0) & 0xFF == sqlite3.SQLITE_IOERR
+
+
+def settle_failed_commit(engine: Engine) -> bool:
+    """Make a failed commit definitely not durable, before anyone is told it failed; False when
+    that could not be done.
+
+    In WAL mode a commit writes its frames to the log, then fsyncs it. When the fsync fails
+    (SQLITE_IOERR_FSYNC) the frames are in the log with valid checksums, only not yet counted in
+    its index: no connection sees the change now, but recovery after a crash reads the log again
+    and brings it back. A message refused with 451 (or a shadow copy refused to its primary) would
+    then be delivered after all, twice once the sender retries. The next commit writes its frames
+    at the same place, which ends the failed ones' chain of checksums: so one small commit
+    (``commit_barrier`` in ``meta``) on a fresh connection settles it. If that fails too the
+    outcome stays open until some later commit succeeds: the error is still reported (a
+    duplicate after a crash, never a loss), with an ERROR saying so."""
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO meta (key, value) VALUES ('commit_barrier', ?) "
+                "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(time.time_ns()),))
+        return True
+    except Exception as exc:  # noqa: BLE001 - the disk is failing: said, and the caller's error stands
+        log.error("queue database: a failed commit could not be settled (%s); until a commit succeeds, "
+                  "a crash may bring back changes that were reported as failed", db_error_text(exc))
+        return False
+
+
 class GroupCommitWriter:
     """One writer thread: many jobs per transaction, one fsync, each job in its own savepoint.
 
     A job that raises is rolled back alone (its savepoint) and its future gets the error; the
     others commit. If the commit itself fails, every job of the batch gets the error, so no
-    caller ever believes an uncommitted change is durable.
+    caller ever believes an uncommitted change is durable, and only once the failed commit is
+    settled (``settle_failed_commit``), so no caller that was told "failed" sees it come back.
     """
 
     def __init__(self, engine: Engine, max_batch: int = 256, turn_path: Path | None = None):
@@ -814,6 +854,8 @@ class GroupCommitWriter:
                 except Exception:  # noqa: BLE001 - it is being thrown away
                     pass
                 self._conn = None
+            if _io_error(exc):
+                settle_failed_commit(self.engine)  # before the callers are told (451 to a client)
             err = StoreError(f"commit failed: {db_error_text(exc)}")
             for fn, fut in batch:
                 if not fut.done():
