@@ -9,7 +9,7 @@ import ssl
 
 import pytest
 
-from transportd.errors import PeerPermanentError, PeerTransientError, ProtocolError
+from transportd.errors import PeerPermanentError, PeerTransientError, ProtocolError, TlsRequired
 from transportd.smtp.client import SmtpTarget, connect, rset_ok
 from transportd.smtp.wire import SmtpWire
 
@@ -68,7 +68,9 @@ async def test_greeting_ehlo_keywords_auth_and_a_pipelined_group() -> None:
     ([(None, b"554 go away\r\n")], PeerTransientError),  # no 220 greeting
     ([(None, b"220 ok\r\n"), (b"EHLO", b"500 what\r\n")], PeerPermanentError),
     ([(None, b"220 ok\r\n"), (b"EHLO", b"hello there\r\n")], ProtocolError),  # not a reply line
-    ([(None, b"220 ok\r\n"), (b"EHLO", b"250 peer\r\n")], PeerPermanentError),  # STARTTLS asked, not offered
+    ([(None, b"220 ok\r\n"), (b"EHLO", b"250 peer\r\n")], TlsRequired),  # STARTTLS asked, not offered
+    ([(None, b"220 ok\r\n"), (b"EHLO", b"250-peer\r\n250 STARTTLS\r\n"),
+      (b"STARTTLS", b"454 4.7.0 TLS not available\r\n")], TlsRequired),  # asked, refused
 ])
 async def test_a_peer_that_breaks_the_session_start_is_an_error(script, error) -> None:
     server, port = await scripted(script)
@@ -313,8 +315,9 @@ async def test_a_failed_tls_handshake_with_a_next_hop_is_followed_by_a_session_w
         assert "sending on a new session without TLS" in caplog.text
         wire = SmtpWire("127.0.0.1", port, local_hostname="me.test", timeout=5, start_tls=True)
         await wire.connect()
-        with pytest.raises(OSError):  # a peer's session, TLS required: the failure itself (SSL or reset)
-            await wire.ehlo()
+        with pytest.raises(TlsRequired, match=f"^TLS with 127.0.0.1:{port} failed: ") as failed:
+            await wire.ehlo()  # a peer's session, TLS required: a TLS failure, saying why (SSL or reset)
+        assert failed.value.status == "4.7.5" and isinstance(failed.value.__cause__, OSError)
         wire.close()
         assert len(sessions) == 3  # and no second try without TLS
 
@@ -339,3 +342,34 @@ async def test_a_session_with_anything_unread_is_not_idle_and_is_not_kept() -> N
         assert not session.idle and not cache.keep("hop", session)  # the 421 waits unread
         session.close()
         await cache.close()
+
+
+async def test_a_next_hop_whose_hosts_all_fail_tls_is_a_tls_failure_each_host_named_once() -> None:
+    """TLS required of a next hop with several hosts (``client.connect``): every host reached and
+    none with TLS is a TLS failure (``tls_status``, the first host's code), each host named once
+    in the text; a host refused among them makes it a failure to connect, naming each host once."""
+    from conftest import free_port
+
+    from transportd.errors import NextHopUnavailable
+    no_tls = [(None, b"220 ok\r\n"), (b"EHLO", b"250 mx\r\n")]
+    refused = [(None, b"220 ok\r\n"), (b"EHLO", b"250-mx\r\n250 STARTTLS\r\n"),
+               (b"STARTTLS", b"454 4.7.0 TLS not available due to local problem\r\n")]
+    (a, pa), (b, pb) = await scripted(no_tls), await scripted(refused)
+    down = free_port()
+    required = {"start_tls": True, "validate_certs": False}
+    async with a, b:
+        with pytest.raises(NextHopUnavailable) as failed:
+            await connect([SmtpTarget("127.0.0.1", pa), SmtpTarget("127.0.0.1", pb)], local_hostname="me.test",
+                          timeout=5, connect_timeout=5, tls=required)
+        assert failed.value.tls_status == "4.7.10" and failed.value.only is None
+        assert str(failed.value) == (f"127.0.0.1:{pa} does not offer STARTTLS; 127.0.0.1:{pb} answered STARTTLS "
+                                     f"454 4.7.0 TLS not available due to local problem")
+        with pytest.raises(NextHopUnavailable) as failed:
+            await connect([SmtpTarget("127.0.0.1", down), SmtpTarget("127.0.0.1", pa)], local_hostname="me.test",
+                          timeout=5, connect_timeout=5, tls=required)
+        assert failed.value.tls_status is None and failed.value.only is None
+        assert str(failed.value) == f"127.0.0.1:{down}: Connection refused; 127.0.0.1:{pa} does not offer STARTTLS"
+        with pytest.raises(NextHopUnavailable) as failed:
+            await connect([SmtpTarget("127.0.0.1", down)], local_hostname="me.test", timeout=5, connect_timeout=5,
+                          tls=required)
+        assert (failed.value.only, failed.value.reason) == (f"127.0.0.1:{down}", "Connection refused")

@@ -14,10 +14,13 @@ message's ids, counted towards the Poison queue, answered ``451 4.3.0``.
     │                                  (also a ValueError: it is raised while parsing values)
     ├── PeerError                      a peer's transport connector could not do what we asked
     │   ├── PeerTransientError         no connection, timeout, 4xx, a broken session: try again later
-    │   │   └── TlsHandshakeFailed     STARTTLS accepted, then TLS failed (opportunistic: again in plaintext)
+    │   │   ├── TlsHandshakeFailed     STARTTLS accepted, then TLS failed (opportunistic: again in plaintext)
+    │   │   └── TlsRequired            TLS required of it and not had: no STARTTLS, refused, handshake or
+    │   │                              certificate failed (a deferral, never a session in plaintext)
     │   └── PeerPermanentError         a 5xx, or the peer does not offer what we need
     ├── NextHopError                   a delivery's next hop
-    │   ├── NextHopUnavailable         no session to any of its hosts (DEFER the whole batch)
+    │   ├── NextHopUnavailable         no session to any of its hosts (DEFER the whole batch; ``tls_status``
+    │   │                              where each host was reached and TLS, required, failed)
     │   └── NextHopPermanentError      it can never be reached (no such domain, null MX): FAIL + DSN
     └── MessageRejected                the reply to give an SMTP client for one message (4xx or 5xx)
 
@@ -80,6 +83,18 @@ class TlsHandshakeFailed(PeerTransientError):
     connection is unusable; where TLS was only opportunistic, a new one without it is."""
 
 
+class TlsRequired(PeerTransientError):
+    """TLS is required of the server (a peer's transport connector, a send connector's
+    ``require_tls``) and could not be had: no STARTTLS offered, STARTTLS refused, the handshake or
+    the certificate's check failed. The connection itself succeeded; the message names the server
+    once and says why. ``status``: the enhanced status code of the deferral (node/connectors.py
+    puts it in the reply): X.7.10 where the server offers no TLS, X.7.5 where TLS itself failed."""
+
+    def __init__(self, message: str, status: str):
+        super().__init__(message)
+        self.status = status
+
+
 class PeerPermanentError(PeerError):
     """Not worth trying again as is: a 5xx, or the peer does not offer what is needed."""
 
@@ -90,11 +105,19 @@ class NextHopError(TransportdError):
 
 class NextHopUnavailable(NextHopError):
     """No session could be opened to any host of a next hop (a DEFER for the whole batch).
-    ``busy``: every host answered with a 4xx greeting (it is up, and turned this session away)."""
+    ``busy``: every host answered with a 4xx greeting (it is up, and turned this session away).
+    ``tls_status``: every host was reached and TLS, required of it, failed (``TlsRequired``): the
+    enhanced status code of the first; None where any host failed otherwise. ``only``: the host
+    (``host:port``) the message is about where it is about one host alone, and ``reason`` what
+    happened there, so a reply that names the next hop need not name that host twice."""
 
-    def __init__(self, message: str, busy: bool = False):
+    def __init__(self, message: str, busy: bool = False, tls_status: str | None = None,
+                 only: str | None = None, reason: str | None = None):
         super().__init__(message)
         self.busy = busy
+        self.tls_status = tls_status
+        self.only = only
+        self.reason = reason
 
 
 class NextHopPermanentError(NextHopError):

@@ -36,6 +36,7 @@ from transportd.errors import (
     PeerTransientError,
     ProtocolError,
     StoreError,
+    TlsRequired,
 )
 from transportd.node.handling import NO_MARK, HandlingMark
 from transportd.node.outcomes import Delivered, internal_failure
@@ -305,7 +306,7 @@ class SmtpConnector:
             yield Delivered.every_recipient(batch, mq.FAILED, exc.reply)
             return
         except NextHopUnavailable as exc:
-            reply = f"451 4.4.0 Unable to connect to {batch[0].next_hop}: {exc}"
+            reply = unreachable_reply(batch[0].next_hop, exc)
             most = await self._at_limit(key) if exc.busy else 0
             if most:
                 # Up, and at its limit of connections from us (Exim's smtp_accept_max_per_host,
@@ -450,6 +451,8 @@ class PeerConnector(SmtpConnector):
         except PEER_FAILURES as exc:
             if session is not None:
                 session.close()
+            if isinstance(exc, TlsRequired):  # its text names the peer's host already
+                raise NextHopUnavailable(describe(exc), tls_status=exc.status) from None
             raise NextHopUnavailable(f"{target.host}:{target.port}: {describe(exc)}") from None
         return session, target, session
 
@@ -514,6 +517,19 @@ async def _transactions(transact: Callable[[list[str]], Awaitable[Any]], address
         retried = set(over)
         outs += [o for k, o in enumerate(these) if k not in retried]
         addresses, rids = [addresses[k] for k in over], [rids[k] for k in over]
+
+
+def unreachable_reply(next_hop: str, exc: NextHopUnavailable) -> str:
+    """The deferral of a batch no session could be opened for. Every host reached and TLS,
+    required of it, not had: a TLS failure, never "Unable to connect" (the connection succeeded),
+    with TlsRequired's enhanced status code (X.7.10, X.7.5: smtp/wire.py) and a 451: retried as
+    any deferral, never bounced for it, never sent in plaintext. Else RFC 3463's X.4.0, Exchange's
+    "Unable to connect", each host named once (not again where the next hop is that host)."""
+    if exc.tls_status:
+        return f"451 {exc.tls_status} TLS required but not available: {exc}"
+    if exc.only == next_hop and exc.reason:
+        return f"451 4.4.0 Unable to connect to {next_hop}: {exc.reason}"
+    return f"451 4.4.0 Unable to connect to {next_hop}: {exc}"
 
 
 def _session_lost(items: list[WorkItem], target: SmtpTarget, exc: BaseException, **remote: str) -> Delivered:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import ssl
 from typing import Any
 
 from transportd.errors import (
@@ -20,6 +22,7 @@ from transportd.errors import (
     GreetingRefused,
     NextHopUnavailable,
     TlsHandshakeFailed,
+    TlsRequired,
 )
 from transportd.smtp.dsnparams import DsnRequest
 from transportd.smtp.mx import SmtpTarget
@@ -31,8 +34,10 @@ log = logging.getLogger("transportd")
 
 async def connect(targets: list[SmtpTarget], *, local_hostname: str, timeout: float, connect_timeout: float,
                   tls: dict[str, Any]) -> tuple[NextHopSession, SmtpTarget]:
-    """A session (EHLO done) to the first target that answers; NextHopUnavailable when none does."""
-    errors = []
+    """A session (EHLO done) to the first target that answers; NextHopUnavailable when none does,
+    naming each target once with what happened there (``tls_status`` where every one was reached
+    and TLS, required, could not be had)."""
+    failed: list[tuple[str, str, str | None]] = []  # (host:port, what happened, TlsRequired's status)
     busy = bool(targets)  # every host up and turning this session away (a 4xx greeting)
     for t in targets:
         options = tls
@@ -52,12 +57,18 @@ async def connect(targets: list[SmtpTarget], *, local_hostname: str, timeout: fl
                 log.warning("%s; sending on a new session without TLS", exc)
                 options = {**tls, "start_tls": False}
             except PEER_FAILURES as exc:
-                where = f"{t.host}[{t.address}]" if t.address and t.address != t.host else t.host
-                errors.append(f"{where}:{t.port}: {describe(exc)}")
+                required = exc.status if isinstance(exc, TlsRequired) else None
+                failed.append((wire.where, describe(exc) if required else failure(exc), required))
                 busy = busy and isinstance(exc, GreetingRefused)
                 wire.close()
                 break
-    raise NextHopUnavailable("; ".join(errors) or "no hosts for next hop", busy=busy)
+    # A TlsRequired's text names its host itself ("127.0.0.1:25 does not offer STARTTLS").
+    text = "; ".join(what if status else f"{where}: {what}" for where, what, status in failed)
+    tls_failed = bool(failed) and all(status for _, _, status in failed)
+    only = failed[0][0] if len(failed) == 1 and not tls_failed else None
+    raise NextHopUnavailable(text or "no hosts for next hop", busy=busy,
+                             tls_status=failed[0][2] if tls_failed else None,
+                             only=only, reason=failed[0][1] if only else None)
 
 
 class NextHopSession:
@@ -207,3 +218,14 @@ def describe(exc: BaseException) -> str:
     """An exception as one short line for a reply or a log."""
     text = str(exc) or exc.__class__.__name__
     return text.replace("\r", " ").replace("\n", " ")[:300]
+
+
+def failure(exc: BaseException) -> str:
+    """Why a session to a host could not be had, for a reply that names the host already: a
+    system error in the system's words (``Connection refused``; asyncio's own text, ``Connect
+    call failed ('127.0.0.1', 25)``, would name it again), a timeout as such, else ``describe``."""
+    if isinstance(exc, OSError) and not isinstance(exc, ssl.SSLError) and exc.errno and exc.errno > 0:
+        return os.strerror(exc.errno)
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return describe(exc)

@@ -31,6 +31,7 @@ from transportd.errors import (
     PeerTransientError,
     ProtocolError,
     TlsHandshakeFailed,
+    TlsRequired,
 )
 
 log = logging.getLogger("transportd")
@@ -61,6 +62,17 @@ def tls_context(options: dict[str, Any]) -> ssl.SSLContext:
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
     return ctx
+
+
+def tls_failure(exc: BaseException) -> str:
+    """Why a TLS handshake (or the EHLO over it) failed, in OpenSSL's words without its source
+    location: ``certificate verify failed: certificate has expired``, ``wrong version number``."""
+    if isinstance(exc, ssl.SSLError):
+        return re.sub(r"^\[SSL: [A-Z0-9_]+\] |\s*\(_ssl\.c:\d+\)$", "", str(exc)) or exc.__class__.__name__
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    text = str(exc) or exc.__class__.__name__
+    return text.replace("\r", " ").replace("\n", " ")
 
 
 class SmtpWire:
@@ -101,13 +113,24 @@ class SmtpWire:
             raise error(f"greeting {greeting.code} {greeting.message}")
         return greeting
 
+    @property
+    def where(self) -> str:
+        """The server as a reply or a log names it: ``host:port``, ``host[address]:port`` where
+        the host's address was looked up (an MX host)."""
+        host = f"{self.hostname}[{self.address}]" if self.address and self.address != self.hostname else self.hostname
+        return f"{host}:{self.port}"
+
     async def ehlo(self) -> Reply:
         """EHLO, with STARTTLS first where required or offered and wanted (then EHLO again, as
-        RFC 3207 asks)."""
+        RFC 3207 asks). Where TLS is required and cannot be had, ``TlsRequired`` says why, naming
+        the server once: the enhanced status code X.7.10 ("Encryption Needed", RFC 5248's
+        registry) where it offers or starts no TLS, X.7.5 ("Cryptographic failure", RFC 3463)
+        where the handshake or the certificate's check failed (Postfix's "encrypt" level defers
+        the same cases, with 4.7.4 and 4.7.5: RFC 3463 has X.7.4 for permanent errors only)."""
         reply = await self._ehlo()
         offered = self.supports_extension("starttls")
         if self.start_tls is True and not offered:
-            raise PeerPermanentError(f"{self.hostname}:{self.port} does not offer STARTTLS")
+            raise TlsRequired(f"{self.where} does not offer STARTTLS", "4.7.10")
         if self.start_tls is True or (self.start_tls is None and offered):
             answer = await self.execute_command(b"STARTTLS")
             if answer.code != 220:
@@ -117,7 +140,8 @@ class SmtpWire:
                     log.warning("%s:%d answered STARTTLS %d %s: going on without TLS", self.hostname, self.port,
                                 answer.code, answer.message.replace("\n", " "))
                     return reply
-                raise PeerPermanentError(f"STARTTLS answered {answer.code} {answer.message}")
+                said = answer.message.replace("\n", " ")
+                raise TlsRequired(f"{self.where} answered STARTTLS {answer.code} {said}", "4.7.10")
             assert self._writer is not None and self._reader is not None
             if self._reader._buffer:
                 # Plaintext after the 220 (the client side of CVE-2011-0411's class, as Postfix's
@@ -130,9 +154,9 @@ class SmtpWire:
                                        self.timeout)
                 reply = await self._ehlo()
             except (OSError, TimeoutError, PeerTransientError, ProtocolError) as exc:
-                if self.start_tls is True:
-                    raise
                 self.close()
+                if self.start_tls is True:
+                    raise TlsRequired(f"TLS with {self.where} failed: {tls_failure(exc)}", "4.7.5") from exc
                 raise TlsHandshakeFailed(f"STARTTLS with {self.hostname}:{self.port} failed: "
                                          f"{exc.__class__.__name__}: {exc}") from exc
         return reply
