@@ -391,6 +391,119 @@ def test_a_send_connector_that_requires_tls_validates_its_next_hop_or_defers(mak
     assert not receiver.maildir_files("c@mismatch.test") and not sink.messages()
 
 
+class StartTlsNextHop:
+    """A next hop (aiosmtpd in a thread of this process) that offers STARTTLS with ``cert`` (a
+    trustme LeafCert): one that has expired, or names another host."""
+
+    def __init__(self, cert) -> None:
+        import ssl
+
+        from aiosmtpd.controller import Controller
+
+        class Handler:
+            async def handle_DATA(self, server, session, envelope):
+                return "250 2.0.0 queued"
+
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        cert.configure_cert(ctx)
+        self.port = free_port()
+        self.controller = Controller(Handler(), hostname="127.0.0.1", port=self.port, tls_context=ctx)
+        self.controller.start()
+
+
+def column_text(output: str, header: str, column: str, *needles: str) -> str:
+    """The whole value of ``column`` in the row holding every needle of the text table under the
+    ``header`` line (or the first table): its first line and the lines it was wrapped onto."""
+    lines = output.splitlines()
+    start = lines.index(header) + 1 if header else 0
+    heads = next(i for i in range(start, len(lines)) if column in lines[i])
+    at = lines[heads].index(column)
+    end = at + len(lines[heads + 1][at:].split(" ")[0])  # its dashes
+    row = next(i for i in range(heads + 2, len(lines)) if all(n in lines[i] for n in needles))
+    parts = [lines[row][at:end].rstrip()]
+    for line in lines[row + 1:]:
+        if not line.strip() or line[:at].strip():
+            break
+        parts.append(line[at:end].rstrip())
+    return " ".join(p for p in parts if p)
+
+
+def test_a_required_tls_that_fails_is_a_tls_deferral_named_once_and_shown_whole(make_node, sink, tmp_path):
+    """A send connector that requires TLS (RequireTLS) and cannot have it: the recipient's last
+    error, the DEFER row, the queue's last error and the delay DSN's Diagnostic-Code say TLS
+    failed and why, naming the next hop once: ``451 4.7.10`` where it offers no STARTTLS
+    (smtp-sink), ``451 4.7.5`` where the handshake fails (a certificate that has expired,
+    CertificateValidation; one for another name, DomainValidation). Still a 451: the message waits
+    and is never sent in plaintext. A next hop that refuses the connection stays "Unable to
+    connect", named once. ``message show``, ``queue list`` and ``tracking search`` show each whole
+    (the cause is at the end, once cut at 70 characters), wrapped under its column."""
+    import datetime
+
+    import trustme
+    sink.start()  # smtp-sink: no STARTTLS
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    long_ago = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=30)
+    expired = StartTlsNextHop(ca.issue_cert("127.0.0.1", not_before=long_ago - datetime.timedelta(days=1),
+                                            not_after=long_ago))
+    elsewhere = StartTlsNextHop(ca.issue_cert("other.transportd.test"))
+    down = f"127.0.0.1:{free_port()}"  # nothing listens there
+    sender = make_node("node2", overrides={"delivery": {"transient_failure_retry_interval": 600,
+                                                        "outbound_connection_failure_retry_interval": 600,
+                                                        "delay_notification_timeout": 2}})
+    required = {"require_tls": True, "tls_ca": str(tmp_path / "ca.pem")}
+    sender.sections["send_connectors"] = [
+        {"name": "plain", "address_spaces": ["plain.test"], "smart_hosts": sink.address, "require_tls": True},
+        {"name": "expired", "address_spaces": ["expired.test"], "smart_hosts": f"127.0.0.1:{expired.port}",
+         "tls_auth_level": "CertificateValidation", **required},
+        {"name": "mismatch", "address_spaces": ["mismatch.test"], "smart_hosts": f"127.0.0.1:{elsewhere.port}",
+         "tls_auth_level": "DomainValidation", **required},
+        {"name": "down", "address_spaces": ["down.test"], "smart_hosts": down},
+    ]
+    write_toml(sender.config_path, sender.sections)
+    sender.start()
+    ids = {}
+    for rcpt in ("a@plain.test", "b@expired.test", "c@mismatch.test", "d@down.test"):
+        with smtplib.SMTP("127.0.0.1", sender.port, timeout=20) as s:
+            s.ehlo("client.test")
+            s.mail("bob@example.test")
+            assert s.rcpt(rcpt, ["NOTIFY=DELAY,FAILURE"])[0] == 250
+            ids[rcpt] = int(s.data(b"Subject: tls\r\n\r\nbody\r\n")[1].decode().rsplit(" ", 1)[1])
+    expected = {
+        "a@plain.test": f"451 4.7.10 TLS required but not available: {sink.address} does not offer STARTTLS",
+        "b@expired.test": f"451 4.7.5 TLS required but not available: TLS with 127.0.0.1:{expired.port} failed: "
+                          "certificate verify failed: certificate has expired",
+        "c@mismatch.test": f"451 4.7.5 TLS required but not available: TLS with 127.0.0.1:{elsewhere.port} failed: "
+                           "certificate verify failed: IP address mismatch, certificate is not valid for '127.0.0.1'.",
+        "d@down.test": f"451 4.4.0 Unable to connect to {down}: Connection refused",
+    }
+    for rcpt, reply in expected.items():
+        [row] = wait_events(sender, "DEFER", internal_message_id=str(ids[rcpt]))
+        assert row["recipient-status"] == reply, row
+        [r] = sender.cli_json("message", "show", str(ids[rcpt]))[0]["recipients"]
+        assert r["last_error"] == reply, r
+        shown = sender.cli("message", "show", str(ids[rcpt])).stdout
+        assert column_text(shown, "Recipients:", "last error", rcpt) == reply, shown
+        assert column_text(shown, "Tracking events:", "status / context", "DEFER") == reply, shown
+        identity = f"smarthost:{row['connector-id'].removeprefix('smarthost:')}"
+        assert column_text(sender.cli("queue", "list").stdout, "", "last error", identity) == reply
+        listed = sender.cli("tracking", "search", "--event-id", "DEFER", "--internal-message-id",
+                            str(ids[rcpt])).stdout
+        assert column_text(listed, "", "status / context", "DEFER") == reply, listed
+    notices = wait_for(lambda: len(sender.maildir_files("bob@example.test")) >= 4 and
+                       sender.maildir_files("bob@example.test"), timeout=20, what="the four delay notices")
+    diagnostics = {}
+    for path in notices:
+        text = path.read_bytes().decode()
+        rcpt = re.search(r"Final-Recipient: rfc822; *(\S+)", text).group(1)
+        folded = re.search(r"Diagnostic-Code: smtp; ([^\r\n]*(?:\r\n[ \t][^\r\n]*)*)", text).group(1)
+        diagnostics[rcpt] = folded.replace("\r\n", "")  # unfolded (RFC 5322 2.2.3)
+        assert f"Status: {expected[rcpt][4:].split(' ')[0]}\r\n" in text, text
+    assert diagnostics == expected
+    time.sleep(0.5)
+    assert not sink.messages()  # never in plaintext
+
+
 @pytest.fixture
 def dns_server():
     from dnsserver import TestDnsServer

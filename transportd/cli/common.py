@@ -241,13 +241,32 @@ def parse_when(value: str | None, name: str) -> datetime | None:
                                  param_hint=name) from None
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], max_width: int = 60) -> str:
-    cells = [[printable(v)[:max_width] for v in r] for r in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], max_width: int = 60,
+          wrap: Sequence[str] = ()) -> str:
+    """Rows under their headers, each value on the terminal as ``printable`` shows it and cut at
+    ``max_width``; a column named in ``wrap`` (a reply, a tracking row's status: the cause is at
+    its end) is never cut: its value goes on over the next lines of the row, ``max_width`` at a time."""
+    cells = [[_wrapped(printable(v), max_width) if h in wrap else [printable(v)[:max_width]]
+              for h, v in zip(headers, r)] for r in rows]
+    widths = [max([len(h)] + [len(line) for r in cells for line in r[i]]) for i, h in enumerate(headers)]
     out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
            "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    for r in cells:
+        out += ["  ".join((c[n] if n < len(c) else "").ljust(w) for c, w in zip(r, widths)).rstrip()
+                for n in range(max(len(c) for c in r))]
     return "\n".join(out)
+
+
+def _wrapped(text: str, width: int) -> list[str]:
+    """``text`` in lines of at most ``width``, broken at the last blank that fits (a word longer
+    than a line where the line ends): nothing of it is left out but the blanks a line ends on."""
+    lines = []
+    while len(text) > width:
+        cut = text.rfind(" ", 1, width + 1)
+        cut = width if cut < 0 else cut + 1
+        lines.append(text[:cut].rstrip(" ") or text[:cut])
+        text = text[cut:]
+    return lines + [text]
 
 
 def tracking_log_for(cfg: Config, store: QueueStore):

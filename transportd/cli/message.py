@@ -117,7 +117,7 @@ def print_rows(rows: list[dict], as_json: bool, **extra: Any) -> None:
         return
     click.echo(table(["id", "from", "subject", "size", "status", "queue", "received", "last error"],
                      [(r["id"], r["from"] or "<>", r["subject"], r["size"], r["status"], ",".join(r["queues"]),
-                       r["received_at"], r["last_error"]) for r in rows], max_width=50))
+                       r["received_at"], r["last_error"]) for r in rows], max_width=50, wrap=["last error"]))
 
 
 @message_group.command("list")
@@ -207,7 +207,7 @@ def message_show(cfg: Config, message_id: int, as_json: bool) -> None:
                        r["next_retry_at"] if r["status"] == mq.RETRY and m["status"] not in (mq.POISON, mq.SUSPENDED)
                        else "",
                        r["last_error"] or "", *[r["dsn_params"]] * dsn)
-                      for r in m["recipients"]], max_width=70))
+                      for r in m["recipients"]], max_width=70, wrap=["last error"]))
     click.echo("\nHeaders:")
     # Lines end in CRLF (or LF): a bare CR or any other control character in a field is shown as an
     # escape; a folded field's continuation starts with a tab: shown as the blanks it stands for.
@@ -216,7 +216,8 @@ def message_show(cfg: Config, message_id: int, as_json: bool) -> None:
     click.echo("\nTracking events:")
     click.echo(table(["date-time", "event", "source", "recipients", "status / context"],
                      [(e["date-time"], e["event-id"], e["source"], e["recipient-address"],
-                       e["recipient-status"] or e["source-context"]) for e in events], max_width=70))
+                       e["recipient-status"] or e["source-context"]) for e in events], max_width=70,
+                     wrap=["status / context"]))
 
 
 def recipient_queue_and_status(m: dict, r: dict) -> tuple[str, str]:

@@ -50,7 +50,7 @@ def queue_rows(cfg: Config) -> list[dict]:
 def render_queues(rows: list[dict]) -> str:
     return table(["identity", "delivery type", "state", "messages", "next retry", "last error"],
                  [(r["identity"], r["delivery_type"], r["state"], r["message_count"],
-                   r["next_retry_at"] or "", r["last_error"]) for r in rows], max_width=70)
+                   r["next_retry_at"] or "", r["last_error"]) for r in rows], max_width=70, wrap=["last error"])
 
 
 @queue_group.command("list")

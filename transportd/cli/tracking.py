@@ -59,4 +59,4 @@ def tracking_search(cfg: Config, message_id: str | None, network_message_id: str
                       "status / context"],
                      [(r["date-time"], r["event-id"], r["source"], r["internal-message-id"], r["sender-address"],
                        r["recipient-address"], r["message-id"], r["recipient-status"] or r["source-context"])
-                      for r in rows], max_width=48))
+                      for r in rows], max_width=48, wrap=["status / context"]))
