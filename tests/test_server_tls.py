@@ -1,15 +1,19 @@
-"""A receive connector's certificate renewed on disk is used without a restart (smtp/tls.py)."""
+"""A receive connector's certificate renewed on disk is used without a restart (smtp/tls.py); a
+STARTTLS handshake that fails is a routine event of the session (smtp/server.py)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import smtplib
+import socket
 import ssl
+import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port, wait_for
+from conftest import free_port, wait_for, wait_port
 
 from transportd.smtp.tls import ServerTLS
 
@@ -146,4 +150,99 @@ def test_a_running_node_serves_its_renewed_certificate(make_node, tmp_path):
     wait_for(lambda: peer_serial(node.port) == new_serial, timeout=15, interval=0.5, what="the renewed certificate")
     assert peer_serial(tls_port, implicit=True) == new_serial
     assert "TLS certificate" in node.log() and "changed: new sessions use it" in node.log()
+    assert node.alive
+
+
+# ------------------------------------------------------------------------------ failed handshakes
+
+
+def tls_files(folder: Path) -> tuple[Path, Path]:
+    """A certificate for node1.transportd.test and 127.0.0.1 and its key, from a CA no client here trusts."""
+    folder.mkdir(exist_ok=True)
+    write_pair(folder, trustme.CA().issue_cert("node1.transportd.test", "127.0.0.1"), 10**18)
+    return folder / "cert.pem", folder / "key.pem"
+
+
+def starttls_accepted(port: int) -> socket.socket:
+    """A connection whose STARTTLS was answered 220: the server waits for the client's handshake."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    f = s.makefile("rb")
+    assert f.readline().startswith(b"220 ")
+    s.sendall(b"EHLO client.test\r\n")
+    while not f.readline().startswith(b"250 "):
+        pass
+    s.sendall(b"STARTTLS\r\n")
+    assert f.readline().startswith(b"220 2.0.0 Ready to start TLS")
+    f.close()  # the socket stays open (makefile holds a reference of its own, now dropped)
+    return s
+
+
+def until_closed(s: socket.socket, timeout: float = 10) -> bytes:
+    """What the server sends until it closes the connection."""
+    s.settimeout(timeout)
+    got = b""
+    try:
+        while chunk := s.recv(4096):
+            got += chunk
+    except (ConnectionResetError, TimeoutError):
+        pass
+    return got
+
+
+def fail_handshakes(port: int) -> None:
+    """Three ways a STARTTLS handshake ends without TLS, as clients on the Internet end them: the
+    client hangs up after the 220, it goes on in plaintext, it refuses the certificate."""
+    starttls_accepted(port).close()
+    s = starttls_accepted(port)
+    s.sendall(b"EHLO plain.test\r\n")  # not a TLS ClientHello
+    until_closed(s)
+    s.close()
+    s = starttls_accepted(port)
+    with pytest.raises(ssl.SSLCertVerificationError):
+        ssl.create_default_context().wrap_socket(s, server_hostname="node1.transportd.test")  # an unknown CA
+    s.close()
+
+
+def test_a_failed_starttls_handshake_is_a_line_of_the_log_not_an_internal_error(make_node, tmp_path):
+    """A client whose STARTTLS handshake fails (it hangs up, speaks plaintext, refuses the
+    certificate) is routine on the Internet: one INFO line naming the client and the reason, on
+    both connectors, no ERROR and no traceback (an ERROR with a traceback is for our bugs); the
+    connection's slot is given back (one slot per source here: the next client is served)."""
+    cert, key = tls_files(tmp_path / "certs")
+    transport_port = free_port()
+    node = make_node(overrides={
+        "frontend": {"tls_certificate": str(cert), "tls_key": str(key), "max_inbound_connection_per_source": 1},
+        "transport": {"listen": f"127.0.0.1:{transport_port}", "tls_certificate": str(cert), "tls_key": str(key)},
+        "cluster": {"secret": "tls-test-secret"}}).start()
+    wait_port("127.0.0.1", transport_port, proc=node.proc)
+    for port in (node.port, transport_port):
+        fail_handshakes(port)
+    lines = wait_for(lambda: (found := re.findall(r".*STARTTLS from \('127\.0\.0\.1', \d+\) failed: .*", node.log()))
+                     and len(found) >= 6 and found, timeout=10, what="six failed handshakes in the log")
+    assert len(lines) == 6 and all(" INFO " in line for line in lines), lines
+    assert any("closed" in line for line in lines) and any("unknown ca" in line.lower() for line in lines), lines
+    assert "SMTP session error" not in node.log() and "Traceback" not in node.log()
+    with smtplib.SMTP("127.0.0.1", node.port, timeout=10) as client:  # the slot is free again
+        assert client.noop()[0] == 250
+    assert node.alive
+
+
+def test_a_time_out_while_the_handshake_is_awaited_closes_without_a_plaintext_reply(make_node, tmp_path):
+    """RFC 3207 section 4: after the 220 to STARTTLS only the TLS negotiation follows. A client
+    that sends nothing (or half a ClientHello) until connection_inactivity_timeout is cut off
+    without the 421 (in plaintext, it would be garbage inside the handshake); its slot is given back."""
+    cert, key = tls_files(tmp_path / "certs")
+    node = make_node(overrides={"frontend": {
+        "tls_certificate": str(cert), "tls_key": str(key), "max_inbound_connection_per_source": 1,
+        "connection_inactivity_timeout": 1, "connection_timeout": 30}}).start()
+    for partial in (b"", b"\x16\x03\x01\x02\x00\x01"):  # nothing; a TLS record header and a few octets
+        s = starttls_accepted(node.port)
+        s.sendall(partial)
+        t0 = time.monotonic()
+        got = until_closed(s, timeout=10)
+        s.close()
+        assert got == b"" and time.monotonic() - t0 < 8, got
+        with smtplib.SMTP("127.0.0.1", node.port, timeout=10) as client:  # the slot is free again
+            assert client.noop()[0] == 250
+    assert node.log().count("inactivity timeout during the TLS handshake") == 2, node.log()[-3000:]
     assert node.alive

@@ -20,7 +20,16 @@ import socket
 import weakref
 from typing import Any, Awaitable, Callable
 
-from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, Session, syntax
+from aiosmtpd.smtp import (
+    MISSING,
+    SMTP,
+    AuthResult,
+    Envelope,
+    LoginPassword,
+    Session,
+    TLSSetupException,
+    syntax,
+)
 
 from transportd.smtp import dsnparams, replies
 from transportd.smtp.tls import ServerTLS
@@ -428,6 +437,9 @@ class _Unoffered:
     _authenticator: Any
     tls_context: Any
     _handshake_awaited: bool  # _ClientWait's
+    _tls_protocol: Any  # aiosmtpd's: set when its STARTTLS begins a handshake
+    session: Session | None
+    transport: Any
     push: Callable[[str], Awaitable[None]]  # aiosmtpd's, as our _Replies words it
 
     def _withdraw_unusable_auth(self) -> None:
@@ -466,8 +478,37 @@ class _Unoffered:
         self._handshake_awaited = True  # after the 220: the client's turn (_ClientWait)
         try:
             await super().smtp_STARTTLS(arg)  # type: ignore[misc]
+        except TLSSetupException as exc:
+            self._handshake_failed(exc.__cause__)
+            return
         finally:
             self._handshake_awaited = False
+        if self._tls_protocol is not None and self.session is not None and self.session.ssl is None:
+            # The handshake was cut, not failed: our time-out closed the connection during it
+            # (_ClientWait._time_out says so), and asyncio ends the wait without an error.
+            self._end_without_tls(None)
+
+    def _handshake_failed(self, error: BaseException | None) -> None:
+        """The client's TLS handshake after our 220 failed: it hung up, spoke plaintext, offered
+        no protocol or cipher we take, or refused our certificate. Routine on the Internet (a
+        scanner, an old client, a peer whose CA is another), so one line, as for a session's end,
+        and not the internal error (ERROR and a traceback) aiosmtpd's TLSSetupException would
+        become; the implicit-TLS listener's failed handshakes are no errors either (asyncio
+        closes them without a word)."""
+        if isinstance(error, ConnectionResetError) and not str(error):
+            reason = "the client closed the connection"
+        else:
+            reason = str(error) or type(error).__name__
+        log.info("STARTTLS from %s failed: %s", self.session.peer if self.session else None, reason)
+        self._end_without_tls(error if isinstance(error, Exception) else None)
+
+    def _end_without_tls(self, error: Exception | None) -> None:
+        """End a session whose TLS handshake did not complete, as aiosmtpd ends it: the TLS layer
+        never had a connection to lose, so the session's end (its connection slot given back) is
+        ours to call."""
+        if self.transport is not None:
+            self.transport.close()
+            self.connection_lost(error)  # type: ignore[attr-defined]
 
 
 _OPEN_SESSIONS: weakref.WeakSet = weakref.WeakSet()  # every connected session of this process
@@ -582,12 +623,18 @@ class _ClientWait:
         self._time_out("connection timeout (absolute)")
 
     def _time_out(self, what: str) -> None:
-        """421 4.4.2 and close (aiosmtpd's time-out closes without a word)."""
+        """421 4.4.2 and close (aiosmtpd's time-out closes without a word). While the TLS
+        handshake after STARTTLS is awaited, only a close: RFC 3207 section 4 allows nothing but
+        the negotiation after the 220, and a plaintext 421 would land inside it."""
         self._absolute_due = False
         if self.transport is None:
             return
-        log.info("%r %s", self.session.peer if self.session else None, what)
-        self._say_and_close(replies.S421_TIMEOUT.format(host=self.hostname))  # type: ignore[attr-defined]
+        peer = self.session.peer if self.session else None
+        if self._handshake_awaited:
+            log.info("%r %s during the TLS handshake: closed", peer, what)
+        else:
+            log.info("%r %s", peer, what)
+            self._say_and_close(replies.S421_TIMEOUT.format(host=self.hostname))  # type: ignore[attr-defined]
         self.transport.close()
 
 
