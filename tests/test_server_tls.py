@@ -85,6 +85,34 @@ def test_a_renewed_pair_is_taken_at_the_next_check_and_a_broken_one_never(tmp_pa
     assert _loaded_serial(tls.context()) not in (serial, _loaded_serial(renewed)) and tls.reloads == 2
 
 
+def test_a_file_gone_missing_is_said_once_per_state_and_taken_again_when_back(tmp_path, caplog):
+    """A certificate moved away (a renewal replacing it in two steps, a volume unmounted) is said
+    once, not at every check; back as it was, it is taken again and said so; another bad state
+    (the key gone now) is said once in its turn. The context in use stays meanwhile."""
+    caplog.set_level(logging.INFO, logger="transportd")
+    write_pair(tmp_path, trustme.CA().issue_cert("node1.transportd.test"), 10**18)
+    clock = Clock()
+    tls = ServerTLS(str(tmp_path / "cert.pem"), str(tmp_path / "key.pem"), check_interval=1, clock=clock)
+    original = tls.context()
+
+    def checks(n: int) -> None:
+        for _ in range(n):
+            clock.now += 1
+            assert tls.context() is not None
+
+    (tmp_path / "cert.pem").rename(tmp_path / "cert.away")
+    checks(4)
+    assert tls.context() is original and caplog.text.count("does not load") == 1, caplog.text
+    assert "No such file" in caplog.text
+    (tmp_path / "cert.away").rename(tmp_path / "cert.pem")
+    checks(2)
+    assert tls.reloads == 1 and caplog.text.count("changed: new sessions use it") == 1, caplog.text
+    back = tls.context()
+    (tmp_path / "key.pem").rename(tmp_path / "key.away")
+    checks(4)
+    assert tls.context() is back and caplog.text.count("does not load") == 2, caplog.text
+
+
 def test_an_implicit_tls_listener_hands_each_handshake_to_the_current_certificate(tmp_path):
     """frontend.implicit_tls_listen's context is fixed when the server starts; each handshake is
     handed to ``context()``, so a renewal is served there too."""
@@ -245,4 +273,19 @@ def test_a_time_out_while_the_handshake_is_awaited_closes_without_a_plaintext_re
         with smtplib.SMTP("127.0.0.1", node.port, timeout=10) as client:  # the slot is free again
             assert client.noop()[0] == 250
     assert node.log().count("inactivity timeout during the TLS handshake") == 2, node.log()[-3000:]
+    assert node.alive
+
+
+def test_a_running_node_says_once_that_its_certificate_went_missing(make_node, tmp_path):
+    """The certificate file moved away while the node runs, checked at every connection (1 s):
+    one ERROR line for the change, not one per check; sessions go on with the certificate in use."""
+    cert, key = tls_files(tmp_path / "certs")
+    node = make_node(overrides={"node": {"tls_certificate_check_interval": 1},
+                                "frontend": {"tls_certificate": str(cert), "tls_key": str(key)}}).start()
+    serial = peer_serial(node.port)
+    cert.rename(cert.with_suffix(".away"))
+    for _ in range(4):
+        time.sleep(1.1)  # a check is due at each connection
+        assert peer_serial(node.port) == serial
+    assert node.log().count("does not load") == 1, node.log()[-3000:]
     assert node.alive

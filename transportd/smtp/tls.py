@@ -5,7 +5,8 @@ It owns the server side's TLS context: built from ``tls_certificate`` and ``tls_
 once per ``node.tls_certificate_check_interval``, rebuilt when either file changed (a renewal by
 certbot or a mounted secret's update), so no restart is needed. A renewed pair that does not load
 (a key that does not match the certificate, a file half written) leaves the context in use as it
-was, says so once per change, and is tried again at the next check. Sessions already open keep the
+was, says so once per change (a file gone missing included), and is tried again when the files
+change again; files back as they were are taken again. Sessions already open keep the
 certificate they started with. It never reads a file on a connection's path more often than that.
 """
 
@@ -20,6 +21,8 @@ from collections.abc import Callable
 log = logging.getLogger("transportd")
 
 Stamp = tuple[tuple[int, int, int], ...]
+MISSING = (-1, -1, -1)
+"""The stamp of a file that cannot be looked at."""
 
 
 def _context(certificate: str, key: str | None = None) -> ssl.SSLContext:
@@ -54,7 +57,17 @@ class ServerTLS:
         return front
 
     def _files(self) -> Stamp:
-        return tuple((st.st_mtime_ns, st.st_size, st.st_ino) for st in map(os.stat, self.paths))
+        """Each file's (modification time, size, inode); a file that cannot be looked at (gone
+        missing) has a stamp of its own, so that state too is said once."""
+        stamps = []
+        for path in self.paths:
+            try:
+                st = os.stat(path)
+            except OSError:
+                stamps.append(MISSING)
+            else:
+                stamps.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(stamps)
 
     def context(self) -> ssl.SSLContext:
         """The context for a new connection: rebuilt first if a check is due and the files changed."""
@@ -64,16 +77,16 @@ class ServerTLS:
         return self._context
 
     def _reload_if_changed(self) -> None:
+        """Load the files when they changed since the last look, each state they pass through said
+        once: one that does not load (a file missing, a key that does not match) is remembered
+        and not tried again until it changes; files back as they were in use are taken again."""
+        stamp = self._files()
+        if stamp == self._refused or (stamp == self._stamp and self._refused is None):
+            return
         try:
-            stamp = self._files()
-            if stamp == self._stamp or stamp == self._refused:
-                return
             context = _context(*self.paths)
         except (OSError, ssl.SSLError, ValueError) as exc:
-            try:
-                self._refused = self._files()
-            except OSError:
-                self._refused = None
+            self._refused = stamp
             log.error("TLS certificate %s changed and does not load (%s): the one in use stays", self.paths[0],
                       exc)
             return
