@@ -27,6 +27,11 @@ METHODS = {
     "check_auth_needed": "DATA's checks, as aiosmtpd's own DATA does",
     "_cb_client_connected": "HalfClose: the end of input ends the session's read loop (EndOfInput)",
     "eof_received": "HalfClose: a client's half-close no longer cancels the commands it sent before",
+    "challenge_auth": "replaced (_SaslExchange): RFC 4954's 500 5.5.6 for an over-long response line; "
+                      "aiosmtpd's mechanisms (LOGIN) call it",
+    "_authenticate": "AUTH PLAIN replaced (_SaslExchange, the authzid checked) calls the authenticator through it",
+    "smtp_STARTTLS": "a failed handshake (TLSSetupException) ends the session with one log line, not as an "
+                     "internal error",
     "_getaddr": "made total (the email package's parser raises on some malformed addresses); "
                 "the common form read by a regular expression, the rest by aiosmtpd's",
 }

@@ -8,6 +8,8 @@
 - peer trust: a wrong cluster credential, an unknown name, or a peer claiming another
   peer's name is refused and logged; forged XQDISCARD ids (another primary's shadow ids
   sent by a member) discard nothing but that member's own shadows
+- AUTH: PLAIN's authorization identity is the user's own or none (RFC 4616); an over-long
+  response line after 334 fails the exchange (500 5.5.6) and the session goes on
 
 STARTTLS on both connectors and peers requiring TLS are in test_receive.py
 (test_starttls_then_auth_allows_relay, test_require_tls) and test_transport_tls.py
@@ -19,7 +21,9 @@ from __future__ import annotations
 import base64
 import random
 import re
+import smtplib
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -343,3 +347,100 @@ def test_forged_discard_ids_from_another_member_discard_nothing_of_others(procs,
         for f in fakes:
             f.shutdown()
             f.server_close()
+
+
+# ------------------------------------------------------------------------------ AUTH exchanges
+
+USERS = {"alice": "alice-pw", "bob": "bob-pw"}
+
+
+def auth_node(make_node, tmp_path):
+    """A node whose frontend offers AUTH for alice and bob, on its implicit-TLS port too (returned),
+    and relays for authenticated clients only."""
+    trustme = pytest.importorskip("trustme")
+    cert = trustme.CA().issue_cert("node1.transportd.test", "127.0.0.1")
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    tls_port = free_port()
+    node = make_node(overrides={"frontend": {
+        "tls_certificate": str(tmp_path / "cert.pem"), "tls_key": str(tmp_path / "key.pem"),
+        "implicit_tls_listen": f"127.0.0.1:{tls_port}", "auth_users": USERS},
+        "routing": {"trusted_networks": []}}).start()  # relay only after AUTH
+    return node, tls_port  # ready: the node opens its listeners together
+
+
+def tls_session(port: int) -> smtplib.SMTP_SSL:
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    s = smtplib.SMTP_SSL("127.0.0.1", port, timeout=10, context=context)
+    s.ehlo("client.test")
+    return s
+
+
+def plain_token(authzid: str, authcid: str, password: str) -> str:
+    return base64.b64encode(f"{authzid}\0{authcid}\0{password}".encode()).decode("ascii")
+
+
+def test_an_over_long_auth_response_line_fails_the_exchange_and_the_session_goes_on(make_node, tmp_path):
+    """RFC 4954 section 4: a response line after 334 longer than the server takes is answered
+    ``500 5.5.6`` and the AUTH exchange fails; the rest of the line is read and dropped (never
+    taken for commands), and the session goes on: no internal error, no traceback."""
+    node, tls_port = auth_node(make_node, tmp_path)
+    s = tls_session(tls_port)
+    try:
+        for mechanism, line in (("PLAIN", b"A" * 1100), ("LOGIN", b"A" * 2000), ("LOGIN", b"QQ" * 10_000)):
+            assert s.docmd("AUTH", mechanism)[0] == 334
+            s.send(line + b"\r\n")
+            assert s.getreply() == (500, b"5.5.6 Authentication Exchange line is too long"), (mechanism, len(line))
+            assert s.noop() == (250, b"2.0.0 OK"), (mechanism, len(line))  # its reply, no 500 of a line's rest
+        # A username within the limit, then an over-long password line: the same.
+        assert s.docmd("AUTH", "LOGIN " + base64.b64encode(b"alice").decode())[0] == 334
+        s.send(b"B" * 5000 + b"\r\n")
+        assert s.getreply()[0] == 500
+        assert s.login("alice", "alice-pw")[0] == 235
+    finally:
+        s.close()
+    log = node.log()
+    assert "Traceback" not in log and "SMTP session error" not in log and "Internal error" not in log
+    assert node.alive
+
+
+def test_auth_plain_takes_no_authorization_identity_other_than_its_own(make_node, tmp_path):
+    """RFC 4616 section 2: the server verifies that the authentication identity may act as the
+    authorization identity. No user may act as another here: ``bob\\0alice\\0<alice's password>``
+    is refused (535 5.7.8), not taken as alice with bob dropped; an empty authzid, or the user's
+    own name, is taken. On the transport connector a peer's name is compared as its AUTH
+    compares it (case-insensitively)."""
+    node, tls_port = auth_node(make_node, tmp_path)
+    for authzid in ("bob", "Alice", "alice\0"):
+        s = tls_session(tls_port)
+        try:
+            assert s.docmd("AUTH", "PLAIN " + plain_token(authzid, "alice", "alice-pw"))[0] in (535, 501), authzid
+            assert s.docmd("MAIL", "FROM:<alice@remote.test>")[0] == 250
+            assert s.docmd("RCPT", "TO:<carol@foreign.test>")[0] == 550, authzid  # not authenticated
+        finally:
+            s.close()
+    s = tls_session(tls_port)
+    try:
+        assert s.docmd("AUTH", "PLAIN " + plain_token("bob", "alice", "alice-pw")) == \
+            (535, b"5.7.8 Authentication credentials invalid")
+        assert s.docmd("AUTH", "PLAIN")[0] == 334  # the initial response after a 334, the same rule
+        assert s.docmd(plain_token("bob", "alice", "alice-pw"))[0] == 535
+        assert s.docmd("AUTH", "PLAIN " + plain_token("alice", "alice", "alice-pw"))[0] == 235
+    finally:
+        s.close()
+    s = tls_session(tls_port)
+    try:
+        assert s.docmd("AUTH", "PLAIN " + plain_token("", "bob", "bob-pw"))[0] == 235
+    finally:
+        s.close()
+    assert "Traceback" not in node.log()
+
+    peer = peer_node(lambda **kw: make_node("node2", **kw))
+    for authzid, code in (("other.transportd.test", 535), (PEER.upper(), 235), ("", 235)):
+        s = smtp("127.0.0.1", peer.transport_port)
+        try:
+            assert reply(s, "AUTH PLAIN " + plain_token(authzid, PEER, SECRET))[0] == code, authzid
+        finally:
+            s.close()

@@ -32,6 +32,7 @@ S451_STORE_UNAVAILABLE = "451 4.3.0 Queue database unavailable; try again later"
 S452_TOO_MANY_RECIPIENTS = "452 4.5.3 Too many recipients"
 S500_LINE_TOO_LONG = "500 5.5.2 Line too long (RFC 5321 4.5.3.1.6)"
 S500_COMMAND_TOO_LONG = "500 5.5.2 Command line too long"
+S500_AUTH_LINE_TOO_LONG = "500 5.5.6 Authentication Exchange line is too long"  # RFC 4954 section 4
 S500_UNRECOGNIZED = '500 5.5.1 Command unrecognized: "{command}"'
 S500_BAD_SYNTAX = "500 5.5.2 Syntax error"
 S501_BAD_ADDRESS = "501 5.1.3 Bad recipient address syntax"

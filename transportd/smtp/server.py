@@ -12,6 +12,8 @@ that builds a session. It never decides relay or storage: a handler does
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import functools
 import inspect
 import logging
@@ -511,6 +513,93 @@ class _Unoffered:
             self.connection_lost(error)  # type: ignore[attr-defined]
 
 
+def user_name(login: bytes) -> str:
+    """A SASL identity (an authentication or authorization identity) as the frontend's users are
+    named: its UTF-8 text, compared exactly. An authenticator that names users otherwise says so
+    in its ``user_name`` attribute (redundancy/server.py: peers' names in any case)."""
+    return login.decode("utf-8", "replace")
+
+
+class _SaslExchange:
+    """AUTH's exchanges as aiosmtpd runs them, held to two rules it misses: a response line after
+    334 longer than the stream's limit is RFC 4954 section 4's ``500 5.5.6`` (the exchange failed,
+    the line read to its end and dropped, the session going on; aiosmtpd's read raised, a 451 and a
+    traceback, and the line's rest came in as commands), and PLAIN's authorization identity
+    (RFC 4616 section 2), which aiosmtpd drops: no user here may act as another, so it must be
+    empty or name the authenticating user."""
+
+    session: Session | None
+    _reader: asyncio.StreamReader
+    _authenticator: Any
+    line_length_limit: int  # the stream's limit on a line (LimitedSMTP)
+    push: Callable[[Any], Awaitable[None]]
+    _authenticate: Callable[[str, Any], AuthResult]  # aiosmtpd's: calls the authenticator
+
+    async def challenge_auth(self, challenge: str | bytes, encode_to_b64: bool = True,
+                             log_client_response: bool = False) -> Any:
+        """aiosmtpd's: ``334 <challenge>``, then the client's response decoded (MISSING when the
+        exchange failed, its reply sent), with the over-long line answered. The response is
+        never logged (it holds credentials)."""
+        challenge = challenge.encode() if isinstance(challenge, str) else challenge
+        await self.push(b"334 " + (base64.b64encode(challenge) if encode_to_b64 else challenge))
+        line = await self._response_line()
+        if line is None:
+            log.info("%r AUTH response line over %d octets: exchange failed", self.session and self.session.peer,
+                     self.line_length_limit)
+            await self.push(replies.S500_AUTH_LINE_TOO_LONG)
+            return MISSING
+        blob = line.strip()
+        if blob == b"*":
+            log.info("%r aborted AUTH with '*'", self.session and self.session.peer)
+            await self.push("501 5.7.0 Auth aborted")
+            return MISSING
+        try:
+            return base64.b64decode(blob, validate=True)
+        except binascii.Error:
+            await self.push("501 5.5.2 Can't decode base64")
+            return MISSING
+
+    async def _response_line(self) -> bytes | None:
+        """The client's next line; None when it is longer than the stream's limit, then read to
+        its end and dropped (as aiosmtpd drops an over-long command line)."""
+        try:
+            return await self._reader.readuntil(b"\n")
+        except asyncio.LimitOverrunError as exc:
+            await self._reader.read(exc.consumed)
+        while True:
+            try:
+                await self._reader.readuntil(b"\n")
+                return None
+            except asyncio.LimitOverrunError as exc:
+                await self._reader.read(exc.consumed)
+
+    async def auth_PLAIN(self, _: Any, args: list[str]) -> AuthResult:
+        """RFC 4616: ``authzid NUL authcid NUL password``, as an initial response or after a 334,
+        decoded as aiosmtpd decodes it; an authorization identity other than the authenticating
+        user's own name (compared as the authenticator names users) fails as bad credentials."""
+        if len(args) == 1:
+            message = await self.challenge_auth("")
+            if message is MISSING:
+                return AuthResult(success=False)  # its reply was sent
+        else:
+            try:
+                message = base64.b64decode(args[1].encode(), validate=True)
+            except (binascii.Error, UnicodeEncodeError):
+                await self.push("501 5.5.2 Can't decode base64")
+                return AuthResult(success=False, handled=True)
+        parts = message.split(b"\0")
+        if len(parts) != 3:
+            await self.push("501 5.5.2 Can't split auth value")
+            return AuthResult(success=False, handled=True)
+        authzid, login, password = parts
+        name = getattr(self._authenticator, "user_name", user_name)
+        if authzid and name(authzid) != name(login):
+            log.warning("authentication failed from %s (PLAIN): %r may not act as %r",
+                        self.session and self.session.peer, name(login), name(authzid))
+            return AuthResult(success=False, handled=False)  # 535 5.7.8, as for a wrong password
+        return self._authenticate("PLAIN", LoginPassword(login, password))
+
+
 _OPEN_SESSIONS: weakref.WeakSet = weakref.WeakSet()  # every connected session of this process
 
 
@@ -721,8 +810,8 @@ IMPLICIT_TLS = object()
 """Where aiosmtpd keeps the TLS protocol its STARTTLS made: a session that began in TLS."""
 
 
-class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _ShutdownNotice, HalfClose, _ImplicitTLS, _DsnParameters,
-                  _AuthParameter, _ClientWait, _InactivityDeadline, SMTP):
+class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _SaslExchange, _ShutdownNotice, HalfClose, _ImplicitTLS,
+                  _DsnParameters, _AuthParameter, _ClientWait, _InactivityDeadline, SMTP):
     """aiosmtpd's SMTP with connection limits, an absolute timeout and our reply wording."""
 
     def __init__(self, handler: Any, *, counter: ConnectionCounter, connection_timeout: float,
@@ -981,12 +1070,13 @@ def make_authenticator(users: dict[str, str]) -> Callable[..., AuthResult]:
     def authenticator(server: SMTP, session: Session, envelope: Envelope, mechanism: str,
                       auth_data: Any) -> AuthResult:
         if isinstance(auth_data, LoginPassword):
-            user = auth_data.login.decode("utf-8", "replace")
+            user = user_name(auth_data.login)
             password = auth_data.password.decode("utf-8", "replace")
             if user in users and _consteq(users[user], password):
                 return AuthResult(success=True, auth_data=user)
         log.warning("authentication failed from %s (%s)", session.peer, mechanism)
         return AuthResult(success=False, handled=False)
+    authenticator.user_name = user_name  # type: ignore[attr-defined]  # how PLAIN compares its authzid
     return authenticator
 
 
