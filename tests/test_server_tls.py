@@ -217,6 +217,16 @@ def until_closed(s: socket.socket, timeout: float = 10) -> bytes:
     return got
 
 
+def served(port: int) -> bool:
+    """A new session is served (not refused over the per-source limit): the slots of the sessions
+    before it were given back (the node does so as it closes them, the client may see the close first)."""
+    try:
+        with smtplib.SMTP("127.0.0.1", port, timeout=10) as client:
+            return client.noop()[0] == 250
+    except smtplib.SMTPConnectError:
+        return False
+
+
 def fail_handshakes(port: int) -> None:
     """Three ways a STARTTLS handshake ends without TLS, as clients on the Internet end them: the
     client hangs up after the 220, it goes on in plaintext, it refuses the certificate."""
@@ -243,6 +253,7 @@ def test_a_failed_starttls_handshake_is_a_line_of_the_log_not_an_internal_error(
         "transport": {"listen": f"127.0.0.1:{transport_port}", "tls_certificate": str(cert), "tls_key": str(key)},
         "cluster": {"secret": "tls-test-secret"}}).start()
     wait_port("127.0.0.1", transport_port, proc=node.proc)
+    wait_for(lambda: served(node.port), timeout=5, what="wait_port's session to end")
     for port in (node.port, transport_port):
         fail_handshakes(port)
     lines = wait_for(lambda: (found := re.findall(r".*STARTTLS from \('127\.0\.0\.1', \d+\) failed: .*", node.log()))
@@ -250,8 +261,7 @@ def test_a_failed_starttls_handshake_is_a_line_of_the_log_not_an_internal_error(
     assert len(lines) == 6 and all(" INFO " in line for line in lines), lines
     assert any("closed" in line for line in lines) and any("unknown ca" in line.lower() for line in lines), lines
     assert "SMTP session error" not in node.log() and "Traceback" not in node.log()
-    with smtplib.SMTP("127.0.0.1", node.port, timeout=10) as client:  # the slot is free again
-        assert client.noop()[0] == 250
+    wait_for(lambda: served(node.port), timeout=5, what="the slot given back")
     assert node.alive
 
 
@@ -263,6 +273,7 @@ def test_a_time_out_while_the_handshake_is_awaited_closes_without_a_plaintext_re
     node = make_node(overrides={"frontend": {
         "tls_certificate": str(cert), "tls_key": str(key), "max_inbound_connection_per_source": 1,
         "connection_inactivity_timeout": 1, "connection_timeout": 30}}).start()
+    wait_for(lambda: served(node.port), timeout=5, what="wait_port's session to end")
     for partial in (b"", b"\x16\x03\x01\x02\x00\x01"):  # nothing; a TLS record header and a few octets
         s = starttls_accepted(node.port)
         s.sendall(partial)
@@ -270,8 +281,7 @@ def test_a_time_out_while_the_handshake_is_awaited_closes_without_a_plaintext_re
         got = until_closed(s, timeout=10)
         s.close()
         assert got == b"" and time.monotonic() - t0 < 8, got
-        with smtplib.SMTP("127.0.0.1", node.port, timeout=10) as client:  # the slot is free again
-            assert client.noop()[0] == 250
+        wait_for(lambda: served(node.port), timeout=5, what="the slot given back")
     assert node.log().count("inactivity timeout during the TLS handshake") == 2, node.log()[-3000:]
     assert node.alive
 
