@@ -32,6 +32,7 @@ from pathlib import Path
 
 from clusters import (
     FOREIGN,
+    ClusterNode,
     FailoverNode,
     LocalCluster,
     accepted_with_shadow,
@@ -474,6 +475,94 @@ def test_a_promoted_copy_sends_the_success_notice_the_primary_owed_without_deliv
         assert n1.tracking(event_id="DSN")  # tracked as node1's DSN
     finally:
         hop.controller.stop()
+
+
+def _delay_notices(hop: PerRecipientNextHop, sender: str) -> list[bytes]:
+    """The delay DSNs (RFC 3464 action delayed) the next hop took for ``sender``."""
+    return [data for (_, data), rcpts in zip(hop.messages, hop.transactions)
+            if rcpts == [sender] and b"Action: delayed" in data]
+
+
+def test_a_promoted_copy_sends_no_second_delay_notice_for_what_the_primary_reported(cluster):
+    """node2 (primary) cannot deliver temp-d1 (the next hop greylists it) and, after
+    delay_notification_timeout, sends the sender its delay DSN (action delayed). node1, the shadow,
+    hears of it at its heartbeat (``DelayNotified``, ``XQDISCARD n RCPT FAILED NOTIFY DELAY``) and
+    notes it on its copy, which it keeps. node2 is killed: node1's promotion delivers temp-d1 once
+    it is let through, and sends no second delay DSN. Its copy's empty ``delay_dsn_at`` made the
+    promoted message due at once before: the sender had two for one message and recipient."""
+    from conftest import read_db
+
+    hop = PerRecipientNextHop()
+    try:
+        c = cluster(overrides={"routing": {"smart_host": f"127.0.0.1:{hop.port}"},
+                               "delivery": {"delay_notification_timeout": 1}}, nodes=2, sites=1).start()
+        n1, n2 = c["node1"], c["node2"]
+        sender, temp = "watcher-d@foreign.test", "temp-d1@foreign.test"
+        netid = _send_from(n2, sender, temp, b"Subject: slow-d\r\n\r\nhello\r\n")
+        wait_for(lambda: _delay_notices(hop, sender), timeout=20, what="node2's delay DSN at the sender's next hop")
+        # node1 polls twice after node2's commit of its delay DSN: whatever node2 had to tell it (the
+        # delay notice; the DSN's own discard, were it shadowed) has reached it.
+        n1.wait_heartbeats(n2.name, 2)
+        [(role, told)] = read_db(n1.cfg.db_path, "SELECT role, delay_dsn_at FROM messages "
+                                                 "WHERE network_message_id = ?", (netid,))
+        assert role == "shadow" and n1.shadow_list()[n2.name]["shadows"] == 1  # kept: temp-d1 waits
+
+        assert n2.proc is not None
+        n2.proc.send_signal(signal.SIGKILL)
+        n2.proc.wait(timeout=10)
+        tried = hop.rcpts.count(temp)
+        wait_for(lambda: "RESUBMIT" in n1.events(netid), timeout=30, what="node1's promotion of the shadow")
+        wait_for(lambda: hop.rcpts.count(temp) > tried, timeout=20, what="node1 to try temp-d1 (deferred)")
+        # Waiting for absence: node1's maintenance (every 2 s here) would have sent a second notice by now.
+        time.sleep(3)
+        assert len(_delay_notices(hop, sender)) == 1, "a second delay DSN for the same message and recipient"
+        hop.greylisting = False
+        wait_for(lambda: [temp] in hop.transactions, timeout=20, what="temp-d1 delivered by the promoted copy")
+        time.sleep(1)
+        assert len(_delay_notices(hop, sender)) == 1
+        assert hop.transactions.count([temp]) == 1, hop.transactions
+        assert told is not None  # node1's copy noted node2's notice before the promotion
+    finally:
+        hop.controller.stop()
+
+
+def test_a_promoted_copy_sends_the_delay_notice_the_lost_primary_had_not_sent(cluster):
+    """node2 (primary) is killed before delay_notification_timeout has passed for a message it
+    cannot deliver: node1's promoted copy, which heard of no delay notice, sends the one the sender
+    is owed (once), past the timeout counted from when the message came."""
+    hop = PerRecipientNextHop()
+    try:
+        c = cluster(overrides={"routing": {"smart_host": f"127.0.0.1:{hop.port}"},
+                               "delivery": {"delay_notification_timeout": 6}}, nodes=2, sites=1).start()
+        n1, n2 = c["node1"], c["node2"]
+        sender, temp = "watcher-e@foreign.test", "temp-e1@foreign.test"
+        sent_at = time.time()
+        netid = _send_from(n2, sender, temp, b"Subject: slow-e\r\n\r\nhello\r\n")
+        assert n1.shadow_list()[n2.name]["shadows"] == 1
+        assert n2.proc is not None
+        n2.proc.send_signal(signal.SIGKILL)
+        n2.proc.wait(timeout=10)
+        assert not _delay_notices(hop, sender)
+        wait_for(lambda: "RESUBMIT" in n1.events(netid), timeout=30, what="node1's promotion of the shadow")
+        wait_for(lambda: _delay_notices(hop, sender), timeout=20, what="node1's delay DSN")
+        assert time.time() - sent_at >= 6
+        time.sleep(3)  # waiting for absence: a second notice
+        assert len(_delay_notices(hop, sender)) == 1
+    finally:
+        hop.controller.stop()
+
+
+def _send_from(node: ClusterNode, sender: str, rcpt: str, data: bytes) -> str:
+    """Submit one message to ``node``'s frontend; returns its network message id."""
+    import smtplib
+
+    with smtplib.SMTP(node.host, node.frontend_port, timeout=20) as s:
+        s.ehlo("client.example")
+        assert s.mail(sender)[0] == 250
+        assert s.rcpt(rcpt)[0] == 250
+        code, text = s.data(data)
+    assert code == 250, text
+    return netid_of(node, int(text.decode().rsplit(" ", 1)[-1]))
 
 
 def test_messages_a_live_primary_lost_without_a_new_database_are_promoted_by_its_shadow(cluster, sink):

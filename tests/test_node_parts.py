@@ -514,6 +514,56 @@ def test_a_delivered_recipient_whose_success_notice_waits_is_told_so_until_the_n
         shadow.close()
 
 
+def test_a_delay_notice_is_told_to_the_shadows_which_keep_their_copy_and_send_none_again(tmp_path):
+    """The primary's delay DSN (``record_delay_dsn``) queues, in its commit, a ``DelayNotified``
+    event per shadow: handed only to a shadow that asked (``XQDISCARD n RCPT FAILED NOTIFY
+    DELAY``), no discard (XQSTATUS still says Held; a new copy may go to that peer), and told to a
+    shadow made later too. On the shadow it notes the notice on the copy, which stays queued, and
+    on a fork handed to that primary: a promoted copy is not owed one again."""
+    from transportd.queue import shadows as sq
+    from transportd.queue.store import shadow_forks
+    from transportd.redundancy import protocol
+
+    assert mq.DELAY_NOTIFIED == protocol.DELAY_NOTIFIED
+    hop = NextHop("smarthost:127.0.0.1:25", SMART_HOST, "127.0.0.1:25")
+    primary = QueueStore.open(tmp_path / "primary.db")
+    try:
+        mid = primary.transaction(lambda c: mq.enqueue(c, _message(hop, ["a@x.test"], 1)))
+        primary.transaction(lambda c: sq.record_shadow(c, mid, "shadow.t", "g-1", time.time()))
+        assert primary.transaction(lambda c: mq.record_delay_dsn(c, mid, None, time.time())) is None
+        for asked in [(), (True,), (True, True), (True, True, True)]:  # older shadows: not handed out
+            assert primary.transaction(lambda c, a=asked: sq.take_discard_events(c, "shadow.t", 10, "t0", *a)) == []
+        assert primary.read(lambda c: sq.shadow_status(c, "shadow.t", ["g-1"], [])) == (set(), {"g-1"})
+        assert primary.read(lambda c: sq.message_guid(c, mid, None)) == ("g-1", set())  # not busy
+        # A shadow made after the notice (re-shadowing) is told too.
+        primary.transaction(lambda c: sq.settle_reshadow(c, mid, [("other.t", 2)], "g-1", [], True, time.time()))
+        assert primary.transaction(lambda c: sq.take_discard_events(c, "shadow.t", 10, "t1", True, True, True,
+                                                                    True)) == [("g-1", "DelayNotified")]
+        assert primary.transaction(lambda c: sq.take_discard_events(c, "other.t", 10, "t2", True, True, True,
+                                                                    True)) == [("g-1", "DelayNotified")]
+    finally:
+        primary.close()
+
+    shadow = QueueStore.open(tmp_path / "shadow.db")
+    try:
+        copy = _message(hop, ["a@x.test"], 2)
+        copy.role, copy.redundancy, copy.shadow_guid, copy.primary_node = "shadow", "shadow", "g-1", "primary.t"
+        copy_id = shadow.transaction(lambda c: mq.enqueue(c, copy))
+        forked = shadow.transaction(lambda c: mq.enqueue(c, _message(hop, ["b@x.test"], 3)))
+        shadow.transaction(lambda c: c.execute(shadow_forks.insert().values(
+            message_id=forked, primary_node="primary.t", shadow_guid="g-1", queue_id=0, created_at=time.time())))
+        assert shadow.transaction(lambda c: sq.apply_delay_notified(c, "primary.t", ["g-1"], time.time())) == 2
+        assert shadow.transaction(lambda c: sq.apply_delay_notified(c, "primary.t", ["g-1"], time.time())) == 0
+        row = shadow.read(lambda c: mq.message_row(c, copy_id))
+        assert row["state"] == mq.QUEUED and row["role"] == "shadow" and row["delay_dsn_at"] is not None
+        assert shadow.read(lambda c: mq.message_row(c, forked))["delay_dsn_at"] is not None
+        shadow.transaction(lambda c: sq.promote_page(c, "primary.t", None, 10))
+        shadow.transaction(lambda c: c.exec_driver_sql("UPDATE recipients SET status = 'Retry'"))
+        assert shadow.read(lambda c: mq.delayed_messages(c, time.time() + 3600, 1)) == []
+    finally:
+        shadow.close()
+
+
 def test_per_recipient_discards_are_handed_only_to_a_shadow_that_asks(tmp_path):
     """The primary's per-recipient events go to a shadow that asked (``XQDISCARD n RCPT``), never
     to one that did not (an older node, a 2010 peer: its discards go on as before); on the shadow

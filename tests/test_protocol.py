@@ -72,6 +72,30 @@ def test_discard_reply_format_and_parse():
         parse_discard_reply(503, ["5.5.1 Bad sequence of commands"])
 
 
+def test_delay_notified_entries_are_read_only_where_asked():
+    """``XQDISCARD <n> RCPT FAILED NOTIFY DELAY`` (asked only of a primary that offers
+    XQDISCARDDELAY): ``<guid> DelayNotified`` read then, a contract violation for a shadow that did
+    not ask (an older node, which applies none of the batch: so a primary never hands it one)."""
+    from transportd.redundancy.protocol import DELAY_NOTIFIED, parse_xqdiscard_request
+
+    assert DELAY_NOTIFIED == "DelayNotified"
+    assert parse_xqdiscard_request("7 rcpt failed notify delay") == (7, True, True, True, True)
+    assert parse_xqdiscard_request("7 RCPT FAILED NOTIFY") == (7, True, True, True, False)
+    assert parse_xqdiscard_request("7") == (7, False, False, False, False)
+    for bad in ["7 DELAY", "7 RCPT DELAY", "7 RCPT FAILED DELAY", "7 RCPT FAILED NOTIFY DELAY DELAY",
+                "7 RCPT FAILED DELAY NOTIFY"]:
+        with pytest.raises(ProtocolError):
+            parse_xqdiscard_request(bad)
+    g1, g2 = str(uuid.uuid4()), str(uuid.uuid4())
+    lines = [f"{g1} {DELAY_NOTIFIED}", f"{g2} Delivered=a@x.test"]
+    assert parse_discard_entries(250, lines, True, True, True, True) == [(g1, DELAY_NOTIFIED), (g2, "Delivered=a@x.test")]
+    for asked in [(), (True,), (True, True), (True, True, True), (False, False, False, True)]:
+        with pytest.raises(ProtocolError):
+            parse_discard_entries(250, lines, *asked)
+    with pytest.raises(ProtocolError):  # no address or value after it
+        parse_discard_entries(250, [f"{g1} {DELAY_NOTIFIED}=a@x.test"], True, True, True, True)
+
+
 def test_mail_xshadow_parameter_is_split_off():
     g = str(uuid.uuid4())
     assert split_xshadow_param(f"FROM:<a@b.test> SIZE=10 XSHADOW={g.upper()}") == ("FROM:<a@b.test> SIZE=10", g)

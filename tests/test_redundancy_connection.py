@@ -250,6 +250,28 @@ def test_success_notice_discards_only_where_asked() -> None:
     assert one(s, "XQDISCARD 10 RCPT NOTIFY") == Refusal(R501)
 
 
+def test_delay_notices_are_asked_only_after_the_notify_ones() -> None:
+    """``XQDISCARD n RCPT FAILED NOTIFY DELAY`` (asked only of a primary that offers XQDISCARDDELAY
+    too): ``DelayNotified`` entries read; a shadow that asked without ``DELAY`` (an older node) takes
+    one as a contract violation."""
+    c = identified_client()
+    assert c.send_discard(2, recipients=True, failed=True, notify=True, delay=True) == \
+        b"XQDISCARD 2 RCPT FAILED NOTIFY DELAY\r\n"
+    assert c.receive_data(f"250 {G1} DelayNotified\r\n".encode()) == [
+        DiscardBatch(((G1, "DelayNotified"),), complete=True)]
+    c = identified_client()
+    c.send_discard(2, recipients=True, failed=True, notify=True)
+    with pytest.raises(ProtocolError):
+        c.receive_data(f"250 {G1} DelayNotified\r\n".encode())
+    with pytest.raises(ProtocolError):
+        identified_client().send_discard(2, recipients=True, failed=True, delay=True)  # only with Notify too
+    s = server()
+    assert isinstance(one(s, XSHADOW), XShadowReceived)
+    assert one(s, "XQDISCARD 10 rcpt failed notify delay") == DiscardRequested(
+        PRIMARY, 10, recipients=True, failed=True, notify=True, delay=True)
+    assert one(s, "XQDISCARD 10 RCPT FAILED DELAY") == Refusal(R501)
+
+
 @pytest.mark.parametrize("reply", [
     f"250-{G1}\r\n250 not-a-guid\r\n".encode(),
     f"250 {G1} Eaten\r\n".encode(),  # an unknown reason

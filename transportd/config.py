@@ -582,7 +582,7 @@ KEYS: tuple[Key, ...] = (
         "'address:port'); empty = the machine's resolver (/etc/resolv.conf)", "ExternalDNSServers"),
     Key("delivery", "delay_notification_timeout", 4 * HOUR, parse_duration,
         "a message still not delivered this long after it was received gets one delay DSN (RFC 3464 "
-        "action delayed) to its sender; 0 = never", "DelayNotificationTimeout", DUR, limits=(0.0, 30 * DAY)),
+        "action delayed) to its sender, also across a shadow's takeover (its shadows are told); 0 = never", "DelayNotificationTimeout", DUR, limits=(0.0, 30 * DAY)),
     Key("delivery", "poison_message_detection_enabled", True, _bool,
         "move a message whose handling failed with an internal error poison_threshold times (a crash "
         "of the node while it converted the message or built its DSN counts) to the Poison queue", "PoisonMessageDetectionEnabled"),

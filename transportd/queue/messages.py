@@ -45,6 +45,10 @@ RECIPIENT_DELIVERED, RECIPIENT_FAILED = "Delivered=", "Failed="
 # handed out as such only to a shadow that asked (a promotion of its copy sends the notice instead
 # of delivering again), as ``Delivered=`` to one that asked for per-recipient entries alone.
 RECIPIENT_NOTIFY = ("NotifyDelivered=", "NotifyRelayed=")
+# ... and of a message whose delay DSN (DelayNotificationTimeout) went to the sender: not a discard
+# (the shadow keeps its copy and notes the notice on it, so a promotion sends no second one),
+# handed out only to a shadow that asked (redundancy/protocol.py's DELAY_NOTIFIED, its wire text).
+DELAY_NOTIFIED = "DelayNotified"
 MAX_RECIPIENT_REASON = 1000  # octets: a reply line stays far below the peers' 4096
 # The Poison queue (Exchange's): not a next hop but the messages held with ``poisoned`` = 1.
 POISON = "Poison"
@@ -547,9 +551,26 @@ def delayed_messages(conn: Connection, now: float, timeout: float, limit: int = 
 
 
 def record_delay_dsn(conn: Connection, message_id: int, dsn: NewMessage | None, now: float) -> int | None:
-    """A delay DSN was sent for ``message_id`` (never again); returns the DSN's id, if one was made."""
+    """A delay DSN was sent for ``message_id`` (never again); returns the DSN's id, if one was made.
+    Its shadows are told in the same commit (``tell_delay_notified``): a promotion of theirs sends
+    none again (one was due, made or not needed: the same decision)."""
     UPDATE_MESSAGE.run(conn, {"delay_dsn_at": now}, message_id)
+    tell_delay_notified(conn, message_id, now)
     return enqueue(conn, dsn) if dsn is not None else None
+
+
+def tell_delay_notified(conn: Connection, message_id: int, now: float,
+                        shadows: Iterable[tuple[str, str]] | None = None) -> int:
+    """One ``DelayNotified`` event for each shadow (node, GUID) of ``message_id`` (default: all its
+    shadows): its delay notice is out, so the shadow notes it on its copy. Returns how many."""
+    if shadows is None:
+        shadows = driver(conn).execute(_SHADOWS_OF, (message_id,)).fetchall()
+    n = 0
+    for node, guid in shadows:
+        _INSERT_DISCARD.run(conn, {"shadow_node": node, "shadow_guid": guid, "created_at": now,
+                                   "reason": DELAY_NOTIFIED})
+        n += 1
+    return n
 
 
 def retry_delay(attempt: int, interval: float, count: int, long_interval: float) -> float:

@@ -36,6 +36,7 @@ from transportd.queue.store import (
 _INSERT_MESSAGE_SHADOW = Insert(message_shadows)  # on the path of every 250 (queue/direct.py)
 _INSERT_DISCARD = insert(discard_events)
 _INSERT_FORK = insert(shadow_forks)
+_not_delay_notified = or_(discard_events.c.reason.is_(None), discard_events.c.reason != mq.DELAY_NOTIFIED)
 
 
 # --------------------------------------------------------------------------- primary side
@@ -139,6 +140,21 @@ def apply_delivered_recipients(conn: Connection, primary: str, entries: Iterable
     return list(dict.fromkeys(guids))
 
 
+def apply_delay_notified(conn: Connection, primary: str, guids: Iterable[str], now: float) -> int:
+    """``DelayNotified`` events of ``primary``: it sent the delay DSN of these messages (GUIDs), so
+    our queued shadow copies of them note it (``delay_dsn_at``: a promotion sends none again), and
+    so do our messages whose forks it took hop by hop (should it be lost, the recipients routed again
+    get none either). The copies stay. Returns how many messages changed."""
+    guids = list(dict.fromkeys(guids))
+    forked = select(shadow_forks.c.message_id).where(shadow_forks.c.primary_node == primary,
+                                                     shadow_forks.c.shadow_guid.in_(guids))
+    copies = and_(messages.c.role == "shadow", messages.c.primary_node == primary,
+                  messages.c.state == mq.QUEUED, messages.c.shadow_guid.in_(guids))
+    return conn.execute(update(messages).where(messages.c.delay_dsn_at.is_(None),
+                                               or_(copies, messages.c.id.in_(forked)))
+                        .values(delay_dsn_at=now)).rowcount
+
+
 def failed_on(primary: str) -> str:
     """The ``last_error`` of a recipient ``primary`` told us it failed (``Failed=``), its DSN out."""
     return f"failed on the primary {primary}"
@@ -197,15 +213,18 @@ def release_covered_forks(conn: Connection, primary: str, guids: Iterable[str], 
 
 
 def take_discard_events(conn: Connection, shadow_node: str, n: int, token: str, recipients: bool = False,
-                        failed: bool = False, notify: bool = False) -> list[tuple[str, str | None]]:
+                        failed: bool = False, notify: bool = False, delay: bool = False) -> list[tuple[str, str | None]]:
     """Up to ``n`` (guid, reason) discard events for ``shadow_node``, marked as handed out on
     ``token``; per-recipient ones (``Delivered=``) only with ``recipients`` (the shadow asked), and
     ``Failed=`` ones only with ``failed`` too. ``NotifyDelivered=``/``NotifyRelayed=`` ones go as
     such only with ``notify`` too, as ``Delivered=`` to a shadow that asked for per-recipient
     entries without it (what it was handed before: a promotion of its copy does not deliver the
-    recipient again, nor send its notice)."""
+    recipient again, nor send its notice). ``DelayNotified`` ones only with ``delay`` too (and the
+    others): a shadow that did not ask would refuse the whole batch; they wait for the housekeeping
+    then, as any event nobody takes (a promotion of its copy sends the delay notice again, as before)."""
     unasked = [] if recipients else [PER_RECIPIENT, *mq.RECIPIENT_NOTIFY]
     unasked += [] if recipients and failed else [mq.RECIPIENT_FAILED]
+    unasked += [] if recipients and failed and notify and delay else [mq.DELAY_NOTIFIED]
     only = [or_(discard_events.c.reason.is_(None),
                 and_(*[discard_events.c.reason.not_like(f"{k}%") for k in unasked]))] if unasked else []
     rows = conn.execute(select(discard_events.c.id, discard_events.c.shadow_guid, discard_events.c.reason)
@@ -333,8 +352,9 @@ def message_guid(conn: Connection, message_id: int, promoted_guid: str | None) -
         message_shadows.c.message_id == message_id).order_by(message_shadows.c.created_at).limit(1)).scalar()
     if guid is None:
         return None, set()
+    # A DelayNotified event is no discard: it holds for a new copy as well (the notice is out).
     busy = set(conn.execute(select(discard_events.c.shadow_node).where(
-        discard_events.c.shadow_guid == guid).distinct()).scalars())
+        discard_events.c.shadow_guid == guid, _not_delay_notified).distinct()).scalars())
     return guid, busy
 
 
@@ -345,11 +365,14 @@ def settle_reshadow(conn: Connection, message_id: int, shadow_nodes: Iterable[st
     its peer named in ``databases``); returns the message state. A copy made for a message that was
     delivered (or removed) meanwhile gets its discard event at once."""
     discard_uncertain(conn, uncertain, guid, now)
-    state = conn.execute(select(messages.c.state).where(messages.c.id == message_id)).scalar()
+    state, delay_dsn_at = conn.execute(select(messages.c.state, messages.c.delay_dsn_at).where(
+        messages.c.id == message_id)).first() or (None, None)
     for node, rank in _ranked(shadow_nodes):
         record_shadow(conn, message_id, node, guid, now, rank, (databases or {}).get(node))
         if state != mq.QUEUED:
             discard_uncertain(conn, [node], guid, now)
+        elif delay_dsn_at is not None:  # its delay notice is out: the new copy is told, as the others were
+            mq.tell_delay_notified(conn, message_id, now, [(node, guid)])
     # by peer: two copies on one peer (a new shadow and an adopted one) are one peer's protection
     held = conn.execute(select(func.count(message_shadows.c.shadow_node.distinct()))
                         .where(message_shadows.c.message_id == message_id)).scalar() or 0
@@ -372,9 +395,12 @@ def record_adopted(conn: Connection, peer: str, adopted: Iterable[tuple[int, str
         taken = conn.execute(select(message_shadows.c.shadow_node).where(
             message_shadows.c.message_id == message_id, message_shadows.c.shadow_rank == rank,
             message_shadows.c.shadow_node != peer).limit(1)).first()
-        state = conn.execute(select(messages.c.state).where(messages.c.id == message_id)).scalar()
+        state, delay_dsn_at = conn.execute(select(messages.c.state, messages.c.delay_dsn_at).where(
+            messages.c.id == message_id)).first() or (None, None)
         if taken is None:
             record_shadow(conn, message_id, peer, guid, now, rank)
+            if state == mq.QUEUED and delay_dsn_at is not None:  # we (or the lost primary) sent its delay notice
+                mq.tell_delay_notified(conn, message_id, now, [(peer, guid)])
         else:
             surplus.append((message_id, guid, rank))
         if taken is not None or state != mq.QUEUED:
@@ -388,8 +414,8 @@ def shadow_status(conn: Connection, shadow_node: str, guids: list[str], peers: l
     while its row lives (to the end of its Safety Net hold): by a shadow recorded for it
     (``message_shadows``, read whole: no index by GUID, and a heartbeat asks a bounded batch), or
     as a copy of that GUID we promoted (found by ix_messages_shadow, its primary being a peer)."""
-    per_recipient = and_(discard_events.c.reason.not_like(f"{PER_RECIPIENT}%"),
-                         discard_events.c.reason.not_like(f"{mq.RECIPIENT_FAILED}%"))
+    per_recipient = and_(*[discard_events.c.reason.not_like(f"{k}%") for k in (
+        PER_RECIPIENT, mq.RECIPIENT_FAILED, *mq.RECIPIENT_NOTIFY, mq.DELAY_NOTIFIED)])
     done = set(conn.execute(select(discard_events.c.shadow_guid).where(
         discard_events.c.shadow_node == shadow_node, discard_events.c.shadow_guid.in_(guids),
         or_(discard_events.c.reason.is_(None), per_recipient))).scalars())

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from transportd.errors import ProtocolError
 from transportd.redundancy.protocol import (
+    DELAY_ARG,
     FAILED_ARG,
     MAX_SHADOW_RANK,
     NOTIFY_ARG,
@@ -165,6 +166,7 @@ class DiscardRequested(Event):
     recipients: bool = False  # ``XQDISCARD n RCPT``: per-recipient entries wanted too
     failed: bool = False  # ``XQDISCARD n RCPT FAILED``: ``Failed=`` ones as well
     notify: bool = False  # ``XQDISCARD n RCPT FAILED NOTIFY``: ``NotifyDelivered=``/``NotifyRelayed=`` too
+    delay: bool = False  # ``XQDISCARD n RCPT FAILED NOTIFY DELAY``: ``DelayNotified`` too
 
 
 @dataclass(frozen=True)
@@ -282,9 +284,7 @@ class ClientConnection:
         self.peer_queue_database_id: str | None = None  # from the XSHADOW reply
         self._discards_failed = False
         self._asked = 0
-        self._asked_recipients = False
-        self._asked_failed = False
-        self._asked_notify = False
+        self._asked_kinds: tuple[bool, ...] = ()  # (recipients, failed, notify, delay) of the XQDISCARD awaited
         self._lines = _Lines()
         self._partial: list[str] = []
         self._partial_code = 0
@@ -326,12 +326,13 @@ class ClientConnection:
         return self._send(ClientState.AWAITING_XSHADOW, f"XSHADOW {encode_fqdn(self.local_fqdn)}")
 
     def send_discard(self, max_count: int = 50, recipients: bool = False, failed: bool = False,
-                     notify: bool = False) -> bytes:
+                     notify: bool = False, delay: bool = False) -> bytes:
         """XQDISCARD; ``recipients``: ask for per-recipient entries too (only of a primary whose
         EHLO reply offers XQDISCARDRCPT: another answers the argument with 501); ``failed``: for
         ``Failed=`` ones as well (only of a primary that also offers XQDISCARDFAILED); ``notify``:
         for ``NotifyDelivered=``/``NotifyRelayed=`` ones as well (only of a primary that also
-        offers XQDISCARDNOTIFY)."""
+        offers XQDISCARDNOTIFY); ``delay``: for ``DelayNotified`` ones as well (only of a primary
+        that also offers XQDISCARDDELAY)."""
         self._ready("XQDISCARD")
         if self.peer_queue_database_id is None:
             raise LocalProtocolError("XQDISCARD before XSHADOW identified the primary")
@@ -341,9 +342,10 @@ class ClientConnection:
             raise LocalProtocolError("XQDISCARD asks for Failed= entries only with the per-recipient ones (RCPT)")
         if notify and not failed:
             raise LocalProtocolError("XQDISCARD asks for Notify entries only with the Failed= ones (RCPT FAILED)")
-        self._asked, self._asked_recipients, self._asked_failed = max_count, recipients, failed
-        self._asked_notify = notify
-        words = [RCPT_ARG] * recipients + [FAILED_ARG] * failed + [NOTIFY_ARG] * notify
+        if delay and not notify:
+            raise LocalProtocolError("XQDISCARD asks for DelayNotified only with the Notify ones (RCPT FAILED NOTIFY)")
+        self._asked, self._asked_kinds = max_count, (recipients, failed, notify, delay)
+        words = [RCPT_ARG] * recipients + [FAILED_ARG] * failed + [NOTIFY_ARG] * notify + [DELAY_ARG] * delay
         return self._send(ClientState.AWAITING_DISCARD, " ".join(["XQDISCARD", str(max_count), *words]))
 
     def send_status(self, guids: Sequence[str]) -> bytes:
@@ -482,8 +484,7 @@ class ClientConnection:
             return self._copy_reply(code, text)
         event: Event
         if awaiting is ClientState.AWAITING_DISCARD and code in (250, 251):
-            entries = tuple(parse_discard_entries(code, lines, self._asked_recipients, self._asked_failed,
-                                                  self._asked_notify))
+            entries = tuple(parse_discard_entries(code, lines, *self._asked_kinds))
             event = DiscardBatch(entries, len(entries) < self._asked)
         elif awaiting is ClientState.AWAITING_ADOPT and code in (250, 251):
             event = Adopted(tuple(parse_adopt_reply(code, lines, self._adopt_asked)))
@@ -652,11 +653,11 @@ class ServerConnection:
         if self.xshadow_peer is None:
             return Refusal(_wire(S503_BAD_SEQUENCE), "XQDISCARD before XSHADOW")
         try:
-            n, recipients, failed, notify = parse_xqdiscard_request(arg, MAX_DISCARD_BATCH)
+            n, recipients, failed, notify, delay = parse_xqdiscard_request(arg, MAX_DISCARD_BATCH)
         except ProtocolError as exc:
             return Refusal(_wire(S501_INVALID_ARGUMENTS), str(exc))
         self.discards_out = True
-        return DiscardRequested(self.xshadow_peer, n, recipients, failed, notify)
+        return DiscardRequested(self.xshadow_peer, n, recipients, failed, notify, delay)
 
     def _xqstatus(self, arg: str | None) -> Event:
         if refusal := self._refusal(check_transaction=False):

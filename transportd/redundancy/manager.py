@@ -154,16 +154,18 @@ class ShadowManager:
         return result
 
     async def take_discard_events(self, shadow_node: str, n: int, token: str, recipients: bool = False,
-                                  failed: bool = False, notify: bool = False) -> list[tuple[str, str | None]]:
+                                  failed: bool = False, notify: bool = False,
+                                  delay: bool = False) -> list[tuple[str, str | None]]:
         """Up to ``n`` discard ids for a shadow, marked as handed out on session ``token``: deleted
         when that session ends with QUIT (the shadow applied them first), handed out again if it
         breaks. A discard is never lost to a dropped connection. ``recipients``: the shadow takes
         per-recipient entries (``XQDISCARD n RCPT``), ``failed``: ``Failed=`` ones too (``RCPT
         FAILED``); another is never handed one. ``notify``: ``NotifyDelivered=``/``NotifyRelayed=``
         ones too (``RCPT FAILED NOTIFY``); another that takes per-recipient entries gets
-        ``Delivered=`` for them."""
+        ``Delivered=`` for them. ``delay``: ``DelayNotified`` ones too (``RCPT FAILED NOTIFY DELAY``);
+        another is never handed one."""
         return await self.store.write(lambda c: sq.take_discard_events(c, shadow_node, n, token, recipients,
-                                                                       failed, notify))
+                                                                       failed, notify, delay))
 
     async def shadow_status(self, shadow_node: str, guids: list[str]) -> dict[str, str]:
         """XQSTATUS: per GUID, Done (a discard of the message waits for that shadow), Held (a

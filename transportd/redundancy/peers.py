@@ -36,6 +36,7 @@ from transportd.redundancy.connection import (
     TransactionReplies,
 )
 from transportd.redundancy.protocol import (
+    DELAY_DISCARDS_KEYWORD,
     FAILED_DISCARDS_KEYWORD,
     MAX_STATUS_BATCH,
     NOTIFY_DISCARDS_KEYWORD,
@@ -163,8 +164,10 @@ class PeerSession:
         failed = recipients and self.client.supports_extension(FAILED_DISCARDS_KEYWORD.lower())  # Failed= too
         # ... and the recipients delivered whose success notice is still queued there
         notify = failed and self.client.supports_extension(NOTIFY_DISCARDS_KEYWORD.lower())
+        # ... and that a message's delay notice went to its sender (the copy is kept, noted so)
+        delay = notify and self.client.supports_extension(DELAY_DISCARDS_KEYWORD.lower())
         while True:
-            events = await self._exchange(self.conn.send_discard(DISCARD_BATCH, recipients, failed, notify))
+            events = await self._exchange(self.conn.send_discard(DISCARD_BATCH, recipients, failed, notify, delay))
             batch = next((e for e in events if isinstance(e, DiscardBatch)), None)
             if batch is None:
                 raise ProtocolError(_refusal("XQDISCARD", events))

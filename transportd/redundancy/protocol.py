@@ -97,20 +97,22 @@ def parse_xqdiscard(arg: str | None, maximum: int = 1000) -> int:
     return parse_xqdiscard_request(arg, maximum)[0]
 
 
-def parse_xqdiscard_request(arg: str | None, maximum: int = 1000) -> tuple[int, bool, bool, bool]:
-    """``XQDISCARD <count> [RCPT [FAILED [NOTIFY]]]``: the batch size (capped at ``maximum``),
-    whether the shadow takes per-recipient entries (``RCPT``, asked only of a primary that offers
-    ``XQDISCARDRCPT``), whether ``Failed=`` ones too (``FAILED``, asked only of a primary that
-    offers ``XQDISCARDFAILED``) and whether ``NotifyDelivered=``/``NotifyRelayed=`` ones too
-    (``NOTIFY``, asked only of a primary that offers ``XQDISCARDNOTIFY``)."""
+def parse_xqdiscard_request(arg: str | None, maximum: int = 1000) -> tuple[int, bool, bool, bool, bool]:
+    """``XQDISCARD <count> [RCPT [FAILED [NOTIFY [DELAY]]]]``: the batch size (capped at
+    ``maximum``), whether the shadow takes per-recipient entries (``RCPT``, asked only of a primary
+    that offers ``XQDISCARDRCPT``), whether ``Failed=`` ones too (``FAILED``, asked only of a
+    primary that offers ``XQDISCARDFAILED``), whether ``NotifyDelivered=``/``NotifyRelayed=`` ones
+    too (``NOTIFY``, asked only of a primary that offers ``XQDISCARDNOTIFY``) and whether
+    ``DelayNotified`` ones too (``DELAY``, asked only of a primary that offers ``XQDISCARDDELAY``)."""
     words = (arg or "").split()
     extra = [w.upper() for w in words[1:]]
-    if not words or extra not in ([], [RCPT_ARG], [RCPT_ARG, FAILED_ARG], [RCPT_ARG, FAILED_ARG, NOTIFY_ARG]):
+    chain = [RCPT_ARG, FAILED_ARG, NOTIFY_ARG, DELAY_ARG]
+    if not words or extra != chain[:len(extra)]:
         raise ProtocolError("XQDISCARD needs a batch size > 0 (and RCPT, RCPT FAILED, RCPT FAILED NOTIFY, "
-                            "or nothing, after it)")
+                            "RCPT FAILED NOTIFY DELAY, or nothing, after it)")
     if not words[0].isdigit() or int(words[0]) <= 0:
         raise ProtocolError("XQDISCARD needs a batch size > 0")
-    return min(int(words[0]), maximum), bool(extra), FAILED_ARG in extra, NOTIFY_ARG in extra
+    return min(int(words[0]), maximum), bool(extra), FAILED_ARG in extra, NOTIFY_ARG in extra, DELAY_ARG in extra
 
 
 # Reasons a discard id may carry after it (``250-<guid> DeletedByAdmin``): the message was not
@@ -148,6 +150,15 @@ NOTIFY_DELIVERED = "NotifyDelivered="
 NOTIFY_RELAYED = "NotifyRelayed="
 # The RFC 3464 action of the notice each of them owes.
 NOTICE_ACTIONS = {NOTIFY_DELIVERED: "delivered", NOTIFY_RELAYED: "relayed"}
+# ... and that the delay notice of a message (RFC 3464 action ``delayed``, one per message after
+# DelayNotificationTimeout) went to its sender: a primary that offers them says ``XQDISCARDDELAY``
+# too; a shadow that takes them asks ``XQDISCARD <n> RCPT FAILED NOTIFY DELAY``, and an entry
+# ``<guid> DelayNotified`` then tells it so. Not a discard: the shadow keeps its copy and notes the
+# notice on it, so a promotion sends no second one. Never handed to a shadow that did not ask (an
+# older one reads an unknown reason as a contract violation and applies none of the batch).
+DELAY_DISCARDS_KEYWORD = "XQDISCARDDELAY"
+DELAY_ARG = "DELAY"
+DELAY_NOTIFIED = "DelayNotified"
 
 
 def delivered_reason(address: str) -> str:
@@ -189,12 +200,12 @@ def format_discard_reply(entries: Sequence[str | tuple[str, str | None]]) -> lis
     return [f"250-{t}" for t in texts[:-1]] + [f"250 {texts[-1]}"]
 
 
-def parse_discard_entries(code: int, lines: Sequence[str], recipients: bool = False,
-                          failed: bool = False, notify: bool = False) -> list[tuple[str, str | None]]:
+def parse_discard_entries(code: int, lines: Sequence[str], recipients: bool = False, failed: bool = False,
+                          notify: bool = False, delay: bool = False) -> list[tuple[str, str | None]]:
     """(GUID, reason or None) from an XQDISCARD reply; ProtocolError on any malformed line (keep
     every shadow then). ``recipients``: the shadow asked for per-recipient entries (``Delivered=``);
     ``failed``: for ``Failed=`` ones too; ``notify``: for ``NotifyDelivered=``/``NotifyRelayed=``
-    ones as well."""
+    ones as well; ``delay``: for ``DelayNotified`` ones as well."""
     if code == 251:
         return []
     if code != 250:
@@ -207,7 +218,8 @@ def parse_discard_entries(code: int, lines: Sequence[str], recipients: bool = Fa
             continue
         guid, _, reason = line.strip().partition(" ")
         per_recipient = any(reason.startswith(k) and XTEXT.fullmatch(reason[len(k):]) for k in kinds)
-        if reason and reason not in DISCARD_REASONS and not per_recipient:
+        delay_told = reason == DELAY_NOTIFIED and recipients and failed and notify and delay
+        if reason and reason not in DISCARD_REASONS and not per_recipient and not delay_told:
             raise ProtocolError(f"unknown discard reason {reason[:40]!r}")
         out.append((parse_guid(guid), reason or None))
     return out

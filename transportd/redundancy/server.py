@@ -32,6 +32,7 @@ from transportd.redundancy.connection import (
     XShadowReceived,
 )
 from transportd.redundancy.protocol import (
+    DELAY_DISCARDS_KEYWORD,
     FAILED_DISCARDS_KEYWORD,
     NOTIFY_DISCARDS_KEYWORD,
     RCPT_DISCARDS_KEYWORD,
@@ -198,7 +199,7 @@ class TransportSMTP(LimitedSMTP):
         if isinstance(event, DiscardRequested):
             entries = await self.manager.take_discard_events(event.peer_fqdn, event.max_count, self._discard_token,
                                                              recipients=event.recipients, failed=event.failed,
-                                                             notify=event.notify)
+                                                             notify=event.notify, delay=event.delay)
             await self._write(self.conn.discard_reply(entries))
 
     @syntax("XQSTATUS guid ...")
@@ -271,7 +272,8 @@ class TransportHandler(FrontendHandler):
         if self.manager.sr.version == "2010":
             return out[:-1] + ["250-XSHADOW", out[-1]]
         return out[:-1] + ["250-XSHADOWREQUEST", f"250-{RCPT_DISCARDS_KEYWORD}", f"250-{FAILED_DISCARDS_KEYWORD}",
-                           f"250-{NOTIFY_DISCARDS_KEYWORD}", f"250-{STATUS_KEYWORD}", out[-1]]
+                           f"250-{NOTIFY_DISCARDS_KEYWORD}", f"250-{DELAY_DISCARDS_KEYWORD}", f"250-{STATUS_KEYWORD}",
+                           out[-1]]
 
     async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope, address: str,
                           rcpt_options: list[str]) -> str:

@@ -26,7 +26,7 @@ from transportd.queue.messages import NewMessage
 from transportd.queue.routing import bifurcate
 from transportd.queue.store import QueueStore
 from transportd.redundancy.events import EventSink
-from transportd.redundancy.protocol import FAILED, NOTICE_ACTIONS, recipient_done
+from transportd.redundancy.protocol import DELAY_NOTIFIED, FAILED, NOTICE_ACTIONS, recipient_done
 from transportd.smtp.frontend import new_network_message_id, received_as
 from transportd.smtp.headers import header_fields, network_id_from
 
@@ -91,8 +91,14 @@ class ShadowQueues:
         # Applied in their order, a run of one kind at a time (a notice owed, then its end).
         runs: list[tuple[str, str | None, list[tuple[str, str]]]] = []
         whole = []
+        # The primary sent these messages' delay notice: noted on our copies (and forks), kept.
+        delayed = [g for g, r in entries if r == DELAY_NOTIFIED]
+        if delayed:
+            await self.store.write(lambda c: sq.apply_delay_notified(c, primary, delayed, now))
         for guid, reason in entries:
             told = recipient_done(reason)
+            if reason == DELAY_NOTIFIED:
+                continue
             if told is None:
                 whole.append((guid, reason))
                 continue
