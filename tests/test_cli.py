@@ -658,8 +658,10 @@ def test_empty_idle_queues_are_removed_a_suspended_one_stays_and_mail_makes_them
     # New mail for the same next hop makes its queue again (Ready, no back-off) and goes.
     send(node, "dave@foreign.test")
     wait_for(lambda: len(sink.messages()) == 2, what="mail to the removed queue's next hop delivered")
-    q = queue_by_identity(node, ident)
-    assert q is not None and q["state"] == "Ready" and q["retry_count"] == 0, q
+    # Active until the delivery's outcome is committed, a moment after the sink's 250.
+    q = wait_for(lambda: (q := queue_by_identity(node, ident)) and q["state"] != "Active" and q, timeout=10,
+                 what=f"{ident} past its delivery")
+    assert q["state"] == "Ready" and q["retry_count"] == 0, q
     # The held queue, resumed, is empty and idle: it goes too.
     cli(node, "queue", "resume", local)
     wait_for(lambda: queue_by_identity(node, local) is None, timeout=20, interval=0.5,
