@@ -272,6 +272,38 @@ def test_peers_are_parsed_and_checked() -> None:
         load_dict({**raw, "peers": raw["peers"] + [{"name": "node3.t", "site": "a", "transport": "127.0.0.12:2526"}]})
 
 
+def test_a_mailbox_database_routing_names_must_be_in_mailbox_databases() -> None:
+    """route() takes a database with no owner for this node's: with its owner taken out of
+    [mailbox_databases] (a node drained away), every remaining node would deliver its mail into
+    its own store. So a database routing names must be listed, once there is a table at all."""
+    raw = {"node": {"name": "node2.t"}, "transport": {"listen": "127.0.0.12:2526"}, "cluster": {"secret": "s"},
+           "peers": [{"name": "node3.t", "site": "site-b", "transport": "127.0.0.13:2526"}],
+           "routing": {"accepted_domains": ["example.test"], "mailbox_database": "MDB01"},
+           "mailbox_databases": {"MDB02": "node2.t", "MDB03": "node3.t"}}
+    with pytest.raises(ConfigError, match=r"routing.mailbox_database: mailbox database MDB01 is not in "
+                                          r"\[mailbox_databases\]"):
+        load_dict(raw)
+    with pytest.raises(ConfigError, match=r"routing.mailbox_database_rules: mailbox database MDB09 is not in "
+                                          r"\[mailbox_databases\]"):
+        load_dict({**raw, "routing": {**raw["routing"], "mailbox_database": "MDB02",
+                                      "mailbox_database_rules": ["dave@example.test=MDB09"]}})
+    # Handed to another node: listed again, fine.
+    cfg = load_dict({**raw, "mailbox_databases": {**raw["mailbox_databases"], "MDB01": "node2.t"}})
+    assert cfg.mailbox_databases["MDB01"] == "node2.t"
+    # No table at all: the database is this node's own local store, as before.
+    assert load_dict({"routing": {"mailbox_database": "MDB07",
+                                  "mailbox_database_rules": ["*@b.test=MDB08"]}}).routing.mailbox_database == "MDB07"
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "config").glob("*/*.toml")), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_shipped_cluster_configs_name_listed_mailbox_databases(path: Path) -> None:
+    import tomllib
+    raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    raw["cluster"] = {"secret": "s"}  # compose's comes from a file that only exists in the container
+    cfg = load_dict(raw)
+    assert cfg.routing.mailbox_database in cfg.mailbox_databases
+
+
 @pytest.mark.parametrize("listen, smart_host, loops", [
     ("127.0.0.186:2710", "127.0.0.186:2710", True),
     ("127.0.0.1:2710", "localhost:2710", True),

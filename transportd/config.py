@@ -527,7 +527,8 @@ KEYS: tuple[Key, ...] = (
         "'*@sales.example.test=MDB03'); the first match wins, else routing.mailbox_database; a U-label in a "
         "pattern's domain is matched as its A-label"),
     Key("routing", "mailbox_database", "local", _str,
-        "name of this node's mailbox database (the queue for local delivery is 'mailbox:<name>')"),
+        "mailbox database of the accepted domains' recipients no rule matches (the queue for local delivery is "
+        "'mailbox:<name>'); with a [mailbox_databases] table, it and every rule's database must be listed there"),
     # delivery (send connector and queues)
     Key("delivery", "message_expiration_timeout", 2 * DAY, parse_duration,
         "how long a message may stay queued before it fails with a DSN", "MessageExpirationTimeout", DUR,
@@ -1123,6 +1124,21 @@ def _read_secret_file(cluster: dict[str, Any], base_dir: Path, source: str) -> N
     cluster["secret"] = secret
 
 
+def _databases_are_listed(cfg: Config, source: str) -> None:
+    """With ``[mailbox_databases]``, every database routing names must be listed there: route()
+    takes an unlisted one for this node's, so on a cluster each node would keep its own copy of
+    it (e.g. MDB01's owner taken out of the table, its mail split across the remaining nodes)."""
+    if not cfg.mailbox_databases:
+        return  # no table: the database is this node's local store
+    named = [("routing.mailbox_database", cfg.routing.mailbox_database)]
+    named += [("routing.mailbox_database_rules", rule.partition("=")[2].strip())
+              for rule in cfg.routing.mailbox_database_rules]
+    for key, db in named:
+        if db not in cfg.mailbox_databases:
+            raise ConfigError(f"{source}: {key}: mailbox database {db} is not in [mailbox_databases] "
+                              "(name the node that holds it there)")
+
+
 def _cross_checks(cfg: Config, source: str) -> None:
     """Values that are each in range but make no sense together; the message names both keys."""
     for rule in cfg.routing.mailbox_database_rules:
@@ -1133,6 +1149,7 @@ def _cross_checks(cfg: Config, source: str) -> None:
     for db, node in cfg.mailbox_databases.items():
         if node not in known:
             raise ConfigError(f"{source}: mailbox_databases.{db}: {node} is neither this node nor a configured peer")
+    _databases_are_listed(cfg, source)
     if cfg.peers and not cfg.cluster.secret:
         raise ConfigError(f"{source}: cluster.secret: required when [[peers]] are configured")
     if cfg.peers and not cfg.transport.listen:
