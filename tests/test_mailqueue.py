@@ -621,7 +621,22 @@ def test_redirect_leaves_suspended_and_poison_messages_held(store) -> None:
     assert rows(store, messages, messages.c.id == held)[0]["suspended"] == 1
     queues_of = {r["message_id"]: r["queue_id"] for r in rows(store, recipients)}
     assert queues_of[held] == queues_of[poison] != queues_of[free]
-    assert store.read(mq.held_messages) == 2
+    assert store.read(mq.held_messages) == {"poison": 1, "suspended message": 1, "suspended queue": 0}
+
+
+def test_a_drain_leaves_a_suspended_queue_held_a_promotion_moves_it(store) -> None:
+    """Suspend-Queue's hold is the queue's: a drain leaves its recipients (the peer would send
+    them to the same next hop at once) and counts them; shadow redundancy promotion moves a
+    message out of a suspended queue, that being one of its reasons (QueueSuspended)."""
+    one = enqueue(store, {SMART: ["x@remote.test"]}, nid="one")
+    two = enqueue(store, {SMART: ["y@remote.test"]}, nid="two")
+    queue_id = rows(store, recipients, recipients.c.message_id == one)[0]["queue_id"]
+    tx(store, lambda c: mq.set_queue_suspended(c, queue_id, True))
+    assert tx(store, lambda c: mq.redirect_to_peer(c, "node2.transportd.test", T0)) == []
+    assert store.read(mq.held_messages) == {"poison": 0, "suspended message": 0, "suspended queue": 2}
+    moved = tx(store, lambda c: mq.redirect_to_peer(c, "node2.transportd.test", T0, message_id=two))
+    assert [m["id"] for m in moved] == [two]
+    assert store.read(mq.held_messages) == {"poison": 0, "suspended message": 0, "suspended queue": 1}
 
 
 def test_redirect_moves_what_an_attempt_leaves_pending_once_it_ends(store) -> None:

@@ -252,6 +252,47 @@ def test_redirect_waits_for_an_attempt_under_way_and_moves_what_it_leaves(tmp_pa
         silent.close()
 
 
+def test_redirect_leaves_a_suspended_queue_held_and_says_which_hold(two_nodes, sink):
+    """The operator suspended node1's queue to the smart host (Suspend-Queue: the hold is the
+    queue's) and one message besides. A drain moves neither: node2 would relay the queue's mail
+    to the same smart host at once, while node1's queue still says Suspended. The output counts
+    what stays by hold; with the smart host back, nothing reaches it from either node."""
+    node1, node2 = two_nodes
+    host, _, port = node1.frontend.rpartition(":")
+    smarthost = f"smarthost:{sink.address}"
+
+    def queue_one() -> int:
+        return queued_id(swaks(int(port), "--to", "carol@elsewhere.test", "--from", "bob@example.test",
+                               server=host))
+    first = queue_one()  # the sink is down: deferred, its queue made
+    wait_for(lambda: _events(node1.config, event_id="DEFER"), what="a DEFER on node1")
+    res = _cli(node1.config, "queue", "suspend", smarthost)
+    assert res.returncode == 0, res.stderr
+    queue_one()
+    held = queue_one()
+    res = _cli(node1.config, "message", "suspend", str(held))
+    assert res.returncode == 0, res.stderr
+
+    res = _cli(node1.config, "redirect", "--target", node2.name, "--wait", "0")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == [
+        f"0 message(s) redirected to {node2.name} (queue peer:{node2.name})",
+        ("3 suspended or poison message(s) stay here, held (1 suspended message, 2 suspended queue): resume them "
+         "and redirect again to move them")], res.stdout
+
+    sink.start()
+    time.sleep(3)  # waiting for absence: node2 would have relayed a redirected copy within a second
+    assert sink.messages() == []
+    assert _events(node1.config, event_id="SEND") == []
+    listed = [json.loads(line) for line in _cli(node1.config, "queue", "list", "--json").stdout.splitlines()
+              if line.strip()]
+    assert [(q["identity"], q["state"]) for q in listed if q["identity"] == smarthost] == [(smarthost, "Suspended")]
+    res = _cli(node1.config, "queue", "resume", smarthost)
+    assert res.returncode == 0, res.stderr
+    wait_for(lambda: len(sink.messages()) >= 2, timeout=20, what="node1 delivering once its queue is resumed")
+    assert {e["internal-message-id"] for e in _events(node1.config, event_id="SENDEXTERNAL")} >= {str(first)}
+
+
 def test_redirected_copy_is_resubmitted_when_the_target_comes_back_empty(two_nodes, procs, tmp_path):
     """node1 drained its message to node2 and keeps the hop-by-hop copy; node2 comes back with a new
     queue database before delivering it: node1 resubmits its copy (ShadowStateChange), tracked as

@@ -148,7 +148,9 @@ def redirect(cfg: Config, target: str, wait: float) -> None:
     Every queued message goes to the peer hop by hop with XSHADOW: the peer becomes primary and
     this node keeps a shadow until the peer's discard. A recipient in a delivery attempt (Active)
     finishes it here; if the attempt leaves it pending (a deferral), it is moved once the attempt
-    ends, for up to --wait seconds. A running daemon starts within a second; a stopped one at its
+    ends, for up to --wait seconds. What an operator holds stays here, held, and is counted by
+    hold: recipients of a suspended queue (the peer would send them on to the same next hop at
+    once), suspended messages, the Poison queue. A running daemon starts within a second; a stopped one at its
     next start. As with Redirect-Message, message tracking shows the move as the hand-over itself
     (SEND to the peer, RECEIVE there); REDIRECT is Exchange's event for a recipient redirected to
     an alternate recipient, not written here.
@@ -175,6 +177,8 @@ def redirect(cfg: Config, target: str, wait: float) -> None:
     if in_attempt:
         click.echo(f"{in_attempt} message(s) still in a delivery attempt here after {wait:g}s: what the attempt "
                    f"leaves pending stays here; run redirect again once it ends")
-    if held:
-        click.echo(f"{held} suspended or poison message(s) stay here, held: resume them and redirect again "
-                   f"to move them")
+    if any(held.values()):
+        # Each hold named: a suspended queue is resumed with 'queue resume', a message with 'message resume'.
+        which = ", ".join(f"{n} {hold}" for hold, n in held.items() if n)
+        click.echo(f"{sum(held.values())} suspended or poison message(s) stay here, held ({which}): resume "
+                   f"them and redirect again to move them")

@@ -982,38 +982,54 @@ def redirect_to_peer(conn: Connection, target: str, now: float, message_id: int 
     ``message_id``: shadow redundancy promotion) to the queue for ``target`` (delivered hop by hop
     with XSHADOW, so each message stays protected on the way). Recipients being sent right now
     (Active) finish where they are. Messages an operator suspended (or held in the Poison queue)
-    stay here, held as they are: a redirect releases nothing. Returns the moved messages."""
+    stay here, held as they are: a redirect releases nothing. So do, on a drain, the recipients
+    of a queue an operator suspended (the hold is the queue's: the peer would send them on to the
+    same next hop at once); a promotion moves them, a suspended queue being one of its reasons
+    (``acknowledgement_state``'s QueueSuspended). Returns the moved messages."""
     qid = queue_id_for(conn, NextHop(f"peer:{target}", PEER, target), now)
     which = [] if message_id is None else [recipients.c.message_id == message_id]
+    held_queues = [] if message_id is not None else [
+        recipients.c.queue_id.not_in(select(queues.c.id).where(queues.c.suspended == 1))]
     rows = conn.execute(
         select(recipients.c.message_id, func.count())
         .join(messages, messages.c.id == recipients.c.message_id)
         .where(recipients.c.status.in_(PENDING), recipients.c.queue_id != qid,
                messages.c.role == "primary", messages.c.state == QUEUED,
-               messages.c.suspended == 0, messages.c.poisoned == 0, *which)
+               messages.c.suspended == 0, messages.c.poisoned == 0, *which, *held_queues)
         .group_by(recipients.c.message_id)).all()
     ids = [r[0] for r in rows]
     if ids:
         conn.execute(update(recipients).where(
-            recipients.c.message_id.in_(ids), recipients.c.status.in_(PENDING), recipients.c.queue_id != qid)
-            .values(queue_id=qid, status=READY, next_retry_at=0.0))
+            recipients.c.message_id.in_(ids), recipients.c.status.in_(PENDING), recipients.c.queue_id != qid,
+            *held_queues).values(queue_id=qid, status=READY, next_retry_at=0.0))
     return [message_row(conn, m) for m in ids]
 
 
 def in_attempt_here(conn: Connection, target: str) -> int:
     """Messages a redirect to ``target`` has yet to move because a recipient of theirs is in a
-    delivery attempt here (Active): what the attempt leaves pending can be moved when it ends."""
+    delivery attempt here (Active): what the attempt leaves pending can be moved when it ends
+    (unless its queue is suspended: that stays here anyway)."""
     peer_queue = conn.execute(select(queues.c.id).where(queues.c.identity == f"peer:{target}")).scalar()
     return conn.execute(
         select(func.count(func.distinct(recipients.c.message_id)))
         .join(messages, messages.c.id == recipients.c.message_id)
-        .where(recipients.c.status == ACTIVE, recipients.c.queue_id != (peer_queue or -1),
+        .join(queues, queues.c.id == recipients.c.queue_id)
+        .where(recipients.c.status == ACTIVE, recipients.c.queue_id != (peer_queue or -1), queues.c.suspended == 0,
                messages.c.role == "primary", messages.c.state == QUEUED,
                messages.c.suspended == 0, messages.c.poisoned == 0)).scalar() or 0
 
 
-def held_messages(conn: Connection) -> int:
-    """Queued primary messages held by an operator or in the Poison queue (a redirect leaves them)."""
-    return conn.execute(select(func.count()).select_from(messages).where(
-        messages.c.role == "primary", messages.c.state == QUEUED,
-        or_(messages.c.suspended == 1, messages.c.poisoned == 1))).scalar() or 0
+def held_messages(conn: Connection) -> dict[str, int]:
+    """Queued primary messages a redirect leaves here, by hold, each counted once (the first that
+    applies): ``poison`` (the Poison queue), ``suspended message`` (an operator's ``message
+    suspend``), ``suspended queue`` (a pending recipient in a queue an operator suspended)."""
+    queued = [messages.c.role == "primary", messages.c.state == QUEUED]
+    in_suspended_queue = select(recipients.c.message_id).join(queues, queues.c.id == recipients.c.queue_id).where(
+        queues.c.suspended == 1, recipients.c.status.in_(PENDING))
+
+    def count(*where) -> int:
+        return conn.execute(select(func.count()).select_from(messages).where(*queued, *where)).scalar() or 0
+    return {"poison": count(messages.c.poisoned == 1),
+            "suspended message": count(messages.c.poisoned == 0, messages.c.suspended == 1),
+            "suspended queue": count(messages.c.poisoned == 0, messages.c.suspended == 0,
+                                     messages.c.id.in_(in_suspended_queue))}
