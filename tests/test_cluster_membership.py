@@ -137,6 +137,43 @@ def test_peer_taken_out_of_peers_while_it_holds_our_shadows_may_still_heartbeat(
     assert not n2.tracking(event_id="RESUBMIT")
 
 
+def test_a_former_peer_may_heartbeat_only_until_it_has_fetched_the_discards_of_what_it_held(cluster, sink):
+    """node2 holds a shadow of node1's message and is down while node1 delivers it: node1 keeps a
+    discard event for it. Taken out of node1's [[peers]] then, node2 may still authenticate to
+    fetch it (XQDISCARD; the start WARNING says so). Once fetched, node2 holds nothing of node1's
+    (its copy is in its Shadow Safety Net): at node1's next start it is no former peer any more,
+    though node1's Safety Net copy still records where its shadow was."""
+    c: Cluster = cluster(nodes=2, overrides={"shadow_redundancy": {"shadow_resubmit_time_span": 120}}).start()
+    n1, n2 = c["node1"], c["node2"]
+    queued_id(n1.swaks(FOREIGN))  # queued on node1 (the sink is down), its shadow on node2
+    wait_for(lambda: shadows_of(n2, n1.name), timeout=15, what="node2's shadow of node1's message")
+    assert n2.stop() == 0
+    sink.start()
+    wait_for(lambda: sink.messages(), timeout=30, what="node1's delivery")
+    wait_for(lambda: read_db(n1.cfg.db_path, "SELECT count(*) FROM discard_events")[0][0] == 1, timeout=10,
+             what="node1's discard event for node2")
+
+    warning = f"{n2.name}, no longer a configured peer, holds shadows of this node's messages"
+    restarted_without(n1, n2.name)
+    assert n1.log().count(warning) == 1, n1.log()[-3000:]
+    n2.spawn()  # node1 is still its peer: it heartbeats and fetches the discard
+    n2.wait_listening()
+    wait_for(lambda: not shadows_of(n2, n1.name), timeout=20, what="node2 to discard its shadow")
+    wait_for(lambda: read_db(n1.cfg.db_path, "SELECT count(*) FROM discard_events")[0][0] == 0, timeout=10,
+             what="node2's fetch of the discard acknowledged")
+    assert read_db(n1.cfg.db_path, "SELECT count(*) FROM message_shadows")[0][0] == 1  # the Safety Net copy's
+
+    assert n1.stop() == 0
+    n1.spawn()
+    n1.wait_listening()
+    assert n1.log().count(warning) == 1, n1.log()[-3000:]
+    s = smtp(n1.transport_host, n1.transport_port, helo=n2.name)
+    assert auth_plain(s, n2.name, c.secret)[0] == 535
+    s.quit()
+    assert len(sink.messages()) == 1
+    assert not n2.tracking(event_id="RESUBMIT")
+
+
 # ------------------------------------------------------------------------------ 2
 
 def test_renamed_node_refuses_to_start_while_it_holds_mail_under_its_old_name(cluster, sink):

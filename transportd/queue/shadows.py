@@ -453,8 +453,13 @@ def upsert_context(conn: Connection, primary: str, **values: Any) -> None:
 
 
 def shadow_holders(conn: Connection) -> set[str]:
-    """Every peer that holds a shadow of a message of ours or has a discard event waiting."""
-    holders = conn.execute(select(message_shadows.c.shadow_node).distinct()).scalars().all()
+    """Every peer that holds a shadow of a message still queued here or has a discard event
+    waiting (it fetches it with XQDISCARD). The rows of a message processed since (in the Safety
+    Net) stay for its history, but once the discard is fetched the holder has moved its copy to
+    its Shadow Safety Net: it has nothing left to ask this node about."""
+    holders = conn.execute(select(message_shadows.c.shadow_node).join(
+        messages, messages.c.id == message_shadows.c.message_id).where(
+        messages.c.state == mq.QUEUED).distinct()).scalars().all()
     waiting = conn.execute(select(discard_events.c.shadow_node).distinct()).scalars().all()
     return {*holders, *waiting}
 
