@@ -517,6 +517,16 @@ def test_tracking_search_filters(make_node, sink):
     res = node.cli("tracking", "search", "--start", "2026-13-45", check=False, use_data_dir=True)
     assert res.returncode == 2 and "--start" in res.stderr and "2026-13-45" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+    # A misspelt event id matches no row: refused (exit 2), not an empty table read as "nothing
+    # was sent"; every event id of Exchange's logs is searched, in any case, even ones we never write.
+    res = node.cli("tracking", "search", "--event-id", "SENDEXTRNAL", check=False, use_data_dir=True)
+    line = assert_one_error_line(res, 2, "unknown event id 'SENDEXTRNAL'", "did you mean 'SENDEXTERNAL'?",
+                                 "SENDEXTERNAL", "AGENTINFO", "NOTIFYMAPI")
+    assert res.stdout == "" and "Traceback" not in res.stderr, line
+    res = cli(node, "tracking", "search", "--event-id", "StoreDriver", check=False)
+    assert res.returncode == 2 and "source" in res.stderr and "not an event id" in res.stderr, res.stderr
+    for exchange_only in ("AGENTINFO", "notifymapi", "Submit", "INITMESSAGECREATED"):
+        assert cli_json(node, "tracking", "search", "--event-id", exchange_only) == []
     # A row that cannot be read is skipped and counted on stderr, not silently dropped.
     log = max((node.data_dir / "msgtrk").glob("*.LOG"))
     with open(log, "a", encoding="utf-8") as f:

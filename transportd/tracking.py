@@ -13,6 +13,7 @@ malformed row stop a reader: bad rows are skipped and reported.
 from __future__ import annotations
 
 import csv
+import difflib
 import errno
 import logging
 import os
@@ -27,9 +28,11 @@ from typing import Any, BinaryIO, Self
 import transportd
 
 __all__ = [
+    "EVENT_IDS",
     "FIELDS_2010",
     "FIELDS_2013",
     "FIELDS_2016",
+    "SOURCES",
     "TrackingLog",
     "files_past_retention",
     "format_datetime",
@@ -37,6 +40,7 @@ __all__ = [
     "parse_datetime",
     "parse_log_file",
     "search",
+    "unknown_event_id",
     "utc_now",
 ]
 
@@ -81,6 +85,41 @@ FIELDS_2013: tuple[str, ...] = FIELDS_2016[:-3]
 
 FIELDS_2010: tuple[str, ...] = tuple(f for f in FIELDS_2013 if f != "network-message-id")
 """Exchange 2010: 26 fields, the 2013 list without network-message-id."""
+
+EVENT_IDS: tuple[str, ...] = (
+    "AGENTINFO", "BADMAIL", "CLIENTSUBMISSION", "DEFER", "DELIVER", "DELIVERFAIL", "DROP", "DSN",
+    "DUPLICATEDELIVER", "DUPLICATEEXPAND", "DUPLICATEREDIRECT", "EXPAND", "FAIL", "HADISCARD",
+    "HARECEIVE", "HAREDIRECT", "HAREDIRECTFAIL", "INITMESSAGECREATED", "LOAD", "MODERATIONEXPIRE",
+    "MODERATORAPPROVE", "MODERATORREJECT", "MODERATORSALLNDR", "NOTIFYMAPI", "NOTIFYSHADOW",
+    "POISONMESSAGE", "PROCESS", "PROCESSMEETINGMESSAGE", "RECEIVE", "REDIRECT", "RESOLVE", "RESUBMIT",
+    "RESUBMITDEFER", "RESUBMITFAIL", "SEND", "SENDEXTERNAL", "SUBMIT", "SUBMITDEFER", "SUBMITFAIL",
+    "SUPPRESSED", "THROTTLE", "TRANSFER",
+)
+"""Every event-id of Exchange's message tracking log (2007 to 2019), not only the ones we write:
+a search runs over real Exchange servers' logs too, so a search for any of them is a real one
+and any other value is a typo that would match nothing."""
+
+SOURCES: tuple[str, ...] = (
+    "ADMIN", "AGENT", "APPROVAL", "BOOKINGS", "DNS", "DSN", "GATEWAY", "MAILBOXRULE",
+    "MEETINGMESSAGEPROCESSOR", "ORAR", "PICKUP", "POISONMESSAGE", "PUBLICFOLDER", "QUEUE",
+    "REDUNDANCY", "RESOLVER", "ROUTING", "SAFETYNET", "SMTP", "STOREDRIVER",
+)
+"""Exchange's values of the ``source`` field (the component that wrote the row); some are
+mistaken for event ids (STOREDRIVER writes DELIVER, RECEIVE, SUBMIT ... rows)."""
+
+
+def unknown_event_id(event_id: str) -> str | None:
+    """Why ``event_id`` is no event id of the tracking log (compared in any case), or None when it is one."""
+    want = event_id.strip().upper()
+    if want in EVENT_IDS:
+        return None
+    if want in SOURCES:
+        hint = f"; {want} is a source (the component that wrote a row), not an event id"
+    else:
+        close = difflib.get_close_matches(want, EVENT_IDS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"unknown event id {event_id!r}{hint} (event ids: {', '.join(EVENT_IDS)})"
+
 
 _FIELDS_BY_COUNT: dict[int, tuple[str, ...]] = {
     len(FIELDS_2010): FIELDS_2010,

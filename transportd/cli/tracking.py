@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import click
 
-from transportd.cli.common import CliError, emit_json, json_option, node_options, parse_when, table
+from transportd.cli.common import (
+    CliError,
+    ConfigCliError,
+    emit_json,
+    json_option,
+    node_options,
+    parse_when,
+    table,
+)
 from transportd.config import Config
 
 
@@ -27,7 +35,7 @@ def tracking_group() -> None:
 @click.option("--recipient", "recipients", multiple=True,
               help="a recipient address; repeat for any of several (as -Recipients)")
 @click.option("--subject", default=None, help="text found anywhere in the subject, in any case (as -MessageSubject)")
-@click.option("--event-id", default=None, help="RECEIVE, DELIVER, SENDEXTERNAL, DEFER, FAIL, DSN, ...")
+@click.option("--event-id", default=None, help="RECEIVE, DELIVER, SENDEXTERNAL, DEFER, FAIL, DSN, ... (any of Exchange's, in any case)")
 @click.option("--start", default=None, help="from this time (ISO 8601, UTC by default)")
 @click.option("--end", default=None, help="up to this time (ISO 8601)")
 @json_option("JSON lines")
@@ -35,7 +43,11 @@ def tracking_search(cfg: Config, message_id: str | None, network_message_id: str
                     internal_message_id: str | None, sender: str | None, recipients: tuple[str, ...],
                     subject: str | None, event_id: str | None, start: str | None, end: str | None, as_json: bool) -> None:
     """Search this node's MSGTRK files (rows that cannot be read are counted on stderr)."""
-    from transportd.tracking import search
+    from transportd.tracking import search, unknown_event_id
+    # A typo would match no row and print an empty table, read as "nothing happened": refused as
+    # --filter refuses an unknown field. Exchange's event ids all pass (its logs are searched too).
+    if event_id is not None and (problem := unknown_event_id(event_id)) is not None:
+        raise ConfigCliError(problem)
     s, e = parse_when(start, "--start"), parse_when(end, "--end")
     if s is not None and e is not None and e < s:
         raise click.BadParameter(f"{end} is before --start {start}: no row could match", param_hint="--end")
