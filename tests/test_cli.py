@@ -202,6 +202,52 @@ def test_message_list_and_show(make_node, sink):
             assert table_line(out, "RECEIVE") and table_line(out, "DEFER"), out
 
 
+def test_messages_waiting_in_a_queue_in_retry_are_shown_and_filtered_as_retry(make_node, sink):
+    """The next hop down, three messages: the first is tried and deferred, the queue goes to Retry
+    and the other two wait for its next retry (nothing tries them before it). ``message list``,
+    ``message show`` and ``--filter state=deferred`` show all three as Retry (as Get-Message shows a
+    queue in Retry, as Postfix's deferred queue holds the mail for a dead destination), so
+    ``message remove --filter state=deferred`` (``postsuper -d ALL deferred``) takes all three;
+    ``state=ready`` none. What the scheduler does is unchanged: they stay untried."""
+    node = make_node(smart_host=sink.address, overrides=LONG_RETRY).start()  # sink never started
+    ident = smarthost(sink)
+    first = send(node, "carol@foreign.test")
+    wait_for(in_retry(node, ident, 1), timeout=10, what="first message deferred, the queue in Retry")
+    others = [send(node, "dave@foreign.test"), send(node, "erin@foreign.test")]
+    wait_for(in_retry(node, ident, 3), timeout=10, what="three messages in the Retry queue")
+    ids = [first, *others]
+    q = queue_by_identity(node, ident)
+
+    for phase in ("running", "stopped"):
+        if phase == "stopped":
+            assert node.stop() == 0
+        for use_data_dir in BOTH:
+            rows = {r["id"]: r for r in cli_json(node, "message", "list", use_data_dir=use_data_dir)}
+            assert {i: rows[i]["status"] for i in ids} == {i: "Retry" for i in ids}, rows
+            # Each waits for the queue's next retry: that is the time shown.
+            assert {rows[i]["next_retry_at"] for i in others} == {q["next_retry_at"]}, (rows, q)
+            for state in ("deferred", "Retry", "status=retry"):
+                term = state if "=" in state else f"state={state}"
+                listed = message_ids(node, "--filter", term, use_data_dir=use_data_dir)
+                assert listed == ids, (term, listed)
+            assert message_ids(node, "--filter", "state=ready", use_data_dir=use_data_dir) == []
+            assert message_ids(node, "--filter", "state!=deferred", use_data_dir=use_data_dir) == []
+            for mid in others:
+                m = cli_json(node, "message", "show", str(mid), use_data_dir=use_data_dir)[0]
+                assert m["status"] == "Retry", m
+                r = m["recipients"][0]
+                assert (r["queue"], r["status"], r["attempts"]) == (ident, "Retry", 0), r
+                assert r["next_retry_at"] == q["next_retry_at"], (r, q)
+                out = cli(node, "message", "show", str(mid), use_data_dir=use_data_dir).stdout
+                assert "status Retry" in out and table_line(out, ident, "Retry", q["next_retry_at"]), out
+            out = cli(node, "message", "list", use_data_dir=use_data_dir).stdout
+            assert all(table_line(out, str(i), "Retry") for i in ids), out
+    # postsuper -d ALL deferred: every message for the dead next hop, not only the one tried.
+    removed = cli_json(node, "message", "remove", "--filter", "state=deferred")
+    assert sorted(r["id"] for r in removed) == ids, removed
+    assert cli_json(node, "message", "list") == []
+
+
 def test_message_export_writes_the_queued_octets_and_show_names_the_dsn_parameters(make_node, sink, tmp_path):
     """Export-Message: the message as queued (our Received field first, the client's octets
     after), to standard output or a file, with the envelope as X-Sender/X-Receiver on request;

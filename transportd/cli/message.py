@@ -157,7 +157,7 @@ def say(text: str, as_json: bool) -> None:
 def get_message(cfg: Config, message_id: int) -> dict:
     store = open_store(cfg, read_only=True)
     try:
-        m = store.read(functools.partial(admin.message_with_body, message_id=message_id))
+        m = store.read(functools.partial(admin.message_with_body, message_id=message_id, now=time.time()))
     finally:
         store.close()
     if m is None:

@@ -16,6 +16,7 @@ tracking logs and never composes a DSN: the caller passes a builder for that.
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -123,21 +124,22 @@ def retry_queue_by_name(conn: Connection, name: str) -> dict | None:
 # --------------------------------------------------------------------------- messages
 
 def messages_in_queue(conn: Connection, queue: str | None, include_done: bool, selection: Selection | None = None,
-                      now: float = 0.0, limit: int | None = 1000) -> list[dict] | None:
+                      now: float | None = None, limit: int | None = 1000) -> list[dict] | None:
     """Primary messages, of one queue (identity, id or ``Poison``) when given, and matching
     ``selection`` when given (at most ``limit``, oldest first); None when no such queue."""
+    now = time.time() if now is None else now
     ids = None
     if selection is not None and not selection.empty:
         ids = selected_ids(conn, selection, now, include_done=include_done)
     if queue is not None and queue.lower() == mq.POISON.lower():
-        return mq.list_messages(conn, mq.POISON, include_done=include_done, ids=ids, limit=limit)
+        return mq.list_messages(conn, mq.POISON, include_done=include_done, ids=ids, limit=limit, now=now)
     qid = None
     if queue is not None:
         q = mq.resolve_queue(conn, queue)
         if q is None:
             return None
         qid = q["id"]
-    return mq.list_messages(conn, qid, include_done=include_done, ids=ids, limit=limit)
+    return mq.list_messages(conn, qid, include_done=include_done, ids=ids, limit=limit, now=now)
 
 
 # --------------------------------------------------------------------------- many messages at once
@@ -211,9 +213,9 @@ def resume_batch(conn: Connection, ids: Sequence[int], selection: Selection, now
     return out
 
 
-def message_with_body(conn: Connection, message_id: int) -> dict | None:
+def message_with_body(conn: Connection, message_id: int, now: float | None = None) -> dict | None:
     """One message's detail (recipients, shadows, status) with its ``body``; None when there is none."""
-    m = mq.message_detail(conn, message_id)
+    m = mq.message_detail(conn, message_id, now)
     if m is not None:
         m["body"] = mq.body(conn, message_id)
     return m

@@ -9,6 +9,7 @@ talks SMTP or writes tracking logs: callers log after the commit.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -899,10 +900,37 @@ def message_status(rcpt_statuses: Sequence[str], suspended: bool, state: str, po
     return pending[0]
 
 
+def waits_for_queue_retry(status: str, queue_suspended: Any, queue_next_retry_at: float | None, now: float) -> bool:
+    """Whether a recipient waits for its queue's next retry: Ready in a queue in Retry (as ``queue
+    list`` shows it: not suspended, its next retry time not yet come). The scheduler takes none of
+    its recipients before then (``_DUE_QUEUES``), so the views show it as Retry (deferred), as
+    Exchange shows the messages of a queue in Retry and Postfix puts the mail for a destination it
+    found down in its deferred queue without trying it; its recipient row stays Ready."""
+    return status == READY and not queue_suspended and bool(queue_next_retry_at) and queue_next_retry_at > now
+
+
+def _view_recipients(conn: Connection, where: Any, now: float) -> Iterator[dict]:
+    """Recipient rows (with their queue's identity) as the views show them: one waiting for its
+    queue's next retry is Retry, with that time as its next retry."""
+    rstmt = (select(recipients, queues.c.identity.label("queue"), queues.c.suspended.label("queue_suspended"),
+                    queues.c.next_retry_at.label("queue_next_retry_at"))
+             .join(queues, queues.c.id == recipients.c.queue_id)
+             .where(where).order_by(recipients.c.id))
+    for row in conn.execute(rstmt).mappings():
+        r = dict(row)
+        queue_suspended, queue_retry = r.pop("queue_suspended"), r.pop("queue_next_retry_at")
+        if waits_for_queue_retry(r["status"], queue_suspended, queue_retry, now):
+            r["status"], r["next_retry_at"] = RETRY, queue_retry
+        yield r
+
+
 def list_messages(conn: Connection, queue_id: int | str | None = None, include_done: bool = False,
-                  role: str = "primary", limit: int | None = 1000, ids: Sequence[int] | None = None) -> list[dict]:
+                  role: str = "primary", limit: int | None = 1000, ids: Sequence[int] | None = None,
+                  now: float | None = None) -> list[dict]:
     """Messages of one role, or of one queue: a next hop's id, or POISON (primary and shadow copies);
-    with ``ids``, those messages (whatever their role) and no others."""
+    with ``ids``, those messages (whatever their role) and no others. ``now`` (default: the
+    clock) tells which queues are in Retry."""
+    now = time.time() if now is None else now
     if queue_id == POISON:
         stmt = select(messages).where(messages.c.poisoned == 1, messages.c.state == QUEUED)
         queue_id = None
@@ -929,11 +957,8 @@ def list_messages(conn: Connection, queue_id: int | str | None = None, include_d
         return []
     ids = [r["id"] for r in rows]
     per: dict[int, list[dict]] = {}
-    rstmt = (select(recipients, queues.c.identity.label("queue"))
-             .join(queues, queues.c.id == recipients.c.queue_id)
-             .where(recipients.c.message_id.in_(ids)).order_by(recipients.c.id))
-    for r in conn.execute(rstmt).mappings():
-        per.setdefault(r["message_id"], []).append(dict(r))
+    for r in _view_recipients(conn, recipients.c.message_id.in_(ids), now):
+        per.setdefault(r["message_id"], []).append(r)
     out = []
     for m in rows:
         rc = per.get(m["id"], [])
@@ -962,14 +987,13 @@ def list_messages(conn: Connection, queue_id: int | str | None = None, include_d
     return out
 
 
-def message_detail(conn: Connection, message_id: int) -> dict | None:
+def message_detail(conn: Connection, message_id: int, now: float | None = None) -> dict | None:
+    """One message with its recipients (as ``list_messages`` shows them), shadows and status."""
     m = message_row(conn, message_id)
     if m is None:
         return None
-    rstmt = (select(recipients, queues.c.identity.label("queue"))
-             .join(queues, queues.c.id == recipients.c.queue_id)
-             .where(recipients.c.message_id == message_id).order_by(recipients.c.id))
-    m["recipients"] = [dict(r) for r in conn.execute(rstmt).mappings()]
+    now = time.time() if now is None else now
+    m["recipients"] = list(_view_recipients(conn, recipients.c.message_id == message_id, now))
     m["shadows"] = [dict(r) for r in conn.execute(
         select(message_shadows).where(message_shadows.c.message_id == message_id)).mappings()]
     m["status"] = message_status([r["status"] for r in m["recipients"]], bool(m["suspended"]), m["state"],

@@ -14,7 +14,8 @@ Fields (Exchange names accepted as aliases):
 - ``queue``: a queue identity pattern (``dns:*``), a queue number or ``Poison``: the message has a
   recipient pending in it;
 - ``state`` (``status``): Ready, Retry (``deferred``), Active, Suspended (``hold``), Poison, and
-  with ``--all`` SafetyNet and Removed, as ``message list`` shows them;
+  with ``--all`` SafetyNet and Removed, as ``message list`` shows them (a recipient waiting for
+  its queue's next retry is Retry);
 - ``age`` (since it was received) with a duration (``age>1h``): ``>``, ``>=``, ``<``, ``<=``;
   ``received`` (``datereceived``, as Exchange's ``DateReceived -gt``) with an ISO 8601 time
   (``received>2026-11-28T10:00Z``: received after it), the same operators; ``size`` with a size
@@ -141,11 +142,22 @@ def _text_match(column: Any, pattern: str) -> ColumnElement:
     return func.lower(column).like(like_pattern(pattern), escape="\\")
 
 
-def _pending_in(status: str) -> ColumnElement:
-    return exists().where(recipients.c.message_id == messages.c.id, recipients.c.status == status)
+def _pending_in(status: str, now: float) -> ColumnElement:
+    """A recipient of the message is ``status`` as the views show it: a Ready one waiting for its
+    queue's next retry is Retry (``mq.waits_for_queue_retry``), so ``state=deferred`` takes every
+    message for a next hop that is down, as Postfix's deferred queue does, not only the one tried."""
+    in_retry_queue = recipients.c.queue_id.in_(
+        select(queues.c.id).where(queues.c.suspended == 0, queues.c.next_retry_at > now))
+    if status == mq.RETRY:
+        shown = or_(recipients.c.status == mq.RETRY, and_(recipients.c.status == mq.READY, in_retry_queue))
+    elif status == mq.READY:
+        shown = and_(recipients.c.status == mq.READY, not_(in_retry_queue))
+    else:
+        shown = recipients.c.status == status
+    return exists().where(recipients.c.message_id == messages.c.id, shown)
 
 
-def _state_condition(state: str) -> ColumnElement:
+def _state_condition(state: str, now: float) -> ColumnElement:
     """The status ``message list`` shows, as a condition (the order of ``mq.message_status``)."""
     if state in (mq.SAFETY_NET, mq.MSG_REMOVED):
         return messages.c.state == state
@@ -156,7 +168,7 @@ def _state_condition(state: str) -> ColumnElement:
     if state == "Suspended":
         return and_(queued, messages.c.poisoned == 0, messages.c.suspended == 1)
     before = {mq.ACTIVE: (), mq.RETRY: (mq.ACTIVE,), mq.READY: (mq.ACTIVE, mq.RETRY)}[state]
-    return and_(queued, not_(held), _pending_in(state), *[not_(_pending_in(s)) for s in before])
+    return and_(queued, not_(held), _pending_in(state, now), *[not_(_pending_in(s, now)) for s in before])
 
 
 def _queue_condition(value: str) -> ColumnElement:
@@ -183,7 +195,7 @@ def term_condition(term: Term, now: float) -> ColumnElement:
     if term.field == "size":
         return _number(messages.c.size, term.op, term.value)
     if term.field == "state":
-        cond = _state_condition(term.value)
+        cond = _state_condition(term.value, now)
     elif term.field == "queue":
         cond = _queue_condition(term.value)
     elif term.field == "sender":
