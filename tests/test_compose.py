@@ -163,7 +163,7 @@ def test_alerting_rules_ship_with_the_metrics_profile_and_pass_promtool():
     assert res.returncode == 0, res.stdout + res.stderr
     names = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]}
     assert {"TransportdQueueOldestMessageAge", "TransportdMessagesNotRedundant", "TransportdHeartbeatFailures",
-            "TransportdPoisonMessages"} <= names
+            "TransportdPoisonMessages", "TransportdMessagesPartiallyRedundant"} <= names
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="Debian's prometheus (promtool) is not installed")
@@ -224,6 +224,49 @@ def test_alerting_rules_fire_when_a_queue_waits_too_long(tmp_path):
     res = subprocess.run(["promtool", "test", "rules", str(spec)], capture_output=True, text=True, timeout=60,
                          check=False)
     assert res.returncode != 0 and "TransportdQueueOldestMessageAge" in res.stdout + res.stderr
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="Debian's prometheus (promtool) is not installed")
+def test_not_redundant_alert_is_about_messages_with_no_copy_only(tmp_path):
+    """``transportd_messages_not_redundant`` has three states; ``partial`` messages (fewer shadows
+    than shadow_copies) still have a copy on a peer: TransportdMessagesNotRedundant ("without a
+    shadow copy") does not count them (node1 below has only those), it fires on ``unprotected``
+    and ``reshadowing`` (node2: 1 + 2, the partial one left out); the lower-severity
+    TransportdMessagesPartiallyRedundant says what partial ones are."""
+    def series(instance: str, state: str, values: str) -> dict:
+        return {"series": f'transportd_messages_not_redundant{{instance="{instance}",job="transportd",'
+                          f'state="{state}"}}', "values": values}
+
+    tests = {"rule_files": [str(RULES)], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [
+            series("node1:9101", "partial", "2x60"), series("node1:9101", "unprotected", "0x60"),
+            series("node1:9101", "reshadowing", "0x60"),
+            series("node2:9101", "partial", "4x60"), series("node2:9101", "unprotected", "1x60"),
+            series("node2:9101", "reshadowing", "2x60"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "20m", "alertname": "TransportdMessagesNotRedundant", "exp_alerts": [
+                {"exp_labels": {"instance": "node2:9101", "severity": "warning"}, "exp_annotations": {
+                    "summary": "node2:9101: 3 queued message(s) without a shadow copy for 15 min",
+                    "description": "Shadow copies cannot be made (peers down or refusing). See `transportd shadow "
+                                   "list` on the peers and the node's log (HAREDIRECTFAIL)."}}]},
+            {"eval_time": "20m", "alertname": "TransportdMessagesPartiallyRedundant", "exp_alerts": []},
+            {"eval_time": "35m", "alertname": "TransportdMessagesPartiallyRedundant", "exp_alerts": [
+                {"exp_labels": {"instance": instance, "severity": "info"}, "exp_annotations": {
+                    "summary": f"{instance}: {n} queued message(s) with fewer shadow copies than shadow_copies "
+                               "for 30 min",
+                    "description": "Each still has a shadow copy on at least one peer; the missing copies cannot "
+                                   "be made (too few peers up or accepting). See `transportd shadow list` on the "
+                                   "peers and the node's log."}}
+                for instance, n in (("node1:9101", 2), ("node2:9101", 4))]},
+        ],
+    }]}
+    spec = tmp_path / "rules.test.yml"
+    spec.write_text(yaml.safe_dump(tests))
+    res = subprocess.run(["promtool", "test", "rules", str(spec)], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 def config_of(compose: dict, service: str) -> Path:

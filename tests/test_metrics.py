@@ -269,3 +269,37 @@ def test_queue_label_is_capped_the_rest_summed_as_other(tmp_path):
     assert 9 * 3600 - 60 < ages["dns:d9.test"] <= 9 * 3600 + 60
     flags = {s.labels["queue"]: s.value for s in families["transportd_queue_suspended"].samples}
     assert flags == {"dns:d9.test": 0, "dns:d8.test": 0, "dns:d7.test": 0, "other": 1}  # d0 is in "other"
+
+
+# The labels whose values are a fixed set the operator alerts on (not queue or peer names).
+ENUMERATED_LABELS = ("state", "net", "connector")
+
+
+def test_every_exported_metric_and_its_states_are_in_the_operations_guide(make_node, sink):
+    """docs/operations.md's metrics table names every transportd_ metric a node exports (from the
+    exposition's ``# HELP`` lines: a labelled metric with no sample yet, such as a histogram by
+    reason, is exported with no series, so a check of the samples alone misses it), and in its
+    row every value of an enumerated label the node exports (the ``state`` of
+    transportd_messages_not_redundant: ``partial`` too)."""
+    import re
+    from pathlib import Path
+    node = metrics_node(make_node, sink.address).start()
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    # prometheus-client also exports a counter's or histogram's creation time as <name>_created.
+    exported = {m.group(1) for m in re.finditer(r"^# HELP (transportd_\w+)", text, re.MULTILINE)
+                if not m.group(1).endswith("_created")}
+    assert {"transportd_acknowledgement_delay_seconds", "transportd_receive_worker_restarts_total",
+            "transportd_messages_not_redundant"} <= exported, sorted(exported)
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    rows = {name: line for line in guide.splitlines() if line.startswith("| `transportd_")
+            for name in re.findall(r"`(transportd_\w+)`", line.split("|")[1])}
+    assert not exported - set(rows), f"exported but not in docs/operations.md: {sorted(exported - set(rows))}"
+    for (name, labels), _ in scrape("127.0.0.1", node.metrics_port).items():
+        base = re.sub(r"_(total|bucket|sum|count|created)$", "", name)
+        row = rows.get(name) or rows.get(base) or rows.get(base + "_total")
+        if row is None:
+            continue
+        for label, val in labels:
+            if label in ENUMERATED_LABELS:
+                assert f"`{val}`" in row, f"{name}{{{label}={val!r}}} not in its docs/operations.md row: {row}"

@@ -212,9 +212,10 @@ class QueueDatabaseCollector:
             safety_net.add_metric([net], nets.get(net, 0))
         not_redundant = GaugeMetricFamily(
             "transportd_messages_not_redundant",
-            "queued messages without a shadow on a peer: reshadowing (promoted, or their shadow node lost "
-            "its database) or unprotected (accepted without one; retried every heartbeat); partial: fewer "
-            "shadows than shadow_copies (N-way; the missing ones retried every heartbeat)", labels=["state"])
+            "queued messages less redundant than configured. No shadow on any peer: reshadowing (promoted, or "
+            "their shadow node lost its database) or unprotected (accepted without one; retried every "
+            "heartbeat); partial: a shadow on a peer, but fewer than shadow_copies (N-way; the missing ones "
+            "retried every heartbeat)", labels=["state"])
         exposed = dict(rows["not_redundant"])
         for state in (*NOT_REDUNDANT, PARTIAL):
             not_redundant.add_metric([state], exposed.get(state, 0))
