@@ -166,6 +166,10 @@ def test_a_message_accepted_with_one_of_two_shadows_gets_the_other_when_the_peer
     n2.wait_event("HARECEIVE", netid, timeout=20)
     wait_for(lambda: redundancy() == "shadowed", timeout=20, what="the second shadow recorded")
     assert ranks(n2, n1) == {netid: 2} and ranks(n3, n1) == {netid: 1}
+    # The log says what the message was: it had a shadow all along, it was never unprotected.
+    wait_for(lambda: "made new shadow copies of" in n1.log(), timeout=10, what="the heartbeat round's log line")
+    assert "1 message(s) that had fewer than shadow_copies (partial)" in n1.log(), n1.log()[-3000:]
+    assert "unprotected message(s) redundant" not in n1.log() and "that had none" not in n1.log()
 
 
 def test_promotion_while_the_other_shadow_holder_is_down_still_reprotects(procs, sink, tmp_path):

@@ -50,6 +50,15 @@ RESHADOW_CONCURRENCY = 8
 REPROTECT_BATCH = 64
 
 
+def _by_prior_redundancy(rows: list[dict]) -> str:
+    """The messages given new shadow copies, by what they were (their ``redundancy`` when claimed):
+    ``2 message(s) that had fewer than shadow_copies (partial)``, not all called unprotected."""
+    partial = sum(r["redundancy"] == mq.PARTIAL for r in rows)
+    parts = [(len(rows) - partial, "that had none (unprotected)"),
+             (partial, "that had fewer than shadow_copies (partial)")]
+    return " and ".join(f"{n} message(s) {what}" for n, what in parts if n)
+
+
 class ShadowManager:
     def __init__(self, cfg: Any, store: QueueStore, events: EventSink):
         self.cfg = cfg
@@ -189,7 +198,7 @@ class ShadowManager:
         made = await self._reshadow_all(rows, exclude=None)
         if rows:
             log.warning("%s has a new queue database: made %d of %d lost shadow(s) of our messages again",
-                        peer, made, len(rows))
+                        peer, len(made), len(rows))
         return len(rows)
 
     async def _regain(self) -> None:
@@ -208,8 +217,8 @@ class ShadowManager:
         rows = await self.store.write(lambda c: sq.claim_unprotected(c, REPROTECT_BATCH))
         made = await self._reshadow_all(rows, exclude=None, track_failure=False)  # tracked when accepted
         if made:
-            log.info("made %d unprotected message(s) redundant", made)
-        return made
+            log.info("made new shadow copies of %s", _by_prior_redundancy(made))
+        return len(made)
 
     def _reshadow_in_background(self, rows: list[dict], exclude: str) -> None:
         self._spawn(self._after_promotion(rows, exclude), f"making the promoted copies of {exclude} redundant")
@@ -228,16 +237,16 @@ class ShadowManager:
                           len(rows), lost)
         await self._reshadow_all(rows, exclude=lost)
 
-    async def _reshadow_all(self, rows: list[dict], exclude: str | None, track_failure: bool = True) -> int:
+    async def _reshadow_all(self, rows: list[dict], exclude: str | None, track_failure: bool = True) -> list[dict]:
         """Make each copy redundant again, RESHADOW_CONCURRENCY at a time (never a coroutine per
-        message: a promotion may hold tens of thousands); returns how many got a shadow. A copy
+        message: a promotion may hold tens of thousands); returns the rows that got a shadow. A copy
         whose handling fails is left unprotected (retried every heartbeat round) and counted
         towards the Poison queue; the others go on."""
-        made = 0
+        made: list[dict] = []
         for i in range(0, len(rows), RESHADOW_CONCURRENCY):
-            done = await asyncio.gather(*(self._reshadow_isolated(r, exclude, track_failure)
-                                          for r in rows[i:i + RESHADOW_CONCURRENCY]))
-            made += sum(done)
+            batch = rows[i:i + RESHADOW_CONCURRENCY]
+            done = await asyncio.gather(*(self._reshadow_isolated(r, exclude, track_failure) for r in batch))
+            made += [r for r, ok in zip(batch, done, strict=True) if ok]
         return made
 
     async def _reshadow_isolated(self, row: dict, exclude: str | None, track_failure: bool) -> bool:
