@@ -76,7 +76,9 @@ def rank_2_delivers_once_when_the_others_die(n1, n2, n3, sink, netid: str) -> No
     sink.start()
     n2.wait_event("RESUBMIT", netid, timeout=40)
     after = time.monotonic() - killed
-    assert after >= SPAN + RANK_DELAY - 1.0, f"rank 2 promoted {after:.1f}s after the loss"
+    # Counted from node1's last answer, which may come a round (0.5 s) and a slow exchange before
+    # the kill (6.0 s seen under load); without the rank delay it would be SPAN, 4 s earlier.
+    assert after >= SPAN + RANK_DELAY - 1.5, f"rank 2 promoted {after:.1f}s after the loss"
     wait_for(lambda: sink_copies(sink, netid), timeout=20, what="the promoted copy at the sink")
     time.sleep(1.5)  # waiting for absence: nothing else may arrive
     assert len(sink_copies(sink, netid)) == 1
