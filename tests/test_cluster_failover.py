@@ -23,6 +23,7 @@ The harness (``LocalCluster``, ``FailoverNode``, ``send`` ...) is in clusters.py
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import signal
@@ -483,6 +484,20 @@ def _delay_notices(hop: PerRecipientNextHop, sender: str) -> list[bytes]:
             if rcpts == [sender] and b"Action: delayed" in data]
 
 
+@contextlib.contextmanager
+def _pair_behind_one_next_hop(cluster, delay_notification_timeout: float):
+    """node1 and node2, one site, their smart host a next hop that greylists ``temp-*``: (hop,
+    node1, node2); the next hop is stopped at the end."""
+    hop = PerRecipientNextHop()
+    try:
+        c = cluster(overrides={"routing": {"smart_host": f"127.0.0.1:{hop.port}"},
+                               "delivery": {"delay_notification_timeout": delay_notification_timeout}},
+                    nodes=2, sites=1).start()
+        yield hop, c["node1"], c["node2"]
+    finally:
+        hop.controller.stop()
+
+
 def test_a_promoted_copy_sends_no_second_delay_notice_for_what_the_primary_reported(cluster):
     """node2 (primary) cannot deliver temp-d1 (the next hop greylists it) and, after
     delay_notification_timeout, sends the sender its delay DSN (action delayed). node1, the shadow,
@@ -492,11 +507,7 @@ def test_a_promoted_copy_sends_no_second_delay_notice_for_what_the_primary_repor
     promoted message due at once before: the sender had two for one message and recipient."""
     from conftest import read_db
 
-    hop = PerRecipientNextHop()
-    try:
-        c = cluster(overrides={"routing": {"smart_host": f"127.0.0.1:{hop.port}"},
-                               "delivery": {"delay_notification_timeout": 1}}, nodes=2, sites=1).start()
-        n1, n2 = c["node1"], c["node2"]
+    with _pair_behind_one_next_hop(cluster, 1) as (hop, n1, n2):
         sender, temp = "watcher-d@foreign.test", "temp-d1@foreign.test"
         netid = _send_from(n2, sender, temp, b"Subject: slow-d\r\n\r\nhello\r\n")
         wait_for(lambda: _delay_notices(hop, sender), timeout=20, what="node2's delay DSN at the sender's next hop")
@@ -522,19 +533,13 @@ def test_a_promoted_copy_sends_no_second_delay_notice_for_what_the_primary_repor
         assert len(_delay_notices(hop, sender)) == 1
         assert hop.transactions.count([temp]) == 1, hop.transactions
         assert told is not None  # node1's copy noted node2's notice before the promotion
-    finally:
-        hop.controller.stop()
 
 
 def test_a_promoted_copy_sends_the_delay_notice_the_lost_primary_had_not_sent(cluster):
     """node2 (primary) is killed before delay_notification_timeout has passed for a message it
     cannot deliver: node1's promoted copy, which heard of no delay notice, sends the one the sender
     is owed (once), past the timeout counted from when the message came."""
-    hop = PerRecipientNextHop()
-    try:
-        c = cluster(overrides={"routing": {"smart_host": f"127.0.0.1:{hop.port}"},
-                               "delivery": {"delay_notification_timeout": 6}}, nodes=2, sites=1).start()
-        n1, n2 = c["node1"], c["node2"]
+    with _pair_behind_one_next_hop(cluster, 6) as (hop, n1, n2):
         sender, temp = "watcher-e@foreign.test", "temp-e1@foreign.test"
         sent_at = time.time()
         netid = _send_from(n2, sender, temp, b"Subject: slow-e\r\n\r\nhello\r\n")
@@ -548,8 +553,6 @@ def test_a_promoted_copy_sends_the_delay_notice_the_lost_primary_had_not_sent(cl
         assert time.time() - sent_at >= 6
         time.sleep(3)  # waiting for absence: a second notice
         assert len(_delay_notices(hop, sender)) == 1
-    finally:
-        hop.controller.stop()
 
 
 def _send_from(node: ClusterNode, sender: str, rcpt: str, data: bytes) -> str:
