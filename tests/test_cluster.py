@@ -410,6 +410,23 @@ def test_malformed_discard_id_keeps_every_shadow(procs, sink, tmp_path):
 
 # ------------------------------------------------------------------------------ 7. hop by hop
 
+def test_a_peer_that_refuses_the_connection_is_named_once_in_the_recipients_error(cluster, sink):
+    """node1, which holds MDB01, is down: node2's hop-by-hop attempt is deferred with the peer's
+    transport address named once and the system's reason, not asyncio's text, which named the
+    address a second time ("Connect call failed ('127.0.0.x', port)")."""
+    sink.start()
+    c = cluster(nodes=2, sites=1).start("node2")
+    node1, node2 = c["node1"], c["node2"]
+    queued_id(node2.swaks(LOCAL))
+
+    def deferred() -> str:
+        [m] = node2.messages(include_done=False)
+        return m["last_error"]
+    error = wait_for(deferred, timeout=15, what="node2's attempt to hand the message to node1")
+    address = f"{node1.transport_host}:{node1.transport_port}"
+    assert error == f"451 4.4.0 Unable to connect to {node1.name}: {address}: Connection refused", error
+
+
 def test_hop_by_hop_delivery_to_mailbox_database_on_peer(cluster, sink):
     """docs/PROTOCOL.md 3: node3 hands alice's message to node1 (MDB01) with XSHADOW and keeps it until
     node1's discard. node1's mailbox queue is suspended for a while so that "keeps it" is observed,

@@ -50,7 +50,7 @@ from transportd.redundancy.manager import ShadowManager
 from transportd.redundancy.peers import PeerSession, open_session
 from transportd.smtp import client as smtpclient
 from transportd.smtp.addresses import address_key
-from transportd.smtp.client import NextHopSession, SessionCache, describe
+from transportd.smtp.client import NextHopSession, SessionCache, describe, failure
 from transportd.smtp.dsnparams import DsnRequest
 from transportd.smtp.envelope import SendPlan, plan_send
 from transportd.smtp.mx import NextHopResolver, SmtpTarget
@@ -453,7 +453,7 @@ class PeerConnector(SmtpConnector):
                 session.close()
             if isinstance(exc, TlsRequired):  # its text names the peer's host already
                 raise NextHopUnavailable(describe(exc), tls_status=exc.status) from None
-            raise NextHopUnavailable(f"{target.host}:{target.port}: {describe(exc)}") from None
+            raise NextHopUnavailable(f"{target.host}:{target.port}: {failure(exc)}") from None
         return session, target, session
 
     async def _transact(self, client: PeerSession, sender: str, options: list[str], recipients: list[str],
@@ -536,7 +536,7 @@ def _session_lost(items: list[WorkItem], target: SmtpTarget, exc: BaseException,
     """The session broke while ``items[0]`` was being sent: its recipients, and the rest of the
     batch, go to Retry with the queue, but for those an earlier transaction of the message settled
     (``SessionLost``): a recipient the next hop took is recorded delivered, never sent again."""
-    reply = f"451 4.4.2 Connection to {target.host}:{target.port} lost: {describe(exc)}"
+    reply = f"451 4.4.2 Connection to {target.host}:{target.port} lost: {failure(exc)}"
     lost = Delivered.every_recipient(items, mq.RETRY, reply, queue_error=reply, **remote)
     settled = {o.recipient_id: o for o in exc.settled} if isinstance(exc, SessionLost) else {}
     first = items[0].message_id
