@@ -295,7 +295,7 @@ def test_every_exported_metric_and_its_states_are_in_the_operations_guide(make_n
     rows = {name: line for line in guide.splitlines() if line.startswith("| `transportd_")
             for name in re.findall(r"`(transportd_\w+)`", line.split("|")[1])}
     assert not exported - set(rows), f"exported but not in docs/operations.md: {sorted(exported - set(rows))}"
-    for (name, labels), _ in scrape("127.0.0.1", node.metrics_port).items():
+    for name, labels in scrape("127.0.0.1", node.metrics_port):
         base = re.sub(r"_(total|bucket|sum|count|created)$", "", name)
         row = rows.get(name) or rows.get(base) or rows.get(base + "_total")
         if row is None:
