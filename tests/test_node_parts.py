@@ -549,19 +549,63 @@ def test_a_delay_notice_is_told_to_the_shadows_which_keep_their_copy_and_send_no
         copy = _message(hop, ["a@x.test"], 2)
         copy.role, copy.redundancy, copy.shadow_guid, copy.primary_node = "shadow", "shadow", "g-1", "primary.t"
         copy_id = shadow.transaction(lambda c: mq.enqueue(c, copy))
+        # Our messages whose forks primary.t took hop by hop (their recipients there: Delivered
+        # here, as the hop-by-hop outcome records them); one also has a recipient of its own waiting.
         forked = shadow.transaction(lambda c: mq.enqueue(c, _message(hop, ["b@x.test"], 3)))
-        shadow.transaction(lambda c: c.execute(shadow_forks.insert().values(
-            message_id=forked, primary_node="primary.t", shadow_guid="g-1", queue_id=0, created_at=time.time())))
-        assert shadow.transaction(lambda c: sq.apply_delay_notified(c, "primary.t", ["g-1"], time.time())) == 2
-        assert shadow.transaction(lambda c: sq.apply_delay_notified(c, "primary.t", ["g-1"], time.time())) == 0
+        mixed = shadow.transaction(lambda c: mq.enqueue(c, _message(hop, ["b@x.test", "c@y.test"], 4)))
+        for message_id, guid in ((forked, "g-1"), (mixed, "g-2")):
+            shadow.transaction(lambda c, m=message_id, g=guid: c.execute(shadow_forks.insert().values(
+                message_id=m, primary_node="primary.t", shadow_guid=g, queue_id=0, created_at=time.time())))
+        shadow.transaction(lambda c: c.exec_driver_sql(
+            "UPDATE recipients SET status = 'Delivered' WHERE address = 'b@x.test'"))
+        assert shadow.transaction(lambda c: sq.apply_delay_notified(c, "primary.t", ["g-1", "g-2"], time.time())) == 2
+        assert shadow.transaction(lambda c: sq.apply_delay_notified(c, "primary.t", ["g-1", "g-2"], time.time())) == 0
         row = shadow.read(lambda c: mq.message_row(c, copy_id))
         assert row["state"] == mq.QUEUED and row["role"] == "shadow" and row["delay_dsn_at"] is not None
         assert shadow.read(lambda c: mq.message_row(c, forked))["delay_dsn_at"] is not None
+        # c@y.test waits here: its delay notice is this node's to send (the peer's covered b@x.test).
+        assert shadow.read(lambda c: mq.message_row(c, mixed))["delay_dsn_at"] is None
+        shadow.transaction(lambda c: c.exec_driver_sql("UPDATE recipients SET status = 'Retry' "
+                                                       f"WHERE message_id = {mixed}"))
+        assert [m["id"] for m in shadow.read(lambda c: mq.delayed_messages(c, time.time() + 3600, 1))] == [mixed]
+        shadow.transaction(lambda c: mq.record_delay_dsn(c, mixed, None, time.time()))
         shadow.transaction(lambda c: sq.promote_page(c, "primary.t", None, 10))
         shadow.transaction(lambda c: c.exec_driver_sql("UPDATE recipients SET status = 'Retry'"))
         assert shadow.read(lambda c: mq.delayed_messages(c, time.time() + 3600, 1)) == []
     finally:
         shadow.close()
+
+
+def test_a_holder_whose_shadow_protects_a_queued_dsn_is_still_a_shadow_holder(tmp_path):
+    """A message finished while its NDR waits keeps its shadows (``finish_if_done``: no discard
+    event yet, the shadows protect the DSN): their holder stays among ``shadow_holders``, so a
+    peer taken out of [[peers]] meanwhile may still fetch that discard (and is not left to
+    promote the copy and fail the recipient, a second NDR). Once the NDR is out and the
+    discard fetched, it is not."""
+    from transportd.queue import shadows as sq
+
+    hop = NextHop("smarthost:127.0.0.1:25", SMART_HOST, "127.0.0.1:25")
+    store = QueueStore.open(tmp_path / "queue.db")
+    try:
+        mid = store.transaction(lambda c: mq.enqueue(c, _message(hop, ["a@x.test"], 1)))
+        store.transaction(lambda c: sq.record_shadow(c, mid, "holder.t", "g-1", time.time()))
+        ndr = _message(hop, ["bob@remote.test"], 2)
+        ndr.dsn_of, ndr.sender = mid, ""
+        ndr_id = store.transaction(lambda c: mq.enqueue(c, ndr))
+        store.transaction(lambda c: c.exec_driver_sql(f"UPDATE recipients SET status = 'Failed' WHERE message_id = {mid}"))
+        assert store.transaction(lambda c: mq.finish_if_done(c, mid, time.time(), 3600)) == mq.FINISHED_SHADOWS_KEPT
+        assert store.read(lambda c: mq.message_row(c, mid))["state"] == mq.SAFETY_NET
+        assert store.read(sq.shadow_holders) == {"holder.t"}
+        # The NDR delivered: the message's discard is queued for the holder, which fetches it.
+        store.transaction(lambda c: c.exec_driver_sql(f"UPDATE recipients SET status = 'Delivered' "
+                                                      f"WHERE message_id = {ndr_id}"))
+        store.transaction(lambda c: mq.finish_if_done(c, ndr_id, time.time(), 3600))
+        assert store.read(sq.shadow_holders) == {"holder.t"}  # its discard waits
+        assert store.transaction(lambda c: sq.take_discard_events(c, "holder.t", 10, "t1")) == [("g-1", None)]
+        store.transaction(lambda c: sq.settle_discard_events(c, "t1", True))
+        assert store.read(sq.shadow_holders) == set()
+    finally:
+        store.close()
 
 
 def test_per_recipient_discards_are_handed_only_to_a_shadow_that_asks(tmp_path):

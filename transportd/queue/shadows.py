@@ -142,17 +142,26 @@ def apply_delivered_recipients(conn: Connection, primary: str, entries: Iterable
 
 def apply_delay_notified(conn: Connection, primary: str, guids: Iterable[str], now: float) -> int:
     """``DelayNotified`` events of ``primary``: it sent the delay DSN of these messages (GUIDs), so
-    our queued shadow copies of them note it (``delay_dsn_at``: a promotion sends none again), and
-    so do our messages whose forks it took hop by hop (should it be lost, the recipients routed again
-    get none either). The copies stay. Returns how many messages changed."""
+    our queued shadow copies of them note it (``delay_dsn_at``: a promotion sends none again). So
+    does a message of ours whose fork it took hop by hop, once none of its own recipients waits
+    here: should the peer be lost, the recipients routed again get no second notice; while some
+    of its own wait, their notice is ours to send, on our own timer (the peer's covered only the
+    recipients it took). The copies stay. Returns how many messages changed."""
     guids = list(dict.fromkeys(guids))
+    # ``state || ''``: found by ix_messages_shadow (primary, GUID), not by reading every queued
+    # message through ix_messages_state, which SQLite may choose without statistics.
+    changed = conn.execute(update(messages).where(
+        messages.c.role == "shadow", messages.c.primary_node == primary,
+        messages.c.state.concat("") == mq.QUEUED, messages.c.shadow_guid.in_(guids),
+        messages.c.delay_dsn_at.is_(None)).values(delay_dsn_at=now)).rowcount
     forked = select(shadow_forks.c.message_id).where(shadow_forks.c.primary_node == primary,
                                                      shadow_forks.c.shadow_guid.in_(guids))
-    copies = and_(messages.c.role == "shadow", messages.c.primary_node == primary,
-                  messages.c.state == mq.QUEUED, messages.c.shadow_guid.in_(guids))
-    return conn.execute(update(messages).where(messages.c.delay_dsn_at.is_(None),
-                                               or_(copies, messages.c.id.in_(forked)))
-                        .values(delay_dsn_at=now)).rowcount
+    own_waiting = select(recipients.c.id).where(recipients.c.message_id == messages.c.id,
+                                                recipients.c.status.in_((*mq.PENDING, mq.ACTIVE)))
+    changed += conn.execute(update(messages).where(
+        messages.c.id.in_(forked), messages.c.delay_dsn_at.is_(None), ~own_waiting.exists())
+        .values(delay_dsn_at=now)).rowcount
+    return changed
 
 
 def failed_on(primary: str) -> str:
@@ -453,13 +462,17 @@ def upsert_context(conn: Connection, primary: str, **values: Any) -> None:
 
 
 def shadow_holders(conn: Connection) -> set[str]:
-    """Every peer that holds a shadow of a message still queued here or has a discard event
-    waiting (it fetches it with XQDISCARD). The rows of a message processed since (in the Safety
-    Net) stay for its history, but once the discard is fetched the holder has moved its copy to
-    its Shadow Safety Net: it has nothing left to ask this node about."""
+    """Every peer that holds a shadow of a message still queued here, or of one processed whose
+    DSN is not out yet (``finish_if_done`` keeps its shadows to protect that DSN: no discard
+    event yet), or has a discard event waiting (it fetches it with XQDISCARD). The rows of a
+    message processed since (in the Safety Net) stay for its history, but once the discard is
+    fetched the holder has moved its copy to its Shadow Safety Net: it has nothing left to ask
+    this node about."""
+    dsn = messages.alias("dsn")
+    dsn_queued = select(dsn.c.id).where(dsn.c.dsn_of == messages.c.id, dsn.c.state.concat("") == mq.QUEUED)
     holders = conn.execute(select(message_shadows.c.shadow_node).join(
         messages, messages.c.id == message_shadows.c.message_id).where(
-        messages.c.state == mq.QUEUED).distinct()).scalars().all()
+        or_(messages.c.state == mq.QUEUED, dsn_queued.exists())).distinct()).scalars().all()
     waiting = conn.execute(select(discard_events.c.shadow_node).distinct()).scalars().all()
     return {*holders, *waiting}
 

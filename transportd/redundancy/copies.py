@@ -118,7 +118,8 @@ class ShadowCopier:
                     uncertain.append(peer.name)  # refused, yet stored: it gets a discard event
                 return result.accepted, result.reply, result.queue_database_id
         except PEER_FAILURES as exc:
-            if isinstance(exc, asyncio.TimeoutError):
+            # A hung TLS handshake comes wrapped (TlsRequired, from the time-out): timed out too.
+            if isinstance(exc, asyncio.TimeoutError) or isinstance(exc.__cause__, asyncio.TimeoutError):
                 timed_out.add(peer.name)
             if s is not None and s.data_sent and peer.name not in uncertain:
                 uncertain.append(peer.name)  # it may hold a copy we do not count
