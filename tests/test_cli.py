@@ -791,18 +791,30 @@ def test_queue_list_watch(make_node, sink):
             chunks.append(data)
 
     piped = node.registry.add(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    piped_chunks: list[bytes] = []  # each refresh is flushed: read as it comes
+
+    def piped_reader() -> None:
+        assert piped.stdout is not None
+        while data := piped.stdout.read1(65536):
+            piped_chunks.append(data)
     proc = node.registry.add(subprocess.Popen(cmd, stdout=slave, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL))
     os.close(slave)
     t = threading.Thread(target=reader, daemon=True)
     t.start()
-    # Started after the piped one: three redraws on the terminal mean both have refreshed (a
-    # loaded machine can take seconds to start a Python process, so wait for output, not time).
-    wait_for(lambda: b"".join(chunks).count(b"\x1b[H\x1b[2J") >= 3, timeout=30, what="three redraws")
+    tp = threading.Thread(target=piped_reader, daemon=True)
+    tp.start()
+    # Wait for output, not time: a loaded machine can take seconds to start a Python process, and
+    # the one started first is not always the first to print.
+    wait_for(lambda: b"".join(chunks).count(b"\x1b[H\x1b[2J") >= 3
+             and b"".join(piped_chunks).count(b"transportd queue list") >= 2, timeout=30,
+             what="three redraws on the terminal and two refreshes piped")
     assert proc.poll() is None and piped.poll() is None, "--watch exited by itself"
     os.kill(proc.pid, signal.SIGINT)   # Ctrl-C
     os.kill(piped.pid, signal.SIGTERM)
     err = proc.communicate(timeout=10)[1]
-    piped_out = piped.communicate(timeout=10)[0].decode()
+    piped.wait(timeout=10)
+    tp.join(timeout=5)
+    piped_out = b"".join(piped_chunks).decode()
     t.join(timeout=5)
     os.close(master)
     text = b"".join(chunks).decode(errors="replace")
