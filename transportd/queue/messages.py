@@ -564,14 +564,11 @@ def tell_delay_notified(conn: Connection, message_id: int, now: float,
                         shadows: Iterable[tuple[str, str]] | None = None) -> int:
     """One ``DelayNotified`` event for each shadow (node, GUID) of ``message_id`` (default: all its
     shadows): its delay notice is out, so the shadow notes it on its copy. Returns how many."""
-    if shadows is None:
-        shadows = driver(conn).execute(_SHADOWS_OF, (message_id,)).fetchall()
-    n = 0
-    for node, guid in shadows:
+    told = list(driver(conn).execute(_SHADOWS_OF, (message_id,)).fetchall() if shadows is None else shadows)
+    for node, guid in told:
         _INSERT_DISCARD.run(conn, {"shadow_node": node, "shadow_guid": guid, "created_at": now,
                                    "reason": DELAY_NOTIFIED})
-        n += 1
-    return n
+    return len(told)
 
 
 def retry_delay(attempt: int, interval: float, count: int, long_interval: float) -> float:
