@@ -1409,9 +1409,10 @@ def test_a_kept_session_that_breaks_after_the_end_of_data_is_a_deferral_not_a_re
     assert [e["recipient-address"] for e in events(node, "DEFER")] == ["a2@foreign.test"]
 
 
-@pytest.mark.parametrize("refusal", [{"connect": "554 5.3.2 no service here"}, {"EHLO": "550 5.7.1 go away"},
+@pytest.mark.parametrize("refusal", [{"connect": "554 5.3.2 no service here"},
+                                     {"EHLO": "550 5.7.1 go away", "HELO": "550 5.7.1 go away"},
                                      {"EHLO": "502 5.5.1 what", "HELO": "550 5.7.1 go away"}],
-                         ids=["554 greeting", "5xx to EHLO", "5xx to HELO"])
+                         ids=["554 greeting", "5xx to EHLO and HELO", "5xx to HELO"])
 def test_a_refused_session_start_gets_a_quit_and_the_message_is_deferred(make_node, scripted_hop, refusal):
     """RFC 5321 3.1 and 4.1.4: after a 554 greeting (or a 5xx to EHLO, then to HELO) the client
     sends QUIT and waits for its reply before it closes (it closed at once); the message is
@@ -1450,3 +1451,64 @@ def test_a_refusal_holding_control_characters_and_no_utf8_fails_with_a_clean_dsn
                    (qid,)) == [("Failed", cleaned)]
     assert not events(node, "DEFER") and not events(node, "POISONMESSAGE")
     assert node.cli_json("message", "list", "--queue", "Poison") == []
+
+
+def test_a_next_hop_that_refuses_ehlo_with_any_5xx_gets_helo(make_node, scripted_hop):
+    """RFC 5321 4.1.4: EHLO may be refused with 501, 550 or 554 as well as 500 / 502; the client
+    says HELO then, as Postfix's does (a 554 to EHLO left the message deferred until it expired,
+    the next hop never asked in HELO), and sends one command at a time, no ESMTP parameter."""
+    hop = scripted_hop(lambda hop, session, line: "554 5.7.1 no ESMTP for you" if line.startswith("EHLO") else
+                       "250 hop.test" if line.startswith("HELO") else None)
+    node = make_node(smart_host=hop.address).start()
+    queued_id(swaks(node.port, "--to", "carol@foreign.test", "--from", "bob@example.test"))
+    wait_events(node, "SENDEXTERNAL")
+    assert [line.split(" ")[0] for line in hop.sessions[0][:3]] == ["EHLO", "HELO", "MAIL"]
+    assert hop.sessions[0][2] == "MAIL FROM:<bob@example.test>" and not events(node, "DEFER")
+
+
+def test_data_answered_250_is_out_of_step_and_never_a_delivery(make_node, scripted_hop):
+    """RFC 5321 4.3.2: DATA is answered 354 (then the data, then the reply that counts) or refused.
+    A next hop that answers it 250, as happens when the replies are shifted by a line (a broken
+    multi-line reply, an extra line after the data), has not been sent a single octet of the
+    message: the session is out of step, closed, the message deferred and sent again. (The 250 was
+    taken as the data's: SENDEXTERNAL, the message in Safety Net, the next hop without it.)"""
+    hop = scripted_hop(lambda hop, session, line: "250 2.0.0 Ok" if session == 0 and line == "DATA" else None)
+    node = make_node(smart_host=hop.address).start()  # retried after 1 s
+    queued_id(swaks(node.port, "--to", "carol@foreign.test", "--from", "bob@example.test",
+                    "--header", "Subject: shifted"))
+    sent = wait_events(node, "SENDEXTERNAL", timeout=20)
+    [defer] = events(node, "DEFER")
+    assert "DATA answered 250 2.0.0 Ok" in defer["recipient-status"] and "out of step" in defer["recipient-status"]
+    assert len(sent) == 1 and len(hop.sessions) == 2
+    assert hop.sessions[1][-2:] == ["DATA", "."]
+    assert recipient_states(node) == {"carol@foreign.test": "Delivered"}
+
+
+def test_a_pipelined_group_cut_by_a_421_is_the_next_hops_limit_not_a_deferral(make_node, scripted_hop):
+    """A next hop that takes one message per connection answers the next MAIL of a pipelined group
+    with 421 and closes (RFC 5321 3.8) before the group's RCPT and DATA are answered: every command
+    awaiting a reply has the 421, so the batch goes on at once on a new session (its limit of
+    messages per connection, as without PIPELINING), not deferred with "closed the connection"."""
+    state = {"open": False}
+
+    def script(hop, session, line):
+        if line == "connect":
+            return None if state["open"] else "421 4.3.2 not now"
+        if "." in hop.sessions[session] and line.startswith("MAIL"):
+            hop.cut = getattr(hop, "cut", set()) | {session}
+            return "421 4.7.0 too many messages in this connection"
+        return CLOSE if session in getattr(hop, "cut", set()) else None
+    hop = scripted_hop(script)
+    node = make_node(smart_host=hop.address, overrides={"delivery": {
+        "transient_failure_retry_interval": 600, "outbound_connection_failure_retry_interval": 600}}).start()
+    qids = [queued_id(swaks(node.port, "--to", f"r{i}@foreign.test", "--from", "bob@example.test")) for i in range(3)]
+    wait_for(lambda: [q for q in node.cli_json("queue", "list") if q["identity"] == f"smarthost:{hop.address}"
+                      and q["state"] == "Retry" and q["message_count"] == 3],
+             timeout=15, what="the three messages waiting in Retry")
+    deferrals = len(events(node, "DEFER"))
+    state["open"] = True
+    node.cli("queue", "retry", f"smarthost:{hop.address}")
+    sent = wait_events(node, "SENDEXTERNAL", n=3, timeout=15)
+    assert sorted(int(e["internal-message-id"]) for e in sent) == sorted(qids)
+    assert len(events(node, "DEFER")) == deferrals
+    assert "ended the session after 1 message(s) of this batch (421 4.7.0 too many messages" in node.log()

@@ -176,3 +176,47 @@ def test_the_only_lone_dot_line_a_next_hop_can_see_is_the_end(body: bytes) -> No
     unstuffed = b"".join((line[1:] if line.startswith(b".") else line) + b"\r\n" for line in lines)
     expect = re.sub(rb"\r\n|\n|\r", b"\r\n", body)
     assert unstuffed == (expect if expect.endswith(b"\r\n") else expect + b"\r\n")
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_a_reply_no_server_gives_to_its_command_is_the_session_out_of_step(pipelining) -> None:
+    """DATA answered 250 (RFC 5321 4.3.2: 354 or a refusal) is a reply taken from elsewhere in a
+    shifted stream: a ProtocolError, never the data's 250 (no octet of the body was sent). So is a
+    354 to MAIL, RCPT, the end of the data or BDAT LAST."""
+    tx = Transaction("a@x.test", [], ["b@y.test"], BODY, chunking=False, pipelining=pipelining)
+    tx.start()
+    tx.answer(250, "2.1.0 ok")
+    tx.answer(250, "2.1.5 ok")
+    with pytest.raises(ProtocolError, match="DATA answered 250 2.0.0 Ok: the session is out of step"):
+        tx.answer(250, "2.0.0 Ok")
+    assert tx.replies is None and tx.awaiting == "DATA"
+    for steps in ([(354, "go")], [(250, "ok"), (354, "go")], [(250, "ok"), (250, "ok"), (354, "go"), (354, "go")]):
+        tx = Transaction("a@x.test", [], ["b@y.test"], BODY, chunking=False, pipelining=pipelining)
+        tx.start()
+        with pytest.raises(ProtocolError, match="out of step"):
+            for code, text in steps:
+                tx.answer(code, text)
+        assert tx.replies is None
+    tx = Transaction("a@x.test", [], ["b@y.test"], BODY, chunking=True, pipelining=pipelining)
+    tx.start()
+    tx.answer(250, "ok")
+    tx.answer(250, "ok")
+    assert tx.awaiting == "BDAT LAST"
+    with pytest.raises(ProtocolError, match="BDAT LAST answered 354"):
+        tx.answer(354, "go")
+
+
+def test_a_421_answers_every_command_still_awaiting_a_reply() -> None:
+    """RFC 5321 3.8: a 421 ends the session; what a pipelined group (or the rest of a transaction
+    one command at a time) still awaited has that reply, and nothing more is sent."""
+    tx = Transaction("a@x.test", [], ["b@y.test", "c@y.test"], BODY, chunking=False)
+    tx.start()
+    tx.closed(421, "4.7.0 too many messages")
+    cut = (421, "4.7.0 too many messages")
+    assert tx.replies == Replies(cut, (cut, cut), cut) and tx.awaiting is None
+    tx = Transaction("a@x.test", [], ["b@y.test", "c@y.test"], BODY, chunking=False, pipelining=False)
+    tx.start()
+    tx.answer(250, "ok")
+    tx.answer(250, "ok")
+    tx.closed(*cut)
+    assert tx.replies == Replies((250, "ok"), ((250, "ok"), cut), cut)

@@ -373,3 +373,19 @@ async def test_a_next_hop_whose_hosts_all_fail_tls_is_a_tls_failure_each_host_na
             await connect([SmtpTarget("127.0.0.1", down)], local_hostname="me.test", timeout=5, connect_timeout=5,
                           tls=required)
         assert (failed.value.only, failed.value.reason) == (f"127.0.0.1:{down}", "Connection refused")
+
+
+async def test_a_421_in_a_pipelined_group_answers_the_whole_group_and_ends_the_session() -> None:
+    """The next hop answers MAIL 421 and closes before the group's RCPT and DATA are answered
+    (RFC 5321 3.8): the transaction's replies are all that 421, not "closed the connection"."""
+    server, port = await scripted([
+        (None, b"220 mx.test ESMTP\r\n"),
+        (b"EHLO me.test", b"250-mx.test\r\n250 PIPELINING\r\n"),
+        (b"MAIL FROM:<a@x.test>\r", b"421 4.7.0 too many messages in this connection\r\n"),
+    ])
+    async with server:
+        session = await next_hop_session(port)
+        replies = await session.transact("a@x.test", [], ["b@y.test", "c@y.test"], b"body\r\n")
+        cut = (421, "4.7.0 too many messages in this connection")
+        assert replies.mail == cut and replies.recipients == (cut, cut) and replies.data == cut
+        assert not session.is_connected and session.awaiting is None

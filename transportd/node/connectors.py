@@ -348,7 +348,7 @@ class SmtpConnector:
                         carried = 0
                     carried += any(o.status == mq.DELIVERED for o in outs)
                 except (OSError, PeerTransientError, ProtocolError) as exc:
-                    yield _session_lost(batch[i:], target, exc, **remote)
+                    yield _session_lost(batch[i:], target, exc, getattr(client, "awaiting", None), **remote)
                     return
                 except (asyncio.CancelledError, StoreError):
                     raise
@@ -532,11 +532,27 @@ def unreachable_reply(next_hop: str, exc: NextHopUnavailable) -> str:
     return f"451 4.4.0 Unable to connect to {next_hop}: {exc}"
 
 
-def _session_lost(items: list[WorkItem], target: SmtpTarget, exc: BaseException, **remote: str) -> Delivered:
+# The steps after which a next hop that breaks the session may hold the message: its data was sent.
+AFTER_THE_DATA = ("end of data", "BDAT LAST")
+
+
+def _session_lost(items: list[WorkItem], target: SmtpTarget, exc: BaseException, step: str | None = None,
+                  **remote: str) -> Delivered:
     """The session broke while ``items[0]`` was being sent: its recipients, and the rest of the
     batch, go to Retry with the queue, but for those an earlier transaction of the message settled
-    (``SessionLost``): a recipient the next hop took is recorded delivered, never sent again."""
-    reply = f"451 4.4.2 Connection to {target.host}:{target.port} lost: {failure(exc)}"
+    (``SessionLost``): a recipient the next hop took is recorded delivered, never sent again.
+    The reply names the host once, the command whose reply was awaited (``step``), and, when that
+    was the data's, that the next hop may hold the message (Postfix: "message may be sent more
+    than once"): sent again at the retry, it may arrive twice (RFC 5321 6.1)."""
+    where = f"{target.host}:{target.port}"
+    reason = (str(exc) if isinstance(exc, TimeoutError) else failure(exc)) or "timed out"
+    reason = reason.replace(f" from {where}", "").replace(f"{where} ", "")  # the wire's texts name it
+    maybe = "; the next hop may hold the message, which may be sent more than once" if step in AFTER_THE_DATA else ""
+    if isinstance(exc, ProtocolError) or isinstance(exc.__cause__, ProtocolError):
+        reply = f"451 4.4.2 Session with {where} given up: {reason}{maybe}"  # the reason names the step
+    else:
+        at = f" awaiting the reply to {step}" if step else ""
+        reply = f"451 4.4.2 Connection to {where} lost{at}: {reason}{maybe}"
     lost = Delivered.every_recipient(items, mq.RETRY, reply, queue_error=reply, **remote)
     settled = {o.recipient_id: o for o in exc.settled} if isinstance(exc, SessionLost) else {}
     first = items[0].message_id

@@ -90,6 +90,12 @@ class NextHopSession:
         return self._transaction is None or not self._transaction.mail_accepted
 
     @property
+    def awaiting(self) -> str | None:
+        """The command of the last transaction whose reply was awaited when it stopped (a session
+        that broke), or None."""
+        return self._transaction.awaiting if self._transaction is not None else None
+
+    @property
     def idle(self) -> bool:
         """Connected with nothing unread: no 421 or close from the next hop since the last reply."""
         return self.wire.idle
@@ -114,6 +120,13 @@ class NextHopSession:
         self.wire.write(tx.start())
         while tx.replies is None:
             reply = await self.wire.read_reply()
+            if reply.code == 421:
+                # The next hop ends the session (RFC 5321 3.8) and closes it: every command of a
+                # pipelined group still awaiting its reply has this one (its words, not "closed
+                # the connection"), and the session is over.
+                tx.closed(reply.code, reply.message)
+                self.wire.close()
+                break
             more = tx.answer(reply.code, reply.message)
             if more:
                 self.wire.write(more)

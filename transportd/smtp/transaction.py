@@ -118,11 +118,30 @@ class Transaction:
         return (len(self._got) > 1 and accepted("MAIL", self._got[0][0])
                 and any(accepted("RCPT", code) for code, _ in self._got[1:]))
 
+    @property
+    def awaiting(self) -> str | None:
+        """The step whose reply is awaited next (``MAIL``, ``RCPT``, ``DATA``, ``end of data``,
+        ``BDAT LAST``), or None: the transaction is over or not started."""
+        if not self._awaiting:
+            return None
+        return "BDAT LAST" if self._awaiting[0] == "DATA" and self.chunking else self._awaiting[0]
+
     def answer(self, code: int, text: str) -> bytes:
-        """One reply, for the command that awaits it; returns what to write now (maybe nothing)."""
+        """One reply, for the command that awaits it; returns what to write now (maybe nothing).
+
+        A reply no server gives to that command says the session is out of step (a reply line too
+        many or too few before it: a broken multi-line reply, an extra line after the data): a
+        ProtocolError, never read as the command's answer. Above all DATA answered with anything but
+        354 or a refusal (RFC 5321 4.3.2): taken as the data's 250, it would count the message
+        delivered though no octet of it was sent."""
         if not self._awaiting:
             raise ProtocolError(f"a {code} reply with no command of the transaction awaiting one")
-        step = self._awaiting.pop(0)
+        step = self._awaiting[0]
+        expected = (354,) if step == "DATA" and not self.chunking else range(200, 300)
+        if code not in expected and not 400 <= code < 600:
+            raise ProtocolError(f"{self.awaiting} answered {code} {' '.join(text.split())[:80]}: "
+                                f"the session is out of step")
+        self._awaiting.pop(0)
         if step in ("MAIL", "RCPT"):
             self._got.append((code, text))
             if self.pipelining:
@@ -133,6 +152,12 @@ class Transaction:
             return dot_stuff(self._data) if self.any_accepted else b".\r\n"
         self._finish((code, text))
         return b""
+
+    def closed(self, code: int, text: str) -> None:
+        """The server ends the session with this reply (a 421, RFC 5321 3.8: it closes the
+        connection): every command still awaiting a reply has this one, and nothing more is sent."""
+        while self.replies is None and self._awaiting:
+            self.answer(code, text)
 
     def _next_alone(self, step: str, code: int, text: str) -> bytes:
         """Without PIPELINING: the command after this reply, or the end of the transaction."""

@@ -79,7 +79,7 @@ class SmtpWire:
     """One session's stream. Every reply is awaited at most ``timeout``; a closed stream raises
     PeerTransientError, a reply that is no SMTP reply ProtocolError. ``start_tls``: True
     requires STARTTLS, None uses it when the server offers it, False
-    never; ``helo_fallback``: HELO after an EHLO answered 500 or 502 (RFC 5321 4.1.1.1)."""
+    never; ``helo_fallback``: HELO after an EHLO answered with any 5xx (RFC 5321 4.1.1.1, 4.1.4)."""
 
     def __init__(self, hostname: str, port: int, *, local_hostname: str, timeout: float,
                  start_tls: bool | None = False, helo_fallback: bool = False, address: str | None = None,
@@ -164,7 +164,9 @@ class SmtpWire:
     async def _ehlo(self) -> Reply:
         self.extensions = {}
         reply = await self.execute_command(b"EHLO", self.local_hostname.encode("ascii"))
-        if reply.code in (500, 502) and self.helo_fallback:
+        if 500 <= reply.code < 600 and self.helo_fallback:
+            # Any refusal of EHLO, not only 500 / 502 (RFC 5321 4.1.4 names 501 and 550 too; a
+            # server may refuse ESMTP with a 554 and take HELO): HELO next, as Postfix's client does.
             reply = await self.execute_command(b"HELO", self.local_hostname.encode("ascii"))
             if reply.code != 250:
                 await self._quit_refused(reply)
