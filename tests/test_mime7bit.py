@@ -657,3 +657,40 @@ def test_property_fields_are_read_as_the_email_package_reads_them(head: bytes, d
     head, _, _ = mime7bit._split_head(head + b"\r\n")
     assert mime7bit._head_info(head, default_type, mime7bit._ParseBudget()) == \
         _reference_head_info(head, default_type)
+
+
+async def test_a_conversion_of_long_lines_is_linear_and_leaves_the_event_loop_running() -> None:
+    """A part of 998-octet lines beside an 8-bit one: the conversion measures lines by splitting,
+    in time linear in the message. (A search for 999 non-line-end octets tried every position of
+    every line: ~3 s per MB, in one C call holding the GIL, so the node's event loop stood still
+    though the conversion runs in a worker thread: 52 s for 10 MB, a cluster peer's heartbeats
+    timed out and it promoted the message, a second delivery.)"""
+    import asyncio
+    import time
+
+    lines = (b"a" * 998 + b"\r\n") * 1500  # 1.5 MB
+    raw = (b"MIME-Version: 1.0\r\nContent-Type: multipart/mixed; boundary=\"BB\"\r\n\r\n"
+           b"--BB\r\nContent-Type: text/plain; charset=utf-8\r\n\r\nvoil\xc3\xa0\r\n"
+           b"--BB\r\nContent-Type: text/plain\r\n\r\n" + lines + b"--BB\r\nContent-Type: text/plain\r\n\r\n"
+           + b"b" * 5000 + b"\r\n--BB--\r\n" + b"c" * 3000 + b"\r\n")  # a long line in the epilogue too
+    gaps: list[float] = []
+
+    async def ticks() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+    ticker = asyncio.create_task(ticks())
+    try:
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        out = await asyncio.to_thread(to_7bit, raw)
+        took = time.monotonic() - started
+    finally:
+        ticker.cancel()
+    assert out.isascii() and max(map(len, out.split(b"\r\n"))) <= 998
+    assert out.count(b"a" * 998 + b"\r\n") == 1500  # the 7-bit part kept as it was
+    assert took < 2.0, f"the conversion of 1.5 MB took {took:.1f} s"
+    assert max(gaps) < 0.5, f"the event loop stood still {max(gaps):.1f} s during the conversion"
