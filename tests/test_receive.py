@@ -169,6 +169,45 @@ def test_ehlo_advertises_extensions_without_tls_or_auth(make_node):
         assert not s.has_extn("starttls") and not s.has_extn("auth")
 
 
+def _transport_connector_verbs() -> set[str]:
+    """The X-verbs the transport connector serves: its own ``smtp_X...`` methods."""
+    from transportd.redundancy.server import TransportSMTP
+    return {name[len("smtp_"):] for name in dir(TransportSMTP) if name.startswith("smtp_X")}
+
+
+def test_frontend_answers_every_shadow_redundancy_verb_502(make_node):
+    """README and docs/PROTOCOL.md section 1: the frontend answers every X-verb the transport
+    connector knows ``502 5.3.3`` (not ``500 unrecognized``, which also counts toward the cut-off
+    of aiosmtpd's five unknown commands), before and after EHLO, with or without arguments."""
+    verbs = _transport_connector_verbs()
+    assert {"XSHADOWREQUEST", "XSHADOW", "XQDISCARD", "XQUERYDISCARD", "XQSTATUS", "XRESUBMIT",
+            "XSHADOWADOPT"} <= verbs, verbs
+    node = make_node().start()
+    c = Raw(node.port)
+    for verb in sorted(verbs):
+        assert c.cmd(verb) == "502 5.3.3 Command not implemented", verb
+    ehlo(c)
+    for _ in range(2):  # more of them than the unknown-command cut-off: the session stays open
+        for verb in sorted(verbs):
+            assert c.cmd(f"{verb.lower()} some argument") == "502 5.3.3 Command not implemented", verb
+    assert c.cmd("NOOP").startswith("250 "), "the session was closed"
+    help_line = c.cmd("HELP")
+    assert not any(w.startswith("X") for w in help_line.split()), help_line  # not offered here
+    assert_reply(c.cmd("QUIT"), 221, "2.0.0")
+
+
+def test_the_one_list_of_shadow_redundancy_verbs():
+    """protocol.VERBS is what the transport connector serves and its connection judges, so the
+    frontend's 502 cannot miss a verb added later."""
+    from transportd.redundancy.connection import OtherCommand, ServerConnection
+    from transportd.redundancy.protocol import VERBS
+
+    assert set(VERBS) == _transport_connector_verbs()
+    conn = ServerConnection("node1.transportd.test", "0d3c1a52-3c3f-4c55-9c55-0f1e2d3c4b5a")
+    for verb in VERBS:
+        assert not isinstance(conn.receive_command(verb, None)[0], OtherCommand), verb
+
+
 def test_smtputf8_8bitmime_and_pipelined_transaction(make_node):
     node = make_node().start()
     c = Raw(node.port)

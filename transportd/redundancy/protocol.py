@@ -1,7 +1,7 @@
 """The shadow redundancy wire protocol (docs/PROTOCOL.md) as pure functions: parse, format, decide.
 
-It owns the text of XSHADOWREQUEST, XSHADOW, XQDISCARD, XSHADOWADOPT and MAIL
-``XSHADOW=`` / ``XSHADOWRANK=``, the encodings of queue database IDs and FQDNs,
+It owns the list of the verbs (``VERBS``), the text of XSHADOWREQUEST, XSHADOW, XQDISCARD,
+XSHADOWADOPT and MAIL ``XSHADOW=`` / ``XSHADOWRANK=``, the encodings of queue database IDs and FQDNs,
 shadow placement (*ShadowMessagePreferenceSetting* with its retry counts), and
 the heartbeat rules that decide promotion, rank by rank when a message has
 several shadows (N-way). No sockets, no clock: callers pass ``now``.
@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 from transportd.errors import ProtocolError  # noqa: F401 - raised by every parser here
 from transportd.smtp.dsnparams import XTEXT, xtext_decode, xtext_encode
+from transportd.smtp.replies import SHADOW_REDUNDANCY_VERBS
 
 # ------------------------------------------------------------------------- encodings
 
@@ -63,6 +64,11 @@ def parse_guid(text: str) -> str:
 
 
 # ------------------------------------------------------------------------- verbs
+
+VERBS = SHADOW_REDUNDANCY_VERBS
+"""Every verb of this protocol, the one list (kept in smtp/replies.py, below this layer, so that the
+frontend answers each ``502 5.3.3``): the transport connector serves exactly these
+(tests/test_receive.py checks redundancy/server.py and connection.py against it)."""
 
 @dataclass(frozen=True)
 class ShadowRequest:

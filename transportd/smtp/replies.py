@@ -38,6 +38,13 @@ S500_BAD_SYNTAX = "500 5.5.2 Syntax error"
 S501_BAD_ADDRESS = "501 5.1.3 Bad recipient address syntax"
 S501_BAD_SENDER = "501 5.1.7 Bad sender address syntax"
 S502_NOT_IMPLEMENTED = "502 5.3.3 Command not implemented"
+
+SHADOW_REDUNDANCY_VERBS = ("XSHADOWREQUEST", "XSHADOW", "XQDISCARD", "XQUERYDISCARD", "XQSTATUS", "XRESUBMIT",
+                           "XSHADOWADOPT")
+"""Every verb of the shadow redundancy protocol (docs/PROTOCOL.md), the one list of them: the
+transport connector serves each (redundancy/server.py, judged by redundancy/connection.py); every
+other listener (the frontend) answers each S502_NOT_IMPLEMENTED, never 500 "unrecognized".
+Listed here, at the bottom layer, so that both read it (redundancy/protocol.py names it VERBS)."""
 S503_NEED_RCPT = "503 5.5.1 Bad sequence of commands: need RCPT"
 S503_NEED_MAIL_RCPT = "503 5.5.1 Bad sequence of commands: need MAIL and RCPT"
 S503_DATA_AFTER_BDAT = "503 5.5.1 Bad sequence of commands: DATA after BDAT"

@@ -810,6 +810,18 @@ IMPLICIT_TLS = object()
 """Where aiosmtpd keeps the TLS protocol its STARTTLS made: a session that began in TLS."""
 
 
+def _verbs_answered_502(verbs: tuple[str, ...]) -> Callable[[Any], Any]:
+    """A class decorator: ``smtp_<VERB>`` for each of ``verbs`` is ``_verb_not_served_here`` (502),
+    so aiosmtpd finds each verb (no 500 "unrecognized", no count toward its cut-off for unknown
+    commands) and HELP lists none (no syntax); a subclass that serves one defines its own."""
+    def decorate(cls: Any) -> Any:
+        for verb in verbs:
+            setattr(cls, f"smtp_{verb}", cls._verb_not_served_here)
+        return cls
+    return decorate
+
+
+@_verbs_answered_502(replies.SHADOW_REDUNDANCY_VERBS)  # TransportSMTP serves them (redundancy/server.py)
 class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _SaslExchange, _ShutdownNotice, HalfClose, _ImplicitTLS,
                   _DsnParameters, _AuthParameter, _ClientWait, _InactivityDeadline, SMTP):
     """aiosmtpd's SMTP with connection limits, an absolute timeout and our reply wording."""
@@ -1040,17 +1052,9 @@ class LimitedSMTP(_VerbsDir, _Replies, _Unoffered, _SaslExchange, _ShutdownNotic
             return
         await self._smtp_data(arg)
 
-    # The shadow redundancy verbs exist only on the transport connector (docs/PROTOCOL.md section 1).
-    async def smtp_XSHADOWREQUEST(self, arg: str | None) -> None:
-        await self.push(replies.S502_NOT_IMPLEMENTED)
-
-    async def smtp_XSHADOW(self, arg: str | None) -> None:
-        await self.push(replies.S502_NOT_IMPLEMENTED)
-
-    async def smtp_XQDISCARD(self, arg: str | None) -> None:
-        await self.push(replies.S502_NOT_IMPLEMENTED)
-
-    async def smtp_XRESUBMIT(self, arg: str | None) -> None:
+    async def _verb_not_served_here(self, arg: str | None) -> None:
+        """A shadow redundancy verb on a listener that does not serve them (the frontend): they exist
+        only on the transport connector (docs/PROTOCOL.md section 1), so 502, not "unrecognized"."""
         await self.push(replies.S502_NOT_IMPLEMENTED)
 
 
