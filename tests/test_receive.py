@@ -208,6 +208,38 @@ def test_the_one_list_of_shadow_redundancy_verbs():
         assert not isinstance(conn.receive_command(verb, None)[0], OtherCommand), verb
 
 
+def test_transport_connector_help_gives_each_verbs_syntax(make_node):
+    """HELP on the transport connector names every command it serves, MAIL and each X-verb, with
+    the syntax docs/PROTOCOL.md gives it (XSHADOWADOPT's rank, XQDISCARD's optional words)."""
+    transport_port = free_port()
+    peer = {"name": "node2.transportd.test", "site": "site-b", "transport": f"127.0.0.1:{free_port()}"}
+    node = make_node(overrides={"shadow_redundancy": {"shadow_redundancy_enabled": True},
+                                "cluster": {"secret": "s3cret-for-the-test"},
+                                "transport": {"listen": f"127.0.0.1:{transport_port}"}})
+    write_toml(node.config_path, {**node.sections, "peers": [peer]})
+    node.start()
+    c = Raw(transport_port)
+    ehlo(c, "node2.transportd.test")
+    help_line = c.cmd("HELP")
+    assert help_line.startswith("214 2.0.0 Supported commands: "), help_line
+    served = set(help_line.split(": ", 1)[1].split())
+    assert served >= {"MAIL", "RCPT", "DATA", "BDAT", "XSHADOWREQUEST", "XSHADOW", "XQDISCARD", "XQUERYDISCARD",
+                      "XQSTATUS", "XRESUBMIT", "XSHADOWADOPT"}, help_line
+    syntaxes = {
+        "MAIL": "MAIL FROM: <address> [SP <mail-parameters>]",
+        "XSHADOWREQUEST": "XSHADOWREQUEST fqdn base64-queue-database-id",
+        "XSHADOW": "XSHADOW base64-fqdn",
+        "XQDISCARD": "XQDISCARD max-count [RCPT [FAILED [NOTIFY [DELAY]]]]",
+        "XQUERYDISCARD": "XQUERYDISCARD max-count [RCPT [FAILED [NOTIFY [DELAY]]]]",
+        "XQSTATUS": "XQSTATUS guid ...",
+        "XRESUBMIT": "XRESUBMIT destination start-epoch end-epoch",
+        "XSHADOWADOPT": "XSHADOWADOPT base64-fqdn-of-lost-primary rank guid ...",
+    }
+    for verb, text in syntaxes.items():
+        assert c.cmd(f"HELP {verb}") == f"214 2.0.0 Syntax: {text}", verb
+    assert_reply(c.cmd("QUIT"), 221, "2.0.0")
+
+
 def test_smtputf8_8bitmime_and_pipelined_transaction(make_node):
     node = make_node().start()
     c = Raw(node.port)

@@ -185,11 +185,11 @@ class TransportSMTP(LimitedSMTP):
         if isinstance(event, XShadowReceived):
             await self._write(event.reply)
 
-    @syntax("XQDISCARD max-count")
+    @syntax("XQDISCARD max-count [RCPT [FAILED [NOTIFY [DELAY]]]]")
     async def smtp_XQDISCARD(self, arg: str | None) -> None:
         await self._discards("XQDISCARD", arg)
 
-    @syntax("XQUERYDISCARD max-count")
+    @syntax("XQUERYDISCARD max-count [RCPT [FAILED [NOTIFY [DELAY]]]]")
     async def smtp_XQUERYDISCARD(self, arg: str | None) -> None:
         """Exchange 2010's name for XQDISCARD (the seed's XQUERYDISCARD): the same exchange."""
         await self._discards("XQUERYDISCARD", arg)
@@ -219,7 +219,7 @@ class TransportSMTP(LimitedSMTP):
                                                               event.end)
             await self._write(self.conn.resubmit_reply(n))
 
-    @syntax("XSHADOWADOPT base64-fqdn-of-lost-primary guid ...")
+    @syntax("XSHADOWADOPT base64-fqdn-of-lost-primary rank guid ...")
     async def smtp_XSHADOWADOPT(self, arg: str | None) -> None:
         """N-way: the peer promoted these shadows of a lost primary; ours become its shadows."""
         event = await self._judge("XSHADOWADOPT", arg)
@@ -230,6 +230,7 @@ class TransportSMTP(LimitedSMTP):
                 list(event.guids)))
             await self._write(self.conn.adopt_reply(adopted))
 
+    @syntax("MAIL FROM: <address>", extended=" [SP <mail-parameters>]")  # aiosmtpd's, which an override drops
     async def smtp_MAIL(self, arg: str | None) -> None:
         """MAIL; with an ``XSHADOW=`` parameter (not a local part ``xshadow=...``, a plain sender)
         judged by the connection first, and taken off before aiosmtpd reads the rest."""
