@@ -616,6 +616,46 @@ def test_config_show_shipped_file():
     assert data_dir.exists() == existed, "config show created the data directory"
 
 
+def test_config_show_prints_peers_mailbox_databases_and_send_connectors(tmp_path):
+    """README: ``config show`` prints every key's effective value, the tables too: each peer, each
+    mailbox database's node, each send connector with its address spaces as the node uses them
+    (a U-label as its A-label); text and --json. The cluster secret stays masked."""
+    path = tmp_path / "node1.toml"
+    write_toml(path, {
+        "node": {"name": "node1.transportd.test", "site": "site-a", "data_dir": str(tmp_path / "data")},
+        "cluster": {"secret": "very-secret-value"},
+        "transport": {"listen": "127.0.0.210:2901"},
+        "peers": [{"name": "Node2.Transportd.Test", "site": "site-b", "transport": "127.0.0.211:2903"}],
+        "mailbox_databases": {"MDB01": "node1.transportd.test", "MDB02": "node2.transportd.test"},
+        "routing": {"mailbox_database": "MDB01"},
+        "send_connectors": [{"name": "books", "address_spaces": ["bücher.test", "partner.example"],
+                             "smart_hosts": "127.0.0.212:2904"}],
+    })
+    res = run_cli("config", "show", "--config", str(path))
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert table_line(out, "peers.node2.transportd.test.site", "site-b") is not None, out
+    assert table_line(out, "peers.node2.transportd.test.transport", "127.0.0.211:2903") is not None, out
+    assert table_line(out, "mailbox_databases.MDB01", "node1.transportd.test") is not None, out
+    assert table_line(out, "mailbox_databases.MDB02", "node2.transportd.test") is not None, out
+    assert table_line(out, "send_connectors.books.address_spaces", "[xn--bcher-kva.test, partner.example]",
+                      "AddressSpaces") is not None, out
+    assert table_line(out, "send_connectors.books.smart_hosts", "127.0.0.212:2904", "SmartHosts") is not None, out
+    assert table_line(out, "send_connectors.books.require_tls", "false") is not None, out
+    assert "very-secret-value" not in out and table_line(out, "cluster.secret", "*** (set)") is not None
+
+    shown = run_cli("config", "show", "--config", str(path), "--json")
+    rows = {r["key"]: r for r in map(json.loads, shown.stdout.splitlines())}
+    assert set(rows) >= {k.dotted for k in config_mod.KEYS}
+    assert rows["peers.node2.transportd.test.transport"]["value"] == "127.0.0.211:2903"
+    assert rows["mailbox_databases.MDB02"]["value"] == "node2.transportd.test"
+    assert rows["send_connectors.books.address_spaces"]["value"] == "[xn--bcher-kva.test, partner.example]"
+    assert rows["send_connectors.books.address_spaces"]["exchange_name"] == "AddressSpaces"
+    assert rows["send_connectors.books.tls_auth_level"]["value"] == "EncryptionOnly"
+    assert all(r["meaning"] for r in rows.values())
+    assert "very-secret-value" not in shown.stdout
+
+
 BAD_CONFIGS = {
     "bad-duration": ('[delivery]\nmessage_expiration_timeout = "soon"\n',
                      ("delivery.message_expiration_timeout", "soon")),

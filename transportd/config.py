@@ -1264,6 +1264,33 @@ def format_value(key: Key, value: Any) -> str:
     return str(value)
 
 
+def table_entries(cfg: Config) -> list[tuple[str, str, str, str]]:
+    """The effective values of the array and free-form tables ``effective()`` does not hold
+    (``[[peers]]``, ``[mailbox_databases]``, ``[[send_connectors]]``), each as (dotted name, value,
+    Exchange name, meaning), in the form the node uses them (a U-label address space as its
+    A-label, a peer's name in lower case); nothing for a table not configured. No secrets live in
+    these tables (the cluster secret is ``cluster.secret``, shown masked by ``format_value``)."""
+    out = []
+    for peer in cfg.peers:
+        out += [(f"peers.{peer.name}.site", peer.site, "Site", "the site of this boundary peer"),
+                (f"peers.{peer.name}.transport", peer.transport, "",
+                 "host:port of this boundary peer's transport connector")]
+    for db, node in cfg.mailbox_databases.items():
+        out.append((f"mailbox_databases.{db}", node, "Server", "the node that holds this mailbox database"))
+    for c in cfg.send_connectors:
+        where = f"send_connectors.{c.name}"
+        out += [(f"{where}.address_spaces", "[" + ", ".join(c.address_spaces) + "]", "AddressSpaces",
+                 "the domains whose mail this send connector takes (A-labels; '*': every domain)"),
+                (f"{where}.smart_hosts", c.smart_hosts, "SmartHosts",
+                 "its next hops ('host:port', comma-separated); empty = the domains' MX hosts"),
+                (f"{where}.require_tls", "true" if c.require_tls else "false", "RequireTLS",
+                 "STARTTLS required of its next hops"),
+                (f"{where}.tls_auth_level", c.tls_auth_level, "TlsAuthLevel",
+                 "what is checked of a next hop's certificate where TLS is required"),
+                (f"{where}.tls_ca", c.tls_ca, "", "CA bundle for that check (PEM); empty = the system's")]
+    return out
+
+
 def format_duration(seconds: float) -> str:
     if seconds and seconds % 86400 == 0:
         return f"{int(seconds // 86400)}d"
