@@ -46,8 +46,10 @@ def chaos(messages: int, faults: int, seed: int | None, no_shadow: bool, expect_
           shadow_copies: int) -> None:
     """Fault injection on a local 3-node cluster with a total-queue check (docs/reliability.md).
 
-    Exit 0 when lost = 0, unexpected = 0 and no mailbox duplicates (with --expect-loss: when lost > 0
-    and unexpected = 0), 1 otherwise."""
+    Exit 0 when lost = 0, unexpected = 0, no mailbox duplicates and no internal errors (with
+    --expect-loss, the control run: when lost > 0 and unexpected = 0); 1 otherwise, and in either
+    kind of run whenever the nemesis failed, the nodes' logs show a code error (an exception only a
+    bug raises) or a node answered 5xx while its disk was full (harness.judge)."""
     import json
     import random
     import signal
