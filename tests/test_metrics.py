@@ -21,9 +21,9 @@ from conftest import free_port, queued_id, swaks, wait_for
 from helpers import scrape, scrape_until, value
 
 
-def metrics_node(make_node, sink_address: str):
+def metrics_node(make_node, sink_address: str, **overrides):
     port = free_port()
-    node = make_node(smart_host=sink_address, overrides={"metrics": {"listen": f"127.0.0.1:{port}"}})
+    node = make_node(smart_host=sink_address, overrides={"metrics": {"listen": f"127.0.0.1:{port}"}, **overrides})
     node.metrics_port = port
     return node
 
@@ -88,6 +88,26 @@ def test_deferred_message_shows_in_queue_gauge_until_the_next_hop_returns(make_n
                      and sum(v for k, v in s.items() if k[0] == "transportd_queue_messages") == 0,
                      "the deliveries counted and the queue empty")
     assert value(s, "transportd_delivery_latency_seconds_count") == 2
+
+
+def test_mail_waiting_for_its_queues_next_retry_counts_as_retry_as_message_list_shows_it(make_node, sink):
+    """The next hop is down and its queue in Retry for 10 minutes: a message that arrives meanwhile
+    waits for the queue's retry, untried. message list (and --filter state=deferred) show it as
+    Retry; the gauge counts it so too (it counted it Ready, so an alert on Retry missed all but
+    the one message tried)."""
+    slow = {"transient_failure_retry_interval": 600, "outbound_connection_failure_retry_interval": 600}
+    node = metrics_node(make_node, sink.address, delivery=slow).start()  # the sink is not started
+    queue = f"smarthost:{sink.address}"
+    queued_id(swaks(node.port, "--to", "carol@elsewhere.test", "--from", "zed@example.test"))
+    scrape_until("127.0.0.1", node.metrics_port,
+                 lambda s: value(s, "transportd_delivery_attempts_total", result="deferred", delivery_type="smtp") >= 1,
+                 "a deferral counted")
+    queued_id(swaks(node.port, "--to", "dave@elsewhere.test", "--from", "zed@example.test"))
+    listed = {m["status"] for m in node.cli_json("message", "list")}
+    s = scrape("127.0.0.1", node.metrics_port)
+    assert listed == {"Retry"}
+    assert value(s, "transportd_queue_messages", queue=queue, state="Retry") == 2
+    assert value(s, "transportd_queue_messages", queue=queue, state="Ready") == 0
 
 
 def test_metrics_are_off_by_default_and_a_bare_port_binds_loopback(make_node, tmp_path):

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from sqlalchemy import case, func, insert, literal, select
+from sqlalchemy import and_, case, func, insert, literal, select
 from sqlalchemy.engine import Connection
 
 from transportd.queue import messages as mq
@@ -312,15 +312,21 @@ def shadow_copies(conn: Connection, primary: str, include_done: bool) -> list[di
 
 # --------------------------------------------------------------------------- metrics
 
-def queue_gauges(conn: Connection) -> dict[str, Any]:
+def queue_gauges(conn: Connection, now: float | None = None) -> dict[str, Any]:
     """Grouped counts for the scrape-time gauges: ``queues`` (identity, recipient status, messages),
     ``shadows`` (primary, copies), ``safety_net`` (role, messages), ``not_redundant`` (redundancy
     state, messages), ``poison`` (messages held in the Poison queue), ``oldest`` (identity, the
     earliest received_at of a message waiting in it), ``poison_oldest``, ``suspended`` (identities)
     and ``contexts`` (primary, last successful heartbeat, consecutive failures)."""
     # A message an operator suspended counts as Suspended (as Get-Message shows it), not as the
-    # Ready or Retry it would otherwise be: held mail is not mail waiting to go.
-    state = case((messages.c.suspended == 1, literal(mq.SUSPENDED)), else_=recipients.c.status)
+    # Ready or Retry it would otherwise be: held mail is not mail waiting to go. A Ready recipient
+    # waiting for its queue's next retry counts as Retry, as message list and --filter state=
+    # show it (mq.waits_for_queue_retry): an alert on Retry sees a queue stuck behind a next hop
+    # that is down, all of its mail, not only the message that was tried.
+    now = time.time() if now is None else now
+    waits = and_(recipients.c.status == mq.READY, queues.c.suspended == 0, queues.c.next_retry_at > now)
+    state = case((messages.c.suspended == 1, literal(mq.SUSPENDED)), (waits, literal(mq.RETRY)),
+                 else_=recipients.c.status)
     q = conn.execute(
         select(queues.c.identity, state, func.count(func.distinct(recipients.c.message_id)))
         .join(recipients, recipients.c.queue_id == queues.c.id)
