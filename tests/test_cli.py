@@ -408,7 +408,7 @@ def test_queue_retry_reaches_running_daemon(make_node, sink):
     node.wait_passes(3)
     assert sink.messages() == [], "delivered before its retry time: the test proves nothing"
     res = node.cli("queue", "retry", ident)
-    assert ident in res.stdout
+    assert res.stdout.startswith(f"queue {ident} will be retried now (1 recipient(s) due)")
     wait_for(lambda: sink.messages(), timeout=2.5, what="delivery after queue retry")
     wait_for(lambda: queue_by_identity(node, ident)["message_count"] == 0, timeout=2, what="queue empty")
 
@@ -419,7 +419,9 @@ def test_queue_retry_while_stopped(make_node, sink):
     send(node, "carol@foreign.test")
     wait_for(in_retry(node, ident, 1), timeout=10, what="queue in Retry")
     assert node.stop() == 0
-    cli(node, "queue", "retry", ident, use_data_dir=True)
+    res = cli(node, "queue", "retry", ident, use_data_dir=True)
+    # Not "now" (it said so, the node stopped): at the node's next start.
+    assert f"queue {ident} will be retried when the node starts (it is not running)" in res.stdout
     q = queue_by_identity(node, ident, use_data_dir=True)
     assert q["state"] == "Ready" and q["next_retry_at"] is None and q["message_count"] == 1, q
     sink.start()

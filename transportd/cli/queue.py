@@ -133,7 +133,9 @@ def queue_retry(cfg: Config, queue: str) -> None:
     if not q["changed"]:
         raise CliError(f"queue {q['identity']} is suspended: nothing leaves it until "
                        f"'transportd queue resume {q['identity']}' (nothing changed)")
-    click.echo(f"queue {q['identity']} will be retried now ({q['recipients']} recipient(s) due)")
+    from transportd.node import datalock
+    when = "now" if datalock.holder(cfg.data_dir) is not None else "when the node starts (it is not running)"
+    click.echo(f"queue {q['identity']} will be retried {when} ({q['recipients']} recipient(s) due)")
 
 
 @click.command("redirect")
