@@ -4,6 +4,12 @@ It owns splitting the header block from the body, reading Message-ID, Date and
 Subject (raw, so UTF-8 survives; the Subject's encoded-words decoded), the network message id a primary wrote into
 its Received field, and the hop count (Received fields of the header block only:
 a forwarded message's own Received lines are body). It never changes a message.
+
+A header section may be 256 KB (frontend.max_header_size) and one field all of it, and the email
+package's readers cost far more than the field on hostile input (the Subject's header_factory ~6 KB
+of memory an octet, getaddresses tens of microseconds a character, on the event loop): a Subject is
+read from its first ``SUBJECT_LIMIT`` characters and an address field from its first
+``ADDRESS_FIELD_LIMIT``, so no field costs more than a few milliseconds and megabytes.
 """
 
 from __future__ import annotations
@@ -17,6 +23,14 @@ from email.parser import BytesHeaderParser
 from email.policy import compat32
 
 _HEADER_END = re.compile(rb"\r?\n\r?\n")
+
+SUBJECT_LIMIT = 4096
+"""Characters of a Subject (unfolded) that are read: the rest is dropped before its encoded-words
+are decoded. The queue keeps 500 of them and a DSN shows 200, so an ordinary Subject is whole."""
+
+ADDRESS_FIELD_LIMIT = 2048
+"""Characters of a Sender or From field (unfolded) the author is looked for in: an address is at
+most 320 (RFC 5321 4.5.3.1), so the first mailbox of an ordinary field is in them."""
 
 
 _FOLD = re.compile(r"\r?\n(?=[ \t])")
@@ -109,18 +123,35 @@ def author_address(sender: str, from_: str) -> str:
 
 
 def _addresses(value: str) -> list[tuple[str, str]]:
+    """The mailboxes of an address field; of a field over ``ADDRESS_FIELD_LIMIT``, those wholly in
+    its first ``ADDRESS_FIELD_LIMIT`` characters (the last one read may be cut, and is dropped)."""
+    cut = len(value) > ADDRESS_FIELD_LIMIT
+    value = value[:ADDRESS_FIELD_LIMIT]
     if "@" not in value:
         return []
     try:
-        return email.utils.getaddresses([value])
+        found = email.utils.getaddresses([value])
     except Exception:  # noqa: BLE001 - the email package has failed on hostile input: none read
         return []
+    return found[:-1] if cut else found
+
+
+def _first_characters(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters, at its last blank in them where there is one
+    in their second half (so an encoded-word is not split)."""
+    if len(text) <= limit:
+        return text
+    text = text[:limit]
+    blank = max(text.rfind(" "), text.rfind("\t"))
+    return (text[:blank] if blank > limit // 2 else text).rstrip()
 
 
 def decoded_subject(text: str) -> str:
     """A Subject with encoded-words (``=?UTF-8?B?...?=``, RFC 2047) as the text they stand for, on
     one line (a control character an encoded-word carried becomes a space); as it is when it holds
-    none, or when the email package cannot read them."""
+    none, or when the email package cannot read them. Only its first ``SUBJECT_LIMIT`` characters
+    are read (cut at a blank)."""
+    text = _first_characters(text, SUBJECT_LIMIT)
     if "=?" not in text:
         return text
     try:
