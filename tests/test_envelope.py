@@ -59,6 +59,25 @@ def test_8bit_body_to_a_7bit_next_hop_is_converted():
     assert got.get_content() == want.get_content() and "Grüße aus Köln" in got.get_content()
 
 
+def test_a_nul_in_the_body_to_a_7bit_next_hop_is_converted():
+    """RFC 2045 2.7: 7bit data holds no NUL, so a body with one and no 8-bit octet is converted for
+    a next hop without 8BITMIME (mime7bit re-encodes the part), and decodes the same; a next hop
+    with 8BITMIME gets it as it is, with no BODY= that the octets do not ask for."""
+    data = b"Subject: nul\r\nContent-Type: application/octet-stream\r\n\r\nab\x00cd\r\n"
+    p = plan(data=data, eight=False)
+    assert p.error is None and p.converted and b"\0" not in p.data and p.options == []
+    assert b"Content-Transfer-Encoding: base64" in p.data
+    got = email.message_from_bytes(p.data, policy=email.policy.default)
+    assert got.get_payload(decode=True) == b"ab\x00cd\r\n"
+    text = plan(data=b"Subject: nul\r\n\r\nline \x00 one\r\n", eight=False)
+    assert text.converted and b"line =00 one" in text.data and b"\0" not in text.data
+    kept = plan(data=data)
+    assert kept.data == data and kept.options == [] and not kept.converted
+    # A NUL in a header is no body to convert: sent as it is, as before.
+    head_nul = b"Subject: a\x00b\r\n\r\nbody\r\n"
+    assert plan(data=head_nul, eight=False) == plan(data=head_nul) and not plan(data=head_nul, eight=False).converted
+
+
 def test_8bit_headers_to_a_next_hop_without_either_extension_are_refused():
     # Legacy 8-bit headers (no SMTPUTF8 received): cannot be made 7-bit, never sent unannounced.
     p = plan(data=UTF8_HEADERS, eight=False, utf8=False)

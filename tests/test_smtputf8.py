@@ -272,6 +272,23 @@ def test_8bit_body_to_a_next_hop_without_8bitmime_arrives_7bit_and_decodes_the_s
     assert got["Subject"] == "plain ascii subject"
 
 
+def test_a_nul_in_a_7bit_body_to_a_next_hop_without_8bitmime_is_converted(make_node, sink):
+    """RFC 2045 2.7: 7bit data holds no NUL. A body with NULs but no 8-bit octet, to smtp-sink -8,
+    arrives converted (quoted-printable, ``=00``), no NUL on the wire, and decodes the same."""
+    sink.start(("-8",))
+    node = make_node(smart_host=sink.address).start()
+    data = (b"From: Bob <bob@example.test>\r\nTo: <carol@elsewhere.test>\r\nSubject: nul body\r\n"
+            b"MIME-Version: 1.0\r\nContent-Type: text/plain; charset=us-ascii\r\n"
+            b"\r\nbefore \x00 after\r\n\x00\x00\r\n")
+    send("127.0.0.1", node.port, "bob@example.test", ["carol@elsewhere.test"], data, options=())
+    stored = one(wait_for(sink.messages, timeout=10, what="the sink to receive it"))
+    assert b"\0" not in stored, "a NUL reached a next hop without 8BITMIME"
+    assert b"Content-Transfer-Encoding: quoted-printable" in stored and b"before =00 after" in stored
+    got = email.message_from_bytes(stored, policy=email.policy.default)
+    want = email.message_from_bytes(data, policy=email.policy.default)
+    assert got.get_content().rstrip("\r\n").splitlines() == want.get_content().rstrip("\r\n").splitlines()
+
+
 def test_8bit_headers_without_smtputf8_are_never_sent_to_a_7bit_next_hop(make_node, sink):
     """Raw 8-bit headers in a message received without SMTPUTF8 cannot be made 7-bit: the
     recipient fails with 5.6.3 (and a DSN) rather than 8-bit data being sent unannounced."""

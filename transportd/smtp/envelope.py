@@ -6,8 +6,9 @@ returns the MAIL parameters to send, the message bytes to send (converted to 7 b
 when the next hop has no 8BITMIME, as Postfix does), or the reply that fails the
 recipients with no attempt at all: a message that needs SMTPUTF8 is never offered
 to a next hop without it (RFC 6531 section 3.4), and 8-bit data is never sent
-unannounced. The addresses and headers themselves are never changed: they are
-sent byte for byte as received (UTF-8). The one exception is a DSN (the null
+unannounced (nor is a NUL in the body, which 7bit data may not hold either: RFC
+2045 2.7; its part is converted too). The addresses and headers themselves are
+never changed: they are sent byte for byte as received (UTF-8). The one exception is a DSN (the null
 sender) in the RFC 6533 form to an ASCII address: for a next hop without SMTPUTF8
 it becomes the classic 7-bit DSN (``dsn.downgrade_dsn``), since a DSN that fails
 is reported to no one. Addresses are kept as written for a U-label domain too:
@@ -83,14 +84,14 @@ def plan_send(sender: str, recipients: Iterable[str], data: bytes, *, smtputf8: 
             return SendPlan([], data, NO_SMTPUTF8_HEADERS if ascii_envelope else NO_SMTPUTF8_ADDRESS)
         options.append("SMTPUTF8")
     eight_bit = not data.isascii()
-    if body_type.upper() == "8BITMIME" or eight_bit:
-        if next_hop_8bitmime:
+    if next_hop_8bitmime:
+        if body_type.upper() == "8BITMIME" or eight_bit:
             options.append("BODY=8BITMIME")
-        elif eight_bit:
-            converted = to_7bit(data)
-            head_ok = "SMTPUTF8" in options or not needs_smtputf8_headers(converted)
-            body = converted.split(b"\r\n\r\n", 1)[1] if b"\r\n\r\n" in converted else b""
-            if not head_ok or not body.isascii():
-                return SendPlan(options, data, NO_CONVERSION)
-            return SendPlan(options, converted, converted=True)
+    elif eight_bit or b"\0" in data.partition(b"\r\n\r\n")[2]:  # a NUL is not 7bit data either (RFC 2045 2.7)
+        converted = to_7bit(data)
+        head_ok = "SMTPUTF8" in options or not needs_smtputf8_headers(converted)
+        body = converted.split(b"\r\n\r\n", 1)[1] if b"\r\n\r\n" in converted else b""
+        if not head_ok or not body.isascii():
+            return SendPlan(options, data, NO_CONVERSION)
+        return SendPlan(options, converted, converted=True)
     return SendPlan(options, data)
