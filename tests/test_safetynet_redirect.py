@@ -659,3 +659,82 @@ def test_a_lost_peers_fork_delivers_only_the_recipients_it_had_not_processed(tmp
         assert len(hop.copies(grey)) == 1, hop.transactions
     finally:
         hop.controller.stop()
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGKILL"])
+def test_a_drained_node_stopped_at_once_has_its_mail_delivered_once(tmp_path, procs, sink, stop):
+    """node1 queues carol's message (the smart host is down), its shadow on node2, and is drained
+    to node2 with ``redirect``: node2 takes the message as primary hop by hop, its shadow of
+    node1's copy now redundant. node1 is stopped right away, as an operator does for maintenance
+    (SIGTERM; then a crash, kill -9), before node2 ever heard of a discard. node2's shadow is
+    released when it takes the drained copy (HADISCARD ExplicitlyDiscarded, in the same commit),
+    so once node1 has been unreachable past shadow_resubmit_time_span nothing is promoted: carol
+    gets one copy, the drained one (was: node2 also promoted its old shadow, a second copy)."""
+    from clusters import LocalCluster, accepted_with_shadow, send, sink_copies
+
+    c = LocalCluster(procs, sink, tmp_path, {
+        "shadow_redundancy": {"shadow_heartbeat_frequency": 0.5, "shadow_resubmit_time_span": 2}}, nodes=2)
+    c.start()
+    n1, n2 = c["node1"], c["node2"]
+    qid = send(n1, "carol@elsewhere.test")
+    netid = accepted_with_shadow(n1, n2, qid)
+    shadow_guid = n2.wait_event("HARECEIVE", netid)[0]["source-context"]
+    n1.wait_event("DEFER", netid)
+    _redirect_one(n1.spec.config, n2.name)
+    received = n2.wait_event("RECEIVE", netid)
+    assert [r["source-context"] for r in received] == ["transport"], received
+    held_for_node1 = n2.shadow_list().get(n1.name, {}).get("shadows", 0)
+
+    n1.kill9() if stop == "SIGKILL" else n1.stop()
+    stopped = time.monotonic()
+    sink.start()
+    wait_for(lambda: sink_copies(sink, netid), timeout=20, what="the drained copy delivered by node2")
+    n2.wait_event("SENDEXTERNAL", netid)
+    # Waiting for absence: past the span (2 s) and a few heartbeats, node2 would have promoted its
+    # old shadow (about 3 s after the stop) and sent it to the sink within a second.
+    time.sleep(max(0.0, 6 - (time.monotonic() - stopped)))
+    assert len(sink_copies(sink, netid)) == 1
+    assert n2.events("RESUBMIT", netid) == []
+    # node2's shadow went with the commit that took the drained copy: the shadow list showed nothing
+    # held for node1 right after the drain (the documented check before stopping a drained node).
+    assert held_for_node1 == 0
+    discarded = n2.events("HADISCARD", netid)
+    assert [(d["source-context"], d["client-hostname"]) for d in discarded] == [
+        (f"ExplicitlyDiscarded;{shadow_guid}", n1.name)], discarded
+
+
+def test_a_drained_copy_releases_only_the_recipients_it_takes_from_the_shadow(tmp_path, procs, sink):
+    """The same drain of a message for carol (outside) and alice, whose mailbox queue on node1 an
+    operator suspended: the redirect moves carol only, alice stays held on node1. node2's shadow
+    of node1's message is done for carol (node2's own copy has her) and stays a shadow for alice:
+    node1 killed, node2 promotes it for alice alone (RESUBMIT names her; her mailbox database is
+    node1's, so it waits for node1) and carol still gets one copy. Nothing is lost, nothing doubled."""
+    from clusters import LocalCluster, accepted_with_shadow, send, sink_copies
+
+    c = LocalCluster(procs, sink, tmp_path, {
+        "shadow_redundancy": {"shadow_heartbeat_frequency": 0.5, "shadow_resubmit_time_span": 2}}, nodes=2)
+    c.start()
+    n1, n2 = c["node1"], c["node2"]
+    send(n1, "alice@example.test")  # makes node1's mailbox queue, which the operator then suspends
+    wait_for(lambda: n1.maildir("alice@example.test"), timeout=15, what="the first message in alice's mailbox")
+    n1.cli("queue", "suspend", "mailbox:MDB01")
+    qid = send(n1, "carol@elsewhere.test,alice@example.test")
+    netid = accepted_with_shadow(n1, n2, qid)
+    n1.wait_event("DEFER", netid)
+    _redirect_one(n1.spec.config, n2.name)
+    n2.wait_event("RECEIVE", netid)
+    assert n2.shadow_list()[n1.name]["shadows"] == 1  # still protecting alice
+
+    n1.kill9()
+    sink.start()
+    resubmit = n2.wait_event("RESUBMIT", netid, timeout=20)
+    assert [r["recipient-address"] for r in resubmit] == ["alice@example.test"], resubmit
+    wait_for(lambda: sink_copies(sink, netid), timeout=20, what="carol's drained copy delivered by node2")
+    time.sleep(1)  # waiting for absence: a second copy for carol would be at the sink within a second
+    assert len(sink_copies(sink, netid)) == 1
+    from conftest import read_db
+    waiting = read_db(Path(n2.spec.data_dir) / "queue.db",
+                      "SELECT r.address, q.identity FROM recipients r JOIN messages m ON m.id = r.message_id"
+                      " JOIN queues q ON q.id = r.queue_id WHERE m.network_message_id = ? AND m.state = 'Queued'"
+                      " AND r.status NOT IN ('Delivered', 'Failed', 'Removed')", (netid,))
+    assert waiting == [("alice@example.test", f"peer:{n1.name}")], waiting

@@ -220,7 +220,8 @@ class AcceptPath:
             # Hop-by-hop (docs/PROTOCOL.md section 3): the sending peer keeps the shadow; we are primary.
             msg.redundancy = "shadowed"
             holders = [(peer_conn.xshadow_peer, 1)]
-            return await self._commit(msg, connector, recipients, peer_conn.shadow_guid, holders, now)
+            return await self._commit(msg, connector, recipients, peer_conn.shadow_guid, holders, now,
+                                      relayed_by=peer_conn.xshadow_peer)
         if self.cfg.shadow_redundancy.shadow_redundancy_enabled and self.cfg.shadow_redundancy.version == "2010":
             # 2010: a sender that cannot keep a shadow gets a delayed acknowledgement instead of a copy.
             return await self._accept_delayed(msg, connector, now)
@@ -256,12 +257,15 @@ class AcceptPath:
         return internal_id
 
     async def _commit(self, msg: NewMessage, connector: str, recipients: list[str], guid: str,
-                      holders: list[tuple[str, int]], now: float, result: ShadowResult | None = None) -> int:
+                      holders: list[tuple[str, int]], now: float, result: ShadowResult | None = None,
+                      relayed_by: str | None = None) -> int:
         """The one local commit of an accepted message: the message, where its shadows are
         (``holders`` under ``guid``) and a discard event for each copy a peer may hold uncounted;
-        then its RECEIVE and HAREDIRECT(FAIL) rows, before the scheduler runs again, so delivery's
-        rows never precede them. A failed commit is 451 4.3.0 (the copies made get discard events
-        if the queue database takes any)."""
+        hop by hop from ``relayed_by``, our shadows of its copy released for the recipients we take
+        (``sq.release_relayed_shadows``); then the HADISCARD rows of those released, its RECEIVE and
+        HAREDIRECT(FAIL) rows, before the scheduler runs again, so delivery's rows never precede
+        them. A failed commit is 451 4.3.0 (the copies made get discard events if the queue
+        database takes any)."""
         netid = msg.network_message_id
         uncertain = result.uncertain if result is not None else ()
         # The shadows' time is when they exist (after the copy), not when the message came: a
@@ -278,10 +282,11 @@ class AcceptPath:
             sq.discard_uncertain(conn, uncertain, guid, now)
             for peers, orphan_guid, at in orphans:
                 sq.discard_uncertain(conn, peers, orphan_guid, at)
-            return mid
+            return mid, sq.release_relayed_shadows(conn, relayed_by, netid, recipients, now,
+                                                   self.cfg.safety_net.safety_net_hold_time) if relayed_by else []
         try:
             faults.check("settle", msg)  # test-only: this commit settles the accept (the step's name)
-            internal_id = await self.store.write(commit, queue_changed=True)
+            internal_id, released = await self.store.write(commit, queue_changed=True)
             self._orphans.recorded(orphans)
         except Exception as exc:
             self._orphans.give_back(orphans)  # for the next commit
@@ -292,6 +297,9 @@ class AcceptPath:
             log.error("queue database unavailable, answering 451: %s", exc,
                       extra=message_ids({"network_message_id": netid}))
             raise MessageRejected(S451_STORE_UNAVAILABLE) from None
+        for r in released:  # the shadow's end is tracked before the primary copy's start
+            self.events.track("HADISCARD", "SMTP", r, source_context=f"ExplicitlyDiscarded;{r['shadow_guid']}",
+                              client_hostname=relayed_by)
         row = tracking_row(internal_id, msg)
         self._track_receive(row, msg, connector, recipients)
         if result is not None and result.peer:

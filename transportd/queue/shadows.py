@@ -548,6 +548,40 @@ def apply_discards(conn: Connection, primary: str, reasons: dict[str, str | None
     return rows, failed
 
 
+def release_relayed_shadows(conn: Connection, primary: str, network_message_id: str, addresses: Iterable[str],
+                            now: float, hold: float) -> list[dict]:
+    """``primary`` handed us its message ``network_message_id`` hop by hop for ``addresses`` (a
+    ``redirect``'s drain, a mailbox database of ours): we are its primary for them now, ``primary``
+    keeping the fork (docs/PROTOCOL.md section 3). Those recipients of our queued shadow copies of
+    that message from ``primary`` are done here, as by its ``Delivered=`` entries: a promotion
+    would send them a second time beside our own copy (Exchange discards the shadow at the
+    hand-over). A copy left with nothing to deliver nor notice to send goes to the Shadow Safety
+    Net, as by the primary's discard; one with other recipients (held on ``primary``, or for
+    another next hop) stays a shadow for them. Returns the rows of the copies released."""
+    wanted = {a.lower() for a in addresses}
+    owed = notices.notice_owed_on(recipients.c.last_error)
+    released = []
+    # ``state || ''``: found by ix_messages_network_id, not by reading every queued message.
+    for m in conn.execute(select(messages).where(
+            messages.c.network_message_id == network_message_id, messages.c.role == "shadow",
+            messages.c.primary_node == primary, messages.c.state.concat("") == mq.QUEUED)).mappings().all():
+        covered = [rid for rid, address in conn.execute(select(recipients.c.id, recipients.c.address).where(
+            recipients.c.message_id == m["id"], recipients.c.status.not_in(mq.TERMINAL))).all()
+            if address.lower() in wanted]
+        if not covered:
+            continue
+        conn.execute(update(recipients).where(recipients.c.id.in_(covered)).values(
+            status=mq.DELIVERED, last_error=None, completed_at=now))
+        if not conn.execute(select(func.count()).select_from(recipients).where(
+                recipients.c.message_id == m["id"],
+                or_(recipients.c.status.not_in(mq.TERMINAL), and_(recipients.c.status == mq.DELIVERED, owed)))).scalar():
+            released.append(dict(m))
+    if released:
+        conn.execute(update(messages).where(messages.c.id.in_([m["id"] for m in released])).values(
+            state=mq.SAFETY_NET, completed_at=now, safety_net_until=now + hold))
+    return released
+
+
 def release_forks(conn: Connection, primary: str, guids: list[str], now: float,
                   hold: float) -> list[tuple[dict, str]]:
     """Forks handed to ``primary`` that it discarded (or whose every recipient its per-recipient
