@@ -239,9 +239,12 @@ def test_remove_by_filter_among_thousands_in_batches_and_shadows_discard(cluster
     r = invoke("message", "remove", "--filter", "sender=*@spam.example", "--batch-size", str(BATCH),
                "--config", node1.config)
     monkeypatch.undo()
-    batches = -(-total_spam // BATCH)
-    assert f"{total_spam} message(s) removed in {batches} transaction(s) (batches of at most {BATCH})" in r.stdout
-    assert len(per_transaction) == batches and max(per_transaction) <= BATCH and sum(per_transaction) == total_spam
+    # At most BATCH each; more transactions than total / BATCH when a batch takes longer than about
+    # 0.15 s (the node's writer gets its turn between them: tests/test_cli_writer_turn.py).
+    assert f"{total_spam} message(s) removed in {len(per_transaction)} transaction(s) (batches of at most {BATCH})" \
+        in r.stdout, r.stdout
+    assert len(per_transaction) >= -(-total_spam // BATCH)
+    assert max(per_transaction) <= BATCH and sum(per_transaction) == total_spam
 
     # Exactly those: no spam message left queued, every other one still queued. (A removed message
     # is purged from the queue database within seconds: the DROP rows are what stays.)

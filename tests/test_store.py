@@ -342,6 +342,58 @@ def test_writers_of_several_processes_take_turns_on_the_turn_file(db_path: Path)
         again.close()
 
 
+def test_a_transaction_of_the_command_line_takes_the_writer_turn_too(db_path: Path) -> None:
+    """``QueueStore.transaction`` (the CLI's bulk changes) takes the same turn as the node's
+    writers before BEGIN IMMEDIATE: while another process holds it, the transaction does not
+    start (before, it took SQLite's lock regardless, and the node's writer, its turn taken, slept
+    in the busy handler: 250s waited seconds). Let go, it runs."""
+    s = QueueStore.open(db_path)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(db_path) + '.writer-turn'!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('held', flush=True)\n"
+        "sys.stdin.readline()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    started = threading.Event()
+    result: list = []
+
+    def change(conn):
+        started.set()
+        return _kv(conn, "in-its-turn") or "done"
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t = threading.Thread(target=lambda: result.append(s.transaction(change)))
+        t.start()
+        assert not started.wait(0.5)  # waiting for its turn, SQLite's lock not taken
+        other = sqlite3.connect(db_path, timeout=0, isolation_level=None)  # nor SQLite's write lock held
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            other.execute("INSERT INTO meta (key, value) VALUES ('while-it-waits', 'v')")
+            other.execute("COMMIT")
+        finally:
+            other.close()
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        t.join(10)
+        assert result == ["done"]
+    finally:
+        holder.kill()
+        holder.wait()
+        s.close()
+
+
+def test_a_transaction_without_a_turn_file_still_commits(db_path: Path) -> None:
+    """A data dir where the turn file cannot be opened (here a folder in its place): the
+    transaction goes on as before, SQLite's busy handler deciding."""
+    s = QueueStore.open(db_path)
+    try:
+        (db_path.parent / (db_path.name + ".writer-turn")).mkdir()
+        assert s.transaction(lambda c: (_kv(c, "no-turn"), 3)[1]) == 3
+        assert "no-turn" in set(s.read(lambda c: c.execute(select(meta.c.key)).scalars().all()))
+    finally:
+        s.close()
+
+
 def test_failing_job_is_rolled_back_alone(db_path: Path) -> None:
     s = QueueStore.open(db_path)
     writer = s.start_writer()

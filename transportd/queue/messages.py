@@ -413,9 +413,7 @@ def count_crashes(conn: Connection, threshold: int | None, handled: Iterable[int
 
 def release_from_poison(conn: Connection, message_id: int) -> bool:
     """Resume-Message on a poison message: back to its queues, its failure count forgotten."""
-    return conn.execute(update(messages).where(messages.c.id == message_id, messages.c.state == QUEUED,
-                                               messages.c.poisoned == 1)
-                        .values(poisoned=0, poison_count=0)).rowcount > 0
+    return driver(conn).execute(_RELEASE_POISON, (message_id, QUEUED)).rowcount > 0
 
 
 @contextlib.contextmanager
@@ -803,27 +801,34 @@ def retry_queue_now(conn: Connection, queue_id: int) -> int:
 
 def set_message_suspended(conn: Connection, message_id: int, suspended: bool) -> bool:
     """Suspend or resume a queued message; False when it is not queued or already so."""
-    return conn.execute(update(messages).where(messages.c.id == message_id, messages.c.state == QUEUED,
-                                               messages.c.suspended == int(not suspended))
-                        .values(suspended=int(suspended))).rowcount > 0
+    return driver(conn).execute(_SET_SUSPENDED, (int(suspended), message_id, QUEUED, int(not suspended))).rowcount > 0
+
+
+_NOT_TERMINAL = f"status NOT IN ({', '.join('?' * len(TERMINAL))})"
+_PENDING_OF = f"SELECT id, address FROM recipients WHERE message_id = ? AND {_NOT_TERMINAL} ORDER BY id"
+_REMOVE_PENDING = (f"UPDATE recipients SET status = ?, completed_at = ?, last_error = ? "
+                   f"WHERE message_id = ? AND {_NOT_TERMINAL}")
+_MARK_REMOVED = "UPDATE messages SET state = ?, completed_at = ? WHERE id = ?"
+_DELETE_FORKS = "DELETE FROM shadow_forks WHERE message_id = ?"
+_SET_SUSPENDED = "UPDATE messages SET suspended = ? WHERE id = ? AND state = ? AND suspended = ?"
+_RELEASE_POISON = "UPDATE messages SET poisoned = 0, poison_count = 0 WHERE id = ? AND state = ? AND poisoned = 1"
 
 
 def remove_message(conn: Connection, message_id: int, now: float) -> list[dict]:
     """Remove-Message: pending recipients become Removed; returns them (for the NDR and DROP)."""
-    pending = conn.execute(select(recipients.c.id, recipients.c.address).where(
-        recipients.c.message_id == message_id, recipients.c.status.not_in(TERMINAL))).mappings().all()
-    conn.execute(update(recipients).where(recipients.c.message_id == message_id,
-                                          recipients.c.status.not_in(TERMINAL))
-                 .values(status=REMOVED, completed_at=now, last_error="Removed by administrator"))
-    conn.execute(update(messages).where(messages.c.id == message_id).values(
-        state=MSG_REMOVED, completed_at=now))
-    conn.execute(delete(message_bodies).where(message_bodies.c.message_id == message_id))
+    # On the driver connection, as the per-message paths of delivery: building these statements
+    # with SQLAlchemy was ~2/3 of a removal's time (a bulk removal holds the writer turn for it).
+    raw = driver(conn)
+    pending = [{"id": i, "address": a} for i, a in raw.execute(_PENDING_OF, (message_id, *TERMINAL)).fetchall()]
+    raw.execute(_REMOVE_PENDING, (REMOVED, now, "Removed by administrator", message_id, *TERMINAL))
+    raw.execute(_MARK_REMOVED, (MSG_REMOVED, now, message_id))
+    raw.execute(_DELETE_BODY, (message_id,))
     # Its shadows are told (a later promotion must not deliver it): one discard event per shadow,
     # DeletedByAdmin. A fork a peer took as primary is released here (the peer delivers it).
-    for node, guid in driver(conn).execute(_SHADOWS_OF, (message_id,)).fetchall():
+    for node, guid in raw.execute(_SHADOWS_OF, (message_id,)).fetchall():
         _INSERT_DISCARD.run(conn, {"shadow_node": node, "shadow_guid": guid, "created_at": now,
                                    "reason": "DeletedByAdmin"})
-    conn.execute(delete(shadow_forks).where(shadow_forks.c.message_id == message_id))
+    raw.execute(_DELETE_FORKS, (message_id,))
     # A DSN removed: the message it reported on no longer waits for it to keep its shadows (nor
     # to tell them of the recipients it failed).
     dsn_of = conn.execute(_MESSAGE_STATE, {"b_id": message_id}).one().dsn_of

@@ -40,6 +40,7 @@ Schema (version in ``PRAGMA user_version``):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import logging
 import os
@@ -50,7 +51,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 from sqlalchemy import (
     BLOB, Column, Float, ForeignKey, Index, Integer, MetaData, String, Table, Text,
@@ -631,19 +632,21 @@ class QueueStore:
             pass
 
     def transaction(self, fn: Callable[[Connection], T]) -> T:
-        """Run ``fn`` in one durable write transaction (BEGIN IMMEDIATE ... COMMIT + fsync). An
-        error of the database is raised only once it is true (``settle_failed_commit``)."""
-        try:
-            with self.write_engine.begin() as conn:
-                return fn(conn)
-        except OperationalError as exc:
-            if _io_error(exc):
-                settle_failed_commit(self.write_engine)
-            raise
+        """Run ``fn`` in one durable write transaction (BEGIN IMMEDIATE ... COMMIT + fsync), in
+        its turn with the node's writers (``writer_turn``). An error of the database is raised
+        only once it is true (``settle_failed_commit``)."""
+        with writer_turn(self.path):
+            try:
+                with self.write_engine.begin() as conn:
+                    return fn(conn)
+            except OperationalError as exc:
+                if _io_error(exc):
+                    settle_failed_commit(self.write_engine)
+                raise
 
     def start_writer(self, max_batch: int = 256) -> "GroupCommitWriter":
         self.writer = GroupCommitWriter(self.write_engine, max_batch=max_batch,
-                                        turn_path=self.path.with_name(self.path.name + ".writer-turn"))
+                                        turn_path=turn_path(self.path))
         return self.writer
 
     async def write(self, fn: Callable[[Connection], T], *, queue_changed: bool = False) -> T:
@@ -676,6 +679,66 @@ class QueueStore:
         reader does not wait for writers; anything that scans or may read much goes through
         ``aread``."""
         return self.read(fn)
+
+
+def turn_path(db_path: Path) -> Path:
+    """The file whose flock the writers of a queue database take turns on (``writer_turn``)."""
+    return db_path.with_name(db_path.name + ".writer-turn")
+
+
+# How long ``writer_turn`` waits for the turn before it goes on without it (then SQLite's busy
+# handler waits as long again): the busy timeout, so a writer that holds the turn and is stuck
+# fails a transaction no sooner than it did without turns.
+TURN_WAIT = 30.0
+
+
+@contextlib.contextmanager
+def writer_turn(db_path: Path, wait: float = TURN_WAIT) -> Iterator[None]:
+    """Hold the writer turn of ``db_path``, the flock the node's group-commit writers take before
+    BEGIN IMMEDIATE (``GroupCommitWriter``): one more writer in the same order (turn, then
+    SQLite's lock), so no two wait on each other. Without it a transaction of the command line
+    (``transaction``) held SQLite's lock while the node's writer, its turn taken, slept in the
+    busy handler and lost the race to the command's next one: receive waited seconds for its 250,
+    and a transaction longer than the busy timeout made it answer 451.
+
+    Asked without blocking, again every few ms: a writer of the node, blocked in flock, is woken
+    by the kernel when the turn is released and goes first; this one takes it in a gap. A data
+    dir whose turn file cannot be opened (read-only) or a turn not had within ``wait`` seconds
+    leaves SQLite's busy handler to decide, as before."""
+    fd = _open_turn_file(turn_path(db_path), db_path)
+    if fd is None:
+        yield
+        return
+    try:
+        deadline, pause = time.monotonic() + wait, 0.001
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    log.warning("no writer turn on %s within %.0f s: waiting in SQLite's busy handler",
+                                db_path, wait)
+                    break
+                time.sleep(pause)
+                pause = min(pause * 2, 0.01)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _open_turn_file(path: Path, db_path: Path) -> int | None:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    if os.geteuid() == 0:  # made by root (an operator's sudo): the node's user must open it too
+        try:
+            st = db_path.stat()
+            os.fchown(fd, st.st_uid, st.st_gid)
+        except OSError:
+            pass
+    return fd
 
 
 def snapshot_refusal(path: Path) -> str | None:
