@@ -158,6 +158,35 @@ def test_bulk_suspend_and_remove_let_the_nodes_writer_take_turns(make_node):
     assert "database is locked" not in node.log()
 
 
+COPIES, LOCAL = 12000, 40
+
+
+def test_safety_net_resubmit_reads_outside_the_write_transaction(make_node):
+    """A request over thousands of Safety Net copies, nearly all of them for recipients outside
+    the boundary (never resubmitted): the node's 250s do not wait for the scan, and exactly the
+    copies for the destination are queued again, each with its RESUBMIT row."""
+    node = make_node(smart_host=f"127.0.0.1:{free_port()}", overrides=QUIET).start()
+    assert node.stop() == 0
+    seed(node, COPIES, "s{i}@far.example", "r{i}@elsewhere.test", safety_net=True)
+    seed(node, LOCAL, "l{i}@far.example", "alice@example.test", safety_net=True)
+    node.start()
+    db = node.data_dir / "queue.db"
+    assert read_db(db, "SELECT count(*) FROM messages WHERE state = 'SafetyNet'") == [(COPIES + LOCAL,)]
+    local = [i for (i,) in read_db(db, "SELECT id FROM messages WHERE sender LIKE 'l%' ORDER BY id")]
+    start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 3600))
+    with Probe(node.port) as probe:
+        res, replies = probe.during(lambda: transportd("safetynet", "resubmit", "--destination", "local",
+                                                       "--start", start, "--config", str(node.config_path)))
+    assert res.returncode == 0, res
+    assert f"{LOCAL} message(s) resubmitted to local" in res.stdout, res.stdout
+    assert_not_held_up(replies, "safetynet resubmit")
+    again = read_db(db, "SELECT sender, origin FROM messages WHERE origin = 'resubmit' ORDER BY id")
+    assert again == [(f"l{i}@far.example", "resubmit") for i in range(LOCAL)], again
+    rows = node.tracking(event_id="RESUBMIT")
+    assert sorted(int(r["reference"]) for r in rows) == local
+    assert "database is locked" not in node.log()
+
+
 def test_a_bulk_transaction_ends_after_its_batch_size_or_its_time(tmp_path, monkeypatch):
     """``bulk.in_turns``: every id once, in order; a transaction takes at most ``max_batch`` ids,
     and fewer once about ``budget`` seconds of work have passed (checked between steps)."""

@@ -18,7 +18,7 @@ from transportd.config import load_dict
 from transportd.devtools.cluster import generate
 from transportd.queue import messages as mq
 from transportd.queue.routing import bifurcate
-from transportd.queue.safetynet import resubmit
+from transportd.queue.safetynet import resubmit, resubmit_candidates
 from transportd.queue.store import QueueStore, messages, recipients
 
 
@@ -71,6 +71,44 @@ def test_resubmit_picks_destination_window_and_safety_net(tmp_path):
         outside = store.transaction(lambda c: resubmit(c, cfg, destination="smarthost:127.0.0.1:2500",
                                                        start=now - 100, end=now, now=now))
         assert outside == []
+    finally:
+        store.close()
+
+
+def test_the_copies_read_first_are_those_resubmit_takes(tmp_path):
+    """``resubmit_candidates`` (read without bodies, outside the write transaction, by
+    ``transportd safetynet resubmit``) names exactly the copies ``resubmit`` queues again, for each
+    destination, Safety Net and requesting primary; ``resubmit(among=...)`` takes only those."""
+    cfg = load_dict({"node": {"name": "n1.t", "data_dir": str(tmp_path)},
+                     "routing": {"accepted_domains": ["example.test", "sales.example.test"],
+                                 "mailbox_database": "MDB01", "smart_host": "127.0.0.1:2500",
+                                 "mailbox_database_rules": ["*@sales.example.test=MDB02"]},
+                     "mailbox_databases": {"MDB01": "n1.t", "MDB02": "n1.t"}})
+    store = QueueStore.open(tmp_path / "queue.db")
+    try:
+        now = 1_800_000_000.0
+        for when, rcpts, role in ((now - 50, ["alice@example.test", "x@far.test"], "primary"),
+                                  (now - 5000, ["bob@example.test"], "primary"),
+                                  (now - 45, ["y@far.test"], "primary"),
+                                  (now - 40, ["s@sales.example.test", "alice@example.test"], "primary"),
+                                  (now - 35, ["carol@example.test", "z@far.test"], "shadow"),
+                                  (now - 30, ["t@sales.example.test"], "shadow")):
+            store.transaction(lambda c, when=when, rcpts=rcpts, role=role: _processed(c, cfg, rcpts, when, role=role))
+        picked: dict = {}
+        for destination in ("MDB01", "MDB02", "mailbox:MDB01", "smarthost:127.0.0.1:2500"):
+            for sources in (("primary",), ("shadow",), ("primary", "shadow")):
+                for for_primary in (None, "n2.t", "n3.t"):
+                    window = {"destination": destination, "start": now - 100, "end": now, "sources": sources,
+                              "for_primary": for_primary}
+                    ids = store.read(lambda c, w=window: resubmit_candidates(c, cfg, **w))
+                    done = store.transaction(lambda c, w=window: resubmit(c, cfg, now=now, **w))
+                    assert ids == [r.original_id for r in done], (window, ids, done)
+                    picked[destination, sources, for_primary] = len(ids)
+                    among = store.transaction(lambda c, w=window, ids=ids: resubmit(c, cfg, now=now, among=ids[1:], **w))
+                    assert [r.original_id for r in among] == ids[1:]
+        both = ("primary", "shadow")
+        assert (picked["MDB01", both, None], picked["MDB02", both, None], picked["MDB01", both, "n3.t"]) == (3, 2, 2)
+        assert picked["smarthost:127.0.0.1:2500", both, None] == 0
     finally:
         store.close()
 

@@ -30,7 +30,7 @@ from transportd.cli.common import (
     tracking_log_for,
 )
 from transportd.config import Config
-from transportd.queue import admin
+from transportd.queue import admin, bulk
 from transportd.tracking import return_path
 
 
@@ -81,12 +81,7 @@ def safetynet_list(cfg: Config, source: str, as_json: bool) -> None:
 def safetynet_resubmit(cfg: Config, destination: str, start: str, end: str | None, source: str,
                        for_primary: str | None, force: bool) -> None:
     """Queue again what this node's Safety Net holds for DESTINATION in a time window."""
-    from transportd.queue.safetynet import (
-        database_created_at,
-        known_destinations,
-        outside_boundary,
-        resubmit,
-    )
+    from transportd.queue.safetynet import database_created_at, known_destinations, outside_boundary
     if outside_boundary(destination):
         raise click.BadParameter(
             f"{destination} is a next hop outside the boundary: Safety Net never resubmits what crossed it "
@@ -107,14 +102,11 @@ def safetynet_resubmit(cfg: Config, destination: str, start: str, end: str | Non
     sources = ("primary", "shadow") if source == "both" else (source,)
     store = open_store(cfg)
     try:
-        failures: list = []
-        done = store.transaction(functools.partial(resubmit, cfg=cfg, destination=destination, start=s, end=e,
-                                                   sources=sources, failures=failures))
-        created = store.read(database_created_at)
         trk = tracking_log_for(cfg, store)
+        done, failures = resubmit_in_turns(cfg, store, trk, destination=destination, start=s, end=e, sources=sources)
+        created = store.read(database_created_at)
     finally:
         store.close()
-    log_resubmits(trk, done, destination)
     click.echo(f"{len(done)} message(s) resubmitted to {destination} from this node's Safety Net")
     report_resubmit_failures(failures)
     if created > s and "primary" in sources:
@@ -131,7 +123,6 @@ def safetynet_resubmit(cfg: Config, destination: str, start: str, end: str | Non
 
 def _resubmit_for_unreachable_primary(cfg: Config, destination: str, start: str, end: str | None,
                                       primary: str, force: bool) -> None:
-    from transportd.queue.safetynet import resubmit
     from transportd.queue.shadows import shadow_context
     s = parse_when(start, "--start").timestamp()
     e = parse_when(end, "--end").timestamp() if end else time.time()
@@ -151,17 +142,45 @@ def _resubmit_for_unreachable_primary(cfg: Config, destination: str, start: str,
                        f"once {primary} has been unreachable for {config_mod.format_duration(limit)} "
                        f"(--force does it now)")
             return
-        failures: list = []
-        done = store.transaction(functools.partial(resubmit, cfg=cfg, destination=destination, start=s, end=e,
-                                                   sources=("primary", "shadow"), for_primary=primary,
-                                                   failures=failures))
         trk = tracking_log_for(cfg, store)
+        done, failures = resubmit_in_turns(cfg, store, trk, destination=destination, start=s, end=e,
+                                           sources=("primary", "shadow"), for_primary=primary)
     finally:
         store.close()
-    log_resubmits(trk, done, destination)
     click.echo(f"{len(done)} message(s) resubmitted to {destination} for {primary} from this node's Safety Net "
                f"(its shadows here, and what this node processed for {destination})")
     report_resubmit_failures(failures)
+
+
+# Copies resubmitted per transaction, at most (fewer when they take longer than ~0.15 s).
+RESUBMIT_BATCH = 500
+
+
+def resubmit_in_turns(cfg: Config, store: Any, trk: Any, **window: Any) -> tuple[list, list]:
+    """Resubmit the copies of ``window`` (``resubmit``'s arguments), their RESUBMIT rows written
+    (and ``trk`` closed); returns (the copies resubmitted, the failures). Which copies is read
+    first, without their bodies and outside any write transaction; then the chosen ones are
+    resubmitted in short transactions in turn with the node's writer (queue/bulk.py): one
+    transaction over the whole Safety Net held a running node's 250s for seconds, even when it
+    resubmitted nothing. An error stops it after the transactions committed so far, said with
+    their count (their RESUBMIT rows are written)."""
+    from transportd.queue.safetynet import resubmit, resubmit_candidates
+    ids = store.read(functools.partial(resubmit_candidates, cfg=cfg, **window))
+    now, done, failures = time.time(), [], []
+
+    def change(conn: Any, chunk: Any) -> list:
+        return resubmit(conn, cfg, now=now, failures=failures, among=chunk, **window)
+    try:
+        for part in bulk.in_turns(store, ids, change, max_batch=RESUBMIT_BATCH):
+            done += part
+            log_resubmits(trk, part, window["destination"])  # after each commit
+    except Exception as exc:  # noqa: BLE001 - the transactions committed so far stay; say how far it got
+        raise CliError(f"{len(done)} message(s) resubmitted to {window['destination']}, then: "
+                       f"{exc.__class__.__name__}: {exc}") from None
+    finally:
+        if trk is not None:
+            trk.close()
+    return done, failures
 
 
 def report_resubmit_failures(failures: list) -> None:
@@ -172,17 +191,14 @@ def report_resubmit_failures(failures: list) -> None:
 
 
 def log_resubmits(trk: Any, done: list, destination: str) -> None:
-    """RESUBMIT rows (source SAFETYNET) for copies queued again; closes the tracking log."""
+    """RESUBMIT rows (source SAFETYNET) for copies queued again."""
     if trk is None:
         return
-    try:
-        for r in done:
-            trk.write("RESUBMIT", "SAFETYNET", internal_message_id=r.new_id, network_message_id=r.network_message_id,
-                      message_id=r.message_id, sender_address=r.author or r.sender, return_path=return_path(r.sender),
-                      message_subject=r.subject, total_bytes=r.size, recipients=r.recipients,
-                      reference=str(r.original_id), source_context=f"{destination};MessageResubmit")
-    finally:
-        trk.close()
+    for r in done:
+        trk.write("RESUBMIT", "SAFETYNET", internal_message_id=r.new_id, network_message_id=r.network_message_id,
+                  message_id=r.message_id, sender_address=r.author or r.sender, return_path=return_path(r.sender),
+                  message_subject=r.subject, total_bytes=r.size, recipients=r.recipients,
+                  reference=str(r.original_id), source_context=f"{destination};MessageResubmit")
 
 
 def ask_peers_to_resubmit(cfg: Config, destination: str, start: float, end: float) -> list[tuple[str, str]]:

@@ -13,6 +13,7 @@ itself is the delivery agent's housekeeping.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,23 +82,51 @@ def database_created_at(conn: Connection) -> float:
     return float(value) if value else 0.0
 
 
-def resubmit(conn: Connection, cfg: Any, *, destination: str, start: float, end: float,
-             sources: tuple[str, ...] = ("primary", "shadow"), now: float | None = None,
-             for_primary: str | None = None, failures: list | None = None) -> list[Resubmitted]:
-    """Queue again the copies of the window; a copy that cannot be resubmitted is skipped (its
-    changes undone) and, with ``failures``, reported there as (row, error): one bad copy never
-    stops the others."""
-    now = time.time() if now is None else now
-    out: list[Resubmitted] = []
+def _in_window(start: float, end: float, sources: Sequence[str], for_primary: str | None) -> list:
+    """The Safety Net copies a request for the window [start, end] looks at."""
     roles = [r for r in sources if r in ("primary", "shadow")]
-    rows = conn.execute(select(messages).where(
+    return [
         messages.c.state == mq.SAFETY_NET, messages.c.role.in_(roles),
         # The window is when a copy entered the Safety Net (delivered, or discarded on a shadow),
         # as Exchange's resubmit requests mean it, not when the message was first received.
         func.coalesce(messages.c.completed_at, messages.c.received_at).between(start, end),
         # For a peer (``for_primary``): its shadows, and every copy of our Primary Safety Net (mail we
         # handed it hop by hop is in ours: it took that mail as primary, we kept the copy).
-        *([or_(messages.c.role == "primary", messages.c.primary_node == for_primary)] if for_primary else [])
+        *([or_(messages.c.role == "primary", messages.c.primary_node == for_primary)] if for_primary else [])]
+
+
+def resubmit_candidates(conn: Connection, cfg: Any, *, destination: str, start: float, end: float,
+                        sources: tuple[str, ...] = ("primary", "shadow"), for_primary: str | None = None) -> list[int]:
+    """The ids of the copies ``resubmit`` would queue again (the others it leaves as they are),
+    oldest first: read without their bodies, outside any write transaction, so that a request
+    over a busy node's Safety Net (tens of thousands of copies, most for other destinations)
+    writes only the copies it resubmits (``resubmit(among=...)``)."""
+    rows = conn.execute(select(messages.c.id, messages.c.role, recipients.c.address, recipients.c.status)
+                        .join(recipients, recipients.c.message_id == messages.c.id)
+                        .where(*_in_window(start, end, sources, for_primary))
+                        .order_by(messages.c.id, recipients.c.id)).all()
+    by_copy: dict[int, list[str]] = {}
+    for mid, role, address, status in rows:
+        by_copy.setdefault(mid, [])
+        if role != "primary" or status == mq.DELIVERED:
+            by_copy[mid].append(address)
+    return [mid for mid, addrs in by_copy.items()
+            if _chosen([a for a in dict.fromkeys(addrs) if is_accepted(domain_of(a), cfg.routing.accepted_domains)],
+                       cfg, destination)]
+
+
+def resubmit(conn: Connection, cfg: Any, *, destination: str, start: float, end: float,
+             sources: tuple[str, ...] = ("primary", "shadow"), now: float | None = None,
+             for_primary: str | None = None, failures: list | None = None,
+             among: Sequence[int] | None = None) -> list[Resubmitted]:
+    """Queue again the copies of the window (with ``among``: those of these ids); a copy that
+    cannot be resubmitted is skipped (its changes undone) and, with ``failures``, reported there
+    as (row, error): one bad copy never stops the others."""
+    now = time.time() if now is None else now
+    out: list[Resubmitted] = []
+    rows = conn.execute(select(messages).where(
+        *_in_window(start, end, sources, for_primary),
+        *([messages.c.id.in_(list(among))] if among is not None else [])
     ).order_by(messages.c.id)).mappings().all()
     for m in rows:
         try:
@@ -113,11 +142,19 @@ def resubmit(conn: Connection, cfg: Any, *, destination: str, start: float, end:
     return out
 
 
+def _chosen(addrs: list[str], cfg: Any, destination: str) -> dict[Any, list[str]]:
+    """Of a copy's recipients inside the boundary, those for ``destination``, by next hop."""
+    chosen = {hop: a for hop, a in bifurcate(addrs, cfg).items()
+              if destination_matches(hop.identity, destination)}
+    chosen_addrs = {x for v in chosen.values() for x in v}
+    in_db = [x for x in addrs if x not in chosen_addrs and database_of(x, cfg) == destination]
+    for hop, a in bifurcate(in_db, cfg).items():
+        chosen.setdefault(hop, []).extend(a)
+    return chosen
+
+
 def _resubmit_one(conn: Connection, cfg: Any, m: Any, destination: str, now: float) -> Resubmitted | None:
     faults.check("resubmit", m)
-    body = mq.body(conn, m["id"])
-    if body is None:
-        return None
     # A primary copy resubmits the recipients it delivered; a shadow copy never delivered
     # anything itself, so all of its recipients count.
     cond = recipients.c.message_id == m["id"]
@@ -128,14 +165,11 @@ def _resubmit_one(conn: Connection, cfg: Any, m: Any, destination: str, now: flo
     # successfully transmitted across the transport high availability boundary" (Exchange).
     params = {a: d or "" for a, d in conn.execute(select(recipients.c.address, recipients.c.dsn_params).where(cond))
               if is_accepted(domain_of(a), cfg.routing.accepted_domains)}
-    addrs = list(params)
-    chosen = {hop: a for hop, a in bifurcate(addrs, cfg).items()
-              if destination_matches(hop.identity, destination)}
-    chosen_addrs = {x for v in chosen.values() for x in v}
-    in_db = [x for x in addrs if x not in chosen_addrs and database_of(x, cfg) == destination]
-    for hop, a in bifurcate(in_db, cfg).items():
-        chosen.setdefault(hop, []).extend(a)
+    chosen = _chosen(list(params), cfg, destination)
     if not chosen:
+        return None
+    body = mq.body(conn, m["id"])  # read only for a copy that is resubmitted
+    if body is None:
         return None
     copy = mq.NewMessage(
         network_message_id=m["network_message_id"], sender=m["sender"], data=body, recipients=chosen,
