@@ -22,7 +22,6 @@ import uuid
 from conftest import free_port, read_db, wait_for
 
 from transportd.config import load
-from transportd.queue import bulk
 from transportd.queue import messages as mq
 from transportd.queue.routing import bifurcate
 from transportd.queue.store import QueueStore, messages, recipients
@@ -96,7 +95,7 @@ class Probe:
                     s.rset()
                 self._stop.wait(self.interval)
 
-    def __enter__(self) -> Probe:
+    def __enter__(self) -> Probe:  # noqa: PYI034 - used only as itself
         self._thread.start()
         wait_for(lambda: len(self.replies) >= 3, timeout=20, what="the probe's first replies")
         return self
@@ -190,6 +189,7 @@ def test_safety_net_resubmit_reads_outside_the_write_transaction(make_node):
 def test_a_bulk_transaction_ends_after_its_batch_size_or_its_time(tmp_path, monkeypatch):
     """``bulk.in_turns``: every id once, in order; a transaction takes at most ``max_batch`` ids,
     and fewer once about ``budget`` seconds of work have passed (checked between steps)."""
+    from transportd.queue import bulk
     monkeypatch.setattr(bulk, "YIELD_TIME", 0)
     store = QueueStore.open(tmp_path / "queue.db")
     try:

@@ -18,7 +18,7 @@ from transportd.config import load_dict
 from transportd.devtools.cluster import generate
 from transportd.queue import messages as mq
 from transportd.queue.routing import bifurcate
-from transportd.queue.safetynet import resubmit, resubmit_candidates
+from transportd.queue.safetynet import resubmit
 from transportd.queue.store import QueueStore, messages, recipients
 
 
@@ -79,6 +79,7 @@ def test_the_copies_read_first_are_those_resubmit_takes(tmp_path):
     """``resubmit_candidates`` (read without bodies, outside the write transaction, by
     ``transportd safetynet resubmit``) names exactly the copies ``resubmit`` queues again, for each
     destination, Safety Net and requesting primary; ``resubmit(among=...)`` takes only those."""
+    from transportd.queue.safetynet import resubmit_candidates
     cfg = load_dict({"node": {"name": "n1.t", "data_dir": str(tmp_path)},
                      "routing": {"accepted_domains": ["example.test", "sales.example.test"],
                                  "mailbox_database": "MDB01", "smart_host": "127.0.0.1:2500",
