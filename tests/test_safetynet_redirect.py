@@ -206,7 +206,7 @@ def two_nodes(tmp_path, procs, sink):
     return _start_two_nodes(tmp_path, procs, sink)
 
 
-def _start_two_nodes(tmp_path, procs, sink, resubmit_span: float = 60, **delivery):
+def _start_two_nodes(tmp_path, procs, sink, resubmit_span: float = 60, unreachable: float = 8, **delivery):
     base = random.randint(20, 200)
     specs = generate(tmp_path / "cluster", nodes=2, sites=1, ip_base=base, frontend_port=free_port(),
                      transport_port=free_port(), sink_address=sink.address,
@@ -216,7 +216,7 @@ def _start_two_nodes(tmp_path, procs, sink, resubmit_span: float = 60, **deliver
                                              "outbound_connection_failure_retry_interval": 1,
                                              "send_connect_timeout": 2, **delivery},
                                 # long enough for a CLI started right after a kill on a busy machine
-                                "safety_net": {"primary_safety_net_unreachable_time": 8}})
+                                "safety_net": {"primary_safety_net_unreachable_time": unreachable}})
     for spec in specs:
         log = open(tmp_path / f"{spec.short}.log", "wb")
         proc = procs.add(subprocess.Popen([sys.executable, "-m", "transportd", "serve", "--config", spec.config],
@@ -484,13 +484,14 @@ def test_discard_events_are_kept_until_the_shadow_quits(two_nodes, procs, sink):
 
 
 def test_shadow_node_resubmits_for_an_unreachable_primary(tmp_path, procs, sink):
-    """Served once node1 has been unreachable for primary_safety_net_unreachable_time (8 s),
-    though the promotion span (3 s, shorter as by default: 3 h against 12 h) restarts meanwhile
-    (it reset the unreachable time: a request was never served on its own)."""
+    """Served once node1 has been unreachable for primary_safety_net_unreachable_time (15 s: the
+    request must be filed before it passes, by CLIs started on a machine perhaps busy with other
+    tests), though the promotion span (3 s, shorter as by default: 3 h against 12 h) restarts
+    meanwhile (it reset the unreachable time: a request was never served on its own)."""
     import signal
     from datetime import datetime, timezone
 
-    node1, node2 = _start_two_nodes(tmp_path, procs, sink, resubmit_span=3)
+    node1, node2 = _start_two_nodes(tmp_path, procs, sink, resubmit_span=3, unreachable=15)
     host, _, port = node1.frontend.rpartition(":")
     start = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     time.sleep(1.1)  # part of the scenario (a clock): --start has whole seconds, the message comes after
@@ -505,16 +506,16 @@ def test_shadow_node_resubmits_for_an_unreachable_primary(tmp_path, procs, sink)
     proc1 = next(p for p in procs.procs if node1.config in p.args)
     proc1.send_signal(signal.SIGKILL)
     proc1.wait()
-    # node1 answered a heartbeat a moment ago (within primary_safety_net_unreachable_time, 8 s here):
+    # node1 answered a heartbeat a moment ago (within primary_safety_net_unreachable_time, 15 s here):
     # node2 files the request and serves it on its own once node1 has been unreachable that long.
     filed_at = time.monotonic()
     res = _cli(node2.config, "safetynet", "resubmit", "--destination", "MDB01", "--start", start,
                "--for-primary", node1.name)
     assert res.returncode == 0 and "request is filed" in res.stdout and "--force" in res.stdout, res.stdout
     assert not _events(node2.config, event_id="RESUBMIT")
-    resub = wait_for(lambda: _events(node2.config, event_id="RESUBMIT"), timeout=25,
+    resub = wait_for(lambda: _events(node2.config, event_id="RESUBMIT"), timeout=40,
                      what="node2 to serve the request from its Shadow Safety Net on its own")
-    assert time.monotonic() - filed_at >= 4  # not before node1 had been unreachable for 8 s
+    assert time.monotonic() - filed_at >= 8  # not before node1 had been unreachable for 15 s
     assert [(e["source"], e["source-context"]) for e in resub] == [("SAFETYNET", "MDB01;MessageResubmit")]
     queued = [json.loads(x) for x in _cli(node2.config, "message", "list", "--json").stdout.splitlines()]
     assert [(m["origin"], m["queues"]) for m in queued] == [("resubmit", [f"peer:{node1.name}"])]
