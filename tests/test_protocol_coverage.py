@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_protocol_state_machines_have_95_percent_line_coverage(tmp_path):
     res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_redundancy_connection.py",
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/test_redundancy_connection.py",
          "tests/test_protocol.py", "tests/test_nway.py", "--cov=transportd.redundancy.connection", "--cov=transportd.redundancy.protocol",
          "--cov-report=term-missing", "--cov-fail-under=95"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
