@@ -310,6 +310,16 @@ def test_group_commit_batches_and_returns_each_result(db_path: Path) -> None:
         again.close()
 
 
+def _turn_holder(db_path: Path) -> subprocess.Popen:
+    """Another process that takes ``<db>.writer-turn``, prints ``held``, and lets go at a line on its stdin."""
+    return subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(db_path) + '.writer-turn'!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('held', flush=True)\n"
+        "sys.stdin.readline()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
 def test_writers_of_several_processes_take_turns_on_the_turn_file(db_path: Path) -> None:
     """A node's receive workers share its queue database: each writer takes the flock of
     ``<db>.writer-turn`` for its transaction, so a waiting writer is woken when the other's commit
@@ -317,12 +327,7 @@ def test_writers_of_several_processes_take_turns_on_the_turn_file(db_path: Path)
     the turn holds back this writer's commit until it lets go."""
     s = QueueStore.open(db_path)
     writer = s.start_writer()
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, sys, time\n"
-        f"fd = os.open({str(db_path) + '.writer-turn'!r}, os.O_RDWR | os.O_CREAT)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-        "print('held', flush=True)\n"
-        "sys.stdin.readline()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = _turn_holder(db_path)
     try:
         assert holder.stdout.readline().strip() == "held"
         fut = writer.submit(lambda conn: _kv(conn, "after-the-turn"))
@@ -348,12 +353,7 @@ def test_a_transaction_of_the_command_line_takes_the_writer_turn_too(db_path: Pa
     start (before, it took SQLite's lock regardless, and the node's writer, its turn taken, slept
     in the busy handler: 250s waited seconds). Let go, it runs."""
     s = QueueStore.open(db_path)
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, sys, time\n"
-        f"fd = os.open({str(db_path) + '.writer-turn'!r}, os.O_RDWR | os.O_CREAT)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-        "print('held', flush=True)\n"
-        "sys.stdin.readline()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = _turn_holder(db_path)
     started = threading.Event()
     result: list = []
 
