@@ -58,15 +58,47 @@ def pytest_runtest_makereport(item, call):
 _HANDED_OUT: set[int] = set()
 
 
+def _ports_dir() -> Path | None:
+    """Where the test run's processes (pytest-xdist's workers) note the ports they handed out: a
+    port one of them holds for a next hop left down must not go to another's node or sink."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # set in each worker of one run
+    return Path(tempfile.gettempdir()) / f"transportd-test-ports-{run}" if run else None
+
+
+def _claim(port: int) -> bool:
+    if port in _HANDED_OUT:
+        return False
+    shared = _ports_dir()
+    if shared is not None:
+        shared.mkdir(exist_ok=True)
+        try:
+            os.close(os.open(shared / str(port), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+    _HANDED_OUT.add(port)
+    return True
+
+
+def pytest_sessionfinish(session) -> None:
+    """A worker done with its tests lets go of its ports (the last one removes the folder)."""
+    shared = _ports_dir()
+    if shared is None:
+        return
+    for port in _HANDED_OUT:
+        with contextlib.suppress(OSError):
+            (shared / str(port)).unlink()
+    with contextlib.suppress(OSError):
+        shared.rmdir()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A free port never handed out before in this test run (a sink not yet started must not
-    have its port picked again for a node)."""
+    """A free port never handed out before in this test run, by any of its processes (a sink not
+    yet started must not have its port picked again for a node)."""
     while True:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
+        if _claim(port):
             return port
 
 

@@ -29,7 +29,7 @@ from transportd.queue.store import QueueStore, messages, recipients
 # The longest a 250 may wait while a bulk command runs: a commit of the node's own (tens of ms on
 # a busy machine) plus one bounded CLI transaction (~0.15 s) leave a wide margin; the old code
 # held it for the whole command (seconds).
-MAX_REPLY_WAIT = 1.5
+MAX_REPLY_WAIT = 2.5
 QUIET = {"delivery": {"transient_failure_retry_interval": 300, "outbound_connection_failure_retry_interval": 300}}
 
 

@@ -138,3 +138,18 @@ def test_a_node_takes_hostile_header_fields_with_bounded_memory(make_node) -> No
     subjects = sorted(m["subject"] for m in messages(node))
     assert subjects[:2] == ["hostile from", "hostile sender"] and subjects[2].startswith("s a\ufffd=")
     assert node.alive
+
+
+def test_a_long_author_list_is_cut_between_two_addresses() -> None:
+    """A From over the limit is cut at its last comma between two addresses, never inside a quoted
+    name or a comment that holds one: newer Pythons' ``getaddresses`` (strict mode) fail the whole
+    parse of a field cut there, and the author, whole at its start, was lost."""
+    from transportd.smtp.headers import _last_top_level_comma
+    assert _last_top_level_comma('"Doe, John" <j@x.test>, b@x.test') == 22
+    assert _last_top_level_comma('J (a, comment) <j@x.test>') == -1
+    assert _last_top_level_comma('"a \\" b, c" <j@x.test>') == -1  # an escaped quote stays inside
+    assert _last_top_level_comma('<a,b@x.test>') == -1
+    for pad in range(12):
+        quoted = ", ".join(f'"Doe, John {"x" * pad} {i}" <j{i}@x.test>' for i in range(200))
+        commented = ", ".join(f"J{i} (a, comment {'x' * pad}) <j{i}@x.test>" for i in range(200))
+        assert author_address("", quoted) == author_address("", commented) == "j0@x.test"

@@ -668,7 +668,7 @@ async def test_a_conversion_of_long_lines_is_linear_and_leaves_the_event_loop_ru
     import asyncio
     import time
 
-    lines = (b"a" * 998 + b"\r\n") * 1500  # 1.5 MB
+    lines = (b"a" * 998 + b"\r\n") * 3000  # 3 MB
     raw = (b"MIME-Version: 1.0\r\nContent-Type: multipart/mixed; boundary=\"BB\"\r\n\r\n"
            b"--BB\r\nContent-Type: text/plain; charset=utf-8\r\n\r\nvoil\xc3\xa0\r\n"
            b"--BB\r\nContent-Type: text/plain\r\n\r\n" + lines + b"--BB\r\nContent-Type: text/plain\r\n\r\n"
@@ -691,6 +691,6 @@ async def test_a_conversion_of_long_lines_is_linear_and_leaves_the_event_loop_ru
     finally:
         ticker.cancel()
     assert out.isascii() and max(map(len, out.split(b"\r\n"))) <= 998
-    assert out.count(b"a" * 998 + b"\r\n") == 1500  # the 7-bit part kept as it was
-    assert took < 2.0, f"the conversion of 1.5 MB took {took:.1f} s"
-    assert max(gaps) < 0.5, f"the event loop stood still {max(gaps):.1f} s during the conversion"
+    assert out.count(b"a" * 998 + b"\r\n") == 3000  # the 7-bit part kept as it was
+    assert took < 3.0, f"the conversion of 3 MB took {took:.1f} s"  # ~0.2 s; ~9 s before
+    assert max(gaps) < 1.0, f"the event loop stood still {max(gaps):.1f} s during the conversion"

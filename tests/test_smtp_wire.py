@@ -389,3 +389,26 @@ async def test_a_421_in_a_pipelined_group_answers_the_whole_group_and_ends_the_s
         cut = (421, "4.7.0 too many messages in this connection")
         assert replies.mail == cut and replies.recipients == (cut, cut) and replies.data == cut
         assert not session.is_connected and session.awaiting is None
+
+
+def test_a_broken_session_names_the_host_once_and_the_step_whose_reply_was_awaited() -> None:
+    """The deferral of a session that broke (node/connectors.py ``_session_lost``): the host once,
+    the command whose reply was awaited, and after the data that the next hop may hold the message;
+    a reply no server gives to its command names the step itself (the out-of-step error)."""
+    from transportd.node.connectors import _session_lost
+    from transportd.queue.messages import WorkItem
+    item = WorkItem(1, "smarthost:mx.test:25", "smtp", "mx.test:25", 7, [70], ["b@y.test"])
+    target = SmtpTarget("mx.test", 25)
+
+    def reply(exc, step):
+        return _session_lost([item], target, exc, step).outcomes[7][0].reply
+    timeout = TimeoutError("no reply from mx.test:25 within 600 s")
+    assert reply(timeout, "end of data") == (
+        "451 4.4.2 Connection to mx.test:25 lost awaiting the reply to end of data: no reply within 600 s; "
+        "the next hop may hold the message, which may be sent more than once")
+    assert reply(PeerTransientError("mx.test:25 closed the connection"), "MAIL") == (
+        "451 4.4.2 Connection to mx.test:25 lost awaiting the reply to MAIL: closed the connection")
+    assert reply(ProtocolError("not an SMTP reply line from mx.test: 'HTTP/1.1 400'"), "RCPT") == (
+        "451 4.4.2 Session with mx.test:25 given up awaiting the reply to RCPT: not an SMTP reply line: 'HTTP/1.1 400'")
+    assert reply(ProtocolError("DATA answered 250 2.0.0 Ok: the session is out of step"), "DATA") == (
+        "451 4.4.2 Session with mx.test:25 given up: DATA answered 250 2.0.0 Ok: the session is out of step")

@@ -6,7 +6,9 @@ Unit tests on temporary files, plus one real daemon started on a garbage queue.d
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -811,3 +813,42 @@ def test_a_tracking_log_path_that_is_a_file_stops_the_start_naming_the_key(make_
     assert node.proc is not None and node.proc.wait(timeout=30) == 1
     assert f"cannot start: tracking.message_tracking_log_path: {target} is not a folder" in node.log(), node.log()
     assert not (node.data_dir / "queue.db").exists()
+
+
+def test_a_command_stopped_with_ctrl_z_in_its_transaction_stops_after_the_turn_is_free(db_path: Path) -> None:
+    """Ctrl-Z (SIGTSTP) in the middle of a command line's transaction: the command stops once the
+    transaction is over and the writer turn released, not holding it (the node's writers block on
+    the turn: every 250 would wait until the operator typed ``fg``)."""
+    QueueStore.open(db_path).close()
+    cmd = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from transportd.queue.store import QueueStore\n"
+        f"s = QueueStore.open(Path({str(db_path)!r}), create=False)\n"
+        "def change(conn):\n"
+        "    print('in', flush=True)\n"
+        "    time.sleep(1.0)\n"
+        "s.transaction(change)\n"
+        "print('done', flush=True)\n"
+        "time.sleep(30)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert cmd.stdout.readline().strip() == "in"
+        cmd.send_signal(signal.SIGTSTP)
+        fd = os.open(str(db_path) + ".writer-turn", os.O_RDWR)
+        try:
+            deadline = time.monotonic() + 6
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    assert time.monotonic() < deadline, "the stopped command still holds the writer turn"
+                    time.sleep(0.05)
+        finally:
+            os.close(fd)
+        state = Path(f"/proc/{cmd.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state == "T", f"the command was not stopped (state {state})"  # it stopped, after the turn
+    finally:
+        cmd.send_signal(signal.SIGCONT)
+        cmd.kill()
+        cmd.wait()

@@ -171,7 +171,7 @@ def resubmit_in_turns(cfg: Config, store: Any, trk: Any, **window: Any) -> tuple
     def change(conn: Any, chunk: Any) -> list:
         return resubmit(conn, cfg, now=now, failures=failures, among=chunk, **window)
     try:
-        for part in bulk.in_turns(store, ids, change, max_batch=RESUBMIT_BATCH):
+        for part in bulk.in_turns(store, ids, change, max_batch=RESUBMIT_BATCH, step=1):
             done += part
             log_resubmits(trk, part, window["destination"])  # after each commit
     except Exception as exc:  # noqa: BLE001 - the transactions committed so far stay; say how far it got

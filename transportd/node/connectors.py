@@ -54,6 +54,7 @@ from transportd.smtp.client import NextHopSession, SessionCache, describe, failu
 from transportd.smtp.dsnparams import DsnRequest
 from transportd.smtp.envelope import SendPlan, plan_send
 from transportd.smtp.mx import NextHopResolver, SmtpTarget
+from transportd.smtp.transaction import OUT_OF_STEP
 
 log = logging.getLogger("transportd.node.connectors")
 
@@ -546,12 +547,13 @@ def _session_lost(items: list[WorkItem], target: SmtpTarget, exc: BaseException,
     than once"): sent again at the retry, it may arrive twice (RFC 5321 6.1)."""
     where = f"{target.host}:{target.port}"
     reason = (str(exc) if isinstance(exc, TimeoutError) else failure(exc)) or "timed out"
-    reason = reason.replace(f" from {where}", "").replace(f"{where} ", "")  # the wire's texts name it
+    for named in (f" from {where}", f"{where} ", f" from {target.host}"):  # the wire's texts name it
+        reason = reason.replace(named, "")
     maybe = "; the next hop may hold the message, which may be sent more than once" if step in AFTER_THE_DATA else ""
+    at = f" awaiting the reply to {step}" if step and OUT_OF_STEP not in reason else ""  # (that names it)
     if isinstance(exc, ProtocolError) or isinstance(exc.__cause__, ProtocolError):
-        reply = f"451 4.4.2 Session with {where} given up: {reason}{maybe}"  # the reason names the step
+        reply = f"451 4.4.2 Session with {where} given up{at}: {reason}{maybe}"
     else:
-        at = f" awaiting the reply to {step}" if step else ""
         reply = f"451 4.4.2 Connection to {where} lost{at}: {reason}{maybe}"
     lost = Delivered.every_recipient(items, mq.RETRY, reply, queue_error=reply, **remote)
     settled = {o.recipient_id: o for o in exc.settled} if isinstance(exc, SessionLost) else {}

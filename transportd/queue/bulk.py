@@ -34,30 +34,32 @@ YIELD_TIME = 0.02
 
 
 def in_turns(store: QueueStore, ids: Sequence[int], change: Callable[[Connection, Sequence[int]], list],
-             *, max_batch: int, budget: float = TRANSACTION_TIME) -> Iterator[list]:
+             *, max_batch: int, budget: float = TRANSACTION_TIME, step: int = STEP) -> Iterator[list]:
     """Apply ``change`` (a connection, a run of ids -> what changed) to ``ids`` in order, in as
-    many transactions as it takes; yields what each transaction changed, after its commit."""
+    many transactions as it takes; yields what each transaction changed, after its commit.
+    ``step``: the ids of the first step (1 where one id may cost much: a whole body read and
+    written again)."""
     done = 0
     while done < len(ids):
         if done:
             time.sleep(YIELD_TIME)
         changed, taken = store.transaction(
-            functools.partial(_bounded, ids=ids[done:done + max_batch], change=change, budget=budget))
+            functools.partial(_bounded, ids=ids[done:done + max_batch], change=change, budget=budget, step=step))
         done += taken
         yield changed
 
 
 def _bounded(conn: Connection, ids: Sequence[int], change: Callable[[Connection, Sequence[int]], list],
-             budget: float) -> tuple[list[Any], int]:
+             budget: float, step: int = STEP) -> tuple[list[Any], int]:
     """``change`` over steps of ``ids`` until they are all done or ``budget`` seconds have passed
     (at least one step): (what changed, how many ids were taken)."""
     start = last = time.monotonic()
     changed: list[Any] = []
-    taken, size = 0, STEP
+    taken, size = 0, step
     while taken < len(ids):
-        step = ids[taken:taken + size]
-        changed += change(conn, step)
-        taken += len(step)
+        run = ids[taken:taken + size]
+        changed += change(conn, run)
+        taken += len(run)
         now = time.monotonic()
         if now - start >= budget:
             break

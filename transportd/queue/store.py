@@ -45,6 +45,7 @@ import fcntl
 import logging
 import os
 import queue as queue_mod
+import signal
 import sqlite3
 import threading
 import time
@@ -690,6 +691,7 @@ def turn_path(db_path: Path) -> Path:
 # handler waits as long again): the busy timeout, so a writer that holds the turn and is stuck
 # fails a transaction no sooner than it did without turns.
 TURN_WAIT = 30.0
+_STOP_SIGNALS = {signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU}
 
 
 @contextlib.contextmanager
@@ -709,6 +711,9 @@ def writer_turn(db_path: Path, wait: float = TURN_WAIT) -> Iterator[None]:
     if fd is None:
         yield
         return
+    # Ctrl-Z (and a background job's terminal stops) wait for the turn's end: the node's writers
+    # block on the turn, so a command stopped while it holds the turn would hold up every 250.
+    stops = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
         deadline, pause = time.monotonic() + wait, 0.001
         while True:
@@ -724,7 +729,8 @@ def writer_turn(db_path: Path, wait: float = TURN_WAIT) -> Iterator[None]:
                 pause = min(pause * 2, 0.01)
         yield
     finally:
-        os.close(fd)  # releases the flock
+        os.close(fd)  # releases the flock, before a stop held back meanwhile takes effect
+        signal.pthread_sigmask(signal.SIG_SETMASK, stops)
 
 
 def _open_turn_file(path: Path, db_path: Path) -> int | None:

@@ -122,11 +122,41 @@ def author_address(sender: str, from_: str) -> str:
     return ""
 
 
+def _last_top_level_comma(text: str) -> int:
+    """Where the last comma of ``text`` between two addresses is (outside a quoted string, a
+    comment and angle brackets), or -1."""
+    last, quoted, comments, angle, escaped = -1, False, 0, False, False
+    for i, ch in enumerate(text):
+        if escaped:
+            escaped = False
+        elif ch == "\\" and (quoted or comments):
+            escaped = True
+        elif quoted:
+            quoted = ch != '"'
+        elif ch == '"':
+            quoted = True
+        elif ch == "(":
+            comments += 1
+        elif ch == ")" and comments:
+            comments -= 1
+        elif comments:
+            continue
+        elif ch in "<>":
+            angle = ch == "<"
+        elif ch == "," and not angle:
+            last = i
+    return last
+
+
 def _addresses(value: str) -> list[tuple[str, str]]:
     """The mailboxes of an address field; of a field over ``ADDRESS_FIELD_LIMIT``, those wholly in
-    its first ``ADDRESS_FIELD_LIMIT`` characters (the last one read may be cut, and is dropped)."""
+    its first ``ADDRESS_FIELD_LIMIT`` characters: cut at the last comma between two addresses there
+    (a cut inside a quoted name or a comment would fail the whole parse), else where the limit
+    falls, the last mailbox read then dropped (it may be cut)."""
     cut = len(value) > ADDRESS_FIELD_LIMIT
     value = value[:ADDRESS_FIELD_LIMIT]
+    if cut and (comma := _last_top_level_comma(value)) > 0:
+        value, cut = value[:comma], False
     if "@" not in value:
         return []
     try:

@@ -48,6 +48,9 @@ def dot_stuff(data: bytes) -> bytes:
     return data.replace(b"\r\n.", b"\r\n..") + b".\r\n"
 
 
+OUT_OF_STEP = "the session is out of step"  # a reply no server gives to its command (Transaction.answer)
+
+
 def accepted(step: str, code: int) -> bool:
     return code == 250 if step == "MAIL" else code in (250, 251)
 
@@ -139,8 +142,7 @@ class Transaction:
         step = self._awaiting[0]
         expected = (354,) if step == "DATA" and not self.chunking else range(200, 300)
         if code not in expected and not 400 <= code < 600:
-            raise ProtocolError(f"{self.awaiting} answered {code} {' '.join(text.split())[:80]}: "
-                                f"the session is out of step")
+            raise ProtocolError(f"{self.awaiting} answered {code} {' '.join(text.split())[:80]}: {OUT_OF_STEP}")
         self._awaiting.pop(0)
         if step in ("MAIL", "RCPT"):
             self._got.append((code, text))
