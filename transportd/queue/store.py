@@ -682,9 +682,12 @@ class QueueStore:
         return self.read(fn)
 
 
+TURN_SUFFIX = ".writer-turn"
+
+
 def turn_path(db_path: Path) -> Path:
     """The file whose flock the writers of a queue database take turns on (``writer_turn``)."""
-    return db_path.with_name(db_path.name + ".writer-turn")
+    return db_path.with_name(db_path.name + TURN_SUFFIX)
 
 
 # How long ``writer_turn`` waits for the turn before it goes on without it (then SQLite's busy
@@ -733,9 +736,18 @@ def writer_turn(db_path: Path, wait: float = TURN_WAIT) -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, stops)
 
 
+def _turn_mode(path: Path) -> int:
+    """The permissions a new turn file gets: its database's (whoever may write the database may
+    take turns on it: the node's user, an operator of its group), else owner only."""
+    try:
+        return Path(str(path).removesuffix(TURN_SUFFIX)).stat().st_mode & 0o666
+    except OSError:
+        return 0o600
+
+
 def _open_turn_file(path: Path, db_path: Path) -> int | None:
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _turn_mode(path))
     except OSError:
         return None
     if os.geteuid() == 0:  # made by root (an operator's sudo): the node's user must open it too
@@ -819,7 +831,7 @@ class GroupCommitWriter:
         self._turn_fd: int | None = None
         if turn_path is not None:
             try:
-                self._turn_fd = os.open(turn_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                self._turn_fd = os.open(turn_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _turn_mode(turn_path))
             except OSError as exc:
                 log.warning("no writer turn file %s (%s): concurrent writers wait in SQLite's busy handler",
                             turn_path, exc)
