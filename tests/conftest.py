@@ -344,7 +344,21 @@ class Sink:
             self.proc.wait(timeout=5)
 
     def messages(self) -> list[bytes]:
-        return [p.read_bytes() for p in sorted(self.dir.iterdir()) if p.is_file()]
+        """The messages smtp-sink has written whole: a file it still holds open (it writes one as
+        the transaction goes) is left out, so a count waited for is a count of complete messages."""
+        writing = self._writing()
+        return [p.read_bytes() for p in sorted(self.dir.iterdir()) if p.is_file() and str(p) not in writing]
+
+    def _writing(self) -> set[str]:
+        if self.proc is None or self.proc.poll() is not None:
+            return set()
+        fds = Path(f"/proc/{self.proc.pid}/fd")
+        held = set()
+        with contextlib.suppress(OSError):
+            for fd in fds.iterdir():
+                with contextlib.suppress(OSError):
+                    held.add(os.readlink(fd))
+        return held
 
     def cleanup(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
