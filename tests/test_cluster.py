@@ -176,7 +176,9 @@ def test_shadow_placement(cluster, preference, down, expected):
         assert fqdn("node3") in fail["source-context"], fail["source-context"]
         assert fqdn("node2") not in fail["source-context"], "RemoteOnly tried a local-site peer"
         assert not node1.tracking(event_id="HAREDIRECT")
-        assert one([m for m in node1.messages() if m["id"] == qid])["redundancy"] == "unprotected"
+        # No copy anywhere: unprotected, or reshadowing once the re-protection has tried again
+        # (its retry may come before this read on a busy machine); never shadowed.
+        assert one([m for m in node1.messages() if m["id"] == qid])["redundancy"] in ("unprotected", "reshadowing")
 
 
 def test_no_suitable_shadow_server(cluster):
@@ -204,7 +206,7 @@ def test_all_peers_down_accepts_unprotected_by_default(cluster):
     # The peers' replies (here: no connection), both sites tried.
     assert fqdn("node2") in fail["source-context"] and fqdn("node3") in fail["source-context"], fail
     msg = one(node1.messages(include_done=False))
-    assert msg["id"] == qid and msg["redundancy"] == "unprotected"
+    assert msg["id"] == qid and msg["redundancy"] in ("unprotected", "reshadowing")  # (a re-protection try)
 
 
 def test_all_peers_down_rejects_when_configured(cluster):
