@@ -48,6 +48,7 @@ def dot_stuff(data: bytes) -> bytes:
     return data.replace(b"\r\n.", b"\r\n..") + b".\r\n"
 
 
+_DATA_GOES_ON, _POSITIVE = (354,), range(200, 300)  # the accepting replies a step may get
 OUT_OF_STEP = "the session is out of step"  # a reply no server gives to its command (Transaction.answer)
 
 
@@ -140,7 +141,7 @@ class Transaction:
         if not self._awaiting:
             raise ProtocolError(f"a {code} reply with no command of the transaction awaiting one")
         step = self._awaiting[0]
-        expected = (354,) if step == "DATA" and not self.chunking else range(200, 300)
+        expected = _DATA_GOES_ON if step == "DATA" and not self.chunking else _POSITIVE
         if code not in expected and not 400 <= code < 600:
             raise ProtocolError(f"{self.awaiting} answered {code} {' '.join(text.split())[:80]}: {OUT_OF_STEP}")
         self._awaiting.pop(0)
